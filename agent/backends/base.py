@@ -1,0 +1,123 @@
+"""The backend contract every layer-range executor implements (torch, llama.cpp, native ggml)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from agent.ids import SessionId
+from agent.manifest import Manifest
+
+
+class BackendError(Exception):
+    """A request the backend cannot serve; the message is safe to show to the caller."""
+
+
+class AdmissionError(BackendError):
+    """The KV budget cannot take this session/step right now (maps to HTTP 503)."""
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """What a node hosts: layers [layer_start, layer_end) of the GGUF at `path`."""
+
+    path: str
+    layer_start: int
+    layer_end: int
+    manifest: Manifest
+    n_threads: int = 2
+
+    @property
+    def is_first(self) -> bool:
+        return self.layer_start == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.layer_end == self.manifest.n_layers
+
+    @property
+    def n_layers(self) -> int:
+        return self.layer_end - self.layer_start
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling options applied on the last shard; temperature 0 means greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = disabled
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    seed: int = 0
+
+
+@dataclass
+class ForwardResult:
+    """Output of one forward call.
+
+    Non-last shards return `hidden` (n_tokens x boundary_dim, float32). The last shard returns the
+    sampled `token` and its `logprob` (log-softmax of the raw logits) for the final position; when
+    `want_logits` was asked (tests, teacher forcing) it also fills `logits` for every position.
+    """
+
+    hidden: np.ndarray | None = None
+    token: int | None = None
+    logprob: float | None = None
+    logits: np.ndarray | None = None
+    compute_s: float = 0.0
+    positions_per_layer: list[int] = field(default_factory=list)
+
+
+class Backend(ABC):
+    """A loaded layer range. Thread-compatible, not thread-safe: the data plane serialises calls."""
+
+    spec: ShardSpec
+
+    @property
+    def boundary_dim(self) -> int:
+        """Elements per token of the state crossing a seam (from the manifest, not hard-coded)."""
+        return self.spec.manifest.boundary_dim
+
+    @abstractmethod
+    def open_session(self, sid: SessionId, max_tokens: int) -> None:
+        """Reserve per-session state able to grow to `max_tokens` positions."""
+
+    @abstractmethod
+    def close_session(self, sid: SessionId) -> None:
+        """Free every byte held for `sid`. Unknown ids are ignored."""
+
+    @abstractmethod
+    def session_len(self, sid: SessionId) -> int:
+        """Number of positions currently in the session's KV."""
+
+    @abstractmethod
+    def truncate(self, sid: SessionId, n_tokens: int) -> None:
+        """Drop KV positions >= n_tokens."""
+
+    @abstractmethod
+    def forward(
+        self,
+        sid: SessionId,
+        pos_start: int,
+        token_ids: np.ndarray | None = None,
+        hidden: np.ndarray | None = None,
+        sampling: SamplingParams | None = None,
+        history: list[int] | None = None,
+        want_logits: bool = False,
+    ) -> ForwardResult:
+        """Run the range on new positions [pos_start, pos_start + n) appended to the session's KV.
+
+        The first shard takes `token_ids`; the others take `hidden`. `history` is the token ids the
+        session has seen (for the repetition penalty on the last shard).
+        """
+
+    @abstractmethod
+    def kv_bytes(self, sid: SessionId | None = None) -> int:
+        """Bytes of KV held for one session, or for all sessions when `sid` is None."""
+
+    def close(self) -> None:
+        """Release the model. Idempotent."""

@@ -1,0 +1,325 @@
+"""GGUF model-artifact manifest: tensors, byte ranges, hashes, per-layer sizes and shard roles.
+
+The manifest is what placement (bytes per layer), torrent piece selection and partial loading work
+from. It is computed once per file and travels as JSON (see docs/manifest.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import re
+import struct
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_GGUF_VERSIONS = (2, 3)
+MANIFEST_VERSION = 1
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.")
+_HASH_CHUNK = 8 << 20
+
+# Architectures whose per-layer state is a plain attention KV and whose seam carries d_model floats.
+LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "gemma3", "granite"}
+
+
+class ManifestError(ValueError):
+    """The file is not a GGUF we can describe; the message says what is wrong."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor: where its bytes are in the file and what they hash to."""
+
+    name: str
+    layer: int | None
+    ggml_type: str
+    shape: list[int]  # ggml order: ne0 (fastest varying) first
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+    sha256: str
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """One transformer block: the union of its tensors' byte ranges and what state it keeps."""
+
+    index: int
+    ranges: list[tuple[int, int]]  # merged [start, end) absolute byte ranges
+    nbytes: int
+    state_kind: str  # "attention_kv" for llama-like layers; later: "latent_kv", "recurrent"
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything the fleet needs to know about one GGUF file, addressed by its sha256."""
+
+    sha256: str
+    file_size: int
+    gguf_version: int
+    architecture: str
+    name: str
+    n_layers: int
+    boundary_dim: int
+    context_length: int
+    hparams: dict[str, Any]
+    has_tokenizer: bool
+    has_chat_template: bool
+    tensors: list[TensorInfo]
+    layers: list[LayerInfo]
+    roles: dict[str, list[str]]  # "first" / "last" / "all" -> non-layer tensor names needed
+    manifest_version: int = MANIFEST_VERSION
+    tensor_data_offset: int = 0
+    _by_name: dict[str, TensorInfo] = field(default_factory=dict, compare=False, repr=False)
+
+    def tensor(self, name: str) -> TensorInfo:
+        if not self._by_name:
+            self._by_name.update({t.name: t for t in self.tensors})
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise ManifestError(f"tensor {name!r} is not in this GGUF") from None
+
+    def has_tensor(self, name: str) -> bool:
+        try:
+            self.tensor(name)
+        except ManifestError:
+            return False
+        return True
+
+    @property
+    def tied_embeddings(self) -> bool:
+        return not self.has_tensor("output.weight")
+
+    def tensors_for_range(self, layer_start: int, layer_end: int) -> list[TensorInfo]:
+        """The tensors a shard holding [layer_start, layer_end) must read, role tensors included."""
+        check_range(self, layer_start, layer_end)
+        names = set(self.roles.get("all", []))
+        if layer_start == 0:
+            names.update(self.roles.get("first", []))
+        if layer_end == self.n_layers:
+            names.update(self.roles.get("last", []))
+        out = [t for t in self.tensors if t.layer is not None and layer_start <= t.layer < layer_end]
+        out += [t for t in self.tensors if t.layer is None and t.name in names]
+        return out
+
+    def byte_ranges_for_range(self, layer_start: int, layer_end: int) -> list[tuple[int, int]]:
+        """Merged absolute byte ranges a shard needs (drives piece selection and partial loading)."""
+        return merge_ranges([(t.offset, t.end) for t in self.tensors_for_range(layer_start, layer_end)])
+
+    def bytes_for_range(self, layer_start: int, layer_end: int) -> int:
+        return sum(e - s for s, e in self.byte_ranges_for_range(layer_start, layer_end))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("_by_name", None)
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Manifest:
+        if d.get("manifest_version") != MANIFEST_VERSION:
+            raise ManifestError(f"unsupported manifest version {d.get('manifest_version')!r}")
+        d = dict(d)
+        d.pop("_by_name", None)
+        d["tensors"] = [TensorInfo(**t) for t in d["tensors"]]
+        d["layers"] = [
+            LayerInfo(index=x["index"], ranges=[tuple(r) for r in x["ranges"]], nbytes=x["nbytes"],
+                      state_kind=x["state_kind"])
+            for x in d["layers"]
+        ]
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, s: str) -> Manifest:
+        return cls.from_dict(json.loads(s))
+
+
+def check_range(manifest: Manifest, layer_start: int, layer_end: int) -> None:
+    if not (0 <= layer_start < layer_end <= manifest.n_layers):
+        raise ManifestError(
+            f"layer range {layer_start}:{layer_end} is outside 0:{manifest.n_layers} "
+            f"(need 0 <= start < end <= {manifest.n_layers})"
+        )
+
+
+def merge_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for s, e in sorted(ranges):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
+def _check_header(path: Path, size: int) -> int:
+    if size < 24:
+        raise ManifestError(f"{path}: {size} bytes is too short to be a GGUF file")
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if head[:4] != GGUF_MAGIC:
+        raise ManifestError(f"{path}: not a GGUF file (magic {head[:4]!r}, expected {GGUF_MAGIC!r})")
+    (version,) = struct.unpack("<I", head[4:8])
+    if version not in SUPPORTED_GGUF_VERSIONS:
+        raise ManifestError(f"{path}: GGUF version {version} is not supported ({SUPPORTED_GGUF_VERSIONS})")
+    return version
+
+
+def _field_value(reader: Any, key: str) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        return None
+    try:
+        v = f.contents()
+    except Exception:  # noqa: BLE001 - a malformed field is reported as absent
+        return None
+    return v
+
+
+def sha256_file(path: str | os.PathLike[str]) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def build_manifest(path: str | os.PathLike[str], *, hash_tensors: bool = True) -> Manifest:
+    """Describe the GGUF at `path`. Raises ManifestError (never a deep traceback) on bad input."""
+    p = Path(path)
+    try:
+        size = p.stat().st_size
+        if not p.is_file():
+            raise ManifestError(f"{p}: not a regular file")
+    except OSError as e:
+        raise ManifestError(f"{p}: cannot read ({e.strerror})") from None
+    version = _check_header(p, size)
+    try:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(p, "r")
+    except ManifestError:
+        raise
+    except Exception as e:  # noqa: BLE001 - gguf raises assorted errors on corrupt headers
+        raise ManifestError(f"{p}: malformed GGUF header or metadata ({type(e).__name__}: {e})") from None
+
+    arch = _field_value(reader, "general.architecture")
+    if not isinstance(arch, str):
+        raise ManifestError(f"{p}: general.architecture is missing")
+    hparams: dict[str, Any] = {}
+    prefix = arch + "."
+    for key in reader.fields:
+        if key.startswith(prefix):
+            v = _field_value(reader, key)
+            if isinstance(v, int | float | str | bool) or (isinstance(v, list) and len(v) <= 1024):
+                hparams[key[len(prefix):]] = v
+    n_layers = hparams.get("block_count")
+    d_model = hparams.get("embedding_length")
+    if not isinstance(n_layers, int) or n_layers <= 0:
+        raise ManifestError(f"{p}: {arch}.block_count is missing or invalid")
+    if not isinstance(d_model, int) or d_model <= 0:
+        raise ManifestError(f"{p}: {arch}.embedding_length is missing or invalid")
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is not None and "vocab_size" not in hparams:
+        hparams["vocab_size"] = len(tokens.data)
+
+    tensors: list[TensorInfo] = []
+    with open(p, "rb") as fh:
+        mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            for t in reader.tensors:
+                offset = int(t.data_offset)
+                nbytes = int(t.n_bytes)
+                if offset + nbytes > size:
+                    raise ManifestError(
+                        f"{p}: tensor {t.name} ends at byte {offset + nbytes} but the file has {size} "
+                        "bytes (truncated download?)"
+                    )
+                m = _LAYER_RE.match(t.name)
+                digest = hashlib.sha256(mm[offset:offset + nbytes]).hexdigest() if hash_tensors else ""
+                tensors.append(TensorInfo(
+                    name=t.name,
+                    layer=int(m.group(1)) if m else None,
+                    ggml_type=t.tensor_type.name,
+                    shape=[int(x) for x in t.shape],
+                    offset=offset,
+                    nbytes=nbytes,
+                    sha256=digest,
+                ))
+        finally:
+            mm.close()
+    for t in tensors:
+        if t.layer is not None and t.layer >= n_layers:
+            raise ManifestError(f"{p}: tensor {t.name} names layer {t.layer} but block_count is {n_layers}")
+
+    layers: list[LayerInfo] = []
+    for i in range(n_layers):
+        ranges = merge_ranges([(t.offset, t.end) for t in tensors if t.layer == i])
+        if not ranges:
+            raise ManifestError(f"{p}: layer {i} has no tensors")
+        layers.append(LayerInfo(i, ranges, sum(e - s for s, e in ranges), "attention_kv"))
+
+    names = {t.name for t in tensors}
+    if "token_embd.weight" not in names:
+        raise ManifestError(f"{p}: token_embd.weight is missing")
+    last = ["output_norm.weight"] + (["output.weight"] if "output.weight" in names else ["token_embd.weight"])
+    roles = {
+        "first": ["token_embd.weight"],
+        "last": [n for n in last if n in names],
+        "all": [n for n in ("rope_freqs.weight",) if n in names],
+    }
+    ctx = hparams.get("context_length")
+    return Manifest(
+        sha256=sha256_file(p),
+        file_size=size,
+        gguf_version=version,
+        architecture=arch,
+        name=str(_field_value(reader, "general.name") or p.stem),
+        n_layers=n_layers,
+        boundary_dim=d_model,
+        context_length=int(ctx) if isinstance(ctx, int) else 0,
+        hparams=hparams,
+        has_tokenizer=tokens is not None,
+        has_chat_template="tokenizer.chat_template" in reader.fields,
+        tensors=tensors,
+        layers=layers,
+        roles=roles,
+        tensor_data_offset=int(reader.data_offset),
+    )
+
+
+def format_manifest(m: Manifest) -> str:
+    """Human-readable summary for `inspect`."""
+    lines = [
+        f"file        sha256:{m.sha256}  ({m.file_size / 1e6:.1f} MB, GGUF v{m.gguf_version})",
+        f"model       {m.name}  arch={m.architecture}  layers={m.n_layers}  d_model={m.boundary_dim}  "
+        f"ctx={m.context_length}",
+        f"tokenizer   {'yes' if m.has_tokenizer else 'no'}  chat template: {'yes' if m.has_chat_template else 'no'}"
+        f"  tied embeddings: {'yes' if m.tied_embeddings else 'no'}",
+        "hparams     " + ", ".join(f"{k}={v}" for k, v in sorted(m.hparams.items()) if not isinstance(v, list)),
+        f"roles       first={m.roles['first']} last={m.roles['last']} all={m.roles['all']}",
+        "",
+        f"{'layer':>5} {'bytes':>12}  ranges",
+    ]
+    for layer in m.layers:
+        rs = " ".join(f"[{s},{e})" for s, e in layer.ranges)
+        lines.append(f"{layer.index:>5} {layer.nbytes:>12}  {rs}")
+    lines.append("")
+    lines.append(f"{'tensor':<32} {'layer':>5} {'type':>6} {'shape':<16} {'offset':>10} {'bytes':>10}  sha256")
+    for t in m.tensors:
+        shape = "x".join(str(x) for x in t.shape)
+        layer = "-" if t.layer is None else str(t.layer)
+        lines.append(
+            f"{t.name:<32} {layer:>5} {t.ggml_type:>6} {shape:<16} {t.offset:>10} {t.nbytes:>10}  {t.sha256[:16]}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,158 @@
+"""Route tokens: Ed25519-signed grants naming session, model, layer range, node and expiry.
+
+The control plane (or, in development, a local key) signs; every hop verifies offline against the
+public key it was configured with. Binary layout (all integers little-endian):
+
+    u8 version | 16B session | 32B model sha256 | u16 layer_start | u16 layer_end |
+    u8 node_len | node_len B node id (utf-8) | u64 expiry (unix s) | 64B Ed25519 signature
+"""
+
+from __future__ import annotations
+
+import base64
+import struct
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from agent.ids import NodeId, SessionId
+
+TOKEN_VERSION = 1
+_FIXED = struct.Struct("<B16s32sHHB")
+_EXPIRY = struct.Struct("<Q")
+SIG_LEN = 64
+MAX_TOKEN_LEN = _FIXED.size + 255 + _EXPIRY.size + SIG_LEN
+
+
+class TokenError(Exception):
+    """The route token is missing, malformed, forged, expired or names something else."""
+
+
+@dataclass(frozen=True)
+class RouteClaims:
+    """What a verified route token grants."""
+
+    session: SessionId
+    model_sha256: str
+    layer_start: int
+    layer_end: int
+    node: NodeId
+    expiry: int
+
+
+def encode_claims(c: RouteClaims) -> bytes:
+    node = c.node.encode()
+    if len(node) > 255:
+        raise TokenError("node id longer than 255 bytes")
+    if len(c.session) != 16:
+        raise TokenError("session id must be 16 bytes")
+    return (
+        _FIXED.pack(TOKEN_VERSION, c.session, bytes.fromhex(c.model_sha256), c.layer_start, c.layer_end, len(node))
+        + node
+        + _EXPIRY.pack(c.expiry)
+    )
+
+
+def sign(key: Ed25519PrivateKey, claims: RouteClaims) -> bytes:
+    body = encode_claims(claims)
+    return body + key.sign(body)
+
+
+def mint(
+    key: Ed25519PrivateKey,
+    session: SessionId,
+    model_sha256: str,
+    layer_start: int,
+    layer_end: int,
+    node: str,
+    ttl_s: int = 3600,
+) -> bytes:
+    """Sign a token for one hop of a route, valid for `ttl_s` seconds."""
+    return sign(key, RouteClaims(session, model_sha256, layer_start, layer_end, NodeId(node), int(time.time()) + ttl_s))
+
+
+def decode_unverified(token: bytes) -> RouteClaims:
+    if len(token) < _FIXED.size + _EXPIRY.size + SIG_LEN:
+        raise TokenError("route token is truncated")
+    if len(token) > MAX_TOKEN_LEN:
+        raise TokenError("route token is too long")
+    version, session, model, a, b, node_len = _FIXED.unpack_from(token, 0)
+    if version != TOKEN_VERSION:
+        raise TokenError(f"route token version {version} is not supported")
+    if len(token) != _FIXED.size + node_len + _EXPIRY.size + SIG_LEN:
+        raise TokenError("route token length does not match its node id length")
+    node = token[_FIXED.size:_FIXED.size + node_len]
+    (expiry,) = _EXPIRY.unpack_from(token, _FIXED.size + node_len)
+    try:
+        node_s = node.decode()
+    except UnicodeDecodeError:
+        raise TokenError("route token node id is not utf-8") from None
+    return RouteClaims(SessionId(session), model.hex(), a, b, NodeId(node_s), expiry)
+
+
+class TokenVerifier:
+    """Verifies tokens offline; remembers recent good signatures so a decode step pays no crypto."""
+
+    def __init__(self, public_key: Ed25519PublicKey, cache_size: int = 4096) -> None:
+        self._key = public_key
+        self._cache: OrderedDict[bytes, RouteClaims] = OrderedDict()
+        self._cache_size = cache_size
+
+    def verify(self, token: bytes, now: float | None = None) -> RouteClaims:
+        if not token:
+            raise TokenError("route token missing")
+        claims = self._cache.get(token)
+        if claims is None:
+            claims = decode_unverified(token)
+            body, sig = token[:-SIG_LEN], token[-SIG_LEN:]
+            try:
+                self._key.verify(sig, body)
+            except InvalidSignature:
+                raise TokenError("route token signature is invalid") from None
+            self._cache[token] = claims
+            if len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        if claims.expiry < (time.time() if now is None else now):
+            raise TokenError("route token has expired")
+        return claims
+
+
+def generate_key() -> Ed25519PrivateKey:
+    return Ed25519PrivateKey.generate()
+
+
+def private_key_pem(key: Ed25519PrivateKey) -> bytes:
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+
+
+def public_key_b64(key: Ed25519PublicKey) -> str:
+    """Raw 32-byte public key, base64: short enough for config files and JSON."""
+    return base64.b64encode(key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)).decode()
+
+
+def load_public_key(text: str) -> Ed25519PublicKey:
+    """Accepts base64 raw (32 bytes) or PEM."""
+    text = text.strip()
+    try:
+        if text.startswith("-----BEGIN"):
+            key = serialization.load_pem_public_key(text.encode())
+            if not isinstance(key, Ed25519PublicKey):
+                raise TokenError("public key is not Ed25519")
+            return key
+        raw = base64.b64decode(text, validate=True)
+        return Ed25519PublicKey.from_public_bytes(raw)
+    except (ValueError, TypeError) as e:
+        raise TokenError(f"cannot parse Ed25519 public key: {e}") from None
+
+
+def load_private_key(path: str | Path) -> Ed25519PrivateKey:
+    key = serialization.load_pem_private_key(Path(path).read_bytes(), password=None)
+    if not isinstance(key, Ed25519PrivateKey):
+        raise TokenError(f"{path}: not an Ed25519 private key")
+    return key
