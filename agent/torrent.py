@@ -1,0 +1,568 @@
+"""Model artifacts over a torrent swarm: build .torrents, fetch only a layer range's pieces, verify tensors."""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import libtorrent as lt
+
+from agent.manifest import Manifest
+from agent.pieces import (
+    WEB_SEED_FALLBACK,
+    WEB_SEED_POLICIES,
+    fit_piece_size,
+    missing_available,
+    num_pieces,
+    pieces_for_ranges,
+    priorities,
+    web_seed_needed,
+)
+
+__all__ = [
+    "Download",
+    "FetchError",
+    "Progress",
+    "SwarmClient",
+    "TensorHashMismatch",
+    "create_torrent",
+    "pieces_for_ranges",
+    "priorities",
+    "verify_tensors",
+]
+
+log = logging.getLogger(__name__)
+
+BLOCK = 16 * 1024  # libtorrent's request size
+_POLL_S = 0.05
+_READ_CHUNK = 4 << 20
+
+
+class FetchError(RuntimeError):
+    """A download could not finish (timeout, torrent or disk error); the message says which and why."""
+
+
+class TensorHashMismatch(ValueError):
+    """Bytes on disk do not hash to the manifest's sha256 for these tensors; never load such a shard."""
+
+    def __init__(self, path: Path, names: list[str]) -> None:
+        self.path = path
+        self.names = names
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        super().__init__(f"{path}: sha256 mismatch for tensor(s) {shown}; re-fetch before loading")
+
+
+def create_torrent(
+    path: str | Path,
+    piece_size: int | None = None,
+    web_seed_urls: Iterable[str] = (),
+    tracker_urls: Iterable[str] = (),
+    *,
+    smallest_layer_bytes: int | None = None,
+    private: bool = True,
+) -> tuple[bytes, str]:
+    """Build a v1 single-file .torrent for `path`; returns (bencoded torrent, v1 infohash hex).
+
+    v1 only: our tracker and web seed speak plain BEP 3/19 and a 20-byte infohash names the artifact.
+    Private by default (BEP 27): peers come only from our passkey tracker, never DHT/PEX/LSD.
+    """
+    p = Path(path)
+    size = p.stat().st_size
+    piece = piece_size or fit_piece_size(size, smallest_layer_bytes)
+    if piece % BLOCK:
+        raise ValueError(f"piece size {piece} is not a multiple of {BLOCK}")
+    fs = lt.file_storage()
+    lt.add_files(fs, str(p))
+    ct = lt.create_torrent(fs, piece, flags=lt.create_torrent.v1_only)
+    for url in web_seed_urls:
+        ct.add_url_seed(url)
+    for tier, url in enumerate(tracker_urls):
+        ct.add_tracker(url, tier)
+    ct.set_priv(private)
+    ct.set_creator("gguf-swarm")
+    lt.set_piece_hashes(ct, str(p.parent))
+    torrent = lt.bencode(ct.generate())
+    info = lt.torrent_info(lt.bdecode(torrent))
+    return torrent, str(info.info_hashes().v1)
+
+
+def torrent_info(torrent_bytes: bytes) -> lt.torrent_info:
+    return lt.torrent_info(lt.bdecode(torrent_bytes))
+
+
+def verify_tensors(path: str | Path, manifest: Manifest, layer_start: int, layer_end: int) -> None:
+    """Check every tensor a shard [layer_start, layer_end) needs against the manifest's sha256.
+
+    Raises TensorHashMismatch naming the bad tensors (holes of a sparse file read as zeros, so a
+    tensor that was never downloaded fails too). The caller re-fetches; it never loads such a file.
+    """
+    p = Path(path)
+    bad: list[str] = []
+    with open(p, "rb") as f:
+        for t in manifest.tensors_for_range(layer_start, layer_end):
+            h = hashlib.sha256()
+            f.seek(t.offset)
+            left = t.nbytes
+            while left > 0:
+                chunk = f.read(min(left, _READ_CHUNK))
+                if not chunk:
+                    break
+                h.update(chunk)
+                left -= len(chunk)
+            if left or h.hexdigest() != t.sha256:
+                bad.append(t.name)
+    if bad:
+        raise TensorHashMismatch(p, bad)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """One progress report of a download (what the agent sends to the control plane)."""
+
+    infohash: str
+    state: str
+    done_bytes: int  # bytes of wanted pieces we have
+    wanted_bytes: int  # bytes of wanted pieces (piece-aligned: what we must download)
+    downloaded_bytes: int  # payload received so far, redundant and failed bytes included
+    rate_bps: float
+    peers: int  # connected BitTorrent peers (web seeds not counted)
+    peer_bytes: int
+    web_seed_bytes: int
+    hash_failures: int
+    web_seed_active: bool
+
+    @property
+    def fraction(self) -> float:
+        return self.done_bytes / self.wanted_bytes if self.wanted_bytes else 1.0
+
+
+@dataclass
+class Download:
+    """A torrent in the session and what we want of it; counters are fed by the alert thread."""
+
+    handle: lt.torrent_handle
+    infohash: str
+    path: Path
+    piece_length: int
+    total_size: int
+    wanted: set[int]
+    web_seeds: list[str]
+    policy: str
+    has_trackers: bool
+    web_seed_active: bool = False
+    web_seed_endpoints: set[tuple[str, int]] = field(default_factory=set)
+    peer_bytes: int = 0
+    web_seed_bytes: int = 0
+    hash_failures: int = 0
+    tracker_peers: int | None = None
+    tracker_error: str = ""
+    error: str = ""
+
+
+def _url_endpoint(url: str) -> tuple[str, int] | None:
+    parts = urlsplit(url)
+    try:
+        ipaddress.ip_address(parts.hostname or "")
+    except ValueError:
+        return None
+    return parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
+
+
+class SwarmClient:
+    """One libtorrent session for a node: downloads layer ranges, keeps seeding them, reports progress.
+
+    A background thread drains libtorrent's alerts (block sources, hash failures, tracker replies) so
+    counters stay exact while seeding long after a fetch returns.
+    """
+
+    def __init__(
+        self,
+        listen: str = "0.0.0.0:6881",
+        *,
+        web_seed_policy: str = WEB_SEED_FALLBACK,
+        peer_wait_s: float = 2.0,
+        stall_s: float = 1.0,
+        settings: dict[str, object] | None = None,
+    ) -> None:
+        if web_seed_policy not in WEB_SEED_POLICIES:
+            raise ValueError(f"unknown web seed policy {web_seed_policy!r}")
+        self.web_seed_policy = web_seed_policy
+        self.peer_wait_s = peer_wait_s
+        self.stall_s = stall_s
+        pack: dict[str, object] = {
+            "listen_interfaces": listen,
+            "enable_dht": False,
+            "enable_lsd": False,
+            "enable_upnp": False,
+            "enable_natpmp": False,
+            # Several agents may share one host (tests, small fleets): let peers on loopback / one IP in.
+            "allow_multiple_connections_per_ip": True,
+            "no_connect_privileged_ports": False,
+            # SSRF mitigation blocks trackers/web seeds on localhost; our .torrents come only from our
+            # own authenticated control plane, which may well run on the same host (demo, tests).
+            "ssrf_mitigation": False,
+            # TCP only: uTP adds nothing inside a datacenter/LAN and makes loopback runs jittery.
+            "enable_outgoing_utp": False,
+            "enable_incoming_utp": False,
+            "alert_mask": (
+                lt.alert.category_t.error_notification
+                | lt.alert.category_t.status_notification
+                | lt.alert.category_t.tracker_notification
+                | lt.alert.category_t.block_progress_notification
+                | lt.alert.category_t.storage_notification
+            ),
+            "alert_queue_size": 100_000,
+            "stop_tracker_timeout": 1,
+            "min_reconnect_time": 1,
+            "peer_connect_timeout": 3,
+            "user_agent": "gguf-swarm-agent/0.1",
+        }
+        pack.update(settings or {})
+        self._session = lt.session(pack)
+        self._lock = threading.Lock()
+        self._downloads: dict[str, Download] = {}
+        self._closed = threading.Event()
+        self._pump = threading.Thread(target=self._pump_alerts, name="swarm-alerts", daemon=True)
+        self._pump.start()
+
+    # ---------------------------------------------------------------- lifecycle
+    @property
+    def listen_port(self) -> int:
+        return int(self._session.listen_port())
+
+    def close(self) -> None:
+        """Stop seeding and close the session (files stay on disk)."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._pump.join(timeout=5)
+        with self._lock:
+            for d in self._downloads.values():
+                self._session.remove_torrent(d.handle)
+            self._downloads.clear()
+        del self._session
+
+    def __enter__(self) -> SwarmClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- alerts
+    def _pump_alerts(self) -> None:
+        while not self._closed.is_set():
+            if self._session.wait_for_alert(100) is None:
+                continue
+            for a in self._session.pop_alerts():
+                try:
+                    self._on_alert(a)
+                except Exception:  # noqa: BLE001 - one odd alert must not stop the counters
+                    log.exception("alert %s", type(a).__name__)
+
+    def _download_for(self, a: lt.torrent_alert) -> Download | None:
+        try:
+            ih = str(a.handle.info_hashes().v1)
+        except RuntimeError:  # handle already removed
+            return None
+        return self._downloads.get(ih)
+
+    def _on_alert(self, a: lt.alert) -> None:
+        if not isinstance(a, lt.torrent_alert):
+            return
+        with self._lock:
+            d = self._download_for(a)
+            if d is None:
+                return
+            if isinstance(a, lt.block_finished_alert):
+                start = a.piece_index * d.piece_length + a.block_index * BLOCK
+                piece_end = min((a.piece_index + 1) * d.piece_length, d.total_size)
+                n = max(0, min(BLOCK, piece_end - start))
+                ep = (str(a.endpoint[0]), int(a.endpoint[1]))
+                if ep in d.web_seed_endpoints:
+                    d.web_seed_bytes += n
+                else:
+                    d.peer_bytes += n
+            elif isinstance(a, lt.hash_failed_alert):
+                d.hash_failures += 1
+            elif isinstance(a, lt.tracker_reply_alert):
+                d.tracker_peers = int(a.num_peers)
+                d.tracker_error = ""
+            elif isinstance(a, lt.tracker_error_alert):
+                d.tracker_error = a.message()
+            elif isinstance(a, lt.torrent_error_alert | lt.file_error_alert):
+                d.error = a.message()
+
+    # ---------------------------------------------------------------- downloads
+    def add(
+        self,
+        torrent_bytes: bytes,
+        dest_dir: str | Path,
+        byte_ranges: Iterable[tuple[int, int]],
+        *,
+        trackers: list[str] | None = None,
+        web_seeds: list[str] | None = None,
+        web_seed_policy: str | None = None,
+    ) -> Download:
+        """Start (or widen) a download of the pieces covering byte_ranges; returns at once.
+
+        For a torrent already in the session the wanted set becomes the union with the new ranges and
+        priorities are updated on the existing handle, so only newly needed pieces are fetched.
+        trackers / web_seeds override the torrent's own (e.g. URLs carrying this node's passkey).
+        """
+        ti = torrent_info(torrent_bytes)
+        ih = str(ti.info_hashes().v1)
+        plen, total = ti.piece_length(), ti.total_size()
+        wanted = pieces_for_ranges(byte_ranges, plen, total)
+        with self._lock:
+            d = self._downloads.get(ih)
+            if d is not None:
+                d.wanted |= wanted
+                d.handle.prioritize_pieces(priorities(d.wanted, ti.num_pieces()))
+                return d
+        seeds = list(web_seeds) if web_seeds is not None else [w["url"] for w in ti.web_seeds()]
+        tracker_urls = list(trackers) if trackers is not None else [t.url for t in ti.trackers()]
+        atp = lt.add_torrent_params()
+        atp.ti = ti
+        atp.save_path = str(Path(dest_dir))
+        atp.storage_mode = lt.storage_mode_t.storage_mode_sparse
+        atp.piece_priorities = priorities(wanted, ti.num_pieces())
+        atp.trackers = tracker_urls
+        atp.url_seeds = []  # added by the policy once the origin is actually needed
+        atp.flags = (
+            atp.flags | lt.torrent_flags.override_trackers | lt.torrent_flags.override_web_seeds
+        ) & ~(lt.torrent_flags.auto_managed | lt.torrent_flags.paused)
+        d = Download(
+            handle=lt.torrent_handle(),
+            infohash=ih,
+            path=Path(dest_dir) / ti.files().file_path(0),
+            piece_length=plen,
+            total_size=total,
+            wanted=wanted,
+            web_seeds=seeds,
+            policy=web_seed_policy or self.web_seed_policy,
+            has_trackers=bool(tracker_urls),
+        )
+        with self._lock:
+            self._downloads[ih] = d
+            d.handle = self._session.add_torrent(atp)
+        return d
+
+    def seed(self, torrent_bytes: bytes, path: str | Path, *, trackers: list[str] | None = None) -> Download:
+        """Seed a complete file we trust (the origin's copy) without hashing it first (seed mode)."""
+        ti = torrent_info(torrent_bytes)
+        ih = str(ti.info_hashes().v1)
+        atp = lt.add_torrent_params()
+        atp.ti = ti
+        atp.save_path = str(Path(path).parent)
+        atp.trackers = list(trackers) if trackers is not None else [t.url for t in ti.trackers()]
+        atp.url_seeds = []
+        atp.flags = (
+            atp.flags
+            | lt.torrent_flags.seed_mode
+            | lt.torrent_flags.override_trackers
+            | lt.torrent_flags.override_web_seeds
+        ) & ~(lt.torrent_flags.auto_managed | lt.torrent_flags.paused)
+        d = Download(
+            handle=lt.torrent_handle(),
+            infohash=ih,
+            path=Path(path),
+            piece_length=ti.piece_length(),
+            total_size=ti.total_size(),
+            wanted=set(range(ti.num_pieces())),
+            web_seeds=[],
+            policy="never",
+            has_trackers=bool(atp.trackers),
+        )
+        with self._lock:
+            self._downloads[ih] = d
+            d.handle = self._session.add_torrent(atp)
+        return d
+
+    def get(self, infohash: str) -> Download | None:
+        with self._lock:
+            return self._downloads.get(infohash)
+
+    def progress(self, d: Download) -> Progress:
+        st = d.handle.status()
+        web = 0
+        peers = 0
+        for p in d.handle.get_peer_info():
+            if p.connection_type == lt.peer_info.standard_bittorrent:
+                peers += 1
+            else:
+                web += 1
+                with self._lock:
+                    d.web_seed_endpoints.add((str(p.ip[0]), int(p.ip[1])))
+        with self._lock:
+            return Progress(
+                infohash=d.infohash,
+                state=str(st.state),
+                done_bytes=int(st.total_wanted_done),
+                wanted_bytes=int(st.total_wanted),
+                downloaded_bytes=int(st.total_payload_download),
+                rate_bps=float(st.download_payload_rate),
+                peers=peers,
+                peer_bytes=d.peer_bytes,
+                web_seed_bytes=d.web_seed_bytes,
+                hash_failures=d.hash_failures,
+                web_seed_active=d.web_seed_active,
+            )
+
+    def _wanted_done(self, d: Download) -> bool:
+        st = d.handle.status()
+        if st.state in (lt.torrent_status.checking_files, lt.torrent_status.checking_resume_data):
+            return False
+        pieces = st.pieces
+        return bool(pieces) and all(pieces[i] for i in d.wanted)
+
+    def enable_web_seeds(self, d: Download) -> None:
+        """Let this download pull from the origin's web seed(s) from now on."""
+        with self._lock:
+            if d.web_seed_active:
+                return
+            d.web_seed_active = True
+            for url in d.web_seeds:
+                ep = _url_endpoint(url)
+                if ep:
+                    d.web_seed_endpoints.add(ep)
+        for url in d.web_seeds:
+            d.handle.add_url_seed(url)
+
+    def wait(
+        self,
+        d: Download,
+        *,
+        timeout: float = 300.0,
+        on_progress: Callable[[Progress], None] | None = None,
+        progress_every_s: float = 0.5,
+    ) -> Path:
+        """Block until every wanted piece is on disk (hash-checked by libtorrent); returns the file path."""
+        t0 = time.monotonic()
+        deadline = t0 + timeout
+        last_done, last_progress_t, last_report = -1, t0, 0.0
+        while True:
+            now = time.monotonic()
+            if d.error:
+                raise FetchError(f"{d.infohash}: {d.error}")
+            if self._wanted_done(d):
+                if on_progress:
+                    on_progress(self.progress(d))
+                return d.path
+            if now > deadline:
+                p = self.progress(d)
+                raise FetchError(
+                    f"{d.infohash}: timed out after {timeout:.0f}s with {p.done_bytes}/{p.wanted_bytes} bytes "
+                    f"({p.peers} peers, web seed {'on' if p.web_seed_active else 'off'}"
+                    f"{', tracker: ' + d.tracker_error if d.tracker_error else ''})"
+                )
+            st = d.handle.status()
+            if st.total_wanted_done != last_done:
+                last_done, last_progress_t = st.total_wanted_done, now
+            if not d.web_seed_active and d.web_seeds:
+                have = list(st.pieces)
+                avail = d.handle.piece_availability() if st.num_peers else []
+                n_bt = sum(
+                    1
+                    for p in d.handle.get_peer_info()
+                    if p.connection_type == lt.peer_info.standard_bittorrent
+                )
+                if have and web_seed_needed(
+                    d.policy,
+                    elapsed_s=now - t0,
+                    has_trackers=d.has_trackers,
+                    tracker_peers=d.tracker_peers,
+                    connected_peers=n_bt,
+                    seconds_since_progress=now - last_progress_t,
+                    missing_available_from_peers=missing_available(d.wanted, have, avail),
+                    peer_wait_s=self.peer_wait_s,
+                    stall_s=self.stall_s,
+                ):
+                    self.enable_web_seeds(d)
+            if on_progress and now - last_report >= progress_every_s:
+                last_report = now
+                on_progress(self.progress(d))
+            time.sleep(_POLL_S)
+
+    def fetch(
+        self,
+        torrent_bytes: bytes,
+        dest_dir: str | Path,
+        byte_ranges: Iterable[tuple[int, int]],
+        on_progress: Callable[[Progress], None] | None = None,
+        *,
+        timeout: float = 300.0,
+        trackers: list[str] | None = None,
+        web_seeds: list[str] | None = None,
+        web_seed_policy: str | None = None,
+    ) -> Path:
+        """Download the pieces covering byte_ranges (sparse file) and keep seeding them; returns the path."""
+        d = self.add(
+            torrent_bytes,
+            dest_dir,
+            byte_ranges,
+            trackers=trackers,
+            web_seeds=web_seeds,
+            web_seed_policy=web_seed_policy,
+        )
+        return self.wait(d, timeout=timeout, on_progress=on_progress)
+
+    def repair(
+        self,
+        infohash: str,
+        *,
+        timeout: float = 300.0,
+        on_progress: Callable[[Progress], None] | None = None,
+    ) -> Path:
+        """Re-hash the file on disk and re-download every wanted piece that no longer matches."""
+        d = self.get(infohash)
+        if d is None:
+            raise FetchError(f"{infohash}: not in this session")
+        d.handle.force_recheck()  # status() is answered after the recheck is queued, so wait sees it
+        deadline = time.monotonic() + timeout
+        return self.wait(d, timeout=max(deadline - time.monotonic(), 1.0), on_progress=on_progress)
+
+    def fetch_verified(
+        self,
+        torrent_bytes: bytes,
+        dest_dir: str | Path,
+        manifest: Manifest,
+        layer_start: int,
+        layer_end: int,
+        on_progress: Callable[[Progress], None] | None = None,
+        *,
+        timeout: float = 300.0,
+        retries: int = 1,
+        **kwargs: object,
+    ) -> Path:
+        """fetch + verify_tensors; on a mismatch, recheck and re-download, up to `retries` times."""
+        ranges = manifest.byte_ranges_for_range(layer_start, layer_end)
+        path = self.fetch(torrent_bytes, dest_dir, ranges, on_progress, timeout=timeout, **kwargs)  # type: ignore[arg-type]
+        ih = str(torrent_info(torrent_bytes).info_hashes().v1)
+        for attempt in range(retries + 1):
+            try:
+                verify_tensors(path, manifest, layer_start, layer_end)
+                return path
+            except TensorHashMismatch as e:
+                if attempt == retries:
+                    raise
+                log.warning("%s; re-fetching (attempt %d)", e, attempt + 1)
+                path = self.repair(ih, timeout=timeout, on_progress=on_progress)
+        return path
+
+
+def needed_pieces(torrent_bytes: bytes, byte_ranges: Iterable[tuple[int, int]]) -> set[int]:
+    """Pieces of this torrent a node holding byte_ranges must download."""
+    ti = torrent_info(torrent_bytes)
+    return pieces_for_ranges(byte_ranges, ti.piece_length(), ti.total_size())
+
+
+def total_pieces(torrent_bytes: bytes) -> int:
+    ti = torrent_info(torrent_bytes)
+    return num_pieces(ti.piece_length(), ti.total_size())
