@@ -133,8 +133,12 @@ class Manifest:
         d.pop("_by_name", None)
         d["tensors"] = [TensorInfo(**t) for t in d["tensors"]]
         d["layers"] = [
-            LayerInfo(index=x["index"], ranges=[tuple(r) for r in x["ranges"]], nbytes=x["nbytes"],
-                      state_kind=x["state_kind"])
+            LayerInfo(
+                index=x["index"],
+                ranges=[tuple(r) for r in x["ranges"]],
+                nbytes=x["nbytes"],
+                state_kind=x["state_kind"],
+            )
             for x in d["layers"]
         ]
         return cls(**d)
@@ -222,7 +226,7 @@ def build_manifest(path: str | os.PathLike[str], *, hash_tensors: bool = True) -
         if key.startswith(prefix):
             v = _field_value(reader, key)
             if isinstance(v, int | float | str | bool) or (isinstance(v, list) and len(v) <= 1024):
-                hparams[key[len(prefix):]] = v
+                hparams[key[len(prefix) :]] = v
     n_layers = hparams.get("block_count")
     d_model = hparams.get("embedding_length")
     if not isinstance(n_layers, int) or n_layers <= 0:
@@ -246,16 +250,18 @@ def build_manifest(path: str | os.PathLike[str], *, hash_tensors: bool = True) -
                         "bytes (truncated download?)"
                     )
                 m = _LAYER_RE.match(t.name)
-                digest = hashlib.sha256(mm[offset:offset + nbytes]).hexdigest() if hash_tensors else ""
-                tensors.append(TensorInfo(
-                    name=t.name,
-                    layer=int(m.group(1)) if m else None,
-                    ggml_type=t.tensor_type.name,
-                    shape=[int(x) for x in t.shape],
-                    offset=offset,
-                    nbytes=nbytes,
-                    sha256=digest,
-                ))
+                digest = hashlib.sha256(mm[offset : offset + nbytes]).hexdigest() if hash_tensors else ""
+                tensors.append(
+                    TensorInfo(
+                        name=t.name,
+                        layer=int(m.group(1)) if m else None,
+                        ggml_type=t.tensor_type.name,
+                        shape=[int(x) for x in t.shape],
+                        offset=offset,
+                        nbytes=nbytes,
+                        sha256=digest,
+                    )
+                )
         finally:
             mm.close()
     for t in tensors:
@@ -306,7 +312,8 @@ def format_manifest(m: Manifest) -> str:
         f"ctx={m.context_length}",
         f"tokenizer   {'yes' if m.has_tokenizer else 'no'}  chat template: {'yes' if m.has_chat_template else 'no'}"
         f"  tied embeddings: {'yes' if m.tied_embeddings else 'no'}",
-        "hparams     " + ", ".join(f"{k}={v}" for k, v in sorted(m.hparams.items()) if not isinstance(v, list)),
+        "hparams     "
+        + ", ".join(f"{k}={v}" for k, v in sorted(m.hparams.items()) if not isinstance(v, list)),
         f"roles       first={m.roles['first']} last={m.roles['last']} all={m.roles['all']}",
         "",
         f"{'layer':>5} {'bytes':>12}  ranges",
@@ -315,7 +322,9 @@ def format_manifest(m: Manifest) -> str:
         rs = " ".join(f"[{s},{e})" for s, e in layer.ranges)
         lines.append(f"{layer.index:>5} {layer.nbytes:>12}  {rs}")
     lines.append("")
-    lines.append(f"{'tensor':<32} {'layer':>5} {'type':>6} {'shape':<16} {'offset':>10} {'bytes':>10}  sha256")
+    lines.append(
+        f"{'tensor':<32} {'layer':>5} {'type':>6} {'shape':<16} {'offset':>10} {'bytes':>10}  sha256"
+    )
     for t in m.tensors:
         shape = "x".join(str(x) for x in t.shape)
         layer = "-" if t.layer is None else str(t.layer)

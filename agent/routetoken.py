@@ -52,7 +52,9 @@ def encode_claims(c: RouteClaims) -> bytes:
     if len(c.session) != 16:
         raise TokenError("session id must be 16 bytes")
     return (
-        _FIXED.pack(TOKEN_VERSION, c.session, bytes.fromhex(c.model_sha256), c.layer_start, c.layer_end, len(node))
+        _FIXED.pack(
+            TOKEN_VERSION, c.session, bytes.fromhex(c.model_sha256), c.layer_start, c.layer_end, len(node)
+        )
         + node
         + _EXPIRY.pack(c.expiry)
     )
@@ -73,7 +75,10 @@ def mint(
     ttl_s: int = 3600,
 ) -> bytes:
     """Sign a token for one hop of a route, valid for `ttl_s` seconds."""
-    return sign(key, RouteClaims(session, model_sha256, layer_start, layer_end, NodeId(node), int(time.time()) + ttl_s))
+    return sign(
+        key,
+        RouteClaims(session, model_sha256, layer_start, layer_end, NodeId(node), int(time.time()) + ttl_s),
+    )
 
 
 def decode_unverified(token: bytes) -> RouteClaims:
@@ -86,7 +91,7 @@ def decode_unverified(token: bytes) -> RouteClaims:
         raise TokenError(f"route token version {version} is not supported")
     if len(token) != _FIXED.size + node_len + _EXPIRY.size + SIG_LEN:
         raise TokenError("route token length does not match its node id length")
-    node = token[_FIXED.size:_FIXED.size + node_len]
+    node = token[_FIXED.size : _FIXED.size + node_len]
     (expiry,) = _EXPIRY.unpack_from(token, _FIXED.size + node_len)
     try:
         node_s = node.decode()
@@ -127,13 +132,16 @@ def generate_key() -> Ed25519PrivateKey:
 
 
 def private_key_pem(key: Ed25519PrivateKey) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def public_key_b64(key: Ed25519PublicKey) -> str:
     """Raw 32-byte public key, base64: short enough for config files and JSON."""
-    return base64.b64encode(key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)).decode()
+    return base64.b64encode(
+        key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    ).decode()
 
 
 def load_public_key(text: str) -> Ed25519PublicKey:

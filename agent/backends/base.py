@@ -119,5 +119,13 @@ class Backend(ABC):
     def kv_bytes(self, sid: SessionId | None = None) -> int:
         """Bytes of KV held for one session, or for all sessions when `sid` is None."""
 
+    def kv_open_bytes(self, max_tokens: int) -> int:
+        """KV bytes reserved up front when a session opens (backends that preallocate)."""
+        return 0
+
+    def kv_growth_bytes(self, sid: SessionId, new_len: int) -> int:
+        """Extra KV bytes the session will hold once it grows to `new_len` positions."""
+        return 0
+
     def close(self) -> None:
         """Release the model. Idempotent."""

@@ -1,0 +1,154 @@
+"""Whole-model backend on llama-cpp-python: a 1-hop route, and the speed/parity reference."""
+
+from __future__ import annotations
+
+import ctypes
+import time
+
+import numpy as np
+
+from agent.backends.base import (
+    AdmissionError,
+    Backend,
+    BackendError,
+    ForwardResult,
+    SamplingParams,
+    ShardSpec,
+)
+from agent.ids import SessionId
+from agent.sampling import sample
+
+
+class _Session:
+    def __init__(self, ctx: object, n_ctx: int) -> None:
+        self.ctx = ctx
+        self.n_ctx = n_ctx
+        self.length = 0
+
+
+class LlamaCppBackend(Backend):
+    """All layers in one llama.cpp model; one llama_context per session (its own KV)."""
+
+    def __init__(self, spec: ShardSpec, kv_budget_bytes: int = 1 << 30, n_batch: int = 512) -> None:
+        if not (spec.is_first and spec.is_last):
+            raise BackendError("the llamacpp backend runs whole models only (layers 0:n)")
+        import llama_cpp
+        from llama_cpp._internals import LlamaBatch, LlamaModel
+
+        self._lc = llama_cpp
+        self._Batch = LlamaBatch
+        self.spec = spec
+        self.kv_budget_bytes = kv_budget_bytes
+        self.n_batch = n_batch
+        params = llama_cpp.llama_model_default_params()
+        try:
+            self._model = LlamaModel(path_model=spec.path, params=params, verbose=False)
+        except ValueError as e:
+            raise BackendError(str(e)) from None
+        self.n_vocab = self._model.n_vocab()
+        hp = spec.manifest.hparams
+        n_head = int(hp["attention.head_count"])
+        n_kv = int(hp.get("attention.head_count_kv", n_head))
+        head_dim = int(hp.get("attention.key_length", spec.manifest.boundary_dim // n_head))
+        self._kv_per_token = 2 * spec.manifest.n_layers * n_kv * head_dim * 2  # f16 K and V
+        self.max_ctx = spec.manifest.context_length or 4096
+        self.sessions: dict[SessionId, _Session] = {}
+        self._batch = LlamaBatch(n_tokens=n_batch, embd=0, n_seq_max=1, verbose=False)
+        self.last_positions_per_layer: list[int] = []
+
+    def open_session(self, sid: SessionId, max_tokens: int) -> None:
+        from llama_cpp._internals import LlamaContext
+
+        if sid in self.sessions:
+            raise BackendError("session already open")
+        n_ctx = min(max_tokens, self.max_ctx)
+        if self.kv_bytes() + n_ctx * self._kv_per_token > self.kv_budget_bytes:
+            raise AdmissionError("KV budget exhausted on this node")
+        cp = self._lc.llama_context_default_params()
+        cp.n_ctx = n_ctx
+        cp.n_batch = self.n_batch
+        cp.n_ubatch = self.n_batch
+        cp.n_threads = self.spec.n_threads
+        cp.n_threads_batch = self.spec.n_threads
+        cp.n_seq_max = 1
+        try:
+            ctx = LlamaContext(model=self._model, params=cp, verbose=False)
+        except ValueError as e:
+            raise BackendError(str(e)) from None
+        self.sessions[sid] = _Session(ctx, n_ctx)
+
+    def close_session(self, sid: SessionId) -> None:
+        s = self.sessions.pop(sid, None)
+        if s is not None:
+            s.ctx.close()
+
+    def _s(self, sid: SessionId) -> _Session:
+        try:
+            return self.sessions[sid]
+        except KeyError:
+            raise BackendError("unknown session") from None
+
+    def session_len(self, sid: SessionId) -> int:
+        return self._s(sid).length
+
+    def truncate(self, sid: SessionId, n_tokens: int) -> None:
+        s = self._s(sid)
+        if not 0 <= n_tokens <= s.length:
+            raise BackendError(f"cannot truncate to {n_tokens}: session holds {s.length} positions")
+        s.ctx.kv_cache_seq_rm(0, n_tokens, -1)
+        s.length = n_tokens
+
+    def kv_bytes(self, sid: SessionId | None = None) -> int:
+        if sid is not None:
+            return self._s(sid).n_ctx * self._kv_per_token
+        return sum(s.n_ctx for s in self.sessions.values()) * self._kv_per_token
+
+    def kv_open_bytes(self, max_tokens: int) -> int:
+        return min(max_tokens, self.max_ctx) * self._kv_per_token
+
+    def forward(
+        self,
+        sid: SessionId,
+        pos_start: int,
+        token_ids: np.ndarray | None = None,
+        hidden: np.ndarray | None = None,
+        sampling: SamplingParams | None = None,
+        history: list[int] | None = None,
+        want_logits: bool = False,
+    ) -> ForwardResult:
+        t0 = time.perf_counter()
+        s = self._s(sid)
+        if token_ids is None:
+            raise BackendError("the llamacpp backend takes token ids")
+        if pos_start != s.length:
+            raise BackendError(f"position {pos_start} does not follow the session's {s.length} positions")
+        ids = [int(x) for x in np.asarray(token_ids).reshape(-1)]
+        if not ids or min(ids) < 0 or max(ids) >= self.n_vocab:
+            raise BackendError("token id out of vocabulary range")
+        if pos_start + len(ids) > s.n_ctx:
+            raise BackendError(f"position {pos_start + len(ids)} exceeds the session's limit of {s.n_ctx}")
+        all_logits: list[np.ndarray] = []
+        for off in range(0, len(ids), self.n_batch):
+            chunk = ids[off : off + self.n_batch]
+            self._batch.set_batch(chunk, n_past=pos_start + off, logits_all=want_logits)
+            try:
+                s.ctx.decode(self._batch)
+            except RuntimeError as e:
+                raise BackendError(f"llama_decode failed: {e}") from None
+            if want_logits:
+                ptr = self._lc.llama_get_logits(s.ctx.ctx)
+                all_logits.append(np.ctypeslib.as_array(ptr, shape=(len(chunk), self.n_vocab)).copy())
+        s.length = pos_start + len(ids)
+        self.last_positions_per_layer = [len(ids)] * self.spec.manifest.n_layers
+        ptr = self._lc.llama_get_logits_ith(s.ctx.ctx, -1)
+        last = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(self.n_vocab,))
+        tok, lp = sample(last, sampling or SamplingParams(), s.length - 1, history)
+        res = ForwardResult(token=tok, logprob=lp, positions_per_layer=list(self.last_positions_per_layer))
+        if want_logits:
+            res.logits = np.concatenate(all_logits)
+        res.compute_s = time.perf_counter() - t0
+        return res
+
+    def close(self) -> None:
+        for sid in list(self.sessions):
+            self.close_session(sid)

@@ -1,0 +1,259 @@
+"""Command line of the node agent: inspect, keygen, serve, chat (and enroll/run when present)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from agent import __version__
+
+
+def _fail(msg: str) -> int:
+    print(f"error: {msg}", file=sys.stderr)
+    return 2
+
+
+def _parse_layers(text: str) -> tuple[int, int]:
+    try:
+        a, b = text.split(":")
+        return int(a), int(b)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"layers must look like A:B, not {text!r}") from None
+
+
+def _read_key_arg(value: str) -> str:
+    """A key given inline, or as @path to a file holding it."""
+    return Path(value[1:]).read_text() if value.startswith("@") else value
+
+
+# -- inspect ----------------------------------------------------------------------------------------
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from agent.manifest import ManifestError, build_manifest, format_manifest
+
+    try:
+        m = build_manifest(args.model)
+    except ManifestError as e:
+        return _fail(str(e))
+    print(m.to_json() if args.json else format_manifest(m))
+    return 0
+
+
+# -- keygen -----------------------------------------------------------------------------------------
+def cmd_keygen(args: argparse.Namespace) -> int:
+    from agent.routetoken import generate_key, private_key_pem, public_key_b64
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    key = generate_key()
+    priv = out / "route_key.pem"
+    fd = os.open(priv, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(private_key_pem(key))
+    (out / "route_key.pub").write_text(public_key_b64(key.public_key()) + "\n")
+    print(f"private key: {priv} (0600)\npublic key:  {out / 'route_key.pub'}")
+    return 0
+
+
+# -- serve ------------------------------------------------------------------------------------------
+def cmd_serve(args: argparse.Namespace) -> int:
+    from agent.backends import available_backends
+    from agent.backends.base import BackendError
+    from agent.dataplane import DataPlane, start_dataplane
+    from agent.manifest import ManifestError, build_manifest
+    from agent.models import ModelNotFound, packaged_model_path
+    from agent.routetoken import TokenError, load_public_key
+
+    try:
+        path = str(packaged_model_path(args.model[4:])) if args.model.startswith("pkg:") else args.model
+        manifest = build_manifest(path, hash_tensors=False)
+        public_key = load_public_key(_read_key_arg(args.public_key))
+    except (ManifestError, TokenError, ModelNotFound, OSError) as e:
+        return _fail(str(e))
+    a, b = args.layers if args.layers else (0, manifest.n_layers)
+    backend = args.backend or (available_backends() or ["torch"])[0]
+    if args.threads < 1:
+        return _fail("--threads must be at least 1")
+    node_id = args.node_id or f"node-{args.port}"
+    dp = DataPlane(
+        node_id,
+        public_key,
+        kv_budget_bytes=int(args.kv_budget_mb * (1 << 20)),
+        session_ttl_s=args.session_ttl,
+    )
+    try:
+        dp.load_shard(path, manifest, a, b, backend=backend, n_threads=args.threads)
+    except (BackendError, ManifestError) as e:
+        return _fail(str(e))
+
+    async def main() -> None:
+        runner = await start_dataplane(dp, args.host, args.port)
+        print(
+            f"serving {manifest.name} layers {a}:{b} ({backend}) as {node_id} on http://{args.host}:{args.port}",
+            flush=True,
+        )
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await runner.cleanup()
+
+    asyncio.run(main())
+    return 0
+
+
+# -- chat -------------------------------------------------------------------------------------------
+async def _discover_hops(urls: list[str], key_path: str, session: bytes, ttl_s: int):  # noqa: ANN202
+    """Development route: ask each hop what it holds and mint its token with a local signing key."""
+    from aiohttp import ClientSession
+
+    from agent.client import Hop
+    from agent.routetoken import load_private_key, mint
+
+    key = load_private_key(key_path)
+    hops, model_sha = [], None
+    async with ClientSession() as http:
+        for url in urls:
+            async with http.get(url.rstrip("/") + "/v1/health") as r:
+                info = await r.json()
+            shard = next(
+                (
+                    s
+                    for s in info["shards"]
+                    if model_sha in (None, s["model_sha256"])
+                    and s["layer_start"] == (hops[-1].layer_end if hops else 0)
+                ),
+                None,
+            )
+            if shard is None:
+                raise RuntimeError(f"{url} holds no shard continuing the route")
+            model_sha = shard["model_sha256"]
+            tok = mint(
+                key, session, model_sha, shard["layer_start"], shard["layer_end"], info["node_id"], ttl_s
+            )
+            hops.append(Hop(url, shard["layer_start"], shard["layer_end"], tok))
+    return hops
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from agent.backends.base import SamplingParams
+    from agent.client import RouteClient, RouteError
+    from agent.models import packaged_model_path
+    from agent.tokenizer import ChatTokenizer
+
+    model = str(packaged_model_path(args.model[4:])) if args.model.startswith("pkg:") else args.model
+    tok = ChatTokenizer(model)
+    sampling = SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repeat_penalty=args.repeat_penalty,
+        seed=args.seed,
+    )
+
+    async def main() -> int:
+        session = os.urandom(16)
+        hops = await _discover_hops(args.route.split(","), args.signing_key, session, 3600)
+        client = RouteClient(
+            hops,
+            tok,
+            session_id=session,
+            mode=args.mode,
+            hidden_dtype=args.hidden_dtype,
+            max_context=args.max_context,
+        )
+        try:
+            async for ev in client.chat(
+                [{"role": "user", "content": args.prompt}], sampling, args.max_tokens
+            ):
+                if ev.done:
+                    print("\n" + json.dumps(ev.telemetry, indent=None if args.json else 2), file=sys.stderr)
+                else:
+                    print(ev.text, end="", flush=True)
+        except RouteError as e:
+            print(f"\nerror: {e}", file=sys.stderr)
+            return 1
+        finally:
+            await client.close()
+        return 0
+
+    return asyncio.run(main())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gguf-swarm-agent", description="GGUF Swarm node agent")
+    p.add_argument("--version", action="version", version=__version__)
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("inspect", help="print a GGUF's manifest")
+    s.add_argument("model")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_inspect)
+
+    s = sub.add_parser("keygen", help="create a development route-token signing key")
+    s.add_argument("--out", default=".")
+    s.set_defaults(func=cmd_keygen)
+
+    s = sub.add_parser("serve", help="serve a layer range over the binary data plane")
+    s.add_argument("--model", required=True, help="GGUF path, or pkg:smollm2")
+    s.add_argument("--layers", type=_parse_layers, help="A:B (default: all layers)")
+    s.add_argument("--backend", choices=["native", "torch", "llamacpp"])
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, required=True)
+    s.add_argument("--public-key", required=True, help="route-token public key (base64 or PEM), or @file")
+    s.add_argument("--node-id")
+    s.add_argument("--threads", type=int, default=2)
+    s.add_argument("--kv-budget-mb", type=float, default=1024.0)
+    s.add_argument("--session-ttl", type=float, default=1800.0)
+    s.set_defaults(func=cmd_serve)
+
+    s = sub.add_parser("chat", help="chat through a route of serving hops")
+    s.add_argument("prompt")
+    s.add_argument("--route", required=True, help="comma-separated hop URLs in layer order")
+    s.add_argument("--model", default="pkg:smollm2", help="GGUF path for the tokenizer, or pkg:NAME")
+    s.add_argument("--signing-key", required=True, help="route-token private key (PEM) from keygen")
+    s.add_argument("--mode", choices=["chain", "star"], default="chain")
+    s.add_argument("--hidden-dtype", choices=["f16", "f32"], default="f16")
+    s.add_argument("--max-tokens", type=int, default=128)
+    s.add_argument("--max-context", type=int, default=8192)
+    s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--top-k", type=int, default=0)
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--min-p", type=float, default=0.0)
+    s.add_argument("--repeat-penalty", type=float, default=1.0)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--json", action="store_true", help="print telemetry as one JSON line")
+    s.set_defaults(func=cmd_chat)
+
+    try:
+        from agent.cli_control import add_control_commands
+    except ImportError:
+        pass
+    else:
+        add_control_commands(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    t0 = time.perf_counter()
+    rc = args.func(args)
+    logging.getLogger("agent.cli").debug("%s took %.2fs", args.cmd, time.perf_counter() - t0)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,471 @@
+"""The node's binary HTTP data plane: verifies route tokens, runs shards, keeps sessions (docs/protocol.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from agent import __version__
+from agent.backends import load_backend
+from agent.backends.base import AdmissionError, Backend, BackendError, ShardSpec
+from agent.ids import SessionId
+from agent.kvcache import SessionState, SessionTable
+from agent.manifest import Manifest
+from agent.protocol import (
+    CONTEXT_CAP,
+    MAX_FRAME_BYTES,
+    PROTOCOL_VERSION,
+    FrameError,
+    Kind,
+    Op,
+    Request,
+    Response,
+    Timing,
+    decode_request,
+    encode_request,
+    encode_response,
+    with_prepended_timing,
+)
+from agent.routetoken import RouteClaims, TokenError, TokenVerifier
+
+log = logging.getLogger("agent.dataplane")
+ShardKey = tuple[str, int, int]  # (model sha256, layer_start, layer_end)
+_INLINE_TOKENS = 16  # batches up to this size run on the event loop; bigger ones in a worker thread
+
+
+@dataclass
+class Shard:
+    """A loaded layer range and the lock that serialises calls into its backend."""
+
+    spec: ShardSpec
+    backend_name: str
+    backend: Backend
+    lock: asyncio.Lock
+    draining: bool = False
+
+    @property
+    def key(self) -> ShardKey:
+        return (self.spec.manifest.sha256, self.spec.layer_start, self.spec.layer_end)
+
+    @property
+    def max_positions(self) -> int:
+        model_ctx = self.spec.manifest.context_length or CONTEXT_CAP
+        return min(CONTEXT_CAP, model_ctx)
+
+
+class DataPlaneError(Exception):
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
+
+
+class DataPlane:
+    """All shards and sessions of one node, behind one aiohttp application."""
+
+    def __init__(
+        self,
+        node_id: str,
+        public_key: Ed25519PublicKey,
+        kv_budget_bytes: int = 1 << 30,
+        session_ttl_s: float = 1800.0,
+    ) -> None:
+        self.node_id = node_id
+        self.verifier = TokenVerifier(public_key)
+        self.sessions = SessionTable(kv_budget_bytes, session_ttl_s)
+        self.shards: dict[ShardKey, Shard] = {}
+        self.counters = {
+            "frames": 0,
+            "errors": 0,
+            "tokens_in": 0,
+            "tokens_out": 0,
+            "bytes_in": 0,
+            "bytes_out": 0,
+        }
+        self._client: ClientSession | None = None
+        self.started = time.time()
+
+    # -- shard management (called by the CLI or the control agent) --------------------------------
+    def load_shard(
+        self,
+        path: str,
+        manifest: Manifest,
+        layer_start: int,
+        layer_end: int,
+        backend: str = "torch",
+        n_threads: int = 2,
+    ) -> Shard:
+        """Load layers [layer_start, layer_end) of `path`; blocking, so call it from a thread."""
+        spec = ShardSpec(
+            path=str(path),
+            layer_start=layer_start,
+            layer_end=layer_end,
+            manifest=manifest,
+            n_threads=n_threads,
+        )
+        be = load_backend(backend, spec, kv_budget_bytes=self.sessions.budget_bytes)
+        shard = Shard(spec, backend, be, asyncio.Lock())
+        self.shards[shard.key] = shard
+        log.info("loaded %s layers %d:%d with %s", manifest.sha256[:12], layer_start, layer_end, backend)
+        return shard
+
+    def unload_shard(self, model_sha256: str, layer_start: int, layer_end: int) -> bool:
+        shard = self.shards.pop((model_sha256, layer_start, layer_end), None)
+        if shard is None:
+            return False
+        for sid in self.sessions.for_shard(shard.key):
+            self.sessions.close(sid)
+        shard.backend.close()
+        return True
+
+    def drain(self) -> None:
+        for s in self.shards.values():
+            s.draining = True
+
+    def stats(self) -> dict:
+        return {
+            "node_id": self.node_id,
+            "version": __version__,
+            "protocol_version": PROTOCOL_VERSION,
+            "sessions": len(self.sessions),
+            "kv_bytes": self.sessions.used_bytes(),
+            "kv_budget_bytes": self.sessions.budget_bytes,
+            "evictions": self.sessions.evictions,
+            "expirations": self.sessions.expirations,
+            "shards": [
+                {
+                    "model_sha256": s.spec.manifest.sha256,
+                    "layer_start": s.spec.layer_start,
+                    "layer_end": s.spec.layer_end,
+                    "n_layers": s.spec.manifest.n_layers,
+                    "backend": s.backend_name,
+                    "boundary_dim": s.spec.manifest.boundary_dim,
+                    "draining": s.draining,
+                    "sessions": len(self.sessions.for_shard(s.key)),
+                }
+                for s in self.shards.values()
+            ],
+            **self.counters,
+        }
+
+    # -- request handling -------------------------------------------------------------------------
+    def _authorise(self, req: Request) -> tuple[RouteClaims, Shard]:
+        try:
+            claims = self.verifier.verify(req.token)
+        except TokenError as e:
+            raise DataPlaneError(401, "bad_token", str(e)) from None
+        if claims.node != self.node_id:
+            raise DataPlaneError(403, "wrong_node", f"route token is for node {claims.node!r}, not this node")
+        if claims.session != req.session:
+            raise DataPlaneError(403, "wrong_session", "route token is for another session")
+        shard = self.shards.get((claims.model_sha256, claims.layer_start, claims.layer_end))
+        if shard is None:
+            raise DataPlaneError(
+                403,
+                "wrong_range",
+                f"this node holds no shard {claims.model_sha256[:12]} "
+                f"{claims.layer_start}:{claims.layer_end}",
+            )
+        return claims, shard
+
+    def _session(self, req: Request, shard: Shard) -> SessionState:
+        s = self.sessions.get(SessionId(req.session))
+        if s is None:
+            raise DataPlaneError(404, "unknown_session", "unknown session (expired, evicted or never opened)")
+        if s.shard_key != shard.key:
+            raise DataPlaneError(403, "wrong_range", "session belongs to another shard")
+        return s
+
+    async def handle(self, body: bytes) -> bytes:
+        self.counters["frames"] += 1
+        self.counters["bytes_in"] += len(body)
+        try:
+            req = decode_request(body)
+        except FrameError as e:
+            raise DataPlaneError(e.status, "bad_frame", str(e)) from None
+        claims, shard = self._authorise(req)
+        if req.op == Op.OPEN:
+            return self._open(req, shard)
+        if req.op == Op.CLOSE:
+            self.sessions.close(SessionId(req.session))
+            return encode_response(Response(step=req.step, kind=Kind.NONE))
+        s = self._session(req, shard)
+        if req.op == Op.TRUNCATE:
+            return self._truncate(req, s)
+        return await self._forward(req, body, shard, s)
+
+    def _open(self, req: Request, shard: Shard) -> bytes:
+        sid = SessionId(req.session)
+        if shard.draining:
+            raise DataPlaneError(
+                503, "draining", "this shard is draining; ask the control plane for another route"
+            )
+        if sid in self.sessions:
+            existing = self.sessions.get(sid)
+            assert existing is not None
+            return encode_response(
+                Response(
+                    step=existing.last_step, kind=Kind.NONE, session_len=existing.backend.session_len(sid)
+                )
+            )
+        cap = shard.max_positions
+        max_tokens = req.pos_start or cap
+        if max_tokens > cap:
+            raise DataPlaneError(
+                400, "context_cap", f"max_tokens {max_tokens} exceeds the context cap of {cap}"
+            )
+        state = SessionState(sid=sid, shard_key=shard.key, backend=shard.backend, max_tokens=max_tokens)
+        try:
+            self.sessions.admit(state, shard.backend.kv_open_bytes(max_tokens))
+            shard.backend.open_session(sid, max_tokens)
+        except AdmissionError as e:
+            raise DataPlaneError(503, "kv_budget", str(e)) from None
+        except BackendError as e:
+            raise DataPlaneError(400, "backend", str(e)) from None
+        self.sessions.add(state)
+        return encode_response(Response(step=0, kind=Kind.NONE, session_len=0))
+
+    def _truncate(self, req: Request, s: SessionState) -> bytes:
+        cur = s.backend.session_len(s.sid)
+        if req.pos_start > cur:
+            raise DataPlaneError(
+                409, "bad_position", f"cannot truncate to {req.pos_start}: session holds {cur}"
+            )
+        s.backend.truncate(s.sid, req.pos_start)
+        del s.history[req.pos_start :]
+        s.last_step = max(s.last_step, req.step)
+        s.last_digest, s.last_output = b"", b""
+        return encode_response(Response(step=req.step, kind=Kind.NONE, session_len=req.pos_start))
+
+    async def _forward(self, req: Request, body: bytes, shard: Shard, s: SessionState) -> bytes:
+        t_start = time.perf_counter()
+        digest = hashlib.blake2b(body, digest_size=16).digest()
+        if req.step <= s.last_step:
+            if req.step == s.last_step and digest == s.last_digest and s.last_output:
+                # A retry of the step we already applied: answer again, never append KV twice.
+                local = s.last_output
+                return await self._continue_chain(req, shard, local, t_start, 0)
+            raise DataPlaneError(
+                409, "replayed_step", f"step {req.step} was already applied (last step {s.last_step})"
+            )
+        cur = s.backend.session_len(s.sid)
+        if req.n_tokens == 0:
+            raise DataPlaneError(400, "bad_frame", "forward frame with no tokens")
+        if req.pos_start != cur:
+            raise DataPlaneError(
+                409, "bad_position", f"position {req.pos_start} does not follow the session's {cur} positions"
+            )
+        end = req.pos_start + req.n_tokens
+        if end > s.max_tokens:
+            raise DataPlaneError(
+                400, "context_cap", f"position {end} is beyond the session's context cap of {s.max_tokens}"
+            )
+        spec = shard.spec
+        ids = hidden = None
+        if spec.is_first:
+            if req.kind != Kind.IDS:
+                raise DataPlaneError(400, "bad_frame", "the first shard takes token ids")
+            ids = req.ids()
+        else:
+            if req.kind not in (Kind.F16, Kind.F32):
+                raise DataPlaneError(400, "bad_frame", "this shard takes hidden states")
+            if req.dim != shard.backend.boundary_dim:
+                raise DataPlaneError(
+                    400,
+                    "hidden_size",
+                    f"hidden size {req.dim} does not match this model's {shard.backend.boundary_dim}",
+                )
+            hidden = req.hidden().astype(np.float32)
+        if spec.is_last:
+            new_ids = ids.tolist() if ids is not None else (req.history or [])
+            history = s.history + list(new_ids)
+        else:
+            history = None
+        s.busy = True
+        try:
+            self.sessions.admit(s, shard.backend.kv_growth_bytes(s.sid, end))
+            async with shard.lock:
+                if req.n_tokens <= _INLINE_TOKENS:
+                    res = self._call(shard, s, req, ids, hidden, history)
+                else:
+                    res = await asyncio.to_thread(self._call, shard, s, req, ids, hidden, history)
+        except AdmissionError as e:
+            raise DataPlaneError(503, "kv_budget", str(e)) from None
+        finally:
+            s.busy = False
+        if history is not None:
+            s.history = history
+        self.counters["tokens_in"] += req.n_tokens
+        if res.token is not None:
+            self.counters["tokens_out"] += 1
+            kind, n, dim, payload = Kind.TOKEN, 0, 0, b""
+            if req.want_logits and res.logits is not None:
+                kind, n, dim = Kind.LOGITS, res.logits.shape[0], res.logits.shape[1]
+                payload = np.ascontiguousarray(res.logits, dtype=np.float32).tobytes()
+            local = encode_response(
+                Response(
+                    step=req.step,
+                    kind=kind,
+                    session_len=end,
+                    n_tokens=n,
+                    dim=dim,
+                    token=res.token,
+                    logprob=res.logprob or 0.0,
+                    payload=payload,
+                )
+            )
+        else:
+            assert res.hidden is not None
+            f16 = req.f16_out or (req.chain and req.kind == Kind.F16)
+            arr = res.hidden.astype(np.float16 if f16 else np.float32, copy=False)
+            local = encode_response(
+                Response(
+                    step=req.step,
+                    kind=Kind.F16 if f16 else Kind.F32,
+                    session_len=end,
+                    n_tokens=arr.shape[0],
+                    dim=arr.shape[1],
+                    payload=arr.tobytes(),
+                )
+            )
+        s.last_step, s.last_digest, s.last_output = req.step, digest, local
+        return await self._continue_chain(req, shard, local, t_start, int(res.compute_s * 1e6))
+
+    def _call(self, shard: Shard, s: SessionState, req: Request, ids, hidden, history):  # noqa: ANN001, ANN202
+        try:
+            return shard.backend.forward(
+                s.sid,
+                req.pos_start,
+                token_ids=ids,
+                hidden=hidden,
+                sampling=req.sampling,
+                history=history,
+                want_logits=req.want_logits,
+            )
+        except AdmissionError:
+            raise
+        except BackendError as e:
+            raise DataPlaneError(400, "backend", str(e)) from None
+
+    async def _continue_chain(
+        self, req: Request, shard: Shard, local: bytes, t_start: float, compute_us: int
+    ) -> bytes:
+        """Chain mode: push this hop's output to the next hop and relay its answer back."""
+        if not req.chain:
+            handler_us = int((time.perf_counter() - t_start) * 1e6)
+            return with_prepended_timing(local, Timing(compute_us, handler_us))
+        from agent.protocol import decode_response
+
+        out = decode_response(local)
+        nxt, rest = req.chain[0], req.chain[1:]
+        fwd = Request(
+            op=Op.FORWARD,
+            session=req.session,
+            step=req.step,
+            pos_start=req.pos_start,
+            n_tokens=out.n_tokens,
+            kind=out.kind,
+            dim=out.dim,
+            token=nxt.token,
+            sampling=req.sampling,
+            history=req.ids().tolist() if req.kind == Kind.IDS else req.history,
+            want_logits=req.want_logits,
+            f16_out=req.f16_out,
+            chain=rest,
+            payload=out.payload,
+        )
+        handler_us = int((time.perf_counter() - t_start) * 1e6)
+        client = await self._http()
+        try:
+            async with client.post(nxt.url.rstrip("/") + "/v1/frame", data=encode_request(fwd)) as r:
+                data = await r.read()
+                if r.status != 200:
+                    raise DataPlaneError(
+                        r.status,
+                        "downstream",
+                        f"next hop {nxt.url} answered {r.status}: {data[:300].decode('utf-8', 'replace')}",
+                    )
+        except (TimeoutError, OSError) as e:
+            raise DataPlaneError(502, "downstream", f"next hop {nxt.url} unreachable: {e}") from None
+        return with_prepended_timing(data, Timing(compute_us, handler_us))
+
+    async def _http(self) -> ClientSession:
+        if self._client is None or self._client.closed:
+            self._client = ClientSession(
+                connector=TCPConnector(limit=64),
+                timeout=ClientTimeout(total=300),
+                skip_auto_headers=("User-Agent",),
+            )
+        return self._client
+
+    # -- aiohttp wiring -----------------------------------------------------------------------------
+    async def _frame_view(self, request: web.Request) -> web.StreamResponse:
+        if request.content_length is not None and request.content_length > MAX_FRAME_BYTES:
+            return _error(
+                413, "too_large", f"frame of {request.content_length} bytes exceeds {MAX_FRAME_BYTES}"
+            )
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, "too_large", f"frame exceeds {MAX_FRAME_BYTES} bytes")
+        try:
+            out = await self.handle(body)
+        except DataPlaneError as e:
+            self.counters["errors"] += 1
+            return _error(e.status, e.code, e.message)
+        except Exception:  # noqa: BLE001 - one bad request must never take the node down
+            self.counters["errors"] += 1
+            log.exception("unexpected error handling a frame")
+            return _error(500, "internal", "internal error while handling the frame")
+        self.counters["bytes_out"] += len(out)
+        return web.Response(body=out, content_type="application/octet-stream")
+
+    async def _health_view(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", **self.stats()})
+
+    async def _sweeper(self, app: web.Application) -> None:  # noqa: ARG002
+        while True:
+            await asyncio.sleep(5.0)
+            n = self.sessions.expire()
+            if n:
+                log.info("expired %d idle sessions", n)
+
+    async def _on_startup(self, app: web.Application) -> None:
+        app["sweeper"] = asyncio.create_task(self._sweeper(app))
+
+    async def _on_cleanup(self, app: web.Application) -> None:
+        app["sweeper"].cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await app["sweeper"]
+        if self._client is not None:
+            await self._client.close()
+
+    def make_app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_FRAME_BYTES)
+        app.router.add_post("/v1/frame", self._frame_view)
+        app.router.add_get("/v1/health", self._health_view)
+        app.on_startup.append(self._on_startup)
+        app.on_cleanup.append(self._on_cleanup)
+        return app
+
+
+def _error(status: int, code: str, message: str) -> web.Response:
+    return web.Response(
+        status=status, text=json.dumps({"error": code, "message": message}), content_type="application/json"
+    )
+
+
+async def start_dataplane(dp: DataPlane, host: str, port: int) -> web.AppRunner:
+    runner = web.AppRunner(dp.make_app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, reuse_address=True)
+    await site.start()
+    return runner

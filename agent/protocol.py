@@ -1,0 +1,327 @@
+"""Binary data-plane codec: request/response frames between route client and hops (docs/protocol.md).
+
+Pure functions only: no I/O, no backend. Every length is checked against limits before anything is
+allocated from a peer-supplied size.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from enum import IntEnum, IntFlag
+
+import numpy as np
+
+from agent.backends.base import SamplingParams
+
+# Version 1: first release (open/forward/truncate/close, ids or f16/f32 hidden, chain forwarding).
+PROTOCOL_VERSION = 1
+REQ_MAGIC = b"GSWP"
+RESP_MAGIC = b"GSWR"
+
+MAX_TOKENS_PER_FRAME = 8192
+MAX_BOUNDARY_DIM = 65536
+MAX_FRAME_BYTES = 64 << 20
+MAX_CHAIN_HOPS = 16
+MAX_URL_LEN = 512
+MAX_HISTORY = 1024
+MAX_TOKEN_BYTES = 512
+CONTEXT_CAP = 131072  # product-wide hard cap (128K), applied on top of the model's own limit
+
+# magic, version, op, flags, session, step, pos_start, n_tokens, kind, token_len, dim, payload_len
+REQ_HEADER = struct.Struct("<4sHBB16sQIIHHII")
+# magic, version, status, kind, step, n_tokens, dim, payload_len, session_len, token, logprob, n_timings
+RESP_HEADER = struct.Struct("<4sHBBQIIIIifB")
+SAMPLING = struct.Struct("<fiffffiQ")  # temperature, top_k, top_p, min_p, repeat_penalty, (pad), last_n, seed
+TIMING = struct.Struct("<II")  # compute_us, handler_us (time inside the hop, downstream excluded)
+
+
+class Op(IntEnum):
+    OPEN = 1
+    FORWARD = 2
+    TRUNCATE = 3
+    CLOSE = 4
+
+
+class Flag(IntFlag):
+    SAMPLING = 1  # a sampling block follows the token
+    HISTORY = 2  # token ids for the last shard's repetition penalty follow
+    WANT_LOGITS = 4  # last shard returns logits of every position (tests, teacher forcing)
+    CHAIN = 8  # next hops follow: this hop forwards its output itself
+    F16_OUT = 16  # hidden output as float16
+
+
+class Kind(IntEnum):
+    NONE = 0
+    IDS = 1  # int32 token ids
+    F32 = 2  # float32 hidden states, n_tokens x dim
+    F16 = 3  # float16 hidden states
+    TOKEN = 4  # response: sampled token + logprob in the header
+    LOGITS = 5  # response: float32 logits n_tokens x dim (dim = vocab) + the sampled token
+
+
+class FrameError(Exception):
+    """A frame that violates the protocol; `status` is the HTTP status to answer with."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class ChainHop:
+    url: str
+    token: bytes
+
+
+@dataclass
+class Request:
+    op: Op
+    session: bytes
+    step: int = 0
+    pos_start: int = 0
+    n_tokens: int = 0
+    kind: Kind = Kind.NONE
+    dim: int = 0
+    token: bytes = b""
+    sampling: SamplingParams | None = None
+    history: list[int] | None = None
+    want_logits: bool = False
+    f16_out: bool = False
+    chain: list[ChainHop] = field(default_factory=list)
+    payload: bytes | memoryview = b""
+
+    def ids(self) -> np.ndarray:
+        return np.frombuffer(self.payload, dtype="<i4", count=self.n_tokens)
+
+    def hidden(self) -> np.ndarray:
+        dt = np.float16 if self.kind == Kind.F16 else np.float32
+        return np.frombuffer(self.payload, dtype=dt).reshape(self.n_tokens, self.dim)
+
+
+@dataclass
+class Timing:
+    compute_us: int
+    handler_us: int
+
+
+@dataclass
+class Response:
+    step: int
+    kind: Kind
+    session_len: int = 0
+    n_tokens: int = 0
+    dim: int = 0
+    token: int = -1
+    logprob: float = 0.0
+    timings: list[Timing] = field(default_factory=list)
+    payload: bytes | memoryview = b""
+
+    def hidden(self) -> np.ndarray:
+        dt = np.float16 if self.kind == Kind.F16 else np.float32
+        return np.frombuffer(self.payload, dtype=dt).reshape(self.n_tokens, self.dim)
+
+    def logits(self) -> np.ndarray:
+        return np.frombuffer(self.payload, dtype=np.float32).reshape(self.n_tokens, self.dim)
+
+
+def payload_size(kind: Kind, n_tokens: int, dim: int) -> int:
+    if kind == Kind.NONE:
+        return 0
+    if kind == Kind.IDS:
+        return 4 * n_tokens
+    if kind in (Kind.F32, Kind.LOGITS):
+        return 4 * n_tokens * dim
+    if kind == Kind.F16:
+        return 2 * n_tokens * dim
+    return 0
+
+
+def encode_request(r: Request) -> bytes:
+    flags = Flag(0)
+    tail: list[bytes] = []
+    if r.sampling is not None:
+        flags |= Flag.SAMPLING
+        s = r.sampling
+        tail.append(
+            SAMPLING.pack(
+                s.temperature,
+                s.top_k,
+                s.top_p,
+                s.min_p,
+                s.repeat_penalty,
+                0.0,
+                s.repeat_last_n,
+                s.seed & (2**64 - 1),
+            )
+        )
+    if r.history is not None:
+        flags |= Flag.HISTORY
+        h = r.history[-MAX_HISTORY:]
+        tail.append(struct.pack("<I", len(h)) + np.asarray(h, dtype="<i4").tobytes())
+    if r.want_logits:
+        flags |= Flag.WANT_LOGITS
+    if r.f16_out:
+        flags |= Flag.F16_OUT
+    if r.chain:
+        flags |= Flag.CHAIN
+        parts = [struct.pack("<B", len(r.chain))]
+        for hop in r.chain:
+            u = hop.url.encode()
+            parts.append(struct.pack("<H", len(u)) + u + struct.pack("<H", len(hop.token)) + hop.token)
+        tail.append(b"".join(parts))
+    payload = bytes(r.payload)
+    head = REQ_HEADER.pack(
+        REQ_MAGIC,
+        PROTOCOL_VERSION,
+        int(r.op),
+        int(flags),
+        r.session,
+        r.step,
+        r.pos_start,
+        r.n_tokens,
+        int(r.kind),
+        len(r.token),
+        r.dim,
+        len(payload),
+    )
+    return b"".join([head, r.token, *tail, payload])
+
+
+class _Reader:
+    def __init__(self, buf: memoryview) -> None:
+        self.buf, self.off = buf, 0
+
+    def take(self, n: int, what: str) -> memoryview:
+        if n < 0 or self.off + n > len(self.buf):
+            raise FrameError(f"truncated frame: {what} needs {n} bytes, {len(self.buf) - self.off} left")
+        out = self.buf[self.off : self.off + n]
+        self.off += n
+        return out
+
+    def unpack(self, st: struct.Struct, what: str) -> tuple:
+        return st.unpack(self.take(st.size, what))
+
+
+def decode_request(data: bytes | memoryview) -> Request:
+    buf = memoryview(data)
+    if len(buf) > MAX_FRAME_BYTES:
+        raise FrameError(f"frame of {len(buf)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit", 413)
+    rd = _Reader(buf)
+    if len(buf) < REQ_HEADER.size:
+        raise FrameError(f"truncated frame: {len(buf)} bytes, header needs {REQ_HEADER.size}")
+    magic, version, op, flags, session, step, pos, n, kind, token_len, dim, payload_len = rd.unpack(
+        REQ_HEADER, "header"
+    )
+    if magic != REQ_MAGIC:
+        raise FrameError(f"bad magic {bytes(magic)!r}, expected {REQ_MAGIC!r}")
+    if version != PROTOCOL_VERSION:
+        raise FrameError(f"protocol version {version} is not supported (this node speaks {PROTOCOL_VERSION})")
+    try:
+        op_e, kind_e, flags_e = Op(op), Kind(kind), Flag(flags)
+    except ValueError:
+        raise FrameError(f"unknown op {op}, kind {kind} or flags {flags:#x}") from None
+    if n > MAX_TOKENS_PER_FRAME:
+        raise FrameError(f"n_tokens {n} exceeds the per-frame limit of {MAX_TOKENS_PER_FRAME}", 413)
+    if dim > MAX_BOUNDARY_DIM:
+        raise FrameError(f"dim {dim} exceeds the limit of {MAX_BOUNDARY_DIM}", 413)
+    if kind_e not in (Kind.NONE, Kind.IDS, Kind.F32, Kind.F16):
+        raise FrameError(f"payload kind {kind_e.name} is not valid in a request")
+    if kind_e == Kind.IDS and dim not in (0, 1):
+        raise FrameError("token-id payloads carry dim 0")
+    expected = payload_size(kind_e, n, dim)
+    if payload_len != expected:
+        raise FrameError(f"payload is {payload_len} bytes but {n} x {dim} {kind_e.name} needs {expected}")
+    if token_len > MAX_TOKEN_BYTES:
+        raise FrameError(f"route token of {token_len} bytes exceeds {MAX_TOKEN_BYTES}")
+    req = Request(op=op_e, session=bytes(session), step=step, pos_start=pos, n_tokens=n, kind=kind_e, dim=dim)
+    req.token = bytes(rd.take(token_len, "route token"))
+    if flags_e & Flag.SAMPLING:
+        t, k, p, mp, rp, _pad, last_n, seed = rd.unpack(SAMPLING, "sampling block")
+        if not (t >= 0 and 0 <= p <= 1 and 0 <= mp <= 1 and rp > 0 and k >= 0):
+            raise FrameError("sampling parameters out of range")
+        req.sampling = SamplingParams(
+            temperature=t, top_k=k, top_p=p, min_p=mp, repeat_penalty=rp, repeat_last_n=last_n, seed=seed
+        )
+    if flags_e & Flag.HISTORY:
+        (count,) = rd.unpack(struct.Struct("<I"), "history count")
+        if count > MAX_HISTORY:
+            raise FrameError(f"history of {count} ids exceeds {MAX_HISTORY}", 413)
+        req.history = np.frombuffer(rd.take(4 * count, "history"), dtype="<i4").tolist()
+    req.want_logits = bool(flags_e & Flag.WANT_LOGITS)
+    req.f16_out = bool(flags_e & Flag.F16_OUT)
+    if flags_e & Flag.CHAIN:
+        (count,) = rd.unpack(struct.Struct("<B"), "chain count")
+        if count > MAX_CHAIN_HOPS:
+            raise FrameError(f"chain of {count} hops exceeds {MAX_CHAIN_HOPS}")
+        for _ in range(count):
+            (ul,) = rd.unpack(struct.Struct("<H"), "chain url length")
+            if ul > MAX_URL_LEN:
+                raise FrameError("chain url too long")
+            url = bytes(rd.take(ul, "chain url")).decode("utf-8", "replace")
+            if not url.startswith(("http://", "https://")):
+                raise FrameError("chain url must be http(s)")
+            (tl,) = rd.unpack(struct.Struct("<H"), "chain token length")
+            if tl > MAX_TOKEN_BYTES:
+                raise FrameError("chain token too long")
+            req.chain.append(ChainHop(url, bytes(rd.take(tl, "chain token"))))
+    req.payload = rd.take(payload_len, "payload")
+    if rd.off != len(buf):
+        raise FrameError(f"{len(buf) - rd.off} unexpected trailing bytes")
+    return req
+
+
+def encode_response(r: Response) -> bytes:
+    payload = bytes(r.payload)
+    head = RESP_HEADER.pack(
+        RESP_MAGIC,
+        PROTOCOL_VERSION,
+        0,
+        int(r.kind),
+        r.step,
+        r.n_tokens,
+        r.dim,
+        len(payload),
+        r.session_len,
+        r.token,
+        r.logprob,
+        len(r.timings),
+    )
+    timings = b"".join(TIMING.pack(t.compute_us, t.handler_us) for t in r.timings)
+    return b"".join([head, timings, payload])
+
+
+def decode_response(data: bytes | memoryview) -> Response:
+    buf = memoryview(data)
+    rd = _Reader(buf)
+    if len(buf) < RESP_HEADER.size:
+        raise FrameError("truncated response")
+    magic, version, _status, kind, step, n, dim, plen, slen, token, logprob, nt = rd.unpack(
+        RESP_HEADER, "header"
+    )
+    if magic != RESP_MAGIC or version != PROTOCOL_VERSION:
+        raise FrameError("bad response magic or version")
+    timings = [Timing(*TIMING.unpack(rd.take(TIMING.size, "timing"))) for _ in range(nt)]
+    kind_e = Kind(kind)
+    if plen != payload_size(kind_e, n, dim):
+        raise FrameError("response payload size mismatch")
+    payload = rd.take(plen, "payload")
+    return Response(
+        step=step,
+        kind=kind_e,
+        session_len=slen,
+        n_tokens=n,
+        dim=dim,
+        token=token,
+        logprob=logprob,
+        timings=timings,
+        payload=payload,
+    )
+
+
+def with_prepended_timing(resp_bytes: bytes, timing: Timing) -> bytes:
+    """Add this hop's timing in front of the downstream hops' (chain mode), without re-encoding tensors."""
+    head = bytearray(resp_bytes[: RESP_HEADER.size])
+    nt = head[-1]
+    head[-1] = nt + 1
+    return bytes(head) + TIMING.pack(timing.compute_us, timing.handler_us) + resp_bytes[RESP_HEADER.size :]
