@@ -1,0 +1,186 @@
+/*
+ * ggswarm.h - the whole interface of libggswarm, a ggml layer-window executor.
+ *
+ * libggswarm runs transformer layers [layer_start, layer_end) of a GGUF model with ggml's quantized
+ * kernels. The boundary hidden state goes in and out as f16/f32 rows; the first window embeds token
+ * ids; the last one applies the output norm and head and samples on the node (logits never leave it).
+ * Every session keeps its own KV cache in ggml tensors, grown on demand inside a per-model byte budget,
+ * and can be truncated, snapshotted to bytes and restored in another process.
+ *
+ * Conventions
+ *   - Every function that can fail returns a ggswarm_status (0 = GGSWARM_OK, < 0 = error). The message
+ *     of the last failure is available from ggswarm_last_error() (thread-local) and from
+ *     ggswarm_model_last_error() (per model handle). The library never aborts on bad input.
+ *   - A model handle is not thread-safe: serialise calls on one handle. Distinct handles may be used
+ *     from distinct threads.
+ *   - Sessions are identified by int64 ids owned by the model handle; unknown ids are an error
+ *     (GGSWARM_E_NO_SESSION), so a stale id can never touch freed memory.
+ *
+ * API versions (GGSWARM_API_VERSION; bump on every change of a declaration or struct below)
+ *   1 - first version: model open/free/info, threads, sessions (open/close/len/truncate/kv bytes),
+ *       forward (token ids or f16/f32 hidden in; hidden, or sampled token + logprob + optional
+ *       logits out), KV snapshot/restore (snapshot format version 1), standalone sampler.
+ */
+#ifndef GGSWARM_H
+#define GGSWARM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define GGSWARM_API_VERSION 1
+
+#if defined(_WIN32)
+#define GGSWARM_API __declspec(dllexport)
+#else
+#define GGSWARM_API __attribute__((visibility("default")))
+#endif
+
+typedef int32_t ggswarm_status;
+
+#define GGSWARM_OK 0
+#define GGSWARM_E_INVALID_ARG -1   /* a parameter is out of range (threads <= 0, n_tokens 0, ...) */
+#define GGSWARM_E_IO -2            /* the file cannot be opened or read */
+#define GGSWARM_E_FORMAT -3        /* malformed GGUF, missing/misshapen tensor, corrupt or truncated data */
+#define GGSWARM_E_UNSUPPORTED -4   /* architecture or feature this library does not implement */
+#define GGSWARM_E_RANGE -5         /* layer range, position or context beyond what is allowed */
+#define GGSWARM_E_BUDGET -6        /* the KV byte budget cannot hold the request */
+#define GGSWARM_E_NO_SESSION -7    /* unknown session id */
+#define GGSWARM_E_COMPUTE -8       /* ggml failed to allocate or compute a graph */
+#define GGSWARM_E_MISMATCH -9      /* a snapshot belongs to another model / range / shape */
+#define GGSWARM_E_NO_MEMORY -10    /* a host or device allocation failed */
+
+/* element types of hidden-state buffers */
+#define GGSWARM_TYPE_F32 0
+#define GGSWARM_TYPE_F16 1
+
+/* hard product cap on positions per session, whatever the model allows */
+#define GGSWARM_MAX_CONTEXT 131072
+/* largest batch accepted by one forward call */
+#define GGSWARM_MAX_BATCH 4096
+
+typedef struct ggswarm_model ggswarm_model;
+
+typedef struct ggswarm_model_info {
+    char architecture[32];      /* general.architecture, NUL-terminated */
+    char device[64];            /* ggml backend device the weights live on */
+    int32_t n_layers_total;     /* block_count of the whole model */
+    int32_t layer_start;        /* first layer held */
+    int32_t layer_end;          /* one past the last layer held */
+    int32_t is_first;           /* 1 when layer_start == 0: forward takes token ids */
+    int32_t is_last;            /* 1 when layer_end == n_layers_total: forward samples */
+    int32_t d_model;            /* elements per token of the boundary state */
+    int32_t n_vocab;
+    int32_t n_head;
+    int32_t n_head_kv;
+    int32_t head_dim;
+    int32_t n_ff;
+    int32_t n_ctx_train;        /* context_length of the model */
+    int32_t n_ctx_max;          /* min(n_ctx_train, GGSWARM_MAX_CONTEXT) */
+    int32_t n_threads;
+    uint64_t weight_bytes;      /* bytes of tensor data read for this window */
+    uint64_t kv_bytes_per_token;/* KV bytes one position costs over the window's layers */
+    uint64_t kv_budget_bytes;   /* per-model KV budget (all sessions together) */
+    char model_id[72];          /* identity written into snapshots (caller's sha256 or a fingerprint) */
+} ggswarm_model_info;
+
+typedef struct ggswarm_sampling {
+    double temperature;     /* <= 0: greedy */
+    int32_t top_k;          /* 0 = disabled */
+    int32_t repeat_last_n;  /* < 0: whole history; 0: disabled */
+    double top_p;           /* 1.0 = disabled */
+    double min_p;           /* 0.0 = disabled */
+    double repeat_penalty;  /* 1.0 = disabled */
+    uint64_t seed;
+} ggswarm_sampling;
+
+typedef struct ggswarm_batch {
+    int32_t n_tokens;             /* 1 .. GGSWARM_MAX_BATCH */
+    int32_t pos_start;            /* must equal the session length (append only; truncate first) */
+    const int32_t * token_ids;    /* first window: n_tokens ids; otherwise NULL */
+    const void * hidden_in;       /* other windows: n_tokens x d_model of hidden_in_type; else NULL */
+    int64_t hidden_in_count;      /* elements in hidden_in; must equal n_tokens * d_model */
+    int32_t hidden_in_type;       /* GGSWARM_TYPE_F32 or GGSWARM_TYPE_F16 */
+    int32_t hidden_out_type;      /* GGSWARM_TYPE_F32 or GGSWARM_TYPE_F16 */
+    void * hidden_out;            /* non-last windows: n_tokens x d_model of hidden_out_type */
+    int64_t hidden_out_count;     /* capacity of hidden_out in elements; >= n_tokens * d_model */
+    float * logits_out;           /* last window, optional: n_tokens x n_vocab logits (teacher forcing) */
+    int64_t logits_out_count;     /* capacity of logits_out in elements; >= n_tokens * n_vocab */
+    const ggswarm_sampling * sampling; /* last window: NULL means greedy */
+    const int32_t * history;      /* last window: token ids seen so far (repetition penalty); may be NULL */
+    int32_t n_history;
+    int32_t * token_out;          /* last window: sampled token of the final position */
+    double * logprob_out;         /* last window: log-softmax of the raw logits at token_out */
+    double * compute_s_out;       /* optional: seconds spent in graph build + compute */
+} ggswarm_batch;
+
+/* API version the library was built with (compare with GGSWARM_API_VERSION). */
+GGSWARM_API int32_t ggswarm_api_version(void);
+
+/* Message of the last failed call on this thread ("" when none). Valid until the next call. */
+GGSWARM_API const char * ggswarm_last_error(void);
+
+/* Open layers [layer_start, layer_end) of the GGUF at path. Reads only those layers' tensors plus the
+ * role tensors (first window: token_embd.weight; last: output_norm.weight and output.weight, or
+ * token_embd.weight when tied). kv_budget_bytes = 0 means no budget. model_id (may be NULL) is the
+ * identity recorded in snapshots, e.g. the file's sha256 hex; when NULL a metadata fingerprint is used. */
+GGSWARM_API ggswarm_status ggswarm_model_open(const char * path, int32_t layer_start, int32_t layer_end,
+                                              int32_t n_threads, uint64_t kv_budget_bytes,
+                                              const char * model_id, ggswarm_model ** out);
+
+/* Free the model, its sessions and their KV. NULL is ignored. */
+GGSWARM_API void ggswarm_model_free(ggswarm_model * model);
+
+/* Message of the last failed call on this handle ("" when none). */
+GGSWARM_API const char * ggswarm_model_last_error(const ggswarm_model * model);
+
+GGSWARM_API ggswarm_status ggswarm_model_info_get(const ggswarm_model * model, ggswarm_model_info * out);
+
+/* Threads used by CPU compute; must be >= 1. */
+GGSWARM_API ggswarm_status ggswarm_set_threads(ggswarm_model * model, int32_t n_threads);
+
+/* Open a session able to grow to max_tokens positions (1 .. n_ctx_max); KV is allocated on demand. */
+GGSWARM_API ggswarm_status ggswarm_session_open(ggswarm_model * model, int32_t max_tokens, int64_t * out_sid);
+
+/* Close a session and free its KV. Unknown ids return GGSWARM_E_NO_SESSION. */
+GGSWARM_API ggswarm_status ggswarm_session_close(ggswarm_model * model, int64_t sid);
+
+GGSWARM_API ggswarm_status ggswarm_session_len(const ggswarm_model * model, int64_t sid, int32_t * out_len);
+
+/* Drop positions >= n_tokens (n_tokens <= length). */
+GGSWARM_API ggswarm_status ggswarm_session_truncate(ggswarm_model * model, int64_t sid, int32_t n_tokens);
+
+/* KV bytes held by one session, or by all sessions when sid < 0. */
+GGSWARM_API ggswarm_status ggswarm_kv_bytes(const ggswarm_model * model, int64_t sid, uint64_t * out_bytes);
+
+/* Run the window on positions [pos_start, pos_start + n_tokens) of session sid, appending to its KV. */
+GGSWARM_API ggswarm_status ggswarm_forward(ggswarm_model * model, int64_t sid, const ggswarm_batch * batch);
+
+/* Bytes ggswarm_session_snapshot will write for the session's current length. */
+GGSWARM_API ggswarm_status ggswarm_session_snapshot_size(const ggswarm_model * model, int64_t sid,
+                                                         uint64_t * out_size);
+
+/* Serialise the session's KV (header + payload, see docs/native.md) into buf (capacity bytes). */
+GGSWARM_API ggswarm_status ggswarm_session_snapshot(const ggswarm_model * model, int64_t sid, void * buf,
+                                                    uint64_t capacity, uint64_t * out_written);
+
+/* Replace the session's KV with a snapshot. Fails with GGSWARM_E_MISMATCH naming the field when the
+ * snapshot was taken from another model id, layer range or KV shape, and with GGSWARM_E_FORMAT when
+ * it is truncated or corrupt. On failure the session is left unchanged. */
+GGSWARM_API ggswarm_status ggswarm_session_restore(ggswarm_model * model, int64_t sid, const void * buf,
+                                                   uint64_t size);
+
+/* The sampler the last window uses, on caller-supplied logits (exposed for tests and tools).
+ * position: absolute position of the input whose logits these are (selects the random draw). */
+GGSWARM_API ggswarm_status ggswarm_sample(const float * logits, int32_t n_vocab, const ggswarm_sampling * params,
+                                          int64_t position, const int32_t * history, int32_t n_history,
+                                          int32_t * out_token, double * out_logprob);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* GGSWARM_H */

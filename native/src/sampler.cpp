@@ -1,0 +1,163 @@
+// Token sampling on the last window: a C++ mirror of agent/sampling.py (the reference semantics).
+//
+// Order: repetition penalty (float32, llama.cpp style) -> greedy when temperature <= 0 -> top-k ->
+// softmax(logits / temperature) in double -> top-p -> min-p -> renormalise -> inverse-CDF draw with
+// u = splitmix64(seed ^ splitmix64(position)) >> 11 * 2^-53. The logprob is the log-softmax of the raw
+// logits. Sorting is lazy (nth_element + sort of a growing prefix) with the same total order as numpy's
+// stable argsort of -x (value descending, then index ascending), so only the prefix a decision needs
+// is ever sorted.
+
+#include "sampler.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace ggswarm {
+
+uint64_t splitmix64(uint64_t x) {
+    x += 0x9E3779B97F4A7C15ULL;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+    return x ^ (x >> 31);
+}
+
+double uniform(uint64_t seed, int64_t position) {
+    uint64_t r = splitmix64(seed ^ splitmix64(static_cast<uint64_t>(position)));
+    return static_cast<double>(r >> 11) * (1.0 / 9007199254740992.0);  // 2^-53
+}
+
+double log_softmax_at(const float * logits, int32_t n, int32_t token) {
+    double m = -INFINITY;
+    for (int32_t i = 0; i < n; ++i) m = std::max(m, static_cast<double>(logits[i]));
+    double s = 0.0;
+    for (int32_t i = 0; i < n; ++i) s += std::exp(static_cast<double>(logits[i]) - m);
+    return static_cast<double>(logits[token]) - m - std::log(s);
+}
+
+namespace {
+
+// Sorted-prefix view of candidate indices under (value desc, index asc).
+struct LazyOrder {
+    std::vector<int32_t> idx;
+    const double * x;
+    size_t n = 0;
+    size_t sorted = 0;
+
+    bool less(int32_t a, int32_t b) const {  // "a comes before b"
+        return x[a] > x[b] || (x[a] == x[b] && a < b);
+    }
+
+    void ensure(size_t m) {
+        if (m <= sorted) return;
+        size_t target = std::min(n, std::max({m, 2 * sorted, static_cast<size_t>(64)}));
+        auto cmp = [this](int32_t a, int32_t b) { return less(a, b); };
+        if (target < n) {
+            std::nth_element(idx.begin() + sorted, idx.begin() + target, idx.begin() + n, cmp);
+        }
+        std::sort(idx.begin() + sorted, idx.begin() + target, cmp);
+        sorted = target;
+    }
+};
+
+}  // namespace
+
+SampleResult sample(const float * raw, int32_t n_vocab, const ggswarm_sampling & p, int64_t position,
+                    const int32_t * history, int32_t n_history, SamplerScratch & s) {
+    // 1. repetition penalty, in float32 like numpy does with a float32 array and a Python float
+    s.pen.assign(raw, raw + n_vocab);
+    if (p.repeat_penalty != 1.0 && history != nullptr && n_history > 0 && p.repeat_last_n != 0) {
+        int32_t from = 0;
+        if (p.repeat_last_n > 0 && n_history > p.repeat_last_n) from = n_history - p.repeat_last_n;
+        s.seen.assign(static_cast<size_t>(n_vocab), 0);
+        const float pen = static_cast<float>(p.repeat_penalty);
+        for (int32_t i = from; i < n_history; ++i) {
+            int32_t t = history[i];
+            if (t < 0 || t >= n_vocab || s.seen[t]) continue;
+            s.seen[t] = 1;
+            float v = raw[t];
+            s.pen[t] = v > 0 ? v / pen : v * pen;
+        }
+    }
+    SampleResult out{};
+    // 2. greedy: first index of the maximum
+    if (!(p.temperature > 0.0)) {
+        int32_t best = 0;
+        for (int32_t i = 1; i < n_vocab; ++i) {
+            if (s.pen[i] > s.pen[best]) best = i;
+        }
+        out.token = best;
+        out.logprob = log_softmax_at(raw, n_vocab, best);
+        return out;
+    }
+    // 3. tempered values in double
+    s.x.resize(static_cast<size_t>(n_vocab));
+    for (int32_t i = 0; i < n_vocab; ++i) s.x[i] = static_cast<double>(s.pen[i]) / p.temperature;
+    LazyOrder ord;
+    ord.x = s.x.data();
+    ord.idx.resize(static_cast<size_t>(n_vocab));
+    for (int32_t i = 0; i < n_vocab; ++i) ord.idx[i] = i;
+    ord.n = static_cast<size_t>(n_vocab);
+    auto cmp = [&ord](int32_t a, int32_t b) { return ord.less(a, b); };
+    // 4. top-k: restrict the candidates to the k best (as a set; order comes lazily)
+    if (p.top_k > 0 && p.top_k < n_vocab) {
+        std::nth_element(ord.idx.begin(), ord.idx.begin() + p.top_k, ord.idx.end(), cmp);
+        ord.n = static_cast<size_t>(p.top_k);
+    }
+    const size_t n_cand = ord.n;
+    ord.ensure(1);
+    const double vmax = s.x[ord.idx[0]];
+    double total = 0.0;
+    for (size_t i = 0; i < n_cand; ++i) total += std::exp(s.x[ord.idx[i]] - vmax);
+    auto prob = [&](size_t i) { return std::exp(s.x[ord.idx[i]] - vmax) / total; };
+    // 5. top-p and min-p cut-offs over the sorted distribution
+    size_t keep = n_cand;
+    if (p.top_p < 1.0) {
+        double cum = 0.0;
+        size_t k = n_cand;
+        for (size_t i = 0; i < n_cand; ++i) {
+            ord.ensure(i + 1);
+            cum += prob(i);
+            if (cum >= p.top_p) {
+                k = i + 1;
+                break;
+            }
+        }
+        keep = std::max<size_t>(1, std::min(k, n_cand));
+    }
+    if (p.min_p > 0.0) {
+        const double thr = p.min_p * prob(0);
+        size_t cnt = 0;
+        while (cnt < keep) {
+            ord.ensure(cnt + 1);
+            if (!(prob(cnt) >= thr)) break;
+            ++cnt;
+        }
+        keep = std::max<size_t>(1, std::min(keep, cnt));
+    }
+    // 6. renormalise the kept prefix and draw
+    double kept = 0.0;
+    if (keep == n_cand) {
+        for (size_t i = 0; i < n_cand; ++i) kept += prob(i);
+    } else {
+        ord.ensure(keep);
+        for (size_t i = 0; i < keep; ++i) kept += prob(i);
+    }
+    const double u = uniform(p.seed, position);
+    double cum = 0.0;
+    size_t pick = keep - 1;
+    for (size_t i = 0; i < keep; ++i) {
+        ord.ensure(i + 1);
+        cum += prob(i) / kept;
+        if (cum > u) {
+            pick = i;
+            break;
+        }
+    }
+    out.token = ord.idx[pick];
+    out.logprob = log_softmax_at(raw, n_vocab, out.token);
+    return out;
+}
+
+}  // namespace ggswarm

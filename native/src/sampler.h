@@ -1,0 +1,29 @@
+// Sampler shared by ggswarm_forward (last window) and ggswarm_sample; see sampler.cpp.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "ggswarm.h"
+
+namespace ggswarm {
+
+struct SampleResult {
+    int32_t token;
+    double logprob;
+};
+
+// Buffers reused across calls so a decode step does not allocate.
+struct SamplerScratch {
+    std::vector<float> pen;
+    std::vector<double> x;
+    std::vector<uint8_t> seen;
+};
+
+uint64_t splitmix64(uint64_t x);
+double uniform(uint64_t seed, int64_t position);
+double log_softmax_at(const float * logits, int32_t n, int32_t token);
+SampleResult sample(const float * logits, int32_t n_vocab, const ggswarm_sampling & p, int64_t position,
+                    const int32_t * history, int32_t n_history, SamplerScratch & scratch);
+
+}  // namespace ggswarm
