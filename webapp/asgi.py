@@ -1,0 +1,40 @@
+"""ASGI entry point: HTTP through Django, websockets through Channels (agents and browsers)."""
+
+from __future__ import annotations
+
+import os
+
+from django.core.asgi import get_asgi_application
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "webapp.settings")
+django_http = get_asgi_application()
+
+from channels.auth import AuthMiddlewareStack  # noqa: E402
+from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
+from django.conf import settings  # noqa: E402
+from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
+
+from webapp.ws_urls import agent_websocket_urlpatterns, browser_websocket_urlpatterns  # noqa: E402
+
+
+class _WebsocketRouter:
+    """Agents (no Origin header, node credentials) and browsers (same-origin only, session auth)."""
+
+    def __init__(self) -> None:
+        self.agents = URLRouter(agent_websocket_urlpatterns)
+        self.browsers = AllowedHostsOriginValidator(
+            AuthMiddlewareStack(URLRouter(browser_websocket_urlpatterns))
+        )
+
+    async def __call__(self, scope, receive, send):  # type: ignore[no-untyped-def]
+        app = self.agents if scope.get("path", "").startswith("/ws/agent/") else self.browsers
+        return await app(scope, receive, send)
+
+
+application = ProtocolTypeRouter(
+    {
+        "http": ASGIStaticFilesHandler(django_http) if settings.SERVE_STATIC else django_http,
+        "websocket": _WebsocketRouter(),
+    }
+)

@@ -1,0 +1,58 @@
+"""Catalog models: GGUF artifacts registered with the control plane."""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+from django.conf import settings
+from django.db import models
+from django.db.models import Q
+
+from agent.manifest import Manifest
+
+
+class ModelArtifact(models.Model):
+    """A registered GGUF file, addressed by its sha256, with the manifest built from it."""
+
+    class Source(models.TextChoices):
+        PATH = "path", "path on the server"
+        UPLOAD = "upload", "upload"
+        PACKAGE = "package", "PyPI-shipped model"
+
+    class State(models.TextChoices):
+        PENDING = "pending"
+        BUILDING = "building"
+        READY = "ready"
+        FAILED = "failed"
+
+    name = models.CharField(max_length=200)
+    source = models.CharField(max_length=16, choices=Source.choices)
+    path = models.CharField(max_length=1024, help_text="absolute path of the GGUF on the control plane host")
+    state = models.CharField(max_length=16, choices=State.choices, default=State.PENDING)
+    error = models.TextField(blank=True, default="")
+    sha256 = models.CharField(max_length=64, blank=True, default="")
+    size_bytes = models.BigIntegerField(default=0)
+    n_layers = models.IntegerField(default=0)
+    architecture = models.CharField(max_length=64, blank=True, default="")
+    manifest = models.JSONField(null=True, blank=True)
+    desired_replicas = models.PositiveSmallIntegerField(default=1)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["sha256"], condition=~Q(sha256=""), name="unique_artifact_sha256"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.sha256[:12] or self.state})"
+
+    @cached_property
+    def parsed_manifest(self) -> Manifest:
+        if self.manifest is None:
+            raise ValueError(f"artifact {self.pk} has no manifest yet (state {self.state})")
+        return Manifest.from_dict(self.manifest)

@@ -1,0 +1,44 @@
+"""Catalog tasks: build an artifact's manifest (hashes every tensor) off the request path."""
+
+from __future__ import annotations
+
+import json
+
+from celery import shared_task
+
+from agent.manifest import ManifestError, build_manifest
+from webapp.catalog.models import ModelArtifact
+from webapp.core.channels import notify_fleet
+
+
+@shared_task
+def build_artifact_manifest(artifact_id: int) -> str:
+    """pending -> building -> ready (or failed with the reason)."""
+    claimed = ModelArtifact.objects.filter(pk=artifact_id, state=ModelArtifact.State.PENDING).update(
+        state=ModelArtifact.State.BUILDING
+    )
+    if not claimed:
+        return "another worker got there first"
+    a = ModelArtifact.objects.get(pk=artifact_id)
+    try:
+        m = build_manifest(a.path)
+    except ManifestError as e:
+        ModelArtifact.objects.filter(pk=artifact_id).update(state=ModelArtifact.State.FAILED, error=str(e))
+        return "failed"
+    if ModelArtifact.objects.filter(sha256=m.sha256).exclude(pk=artifact_id).exists():
+        ModelArtifact.objects.filter(pk=artifact_id).update(
+            state=ModelArtifact.State.FAILED,
+            error=f"this file (sha256 {m.sha256[:12]}) is already registered",
+        )
+        return "duplicate"
+    ModelArtifact.objects.filter(pk=artifact_id).update(
+        state=ModelArtifact.State.READY,
+        sha256=m.sha256,
+        size_bytes=m.file_size,
+        n_layers=m.n_layers,
+        architecture=m.architecture,
+        manifest=json.loads(m.to_json()),
+        error="",
+    )
+    notify_fleet(kind="models")
+    return "ready"

@@ -1,0 +1,43 @@
+"""A JSON websocket consumer base that answers malformed messages with an error instead of crashing."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from channels.generic.websocket import AsyncJsonWebsocketConsumer
+
+log = logging.getLogger(__name__)
+MAX_MESSAGE_BYTES = 256 << 10
+
+
+class BadMessage(ValueError):
+    """A websocket message we refuse; the text is sent back to the client."""
+
+
+class SafeJsonConsumer(AsyncJsonWebsocketConsumer):
+    """Decodes JSON itself; a bad message gets `{"type": "error"}` and the socket stays open."""
+
+    async def receive(
+        self, text_data: str | None = None, bytes_data: bytes | None = None, **kwargs: Any
+    ) -> None:
+        raw = text_data if text_data is not None else (bytes_data or b"")
+        if len(raw) > MAX_MESSAGE_BYTES:
+            await self.send_error(f"message larger than {MAX_MESSAGE_BYTES} bytes")
+            return
+        try:
+            content = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            await self.send_error(f"malformed JSON: {e}")
+            return
+        try:
+            await self.receive_json(content)
+        except BadMessage as e:
+            await self.send_error(str(e))
+        except Exception:  # noqa: BLE001 - one bad message must never take the connection down
+            log.exception("%s failed on a message", type(self).__name__)
+            await self.send_error("internal error handling this message")
+
+    async def send_error(self, text: str) -> None:
+        await self.send_json({"type": "error", "error": text})

@@ -1,0 +1,1 @@
+"""Core has no models."""

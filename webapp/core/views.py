@@ -1,0 +1,20 @@
+"""Landing and health views."""
+
+from __future__ import annotations
+
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.shortcuts import redirect
+from django.views.decorators.http import require_GET
+
+
+@require_GET
+def home(request: HttpRequest) -> HttpResponse:
+    if not request.user.is_authenticated:
+        return redirect("login")
+    return redirect("fleet:index" if request.user.is_staff else "playground:index")
+
+
+@require_GET
+def healthz(request: HttpRequest) -> JsonResponse:
+    """Readiness probe for scripts and tests."""
+    return JsonResponse({"ok": True})

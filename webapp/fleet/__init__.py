@@ -1,0 +1,1 @@
+"""Fleet: nodes, enrollment, credentials, the agent websocket, placement of shards."""

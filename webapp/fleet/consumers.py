@@ -1,0 +1,163 @@
+"""Fleet websockets: the agents' control socket and the staff dashboard's live updates.
+
+Consumers only authenticate, join groups, relay and call services; decisions live elsewhere.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from channels.db import database_sync_to_async
+from django.conf import settings
+from django.template.loader import render_to_string
+
+from webapp.core.channels import FLEET_GROUP, node_group, notify_fleet
+from webapp.core.consumers import BadMessage, SafeJsonConsumer
+from webapp.core.nodeauth import authorization_from_scope_headers, parse_node_authorization
+from webapp.fleet import services
+from webapp.fleet.models import Node, ShardAssignment
+from webapp.fleet.protocol import (
+    CLOSE_REMOVED,
+    CLOSE_UNAUTHORIZED,
+    CONTROL_PROTOCOL_VERSION,
+    Hello,
+    Progress,
+    ProtocolError,
+    Telemetry,
+    parse_agent_message,
+    reconcile,
+)
+from webapp.fleet.tasks import assignment_view, sweep_offline_nodes
+
+_last_sweep = 0.0
+
+
+def _hello_sync(node_id: str, hello: Hello) -> list[dict[str, Any]]:
+    services.apply_hello(node_id, hello)
+    rows = list(ShardAssignment.objects.select_related("artifact").filter(node_id=node_id))
+    ready, commands = reconcile([assignment_view(a) for a in rows], hello.shards)
+    ShardAssignment.objects.filter(pk__in=ready).exclude(state=ShardAssignment.State.DRAINING).update(
+        state=ShardAssignment.State.READY, progress=1.0, error=""
+    )
+    ShardAssignment.objects.filter(
+        pk__in=[c["assignment_id"] for c in commands if c["type"] == "load"]
+    ).update(state=ShardAssignment.State.ASSIGNED, progress=0.0)
+    notify_fleet(node_id)
+    return commands
+
+
+def _heartbeat_sync(node_id: str, t: Telemetry) -> None:
+    global _last_sweep
+    services.apply_heartbeat(node_id, t)
+    notify_fleet(node_id)
+    # Any live agent's heartbeat also sweeps for silent ones (beat does too, when it runs).
+    if time.monotonic() - _last_sweep >= 2.0:
+        _last_sweep = time.monotonic()
+        sweep_offline_nodes()
+
+
+def _progress_sync(node_id: str, p: Progress) -> bool:
+    changed = services.update_progress(node_id, p.assignment_id, p.state, p.progress, p.error)
+    if changed:
+        notify_fleet(node_id, kind="placement")
+    return changed
+
+
+def _disconnect_sync(node_id: str) -> None:
+    if services.mark_disconnected(node_id):
+        notify_fleet(node_id)
+
+
+class AgentConsumer(SafeJsonConsumer):
+    """/ws/agent/: authenticated by `Authorization: Node <id>:<secret>`; relays commands and reports."""
+
+    node_id: str | None = None
+
+    async def connect(self) -> None:
+        creds = parse_node_authorization(authorization_from_scope_headers(self.scope.get("headers", [])))
+        node = await database_sync_to_async(services.authenticate_node)(*creds) if creds else None
+        await self.accept()
+        if node is None:
+            await self.send_error("invalid or missing node credentials (Authorization: Node <id>:<secret>)")
+            await self.close(code=CLOSE_UNAUTHORIZED)
+            return
+        self.node_id = node.id
+        await self.channel_layer.group_add(node_group(node.id), self.channel_name)
+        await database_sync_to_async(services.mark_connected)(node.id)
+        await self.send_json(
+            {
+                "type": "welcome",
+                "node_id": node.id,
+                "protocol": CONTROL_PROTOCOL_VERSION,
+                "heartbeat_interval_s": settings.HEARTBEAT_INTERVAL_S,
+            }
+        )
+        await database_sync_to_async(notify_fleet)(node.id)
+
+    async def disconnect(self, code: int) -> None:
+        if self.node_id is None:
+            return
+        await self.channel_layer.group_discard(node_group(self.node_id), self.channel_name)
+        await database_sync_to_async(_disconnect_sync)(self.node_id)
+
+    async def receive_json(self, content: Any, **kwargs: Any) -> None:
+        if self.node_id is None:
+            return
+        try:
+            msg = parse_agent_message(content)
+        except ProtocolError as e:
+            raise BadMessage(str(e)) from None
+        if isinstance(msg, Hello):
+            for command in await database_sync_to_async(_hello_sync)(self.node_id, msg):
+                await self.send_json(command)
+        elif isinstance(msg, Telemetry):
+            await database_sync_to_async(_heartbeat_sync)(self.node_id, msg)
+        elif isinstance(msg, Progress) and not await database_sync_to_async(_progress_sync)(
+            self.node_id, msg
+        ):
+            await self.send_error(f"assignment {msg.assignment_id} is not yours or is draining")
+
+    async def node_command(self, event: dict[str, Any]) -> None:
+        await self.send_json(event["command"])
+
+    async def node_close(self, event: dict[str, Any]) -> None:
+        await self.send_json({"type": "removed"})
+        await self.close(code=CLOSE_REMOVED)
+
+
+def _render_node_row(node_id: str) -> str:
+    node = Node.objects.prefetch_related("shards__artifact").filter(pk=node_id).first()
+    if node is None or node.state == Node.State.REMOVED:
+        return f'<tr id="node-{node_id}" hx-swap-oob="delete"></tr>'
+    html = render_to_string("fleet/htmx/node_row.html", {"node": node})
+    return html.replace("<tr ", '<tr hx-swap-oob="outerHTML" ', 1)
+
+
+class FleetConsumer(SafeJsonConsumer):
+    """/ws/fleet/: staff dashboards; pushes re-rendered node rows (htmx out-of-band swaps)."""
+
+    async def connect(self) -> None:
+        user = self.scope.get("user")
+        if user is None or not user.is_authenticated or not user.is_staff:
+            await self.close(code=CLOSE_UNAUTHORIZED)
+            return
+        await self.channel_layer.group_add(FLEET_GROUP, self.channel_name)
+        await self.accept()
+
+    async def disconnect(self, code: int) -> None:
+        await self.channel_layer.group_discard(FLEET_GROUP, self.channel_name)
+
+    async def receive_json(self, content: Any, **kwargs: Any) -> None:
+        if not isinstance(content, dict) or content.get("type") != "sweep":
+            raise BadMessage('the fleet socket accepts only {"type": "sweep"}')
+        await database_sync_to_async(sweep_offline_nodes)()
+
+    async def fleet_changed(self, event: dict[str, Any]) -> None:
+        if event.get("node_id"):
+            await self.send(text_data=await database_sync_to_async(_render_node_row)(event["node_id"]))
+        if event.get("kind") in ("placement", "models"):
+            await self.send(
+                text_data='<div id="placement-refresh" hx-swap-oob="true" '
+                'hx-get="/fleet/placement/" hx-trigger="load" hx-target="#placement"></div>'
+            )

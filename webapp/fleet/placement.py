@@ -1,0 +1,245 @@
+"""Placement planner: pure functions from nodes + a model's shape to contiguous layer ranges.
+
+No database, no I/O. The Celery task in `webapp.fleet.tasks` feeds it plain values and applies the
+result. Rationale for the choices:
+
+* A node's share of a chain is proportional to its measured speed (so hops finish their layers in about
+  the same time), capped by its memory; the cap always leaves room for the nodes after it.
+* A chain is a set of nodes that together cover [0, n_layers). Replicas are disjoint chains; a model gets
+  as many as the fleet can hold, up to the requested number, and never fewer than one (else the error
+  says how much memory is missing).
+* A lost node is replaced by planning only the layers no surviving shard covers, onto the memory still
+  free, so routes keep their existing boundaries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from agent.ids import NodeId
+from agent.manifest import Manifest
+
+
+class PlacementError(Exception):
+    """The fleet cannot hold the model (or the missing range); the message says by how much."""
+
+
+@dataclass(frozen=True)
+class PlannerNode:
+    """A node as the planner sees it: memory it may fill and its measured speed."""
+
+    node_id: NodeId
+    capacity_bytes: int
+    speed: float = 1.0
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Bytes per layer plus the non-layer tensors the first / last / every shard must also hold."""
+
+    layer_bytes: tuple[int, ...]
+    tensor_bytes: dict[str, int] = field(default_factory=dict)
+    first: frozenset[str] = frozenset()
+    last: frozenset[str] = frozenset()
+    always: frozenset[str] = frozenset()
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layer_bytes)
+
+    def bytes_for(self, start: int, end: int) -> int:
+        """Bytes a shard holding [start, end) loads (a tied embedding shared by both ends counts once)."""
+        names = set(self.always)
+        if start == 0:
+            names |= self.first
+        if end == self.n_layers:
+            names |= self.last
+        return sum(self.layer_bytes[start:end]) + sum(self.tensor_bytes.get(n, 0) for n in names)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.bytes_for(0, self.n_layers)
+
+
+def shape_from_manifest(m: Manifest) -> ModelShape:
+    roles = {k: frozenset(v) for k, v in m.roles.items()}
+    needed = roles.get("first", frozenset()) | roles.get("last", frozenset()) | roles.get("all", frozenset())
+    return ModelShape(
+        layer_bytes=tuple(layer.nbytes for layer in m.layers),
+        tensor_bytes={t.name: t.nbytes for t in m.tensors if t.name in needed},
+        first=roles.get("first", frozenset()),
+        last=roles.get("last", frozenset()),
+        always=roles.get("all", frozenset()),
+    )
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One shard of a plan: layers [layer_start, layer_end) on `node_id`, in chain `chain`."""
+
+    node_id: NodeId
+    layer_start: int
+    layer_end: int
+    chain: int = 0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The planner's answer: placements grouped into chains, and notes for the admin."""
+
+    placements: tuple[Placement, ...]
+    replicas: int
+    notes: tuple[str, ...] = ()
+
+    def for_node(self, node_id: NodeId) -> list[Placement]:
+        return [p for p in self.placements if p.node_id == node_id]
+
+
+def _max_end(shape: ModelShape, start: int, capacity: int) -> int:
+    """Furthest end such that [start, end) fits in `capacity` (start if not even one layer fits)."""
+    end = start
+    while end < shape.n_layers and shape.bytes_for(start, end + 1) <= capacity:
+        end += 1
+    return end
+
+
+def _fits(shape: ModelShape, start: int, nodes: Sequence[PlannerNode]) -> bool:
+    """Can `nodes`, in order, cover [start, n)? Filling each node greedily is optimal for a chain."""
+    pos = start
+    for n in nodes:
+        if pos == shape.n_layers:
+            return True
+        pos = _max_end(shape, pos, n.capacity_bytes)
+    return pos == shape.n_layers
+
+
+def split_chain(
+    shape: ModelShape, nodes: Sequence[PlannerNode], start: int = 0, end: int | None = None, chain: int = 0
+) -> list[Placement]:
+    """Cover [start, end) with contiguous ranges on `nodes` (in order), shares proportional to speed."""
+    stop = shape.n_layers if end is None else end
+    sub = ModelShape(
+        shape.layer_bytes[:stop],
+        shape.tensor_bytes,
+        shape.first,
+        shape.last if stop == shape.n_layers else frozenset(),
+        shape.always,
+    )
+    if not _fits(sub, start, nodes):
+        need = sub.bytes_for(start, stop)
+        have = sum(n.capacity_bytes for n in nodes)
+        raise PlacementError(
+            f"layers {start}:{stop} need {need / 1e6:.1f} MB but {len(nodes)} node(s) can hold only "
+            f"{have / 1e6:.1f} MB in contiguous ranges; add nodes or free memory"
+        )
+    total_speed = sum(max(n.speed, 1e-9) for n in nodes)
+    out: list[Placement] = []
+    pos, done_speed = start, 0.0
+    for i, n in enumerate(nodes):
+        if pos == stop:
+            break
+        done_speed += max(n.speed, 1e-9)
+        rest = nodes[i + 1 :]
+        hi = _max_end(sub, pos, n.capacity_bytes)
+        if not rest:
+            cut = stop
+        else:
+            target = start + round((stop - start) * done_speed / total_speed)
+            lo = next((e for e in range(pos, hi + 1) if _fits(sub, e, rest)), hi)
+            cut = min(max(target, lo), hi)
+        if cut > pos:
+            out.append(Placement(n.node_id, pos, cut, chain))
+            pos = cut
+    return out
+
+
+def _deal(nodes: Sequence[PlannerNode], groups: int) -> list[list[PlannerNode]]:
+    """Deal nodes (fastest first) into `groups` chains in snake order, so chains get similar speed."""
+    ordered = sorted(nodes, key=lambda n: (-n.speed, -n.capacity_bytes, n.node_id))
+    out: list[list[PlannerNode]] = [[] for _ in range(groups)]
+    for i, n in enumerate(ordered):
+        rnd, k = divmod(i, groups)
+        out[k if rnd % 2 == 0 else groups - 1 - k].append(n)
+    return out
+
+
+def plan_placement(nodes: Sequence[PlannerNode], shape: ModelShape, replicas: int = 1) -> Plan:
+    """Place the whole model: up to `replicas` disjoint chains, as many as memory allows (at least one)."""
+    if shape.n_layers == 0:
+        raise PlacementError("the model has no layers")
+    usable = [n for n in nodes if n.capacity_bytes > 0]
+    if not usable:
+        raise PlacementError(f"no node has free memory; the model needs {shape.total_bytes / 1e6:.1f} MB")
+    notes: list[str] = []
+    last_error: PlacementError | None = None
+    for r in range(min(max(replicas, 1), len(usable)), 0, -1):
+        try:
+            chains = [split_chain(shape, group, chain=c) for c, group in enumerate(_deal(usable, r))]
+        except PlacementError as e:
+            last_error = e
+            continue
+        if r < replicas:
+            notes.append(f"only {r} of {replicas} requested replicas fit in the fleet's memory")
+        return Plan(tuple(p for ch in chains for p in ch), r, tuple(notes))
+    free = sum(n.capacity_bytes for n in usable)
+    raise PlacementError(
+        f"the fleet cannot hold the model: it needs {shape.total_bytes / 1e6:.1f} MB, "
+        f"{len(usable)} node(s) have {free / 1e6:.1f} MB usable ({last_error})"
+    )
+
+
+def uncovered_ranges(n_layers: int, placements: Sequence[Placement]) -> list[tuple[int, int]]:
+    """Maximal layer ranges that no placement covers."""
+    covered = [False] * n_layers
+    for p in placements:
+        for i in range(p.layer_start, p.layer_end):
+            covered[i] = True
+    out: list[tuple[int, int]] = []
+    i = 0
+    while i < n_layers:
+        if covered[i]:
+            i += 1
+            continue
+        j = i
+        while j < n_layers and not covered[j]:
+            j += 1
+        out.append((i, j))
+        i = j
+    return out
+
+
+def replan_lost(
+    nodes: Sequence[PlannerNode], shape: ModelShape, current: Sequence[Placement], lost: NodeId
+) -> list[Placement]:
+    """New placements for the layers only `lost` held; `nodes[i].capacity_bytes` is what is still free.
+
+    Each missing range goes to the fastest single node that can hold it; otherwise it is split over the
+    survivors. Raises PlacementError when the survivors cannot hold it.
+    """
+    survivors = [p for p in current if p.node_id != lost]
+    holes = uncovered_ranges(shape.n_layers, survivors)
+    free = {n.node_id: n.capacity_bytes for n in nodes if n.node_id != lost}
+    speed = {n.node_id: n.speed for n in nodes}
+    chain = max((p.chain for p in current), default=0)
+    out: list[Placement] = []
+    for a, b in holes:
+        need = shape.bytes_for(a, b)
+        single = [nid for nid, cap in free.items() if cap >= need]
+        if single:
+            best = max(single, key=lambda nid: (speed[nid], free[nid], nid))
+            out.append(Placement(best, a, b, chain))
+            free[best] -= need
+            continue
+        pool = sorted(
+            (PlannerNode(nid, cap, speed[nid]) for nid, cap in free.items() if cap > 0),
+            key=lambda n: (-n.speed, n.node_id),
+        )
+        try:
+            parts = split_chain(shape, pool, a, b, chain)
+        except PlacementError as e:
+            raise PlacementError(f"cannot replace lost node {lost}: {e}") from None
+        for p in parts:
+            free[p.node_id] -= shape.bytes_for(p.layer_start, p.layer_end)
+        out.extend(parts)
+    return out

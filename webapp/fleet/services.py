@@ -1,0 +1,157 @@
+"""Fleet decisions that touch the database: enrollment, node authentication, heartbeats, commands.
+
+Views, consumers and tasks stay thin and call these; the pure parts (what to send an agent that just
+said hello, how to read its messages) live in `webapp.fleet.protocol`.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from agent import routetoken
+from agent.ids import NodeId
+from webapp.fleet.models import EnrollmentToken, Node, NodeCredential, ShardAssignment, hash_secret
+from webapp.fleet.protocol import Hello, Telemetry
+from webapp.routing.keys import route_signing_key
+
+
+class EnrollmentError(Exception):
+    """The enrollment token is unknown, expired or already used."""
+
+
+@dataclass(frozen=True)
+class Enrollment:
+    """What a node receives once, in exchange for its enrollment token."""
+
+    node_id: NodeId
+    secret: str
+    public_key: str
+
+
+def create_enrollment_token(
+    user: Any, note: str = "", ttl_s: int | None = None
+) -> tuple[str, EnrollmentToken]:
+    """A fresh token (plain text returned once; only its hash is stored)."""
+    plain = "enr_" + secrets.token_urlsafe(32)
+    ttl = settings.ENROLLMENT_TOKEN_TTL_S if ttl_s is None else ttl_s
+    row = EnrollmentToken.objects.create(
+        token_hash=hash_secret(plain),
+        note=note[:100],
+        created_by=user,
+        expires_at=timezone.now() + timedelta(seconds=ttl),
+    )
+    return plain, row
+
+
+def redeem_enrollment_token(plain: str, name: str) -> Enrollment:
+    """Exchange a token for node credentials; the conditional update makes the token single-use."""
+    now = timezone.now()
+    with transaction.atomic():
+        row = EnrollmentToken.objects.filter(token_hash=hash_secret(plain)).first()
+        if row is None:
+            raise EnrollmentError("unknown enrollment token")
+        if row.used_at is not None:
+            raise EnrollmentError("enrollment token was already used")
+        if row.expires_at <= now:
+            raise EnrollmentError("enrollment token has expired")
+        node = Node.objects.create(name=(name or "node")[:100])
+        claimed = EnrollmentToken.objects.filter(pk=row.pk, used_at=None).update(used_at=now, node=node)
+        if claimed != 1:
+            # Another request redeemed it between our read and this update.
+            raise EnrollmentError("enrollment token was already used")
+        secret = "sec_" + secrets.token_urlsafe(32)
+        NodeCredential.objects.create(node=node, secret_hash=hash_secret(secret))
+    public = routetoken.public_key_b64(route_signing_key().public_key())
+    return Enrollment(NodeId(node.id), secret, public)
+
+
+def authenticate_node(node_id: str, secret: str) -> Node | None:
+    """The node owning this unrevoked credential, unless it was removed."""
+    cred = (
+        NodeCredential.objects.select_related("node")
+        .filter(secret_hash=hash_secret(secret), node_id=node_id, revoked_at=None)
+        .first()
+    )
+    if cred is None or cred.node.state == Node.State.REMOVED:
+        return None
+    return cred.node
+
+
+def mark_connected(node_id: str) -> None:
+    now = timezone.now()
+    Node.objects.filter(pk=node_id).exclude(state__in=[Node.State.REMOVED, Node.State.DRAINING]).update(
+        state=Node.State.ONLINE, connected_at=now, last_seen=now
+    )
+    Node.objects.filter(pk=node_id, state=Node.State.DRAINING).update(connected_at=now, last_seen=now)
+
+
+def mark_disconnected(node_id: str) -> bool:
+    """Offline at once when the socket closes; True when the state changed."""
+    return bool(
+        Node.objects.filter(pk=node_id, state__in=[Node.State.ONLINE, Node.State.PENDING]).update(
+            state=Node.State.OFFLINE
+        )
+    )
+
+
+def apply_hello(node_id: str, hello: Hello) -> None:
+    Node.objects.filter(pk=node_id).update(
+        hardware=hello.hardware,
+        backends=hello.backends,
+        version=hello.version,
+        dataplane_url=hello.dataplane_url,
+        speed=hello.speed,
+        free_memory_bytes=hello.free_memory_bytes,
+        last_seen=timezone.now(),
+    )
+
+
+def apply_heartbeat(node_id: str, t: Telemetry) -> bool:
+    """Record a heartbeat; True when a downsampled telemetry sample was stored."""
+    from webapp.telemetry.services import maybe_store_sample
+
+    now = timezone.now()
+    Node.objects.filter(pk=node_id).update(
+        last_seen=now, telemetry=t.raw, free_memory_bytes=t.free_memory_bytes
+    )
+    Node.objects.filter(pk=node_id, state__in=[Node.State.OFFLINE, Node.State.PENDING]).update(
+        state=Node.State.ONLINE
+    )
+    return maybe_store_sample(node_id, t, now)
+
+
+def stale_online_nodes(now: Any = None) -> list[str]:
+    """Nodes still marked online whose last heartbeat is older than NODE_OFFLINE_AFTER_S."""
+    cutoff = (now or timezone.now()) - timedelta(seconds=settings.NODE_OFFLINE_AFTER_S)
+    return list(
+        Node.objects.filter(state=Node.State.ONLINE, last_seen__lt=cutoff).values_list("id", flat=True)
+    )
+
+
+def mark_offline_if_stale(node_id: str) -> bool:
+    """Claim the transition with a conditional update: another sweeper may have got there first."""
+    cutoff = timezone.now() - timedelta(seconds=settings.NODE_OFFLINE_AFTER_S)
+    return bool(
+        Node.objects.filter(pk=node_id, state=Node.State.ONLINE, last_seen__lt=cutoff).update(
+            state=Node.State.OFFLINE
+        )
+    )
+
+
+def update_progress(node_id: str, assignment_id: int, state: str, progress: float, error: str) -> bool:
+    """Apply an agent's progress report to its own assignment (never another node's)."""
+    qs = ShardAssignment.objects.filter(pk=assignment_id, node_id=node_id)
+    if state == "unloaded":
+        return bool(qs.filter(state=ShardAssignment.State.DRAINING).delete()[0])
+    return bool(
+        qs.exclude(state=ShardAssignment.State.DRAINING).update(
+            state=state, progress=max(0.0, min(1.0, progress)), error=error[:2000]
+        )
+    )

@@ -1,0 +1,226 @@
+"""Fleet tasks: apply placement plans, push commands to agents, sweep silent nodes, replace lost ones.
+
+Tasks take ids, never ORM objects; they claim work with conditional updates and send commands only
+after their transaction commits (transaction.on_commit), so an agent never hears of a row that a
+rollback erased.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Any
+
+from celery import shared_task
+from django.conf import settings
+from django.db import transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from agent.ids import NodeId
+from webapp.catalog.models import ModelArtifact
+from webapp.core.channels import group_send, node_group, notify_fleet
+from webapp.fleet import services
+from webapp.fleet.models import Node, ShardAssignment
+from webapp.fleet.placement import (
+    Placement,
+    PlacementError,
+    PlannerNode,
+    plan_placement,
+    replan_lost,
+    shape_from_manifest,
+)
+from webapp.fleet.protocol import AssignmentView, choose_backend, load_command, unload_command
+
+log = logging.getLogger(__name__)
+ACTIVE = [
+    ShardAssignment.State.ASSIGNED,
+    ShardAssignment.State.FETCHING,
+    ShardAssignment.State.LOADING,
+    ShardAssignment.State.READY,
+]
+PENDING = [ShardAssignment.State.ASSIGNED, ShardAssignment.State.FETCHING, ShardAssignment.State.LOADING]
+NODE_LOST_AFTER_S = 30
+
+
+def assignment_view(a: ShardAssignment) -> AssignmentView:
+    return AssignmentView(a.pk, a.artifact.sha256, a.layer_start, a.layer_end, a.state, a.backend)
+
+
+def send_command(node_id: str, command: dict[str, Any]) -> None:
+    group_send(node_group(node_id), {"type": "node.command", "command": command})
+
+
+def push_loads(assignment_ids: list[int]) -> None:
+    for a in ShardAssignment.objects.select_related("artifact").filter(pk__in=assignment_ids):
+        send_command(a.node_id, load_command(assignment_view(a)))
+    notify_fleet(kind="placement")
+
+
+def _planner_nodes(exclude: set[str] | None = None) -> list[PlannerNode]:
+    """Online nodes with the memory they can still give: reported free memory minus the KV reserve and
+    minus shards assigned but not yet loaded (those are not reflected in the report yet)."""
+    nodes = Node.objects.filter(state=Node.State.ONLINE).exclude(dataplane_url="")
+    out = []
+    for n in nodes:
+        if exclude and n.id in exclude:
+            continue
+        pending = 0
+        for a in ShardAssignment.objects.select_related("artifact").filter(node=n, state__in=PENDING):
+            pending += shape_from_manifest(a.artifact.parsed_manifest).bytes_for(a.layer_start, a.layer_end)
+        cap = n.free_memory_bytes - settings.KV_RESERVE_BYTES - pending
+        out.append(PlannerNode(NodeId(n.id), max(cap, 0), n.speed))
+    return out
+
+
+def _create(artifact: ModelArtifact, placements: list[Placement]) -> list[int]:
+    backends = dict(Node.objects.filter(pk__in={p.node_id for p in placements}).values_list("id", "backends"))
+    ids = []
+    for p in placements:
+        full = p.layer_start == 0 and p.layer_end == artifact.n_layers
+        a = ShardAssignment.objects.create(
+            node_id=p.node_id,
+            artifact=artifact,
+            layer_start=p.layer_start,
+            layer_end=p.layer_end,
+            backend=choose_backend(backends.get(p.node_id) or [], full, settings.DEFAULT_BACKEND),
+        )
+        ids.append(a.pk)
+    return ids
+
+
+@shared_task
+def place_model(artifact_id: int, replicas: int | None = None) -> dict[str, Any]:
+    """Plan and record shards for an artifact that has none active, then tell the agents."""
+    with transaction.atomic():
+        artifact = ModelArtifact.objects.select_for_update().get(pk=artifact_id)
+        if artifact.state != ModelArtifact.State.READY:
+            return {"ok": False, "error": f"model is {artifact.state}, not ready"}
+        if ShardAssignment.objects.filter(artifact=artifact, state__in=ACTIVE).exists():
+            return {"ok": False, "error": "model is already placed; unplace it first"}
+        try:
+            plan = plan_placement(
+                _planner_nodes(),
+                shape_from_manifest(artifact.parsed_manifest),
+                replicas or artifact.desired_replicas,
+            )
+        except PlacementError as e:
+            return {"ok": False, "error": str(e)}
+        ids = _create(artifact, list(plan.placements))
+        transaction.on_commit(lambda: push_loads(ids))
+    return {"ok": True, "assignments": ids, "replicas": plan.replicas, "notes": list(plan.notes)}
+
+
+@shared_task
+def unplace_model(artifact_id: int) -> int:
+    """Drain every shard of an artifact; agents unload and report, which deletes the rows."""
+    with transaction.atomic():
+        rows = list(
+            ShardAssignment.objects.select_related("artifact")
+            .filter(artifact_id=artifact_id)
+            .exclude(state=ShardAssignment.State.DRAINING)
+        )
+        ShardAssignment.objects.filter(pk__in=[a.pk for a in rows]).update(
+            state=ShardAssignment.State.DRAINING
+        )
+        commands = [
+            (a.node_id, unload_command(a.artifact.sha256, a.layer_start, a.layer_end, a.pk)) for a in rows
+        ]
+        transaction.on_commit(
+            lambda: [send_command(n, c) for n, c in commands] and notify_fleet(kind="placement")
+        )
+    return len(rows)
+
+
+@shared_task
+def drain_node(node_id: str) -> bool:
+    """Stop routing to a node and ask it to finish its sessions; its shards are replaced elsewhere."""
+    with transaction.atomic():
+        if (
+            not Node.objects.filter(pk=node_id)
+            .exclude(state=Node.State.REMOVED)
+            .update(state=Node.State.DRAINING)
+        ):
+            return False
+        transaction.on_commit(lambda: (send_command(node_id, {"type": "drain"}), notify_fleet(node_id)))
+    replace_lost_node.delay(node_id, ShardAssignment.State.DRAINING)
+    return True
+
+
+@shared_task
+def remove_node(node_id: str) -> bool:
+    """Revoke a node's credentials, close its socket, forget its shards and replace them."""
+    with transaction.atomic():
+        if (
+            not Node.objects.filter(pk=node_id)
+            .exclude(state=Node.State.REMOVED)
+            .update(state=Node.State.REMOVED)
+        ):
+            return False
+        Node.objects.get(pk=node_id).credentials.filter(revoked_at=None).update(revoked_at=timezone.now())
+        transaction.on_commit(
+            lambda: (
+                group_send(node_group(node_id), {"type": "node.close"}),
+                notify_fleet(node_id),
+            )
+        )
+    replace_lost_node.delay(node_id)
+    return True
+
+
+@shared_task
+def replace_lost_node(node_id: str, mark: str = ShardAssignment.State.FAILED) -> dict[str, Any]:
+    """Place the layers that only the lost node held onto the survivors, per artifact it served.
+
+    The lost node's active shards become `mark` (failed when lost, draining when an admin drains it).
+    """
+    out: dict[str, Any] = {}
+    with transaction.atomic():
+        lost_rows = list(
+            ShardAssignment.objects.select_related("artifact").filter(node_id=node_id, state__in=ACTIVE)
+        )
+        # Claim: only the first replacer flips them away from active states.
+        claimed = ShardAssignment.objects.filter(pk__in=[a.pk for a in lost_rows], state__in=ACTIVE).update(
+            state=mark, error="node lost" if mark == ShardAssignment.State.FAILED else "node draining"
+        )
+        if not claimed:
+            return out
+        new_ids: list[int] = []
+        for artifact in {a.artifact_id: a.artifact for a in lost_rows}.values():
+            current = [
+                Placement(NodeId(a.node_id), a.layer_start, a.layer_end)
+                for a in ShardAssignment.objects.filter(artifact=artifact, state__in=ACTIVE)
+            ]
+            try:
+                placements = replan_lost(
+                    _planner_nodes(exclude={node_id}),
+                    shape_from_manifest(artifact.parsed_manifest),
+                    current,
+                    NodeId(node_id),
+                )
+            except PlacementError as e:
+                log.warning("artifact %s: %s", artifact.pk, e)
+                out[artifact.sha256] = str(e)
+                continue
+            ids = _create(artifact, placements)
+            new_ids += ids
+            out[artifact.sha256] = ids
+        transaction.on_commit(lambda: push_loads(new_ids))
+    return out
+
+
+@shared_task
+def sweep_offline_nodes() -> list[str]:
+    """Mark silent nodes offline; replace nodes offline for longer than NODE_LOST_AFTER_S."""
+    flipped = [nid for nid in services.stale_online_nodes() if services.mark_offline_if_stale(nid)]
+    for nid in flipped:
+        notify_fleet(nid)
+    lost_cutoff = timezone.now() - timedelta(seconds=NODE_LOST_AFTER_S)
+    lost = (
+        Node.objects.filter(Q(state=Node.State.OFFLINE, last_seen__lt=lost_cutoff), shards__state__in=ACTIVE)
+        .values_list("id", flat=True)
+        .distinct()
+    )
+    for nid in list(lost):
+        replace_lost_node.delay(nid)
+    return flipped

@@ -1,0 +1,86 @@
+"""Fleet views: the live fleet page, enrollment tokens, drain/remove, placement bars, the enroll API."""
+
+from __future__ import annotations
+
+import json
+
+from django.conf import settings
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.shortcuts import get_object_or_404, render
+from django.views.decorators.csrf import csrf_exempt
+from django.views.decorators.http import require_GET, require_POST
+
+from webapp.catalog.models import ModelArtifact
+from webapp.core.auth import HtmxHttpRequest, staff_required
+from webapp.fleet import services
+from webapp.fleet.models import Node, ShardAssignment
+from webapp.fleet.presenters import placement_bars
+from webapp.fleet.tasks import drain_node, remove_node
+
+
+def fleet_context() -> dict[str, object]:
+    nodes = Node.objects.exclude(state=Node.State.REMOVED).prefetch_related("shards__artifact")
+    return {"nodes": nodes, "offline_after_s": settings.NODE_OFFLINE_AFTER_S}
+
+
+@require_GET
+@staff_required
+def index(request: HtmxHttpRequest) -> HttpResponse:
+    template = "fleet/htmx/node_table.html" if request.htmx else "fleet/index.html"
+    return render(request, template, fleet_context())
+
+
+@require_POST
+@staff_required
+def create_token(request: HtmxHttpRequest) -> HttpResponse:
+    plain, row = services.create_enrollment_token(request.user, request.POST.get("note", ""))
+    return render(
+        request,
+        "fleet/htmx/token_created.html",
+        {"token": plain, "row": row, "server": request.build_absolute_uri("/").rstrip("/")},
+    )
+
+
+@require_POST
+@staff_required
+def drain(request: HtmxHttpRequest, node_id: str) -> HttpResponse:
+    node = get_object_or_404(Node, pk=node_id)
+    drain_node.delay(node.pk)
+    node.refresh_from_db()
+    return render(request, "fleet/htmx/node_row.html", {"node": node})
+
+
+@require_POST
+@staff_required
+def remove(request: HtmxHttpRequest, node_id: str) -> HttpResponse:
+    node = get_object_or_404(Node, pk=node_id)
+    remove_node.delay(node.pk)
+    return HttpResponse("")
+
+
+@require_GET
+@staff_required
+def placement(request: HtmxHttpRequest) -> HttpResponse:
+    artifacts = ModelArtifact.objects.filter(state=ModelArtifact.State.READY)
+    shards = ShardAssignment.objects.select_related("node").filter(artifact__in=artifacts)
+    ctx = {"models": placement_bars(list(artifacts), list(shards))}
+    template = "fleet/htmx/placement_bars.html" if request.htmx else "fleet/placement.html"
+    return render(request, template, ctx)
+
+
+@csrf_exempt  # authenticated by the one-time enrollment token in the body, not by a browser session
+@require_POST
+def enroll_api(request: HttpRequest) -> JsonResponse:
+    """POST {"token", "name"} -> {"node_id", "secret", "public_key"}; a token works once, before expiry."""
+    try:
+        body = json.loads(request.body or b"{}")
+        token, name = body["token"], body.get("name", "")
+        if not isinstance(token, str) or not isinstance(name, str):
+            raise TypeError
+    except (ValueError, KeyError, TypeError):
+        return JsonResponse({"error": 'send JSON {"token": "...", "name": "..."}'}, status=400)
+    try:
+        e = services.redeem_enrollment_token(token, name)
+    except services.EnrollmentError as err:
+        return JsonResponse({"error": str(err)}, status=403)
+    return JsonResponse({"node_id": e.node_id, "secret": e.secret, "public_key": e.public_key}, status=201)

@@ -1,0 +1,1 @@
+"""Playground: the browser chat that streams tokens over a websocket."""

@@ -1,0 +1,1 @@
+"""Playground models (none: conversations are RouteSession rows, answers GenerationRecord rows)."""

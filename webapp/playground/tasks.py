@@ -1,0 +1,1 @@
+"""Playground tasks (none yet)."""

@@ -1,0 +1,1 @@
+"""Routing: choosing chains of ready shards, route sessions and route tokens."""

@@ -1,0 +1,37 @@
+"""The control plane's Ed25519 route-token signing key: from ROUTE_KEY_PEM(_FILE) or a 0600 file."""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
+
+from agent import routetoken
+
+
+@lru_cache(maxsize=1)
+def route_signing_key() -> Ed25519PrivateKey:
+    """Loaded once per process; generated into the data dir (mode 0600) on first start."""
+    pem = settings.ROUTE_KEY_PEM
+    if pem:
+        key = serialization.load_pem_private_key(pem.encode(), password=None)
+        if not isinstance(key, Ed25519PrivateKey):
+            raise ImproperlyConfigured("ROUTE_KEY_PEM is not an Ed25519 private key")
+        return key
+    path = settings.ROUTE_KEY_PATH
+    if not path.exists():
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:  # another process created it first
+            return routetoken.load_private_key(path)
+        with os.fdopen(fd, "wb") as f:
+            f.write(routetoken.private_key_pem(routetoken.generate_key()))
+    return routetoken.load_private_key(path)
+
+
+def route_public_key_b64() -> str:
+    return routetoken.public_key_b64(route_signing_key().public_key())

@@ -1,0 +1,97 @@
+"""Opening route sessions: gather ready shards, choose a chain, mint one token per hop."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from django.conf import settings
+from django.utils import timezone
+
+from agent import routetoken
+from agent.ids import NodeId, SessionId
+from webapp.catalog.models import ModelArtifact
+from webapp.fleet.models import Node, ShardAssignment
+from webapp.routing.chooser import ShardCandidate, choose_route
+from webapp.routing.keys import route_signing_key
+from webapp.routing.models import RouteSession
+
+
+@dataclass(frozen=True)
+class HopGrant:
+    """One hop of an opened route, with the signed token its node will verify."""
+
+    node_id: NodeId
+    url: str
+    layer_start: int
+    layer_end: int
+    token: bytes
+
+
+def ready_candidates(artifact_id: int) -> list[ShardCandidate]:
+    rows = (
+        ShardAssignment.objects.select_related("node")
+        .filter(
+            artifact_id=artifact_id,
+            state=ShardAssignment.State.READY,
+            node__state=Node.State.ONLINE,
+        )
+        .exclude(node__dataplane_url="")
+    )
+    return [
+        ShardCandidate(
+            NodeId(r.node_id),
+            r.node.dataplane_url,
+            r.layer_start,
+            r.layer_end,
+            r.node.speed,
+            int(r.node.telemetry.get("sessions", 0) or 0),
+        )
+        for r in rows
+    ]
+
+
+def mint_hops(artifact: ModelArtifact, session_id: uuid.UUID, route: list[ShardCandidate]) -> list[HopGrant]:
+    key = route_signing_key()
+    return [
+        HopGrant(
+            s.node_id,
+            s.url,
+            s.layer_start,
+            s.layer_end,
+            routetoken.mint(
+                key,
+                SessionId(session_id.bytes),
+                artifact.sha256,
+                s.layer_start,
+                s.layer_end,
+                s.node_id,
+                settings.ROUTE_TOKEN_TTL_S,
+            ),
+        )
+        for s in route
+    ]
+
+
+def open_route(artifact_id: int, user: Any) -> tuple[RouteSession, list[HopGrant]]:
+    """Choose a route for a new conversation and record it. Raises NoRoute when none exists."""
+    artifact = ModelArtifact.objects.get(pk=artifact_id, state=ModelArtifact.State.READY)
+    route = choose_route(ready_candidates(artifact_id), artifact.n_layers)
+    session = RouteSession.objects.create(
+        artifact=artifact,
+        user=user if getattr(user, "is_authenticated", False) else None,
+        hops=[
+            {"node": s.node_id, "url": s.url, "layer_start": s.layer_start, "layer_end": s.layer_end}
+            for s in route
+        ],
+    )
+    return session, mint_hops(artifact, session.id, route)
+
+
+def touch_session(session_id: uuid.UUID, n_positions: int) -> None:
+    RouteSession.objects.filter(pk=session_id).update(last_used=timezone.now(), n_positions=n_positions)
+
+
+def close_session(session_id: uuid.UUID, state: str = RouteSession.State.CLOSED) -> None:
+    RouteSession.objects.filter(pk=session_id, state=RouteSession.State.OPEN).update(state=state)

@@ -1,0 +1,6 @@
+"""Routing URLs (none yet: its data is shown on the fleet and playground pages)."""
+
+from __future__ import annotations
+
+app_name = "routing"
+urlpatterns: list[object] = []

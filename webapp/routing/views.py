@@ -1,0 +1,1 @@
+"""Routing views (none yet: its data is shown on the fleet and playground pages)."""

@@ -1,0 +1,187 @@
+"""Django settings, read from environment variables (embedded SQLite/in-memory/eager by default)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from datetime import timedelta
+from pathlib import Path
+
+import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
+
+from webapp.env import envbool, envint, envlist, envstr
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+DATA_DIR = Path(envstr("SWARM_DATA_DIR", str(BASE_DIR / "var"))).resolve()
+DATA_DIR.mkdir(parents=True, exist_ok=True)
+
+DEBUG = envbool("DEBUG", False)
+
+
+def _secret_key() -> str:
+    """SECRET_KEY (or SECRET_KEY_FILE); otherwise one generated once into the data dir (0600)."""
+    key = envstr("SECRET_KEY")
+    if key:
+        if len(key) < 32:
+            raise ImproperlyConfigured("SECRET_KEY must be at least 32 characters")
+        return key
+    path = DATA_DIR / "secret_key"
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(48))
+    return path.read_text().strip()
+
+
+SECRET_KEY = _secret_key()
+ALLOWED_HOSTS = envlist("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]", "testserver"])
+CSRF_TRUSTED_ORIGINS = envlist("CSRF_TRUSTED_ORIGINS", [])
+SITE_URL = envstr("SITE_URL", "http://127.0.0.1:8000").rstrip("/")
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "channels",
+    "django_htmx",
+    "webapp.core",
+    "webapp.catalog",
+    "webapp.fleet",
+    "webapp.routing",
+    "webapp.playground",
+    "webapp.telemetry",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "django_htmx.middleware.HtmxMiddleware",
+]
+
+ROOT_URLCONF = "webapp.urls"
+ASGI_APPLICATION = "webapp.asgi.application"
+WSGI_APPLICATION = None
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+# --- database: DATABASE_URL (PostgreSQL) or the embedded SQLite file ------------------------------
+DATABASE_URL = envstr("DATABASE_URL")
+if DATABASE_URL:
+    try:
+        DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=0)}
+    except ValueError as e:
+        raise ImproperlyConfigured(f"DATABASE_URL is not a valid database URL: {e}") from None
+else:
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": DATA_DIR / "db.sqlite3",
+            # Several processes (web, worker, `swarm_up`) share the file: wait instead of failing.
+            "OPTIONS": {
+                "timeout": 20,
+                "transaction_mode": "IMMEDIATE",
+                "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+            },
+        }
+    }
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# --- Redis: Celery broker + Channels layer, or in-process fallbacks --------------------------------
+REDIS_URL = envstr("REDIS_URL")
+if REDIS_URL:
+    if not REDIS_URL.startswith(("redis://", "rediss://", "unix://")):
+        raise ImproperlyConfigured(f"REDIS_URL={REDIS_URL!r} must start with redis://, rediss:// or unix://")
+    CHANNEL_LAYERS = {
+        "default": {
+            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            "CONFIG": {"hosts": [REDIS_URL], "prefix": envstr("CHANNELS_PREFIX", "swarm")},
+        }
+    }
+    CELERY_BROKER_URL = REDIS_URL
+else:
+    CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+    CELERY_BROKER_URL = "memory://"
+CELERY_TASK_ALWAYS_EAGER = envbool("CELERY_TASK_ALWAYS_EAGER", not REDIS_URL)
+CELERY_TASK_EAGER_PROPAGATES = True
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_TASK_DEFAULT_QUEUE = envstr("CELERY_QUEUE", "swarm")
+CELERY_BEAT_SCHEDULE = {
+    "sweep-offline-nodes": {
+        "task": "webapp.fleet.tasks.sweep_offline_nodes",
+        "schedule": timedelta(seconds=3),
+    },
+    "prune-telemetry": {"task": "webapp.telemetry.tasks.prune_samples", "schedule": timedelta(minutes=10)},
+    "gc-route-sessions": {"task": "webapp.routing.tasks.gc_sessions", "schedule": timedelta(minutes=1)},
+}
+
+# --- swarm behaviour ------------------------------------------------------------------------------
+HEARTBEAT_INTERVAL_S = envint("HEARTBEAT_INTERVAL_S", 3, minimum=1)
+NODE_OFFLINE_AFTER_S = envint("NODE_OFFLINE_AFTER_S", 9, minimum=2)
+ENROLLMENT_TOKEN_TTL_S = envint("ENROLLMENT_TOKEN_TTL_S", 3600, minimum=60)
+ROUTE_TOKEN_TTL_S = envint("ROUTE_TOKEN_TTL_S", 3600, minimum=60)
+ROUTE_SESSION_IDLE_S = envint("ROUTE_SESSION_IDLE_S", 1800, minimum=60)
+TELEMETRY_SAMPLE_EVERY_S = envint("TELEMETRY_SAMPLE_EVERY_S", 10, minimum=1)
+TELEMETRY_KEEP_HOURS = envint("TELEMETRY_KEEP_HOURS", 24, minimum=1)
+KV_RESERVE_BYTES = envint("KV_RESERVE_BYTES", 256 << 20, minimum=0)
+DEFAULT_BACKEND = envstr("DEFAULT_BACKEND", "torch")
+# Ed25519 key that signs route tokens: ROUTE_KEY_PEM(_FILE), else generated into the data dir (0600).
+ROUTE_KEY_PEM = envstr("ROUTE_KEY_PEM")
+ROUTE_KEY_PATH = DATA_DIR / "route_key.pem"
+ARTIFACT_DIR = DATA_DIR / "artifacts"
+MAX_UPLOAD_BYTES = envint("MAX_UPLOAD_BYTES", 64 << 30, minimum=1)
+DATA_UPLOAD_MAX_MEMORY_SIZE = 10 << 20
+FILE_UPLOAD_MAX_MEMORY_SIZE = 10 << 20
+
+# --- auth, i18n, static ---------------------------------------------------------------------------
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+]
+LOGIN_URL = "login"
+LOGIN_REDIRECT_URL = "home"
+LOGOUT_REDIRECT_URL = "login"
+SESSION_COOKIE_HTTPONLY = True
+CSRF_COOKIE_HTTPONLY = False
+SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = envbool("SECURE_COOKIES", False)
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+
+STATIC_URL = "/static/"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+STATIC_ROOT = DATA_DIR / "staticfiles"
+SERVE_STATIC = envbool("SERVE_STATIC", True)
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": envstr("LOG_LEVEL", "INFO")},
+    "loggers": {"django.channels.server": {"level": "WARNING"}, "daphne": {"level": "WARNING"}},
+}

@@ -1,0 +1,1 @@
+"""Telemetry: per-answer generation records and downsampled node samples."""

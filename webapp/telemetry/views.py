@@ -1,0 +1,1 @@
+"""Telemetry views (none yet: its data is shown on the fleet and playground pages)."""

@@ -1,0 +1,22 @@
+"""Root URL configuration."""
+
+from __future__ import annotations
+
+from django.contrib import admin
+from django.contrib.auth import views as auth_views
+from django.urls import include, path
+
+from webapp.core import views as core_views
+
+urlpatterns = [
+    path("", core_views.home, name="home"),
+    path("healthz", core_views.healthz, name="healthz"),
+    path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
+    path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("admin/", admin.site.urls),
+    path("", include("webapp.catalog.urls")),
+    path("", include("webapp.fleet.urls")),
+    path("", include("webapp.playground.urls")),
+    path("", include("webapp.routing.urls")),
+    path("", include("webapp.telemetry.urls")),
+]
