@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -95,6 +96,7 @@ class RouteClient:
         self.opened = False
         self.hop_stats = [HopStats() for _ in hops]
         self.last_prefilled = 0
+        self._sent_sampling: SamplingParams | None = None
         self._http = ClientSession(
             connector=TCPConnector(limit=16),
             timeout=ClientTimeout(total=timeout_s),
@@ -137,10 +139,8 @@ class RouteClient:
         try:
             if self.opened:
                 for i in range(len(self.hops)):
-                    try:
+                    with contextlib.suppress(RouteError):  # a dead hop frees its KV by TTL
                         await self._post(i, self._frame(i, Op.CLOSE))
-                    except RouteError:
-                        pass  # a dead hop frees its KV by TTL
                 self.opened = False
         finally:
             await self._http.close()
@@ -165,6 +165,8 @@ class RouteClient:
         self.step += 1
         pos = len(self.history)
         arr = np.asarray(ids, dtype="<i4")
+        # Hops remember the session's sampling options: send them only when they change.
+        send_sampling = sampling if sampling != self._sent_sampling else None
         t0 = time.perf_counter()
         if self.mode == "chain" or len(self.hops) == 1:
             chain = [ChainHop(h.url, h.token) for h in self.hops[1:]]
@@ -175,7 +177,7 @@ class RouteClient:
                 pos_start=pos,
                 n_tokens=len(ids),
                 kind=Kind.IDS,
-                sampling=sampling,
+                sampling=send_sampling,
                 want_logits=want_logits,
                 f16_out=self.kind == Kind.F16,
                 chain=chain,
@@ -217,7 +219,7 @@ class RouteClient:
                         kind=resp.kind,
                         dim=resp.dim,
                         f16_out=self.kind == Kind.F16,
-                        sampling=sampling if last else None,
+                        sampling=send_sampling if last else None,
                         history=list(ids) if last else None,
                         want_logits=want_logits and last,
                         payload=resp.payload,
@@ -225,6 +227,7 @@ class RouteClient:
                 )
                 self._account(i, resp, t1)
         self.history.extend(ids)
+        self._sent_sampling = sampling
         return resp
 
     def _account(self, i: int, resp: Response, t0: float) -> None:

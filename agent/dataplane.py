@@ -289,6 +289,8 @@ class DataPlane:
             history = s.history + list(new_ids)
         else:
             history = None
+        if req.sampling is not None:
+            s.sampling = req.sampling
         s.busy = True
         try:
             self.sessions.admit(s, shard.backend.kv_growth_bytes(s.sid, end))
@@ -346,7 +348,7 @@ class DataPlane:
                 req.pos_start,
                 token_ids=ids,
                 hidden=hidden,
-                sampling=req.sampling,
+                sampling=s.sampling,
                 history=history,
                 want_logits=req.want_logits,
             )

@@ -6,7 +6,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from agent.backends.base import AdmissionError, Backend
+from agent.backends.base import AdmissionError, Backend, SamplingParams
 from agent.ids import SessionId
 
 
@@ -22,6 +22,7 @@ class SessionState:
     last_digest: bytes = b""
     last_output: bytes = b""  # this hop's encoded response for `last_step` (replayed on retry)
     history: list[int] = field(default_factory=list)  # input ids, kept on the last shard for penalties
+    sampling: SamplingParams | None = None  # sent once per change, not with every decode frame
     busy: bool = False
     last_used: float = field(default_factory=time.monotonic)
 

@@ -32,7 +32,7 @@ CONTEXT_CAP = 131072  # product-wide hard cap (128K), applied on top of the mode
 REQ_HEADER = struct.Struct("<4sHBB16sQIIHHII")
 # magic, version, status, kind, step, n_tokens, dim, payload_len, session_len, token, logprob, n_timings
 RESP_HEADER = struct.Struct("<4sHBBQIIIIifB")
-SAMPLING = struct.Struct("<fiffffiQ")  # temperature, top_k, top_p, min_p, repeat_penalty, (pad), last_n, seed
+SAMPLING = struct.Struct("<fifffiQ")  # temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed
 TIMING = struct.Struct("<II")  # compute_us, handler_us (time inside the hop, downstream excluded)
 
 
@@ -150,7 +150,6 @@ def encode_request(r: Request) -> bytes:
                 s.top_p,
                 s.min_p,
                 s.repeat_penalty,
-                0.0,
                 s.repeat_last_n,
                 s.seed & (2**64 - 1),
             )
@@ -237,7 +236,7 @@ def decode_request(data: bytes | memoryview) -> Request:
     req = Request(op=op_e, session=bytes(session), step=step, pos_start=pos, n_tokens=n, kind=kind_e, dim=dim)
     req.token = bytes(rd.take(token_len, "route token"))
     if flags_e & Flag.SAMPLING:
-        t, k, p, mp, rp, _pad, last_n, seed = rd.unpack(SAMPLING, "sampling block")
+        t, k, p, mp, rp, last_n, seed = rd.unpack(SAMPLING, "sampling block")
         if not (t >= 0 and 0 <= p <= 1 and 0 <= mp <= 1 and rp > 0 and k >= 0):
             raise FrameError("sampling parameters out of range")
         req.sampling = SamplingParams(

@@ -51,10 +51,19 @@ def apply_repeat_penalty(logits: np.ndarray, history: list[int] | None, p: Sampl
     return out
 
 
+def wire_exact(p: SamplingParams) -> SamplingParams:
+    """The parameters as the wire carries them (float32), so in-process and routed runs sample alike."""
+    f = np.float32
+    return SamplingParams(temperature=float(f(p.temperature)), top_k=p.top_k, top_p=float(f(p.top_p)),
+                          min_p=float(f(p.min_p)), repeat_penalty=float(f(p.repeat_penalty)),
+                          repeat_last_n=p.repeat_last_n, seed=p.seed)
+
+
 def sample(
     logits: np.ndarray, p: SamplingParams, position: int, history: list[int] | None = None
 ) -> tuple[int, float]:
     """Pick the next token from one position's logits; returns (token id, logprob)."""
+    p = wire_exact(p)
     raw = np.asarray(logits, dtype=np.float32)
     x = apply_repeat_penalty(raw, history, p)
     if p.temperature <= 0.0:

@@ -78,9 +78,7 @@ def create_torrent(
     piece = piece_size or fit_piece_size(size, smallest_layer_bytes)
     if piece % BLOCK:
         raise ValueError(f"piece size {piece} is not a multiple of {BLOCK}")
-    fs = lt.file_storage()
-    lt.add_files(fs, str(p))
-    ct = lt.create_torrent(fs, piece, flags=lt.create_torrent.v1_only)
+    ct = lt.create_torrent(lt.list_files(str(p)), piece, lt.create_torrent.v1_only)
     for url in web_seed_urls:
         ct.add_url_seed(url)
     for tier, url in enumerate(tracker_urls):
@@ -161,6 +159,7 @@ class Download:
     peer_bytes: int = 0
     web_seed_bytes: int = 0
     hash_failures: int = 0
+    payload_before_recheck: int = 0  # libtorrent restarts its payload counter on a recheck
     tracker_peers: int | None = None
     tracker_error: str = ""
     error: str = ""
@@ -341,7 +340,7 @@ class SwarmClient:
         d = Download(
             handle=lt.torrent_handle(),
             infohash=ih,
-            path=Path(dest_dir) / ti.files().file_path(0),
+            path=Path(dest_dir) / ti.name(),
             piece_length=plen,
             total_size=total,
             wanted=wanted,
@@ -406,7 +405,7 @@ class SwarmClient:
                 state=str(st.state),
                 done_bytes=int(st.total_wanted_done),
                 wanted_bytes=int(st.total_wanted),
-                downloaded_bytes=int(st.total_payload_download),
+                downloaded_bytes=d.payload_before_recheck + int(st.total_payload_download),
                 rate_bps=float(st.download_payload_rate),
                 peers=peers,
                 peer_bytes=d.peer_bytes,
@@ -524,9 +523,9 @@ class SwarmClient:
         d = self.get(infohash)
         if d is None:
             raise FetchError(f"{infohash}: not in this session")
+        d.payload_before_recheck += int(d.handle.status().total_payload_download)
         d.handle.force_recheck()  # status() is answered after the recheck is queued, so wait sees it
-        deadline = time.monotonic() + timeout
-        return self.wait(d, timeout=max(deadline - time.monotonic(), 1.0), on_progress=on_progress)
+        return self.wait(d, timeout=timeout, on_progress=on_progress)
 
     def fetch_verified(
         self,

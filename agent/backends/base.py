@@ -127,5 +127,5 @@ class Backend(ABC):
         """Extra KV bytes the session will hold once it grows to `new_len` positions."""
         return 0
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook, most backends free on garbage collection
         """Release the model. Idempotent."""

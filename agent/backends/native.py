@@ -1,0 +1,171 @@
+"""Native ggml backend: a layer window run by libggswarm, weights quantized, KV per session in ggml."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from agent.backends.base import (
+    AdmissionError,
+    Backend,
+    BackendError,
+    ForwardResult,
+    SamplingParams,
+    ShardSpec,
+)
+from agent.ids import SessionId
+from agent.native import GGSWARM_E_BUDGET, NativeError, NativeModel, load_library, sampling_struct
+
+
+def _error(e: NativeError) -> BackendError:
+    return AdmissionError(str(e)) if e.status == GGSWARM_E_BUDGET else BackendError(str(e))
+
+
+class NativeBackend(Backend):
+    """Layers [layer_start, layer_end) of the GGUF in one libggswarm handle; one native session per sid."""
+
+    def __init__(
+        self,
+        spec: ShardSpec,
+        kv_budget_bytes: int = 1 << 30,
+        hidden_dtype: str = "float32",
+        model_id: str | None = None,
+    ) -> None:
+        try:
+            load_library()
+        except OSError as e:
+            raise BackendError(f"native backend unavailable: {e}") from None
+        self.spec = spec
+        self.kv_budget_bytes = int(kv_budget_bytes)
+        self.hidden_dtype = np.float16 if hidden_dtype == "float16" else np.float32
+        try:
+            self.model = NativeModel(
+                spec.path,
+                spec.layer_start,
+                spec.layer_end,
+                n_threads=spec.n_threads,
+                kv_budget_bytes=self.kv_budget_bytes,
+                model_id=model_id or spec.manifest.sha256 or None,
+            )
+        except NativeError as e:
+            raise _error(e) from None
+        if self.model.d_model != spec.manifest.boundary_dim:
+            self.model.close()
+            raise BackendError(
+                f"model d_model {self.model.d_model} != manifest boundary_dim {spec.manifest.boundary_dim}"
+            )
+        self.sessions: dict[SessionId, int] = {}
+        self.last_positions_per_layer: list[int] = []
+
+    def _sid(self, sid: SessionId) -> int:
+        try:
+            return self.sessions[sid]
+        except KeyError:
+            raise BackendError("unknown session") from None
+
+    def open_session(self, sid: SessionId, max_tokens: int) -> None:
+        if sid in self.sessions:
+            raise BackendError("session already open")
+        try:
+            self.sessions[sid] = self.model.open_session(int(max_tokens))
+        except NativeError as e:
+            raise _error(e) from None
+
+    def close_session(self, sid: SessionId) -> None:
+        native_sid = self.sessions.pop(sid, None)
+        if native_sid is not None and self.model is not None:
+            self.model.close_session(native_sid)
+
+    def session_len(self, sid: SessionId) -> int:
+        return self.model.session_len(self._sid(sid))
+
+    def truncate(self, sid: SessionId, n_tokens: int) -> None:
+        try:
+            self.model.truncate(self._sid(sid), int(n_tokens))
+        except NativeError as e:
+            raise _error(e) from None
+
+    def kv_bytes(self, sid: SessionId | None = None) -> int:
+        return self.model.kv_bytes(-1 if sid is None else self._sid(sid))
+
+    def kv_open_bytes(self, max_tokens: int) -> int:
+        """Worst-case KV a session of `max_tokens` positions can grow to (for admission control)."""
+        return min(int(max_tokens), self.model.n_ctx_max) * self.model.kv_bytes_per_token
+
+    def snapshot(self, sid: SessionId) -> bytes:
+        """The session's KV as bytes (header with model id, layer range and positions; docs/native.md)."""
+        try:
+            return self.model.snapshot(self._sid(sid))
+        except NativeError as e:
+            raise _error(e) from None
+
+    def restore(self, sid: SessionId, data: bytes) -> None:
+        """Replace the session's KV with a snapshot taken by the same model window (any process)."""
+        try:
+            self.model.restore(self._sid(sid), data)
+        except NativeError as e:
+            raise _error(e) from None
+
+    def forward(
+        self,
+        sid: SessionId,
+        pos_start: int,
+        token_ids: np.ndarray | None = None,
+        hidden: np.ndarray | None = None,
+        sampling: SamplingParams | None = None,
+        history: list[int] | None = None,
+        want_logits: bool = False,
+    ) -> ForwardResult:
+        t0 = time.perf_counter()
+        native_sid = self._sid(sid)
+        if self.spec.is_first:
+            if token_ids is None:
+                raise BackendError("the first shard takes token ids")
+            hidden = None
+        elif hidden is None:
+            raise BackendError("this shard takes hidden states")
+        else:
+            hidden = np.asarray(hidden)
+            if hidden.ndim != 2 or hidden.shape[1] != self.boundary_dim:
+                raise BackendError(
+                    f"hidden size mismatch: got shape {tuple(hidden.shape)}, expected (n, {self.boundary_dim})"
+                )
+            token_ids = None
+        params = None
+        if self.spec.is_last:
+            p = sampling or SamplingParams()
+            params = sampling_struct(
+                p.temperature, p.top_k, p.top_p, p.min_p, p.repeat_penalty, p.repeat_last_n, p.seed
+            )
+        try:
+            out = self.model.forward(
+                native_sid,
+                pos_start,
+                token_ids=token_ids,
+                hidden=hidden,
+                sampling=params,
+                history=np.asarray(history, dtype=np.int32) if history else None,
+                want_logits=want_logits,
+                hidden_out_dtype=self.hidden_dtype,
+            )
+        except NativeError as e:
+            raise _error(e) from None
+        n = int(out["hidden"].shape[0]) if "hidden" in out else (
+            len(token_ids) if token_ids is not None else int(hidden.shape[0])  # type: ignore[union-attr]
+        )
+        self.last_positions_per_layer = [n] * self.spec.n_layers
+        res = ForwardResult(
+            hidden=out.get("hidden"),
+            token=out.get("token"),
+            logprob=out.get("logprob"),
+            logits=out.get("logits") if want_logits else None,
+            positions_per_layer=list(self.last_positions_per_layer),
+        )
+        res.compute_s = time.perf_counter() - t0
+        return res
+
+    def close(self) -> None:
+        if getattr(self, "model", None) is not None:
+            self.model.close()
+        self.sessions.clear()

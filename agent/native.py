@@ -1,0 +1,470 @@
+"""ctypes binding of libggswarm (native/include/ggswarm.h, mirrored one to one) and its handle owner."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+GGSWARM_API_VERSION = 1
+
+GGSWARM_OK = 0
+GGSWARM_E_INVALID_ARG = -1
+GGSWARM_E_IO = -2
+GGSWARM_E_FORMAT = -3
+GGSWARM_E_UNSUPPORTED = -4
+GGSWARM_E_RANGE = -5
+GGSWARM_E_BUDGET = -6
+GGSWARM_E_NO_SESSION = -7
+GGSWARM_E_COMPUTE = -8
+GGSWARM_E_MISMATCH = -9
+GGSWARM_E_NO_MEMORY = -10
+
+STATUS_NAMES = {
+    GGSWARM_E_INVALID_ARG: "invalid_arg",
+    GGSWARM_E_IO: "io",
+    GGSWARM_E_FORMAT: "format",
+    GGSWARM_E_UNSUPPORTED: "unsupported",
+    GGSWARM_E_RANGE: "range",
+    GGSWARM_E_BUDGET: "budget",
+    GGSWARM_E_NO_SESSION: "no_session",
+    GGSWARM_E_COMPUTE: "compute",
+    GGSWARM_E_MISMATCH: "mismatch",
+    GGSWARM_E_NO_MEMORY: "no_memory",
+}
+
+GGSWARM_TYPE_F32 = 0
+GGSWARM_TYPE_F16 = 1
+GGSWARM_MAX_CONTEXT = 131072
+GGSWARM_MAX_BATCH = 4096
+
+DEFAULT_LIB = Path(__file__).resolve().parent.parent / "native" / "build" / "libggswarm.so"
+
+
+class NativeError(Exception):
+    """A libggswarm call failed; `status` is the C return code, the message comes from the library."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+    @property
+    def kind(self) -> str:
+        return STATUS_NAMES.get(self.status, f"status {self.status}")
+
+
+# typedef struct ggswarm_model_info { ... } ggswarm_model_info;
+class ggswarm_model_info(ctypes.Structure):  # noqa: N801 - mirrors the C name
+    _fields_ = [
+        ("architecture", ctypes.c_char * 32),
+        ("device", ctypes.c_char * 64),
+        ("n_layers_total", ctypes.c_int32),
+        ("layer_start", ctypes.c_int32),
+        ("layer_end", ctypes.c_int32),
+        ("is_first", ctypes.c_int32),
+        ("is_last", ctypes.c_int32),
+        ("d_model", ctypes.c_int32),
+        ("n_vocab", ctypes.c_int32),
+        ("n_head", ctypes.c_int32),
+        ("n_head_kv", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32),
+        ("n_ff", ctypes.c_int32),
+        ("n_ctx_train", ctypes.c_int32),
+        ("n_ctx_max", ctypes.c_int32),
+        ("n_threads", ctypes.c_int32),
+        ("weight_bytes", ctypes.c_uint64),
+        ("kv_bytes_per_token", ctypes.c_uint64),
+        ("kv_budget_bytes", ctypes.c_uint64),
+        ("model_id", ctypes.c_char * 72),
+    ]
+
+
+# typedef struct ggswarm_sampling { double temperature; int32_t top_k; int32_t repeat_last_n;
+#     double top_p; double min_p; double repeat_penalty; uint64_t seed; } ggswarm_sampling;
+class ggswarm_sampling(ctypes.Structure):  # noqa: N801
+    _fields_ = [
+        ("temperature", ctypes.c_double),
+        ("top_k", ctypes.c_int32),
+        ("repeat_last_n", ctypes.c_int32),
+        ("top_p", ctypes.c_double),
+        ("min_p", ctypes.c_double),
+        ("repeat_penalty", ctypes.c_double),
+        ("seed", ctypes.c_uint64),
+    ]
+
+
+# typedef struct ggswarm_batch { ... } ggswarm_batch;
+class ggswarm_batch(ctypes.Structure):  # noqa: N801
+    _fields_ = [
+        ("n_tokens", ctypes.c_int32),
+        ("pos_start", ctypes.c_int32),
+        ("token_ids", ctypes.POINTER(ctypes.c_int32)),
+        ("hidden_in", ctypes.c_void_p),
+        ("hidden_in_count", ctypes.c_int64),
+        ("hidden_in_type", ctypes.c_int32),
+        ("hidden_out_type", ctypes.c_int32),
+        ("hidden_out", ctypes.c_void_p),
+        ("hidden_out_count", ctypes.c_int64),
+        ("logits_out", ctypes.POINTER(ctypes.c_float)),
+        ("logits_out_count", ctypes.c_int64),
+        ("sampling", ctypes.POINTER(ggswarm_sampling)),
+        ("history", ctypes.POINTER(ctypes.c_int32)),
+        ("n_history", ctypes.c_int32),
+        ("token_out", ctypes.POINTER(ctypes.c_int32)),
+        ("logprob_out", ctypes.POINTER(ctypes.c_double)),
+        ("compute_s_out", ctypes.POINTER(ctypes.c_double)),
+    ]
+
+
+ggswarm_model_p = ctypes.c_void_p
+_lib: ctypes.CDLL | None = None
+_load_error: str | None = None
+
+
+def library_path() -> Path:
+    """Where the shared library is looked for (env GGSWARM_NATIVE_LIB overrides the build output)."""
+    env = os.environ.get("GGSWARM_NATIVE_LIB")
+    return Path(env) if env else DEFAULT_LIB
+
+
+def _bind(lib: ctypes.CDLL) -> None:
+    c_status = ctypes.c_int32
+    i32p = ctypes.POINTER(ctypes.c_int32)
+
+    # int32_t ggswarm_api_version(void);
+    lib.ggswarm_api_version.argtypes = []
+    lib.ggswarm_api_version.restype = ctypes.c_int32
+
+    # const char * ggswarm_last_error(void);
+    lib.ggswarm_last_error.argtypes = []
+    lib.ggswarm_last_error.restype = ctypes.c_char_p
+
+    # ggswarm_status ggswarm_model_open(const char * path, int32_t layer_start, int32_t layer_end,
+    #     int32_t n_threads, uint64_t kv_budget_bytes, const char * model_id, ggswarm_model ** out);
+    lib.ggswarm_model_open.argtypes = [
+        ctypes.c_char_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_uint64, ctypes.c_char_p,
+        ctypes.POINTER(ggswarm_model_p),
+    ]
+    lib.ggswarm_model_open.restype = c_status
+
+    # void ggswarm_model_free(ggswarm_model * model);
+    lib.ggswarm_model_free.argtypes = [ggswarm_model_p]
+    lib.ggswarm_model_free.restype = None
+
+    # const char * ggswarm_model_last_error(const ggswarm_model * model);
+    lib.ggswarm_model_last_error.argtypes = [ggswarm_model_p]
+    lib.ggswarm_model_last_error.restype = ctypes.c_char_p
+
+    # ggswarm_status ggswarm_model_info_get(const ggswarm_model * model, ggswarm_model_info * out);
+    lib.ggswarm_model_info_get.argtypes = [ggswarm_model_p, ctypes.POINTER(ggswarm_model_info)]
+    lib.ggswarm_model_info_get.restype = c_status
+
+    # ggswarm_status ggswarm_set_threads(ggswarm_model * model, int32_t n_threads);
+    lib.ggswarm_set_threads.argtypes = [ggswarm_model_p, ctypes.c_int32]
+    lib.ggswarm_set_threads.restype = c_status
+
+    # ggswarm_status ggswarm_session_open(ggswarm_model * model, int32_t max_tokens, int64_t * out_sid);
+    lib.ggswarm_session_open.argtypes = [ggswarm_model_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int64)]
+    lib.ggswarm_session_open.restype = c_status
+
+    # ggswarm_status ggswarm_session_close(ggswarm_model * model, int64_t sid);
+    lib.ggswarm_session_close.argtypes = [ggswarm_model_p, ctypes.c_int64]
+    lib.ggswarm_session_close.restype = c_status
+
+    # ggswarm_status ggswarm_session_len(const ggswarm_model * model, int64_t sid, int32_t * out_len);
+    lib.ggswarm_session_len.argtypes = [ggswarm_model_p, ctypes.c_int64, i32p]
+    lib.ggswarm_session_len.restype = c_status
+
+    # ggswarm_status ggswarm_session_truncate(ggswarm_model * model, int64_t sid, int32_t n_tokens);
+    lib.ggswarm_session_truncate.argtypes = [ggswarm_model_p, ctypes.c_int64, ctypes.c_int32]
+    lib.ggswarm_session_truncate.restype = c_status
+
+    # ggswarm_status ggswarm_kv_bytes(const ggswarm_model * model, int64_t sid, uint64_t * out_bytes);
+    lib.ggswarm_kv_bytes.argtypes = [ggswarm_model_p, ctypes.c_int64, ctypes.POINTER(ctypes.c_uint64)]
+    lib.ggswarm_kv_bytes.restype = c_status
+
+    # ggswarm_status ggswarm_forward(ggswarm_model * model, int64_t sid, const ggswarm_batch * batch);
+    lib.ggswarm_forward.argtypes = [ggswarm_model_p, ctypes.c_int64, ctypes.POINTER(ggswarm_batch)]
+    lib.ggswarm_forward.restype = c_status
+
+    # ggswarm_status ggswarm_session_snapshot_size(const ggswarm_model * model, int64_t sid,
+    #     uint64_t * out_size);
+    lib.ggswarm_session_snapshot_size.argtypes = [ggswarm_model_p, ctypes.c_int64, ctypes.POINTER(ctypes.c_uint64)]
+    lib.ggswarm_session_snapshot_size.restype = c_status
+
+    # ggswarm_status ggswarm_session_snapshot(const ggswarm_model * model, int64_t sid, void * buf,
+    #     uint64_t capacity, uint64_t * out_written);
+    lib.ggswarm_session_snapshot.argtypes = [
+        ggswarm_model_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64),
+    ]
+    lib.ggswarm_session_snapshot.restype = c_status
+
+    # ggswarm_status ggswarm_session_restore(ggswarm_model * model, int64_t sid, const void * buf,
+    #     uint64_t size);
+    lib.ggswarm_session_restore.argtypes = [ggswarm_model_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_uint64]
+    lib.ggswarm_session_restore.restype = c_status
+
+    # ggswarm_status ggswarm_sample(const float * logits, int32_t n_vocab, const ggswarm_sampling * params,
+    #     int64_t position, const int32_t * history, int32_t n_history, int32_t * out_token,
+    #     double * out_logprob);
+    lib.ggswarm_sample.argtypes = [
+        ctypes.POINTER(ctypes.c_float), ctypes.c_int32, ctypes.POINTER(ggswarm_sampling), ctypes.c_int64, i32p,
+        ctypes.c_int32, i32p, ctypes.POINTER(ctypes.c_double),
+    ]
+    lib.ggswarm_sample.restype = c_status
+
+
+def load_library() -> ctypes.CDLL:
+    """Load and bind libggswarm once; raises OSError with the reason when it cannot be used."""
+    global _lib, _load_error
+    if _lib is not None:
+        return _lib
+    path = library_path()
+    if not path.is_file():
+        _load_error = f"{path} is not built (run `bash native/build.sh`)"
+        raise OSError(_load_error)
+    lib = ctypes.CDLL(str(path))
+    _bind(lib)
+    version = lib.ggswarm_api_version()
+    if version != GGSWARM_API_VERSION:
+        _load_error = f"{path} has API version {version}; this binding speaks {GGSWARM_API_VERSION}"
+        raise OSError(_load_error)
+    _lib = lib
+    return lib
+
+
+def is_available() -> bool:
+    """Whether the native library is built and loadable with a matching API version."""
+    try:
+        load_library()
+    except OSError:
+        return False
+    return True
+
+
+def _check(status: int, message: bytes | None) -> None:
+    if status != GGSWARM_OK:
+        raise NativeError(status, (message or b"").decode("utf-8", "replace") or f"libggswarm status {status}")
+
+
+def sampling_struct(
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    repeat_penalty: float = 1.0,
+    repeat_last_n: int = 64,
+    seed: int = 0,
+) -> ggswarm_sampling:
+    return ggswarm_sampling(
+        temperature=float(temperature),
+        top_k=int(top_k),
+        repeat_last_n=int(repeat_last_n),
+        top_p=float(top_p),
+        min_p=float(min_p),
+        repeat_penalty=float(repeat_penalty),
+        seed=int(seed) & ((1 << 64) - 1),
+    )
+
+
+def _i32_array(values: Any) -> tuple[np.ndarray, Any]:
+    arr = np.ascontiguousarray(np.asarray(values, dtype=np.int32).reshape(-1))
+    return arr, arr.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+
+
+def sample(
+    logits: np.ndarray, params: ggswarm_sampling, position: int, history: list[int] | None = None
+) -> tuple[int, float]:
+    """The C sampler on one position's logits (tests compare it with agent.sampling)."""
+    lib = load_library()
+    x = np.ascontiguousarray(np.asarray(logits, dtype=np.float32).reshape(-1))
+    hist, hist_p = _i32_array(history or [])
+    tok = ctypes.c_int32()
+    lp = ctypes.c_double()
+    st = lib.ggswarm_sample(
+        x.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), x.shape[0], ctypes.byref(params), position,
+        hist_p if hist.size else None, hist.size, ctypes.byref(tok), ctypes.byref(lp),
+    )
+    _check(st, lib.ggswarm_last_error())
+    return tok.value, lp.value
+
+
+class NativeModel:
+    """Owns one ggswarm_model handle (a loaded layer window) and the sessions opened on it."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        layer_start: int,
+        layer_end: int,
+        n_threads: int = 2,
+        kv_budget_bytes: int = 0,
+        model_id: str | None = None,
+    ) -> None:
+        self._lib = load_library()
+        self._h = ggswarm_model_p()
+        st = self._lib.ggswarm_model_open(
+            os.fsencode(path), int(layer_start), int(layer_end), int(n_threads), int(kv_budget_bytes),
+            model_id.encode() if model_id else None, ctypes.byref(self._h),
+        )
+        _check(st, self._lib.ggswarm_last_error())
+        info = ggswarm_model_info()
+        self._call(self._lib.ggswarm_model_info_get, ctypes.byref(info))
+        self.info = info
+        self.architecture = info.architecture.decode()
+        self.device = info.device.decode()
+        self.model_id = info.model_id.decode()
+        self.d_model = info.d_model
+        self.n_vocab = info.n_vocab
+        self.is_first = bool(info.is_first)
+        self.is_last = bool(info.is_last)
+        self.n_ctx_max = info.n_ctx_max
+        self.kv_bytes_per_token = info.kv_bytes_per_token
+        # reusable per-call buffers (a decode step allocates nothing on the C side)
+        self._batch = ggswarm_batch()
+        self._tok = ctypes.c_int32()
+        self._lp = ctypes.c_double()
+        self._secs = ctypes.c_double()
+
+    def _call(self, fn: Any, *args: Any) -> None:
+        if not self._h:
+            raise NativeError(GGSWARM_E_INVALID_ARG, "model is closed")
+        st = fn(self._h, *args)
+        if st != GGSWARM_OK:
+            _check(st, self._lib.ggswarm_model_last_error(self._h))
+
+    def close(self) -> None:
+        """Free the handle, its sessions and their KV. Idempotent."""
+        if self._h:
+            self._lib.ggswarm_model_free(self._h)
+            self._h = ggswarm_model_p()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    def __enter__(self) -> NativeModel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def set_threads(self, n: int) -> None:
+        self._call(self._lib.ggswarm_set_threads, int(n))
+
+    def open_session(self, max_tokens: int) -> int:
+        sid = ctypes.c_int64()
+        self._call(self._lib.ggswarm_session_open, int(max_tokens), ctypes.byref(sid))
+        return sid.value
+
+    def close_session(self, sid: int) -> None:
+        self._call(self._lib.ggswarm_session_close, sid)
+
+    def session_len(self, sid: int) -> int:
+        n = ctypes.c_int32()
+        self._call(self._lib.ggswarm_session_len, sid, ctypes.byref(n))
+        return n.value
+
+    def truncate(self, sid: int, n_tokens: int) -> None:
+        self._call(self._lib.ggswarm_session_truncate, sid, int(n_tokens))
+
+    def kv_bytes(self, sid: int = -1) -> int:
+        n = ctypes.c_uint64()
+        self._call(self._lib.ggswarm_kv_bytes, sid, ctypes.byref(n))
+        return n.value
+
+    def snapshot(self, sid: int) -> bytes:
+        size = ctypes.c_uint64()
+        self._call(self._lib.ggswarm_session_snapshot_size, sid, ctypes.byref(size))
+        buf = ctypes.create_string_buffer(size.value)
+        written = ctypes.c_uint64()
+        self._call(self._lib.ggswarm_session_snapshot, sid, buf, size.value, ctypes.byref(written))
+        return buf.raw[: written.value]
+
+    def restore(self, sid: int, data: bytes) -> None:
+        self._call(self._lib.ggswarm_session_restore, sid, data, len(data))
+
+    def forward(
+        self,
+        sid: int,
+        pos_start: int,
+        token_ids: np.ndarray | None = None,
+        hidden: np.ndarray | None = None,
+        sampling: ggswarm_sampling | None = None,
+        history: np.ndarray | None = None,
+        want_logits: bool = False,
+        hidden_out_dtype: type = np.float32,
+    ) -> dict[str, Any]:
+        """One forward call; returns {"hidden"} or {"token", "logprob", "logits"} plus "compute_s"."""
+        b = self._batch
+        keep: list[Any] = []  # arrays that must outlive the call
+        if token_ids is not None:
+            ids, ids_p = _i32_array(token_ids)
+            keep.append(ids)
+            n = int(ids.shape[0])
+            b.token_ids = ids_p
+        else:
+            b.token_ids = None
+        if hidden is not None:
+            h = np.asarray(hidden)
+            if h.dtype not in (np.float32, np.float16):
+                h = h.astype(np.float32)
+            h = np.ascontiguousarray(h)
+            keep.append(h)
+            n = int(h.shape[0]) if h.ndim == 2 else (h.size // max(self.d_model, 1))
+            b.hidden_in = h.ctypes.data
+            b.hidden_in_count = h.size
+            b.hidden_in_type = GGSWARM_TYPE_F16 if h.dtype == np.float16 else GGSWARM_TYPE_F32
+        else:
+            b.hidden_in = None
+            b.hidden_in_count = 0
+        if token_ids is None and hidden is None:
+            n = 0
+        b.n_tokens = n
+        b.pos_start = int(pos_start)
+        out: dict[str, Any] = {}
+        b.hidden_out = None
+        b.hidden_out_count = 0
+        b.logits_out = None
+        b.logits_out_count = 0
+        b.sampling = None
+        b.history = None
+        b.n_history = 0
+        b.token_out = None
+        b.logprob_out = None
+        b.compute_s_out = ctypes.pointer(self._secs)
+        if not self.is_last:
+            dt = np.float16 if hidden_out_dtype == np.float16 else np.float32
+            hout = np.empty((max(n, 0), self.d_model), dtype=dt)
+            b.hidden_out = hout.ctypes.data
+            b.hidden_out_count = hout.size
+            b.hidden_out_type = GGSWARM_TYPE_F16 if dt == np.float16 else GGSWARM_TYPE_F32
+            out["hidden"] = hout
+        else:
+            if want_logits:
+                logits = np.empty((max(n, 0), self.n_vocab), dtype=np.float32)
+                b.logits_out = logits.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+                b.logits_out_count = logits.size
+                out["logits"] = logits
+            if sampling is not None:
+                keep.append(sampling)
+                b.sampling = ctypes.pointer(sampling)
+            if history is not None and len(history):
+                hist, hist_p = _i32_array(history)
+                keep.append(hist)
+                b.history = hist_p
+                b.n_history = hist.size
+            b.token_out = ctypes.pointer(self._tok)
+            b.logprob_out = ctypes.pointer(self._lp)
+        self._call(self._lib.ggswarm_forward, sid, ctypes.byref(b))
+        if self.is_last:
+            out["token"] = self._tok.value
+            out["logprob"] = self._lp.value
+        out["compute_s"] = self._secs.value
+        del keep
+        return out

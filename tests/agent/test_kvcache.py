@@ -1,0 +1,58 @@
+"""The node session table: budget admission, idle-LRU eviction and TTL expiry."""
+
+from __future__ import annotations
+
+import pytest
+
+from agent.backends.base import AdmissionError
+from agent.ids import SessionId
+from agent.kvcache import SessionState, SessionTable
+
+
+class FakeBackend:
+    """Stands in for a backend at the accounting seam: a fixed number of bytes per session."""
+
+    def __init__(self) -> None:
+        self.bytes: dict[SessionId, int] = {}
+
+    def kv_bytes(self, sid: SessionId | None = None) -> int:
+        return self.bytes.get(sid, 0) if sid is not None else sum(self.bytes.values())
+
+    def close_session(self, sid: SessionId) -> None:
+        self.bytes.pop(sid, None)
+
+
+def add(table: SessionTable, be: FakeBackend, name: bytes, nbytes: int) -> SessionState:
+    sid = SessionId(name * 16)
+    st = SessionState(sid=sid, shard_key=("m", 0, 1), backend=be, max_tokens=10)  # type: ignore[arg-type]
+    table.admit(st, nbytes)
+    be.bytes[sid] = nbytes
+    table.add(st)
+    return st
+
+
+def test_admission_evicts_the_least_recently_used_idle_session() -> None:
+    be, table = FakeBackend(), SessionTable(budget_bytes=100)
+    add(table, be, b"a", 40)
+    add(table, be, b"b", 40)
+    table.get(SessionId(b"a" * 16))  # a is now more recent than b
+    add(table, be, b"c", 40)
+    assert SessionId(b"b" * 16) not in table and SessionId(b"a" * 16) in table
+    assert table.evictions == 1 and table.used_bytes() == 80
+
+
+def test_busy_sessions_are_never_evicted_and_the_request_is_refused() -> None:
+    be, table = FakeBackend(), SessionTable(budget_bytes=100)
+    a = add(table, be, b"a", 60)
+    a.busy = True
+    with pytest.raises(AdmissionError, match="budget"):
+        add(table, be, b"b", 60)
+    assert SessionId(b"a" * 16) in table
+
+
+def test_idle_sessions_expire_after_the_ttl() -> None:
+    be, table = FakeBackend(), SessionTable(budget_bytes=100, ttl_s=10)
+    st = add(table, be, b"a", 10)
+    assert table.expire(now=st.last_used + 5) == 0
+    assert table.expire(now=st.last_used + 11) == 1
+    assert len(table) == 0 and be.kv_bytes() == 0

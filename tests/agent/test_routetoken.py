@@ -1,0 +1,61 @@
+"""Route tokens: signed grants verified offline; forged, expired and malformed tokens refused."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from agent.routetoken import (
+    TokenError,
+    TokenVerifier,
+    decode_unverified,
+    generate_key,
+    load_public_key,
+    mint,
+    public_key_b64,
+)
+
+SHA = "ab" * 32
+
+
+def test_a_minted_token_verifies_and_names_its_grant() -> None:
+    key = generate_key()
+    tok = mint(key, b"s" * 16, SHA, 10, 20, "node-a", ttl_s=60)
+    claims = TokenVerifier(load_public_key(public_key_b64(key.public_key()))).verify(tok)
+    assert (claims.session, claims.model_sha256, claims.layer_start, claims.layer_end, claims.node) == (
+        b"s" * 16, SHA, 10, 20, "node-a")
+
+
+def test_a_token_signed_by_another_key_is_forged() -> None:
+    tok = mint(generate_key(), b"s" * 16, SHA, 0, 10, "n")
+    with pytest.raises(TokenError, match="signature"):
+        TokenVerifier(generate_key().public_key()).verify(tok)
+
+
+def test_a_tampered_layer_range_breaks_the_signature() -> None:
+    key = generate_key()
+    tok = bytearray(mint(key, b"s" * 16, SHA, 0, 10, "n"))
+    tok[1 + 16 + 32 + 2] = 30  # layer_end 10 -> 30
+    with pytest.raises(TokenError, match="signature"):
+        TokenVerifier(key.public_key()).verify(bytes(tok))
+
+
+def test_an_expired_token_is_refused_even_when_cached() -> None:
+    key = generate_key()
+    v = TokenVerifier(key.public_key())
+    tok = mint(key, b"s" * 16, SHA, 0, 10, "n", ttl_s=5)
+    v.verify(tok)
+    with pytest.raises(TokenError, match="expired"):
+        v.verify(tok, now=time.time() + 10)
+
+
+@pytest.mark.parametrize("raw", [b"", b"\x01" * 10, b"\x02" + b"\0" * 200, b"\x01" * 2000])
+def test_malformed_tokens_are_refused(raw: bytes) -> None:
+    with pytest.raises(TokenError):
+        TokenVerifier(generate_key().public_key()).verify(raw)
+
+
+def test_decoding_reads_the_claims_without_the_key() -> None:
+    tok = mint(generate_key(), b"q" * 16, SHA, 3, 4, "node-ü")
+    assert decode_unverified(tok).node == "node-ü"
