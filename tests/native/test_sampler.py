@@ -1,0 +1,71 @@
+"""The C sampler (ggswarm_sample) picks exactly what agent/sampling.py picks."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from agent import native
+from agent.backends.base import SamplingParams
+from agent.sampling import sample as reference_sample
+from agent.sampling import uniform
+
+PARAM_SETS = [
+    SamplingParams(**kw)
+    for kw in [
+        {},
+        {"repeat_penalty": 1.3, "repeat_last_n": 8},
+        {"temperature": 0.7},
+        {"temperature": 1.0, "seed": 42},
+        {"temperature": 1.3, "top_k": 40, "seed": 7},
+        {"temperature": 0.8, "top_p": 0.9, "seed": 123},
+        {"temperature": 0.9, "min_p": 0.05, "seed": 5},
+        {"temperature": 1.1, "top_k": 50, "top_p": 0.95, "min_p": 0.02, "seed": 2**63 + 11},
+        {"temperature": 0.6, "top_p": 0.5, "repeat_penalty": 1.15, "repeat_last_n": -1, "seed": 99},
+        {"temperature": 2.0, "top_k": 1, "seed": 3},
+        {"temperature": 1.0, "top_p": 0.0, "seed": 4},
+        {"temperature": 1.0, "min_p": 1.0, "seed": 8},
+        {"temperature": 5.0, "top_k": 3, "repeat_penalty": 0.8, "repeat_last_n": 0, "seed": 77},
+    ]
+]
+
+
+def _c_params(p: SamplingParams) -> native.ggswarm_sampling:
+    return native.sampling_struct(p.temperature, p.top_k, p.top_p, p.min_p, p.repeat_penalty, p.repeat_last_n, p.seed)
+
+
+def test_uniform_draw_matches_the_reference_splitmix(native_lib: None) -> None:
+    # greedy-free single-candidate distributions expose u through the picked index
+    for seed, pos in itertools.product([0, 1, 2**64 - 1, 1234567], [0, 1, 17, 4095, 2**40]):
+        u = uniform(seed, pos)
+        probs = np.log(np.full(1000, 1.0 / 1000, dtype=np.float32))
+        tok, _ = native.sample(probs, _c_params(SamplingParams(temperature=1.0, seed=seed)), pos)
+        assert tok == min(int(u * 1000), 999) or abs(u * 1000 - round(u * 1000)) < 1e-9
+
+
+@pytest.mark.parametrize("vocab", [7, 1000, 49152])
+def test_c_sampler_picks_the_same_tokens_as_agent_sampling(native_lib: None, vocab: int) -> None:
+    rng = np.random.default_rng(vocab)
+    trials = 40 if vocab < 49152 else 6
+    mismatches = []
+    for p in PARAM_SETS:
+        for t in range(trials):
+            scale = [1.0, 3.0, 10.0][t % 3]
+            logits = (rng.standard_normal(vocab) * scale).astype(np.float32)
+            if t % 5 == 0:
+                logits[rng.integers(0, vocab, 3)] = logits.max()  # exact ties
+            history = [int(x) for x in rng.integers(0, vocab, int(rng.integers(0, 100)))]
+            position = int(rng.integers(0, 1 << 20))
+            want_tok, want_lp = reference_sample(logits, p, position=position, history=history)
+            got_tok, got_lp = native.sample(logits, _c_params(p), position, history)
+            if got_tok != want_tok:
+                mismatches.append((p, t, want_tok, got_tok))
+            assert got_lp == pytest.approx(want_lp, abs=1e-9)
+    assert not mismatches, f"{len(mismatches)} picks differ, first: {mismatches[0]}"
+
+
+def test_c_sampler_rejects_bad_arguments_without_crashing(native_lib: None) -> None:
+    with pytest.raises(native.NativeError):
+        native.sample(np.zeros(0, dtype=np.float32), _c_params(SamplingParams()), 0)
