@@ -1,0 +1,155 @@
+"""Bad input to libggswarm comes back as an error through the binding; the process never crashes."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from agent import native
+from agent.native import NativeError, NativeModel
+from tests.native.tiny_gguf import D, VOCAB, write_tiny_gguf
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf")
+
+
+def test_a_layer_range_out_of_bounds_is_a_range_error(native_lib: None, tiny: Path) -> None:
+    for a, b in [(0, 4), (-1, 2), (2, 2), (3, 1)]:
+        with pytest.raises(NativeError, match="layer range") as e:
+            NativeModel(tiny, a, b)
+        assert e.value.status == native.GGSWARM_E_RANGE
+
+
+def test_zero_or_negative_threads_are_rejected(native_lib: None, tiny: Path) -> None:
+    for n in (0, -3):
+        with pytest.raises(NativeError, match="n_threads") as e:
+            NativeModel(tiny, 0, 3, n_threads=n)
+        assert e.value.status == native.GGSWARM_E_INVALID_ARG
+    with NativeModel(tiny, 0, 3, n_threads=1) as m, pytest.raises(NativeError, match="n_threads"):
+        m.set_threads(0)
+
+
+def test_an_unsupported_architecture_is_named_in_the_error(native_lib: None, tmp_path: Path) -> None:
+    path = write_tiny_gguf(tmp_path / "mamba.gguf", arch="mamba")
+    with pytest.raises(NativeError, match="architecture 'mamba' is not supported") as e:
+        NativeModel(path, 0, 1)
+    assert e.value.status == native.GGSWARM_E_UNSUPPORTED
+
+
+def test_a_truncated_file_is_a_format_error(native_lib: None, tiny: Path, tmp_path: Path) -> None:
+    data = tiny.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) - 4096])
+    with pytest.raises(NativeError) as e:
+        NativeModel(cut, 0, 3)
+    assert e.value.status == native.GGSWARM_E_FORMAT
+    # a window that does not need the missing tail still loads
+    with NativeModel(cut, 0, 1) as m:
+        assert m.is_first
+    stub = tmp_path / "stub.gguf"
+    stub.write_bytes(data[:100])
+    with pytest.raises(NativeError) as e:
+        NativeModel(stub, 0, 1)
+    assert e.value.status == native.GGSWARM_E_FORMAT
+
+
+def test_corrupt_tensor_data_is_a_format_error_naming_the_tensor(native_lib: None, tmp_path: Path) -> None:
+    path = write_tiny_gguf(tmp_path / "nan.gguf", corrupt="blk.1.attn_norm.weight")
+    with pytest.raises(NativeError, match=r"blk\.1\.attn_norm\.weight: corrupt") as e:
+        NativeModel(path, 1, 2)
+    assert e.value.status == native.GGSWARM_E_FORMAT
+
+
+def test_a_missing_file_or_a_non_gguf_is_an_error(native_lib: None, tmp_path: Path) -> None:
+    with pytest.raises(NativeError) as e:
+        NativeModel(tmp_path / "absent.gguf", 0, 1)
+    assert e.value.status == native.GGSWARM_E_IO
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(os.urandom(4096))
+    with pytest.raises(NativeError, match="not a GGUF"):
+        NativeModel(junk, 0, 1)
+
+
+def test_forward_validates_its_batch(native_lib: None, tiny: Path) -> None:
+    with NativeModel(tiny, 0, 2) as first, NativeModel(tiny, 2, 3) as last:
+        s1 = first.open_session(16)
+        s2 = last.open_session(16)
+        with pytest.raises(NativeError, match="n_tokens"):
+            first.forward(s1, 0, token_ids=[])
+        with pytest.raises(NativeError, match="token id"):
+            first.forward(s1, 0, token_ids=[VOCAB])
+        with pytest.raises(NativeError, match="pos_start"):
+            first.forward(s1, 3, token_ids=[1])
+        with pytest.raises(NativeError, match="hidden size mismatch"):
+            last.forward(s2, 0, hidden=np.zeros((2, D + 1), dtype=np.float32))
+        with pytest.raises(NativeError, match="session cap"):
+            first.forward(s1, 0, token_ids=list(range(17)))
+        with pytest.raises(NativeError, match="unknown session"):
+            first.forward(12345, 0, token_ids=[1])
+        with pytest.raises(NativeError, match="max_tokens"):
+            first.open_session(0)
+        with pytest.raises(NativeError, match="max_tokens"):
+            first.open_session(10**7)
+        with pytest.raises(NativeError, match="truncate"):
+            first.truncate(s1, 5)
+        # the handle still works after all of that
+        h = first.forward(s1, 0, token_ids=[1, 2, 3])["hidden"]
+        out = last.forward(s2, 0, hidden=h.astype(np.float16))
+        assert 0 <= out["token"] < VOCAB
+
+
+def test_the_kv_budget_is_an_error_not_an_out_of_memory(native_lib: None, tiny: Path) -> None:
+    per_token = NativeModel(tiny, 0, 3).kv_bytes_per_token
+    with NativeModel(tiny, 0, 3, kv_budget_bytes=per_token * 300) as m:
+        a = m.open_session(256)
+        m.forward(a, 0, token_ids=list(range(64)))
+        b = m.open_session(256)
+        with pytest.raises(NativeError, match="KV budget") as e:
+            m.forward(b, 0, token_ids=list(range(64)))
+        assert e.value.status == native.GGSWARM_E_BUDGET
+        m.close_session(a)
+        m.forward(b, 0, token_ids=list(range(64)))
+        assert m.kv_bytes() == m.kv_bytes(b) > 0
+
+
+def test_a_snapshot_from_another_window_or_a_corrupt_one_is_refused(native_lib: None, tiny: Path) -> None:
+    with NativeModel(tiny, 0, 2) as a, NativeModel(tiny, 2, 3) as b, NativeModel(tiny, 0, 2, model_id="other") as c:
+        sa = a.open_session(32)
+        a.forward(sa, 0, token_ids=[5, 6, 7])
+        snap = a.snapshot(sa)
+        sb = b.open_session(32)
+        with pytest.raises(NativeError, match="layer range") as e:
+            b.restore(sb, snap)
+        assert e.value.status == native.GGSWARM_E_MISMATCH
+        sc = c.open_session(32)
+        with pytest.raises(NativeError, match="model id"):
+            c.restore(sc, snap)
+        with pytest.raises(NativeError, match="truncated"):
+            a.restore(sa, snap[:-10])
+        bad = bytearray(snap)
+        bad[-1] ^= 0xFF
+        with pytest.raises(NativeError, match="checksum"):
+            a.restore(sa, bytes(bad))
+        with pytest.raises(NativeError, match="magic"):
+            a.restore(sa, b"\0" * len(snap))
+        assert a.session_len(sa) == 3
+        small = a.open_session(2)
+        with pytest.raises(NativeError, match="cap"):
+            a.restore(small, snap)
+
+
+def test_split_windows_equal_the_whole_model_on_a_tiny_qwen2(native_lib: None, tmp_path: Path) -> None:
+    path = write_tiny_gguf(tmp_path / "qwen2.gguf", arch="qwen2", tied=False)
+    ids = [3, 1, 4, 1, 5, 9, 2, 6]
+    with NativeModel(path, 0, 3) as whole, NativeModel(path, 0, 1) as a, NativeModel(path, 1, 3) as b:
+        assert whole.architecture == "qwen2"
+        sw, sa, sb = whole.open_session(64), a.open_session(64), b.open_session(64)
+        ref = whole.forward(sw, 0, token_ids=ids, want_logits=True)["logits"]
+        h = a.forward(sa, 0, token_ids=ids)["hidden"]
+        got = b.forward(sb, 0, hidden=h, want_logits=True)["logits"]
+        np.testing.assert_allclose(got, ref, rtol=0, atol=1e-4)
