@@ -163,6 +163,7 @@ class Download:
     tracker_peers: int | None = None
     tracker_error: str = ""
     error: str = ""
+    flushed: threading.Event = field(default_factory=threading.Event)
 
 
 def _url_endpoint(url: str) -> tuple[str, int] | None:
@@ -288,6 +289,8 @@ class SwarmClient:
                     d.web_seed_bytes += n
                 else:
                     d.peer_bytes += n
+            elif isinstance(a, lt.cache_flushed_alert):
+                d.flushed.set()
             elif isinstance(a, lt.hash_failed_alert):
                 d.hash_failures += 1
             elif isinstance(a, lt.tracker_reply_alert):
@@ -421,6 +424,14 @@ class SwarmClient:
         pieces = st.pieces
         return bool(pieces) and all(pieces[i] for i in d.wanted)
 
+    def _flush(self, d: Download, deadline: float) -> None:
+        """Wait until libtorrent has written every finished piece to the file (a piece counts as "have"
+        once it hashes correctly, which can be before its blocks leave the write buffer)."""
+        d.flushed.clear()
+        d.handle.flush_cache()
+        if not d.flushed.wait(max(deadline - time.monotonic(), 1.0)):
+            raise FetchError(f"{d.infohash}: libtorrent did not confirm writing the pieces to {d.path}")
+
     def enable_web_seeds(self, d: Download) -> None:
         """Let this download pull from the origin's web seed(s) from now on."""
         with self._lock:
@@ -451,6 +462,7 @@ class SwarmClient:
             if d.error:
                 raise FetchError(f"{d.infohash}: {d.error}")
             if self._wanted_done(d):
+                self._flush(d, deadline)
                 if on_progress:
                     on_progress(self.progress(d))
                 return d.path

@@ -28,7 +28,9 @@ def torrent(model_path: str, manifest: Manifest) -> tuple[bytes, str]:
 
 @pytest.fixture
 def origin(model_path: str, torrent: tuple[bytes, str]) -> Iterator[Origin]:
-    with Origin(Path(model_path), infohashes={bytes.fromhex(torrent[1])}, passkeys={"a", "b", "c", "evil"}) as o:
+    with Origin(
+        Path(model_path), infohashes={bytes.fromhex(torrent[1])}, passkeys={"a", "b", "c", "evil"}
+    ) as o:
         yield o
 
 
@@ -51,10 +53,16 @@ def test_three_agents_with_a_third_each_download_at_most_110_percent_of_what_the
     tb, ih = torrent
     clients = [_client() for _ in THIRDS]
     try:
+
         def run(i: int) -> Path:
             a, b = THIRDS[i]
-            return clients[i].fetch(tb, tmp_path / f"n{i}", manifest.byte_ranges_for_range(a, b), timeout=60,
-                                    **_urls(origin, "abc"[i]))
+            return clients[i].fetch(
+                tb,
+                tmp_path / f"n{i}",
+                manifest.byte_ranges_for_range(a, b),
+                timeout=60,
+                **_urls(origin, "abc"[i]),
+            )
 
         with ThreadPoolExecutor(3) as pool:
             paths = list(pool.map(run, range(3)))
@@ -63,9 +71,17 @@ def test_three_agents_with_a_third_each_download_at_most_110_percent_of_what_the
             p = clients[i].progress(clients[i].get(ih))
             needed = manifest.bytes_for_range(a, b)
             verify_tensors(paths[i], manifest, a, b)
-            figures.append({"layers": f"{a}:{b}", "needed": needed, "downloaded": p.downloaded_bytes,
-                            "ratio": round(p.downloaded_bytes / needed, 4), "peer_bytes": p.peer_bytes,
-                            "web_seed_bytes": p.web_seed_bytes, "on_disk": _allocated(paths[i])})
+            figures.append(
+                {
+                    "layers": f"{a}:{b}",
+                    "needed": needed,
+                    "downloaded": p.downloaded_bytes,
+                    "ratio": round(p.downloaded_bytes / needed, 4),
+                    "peer_bytes": p.peer_bytes,
+                    "web_seed_bytes": p.web_seed_bytes,
+                    "on_disk": _allocated(paths[i]),
+                }
+            )
         print(json.dumps(figures))
         for f in figures:
             assert f["ratio"] <= 1.10, f
@@ -81,14 +97,30 @@ def test_a_second_agent_with_an_overlapping_range_gets_pieces_from_the_first(
 ) -> None:
     tb, ih = torrent
     with _client() as first, _client() as second:
-        first.fetch(tb, tmp_path / "a", manifest.byte_ranges_for_range(0, 20), timeout=60, **_urls(origin, "a"))
+        first.fetch(
+            tb, tmp_path / "a", manifest.byte_ranges_for_range(0, 20), timeout=60, **_urls(origin, "a")
+        )
         reports: list[Progress] = []
-        path = second.fetch(tb, tmp_path / "b", manifest.byte_ranges_for_range(10, 30), reports.append,
-                            timeout=60, **_urls(origin, "b"))
+        path = second.fetch(
+            tb,
+            tmp_path / "b",
+            manifest.byte_ranges_for_range(10, 30),
+            reports.append,
+            timeout=60,
+            **_urls(origin, "b"),
+        )
         verify_tensors(path, manifest, 10, 30)
         p = second.progress(second.get(ih))
-        print(json.dumps({"peer_bytes": p.peer_bytes, "web_seed_bytes": p.web_seed_bytes,
-                          "origin_served_b": origin.served["b"], "downloaded": p.downloaded_bytes}))
+        print(
+            json.dumps(
+                {
+                    "peer_bytes": p.peer_bytes,
+                    "web_seed_bytes": p.web_seed_bytes,
+                    "origin_served_b": origin.served["b"],
+                    "downloaded": p.downloaded_bytes,
+                }
+            )
+        )
         assert p.peer_bytes > 0
         assert origin.served["b"] < p.downloaded_bytes
         assert p.peer_bytes + p.web_seed_bytes == p.downloaded_bytes
@@ -108,17 +140,27 @@ def _start_corrupt_seeder(tb: bytes, src: Path, workdir: Path, tracker_url: str)
             b = f.read(1)
             f.seek(-1, os.SEEK_CUR)
             f.write(bytes([b[0] ^ 0xFF]))
-    ses = lt.session({"listen_interfaces": "127.0.0.1:0", "enable_dht": False, "enable_lsd": False,
-                      "enable_upnp": False, "enable_natpmp": False, "ssrf_mitigation": False,
-                      "allow_multiple_connections_per_ip": True, "enable_outgoing_utp": False,
-                      "enable_incoming_utp": False})
+    ses = lt.session(
+        {
+            "listen_interfaces": "127.0.0.1:0",
+            "enable_dht": False,
+            "enable_lsd": False,
+            "enable_upnp": False,
+            "enable_natpmp": False,
+            "ssrf_mitigation": False,
+            "allow_multiple_connections_per_ip": True,
+            "enable_outgoing_utp": False,
+            "enable_incoming_utp": False,
+        }
+    )
     atp = lt.add_torrent_params()
     atp.ti = ti
     atp.save_path = str(workdir)
     atp.have_pieces = [True] * ti.num_pieces()
     atp.trackers = [tracker_url]
     atp.flags = (atp.flags | lt.torrent_flags.no_verify_files | lt.torrent_flags.override_trackers) & ~(
-        lt.torrent_flags.auto_managed | lt.torrent_flags.paused)
+        lt.torrent_flags.auto_managed | lt.torrent_flags.paused
+    )
     h = ses.add_torrent(atp)
     deadline = time.monotonic() + 10
     while not h.status().is_seeding:
@@ -139,11 +181,19 @@ def test_a_peer_serving_corrupt_data_is_caught_by_piece_hashes_and_the_piece_ref
         time.sleep(0.05)
     try:
         with _client() as c:
-            path = c.fetch(tb, tmp_path / "b", manifest.byte_ranges_for_range(10, 12), timeout=60,
-                           **_urls(origin, "b"))
+            path = c.fetch(
+                tb, tmp_path / "b", manifest.byte_ranges_for_range(10, 12), timeout=60, **_urls(origin, "b")
+            )
             p = c.progress(c.get(ih))
-            print(json.dumps({"hash_failures": p.hash_failures, "peer_bytes": p.peer_bytes,
-                              "web_seed_bytes": p.web_seed_bytes}))
+            print(
+                json.dumps(
+                    {
+                        "hash_failures": p.hash_failures,
+                        "peer_bytes": p.peer_bytes,
+                        "web_seed_bytes": p.web_seed_bytes,
+                    }
+                )
+            )
             assert p.hash_failures >= 1
             assert p.web_seed_bytes > 0  # the failed pieces came again from the origin
             verify_tensors(path, manifest, 10, 12)
@@ -156,8 +206,14 @@ def test_a_file_tampered_on_disk_is_caught_before_loading_and_repaired(
 ) -> None:
     tb, ih = torrent
     with _client() as c:
-        path = c.fetch(tb, tmp_path, manifest.byte_ranges_for_range(10, 12), timeout=60, trackers=[],
-                       web_seeds=[origin.web_seed_url("a")])
+        path = c.fetch(
+            tb,
+            tmp_path,
+            manifest.byte_ranges_for_range(10, 12),
+            timeout=60,
+            trackers=[],
+            web_seeds=[origin.web_seed_url("a")],
+        )
         verify_tensors(path, manifest, 10, 12)
         victim = manifest.tensor("blk.11.ffn_down.weight")
         with open(path, "r+b") as f:
@@ -180,8 +236,14 @@ def test_web_seed_only_mode_completes_without_any_peer(
 ) -> None:
     tb, ih = torrent
     with _client() as c:
-        path = c.fetch(tb, tmp_path, manifest.byte_ranges_for_range(29, 30), timeout=60, trackers=[],
-                       web_seeds=[origin.web_seed_url("c")])
+        path = c.fetch(
+            tb,
+            tmp_path,
+            manifest.byte_ranges_for_range(29, 30),
+            timeout=60,
+            trackers=[],
+            web_seeds=[origin.web_seed_url("c")],
+        )
         verify_tensors(path, manifest, 29, 30)
         p = c.progress(c.get(ih))
         assert p.peers == 0 and p.peer_bytes == 0
@@ -193,10 +255,19 @@ def test_a_tensor_never_downloaded_fails_verification(
 ) -> None:
     tb, _ = torrent
     with _client() as c:
-        path = c.fetch(tb, tmp_path, manifest.byte_ranges_for_range(12, 13), timeout=60, trackers=[],
-                       web_seeds=[origin.web_seed_url("a")])
-        with pytest.raises(TensorHashMismatch, match="blk.14"):
+        path = c.fetch(
+            tb,
+            tmp_path,
+            manifest.byte_ranges_for_range(12, 13),
+            timeout=60,
+            trackers=[],
+            web_seeds=[origin.web_seed_url("a")],
+        )
+        verify_tensors(path, manifest, 12, 13)
+        with pytest.raises(TensorHashMismatch, match="blk.13") as e:
             verify_tensors(path, manifest, 12, 15)
+        assert {t.name for t in manifest.tensors_for_range(14, 15)} <= set(e.value.names)
+        assert not any(n.startswith("blk.12.") for n in e.value.names)
 
 
 def test_moving_a_range_downloads_only_the_newly_needed_pieces(
@@ -221,8 +292,14 @@ def test_the_tracker_refuses_an_agent_with_an_unknown_passkey(
 ) -> None:
     tb, _ = torrent
     with _client() as c:
-        d = c.add(tb, tmp_path, manifest.byte_ranges_for_range(10, 11), trackers=[origin.tracker_url("stranger")],
-                  web_seeds=[], web_seed_policy="never")
+        d = c.add(
+            tb,
+            tmp_path,
+            manifest.byte_ranges_for_range(10, 11),
+            trackers=[origin.tracker_url("stranger")],
+            web_seeds=[],
+            web_seed_policy="never",
+        )
         deadline = time.monotonic() + 10
         while not d.tracker_error:
             assert time.monotonic() < deadline, "no tracker error within 10 s"

@@ -20,11 +20,22 @@ def _q(info_hash: bytes = IH, peer_id: bytes = b"-LT2110-aaaaaaaaaaaa", **kw: ob
     return "&".join(parts)
 
 
-def _announce(query: str, ip: str = "10.0.0.1", passkey: str = "good", store: MemoryPeerStore | None = None,
-              now: float = 1000.0) -> dict:
+def _announce(
+    query: str,
+    ip: str = "10.0.0.1",
+    passkey: str = "good",
+    store: MemoryPeerStore | None = None,
+    now: float = 1000.0,
+) -> dict:
     body = logic.announce(
-        query, ip, passkey, passkey_ok=lambda k: k == "good", torrent_known=lambda h: h in (IH, IH2),
-        store=store if store is not None else MemoryPeerStore(), config=TrackerConfig(interval_s=60), now=now,
+        query,
+        ip,
+        passkey,
+        passkey_ok=lambda k: k == "good",
+        torrent_known=lambda h: h in (IH, IH2),
+        store=store if store is not None else MemoryPeerStore(),
+        config=TrackerConfig(interval_s=60),
+        now=now,
     )
     out = bdecode(body)
     assert isinstance(out, dict)
@@ -35,8 +46,12 @@ def test_bencode_round_trips_and_sorts_keys_as_bytes() -> None:
     value = {"peers": b"\x7f\x00\x00\x01\x1a\xe1", "interval": 1800, "a": [1, -2, "x"], "min interval": 0}
     raw = bencode(value)
     assert raw == b"d1:ali1ei-2e1:xe8:intervali1800e12:min intervali0e5:peers6:\x7f\x00\x00\x01\x1a\xe1e"
-    assert bdecode(raw) == {b"a": [1, -2, b"x"], b"interval": 1800, b"min interval": 0,
-                            b"peers": b"\x7f\x00\x00\x01\x1a\xe1"}
+    assert bdecode(raw) == {
+        b"a": [1, -2, b"x"],
+        b"interval": 1800,
+        b"min interval": 0,
+        b"peers": b"\x7f\x00\x00\x01\x1a\xe1",
+    }
 
 
 def test_bencode_matches_libtorrent_when_it_is_installed() -> None:
@@ -45,8 +60,9 @@ def test_bencode_matches_libtorrent_when_it_is_installed() -> None:
     assert bencode(value) == lt.bencode(value)
 
 
-@pytest.mark.parametrize("raw", [b"i01e", b"i-0e", b"ie", b"i1", b"5:abc", b"l", b"d1:ai1e", b"i1ei2e", b"di1ei2ee",
-                                 b"x", b""])
+@pytest.mark.parametrize(
+    "raw", [b"i01e", b"i-0e", b"ie", b"i1", b"5:abc", b"l", b"d1:ai1e", b"i1ei2e", b"di1ei2ee", b"x", b""]
+)
 def test_bdecode_rejects_malformed_input(raw: bytes) -> None:
     with pytest.raises(BencodeError):
         bdecode(raw)
@@ -128,8 +144,16 @@ def test_scrape_reports_counts_for_known_torrents_only() -> None:
     q = f"info_hash={quote_from_bytes(IH)}&info_hash={other}"
 
     def scrape(query: str, passkey: str = "good") -> object:
-        return bdecode(logic.scrape(query, passkey, passkey_ok=lambda k: k == "good",
-                                    torrent_known=lambda h: h == IH, store=store, now=1000.0))
+        return bdecode(
+            logic.scrape(
+                query,
+                passkey,
+                passkey_ok=lambda k: k == "good",
+                torrent_known=lambda h: h == IH,
+                store=store,
+                now=1000.0,
+            )
+        )
 
     assert scrape(q) == {b"files": {IH: {b"complete": 1, b"incomplete": 1, b"downloaded": 1}}}
     assert scrape(q, passkey="bad") == {b"failure reason": b"unknown passkey"}

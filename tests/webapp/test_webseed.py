@@ -17,8 +17,14 @@ def test_no_range_serves_the_whole_file_with_200() -> None:
 
 @pytest.mark.parametrize(
     ("header", "start", "end"),
-    [("bytes=0-99", 0, 100), ("bytes=900-", 900, 1000), ("bytes=-10", 990, 1000), ("bytes=990-5000", 990, 1000),
-     ("bytes=-5000", 0, 1000), ("Bytes = 5 - 5", 5, 6)],
+    [
+        ("bytes=0-99", 0, 100),
+        ("bytes=900-", 900, 1000),
+        ("bytes=-10", 990, 1000),
+        ("bytes=990-5000", 990, 1000),
+        ("bytes=-5000", 0, 1000),
+        ("Bytes = 5 - 5", 5, 6),
+    ],
 )
 def test_one_satisfiable_range_is_served_with_206(header: str, start: int, end: int) -> None:
     plan = plan_range(header, 1000)
