@@ -1,0 +1,141 @@
+"""`enroll` and `run`: the agent subcommands that talk to the control plane (added to agent.cli)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import socket
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from agent.config import ConfigError, NodeConfig, default_config_path, load_config, save_config
+
+log = logging.getLogger("agent.cli")
+
+
+def _fail(msg: str) -> int:
+    print(f"error: {msg}", file=sys.stderr)
+    return 2
+
+
+def enroll(server: str, token: str, name: str, timeout_s: float = 30.0) -> NodeConfig:
+    """Exchange a one-time enrollment token for node credentials (raises ConfigError with the reason)."""
+    server = server.rstrip("/")
+    if not server.startswith(("http://", "https://")):
+        raise ConfigError(f"--server must be an http(s) URL, not {server!r}")
+    body = json.dumps({"token": token, "name": name}).encode()
+    req = urllib.request.Request(
+        server + "/api/agent/enroll", data=body, method="POST", headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            data = json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        try:
+            reason = json.loads(e.read()).get("error", e.reason)
+        except ValueError:
+            reason = e.reason
+        raise ConfigError(f"enrollment refused (HTTP {e.code}): {reason}") from None
+    except (urllib.error.URLError, OSError) as e:
+        raise ConfigError(f"cannot reach {server}: {getattr(e, 'reason', e)}") from None
+    return NodeConfig(
+        server=server,
+        node_id=data["node_id"],
+        secret=data["secret"],
+        public_key=data["public_key"],
+        name=name,
+    )
+
+
+def cmd_enroll(args: argparse.Namespace) -> int:
+    path = Path(args.config) if args.config else default_config_path()
+    if path.exists() and not args.force:
+        return _fail(f"{path} already exists (this node is enrolled); pass --force to enroll again")
+    try:
+        cfg = enroll(args.server, args.token, args.name or socket.gethostname())
+    except ConfigError as e:
+        return _fail(str(e))
+    save_config(cfg, path)
+    print(f"enrolled as {cfg.node_id}; credentials saved to {path} (0600)")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from agent.control import AgentRejected, ControlAgent, data_dir_for
+    from agent.dataplane import DataPlane, start_dataplane
+    from agent.routetoken import TokenError, load_public_key
+
+    path = Path(args.config) if args.config else default_config_path()
+    try:
+        cfg = load_config(path)
+        public_key = load_public_key(cfg.public_key)
+    except (ConfigError, TokenError) as e:
+        return _fail(str(e))
+    data_dir = Path(args.data_dir) if args.data_dir else data_dir_for(path)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    dp = DataPlane(cfg.node_id, public_key, kv_budget_bytes=int(args.kv_budget_mb * (1 << 20)))
+
+    async def main() -> int:
+        runner = await start_dataplane(dp, args.host, args.port)
+        port = args.port or next(iter(runner.addresses))[1]
+        url = args.advertise_url or f"http://{args.host}:{port}"
+        agent = ControlAgent(cfg, dp, url, data_dir, n_threads=args.threads)
+        print(f"node {cfg.node_id}: data plane on {url}, control plane {cfg.server}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await agent.run(stop)
+        except AgentRejected as e:
+            print(f"error: {e}; enroll again with a new token", file=sys.stderr)
+            return 3
+        finally:
+            await runner.cleanup()
+        return 0
+
+    return asyncio.run(main())
+
+
+def add_control_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Register `enroll` and `run` on the agent CLI's subparsers."""
+    s = sub.add_parser("enroll", help="exchange an enrollment token for node credentials")
+    s.add_argument("--server", required=True, help="control plane URL, e.g. http://10.0.0.5:8000")
+    s.add_argument("--token", required=True, help="one-time enrollment token from the fleet page")
+    s.add_argument("--name", help="node name shown in the dashboard (default: hostname)")
+    s.add_argument("--config", help=f"node config file (default {default_config_path()})")
+    s.add_argument("--force", action="store_true", help="overwrite an existing node config")
+    s.set_defaults(func=cmd_enroll)
+
+    s = sub.add_parser("run", help="serve the data plane and follow the control plane's commands")
+    s.add_argument("--config", help=f"node config file (default {default_config_path()})")
+    s.add_argument("--data-dir", help="where model files go (default: beside the config, data/)")
+    s.add_argument("--host", default="127.0.0.1", help="data plane bind address")
+    s.add_argument("--port", type=int, default=0, help="data plane port (0: any free port)")
+    s.add_argument("--advertise-url", help="data plane URL other nodes and the control plane use")
+    s.add_argument("--threads", type=int, default=2)
+    s.add_argument("--kv-budget-mb", type=float, default=1024.0)
+    s.set_defaults(func=cmd_run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="gguf-swarm-agent", description="GGUF Swarm node agent (control commands)"
+    )
+    p.add_argument("-v", "--verbose", action="store_true")
+    add_control_commands(p.add_subparsers(dest="cmd", required=True))
+    args = p.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""The node's config file: control-plane URL, node id, secret and route-token public key (mode 0600)."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+CONFIG_VERSION = 1
+
+
+class ConfigError(Exception):
+    """The node config is missing, unreadable, malformed or readable by others."""
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """What `enroll` obtained and `run` needs."""
+
+    server: str
+    node_id: str
+    secret: str
+    public_key: str  # base64 raw Ed25519 key that verifies route tokens
+    name: str = ""
+    version: int = CONFIG_VERSION
+
+    def authorization(self) -> str:
+        return f"Node {self.node_id}:{self.secret}"
+
+
+def default_config_path() -> Path:
+    env = os.environ.get("GGUF_SWARM_CONFIG")
+    if env:
+        return Path(env)
+    base = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
+    return base / "gguf-swarm" / "node.json"
+
+
+def save_config(cfg: NodeConfig, path: Path) -> None:
+    """Write atomically; the file is created 0600 and its directory 0700, never briefly world-readable."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(asdict(cfg), f, indent=2)
+            f.write("\n")
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, path)
+
+
+def load_config(path: Path) -> NodeConfig:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no node config; run `enroll --server URL --token TOKEN` first") from None
+    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigError(f"{path}: holds a secret but is readable by others; run `chmod 600 {path}`")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: cannot read node config ({e})") from None
+    if not isinstance(data, dict) or data.get("version") != CONFIG_VERSION:
+        raise ConfigError(f"{path}: not a version {CONFIG_VERSION} node config")
+    try:
+        cfg = NodeConfig(**data)
+    except TypeError as e:
+        raise ConfigError(f"{path}: unexpected fields ({e})") from None
+    for field in ("server", "node_id", "secret", "public_key"):
+        if not isinstance(getattr(cfg, field), str) or not getattr(cfg, field):
+            raise ConfigError(f"{path}: {field!r} is missing")
+    return cfg

@@ -1,0 +1,113 @@
+"""Fetching a shard's bytes from the control plane with HTTP range requests, verified per tensor.
+
+The file is rebuilt sparsely at its original offsets (header + the tensors of the layer range), so the
+backends open it like the full GGUF. Tensors already present and matching their sha256 are not fetched
+again. The torrent swarm will replace this with piece selection over the same web-seed endpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import re
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from aiohttp import ClientSession
+
+from agent.manifest import Manifest, TensorInfo, merge_ranges
+
+CHUNK = 1 << 20
+_CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
+Progress = Callable[[float], Awaitable[None]]
+
+
+class FetchError(Exception):
+    """The download failed or a tensor did not match its manifest hash."""
+
+
+def _tensor_ok(f: object, t: TensorInfo) -> bool:
+    if not t.sha256:
+        return False
+    h = hashlib.sha256()
+    f.seek(t.offset)  # type: ignore[attr-defined]
+    left = t.nbytes
+    while left > 0:
+        chunk = f.read(min(CHUNK, left))  # type: ignore[attr-defined]
+        if not chunk:
+            return False
+        h.update(chunk)
+        left -= len(chunk)
+    return h.hexdigest() == t.sha256
+
+
+def missing_tensors(path: Path, tensors: list[TensorInfo]) -> list[TensorInfo]:
+    """Tensors whose bytes in `path` are absent or do not match their sha256 (blocking)."""
+    if not path.exists():
+        return list(tensors)
+    with open(path, "rb") as f:
+        return [t for t in tensors if not _tensor_ok(f, t)]
+
+
+def ranges_to_fetch(manifest: Manifest, missing: list[TensorInfo]) -> list[tuple[int, int]]:
+    """The header (always: it holds the tokenizer and tensor table) plus the missing tensors' bytes."""
+    header_end = manifest.tensor_data_offset or min((t.offset for t in manifest.tensors), default=0)
+    return merge_ranges([(0, header_end)] + [(t.offset, t.end) for t in missing])
+
+
+def shard_path(data_dir: Path, model_sha256: str) -> Path:
+    return data_dir / "models" / f"{model_sha256}.gguf"
+
+
+async def fetch_shard(
+    http: ClientSession,
+    file_url: str,
+    headers: dict[str, str],
+    manifest: Manifest,
+    layer_start: int,
+    layer_end: int,
+    dest: Path,
+    progress: Progress | None = None,
+) -> int:
+    """Bring `dest` up to date for [layer_start, layer_end); returns the bytes downloaded."""
+    tensors = manifest.tensors_for_range(layer_start, layer_end)
+    missing = await asyncio.to_thread(missing_tensors, dest, tensors)
+    ranges = ranges_to_fetch(manifest, missing)
+    total = sum(e - s for s, e in ranges) or 1
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(dest, os.O_RDWR | os.O_CREAT, 0o644)
+    done = 0
+    try:
+        if os.fstat(fd).st_size != manifest.file_size:
+            os.ftruncate(fd, manifest.file_size)  # sparse: untouched layers take no disk
+        for start, end in ranges:
+            hdrs = {**headers, "Range": f"bytes={start}-{end - 1}"}
+            async with http.get(file_url, headers=hdrs) as r:
+                if r.status != 206:
+                    raise FetchError(f"GET {file_url} {hdrs['Range']}: HTTP {r.status} (expected 206)")
+                m = _CONTENT_RANGE.match(r.headers.get("Content-Range", ""))
+                if not m or int(m.group(1)) != start or int(m.group(2)) != end - 1:
+                    raise FetchError(
+                        f"GET {file_url}: Content-Range {r.headers.get('Content-Range')!r} "
+                        f"does not match the requested {start}-{end - 1}"
+                    )
+                pos = start
+                async for chunk in r.content.iter_chunked(CHUNK):
+                    if pos + len(chunk) > end:
+                        raise FetchError(f"GET {file_url}: server sent more than the requested range")
+                    os.pwrite(fd, chunk, pos)
+                    pos += len(chunk)
+                    done += len(chunk)
+                    if progress:
+                        await progress(done / total)
+                if pos != end:
+                    raise FetchError(f"GET {file_url}: range {start}-{end - 1} ended early at {pos}")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    bad = await asyncio.to_thread(missing_tensors, dest, tensors)
+    if bad:
+        names = ", ".join(t.name for t in bad[:5])
+        raise FetchError(f"{len(bad)} tensor(s) failed sha256 verification after download: {names}")
+    return done
