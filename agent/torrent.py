@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 
 import libtorrent as lt
 
-from agent.manifest import Manifest
+from agent.manifest import Manifest, merge_ranges
 from agent.pieces import (
     WEB_SEED_FALLBACK,
     WEB_SEED_POLICIES,
@@ -35,6 +35,7 @@ __all__ = [
     "create_torrent",
     "pieces_for_ranges",
     "priorities",
+    "shard_byte_ranges",
     "verify_tensors",
 ]
 
@@ -93,6 +94,13 @@ def create_torrent(
 
 def torrent_info(torrent_bytes: bytes) -> lt.torrent_info:
     return lt.torrent_info(lt.bdecode(torrent_bytes))
+
+
+def shard_byte_ranges(manifest: Manifest, layer_start: int, layer_end: int) -> list[tuple[int, int]]:
+    """What a node holding [layer_start, layer_end) downloads: the GGUF header (metadata, tokenizer,
+    tensor table: backends open the sparse file as a GGUF) plus its layers' and role's tensors."""
+    header = (0, manifest.tensor_data_offset or min(t.offset for t in manifest.tensors))
+    return merge_ranges([header, *manifest.byte_ranges_for_range(layer_start, layer_end)])
 
 
 def verify_tensors(path: str | Path, manifest: Manifest, layer_start: int, layer_end: int) -> None:
@@ -553,7 +561,7 @@ class SwarmClient:
         **kwargs: object,
     ) -> Path:
         """fetch + verify_tensors; on a mismatch, recheck and re-download, up to `retries` times."""
-        ranges = manifest.byte_ranges_for_range(layer_start, layer_end)
+        ranges = shard_byte_ranges(manifest, layer_start, layer_end)
         path = self.fetch(torrent_bytes, dest_dir, ranges, on_progress, timeout=timeout, **kwargs)  # type: ignore[arg-type]
         ih = str(torrent_info(torrent_bytes).info_hashes().v1)
         for attempt in range(retries + 1):

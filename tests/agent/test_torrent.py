@@ -14,9 +14,16 @@ import libtorrent as lt
 import pytest
 from test_torrent_origin import Origin
 
-from agent.manifest import Manifest
+from agent.manifest import Manifest, build_manifest
 from agent.pieces import pieces_bytes, pieces_for_ranges
-from agent.torrent import Progress, SwarmClient, TensorHashMismatch, create_torrent, verify_tensors
+from agent.torrent import (
+    Progress,
+    SwarmClient,
+    TensorHashMismatch,
+    create_torrent,
+    shard_byte_ranges,
+    verify_tensors,
+)
 
 THIRDS = [(0, 10), (10, 20), (20, 30)]
 
@@ -59,7 +66,7 @@ def test_three_agents_with_a_third_each_download_at_most_110_percent_of_what_the
             return clients[i].fetch(
                 tb,
                 tmp_path / f"n{i}",
-                manifest.byte_ranges_for_range(a, b),
+                shard_byte_ranges(manifest, a, b),
                 timeout=60,
                 **_urls(origin, "abc"[i]),
             )
@@ -69,14 +76,17 @@ def test_three_agents_with_a_third_each_download_at_most_110_percent_of_what_the
         figures = []
         for i, (a, b) in enumerate(THIRDS):
             p = clients[i].progress(clients[i].get(ih))
-            needed = manifest.bytes_for_range(a, b)
+            needed = sum(e - s for s, e in shard_byte_ranges(manifest, a, b))  # header + range + role
             verify_tensors(paths[i], manifest, a, b)
+            sparse = build_manifest(paths[i], hash_tensors=False)  # the sparse file still opens as a GGUF
+            assert [t.offset for t in sparse.tensors] == [t.offset for t in manifest.tensors]
             figures.append(
                 {
                     "layers": f"{a}:{b}",
                     "needed": needed,
                     "downloaded": p.downloaded_bytes,
                     "ratio": round(p.downloaded_bytes / needed, 4),
+                    "ratio_vs_tensors_only": round(p.downloaded_bytes / manifest.bytes_for_range(a, b), 4),
                     "peer_bytes": p.peer_bytes,
                     "web_seed_bytes": p.web_seed_bytes,
                     "on_disk": _allocated(paths[i]),
@@ -97,14 +107,12 @@ def test_a_second_agent_with_an_overlapping_range_gets_pieces_from_the_first(
 ) -> None:
     tb, ih = torrent
     with _client() as first, _client() as second:
-        first.fetch(
-            tb, tmp_path / "a", manifest.byte_ranges_for_range(0, 20), timeout=60, **_urls(origin, "a")
-        )
+        first.fetch(tb, tmp_path / "a", shard_byte_ranges(manifest, 0, 20), timeout=60, **_urls(origin, "a"))
         reports: list[Progress] = []
         path = second.fetch(
             tb,
             tmp_path / "b",
-            manifest.byte_ranges_for_range(10, 30),
+            shard_byte_ranges(manifest, 10, 30),
             reports.append,
             timeout=60,
             **_urls(origin, "b"),
@@ -182,7 +190,7 @@ def test_a_peer_serving_corrupt_data_is_caught_by_piece_hashes_and_the_piece_ref
     try:
         with _client() as c:
             path = c.fetch(
-                tb, tmp_path / "b", manifest.byte_ranges_for_range(10, 12), timeout=60, **_urls(origin, "b")
+                tb, tmp_path / "b", shard_byte_ranges(manifest, 10, 12), timeout=60, **_urls(origin, "b")
             )
             p = c.progress(c.get(ih))
             print(
@@ -209,7 +217,7 @@ def test_a_file_tampered_on_disk_is_caught_before_loading_and_repaired(
         path = c.fetch(
             tb,
             tmp_path,
-            manifest.byte_ranges_for_range(10, 12),
+            shard_byte_ranges(manifest, 10, 12),
             timeout=60,
             trackers=[],
             web_seeds=[origin.web_seed_url("a")],
@@ -239,7 +247,7 @@ def test_web_seed_only_mode_completes_without_any_peer(
         path = c.fetch(
             tb,
             tmp_path,
-            manifest.byte_ranges_for_range(29, 30),
+            shard_byte_ranges(manifest, 29, 30),
             timeout=60,
             trackers=[],
             web_seeds=[origin.web_seed_url("c")],
@@ -258,7 +266,7 @@ def test_a_tensor_never_downloaded_fails_verification(
         path = c.fetch(
             tb,
             tmp_path,
-            manifest.byte_ranges_for_range(12, 13),
+            shard_byte_ranges(manifest, 12, 13),
             timeout=60,
             trackers=[],
             web_seeds=[origin.web_seed_url("a")],
@@ -276,13 +284,13 @@ def test_moving_a_range_downloads_only_the_newly_needed_pieces(
     tb, ih = torrent
     ti = lt.torrent_info(lt.bdecode(tb))
     plen, total = ti.piece_length(), ti.total_size()
-    old = pieces_for_ranges(manifest.byte_ranges_for_range(10, 12), plen, total)
-    new = pieces_for_ranges(manifest.byte_ranges_for_range(11, 14), plen, total)
+    old = pieces_for_ranges(shard_byte_ranges(manifest, 10, 12), plen, total)
+    new = pieces_for_ranges(shard_byte_ranges(manifest, 11, 14), plen, total)
     with _client() as c:
         urls = {"trackers": [], "web_seeds": [origin.web_seed_url("a")]}
-        c.fetch(tb, tmp_path, manifest.byte_ranges_for_range(10, 12), timeout=60, **urls)
+        c.fetch(tb, tmp_path, shard_byte_ranges(manifest, 10, 12), timeout=60, **urls)
         before = c.progress(c.get(ih)).downloaded_bytes
-        path = c.fetch(tb, tmp_path, manifest.byte_ranges_for_range(11, 14), timeout=60, **urls)
+        path = c.fetch(tb, tmp_path, shard_byte_ranges(manifest, 11, 14), timeout=60, **urls)
         verify_tensors(path, manifest, 11, 14)
         assert c.progress(c.get(ih)).downloaded_bytes - before == pieces_bytes(new - old, plen, total)
 
@@ -295,7 +303,7 @@ def test_the_tracker_refuses_an_agent_with_an_unknown_passkey(
         d = c.add(
             tb,
             tmp_path,
-            manifest.byte_ranges_for_range(10, 11),
+            shard_byte_ranges(manifest, 10, 11),
             trackers=[origin.tracker_url("stranger")],
             web_seeds=[],
             web_seed_policy="never",
