@@ -1,0 +1,83 @@
+"""Django test setup: real PostgreSQL/Redis when DATABASE_URL/REDIS_URL are set, else SQLite/in-memory."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "webapp.settings")
+os.environ.setdefault("SWARM_DATA_DIR", tempfile.mkdtemp(prefix="swarm-test-"))
+os.environ["CELERY_TASK_ALWAYS_EAGER"] = "1"  # unit tests run tasks inline; integration tests start workers
+os.environ.setdefault("CHANNELS_PREFIX", f"swarmtest{os.getpid()}")
+
+import django  # noqa: E402
+
+django.setup()  # test modules import models at collection time
+
+from collections.abc import Iterator  # noqa: E402
+from typing import Any  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fast_hasher(settings: Any) -> None:
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+
+@pytest.fixture
+def staff(django_user_model: Any) -> Any:
+    return django_user_model.objects.create_user("alice", password="alice-pass-123", is_staff=True)
+
+
+@pytest.fixture
+def member(django_user_model: Any) -> Any:
+    return django_user_model.objects.create_user("bob", password="bob-pass-123")
+
+
+@pytest.fixture
+def staff_client(client: Any, staff: Any) -> Any:
+    client.force_login(staff)
+    return client
+
+
+@pytest.fixture
+def member_client(client: Any, member: Any) -> Any:
+    client.force_login(member)
+    return client
+
+
+@pytest.fixture
+def node_with_secret(db: None) -> tuple[Any, str]:
+    """An enrolled node and its plain secret (enrolled the real way, through a token)."""
+    from webapp.fleet.models import Node
+    from webapp.fleet.services import create_enrollment_token, redeem_enrollment_token
+
+    plain, _ = create_enrollment_token(None, "test")
+    e = redeem_enrollment_token(plain, "n1")
+    return Node.objects.get(pk=e.node_id), e.secret
+
+
+@pytest.fixture
+def clear_channel_layer() -> Iterator[None]:
+    from asgiref.sync import async_to_sync
+    from channels.layers import get_channel_layer
+
+    yield
+    layer = get_channel_layer()
+    if hasattr(layer, "flush"):
+        async_to_sync(layer.flush)()
+
+
+@pytest.fixture
+def artifact(db: None, manifest: Any, model_path: str) -> Any:
+    """SmolLM2 registered and ready (manifest reused from the session fixture, not rebuilt)."""
+    import json
+
+    from webapp.catalog.models import ModelArtifact
+
+    return ModelArtifact.objects.create(
+        name="SmolLM2", source=ModelArtifact.Source.PACKAGE, path=model_path, state=ModelArtifact.State.READY,
+        sha256=manifest.sha256, size_bytes=manifest.file_size, n_layers=manifest.n_layers,
+        architecture=manifest.architecture, manifest=json.loads(manifest.to_json()),
+    )

@@ -1,0 +1,64 @@
+"""Access control: staff-only admin views and actions, CSRF on forms, node-only artifact bytes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from django.test import Client
+
+from webapp.fleet.models import Node
+
+pytestmark = pytest.mark.django_db
+
+ADMIN_GETS = ["/fleet/", "/fleet/placement/", "/models/"]
+
+
+def admin_posts(node_id: str, artifact_id: int) -> list[str]:
+    return [
+        "/fleet/tokens", f"/fleet/nodes/{node_id}/drain", f"/fleet/nodes/{node_id}/remove", "/models/register",
+        f"/models/{artifact_id}/place", f"/models/{artifact_id}/unplace",
+    ]
+
+
+def test_non_staff_get_403_on_every_admin_view_and_action(member_client: Any, node_with_secret: Any,
+                                                          artifact: Any) -> None:
+    node, _ = node_with_secret
+    for url in ADMIN_GETS:
+        assert member_client.get(url).status_code == 403, url
+    for url in admin_posts(node.id, artifact.pk):
+        assert member_client.post(url, {"kind": "package"}).status_code == 403, url
+    node.refresh_from_db()
+    assert node.state == Node.State.PENDING
+
+
+def test_anonymous_users_are_sent_to_log_in(client: Any, artifact: Any) -> None:
+    for url in [*ADMIN_GETS, "/playground/"]:
+        r = client.get(url)
+        assert r.status_code == 302 and r["Location"].startswith("/accounts/login/"), url
+
+
+def test_staff_see_the_admin_pages(staff_client: Any, node_with_secret: Any, artifact: Any) -> None:
+    for url in ADMIN_GETS:
+        assert staff_client.get(url).status_code == 200, url
+    assert b"n1" in staff_client.get("/fleet/").content
+
+
+def test_forms_without_a_csrf_token_are_refused(staff: Any) -> None:
+    c = Client(enforce_csrf_checks=True)
+    c.force_login(staff)
+    assert c.post("/fleet/tokens", {"note": "x"}).status_code == 403
+    page = c.get("/fleet/")
+    token = page.cookies["csrftoken"].value
+    assert c.post("/fleet/tokens", {"note": "x"}, HTTP_X_CSRFTOKEN=token).status_code == 200
+
+
+def test_members_can_use_the_playground(member_client: Any) -> None:
+    assert member_client.get("/playground/").status_code == 200
+
+
+def test_artifact_bytes_need_node_credentials(client: Any, artifact: Any) -> None:
+    r = client.get(f"/artifacts/{artifact.sha256}/file", HTTP_RANGE="bytes=0-3")
+    assert r.status_code == 401
+    r = client.get(f"/artifacts/{artifact.sha256}/manifest", HTTP_AUTHORIZATION="Node node-x:nope")
+    assert r.status_code == 401
