@@ -77,7 +77,13 @@ def artifact(db: None, manifest: Any, model_path: str) -> Any:
     from webapp.catalog.models import ModelArtifact
 
     return ModelArtifact.objects.create(
-        name="SmolLM2", source=ModelArtifact.Source.PACKAGE, path=model_path, state=ModelArtifact.State.READY,
-        sha256=manifest.sha256, size_bytes=manifest.file_size, n_layers=manifest.n_layers,
-        architecture=manifest.architecture, manifest=json.loads(manifest.to_json()),
+        name="SmolLM2",
+        source=ModelArtifact.Source.PACKAGE,
+        path=model_path,
+        state=ModelArtifact.State.READY,
+        sha256=manifest.sha256,
+        size_bytes=manifest.file_size,
+        n_layers=manifest.n_layers,
+        architecture=manifest.architecture,
+        manifest=json.loads(manifest.to_json()),
     )

@@ -16,13 +16,18 @@ ADMIN_GETS = ["/fleet/", "/fleet/placement/", "/models/"]
 
 def admin_posts(node_id: str, artifact_id: int) -> list[str]:
     return [
-        "/fleet/tokens", f"/fleet/nodes/{node_id}/drain", f"/fleet/nodes/{node_id}/remove", "/models/register",
-        f"/models/{artifact_id}/place", f"/models/{artifact_id}/unplace",
+        "/fleet/tokens",
+        f"/fleet/nodes/{node_id}/drain",
+        f"/fleet/nodes/{node_id}/remove",
+        "/models/register",
+        f"/models/{artifact_id}/place",
+        f"/models/{artifact_id}/unplace",
     ]
 
 
-def test_non_staff_get_403_on_every_admin_view_and_action(member_client: Any, node_with_secret: Any,
-                                                          artifact: Any) -> None:
+def test_non_staff_get_403_on_every_admin_view_and_action(
+    member_client: Any, node_with_secret: Any, artifact: Any
+) -> None:
     node, _ = node_with_secret
     for url in ADMIN_GETS:
         assert member_client.get(url).status_code == 403, url

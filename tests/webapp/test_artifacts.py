@@ -27,8 +27,11 @@ def test_a_node_reads_one_byte_range_of_the_gguf(client: Any, artifact: Any, nod
 
 
 def test_a_range_past_the_end_gets_416(client: Any, artifact: Any, node_with_secret: Any) -> None:
-    r = client.get(f"/artifacts/{artifact.sha256}/file", HTTP_RANGE=f"bytes={artifact.size_bytes}-",
-                   **auth(node_with_secret))
+    r = client.get(
+        f"/artifacts/{artifact.sha256}/file",
+        HTTP_RANGE=f"bytes={artifact.size_bytes}-",
+        **auth(node_with_secret),
+    )
     assert r.status_code == 416 and r["Content-Range"] == f"bytes */{artifact.size_bytes}"
 
 
@@ -39,7 +42,13 @@ def test_a_node_reads_the_manifest(client: Any, artifact: Any, node_with_secret:
 
 @pytest.mark.parametrize(
     ("header", "expected"),
-    [(None, None), ("bytes=0-9", (0, 10)), ("bytes=5-", (5, 100)), ("bytes=-10", (90, 100)), ("bytes=90-500", (90, 100))],
+    [
+        (None, None),
+        ("bytes=0-9", (0, 10)),
+        ("bytes=5-", (5, 100)),
+        ("bytes=-10", (90, 100)),
+        ("bytes=90-500", (90, 100)),
+    ],
 )
 def test_range_headers_are_parsed(header: str | None, expected: tuple[int, int] | None) -> None:
     assert parse_range(header, 100) == expected
@@ -51,10 +60,13 @@ def test_bad_ranges_are_refused(header: str) -> None:
         parse_range(header, 100)
 
 
-def test_registering_the_packaged_model_builds_its_manifest(staff_client: Any, model_path: str,
-                                                            django_capture_on_commit_callbacks: Any) -> None:
+def test_registering_the_packaged_model_builds_its_manifest(
+    staff_client: Any, model_path: str, django_capture_on_commit_callbacks: Any
+) -> None:
     with django_capture_on_commit_callbacks(execute=True):
-        r = staff_client.post("/models/register", {"kind": "package", "package": "smollm2"}, HTTP_HX_REQUEST="true")
+        r = staff_client.post(
+            "/models/register", {"kind": "package", "package": "smollm2"}, HTTP_HX_REQUEST="true"
+        )
     assert r.status_code == 200
     a = ModelArtifact.objects.get()
     assert a.state == ModelArtifact.State.READY, a.error
@@ -67,8 +79,9 @@ def test_registering_a_missing_path_says_so(staff_client: Any) -> None:
     assert r.status_code == 400 and b"no such file" in r.content
 
 
-def test_registering_a_file_that_is_not_gguf_fails_with_the_reason(staff_client: Any, tmp_path: Path,
-                                                                   django_capture_on_commit_callbacks: Any) -> None:
+def test_registering_a_file_that_is_not_gguf_fails_with_the_reason(
+    staff_client: Any, tmp_path: Path, django_capture_on_commit_callbacks: Any
+) -> None:
     p = tmp_path / "x.gguf"
     p.write_bytes(b"not a gguf at all, no sir" * 10)
     with django_capture_on_commit_callbacks(execute=True):
@@ -77,8 +90,9 @@ def test_registering_a_file_that_is_not_gguf_fails_with_the_reason(staff_client:
     assert a.state == ModelArtifact.State.FAILED and "not a GGUF" in a.error
 
 
-def test_uploading_a_gguf_registers_it(staff_client: Any, model_path: str, django_capture_on_commit_callbacks: Any,
-                                       settings: Any, tmp_path: Path) -> None:
+def test_uploading_a_gguf_registers_it(
+    staff_client: Any, model_path: str, django_capture_on_commit_callbacks: Any, settings: Any, tmp_path: Path
+) -> None:
     settings.ARTIFACT_DIR = tmp_path
     small = tmp_path / "bad.gguf"
     small.write_bytes(b"GGUF" + b"\0" * 40)

@@ -20,11 +20,18 @@ SHA = "ab" * 32
 
 
 def test_a_hello_is_parsed_with_its_shards() -> None:
-    msg = parse_agent_message({
-        "type": "hello", "hardware": {"cpu_count": 2}, "backends": ["torch"], "version": "0.1.0",
-        "dataplane_url": "http://127.0.0.1:9000", "speed": 12.5, "free_memory_bytes": 10,
-        "shards": [{"model_sha256": SHA, "layer_start": 0, "layer_end": 15}],
-    })
+    msg = parse_agent_message(
+        {
+            "type": "hello",
+            "hardware": {"cpu_count": 2},
+            "backends": ["torch"],
+            "version": "0.1.0",
+            "dataplane_url": "http://127.0.0.1:9000",
+            "speed": 12.5,
+            "free_memory_bytes": 10,
+            "shards": [{"model_sha256": SHA, "layer_start": 0, "layer_end": 15}],
+        }
+    )
     assert isinstance(msg, Hello)
     assert msg.shards == [ShardRef(SHA, 0, 15)] and msg.speed == 12.5
 
@@ -62,7 +69,9 @@ def view(i: int, a: int, b: int, state: str = "assigned") -> AssignmentView:
 
 
 def test_reconcile_marks_held_shards_ready_and_resends_missing_loads() -> None:
-    ready, commands = reconcile([view(1, 0, 15, "ready"), view(2, 15, 30, "fetching")], [ShardRef(SHA, 0, 15)])
+    ready, commands = reconcile(
+        [view(1, 0, 15, "ready"), view(2, 15, 30, "fetching")], [ShardRef(SHA, 0, 15)]
+    )
     assert ready == [1]
     assert [(c["type"], c["assignment_id"]) for c in commands] == [("load", 2)]
     assert commands[0]["file_url"] == f"/artifacts/{SHA}/file"
@@ -76,7 +85,9 @@ def test_reconcile_unloads_shards_nobody_assigned_and_ignores_failed_ones() -> N
 
 def test_reconcile_unloads_a_draining_assignment_the_node_still_holds() -> None:
     _, commands = reconcile([view(7, 0, 30, "draining")], [ShardRef(SHA, 0, 30)])
-    assert commands == [{"type": "unload", "assignment_id": 7, "model_sha256": SHA, "layer_start": 0, "layer_end": 30}]
+    assert commands == [
+        {"type": "unload", "assignment_id": 7, "model_sha256": SHA, "layer_start": 0, "layer_end": 30}
+    ]
 
 
 def test_llamacpp_is_only_chosen_for_a_full_model_shard() -> None:

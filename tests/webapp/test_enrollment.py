@@ -18,8 +18,9 @@ pytestmark = pytest.mark.django_db
 
 
 def enroll(client: Any, token: str, name: str = "n1") -> Any:
-    return client.post("/api/agent/enroll", data=json.dumps({"token": token, "name": name}),
-                       content_type="application/json")
+    return client.post(
+        "/api/agent/enroll", data=json.dumps({"token": token, "name": name}), content_type="application/json"
+    )
 
 
 def test_staff_create_a_token_that_is_shown_once_and_stored_hashed(staff_client: Any) -> None:
@@ -27,8 +28,9 @@ def test_staff_create_a_token_that_is_shown_once_and_stored_hashed(staff_client:
     assert r.status_code == 200
     token = r.content.decode().split('<pre id="enrollment-token">')[1].split("<")[0]
     row = EnrollmentToken.objects.get()
-    assert row.token_hash == hash_secret(token) and token not in json.dumps(list(EnrollmentToken.objects.values()),
-                                                                            default=str)
+    assert row.token_hash == hash_secret(token) and token not in json.dumps(
+        list(EnrollmentToken.objects.values()), default=str
+    )
     assert row.expires_at > timezone.now()
 
 
@@ -70,7 +72,9 @@ def test_a_malformed_enroll_request_gets_400(client: Any) -> None:
     assert r.status_code == 400
 
 
-def test_a_wrong_secret_or_revoked_credential_does_not_authenticate(node_with_secret: tuple[Node, str]) -> None:
+def test_a_wrong_secret_or_revoked_credential_does_not_authenticate(
+    node_with_secret: tuple[Node, str],
+) -> None:
     node, secret = node_with_secret
     assert authenticate_node(node.id, secret + "x") is None
     assert authenticate_node("node-other", secret) is None

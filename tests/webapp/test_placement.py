@@ -96,7 +96,9 @@ def test_fewer_replicas_than_requested_when_memory_is_short_with_a_note() -> Non
 
 
 def test_a_fleet_too_small_gets_a_clear_error_naming_the_shortfall() -> None:
-    with pytest.raises(PlacementError, match=r"cannot hold the model: it needs 320\.0 MB.*2 node\(s\) have 200\.0 MB"):
+    with pytest.raises(
+        PlacementError, match=r"cannot hold the model: it needs 320\.0 MB.*2 node\(s\) have 200\.0 MB"
+    ):
         plan_placement([node("a", 100), node("b", 100)], shape())
 
 

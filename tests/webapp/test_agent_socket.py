@@ -1,0 +1,185 @@
+"""The agents' control websocket, driven with channels' WebsocketCommunicator."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from channels.db import database_sync_to_async
+from channels.testing import WebsocketCommunicator
+from django.utils import timezone
+
+from webapp.asgi import application
+from webapp.fleet.models import Node, ShardAssignment
+from webapp.fleet.protocol import CLOSE_REMOVED, CLOSE_UNAUTHORIZED
+from webapp.fleet.tasks import place_model, remove_node, sweep_offline_nodes
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("clear_channel_layer")]
+GB = 1 << 30
+
+
+def agent_socket(node_id: str | None = None, secret: str | None = None) -> WebsocketCommunicator:
+    headers = [(b"authorization", f"Node {node_id}:{secret}".encode())] if node_id else []
+    return WebsocketCommunicator(application, "/ws/agent/", headers=headers)
+
+
+def hello(port: int = 9000, shards: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {
+        "type": "hello",
+        "hardware": {"cpu_count": 2, "memory_bytes": 8 * GB},
+        "backends": ["torch"],
+        "version": "0.1.0",
+        "dataplane_url": f"http://127.0.0.1:{port}",
+        "speed": 10.0,
+        "free_memory_bytes": 4 * GB,
+        "shards": shards or [],
+    }
+
+
+async def connected(node_id: str, secret: str) -> WebsocketCommunicator:
+    ws = agent_socket(node_id, secret)
+    ok, _ = await ws.connect()
+    assert ok
+    welcome = await ws.receive_json_from()
+    assert welcome["type"] == "welcome" and welcome["node_id"] == node_id
+    return ws
+
+
+async def test_a_socket_without_credentials_is_closed_with_4401() -> None:
+    ws = agent_socket()
+    await ws.connect()
+    assert "credentials" in (await ws.receive_json_from())["error"]
+    assert (await ws.receive_output())["code"] == CLOSE_UNAUTHORIZED
+
+
+async def test_a_socket_with_a_wrong_secret_is_closed_with_4401(node_with_secret: Any) -> None:
+    node, secret = node_with_secret
+    ws = agent_socket(node.id, secret + "x")
+    await ws.connect()
+    await ws.receive_json_from()
+    assert (await ws.receive_output())["code"] == CLOSE_UNAUTHORIZED
+
+
+async def test_hello_records_the_node_and_a_closed_socket_marks_it_offline(node_with_secret: Any) -> None:
+    node, secret = node_with_secret
+    ws = await connected(node.id, secret)
+    await ws.send_json_to(hello())
+    await ws.send_to(text_data="{")  # the error reply proves the hello was handled first
+    assert (await ws.receive_json_from())["type"] == "error"
+    n = await database_sync_to_async(Node.objects.get)(pk=node.id)
+    assert (
+        n.state == Node.State.ONLINE
+        and n.backends == ["torch"]
+        and n.dataplane_url == "http://127.0.0.1:9000"
+    )
+    await ws.disconnect()
+    n = await database_sync_to_async(Node.objects.get)(pk=node.id)
+    assert n.state == Node.State.OFFLINE
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "{",
+        "[1, 2]",
+        '{"type": "launch"}',
+        '{"type": "progress", "assignment_id": "x"}',
+        '{"type": "heartbeat", "telemetry": 5}',
+        "\u0000" * 10,
+    ],
+)
+async def test_a_malformed_message_gets_an_error_reply_and_the_socket_stays_up(
+    node_with_secret: Any, bad: str
+) -> None:
+    node, secret = node_with_secret
+    ws = await connected(node.id, secret)
+    await ws.send_to(text_data=bad)
+    reply = await ws.receive_json_from()
+    assert reply["type"] == "error" and reply["error"]
+    await ws.send_json_to({"type": "heartbeat", "telemetry": {"sessions": 3, "kv_bytes": 42}})
+    await ws.send_to(text_data="{")
+    await ws.receive_json_from()
+    n = await database_sync_to_async(Node.objects.get)(pk=node.id)
+    assert n.telemetry["sessions"] == 3
+    await ws.disconnect()
+
+
+async def test_placement_pushes_load_commands_to_both_agents_and_progress_reaches_ready(
+    artifact: Any,
+) -> None:
+    from webapp.fleet.services import create_enrollment_token, redeem_enrollment_token
+
+    def enroll(name: str) -> tuple[str, str]:
+        e = redeem_enrollment_token(create_enrollment_token(None)[0], name)
+        return e.node_id, e.secret
+
+    a_id, a_secret = await database_sync_to_async(enroll)("a")
+    b_id, b_secret = await database_sync_to_async(enroll)("b")
+    wa, wb = await connected(a_id, a_secret), await connected(b_id, b_secret)
+    await wa.send_json_to(hello(9001))
+    await wb.send_json_to(hello(9002))
+    for ws in (wa, wb):
+        await ws.send_to(text_data="{")
+        await ws.receive_json_from()
+
+    result = await database_sync_to_async(place_model)(artifact.pk)
+    assert result["ok"], result
+    la, lb = await wa.receive_json_from(), await wb.receive_json_from()
+    assert la["type"] == lb["type"] == "load"
+    ranges = sorted([(la["layer_start"], la["layer_end"]), (lb["layer_start"], lb["layer_end"])])
+    assert ranges[0][0] == 0 and ranges[0][1] == ranges[1][0] and ranges[1][1] == 30
+
+    await wa.send_json_to(
+        {"type": "progress", "assignment_id": la["assignment_id"], "state": "ready", "progress": 1}
+    )
+    await wa.send_json_to(
+        {"type": "progress", "assignment_id": lb["assignment_id"], "state": "ready", "progress": 1}
+    )
+    assert "not yours" in (await wa.receive_json_from())["error"]
+    states = dict(
+        await database_sync_to_async(lambda: list(ShardAssignment.objects.values_list("node_id", "state")))()
+    )
+    assert states == {a_id: "ready", b_id: "assigned"}
+    await wa.disconnect()
+    await wb.disconnect()
+
+
+async def test_a_reconnecting_agent_that_lost_its_shard_is_told_to_load_it_again(
+    node_with_secret: Any, artifact: Any
+) -> None:
+    node, secret = node_with_secret
+    a = await database_sync_to_async(ShardAssignment.objects.create)(
+        node=node, artifact=artifact, layer_start=0, layer_end=30, state=ShardAssignment.State.READY
+    )
+    ws = await connected(node.id, secret)
+    await ws.send_json_to(hello())
+    cmd = await ws.receive_json_from()
+    assert cmd["type"] == "load" and cmd["assignment_id"] == a.pk
+    await ws.disconnect()
+
+
+async def test_a_removed_node_is_disconnected_with_4403_and_cannot_reconnect(node_with_secret: Any) -> None:
+    node, secret = node_with_secret
+    ws = await connected(node.id, secret)
+    await database_sync_to_async(remove_node)(node.id)
+    assert (await ws.receive_json_from())["type"] == "removed"
+    assert (await ws.receive_output())["code"] == CLOSE_REMOVED
+    again = agent_socket(node.id, secret)
+    await again.connect()
+    await again.receive_json_from()
+    assert (await again.receive_output())["code"] == CLOSE_UNAUTHORIZED
+
+
+def test_a_node_silent_for_longer_than_the_limit_is_swept_offline(
+    node_with_secret: Any, settings: Any
+) -> None:
+    node, _ = node_with_secret
+    Node.objects.filter(pk=node.id).update(
+        state=Node.State.ONLINE,
+        last_seen=timezone.now() - timedelta(seconds=settings.NODE_OFFLINE_AFTER_S + 1),
+    )
+    other = Node.objects.create(name="fresh", state=Node.State.ONLINE, last_seen=timezone.now())
+    assert sweep_offline_nodes() == [node.id]
+    assert Node.objects.get(pk=node.id).state == Node.State.OFFLINE
+    assert Node.objects.get(pk=other.id).state == Node.State.ONLINE
