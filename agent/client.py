@@ -97,6 +97,7 @@ class RouteClient:
         self.hop_stats = [HopStats() for _ in hops]
         self.last_prefilled = 0
         self._sent_sampling: SamplingParams | None = None
+        self._chain_sent = False
         self._http = ClientSession(
             connector=TCPConnector(limit=16),
             timeout=ClientTimeout(total=timeout_s),
@@ -169,7 +170,8 @@ class RouteClient:
         send_sampling = sampling if sampling != self._sent_sampling else None
         t0 = time.perf_counter()
         if self.mode == "chain" or len(self.hops) == 1:
-            chain = [ChainHop(h.url, h.token) for h in self.hops[1:]]
+            # Hops remember the chain: it travels with the session's first step only.
+            chain = [] if self._chain_sent else [ChainHop(h.url, h.token) for h in self.hops[1:]]
             body = self._frame(
                 0,
                 Op.FORWARD,
@@ -181,6 +183,7 @@ class RouteClient:
                 want_logits=want_logits,
                 f16_out=self.kind == Kind.F16,
                 chain=chain,
+                chain_cached=self._chain_sent and len(self.hops) > 1,
                 history=list(ids) if len(self.hops) == 1 else None,
                 payload=arr.tobytes(),
             )
@@ -228,6 +231,7 @@ class RouteClient:
                 self._account(i, resp, t1)
         self.history.extend(ids)
         self._sent_sampling = sampling
+        self._chain_sent = self.mode == "chain"
         return resp
 
     def _account(self, i: int, resp: Response, t0: float) -> None:

@@ -31,6 +31,7 @@ from agent.protocol import (
     Response,
     Timing,
     decode_request,
+    decode_response,
     encode_request,
     encode_response,
     with_prepended_timing,
@@ -252,10 +253,14 @@ class DataPlane:
             if req.step == s.last_step and digest == s.last_digest and s.last_output:
                 # A retry of the step we already applied: answer again, never append KV twice.
                 local = s.last_output
-                return await self._continue_chain(req, shard, local, t_start, 0)
+                return await self._continue_chain(req, s, local, t_start, 0)
             raise DataPlaneError(
                 409, "replayed_step", f"step {req.step} was already applied (last step {s.last_step})"
             )
+        if req.chain:
+            s.chain = list(req.chain)
+        elif req.chain_cached and not s.chain:
+            raise DataPlaneError(409, "no_chain", "cached-chain frame but this session never received a chain")
         cur = s.backend.session_len(s.sid)
         if req.n_tokens == 0:
             raise DataPlaneError(400, "bad_frame", "forward frame with no tokens")
@@ -326,7 +331,7 @@ class DataPlane:
             )
         else:
             assert res.hidden is not None
-            f16 = req.f16_out or (req.chain and req.kind == Kind.F16)
+            f16 = req.f16_out
             arr = res.hidden.astype(np.float16 if f16 else np.float32, copy=False)
             local = encode_response(
                 Response(
@@ -339,7 +344,7 @@ class DataPlane:
                 )
             )
         s.last_step, s.last_digest, s.last_output = req.step, digest, local
-        return await self._continue_chain(req, shard, local, t_start, int(res.compute_s * 1e6))
+        return await self._continue_chain(req, s, local, t_start, int(res.compute_s * 1e6))
 
     def _call(self, shard: Shard, s: SessionState, req: Request, ids, hidden, history):  # noqa: ANN001, ANN202
         try:
@@ -358,16 +363,15 @@ class DataPlane:
             raise DataPlaneError(400, "backend", str(e)) from None
 
     async def _continue_chain(
-        self, req: Request, shard: Shard, local: bytes, t_start: float, compute_us: int
+        self, req: Request, s: SessionState, local: bytes, t_start: float, compute_us: int
     ) -> bytes:
         """Chain mode: push this hop's output to the next hop and relay its answer back."""
-        if not req.chain:
+        chain = s.chain if (req.chain or req.chain_cached) else None
+        if not chain:
             handler_us = int((time.perf_counter() - t_start) * 1e6)
             return with_prepended_timing(local, Timing(compute_us, handler_us))
-        from agent.protocol import decode_response
-
         out = decode_response(local)
-        nxt, rest = req.chain[0], req.chain[1:]
+        nxt, rest = chain[0], chain[1:]
         fwd = Request(
             op=Op.FORWARD,
             session=req.session,
@@ -381,7 +385,9 @@ class DataPlane:
             history=req.ids().tolist() if req.kind == Kind.IDS else req.history,
             want_logits=req.want_logits,
             f16_out=req.f16_out,
-            chain=rest,
+            # The full chain travels once per route; later steps only say "as before".
+            chain=rest if req.chain else [],
+            chain_cached=bool(rest) and not req.chain,
             payload=out.payload,
         )
         handler_us = int((time.perf_counter() - t_start) * 1e6)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from agent.backends.base import AdmissionError, Backend, SamplingParams
 from agent.ids import SessionId
+from agent.protocol import ChainHop
 
 
 @dataclass
@@ -23,6 +24,7 @@ class SessionState:
     last_output: bytes = b""  # this hop's encoded response for `last_step` (replayed on retry)
     history: list[int] = field(default_factory=list)  # input ids, kept on the last shard for penalties
     sampling: SamplingParams | None = None  # sent once per change, not with every decode frame
+    chain: list[ChainHop] | None = None  # next hops (chain mode), sent once per route, not per step
     busy: bool = False
     last_used: float = field(default_factory=time.monotonic)
 

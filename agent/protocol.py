@@ -49,6 +49,7 @@ class Flag(IntFlag):
     WANT_LOGITS = 4  # last shard returns logits of every position (tests, teacher forcing)
     CHAIN = 8  # next hops follow: this hop forwards its output itself
     F16_OUT = 16  # hidden output as float16
+    CHAIN_CACHED = 32  # forward along the next hops this session's earlier CHAIN frame named
 
 
 class Kind(IntEnum):
@@ -89,6 +90,7 @@ class Request:
     want_logits: bool = False
     f16_out: bool = False
     chain: list[ChainHop] = field(default_factory=list)
+    chain_cached: bool = False
     payload: bytes | memoryview = b""
 
     def ids(self) -> np.ndarray:
@@ -162,6 +164,8 @@ def encode_request(r: Request) -> bytes:
         flags |= Flag.WANT_LOGITS
     if r.f16_out:
         flags |= Flag.F16_OUT
+    if r.chain_cached:
+        flags |= Flag.CHAIN_CACHED
     if r.chain:
         flags |= Flag.CHAIN
         parts = [struct.pack("<B", len(r.chain))]
@@ -249,6 +253,9 @@ def decode_request(data: bytes | memoryview) -> Request:
         req.history = np.frombuffer(rd.take(4 * count, "history"), dtype="<i4").tolist()
     req.want_logits = bool(flags_e & Flag.WANT_LOGITS)
     req.f16_out = bool(flags_e & Flag.F16_OUT)
+    req.chain_cached = bool(flags_e & Flag.CHAIN_CACHED)
+    if req.chain_cached and flags_e & Flag.CHAIN:
+        raise FrameError("a frame carries either a chain or the cached-chain flag, not both")
     if flags_e & Flag.CHAIN:
         (count,) = rd.unpack(struct.Struct("<B"), "chain count")
         if count > MAX_CHAIN_HOPS:

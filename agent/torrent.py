@@ -503,6 +503,11 @@ class SwarmClient:
                     peer_wait_s=self.peer_wait_s,
                     stall_s=self.stall_s,
                 ):
+                    log.info(
+                        "%s: web seed on after %.2fs (peers %d, tracker peers %s, stalled %.2fs, done %d/%d)",
+                        d.infohash[:8], now - t0, n_bt, d.tracker_peers, now - last_progress_t,
+                        st.total_wanted_done, st.total_wanted,
+                    )
                     self.enable_web_seeds(d)
             if on_progress and now - last_report >= progress_every_s:
                 last_report = now

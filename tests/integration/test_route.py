@@ -195,6 +195,7 @@ async def test_bad_frames_get_clear_4xx_while_another_session_keeps_decoding(
                                                                mid.node_id, ttl_s=-5)), 401, "bad_token"),
             "wrong_range": (frame(step=2, pos_start=1, token=mint(signing_key, bad_sid, manifest.sha256, 0, 10,
                                                                    mid.node_id)), 403, "wrong_range"),
+            "no_chain": (frame(step=2, pos_start=1, chain_cached=True), 409, "no_chain"),
             "beyond_cap": (frame(step=2, pos_start=1, n_tokens=64, payload=np.zeros((64, 576), np.float16).tobytes()),
                            400, "context_cap"),
         }

@@ -1,0 +1,32 @@
+# The handful of verbs: setup, up, test, lint, bench, native.
+PY := .venv/bin/python
+
+.PHONY: setup up test test-fast lint format bench native
+
+setup:
+	bash scripts/setup.sh
+
+up: setup
+	$(PY) scripts/up.py
+
+test: setup
+	bash scripts/test.sh
+
+test-fast:
+	$(PY) -m pytest -m "not slow" -q
+
+lint:
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
+
+format:
+	.venv/bin/ruff format .
+	.venv/bin/ruff check --fix .
+
+bench:
+	$(PY) bench/route.py
+	-[ -f bench/native.py ] && $(PY) bench/native.py
+	-[ -f bench/distribution.py ] && $(PY) bench/distribution.py
+
+native:
+	bash native/build.sh

@@ -1,0 +1,154 @@
+"""Distribution bench: 3 agents with overlapping layer ranges, torrent swarm vs plain HTTP from the origin.
+
+Both modes run on 127.0.0.1 against the same stand-in origin (aiohttp web seed + passkey tracker, the
+one the tests use). HTTP-only uses the agent's range fetcher (agent.fetch.fetch_shard); torrent mode
+uses agent.torrent.SwarmClient with the default "fallback" web-seed policy. All three agents start
+together in both modes. The last line printed is one JSON object.
+
+    .venv/bin/python bench/distribution.py [--ranges 0:20,10:30,0:30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from agent.manifest import Manifest, build_manifest, merge_ranges  # noqa: E402
+from agent.models import packaged_model_path  # noqa: E402
+from agent.torrent import SwarmClient, create_torrent, shard_byte_ranges, verify_tensors  # noqa: E402
+
+
+def _load_origin() -> Any:
+    spec = importlib.util.spec_from_file_location("torrent_origin", REPO / "tests/agent/test_torrent_origin.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(mod)
+    return mod.Origin
+
+
+Origin = _load_origin()
+
+
+def _needed(manifest: Manifest, a: int, b: int) -> int:
+    return sum(e - s for s, e in shard_byte_ranges(manifest, a, b))
+
+
+def run_torrent(model: Path, manifest: Manifest, ranges: list[tuple[int, int]], work: Path) -> dict[str, Any]:
+    tb, ih = create_torrent(model, smallest_layer_bytes=min(x.nbytes for x in manifest.layers))
+    keys = [f"agent{i}" for i in range(len(ranges))]
+    with Origin(model, infohashes={bytes.fromhex(ih)}, passkeys=set(keys)) as origin:
+        clients = [SwarmClient("127.0.0.1:0") for _ in ranges]
+        try:
+
+            def one(i: int) -> Path:
+                a, b = ranges[i]
+                path = clients[i].fetch(
+                    tb,
+                    work / f"torrent{i}",
+                    shard_byte_ranges(manifest, a, b),
+                    timeout=300,
+                    trackers=[origin.tracker_url(keys[i])],
+                    web_seeds=[origin.web_seed_url(keys[i])],
+                )
+                verify_tensors(path, manifest, a, b)
+                return path
+
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(len(ranges)) as pool:
+                list(pool.map(one, range(len(ranges))))
+            seconds = time.perf_counter() - t0
+            agents = []
+            for i, (a, b) in enumerate(ranges):
+                p = clients[i].progress(clients[i].get(ih))
+                agents.append(
+                    {
+                        "layers": f"{a}:{b}",
+                        "needed": _needed(manifest, a, b),
+                        "downloaded": p.downloaded_bytes,
+                        "ratio": round(p.downloaded_bytes / _needed(manifest, a, b), 4),
+                        "from_peers": p.peer_bytes,
+                        "from_origin": origin.served[keys[i]],
+                    }
+                )
+        finally:
+            for c in clients:
+                c.close()
+        return {"seconds": seconds, "origin_bytes": origin.origin_bytes, "agents": agents}
+
+
+def run_http(model: Path, manifest: Manifest, ranges: list[tuple[int, int]], work: Path) -> dict[str, Any]:
+    from aiohttp import ClientSession
+
+    from agent.fetch import fetch_shard
+
+    keys = [f"agent{i}" for i in range(len(ranges))]
+    with Origin(model, passkeys=set(keys)) as origin:
+
+        async def all_agents() -> list[int]:
+            async with ClientSession() as http:
+                return await asyncio.gather(
+                    *(
+                        fetch_shard(
+                            http, origin.web_seed_url(keys[i]), {}, manifest, a, b, work / f"http{i}" / model.name
+                        )
+                        for i, (a, b) in enumerate(ranges)
+                    )
+                )
+
+        t0 = time.perf_counter()
+        got = asyncio.run(all_agents())
+        seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "origin_bytes": origin.origin_bytes, "downloaded": got}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranges", default="0:20,10:30,0:30", help="comma-separated layer ranges a:b, one per agent")
+    args = ap.parse_args()
+    ranges = [tuple(int(x) for x in r.split(":")) for r in args.ranges.split(",")]
+    model = packaged_model_path()
+    t = time.perf_counter()
+    manifest = build_manifest(model)
+    print(f"manifest of {model.name} in {time.perf_counter() - t:.1f}s", file=sys.stderr)
+    with tempfile.TemporaryDirectory(prefix="bench-distribution-") as tmp:
+        work = Path(tmp)
+        http = run_http(model, manifest, ranges, work)  # type: ignore[arg-type]
+        torrent = run_torrent(model, manifest, ranges, work)  # type: ignore[arg-type]
+    needed_sum = sum(_needed(manifest, a, b) for a, b in ranges)
+    union = sum(
+        e - s for s, e in merge_ranges([r for a, b in ranges for r in shard_byte_ranges(manifest, a, b)])
+    )
+    for agent in torrent["agents"]:
+        print(
+            f"  agent {agent['layers']:>6}: needs {agent['needed'] / 1e6:6.1f} MB, downloaded "
+            f"{agent['downloaded'] / 1e6:6.1f} MB ({agent['ratio']:.3f}x), from peers {agent['from_peers'] / 1e6:6.1f} MB,"
+            f" from origin {agent['from_origin'] / 1e6:6.1f} MB"
+        )
+    result = {
+        "seconds_torrent": round(torrent["seconds"], 3),
+        "seconds_http_only": round(http["seconds"], 3),
+        "origin_bytes_torrent": torrent["origin_bytes"],
+        "origin_bytes_http_only": http["origin_bytes"],
+        "origin_ratio": round(torrent["origin_bytes"] / http["origin_bytes"], 4),
+        "origin_ratio_ideal": round(union / needed_sum, 4),
+        "max_download_ratio_vs_needed": max(a["ratio"] for a in torrent["agents"]),
+        "ranges": [f"{a}:{b}" for a, b in ranges],
+        "agents": torrent["agents"],
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

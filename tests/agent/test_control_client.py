@@ -1,0 +1,204 @@
+"""The agent's control client against a scripted control plane (aiohttp), with a fake shard host."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import WSCloseCode, web
+
+from agent.config import NodeConfig
+from agent.control import AgentRejected, ControlAgent, next_backoff, ws_url
+from agent.fetch import FetchError, fetch_shard, shard_path
+from agent.manifest import Manifest
+
+SECRET = "sec_test"
+
+
+class FakeHost:
+    """Records load/unload calls; reports what it holds like the data plane's stats()."""
+
+    def __init__(self) -> None:
+        self.shards: list[dict[str, Any]] = []
+        self.loads: list[tuple[str, int, int, str]] = []
+        self.drained = False
+
+    def load_shard(self, path: str, manifest: Manifest, a: int, b: int, backend: str = "torch", n_threads: int = 2) -> None:
+        self.loads.append((path, a, b, backend))
+        self.shards.append({"model_sha256": manifest.sha256, "layer_start": a, "layer_end": b})
+
+    def unload_shard(self, sha: str, a: int, b: int) -> bool:
+        self.shards = [s for s in self.shards if (s["layer_start"], s["layer_end"]) != (a, b)]
+        return True
+
+    def drain(self) -> None:
+        self.drained = True
+
+    def stats(self) -> dict[str, Any]:
+        return {"sessions": 0, "kv_bytes": 0, "kv_budget_bytes": 1, "tokens_out": 0, "shards": list(self.shards)}
+
+
+class ControlPlane:
+    """A scripted control plane: the agent websocket plus the artifact endpoints, with a message log."""
+
+    def __init__(self, manifest: Manifest, model_path: str) -> None:
+        self.manifest, self.model_path = manifest, model_path
+        self.received: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self.sockets: list[web.WebSocketResponse] = []
+        self.close_code: int | None = None
+        self.range_requests: list[str] = []
+
+    def authorized(self, request: web.Request) -> bool:
+        return request.headers.get("Authorization") == f"Node node-1:{SECRET}"
+
+    async def ws(self, request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        if not self.authorized(request) or self.close_code:
+            await ws.close(code=self.close_code or 4401)
+            return ws
+        self.sockets.append(ws)
+        await ws.send_json({"type": "welcome", "node_id": "node-1", "heartbeat_interval_s": 0.2})
+        async for msg in ws:
+            await self.received.put(json.loads(msg.data))
+        return ws
+
+    async def manifest_view(self, request: web.Request) -> web.Response:
+        return web.json_response(json.loads(self.manifest.to_json()))
+
+    async def file_view(self, request: web.Request) -> web.Response:
+        if not self.authorized(request):
+            return web.Response(status=401)
+        rng = request.headers["Range"]
+        self.range_requests.append(rng)
+        a, b = (int(x) for x in rng.removeprefix("bytes=").split("-"))
+        with open(self.model_path, "rb") as f:
+            f.seek(a)
+            body = f.read(b - a + 1)
+        return web.Response(status=206, body=body,
+                            headers={"Content-Range": f"bytes {a}-{b}/{self.manifest.file_size}"})
+
+    async def next(self, kind: str, timeout: float = 30.0) -> dict[str, Any]:
+        while True:
+            msg = await asyncio.wait_for(self.received.get(), timeout)
+            if msg["type"] == kind:
+                return msg
+
+
+@pytest.fixture
+async def plane(manifest: Manifest, model_path: str):  # noqa: ANN201
+    cp = ControlPlane(manifest, model_path)
+    app = web.Application()
+    app.router.add_get("/ws/agent/", cp.ws)
+    app.router.add_get("/artifacts/{sha}/manifest", cp.manifest_view)
+    app.router.add_get("/artifacts/{sha}/file", cp.file_view)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = next(iter(runner.addresses))[1]
+    cp.url = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
+    yield cp
+    await runner.cleanup()
+
+
+def make_agent(cp: ControlPlane, host: FakeHost, tmp_path: Path, secret: str = SECRET) -> ControlAgent:
+    cfg = NodeConfig(server=cp.url, node_id="node-1", secret=secret, public_key="x")  # type: ignore[attr-defined]
+    return ControlAgent(cfg, host, "http://127.0.0.1:7000", tmp_path, heartbeat_s=0.2,
+                        backends=lambda: ["torch"], speed=5.0)
+
+
+def load_command(manifest: Manifest, a: int, b: int, aid: int = 1) -> dict[str, Any]:
+    sha = manifest.sha256
+    return {"type": "load", "assignment_id": aid, "model_sha256": sha, "layer_start": a, "layer_end": b,
+            "backend": "torch", "manifest_url": f"/artifacts/{sha}/manifest", "file_url": f"/artifacts/{sha}/file"}
+
+
+def test_websocket_urls_and_backoff() -> None:
+    assert ws_url("https://x.example/") == "wss://x.example/ws/agent/"
+    assert ws_url("http://127.0.0.1:8000") == "ws://127.0.0.1:8000/ws/agent/"
+    assert [next_backoff(x) for x in (0.5, 1, 8, 20)] == [1.0, 2, 16, 30.0]
+
+
+async def test_the_agent_says_hello_heartbeats_and_loads_a_verified_range(plane: ControlPlane, tmp_path: Path,
+                                                                          manifest: Manifest) -> None:
+    host, stop = FakeHost(), asyncio.Event()
+    task = asyncio.create_task(make_agent(plane, host, tmp_path).run(stop))
+    hello = await plane.next("hello")
+    assert hello["dataplane_url"] == "http://127.0.0.1:7000" and hello["backends"] == ["torch"]
+    assert hello["hardware"]["cpu_count"] >= 1 and hello["speed"] == 5.0
+    beat = await plane.next("heartbeat")
+    assert "kv_budget_bytes" in beat["telemetry"]
+
+    await plane.sockets[-1].send_json(load_command(manifest, 0, 3))
+    states = []
+    while not states or states[-1] not in ("ready", "failed"):
+        states.append((await plane.next("progress"))["state"])
+    assert states[0] == "fetching" and "loading" in states and states[-1] == "ready", states
+    path = shard_path(tmp_path, manifest.sha256)
+    assert host.loads == [(str(path), 0, 3, "torch")]
+    assert path.stat().st_size == manifest.file_size
+    assert path.stat().st_blocks * 512 < manifest.file_size, "untouched layers stay sparse"
+    stop.set()
+    await asyncio.wait_for(task, 10)
+
+
+async def test_the_agent_reconnects_and_reports_the_shards_it_kept(plane: ControlPlane, tmp_path: Path,
+                                                                   manifest: Manifest) -> None:
+    host, stop = FakeHost(), asyncio.Event()
+    host.shards.append({"model_sha256": manifest.sha256, "layer_start": 0, "layer_end": 30})
+    task = asyncio.create_task(make_agent(plane, host, tmp_path).run(stop))
+    await plane.next("hello")
+    await plane.sockets[-1].close(code=WSCloseCode.GOING_AWAY)
+    again = await plane.next("hello")
+    assert len(plane.sockets) == 2
+    assert again["shards"] == [{"model_sha256": manifest.sha256, "layer_start": 0, "layer_end": 30}]
+    stop.set()
+    await asyncio.wait_for(task, 10)
+
+
+async def test_bad_credentials_stop_the_agent_for_good(plane: ControlPlane, tmp_path: Path) -> None:
+    with pytest.raises(AgentRejected, match="4401"):
+        await asyncio.wait_for(make_agent(plane, FakeHost(), tmp_path, secret="wrong").run(asyncio.Event()), 10)
+
+
+async def test_unload_and_drain_commands_reach_the_host(plane: ControlPlane, tmp_path: Path, manifest: Manifest) -> None:
+    host, stop = FakeHost(), asyncio.Event()
+    host.shards.append({"model_sha256": manifest.sha256, "layer_start": 0, "layer_end": 30})
+    task = asyncio.create_task(make_agent(plane, host, tmp_path).run(stop))
+    await plane.next("hello")
+    await plane.sockets[-1].send_json({"type": "drain"})
+    await plane.sockets[-1].send_json({"type": "unload", "assignment_id": 4, "model_sha256": manifest.sha256,
+                                       "layer_start": 0, "layer_end": 30})
+    report = await plane.next("progress")
+    assert report == {"type": "progress", "assignment_id": 4, "state": "unloaded", "progress": 0.0, "error": ""}
+    assert host.drained and host.shards == []
+    stop.set()
+    await asyncio.wait_for(task, 10)
+
+
+async def test_a_second_fetch_only_downloads_the_header_and_a_tampered_tensor_is_caught(
+    plane: ControlPlane, tmp_path: Path, manifest: Manifest
+) -> None:
+    import aiohttp
+
+    dest = tmp_path / "m.gguf"
+    headers = {"Authorization": f"Node node-1:{SECRET}"}
+    url = plane.url + f"/artifacts/{manifest.sha256}/file"  # type: ignore[attr-defined]
+    async with aiohttp.ClientSession() as http:
+        first = await fetch_shard(http, url, headers, manifest, 28, 30, dest)
+        second = await fetch_shard(http, url, headers, manifest, 28, 30, dest)
+        assert first > manifest.bytes_for_range(28, 30)
+        assert second == manifest.tensor_data_offset
+        t = manifest.tensors_for_range(28, 30)[0]
+        orig = plane.model_path
+        bad = tmp_path / "bad.gguf"
+        data = bytearray(Path(orig).read_bytes())
+        data[t.offset] ^= 0xFF
+        bad.write_bytes(bytes(data))
+        plane.model_path = str(bad)
+        with pytest.raises(FetchError, match="sha256"):
+            await fetch_shard(http, url, headers, manifest, 28, 30, tmp_path / "fresh.gguf")

@@ -1,0 +1,190 @@
+"""The native route reproduces llama-cpp-python's full model, and 3 hops reproduce 1 hop exactly."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from agent.backends.base import SamplingParams, ShardSpec
+from agent.ids import SessionId
+from agent.manifest import Manifest
+from tests.native.routes import generate, route_forward
+
+REPO = Path(__file__).resolve().parents[2]
+TEXT = REPO / "tests" / "data" / "native_lighthouse.txt"
+SPLITS = [(0, 10), (10, 20), (20, 30)]
+
+pytestmark = pytest.mark.slow
+
+
+def _sid(n: int) -> SessionId:
+    return SessionId(n.to_bytes(16, "little"))
+
+
+@pytest.fixture(scope="module")
+def hops3(native_lib: None, model_path: str, manifest: Manifest) -> Iterator[list]:
+    from agent.backends.native import NativeBackend
+
+    hops = [NativeBackend(ShardSpec(model_path, a, b, manifest, n_threads=2)) for a, b in SPLITS]
+    yield hops
+    for h in hops:
+        h.close()
+
+
+@pytest.fixture(scope="module")
+def hop1(native_lib: None, model_path: str, manifest: Manifest) -> Iterator[list]:
+    from agent.backends.native import NativeBackend
+
+    hop = NativeBackend(ShardSpec(model_path, 0, 30, manifest, n_threads=2))
+    yield [hop]
+    hop.close()
+
+
+@pytest.fixture(scope="module")
+def llama(model_path: str):  # noqa: ANN201
+    llama_cpp = pytest.importorskip("llama_cpp")
+    llm = llama_cpp.Llama(model_path=model_path, logits_all=True, n_ctx=1024, n_threads=2, verbose=False)
+    yield llm
+    llm.close()
+
+
+@pytest.fixture(scope="module")
+def text_ids(llama) -> list[int]:  # noqa: ANN001
+    return llama.tokenize(TEXT.read_bytes(), add_bos=False)
+
+
+def _open(hops: list, sid: SessionId, max_tokens: int = 1024) -> None:
+    for h in hops:
+        h.open_session(sid, max_tokens)
+
+
+def _close(hops: list, sid: SessionId) -> None:
+    for h in hops:
+        h.close_session(sid)
+
+
+def test_three_hops_agree_with_llama_cpp_when_teacher_forced(hops3: list, llama, text_ids: list[int]) -> None:  # noqa: ANN001
+    assert 450 <= len(text_ids) <= 700
+    llama.reset()
+    llama.eval(text_ids)
+    ref = np.asarray(llama.scores[: len(text_ids)], dtype=np.float32)
+    sid = _sid(1)
+    _open(hops3, sid)
+    got = route_forward(hops3, sid, 0, text_ids, want_logits=True).logits
+    _close(hops3, sid)
+    agree = float((got.argmax(1) == ref.argmax(1)).mean())
+    max_diff = float(np.abs(got - ref).max())
+    print(f"\nteacher forcing over {len(text_ids)} tokens: top-1 agreement {agree:.4f}, max |logit diff| {max_diff:.3f}")
+    assert agree >= 0.99
+    assert max_diff < 5.0
+
+
+def test_greedy_generation_equals_llama_cpp_greedy(hops3: list, llama, text_ids: list[int]) -> None:  # noqa: ANN001
+    prompt = text_ids[:48]
+    n_new = 128
+    llama.reset()
+    llama.eval(prompt)
+    ref: list[int] = []
+    margins: list[float] = []
+    for _ in range(n_new):
+        row = np.asarray(llama.scores[llama.n_tokens - 1], dtype=np.float32)
+        top2 = np.sort(row)[-2:]
+        margins.append(float(top2[1] - top2[0]))
+        ref.append(int(row.argmax()))
+        llama.eval([ref[-1]])
+    sid = _sid(2)
+    _open(hops3, sid)
+    got = generate(hops3, sid, prompt, n_new)
+    _close(hops3, sid)
+    if got != ref:
+        i = next(k for k, (a, b) in enumerate(zip(got, ref, strict=True)) if a != b)
+        # allowed only at a near tie of llama.cpp's own top two logits (activation-quantization noise)
+        assert margins[i] < 0.5, f"first divergence at step {i} with a top-2 margin of {margins[i]:.3f}"
+        print(f"\ngreedy diverges at step {i}: top-2 margin {margins[i]:.4f} (near tie)")
+    else:
+        print(f"\ngreedy {n_new} tokens identical to llama-cpp-python")
+
+
+def test_three_hops_match_one_hop_token_for_token(hops3: list, hop1: list, text_ids: list[int]) -> None:
+    prompt = text_ids[100:140]
+    for n, sampling in enumerate([SamplingParams(), SamplingParams(temperature=0.9, top_p=0.95, seed=7)]):
+        sid = _sid(10 + n)
+        _open(hops3, sid)
+        _open(hop1, sid)
+        three = generate(hops3, sid, prompt, 64, sampling)
+        one = generate(hop1, sid, prompt, 64, sampling)
+        _close(hops3, sid)
+        _close(hop1, sid)
+        assert three == one
+
+
+def test_truncating_and_reprefilling_continues_identically(hops3: list, text_ids: list[int]) -> None:
+    prompt = text_ids[:30]
+    sampling = SamplingParams(temperature=0.8, top_k=40, seed=3)
+    sid = _sid(20)
+    _open(hops3, sid)
+    first = generate(hops3, sid, prompt, 12, sampling)
+    for h in hops3:
+        h.truncate(sid, 20)
+        assert h.session_len(sid) == 20
+    again = generate(hops3, sid, prompt[20:], 12, sampling, pos=20)
+    _close(hops3, sid)
+    assert again == first
+
+
+_CHILD = r"""
+import json, sys
+from pathlib import Path
+from agent.backends.base import SamplingParams, ShardSpec
+from agent.backends.native import NativeBackend
+from agent.ids import SessionId
+from agent.manifest import Manifest
+from tests.native.routes import generate
+cfg = json.loads(Path(sys.argv[1]).read_text())
+manifest = Manifest.from_json(Path(cfg["manifest"]).read_text())
+sid = SessionId(bytes(16))
+hops = []
+for (a, b), snap in zip(cfg["splits"], cfg["snapshots"]):
+    h = NativeBackend(ShardSpec(cfg["model"], a, b, manifest, n_threads=1))
+    h.open_session(sid, 256)
+    h.restore(sid, Path(snap).read_bytes())
+    hops.append(h)
+toks = generate(hops, sid, [cfg["next"]], cfg["n"], SamplingParams(**cfg["sampling"]), pos=cfg["pos"])
+print(json.dumps(toks))
+"""
+
+
+def test_a_snapshot_restored_in_another_process_continues_with_identical_tokens(
+    hops3: list, text_ids: list[int], model_path: str, manifest: Manifest, tmp_path: Path
+) -> None:
+    sampling = {"temperature": 0.8, "top_p": 0.95, "repeat_penalty": 1.1, "seed": 1234}
+    prompt = text_ids[200:240]
+    sid = _sid(30)
+    _open(hops3, sid, 256)
+    head = generate(hops3, sid, prompt, 8, SamplingParams(**sampling))
+    pos = len(prompt) + len(head) - 1  # the last sampled token is not in the KV yet
+    snaps = []
+    for i, h in enumerate(hops3):
+        assert h.session_len(sid) == pos
+        p = tmp_path / f"hop{i}.kv"
+        p.write_bytes(h.snapshot(sid))
+        snaps.append(str(p))
+    want = generate(hops3, sid, [head[-1]], 16, SamplingParams(**sampling), pos=pos)
+    _close(hops3, sid)
+    man = tmp_path / "manifest.json"
+    man.write_text(manifest.to_json())
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps({
+        "manifest": str(man), "model": model_path, "splits": SPLITS, "snapshots": snaps,
+        "next": head[-1], "pos": pos, "n": 16, "sampling": sampling,
+    }))
+    out = subprocess.run([sys.executable, "-c", _CHILD, str(cfg)], cwd=REPO, capture_output=True, text=True,
+                         timeout=120, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == want
