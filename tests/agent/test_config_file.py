@@ -10,7 +10,9 @@ import pytest
 
 from agent.config import ConfigError, NodeConfig, load_config, save_config
 
-CFG = NodeConfig(server="http://127.0.0.1:8000", node_id="node-1", secret="sec_x", public_key="AAAA", name="n")
+CFG = NodeConfig(
+    server="http://127.0.0.1:8000", node_id="node-1", secret="sec_x", public_key="AAAA", name="n"
+)
 
 
 def test_the_config_is_written_0600_in_a_0700_directory_and_read_back(tmp_path: Path) -> None:

@@ -26,7 +26,9 @@ class FakeHost:
         self.loads: list[tuple[str, int, int, str]] = []
         self.drained = False
 
-    def load_shard(self, path: str, manifest: Manifest, a: int, b: int, backend: str = "torch", n_threads: int = 2) -> None:
+    def load_shard(
+        self, path: str, manifest: Manifest, a: int, b: int, backend: str = "torch", n_threads: int = 2
+    ) -> None:
         self.loads.append((path, a, b, backend))
         self.shards.append({"model_sha256": manifest.sha256, "layer_start": a, "layer_end": b})
 
@@ -38,7 +40,13 @@ class FakeHost:
         self.drained = True
 
     def stats(self) -> dict[str, Any]:
-        return {"sessions": 0, "kv_bytes": 0, "kv_budget_bytes": 1, "tokens_out": 0, "shards": list(self.shards)}
+        return {
+            "sessions": 0,
+            "kv_bytes": 0,
+            "kv_budget_bytes": 1,
+            "tokens_out": 0,
+            "shards": list(self.shards),
+        }
 
 
 class ControlPlane:
@@ -78,8 +86,9 @@ class ControlPlane:
         with open(self.model_path, "rb") as f:
             f.seek(a)
             body = f.read(b - a + 1)
-        return web.Response(status=206, body=body,
-                            headers={"Content-Range": f"bytes {a}-{b}/{self.manifest.file_size}"})
+        return web.Response(
+            status=206, body=body, headers={"Content-Range": f"bytes {a}-{b}/{self.manifest.file_size}"}
+        )
 
     async def next(self, kind: str, timeout: float = 30.0) -> dict[str, Any]:
         while True:
@@ -107,14 +116,23 @@ async def plane(manifest: Manifest, model_path: str):  # noqa: ANN201
 
 def make_agent(cp: ControlPlane, host: FakeHost, tmp_path: Path, secret: str = SECRET) -> ControlAgent:
     cfg = NodeConfig(server=cp.url, node_id="node-1", secret=secret, public_key="x")  # type: ignore[attr-defined]
-    return ControlAgent(cfg, host, "http://127.0.0.1:7000", tmp_path, heartbeat_s=0.2,
-                        backends=lambda: ["torch"], speed=5.0)
+    return ControlAgent(
+        cfg, host, "http://127.0.0.1:7000", tmp_path, heartbeat_s=0.2, backends=lambda: ["torch"], speed=5.0
+    )
 
 
 def load_command(manifest: Manifest, a: int, b: int, aid: int = 1) -> dict[str, Any]:
     sha = manifest.sha256
-    return {"type": "load", "assignment_id": aid, "model_sha256": sha, "layer_start": a, "layer_end": b,
-            "backend": "torch", "manifest_url": f"/artifacts/{sha}/manifest", "file_url": f"/artifacts/{sha}/file"}
+    return {
+        "type": "load",
+        "assignment_id": aid,
+        "model_sha256": sha,
+        "layer_start": a,
+        "layer_end": b,
+        "backend": "torch",
+        "manifest_url": f"/artifacts/{sha}/manifest",
+        "file_url": f"/artifacts/{sha}/file",
+    }
 
 
 def test_websocket_urls_and_backoff() -> None:
@@ -123,8 +141,9 @@ def test_websocket_urls_and_backoff() -> None:
     assert [next_backoff(x) for x in (0.5, 1, 8, 20)] == [1.0, 2, 16, 30.0]
 
 
-async def test_the_agent_says_hello_heartbeats_and_loads_a_verified_range(plane: ControlPlane, tmp_path: Path,
-                                                                          manifest: Manifest) -> None:
+async def test_the_agent_says_hello_heartbeats_and_loads_a_verified_range(
+    plane: ControlPlane, tmp_path: Path, manifest: Manifest
+) -> None:
     host, stop = FakeHost(), asyncio.Event()
     task = asyncio.create_task(make_agent(plane, host, tmp_path).run(stop))
     hello = await plane.next("hello")
@@ -146,8 +165,9 @@ async def test_the_agent_says_hello_heartbeats_and_loads_a_verified_range(plane:
     await asyncio.wait_for(task, 10)
 
 
-async def test_the_agent_reconnects_and_reports_the_shards_it_kept(plane: ControlPlane, tmp_path: Path,
-                                                                   manifest: Manifest) -> None:
+async def test_the_agent_reconnects_and_reports_the_shards_it_kept(
+    plane: ControlPlane, tmp_path: Path, manifest: Manifest
+) -> None:
     host, stop = FakeHost(), asyncio.Event()
     host.shards.append({"model_sha256": manifest.sha256, "layer_start": 0, "layer_end": 30})
     task = asyncio.create_task(make_agent(plane, host, tmp_path).run(stop))
@@ -162,19 +182,36 @@ async def test_the_agent_reconnects_and_reports_the_shards_it_kept(plane: Contro
 
 async def test_bad_credentials_stop_the_agent_for_good(plane: ControlPlane, tmp_path: Path) -> None:
     with pytest.raises(AgentRejected, match="4401"):
-        await asyncio.wait_for(make_agent(plane, FakeHost(), tmp_path, secret="wrong").run(asyncio.Event()), 10)
+        await asyncio.wait_for(
+            make_agent(plane, FakeHost(), tmp_path, secret="wrong").run(asyncio.Event()), 10
+        )
 
 
-async def test_unload_and_drain_commands_reach_the_host(plane: ControlPlane, tmp_path: Path, manifest: Manifest) -> None:
+async def test_unload_and_drain_commands_reach_the_host(
+    plane: ControlPlane, tmp_path: Path, manifest: Manifest
+) -> None:
     host, stop = FakeHost(), asyncio.Event()
     host.shards.append({"model_sha256": manifest.sha256, "layer_start": 0, "layer_end": 30})
     task = asyncio.create_task(make_agent(plane, host, tmp_path).run(stop))
     await plane.next("hello")
     await plane.sockets[-1].send_json({"type": "drain"})
-    await plane.sockets[-1].send_json({"type": "unload", "assignment_id": 4, "model_sha256": manifest.sha256,
-                                       "layer_start": 0, "layer_end": 30})
+    await plane.sockets[-1].send_json(
+        {
+            "type": "unload",
+            "assignment_id": 4,
+            "model_sha256": manifest.sha256,
+            "layer_start": 0,
+            "layer_end": 30,
+        }
+    )
     report = await plane.next("progress")
-    assert report == {"type": "progress", "assignment_id": 4, "state": "unloaded", "progress": 0.0, "error": ""}
+    assert report == {
+        "type": "progress",
+        "assignment_id": 4,
+        "state": "unloaded",
+        "progress": 0.0,
+        "error": "",
+    }
     assert host.drained and host.shards == []
     stop.set()
     await asyncio.wait_for(task, 10)
