@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 from pathlib import Path
@@ -145,7 +146,12 @@ def _bind(lib: ctypes.CDLL) -> None:
     # ggswarm_status ggswarm_model_open(const char * path, int32_t layer_start, int32_t layer_end,
     #     int32_t n_threads, uint64_t kv_budget_bytes, const char * model_id, ggswarm_model ** out);
     lib.ggswarm_model_open.argtypes = [
-        ctypes.c_char_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_uint64, ctypes.c_char_p,
+        ctypes.c_char_p,
+        ctypes.c_int32,
+        ctypes.c_int32,
+        ctypes.c_int32,
+        ctypes.c_uint64,
+        ctypes.c_char_p,
         ctypes.POINTER(ggswarm_model_p),
     ]
     lib.ggswarm_model_open.restype = c_status
@@ -192,13 +198,21 @@ def _bind(lib: ctypes.CDLL) -> None:
 
     # ggswarm_status ggswarm_session_snapshot_size(const ggswarm_model * model, int64_t sid,
     #     uint64_t * out_size);
-    lib.ggswarm_session_snapshot_size.argtypes = [ggswarm_model_p, ctypes.c_int64, ctypes.POINTER(ctypes.c_uint64)]
+    lib.ggswarm_session_snapshot_size.argtypes = [
+        ggswarm_model_p,
+        ctypes.c_int64,
+        ctypes.POINTER(ctypes.c_uint64),
+    ]
     lib.ggswarm_session_snapshot_size.restype = c_status
 
     # ggswarm_status ggswarm_session_snapshot(const ggswarm_model * model, int64_t sid, void * buf,
     #     uint64_t capacity, uint64_t * out_written);
     lib.ggswarm_session_snapshot.argtypes = [
-        ggswarm_model_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64),
+        ggswarm_model_p,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_uint64,
+        ctypes.POINTER(ctypes.c_uint64),
     ]
     lib.ggswarm_session_snapshot.restype = c_status
 
@@ -211,8 +225,14 @@ def _bind(lib: ctypes.CDLL) -> None:
     #     int64_t position, const int32_t * history, int32_t n_history, int32_t * out_token,
     #     double * out_logprob);
     lib.ggswarm_sample.argtypes = [
-        ctypes.POINTER(ctypes.c_float), ctypes.c_int32, ctypes.POINTER(ggswarm_sampling), ctypes.c_int64, i32p,
-        ctypes.c_int32, i32p, ctypes.POINTER(ctypes.c_double),
+        ctypes.POINTER(ctypes.c_float),
+        ctypes.c_int32,
+        ctypes.POINTER(ggswarm_sampling),
+        ctypes.c_int64,
+        i32p,
+        ctypes.c_int32,
+        i32p,
+        ctypes.POINTER(ctypes.c_double),
     ]
     lib.ggswarm_sample.restype = c_status
 
@@ -247,7 +267,9 @@ def is_available() -> bool:
 
 def _check(status: int, message: bytes | None) -> None:
     if status != GGSWARM_OK:
-        raise NativeError(status, (message or b"").decode("utf-8", "replace") or f"libggswarm status {status}")
+        raise NativeError(
+            status, (message or b"").decode("utf-8", "replace") or f"libggswarm status {status}"
+        )
 
 
 def sampling_struct(
@@ -285,8 +307,14 @@ def sample(
     tok = ctypes.c_int32()
     lp = ctypes.c_double()
     st = lib.ggswarm_sample(
-        x.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), x.shape[0], ctypes.byref(params), position,
-        hist_p if hist.size else None, hist.size, ctypes.byref(tok), ctypes.byref(lp),
+        x.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
+        x.shape[0],
+        ctypes.byref(params),
+        position,
+        hist_p if hist.size else None,
+        hist.size,
+        ctypes.byref(tok),
+        ctypes.byref(lp),
     )
     _check(st, lib.ggswarm_last_error())
     return tok.value, lp.value
@@ -307,8 +335,13 @@ class NativeModel:
         self._lib = load_library()
         self._h = ggswarm_model_p()
         st = self._lib.ggswarm_model_open(
-            os.fsencode(path), int(layer_start), int(layer_end), int(n_threads), int(kv_budget_bytes),
-            model_id.encode() if model_id else None, ctypes.byref(self._h),
+            os.fsencode(path),
+            int(layer_start),
+            int(layer_end),
+            int(n_threads),
+            int(kv_budget_bytes),
+            model_id.encode() if model_id else None,
+            ctypes.byref(self._h),
         )
         _check(st, self._lib.ggswarm_last_error())
         info = ggswarm_model_info()
@@ -343,10 +376,8 @@ class NativeModel:
             self._h = ggswarm_model_p()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # interpreter shutdown
             self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
 
     def __enter__(self) -> NativeModel:
         return self

@@ -151,8 +151,12 @@ class NativeBackend(Backend):
             )
         except NativeError as e:
             raise _error(e) from None
-        n = int(out["hidden"].shape[0]) if "hidden" in out else (
-            len(token_ids) if token_ids is not None else int(hidden.shape[0])  # type: ignore[union-attr]
+        n = (
+            int(out["hidden"].shape[0])
+            if "hidden" in out
+            else (
+                len(token_ids) if token_ids is not None else int(hidden.shape[0])  # type: ignore[union-attr]
+            )
         )
         self.last_positions_per_layer = [n] * self.spec.n_layers
         res = ForwardResult(

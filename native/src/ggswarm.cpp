@@ -527,24 +527,31 @@ ggswarm_status no_session(const ggswarm_model * m, int64_t sid) {
     return fail(m, GGSWARM_E_NO_SESSION, "unknown session id %lld", (long long)sid);
 }
 
+// Attention spans n_kv rounded up to this many positions (masked), like llama.cpp's KV cache, so the
+// reduction order inside softmax and KQV, and therefore the numerics, match llama.cpp's.
+constexpr int64_t kKvPad = 256;
+
+int64_t pad_kv(int64_t n) { return (n + kKvPad - 1) / kKvPad * kKvPad; }
+
 // Make room for `need` positions, keeping the first s.len positions.
 ggswarm_status ensure_capacity(ggswarm_model * m, Session & s, int32_t need) {
     if (need <= s.cap) return GGSWARM_OK;
-    int64_t cap = std::max<int64_t>({need, 2LL * s.cap, 256});
-    cap = (cap + 255) / 256 * 256;
-    cap = std::min<int64_t>(cap, s.max_tokens);
+    // capacity is a multiple of kKvPad so the attention always spans whole padded blocks
+    const int64_t need_pad = pad_kv(need);
+    int64_t cap = std::max<int64_t>(need_pad, 2LL * s.cap);
+    cap = std::min<int64_t>(cap, pad_kv(s.max_tokens));
     const uint64_t new_bytes = (uint64_t)cap * m->kv_bytes_per_token();
     const uint64_t others = m->kv_total() - s.bytes;
     if (m->kv_budget && others + new_bytes > m->kv_budget) {
-        // retry with the exact need before giving up
-        const uint64_t exact = (uint64_t)need * m->kv_bytes_per_token();
+        // retry with the padded need before giving up
+        const uint64_t exact = (uint64_t)need_pad * m->kv_bytes_per_token();
         if (others + exact > m->kv_budget) {
             return fail(m, GGSWARM_E_BUDGET,
                         "KV budget exhausted: %d positions need %llu bytes, %llu of %llu bytes are held by other sessions",
                         need, (unsigned long long)exact, (unsigned long long)others,
                         (unsigned long long)m->kv_budget);
         }
-        cap = need;
+        cap = need_pad;
     }
     const int32_t nl = m->layer_end - m->layer_start;
     ggml_init_params ip = {ggml_tensor_overhead() * (size_t)(2 * nl + 2), nullptr, true};
@@ -562,6 +569,7 @@ ggswarm_status ensure_capacity(ggswarm_model * m, Session & s, int32_t need) {
                     (unsigned long long)new_bytes, m->device_name.c_str());
     }
     ggml_backend_buffer_set_usage(n.buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    ggml_backend_buffer_clear(n.buf, 0);  // padded positions are read (times a zero weight): keep them finite
     n.cap = (int32_t)cap;
     n.bytes = ggml_backend_buffer_get_size(n.buf);
     n.max_tokens = s.max_tokens;
@@ -615,7 +623,7 @@ void build_graph(ggswarm_model * m, Session & s, Graph & g, int32_t n, int32_t p
     g.ctx = ggml_init(ip);
     ggml_context * c = g.ctx;
     g.gf = ggml_new_graph_custom(c, m->graph_size, false);
-    const int32_t n_kv = pos_start + n;
+    const int32_t n_kv = (int32_t)std::min<int64_t>(pad_kv(pos_start + n), s.cap);
     const int64_t hd = m->head_dim, nh = m->n_head, nkv = m->n_head_kv, dkv = m->d_kv();
     const size_t f16 = sizeof(ggml_fp16_t);
     const float kq_scale = 1.0f / sqrtf((float)hd);
@@ -923,7 +931,7 @@ ggswarm_status ggswarm_forward(ggswarm_model * m, int64_t sid, const ggswarm_bat
         return fail(m, GGSWARM_E_COMPUTE, "ggml could not allocate the compute graph (%d tokens)", n);
     }
     // inputs
-    const int32_t n_kv = b->pos_start + n;
+    const int32_t n_kv = (int32_t)g.inp_mask->ne[0];
     m->pos_host.resize(n);
     for (int32_t i = 0; i < n; ++i) m->pos_host[i] = b->pos_start + i;
     ggml_backend_tensor_set(g.inp_pos, m->pos_host.data(), 0, sizeof(int32_t) * n);

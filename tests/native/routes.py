@@ -18,11 +18,18 @@ def route_forward(
     want_logits: bool = False,
 ):  # noqa: ANN201 - ForwardResult of the last hop
     """Push `ids` at position `pos` through every hop; returns the last hop's ForwardResult."""
-    res = hops[0].forward(sid, pos, token_ids=np.asarray(ids, dtype=np.int32), sampling=sampling,
-                          history=history, want_logits=want_logits and len(hops) == 1)
+    res = hops[0].forward(
+        sid,
+        pos,
+        token_ids=np.asarray(ids, dtype=np.int32),
+        sampling=sampling,
+        history=history,
+        want_logits=want_logits and len(hops) == 1,
+    )
     for hop in hops[1:]:
-        res = hop.forward(sid, pos, hidden=res.hidden, sampling=sampling, history=history,
-                          want_logits=want_logits)
+        res = hop.forward(
+            sid, pos, hidden=res.hidden, sampling=sampling, history=history, want_logits=want_logits
+        )
     return res
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from agent import native
 from agent.native import NativeError, NativeModel
-from tests.native.tiny_gguf import D, VOCAB, write_tiny_gguf
+from tests.native.tiny_gguf import VOCAB, D, write_tiny_gguf
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +118,11 @@ def test_the_kv_budget_is_an_error_not_an_out_of_memory(native_lib: None, tiny: 
 
 
 def test_a_snapshot_from_another_window_or_a_corrupt_one_is_refused(native_lib: None, tiny: Path) -> None:
-    with NativeModel(tiny, 0, 2) as a, NativeModel(tiny, 2, 3) as b, NativeModel(tiny, 0, 2, model_id="other") as c:
+    with (
+        NativeModel(tiny, 0, 2) as a,
+        NativeModel(tiny, 2, 3) as b,
+        NativeModel(tiny, 0, 2, model_id="other") as c,
+    ):
         sa = a.open_session(32)
         a.forward(sa, 0, token_ids=[5, 6, 7])
         snap = a.snapshot(sa)

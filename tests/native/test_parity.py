@@ -80,7 +80,9 @@ def test_three_hops_agree_with_llama_cpp_when_teacher_forced(hops3: list, llama,
     _close(hops3, sid)
     agree = float((got.argmax(1) == ref.argmax(1)).mean())
     max_diff = float(np.abs(got - ref).max())
-    print(f"\nteacher forcing over {len(text_ids)} tokens: top-1 agreement {agree:.4f}, max |logit diff| {max_diff:.3f}")
+    print(
+        f"\nteacher forcing over {len(text_ids)} tokens: top-1 agreement {agree:.4f}, max |logit diff| {max_diff:.3f}"
+    )
     assert agree >= 0.99
     assert max_diff < 5.0
 
@@ -180,11 +182,27 @@ def test_a_snapshot_restored_in_another_process_continues_with_identical_tokens(
     man = tmp_path / "manifest.json"
     man.write_text(manifest.to_json())
     cfg = tmp_path / "cfg.json"
-    cfg.write_text(json.dumps({
-        "manifest": str(man), "model": model_path, "splits": SPLITS, "snapshots": snaps,
-        "next": head[-1], "pos": pos, "n": 16, "sampling": sampling,
-    }))
-    out = subprocess.run([sys.executable, "-c", _CHILD, str(cfg)], cwd=REPO, capture_output=True, text=True,
-                         timeout=120, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    cfg.write_text(
+        json.dumps(
+            {
+                "manifest": str(man),
+                "model": model_path,
+                "splits": SPLITS,
+                "snapshots": snaps,
+                "next": head[-1],
+                "pos": pos,
+                "n": 16,
+                "sampling": sampling,
+            }
+        )
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(cfg)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == want

@@ -33,7 +33,9 @@ PARAM_SETS = [
 
 
 def _c_params(p: SamplingParams) -> native.ggswarm_sampling:
-    return native.sampling_struct(p.temperature, p.top_k, p.top_p, p.min_p, p.repeat_penalty, p.repeat_last_n, p.seed)
+    return native.sampling_struct(
+        p.temperature, p.top_k, p.top_p, p.min_p, p.repeat_penalty, p.repeat_last_n, p.seed
+    )
 
 
 def test_uniform_draw_matches_the_reference_splitmix(native_lib: None) -> None:
