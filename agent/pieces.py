@@ -22,6 +22,7 @@ WEB_SEED_ALWAYS = "always"
 WEB_SEED_FALLBACK = "fallback"
 WEB_SEED_NEVER = "never"
 WEB_SEED_POLICIES = (WEB_SEED_ALWAYS, WEB_SEED_FALLBACK, WEB_SEED_NEVER)
+MAX_RANK = 3  # later arrivals wait at most (1 + MAX_RANK) x stall_s before using the origin
 
 
 def _pow2_floor(n: int) -> int:
@@ -96,7 +97,7 @@ def web_seed_needed(
     *,
     elapsed_s: float,
     has_trackers: bool,
-    tracker_peers: int | None,
+    arrival_rank: int | None,
     connected_peers: int,
     seconds_since_progress: float,
     missing_available_from_peers: int,
@@ -105,10 +106,13 @@ def web_seed_needed(
 ) -> bool:
     """Whether a download should (now) also pull from the origin's web seed.
 
-    "fallback" keeps the origin as the last resort: peers first; the web seed joins when there is no
-    tracker, when no peer shows up within peer_wait_s (or the tracker said there are none), or when the
-    download has stalled for stall_s with nothing left that a connected peer could give us (a peer that
-    has pieces but will not send them only delays the web seed to 4 x stall_s).
+    "fallback" keeps the origin as the last resort and lets only one of several agents that start
+    together go to it at a time. arrival_rank is how many peers the tracker listed in its first reply
+    (0: we are the first in the swarm; None: no reply yet). The first agent uses the web seed at once;
+    the k-th waits until it has made no progress for (1 + k) x stall_s (k capped at MAX_RANK) with
+    nothing left that a connected peer could give it, so later agents take from earlier ones what
+    those fetched from the origin. Without a tracker, or when no peer shows up within peer_wait_s, the
+    web seed is used; a peer that has pieces but does not send them delays it to 4x the patience.
     """
     if policy not in WEB_SEED_POLICIES:
         raise ValueError(f"unknown web seed policy {policy!r}; expected one of {WEB_SEED_POLICIES}")
@@ -116,10 +120,11 @@ def web_seed_needed(
         return True
     if policy == WEB_SEED_NEVER:
         return False
-    if not has_trackers:
+    if not has_trackers or arrival_rank == 0:
         return True
-    if connected_peers == 0:
-        return tracker_peers == 0 or elapsed_s >= peer_wait_s
-    if seconds_since_progress < stall_s:
+    if arrival_rank is None or connected_peers == 0:
+        return elapsed_s >= peer_wait_s
+    patience = stall_s * (1 + min(arrival_rank, MAX_RANK))
+    if seconds_since_progress < patience:
         return False
-    return missing_available_from_peers == 0 or seconds_since_progress >= 4 * stall_s
+    return missing_available_from_peers == 0 or seconds_since_progress >= 4 * patience

@@ -168,7 +168,8 @@ class Download:
     web_seed_bytes: int = 0
     hash_failures: int = 0
     payload_before_recheck: int = 0  # libtorrent restarts its payload counter on a recheck
-    tracker_peers: int | None = None
+    tracker_peers: int | None = None  # peers in the tracker's latest reply
+    arrival_rank: int | None = None  # peers in the tracker's first reply: our place in the swarm
     tracker_error: str = ""
     error: str = ""
     flushed: threading.Event = field(default_factory=threading.Event)
@@ -303,6 +304,8 @@ class SwarmClient:
                 d.hash_failures += 1
             elif isinstance(a, lt.tracker_reply_alert):
                 d.tracker_peers = int(a.num_peers)
+                if d.arrival_rank is None:
+                    d.arrival_rank = d.tracker_peers
                 d.tracker_error = ""
             elif isinstance(a, lt.tracker_error_alert):
                 d.tracker_error = a.message()
@@ -496,7 +499,7 @@ class SwarmClient:
                     d.policy,
                     elapsed_s=now - t0,
                     has_trackers=d.has_trackers,
-                    tracker_peers=d.tracker_peers,
+                    arrival_rank=d.arrival_rank,
                     connected_peers=n_bt,
                     seconds_since_progress=now - last_progress_t,
                     missing_available_from_peers=missing_available(d.wanted, have, avail),
@@ -504,9 +507,14 @@ class SwarmClient:
                     stall_s=self.stall_s,
                 ):
                     log.info(
-                        "%s: web seed on after %.2fs (peers %d, tracker peers %s, stalled %.2fs, done %d/%d)",
-                        d.infohash[:8], now - t0, n_bt, d.tracker_peers, now - last_progress_t,
-                        st.total_wanted_done, st.total_wanted,
+                        "%s: web seed on after %.2fs (peers %d, arrival rank %s, stalled %.2fs, done %d/%d)",
+                        d.infohash[:8],
+                        now - t0,
+                        n_bt,
+                        d.arrival_rank,
+                        now - last_progress_t,
+                        st.total_wanted_done,
+                        st.total_wanted,
                     )
                     self.enable_web_seeds(d)
             if on_progress and now - last_report >= progress_every_s:

@@ -30,7 +30,9 @@ from agent.torrent import SwarmClient, create_torrent, shard_byte_ranges, verify
 
 
 def _load_origin() -> Any:
-    spec = importlib.util.spec_from_file_location("torrent_origin", REPO / "tests/agent/test_torrent_origin.py")
+    spec = importlib.util.spec_from_file_location(
+        "torrent_origin", REPO / "tests/agent/test_torrent_origin.py"
+    )
     assert spec and spec.loader
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses look their module up while the class is built
@@ -101,7 +103,13 @@ def run_http(model: Path, manifest: Manifest, ranges: list[tuple[int, int]], wor
                 return await asyncio.gather(
                     *(
                         fetch_shard(
-                            http, origin.web_seed_url(keys[i]), {}, manifest, a, b, work / f"http{i}" / model.name
+                            http,
+                            origin.web_seed_url(keys[i]),
+                            {},
+                            manifest,
+                            a,
+                            b,
+                            work / f"http{i}" / model.name,
                         )
                         for i, (a, b) in enumerate(ranges)
                     )
@@ -115,7 +123,9 @@ def run_http(model: Path, manifest: Manifest, ranges: list[tuple[int, int]], wor
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ranges", default="0:20,10:30,0:30", help="comma-separated layer ranges a:b, one per agent")
+    ap.add_argument(
+        "--ranges", default="0:20,10:30,0:30", help="comma-separated layer ranges a:b, one per agent"
+    )
     args = ap.parse_args()
     ranges = [tuple(int(x) for x in r.split(":")) for r in args.ranges.split(",")]
     model = packaged_model_path()

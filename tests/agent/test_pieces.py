@@ -78,7 +78,7 @@ def test_missing_available_counts_only_wanted_pieces_a_peer_has_and_we_lack() ->
 _BASE = dict(
     elapsed_s=0.0,
     has_trackers=True,
-    tracker_peers=None,
+    arrival_rank=None,
     connected_peers=0,
     seconds_since_progress=0.0,
     missing_available_from_peers=0,
@@ -98,16 +98,32 @@ def test_always_and_never_policies_ignore_the_swarm() -> None:
         _needed("sometimes")
 
 
-def test_fallback_uses_the_web_seed_at_once_without_a_tracker_or_when_the_tracker_has_no_peers() -> None:
+def test_fallback_uses_the_web_seed_at_once_without_a_tracker_or_when_first_in_the_swarm() -> None:
     assert _needed(has_trackers=False)
-    assert _needed(tracker_peers=0)
-    assert not _needed(tracker_peers=None)
-    assert not _needed(tracker_peers=3, elapsed_s=1.0)
-    assert _needed(tracker_peers=3, elapsed_s=2.0)
+    assert _needed(arrival_rank=0, connected_peers=2)
+
+
+def test_fallback_waits_a_while_for_the_tracker_and_for_peers_to_connect() -> None:
+    assert not _needed(arrival_rank=None, elapsed_s=1.0)
+    assert _needed(arrival_rank=None, elapsed_s=2.0)
+    assert not _needed(arrival_rank=2, connected_peers=0, elapsed_s=1.0)
+    assert _needed(arrival_rank=2, connected_peers=0, elapsed_s=2.0)
 
 
 def test_fallback_waits_while_peers_make_progress_or_still_have_pieces_for_us() -> None:
-    assert not _needed(connected_peers=1, seconds_since_progress=0.5)
-    assert not _needed(connected_peers=1, seconds_since_progress=1.5, missing_available_from_peers=3)
-    assert _needed(connected_peers=1, seconds_since_progress=1.5, missing_available_from_peers=0)
-    assert _needed(connected_peers=1, seconds_since_progress=4.0, missing_available_from_peers=3)
+    kw = dict(arrival_rank=1, connected_peers=1)
+    assert not _needed(**kw, seconds_since_progress=1.5)
+    assert not _needed(**kw, seconds_since_progress=2.5, missing_available_from_peers=3)
+    assert _needed(**kw, seconds_since_progress=2.5, missing_available_from_peers=0)
+    assert _needed(**kw, seconds_since_progress=8.0, missing_available_from_peers=3)
+
+
+def test_later_arrivals_are_more_patient_so_only_one_agent_at_a_time_uses_the_origin() -> None:
+    def patience(rank: int) -> float:
+        return next(
+            t / 10
+            for t in range(100)
+            if _needed(arrival_rank=rank, connected_peers=2, seconds_since_progress=t / 10)
+        )
+
+    assert [patience(r) for r in (1, 2, 3, 9)] == [2.0, 3.0, 4.0, 4.0]
