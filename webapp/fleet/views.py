@@ -84,3 +84,49 @@ def enroll_api(request: HttpRequest) -> JsonResponse:
     except services.EnrollmentError as err:
         return JsonResponse({"error": str(err)}, status=403)
     return JsonResponse({"node_id": e.node_id, "secret": e.secret, "public_key": e.public_key}, status=201)
+
+
+@require_GET
+@staff_required
+def status_json(request: HttpRequest) -> JsonResponse:
+    """Machine-readable fleet and model state (scripts, readiness polling, monitoring)."""
+    nodes = Node.objects.exclude(state=Node.State.REMOVED).prefetch_related("shards__artifact")
+    return JsonResponse(
+        {
+            "nodes": [
+                {
+                    "id": n.id,
+                    "name": n.name,
+                    "state": n.state,
+                    "dataplane_url": n.dataplane_url,
+                    "last_seen": n.last_seen.isoformat() if n.last_seen else None,
+                    "backends": n.backends,
+                    "shards": [
+                        {
+                            "id": s.pk,
+                            "artifact_id": s.artifact_id,
+                            "model_sha256": s.artifact.sha256,
+                            "layer_start": s.layer_start,
+                            "layer_end": s.layer_end,
+                            "state": s.state,
+                            "progress": s.progress,
+                            "error": s.error,
+                        }
+                        for s in n.shards.all()
+                    ],
+                }
+                for n in nodes
+            ],
+            "models": [
+                {
+                    "id": a.pk,
+                    "name": a.name,
+                    "state": a.state,
+                    "sha256": a.sha256,
+                    "n_layers": a.n_layers,
+                    "error": a.error,
+                }
+                for a in ModelArtifact.objects.all()
+            ],
+        }
+    )

@@ -1,0 +1,274 @@
+"""`manage.py swarm_up`: the one-command demo — web server, worker, two enrolled agents, SmolLM2 placed."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from django.contrib.auth import get_user_model
+from django.core.management import call_command
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from webapp.core.adminclient import AdminClient
+
+ADMIN_USER = "admin"
+
+
+def _wait_http(url: str, procs: list[subprocess.Popen[bytes]], timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for p in procs:
+            if p.poll() is not None:
+                raise CommandError(f"{' '.join(map(str, p.args))} exited with {p.returncode}; see its log")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.2)
+    raise CommandError(f"{url} did not answer within {timeout_s:.0f} s")
+
+
+def admin_password() -> str:
+    """SWARM_ADMIN_PASSWORD, else one generated once and kept (0600) in the data dir."""
+    env = os.environ.get("SWARM_ADMIN_PASSWORD")
+    if env:
+        return env
+    path = settings.DATA_DIR / "admin_password"
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(12))
+    return path.read_text().strip()
+
+
+class Command(BaseCommand):
+    help = "Start the web server, worker and local agents; register and place SmolLM2; print the URL."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--host", default="127.0.0.1")
+        parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
+        parser.add_argument("--agents", type=int, default=2)
+        parser.add_argument("--model", default="smollm2", help="PyPI-shipped model to register and place")
+        parser.add_argument("--threads", type=int, default=1, help="compute threads per agent")
+        parser.add_argument(
+            "--no-wait", action="store_true", help="exit once everything is placed (for scripts)"
+        )
+
+    def handle(self, *args: Any, **opts: Any) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+        logs = settings.DATA_DIR / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        base = f"http://{opts['host']}:{opts['port']}"
+        try:
+            self._up(opts, base, logs)
+            if not opts["no_wait"]:
+                self.stdout.write("Ctrl-C stops everything.")
+                signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+                while all(p.poll() is None for p in self.procs):
+                    time.sleep(0.5)
+                raise CommandError("a child process exited; see the logs in " + str(logs))
+        except KeyboardInterrupt:
+            pass
+        finally:
+            if not opts["no_wait"]:
+                self._stop()
+
+    def _spawn(self, cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        p = subprocess.Popen(
+            cmd,
+            stdout=log.open("ab"),
+            stderr=subprocess.STDOUT,
+            cwd=settings.BASE_DIR,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
+        self.procs.append(p)
+        return p
+
+    def _stop(self) -> None:
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+    def _up(self, opts: dict[str, Any], base: str, logs: Path) -> None:
+        say = self.stdout.write
+        call_command("migrate", interactive=False, verbosity=0)
+        password = admin_password()
+        user, _ = get_user_model().objects.get_or_create(username=ADMIN_USER, defaults={"is_staff": True})
+        user.is_staff = user.is_superuser = True
+        user.set_password(password)
+        user.save()
+
+        py = sys.executable
+        say(f"web server on {base} (logs in {logs})")
+        self._spawn(
+            [py, "-m", "daphne", "-b", opts["host"], "-p", str(opts["port"]), "webapp.asgi:application"],
+            logs / "web.log",
+        )
+        if not settings.CELERY_TASK_ALWAYS_EAGER:
+            say("celery worker + beat (Redis broker)")
+            self._spawn(
+                [py, "-m", "celery", "-A", "webapp", "worker", "--pool", "solo", "-l", "INFO"],
+                logs / "worker.log",
+            )
+            self._spawn(
+                [
+                    py,
+                    "-m",
+                    "celery",
+                    "-A",
+                    "webapp",
+                    "beat",
+                    "-l",
+                    "INFO",
+                    "-s",
+                    str(settings.DATA_DIR / "celerybeat-schedule"),
+                ],
+                logs / "beat.log",
+            )
+        _wait_http(base + "/healthz", self.procs)
+
+        admin = AdminClient(base)
+        admin.login(ADMIN_USER, password)
+        node_ids = [self._start_agent(i, base, admin, opts, logs) for i in range(1, opts["agents"] + 1)]
+        admin.wait_for(
+            f"{len(node_ids)} agents online",
+            lambda s: all(
+                any(n["id"] == nid and n["state"] == "online" and n["dataplane_url"] for n in s["nodes"])
+                for nid in node_ids
+            ),
+            120,
+        )
+        say(f"{len(node_ids)} agents online: {', '.join(node_ids)}")
+
+        model = self._register(admin, opts["model"])
+        self._place(admin, model, node_ids)
+        say("")
+        say(self.style.SUCCESS(f"GGUF Swarm is up: {base}/"))
+        say(f"  log in as {ADMIN_USER} / {password}")
+        say(f"  playground: {base}/playground/   fleet: {base}/fleet/")
+
+    def _start_agent(self, i: int, base: str, admin: AdminClient, opts: dict[str, Any], logs: Path) -> str:
+        from agent.config import ConfigError, load_config
+        from webapp.fleet.models import Node
+
+        home = settings.DATA_DIR / "agents" / f"agent-{i}"
+        config = home / "node.json"
+        try:
+            cfg = load_config(config)
+            known = Node.objects.filter(pk=cfg.node_id).exclude(state=Node.State.REMOVED).exists()
+            if not known or cfg.server != base:
+                raise ConfigError("stale")
+        except ConfigError:
+            token = admin.create_enrollment_token(f"local agent {i}")
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "agent",
+                    "enroll",
+                    "--server",
+                    base,
+                    "--token",
+                    token,
+                    "--name",
+                    f"agent-{i}",
+                    "--config",
+                    str(config),
+                    "--force",
+                ],
+                check=True,
+                cwd=settings.BASE_DIR,
+            )
+            cfg = load_config(config)
+        self._spawn(
+            [
+                sys.executable,
+                "-m",
+                "agent",
+                "run",
+                "--config",
+                str(config),
+                "--data-dir",
+                str(home / "data"),
+                "--threads",
+                str(opts["threads"]),
+            ],
+            logs / f"agent-{i}.log",
+        )
+        return cfg.node_id
+
+    def _register(self, admin: AdminClient, package: str) -> dict[str, Any]:
+        from agent.models import packaged_model_path
+
+        path = str(packaged_model_path(package).resolve())
+        existing = next(
+            (m for m in admin.status()["models"] if m["state"] != "failed" and m["name"] == Path(path).stem),
+            None,
+        )
+        if existing is None:
+            code, body = admin.post("/models/register", {"kind": "package", "package": package})
+            if code != 200:
+                raise CommandError(f"registering {package} failed (HTTP {code}): {body[:300]}")
+        model = admin.wait_for(
+            f"{package} manifest",
+            lambda s: next(
+                (
+                    m
+                    for m in s["models"]
+                    if m["name"] == Path(path).stem and m["state"] in ("ready", "failed")
+                ),
+                None,
+            ),
+            300,
+        )
+        if model["state"] != "ready":
+            raise CommandError(f"{package}: {model['error']}")
+        self.stdout.write(
+            f"model {model['name']} ready ({model['n_layers']} layers, sha256 {model['sha256'][:12]})"
+        )
+        return model
+
+    def _place(self, admin: AdminClient, model: dict[str, Any], node_ids: list[str]) -> None:
+        from webapp.fleet.models import Node, ShardAssignment
+
+        # Shards left on nodes of an earlier run that are not running now would block placement.
+        stale = Node.objects.exclude(pk__in=node_ids).exclude(state=Node.State.REMOVED)
+        ShardAssignment.objects.filter(node__in=stale).delete()
+        stale.update(state=Node.State.REMOVED)
+        active = ShardAssignment.objects.filter(artifact_id=model["id"]).exclude(state="failed").exists()
+        if not active:
+            code, body = admin.post(f"/models/{model['id']}/place", {"replicas": "1"})
+            if code != 200:
+                raise CommandError(f"placement failed (HTTP {code}): {body[:300]}")
+
+        def ready(s: dict[str, Any]) -> bool:
+            shards = [sh for n in s["nodes"] for sh in n["shards"] if sh["artifact_id"] == model["id"]]
+            failed = [sh for sh in shards if sh["state"] == "failed"]
+            if failed:
+                raise CommandError(f"a shard failed to load: {failed[0]['error']}")
+            return bool(shards) and all(sh["state"] == "ready" for sh in shards)
+
+        self.stdout.write("placing shards (fetch over HTTP ranges, verify, load)…")
+        admin.wait_for("shards ready", ready, 600, every_s=0.5)
+        for n in admin.status()["nodes"]:
+            for sh in n["shards"]:
+                self.stdout.write(
+                    f"  {n['name']}: layers {sh['layer_start']}:{sh['layer_end']} {sh['state']}"
+                )
