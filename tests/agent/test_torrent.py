@@ -11,10 +11,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import libtorrent as lt
+import numpy as np
 import pytest
 from test_torrent_origin import Origin
 
-from agent.manifest import Manifest, build_manifest
+from agent.manifest import Manifest
 from agent.pieces import pieces_bytes, pieces_for_ranges
 from agent.torrent import (
     Progress,
@@ -26,6 +27,27 @@ from agent.torrent import (
 )
 
 THIRDS = [(0, 10), (10, 20), (20, 30)]
+PROMPT = [
+    1,
+    9690,
+    198,
+    2683,
+    359,
+    253,
+    5356,
+    5646,
+    11173,
+    3365,
+    3511,
+    308,
+    34519,
+    28,
+    504,
+    3575,
+    282,
+    4649,
+    314,
+]
 
 
 @pytest.fixture(scope="module")
@@ -53,52 +75,97 @@ def _allocated(path: Path) -> int:
     return os.stat(path).st_blocks * 512
 
 
+@pytest.fixture(scope="module")
+def thirds(
+    tmp_path_factory: pytest.TempPathFactory, torrent: tuple[bytes, str], manifest: Manifest, model_path: str
+) -> Iterator[tuple[list[Path], list[dict[str, object]]]]:
+    """Three agents start together, each assigned a third of the layers; returns their files and figures."""
+    tb, ih = torrent
+    work = tmp_path_factory.mktemp("thirds")
+    with Origin(Path(model_path), infohashes={bytes.fromhex(ih)}, passkeys={"a", "b", "c"}) as origin:
+        clients = [_client() for _ in THIRDS]
+        try:
+
+            def run(i: int) -> Path:
+                a, b = THIRDS[i]
+                ranges = shard_byte_ranges(manifest, a, b)
+                return clients[i].fetch(tb, work / f"n{i}", ranges, timeout=60, **_urls(origin, "abc"[i]))
+
+            with ThreadPoolExecutor(3) as pool:
+                paths = list(pool.map(run, range(3)))
+            figures: list[dict[str, object]] = []
+            for i, (a, b) in enumerate(THIRDS):
+                p = clients[i].progress(clients[i].get(ih))
+                needed = sum(e - s for s, e in shard_byte_ranges(manifest, a, b))  # header + range + role
+                figures.append(
+                    {
+                        "layers": f"{a}:{b}",
+                        "needed": needed,
+                        "downloaded": p.downloaded_bytes,
+                        "ratio": round(p.downloaded_bytes / needed, 4),
+                        "ratio_vs_tensors_only": round(
+                            p.downloaded_bytes / manifest.bytes_for_range(a, b), 4
+                        ),
+                        "peer_bytes": p.peer_bytes,
+                        "web_seed_bytes": p.web_seed_bytes,
+                        "origin_served": origin.served["abc"[i]],
+                        "on_disk": _allocated(paths[i]),
+                    }
+                )
+            print(json.dumps(figures))
+        finally:
+            for c in clients:
+                c.close()
+    yield paths, figures
+
+
 @pytest.mark.slow
 def test_three_agents_with_a_third_each_download_at_most_110_percent_of_what_they_need(
-    tmp_path: Path, origin: Origin, torrent: tuple[bytes, str], manifest: Manifest
+    thirds: tuple[list[Path], list[dict[str, object]]], manifest: Manifest, model_path: str
 ) -> None:
-    tb, ih = torrent
-    clients = [_client() for _ in THIRDS]
-    try:
+    paths, figures = thirds
+    header = manifest.tensor_data_offset  # metadata + tensor table: the sparse file opens as a GGUF
+    original_header = Path(model_path).read_bytes()[:header]
+    for (a, b), path, f in zip(THIRDS, paths, figures, strict=True):
+        verify_tensors(path, manifest, a, b)
+        assert path.read_bytes()[:header] == original_header
+        assert f["ratio"] <= 1.10, f  # type: ignore[operator]
+        assert f["on_disk"] < 0.7 * manifest.file_size, f  # type: ignore[operator]  # sparse file
 
-        def run(i: int) -> Path:
-            a, b = THIRDS[i]
-            return clients[i].fetch(
-                tb,
-                tmp_path / f"n{i}",
-                shard_byte_ranges(manifest, a, b),
-                timeout=60,
-                **_urls(origin, "abc"[i]),
-            )
 
-        with ThreadPoolExecutor(3) as pool:
-            paths = list(pool.map(run, range(3)))
-        figures = []
-        for i, (a, b) in enumerate(THIRDS):
-            p = clients[i].progress(clients[i].get(ih))
-            needed = sum(e - s for s, e in shard_byte_ranges(manifest, a, b))  # header + range + role
-            verify_tensors(paths[i], manifest, a, b)
-            sparse = build_manifest(paths[i], hash_tensors=False)  # the sparse file still opens as a GGUF
-            assert [t.offset for t in sparse.tensors] == [t.offset for t in manifest.tensors]
-            figures.append(
-                {
-                    "layers": f"{a}:{b}",
-                    "needed": needed,
-                    "downloaded": p.downloaded_bytes,
-                    "ratio": round(p.downloaded_bytes / needed, 4),
-                    "ratio_vs_tensors_only": round(p.downloaded_bytes / manifest.bytes_for_range(a, b), 4),
-                    "peer_bytes": p.peer_bytes,
-                    "web_seed_bytes": p.web_seed_bytes,
-                    "on_disk": _allocated(paths[i]),
-                }
-            )
-        print(json.dumps(figures))
-        for f in figures:
-            assert f["ratio"] <= 1.10, f
-            assert f["on_disk"] < 0.7 * manifest.file_size, f  # sparse: the other layers were never written
-    finally:
-        for c in clients:
-            c.close()
+@pytest.mark.slow
+def test_a_route_over_the_three_sparse_files_generates_what_the_whole_file_does(
+    thirds: tuple[list[Path], list[dict[str, object]]], manifest: Manifest, model_path: str
+) -> None:
+    pytest.importorskip("torch")
+    from agent.backends.base import SamplingParams, ShardSpec
+    from agent.backends.torch_llama import TorchLlamaBackend
+    from agent.ids import SessionId
+
+    def greedy(parts: list[TorchLlamaBackend], n: int) -> list[int]:
+        sid = SessionId(b"s" * 16)
+        for part in parts:
+            part.open_session(sid, 256)
+        ids, pos, out = PROMPT, 0, []
+        for _ in range(n):
+            h = None
+            for part in parts:
+                tokens = np.array(ids) if h is None else None
+                r = part.forward(sid, pos, token_ids=tokens, hidden=h, sampling=SamplingParams())
+                h = r.hidden
+            pos += len(ids)
+            out.append(int(r.token))  # type: ignore[arg-type]
+            ids = [int(r.token)]  # type: ignore[arg-type]
+        return out
+
+    paths, _ = thirds
+    route = [
+        TorchLlamaBackend(ShardSpec(str(p), a, b, manifest)) for p, (a, b) in zip(paths, THIRDS, strict=True)
+    ]
+    whole = TorchLlamaBackend(ShardSpec(model_path, 0, manifest.n_layers, manifest))
+    expected = greedy([whole], 8)
+    assert greedy(route, 8) == expected
+    assert len(set(expected)) > 2
 
 
 @pytest.mark.slow
