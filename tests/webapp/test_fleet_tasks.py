@@ -1,0 +1,110 @@
+"""Fleet tasks with the database: placement errors, lost-node replacement, drain, sampling, the dashboard socket."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from channels.testing import WebsocketCommunicator
+from django.contrib.auth.models import AnonymousUser
+from django.utils import timezone
+
+from webapp.core.channels import notify_fleet
+from webapp.fleet.consumers import FleetConsumer
+from webapp.fleet.models import Node, ShardAssignment
+from webapp.fleet.protocol import CLOSE_UNAUTHORIZED, Telemetry
+from webapp.fleet.services import apply_heartbeat
+from webapp.fleet.tasks import drain_node, place_model, replace_lost_node
+from webapp.telemetry.models import NodeTelemetrySample
+from webapp.telemetry.services import should_sample
+
+GB = 1 << 30
+
+
+def online(name: str, free: int = 4 * GB, speed: float = 1.0) -> Node:
+    return Node.objects.create(
+        name=name,
+        state=Node.State.ONLINE,
+        dataplane_url=f"http://{name}:1",
+        free_memory_bytes=free,
+        speed=speed,
+        backends=["torch"],
+        last_seen=timezone.now(),
+    )
+
+
+@pytest.mark.django_db
+def test_placing_on_a_fleet_too_small_reports_the_shortfall(artifact: Any, settings: Any) -> None:
+    settings.KV_RESERVE_BYTES = 0
+    online("tiny", free=10 << 20)
+    result = place_model(artifact.pk)
+    assert not result["ok"] and "cannot hold the model" in result["error"]
+    assert not ShardAssignment.objects.exists()
+
+
+@pytest.mark.django_db
+def test_placing_twice_is_refused_until_unplaced(artifact: Any) -> None:
+    online("a")
+    assert place_model(artifact.pk)["ok"]
+    assert "already placed" in place_model(artifact.pk)["error"]
+
+
+@pytest.mark.django_db
+def test_a_lost_node_s_layers_are_placed_on_a_survivor(artifact: Any) -> None:
+    a, b = online("a", speed=1.0), online("b", speed=1.0)
+    assert place_model(artifact.pk)["ok"]
+    lost = ShardAssignment.objects.get(node=b)
+    Node.objects.filter(pk=b.pk).update(state=Node.State.OFFLINE)
+    result = replace_lost_node(b.pk)
+    assert result[artifact.sha256]
+    lost.refresh_from_db()
+    assert lost.state == ShardAssignment.State.FAILED and lost.error == "node lost"
+    new = ShardAssignment.objects.get(pk=result[artifact.sha256][0])
+    assert (new.node_id, new.layer_start, new.layer_end) == (a.pk, lost.layer_start, lost.layer_end)
+    assert replace_lost_node(b.pk) == {}, "a second replacer finds nothing to claim"
+
+
+@pytest.mark.django_db
+def test_draining_a_node_stops_routing_to_it_and_moves_its_layers(artifact: Any) -> None:
+    a, b = online("a"), online("b")
+    place_model(artifact.pk)
+    assert drain_node(b.pk)
+    assert Node.objects.get(pk=b.pk).state == Node.State.DRAINING
+    assert set(ShardAssignment.objects.filter(node=b).values_list("state", flat=True)) == {"draining"}
+    covered = sorted(ShardAssignment.objects.filter(node=a).values_list("layer_start", "layer_end"))
+    assert covered[0][0] == 0 and covered[-1][1] == 30
+
+
+@pytest.mark.django_db
+def test_heartbeats_are_downsampled_to_one_sample_per_interval(node_with_secret: Any, settings: Any) -> None:
+    node, _ = node_with_secret
+    settings.TELEMETRY_SAMPLE_EVERY_S = 10
+    t = Telemetry({"tok_s": 5.0}, 1, 2, 3, 4, 5.0, 6, 7)
+    assert apply_heartbeat(node.id, t) is True
+    assert apply_heartbeat(node.id, t) is False
+    assert NodeTelemetrySample.objects.filter(node=node).count() == 1
+    assert Node.objects.get(pk=node.id).state == Node.State.ONLINE
+    now = timezone.now()
+    assert should_sample(now - timedelta(seconds=11), now, 10) and not should_sample(now, now, 10)
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_the_dashboard_socket_is_staff_only_and_pushes_node_rows(staff: Any, member: Any) -> None:
+    from channels.db import database_sync_to_async
+
+    for user in (AnonymousUser(), member):
+        ws = WebsocketCommunicator(FleetConsumer.as_asgi(), "/ws/fleet/")
+        ws.scope["user"] = user
+        ok, code = await ws.connect()
+        assert not ok and code == CLOSE_UNAUTHORIZED
+    ws = WebsocketCommunicator(FleetConsumer.as_asgi(), "/ws/fleet/")
+    ws.scope["user"] = staff
+    assert (await ws.connect())[0]
+    node = await database_sync_to_async(online)("pushed")
+    await database_sync_to_async(notify_fleet)(node.pk)
+    html = await ws.receive_from(timeout=5)
+    assert f'id="node-{node.pk}"' in html and 'hx-swap-oob="outerHTML"' in html and "online" in html
+    await ws.send_to(text_data="nonsense")
+    assert "error" in await ws.receive_from()
+    await ws.disconnect()
