@@ -221,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--route", required=True, help="comma-separated hop URLs in layer order")
     s.add_argument("--model", default="pkg:smollm2", help="GGUF path for the tokenizer, or pkg:NAME")
     s.add_argument("--signing-key", required=True, help="route-token private key (PEM) from keygen")
-    s.add_argument("--mode", choices=["chain", "star"], default="chain")
+    s.add_argument("--mode", choices=["star", "chain"], default="star")
     s.add_argument("--hidden-dtype", choices=["f16", "f32"], default="f16")
     s.add_argument("--max-tokens", type=int, default=128)
     s.add_argument("--max-context", type=int, default=8192)

@@ -68,7 +68,7 @@ class RouteClient:
         hops: list[Hop],
         tokenizer: ChatTokenizer | None = None,
         session_id: bytes | None = None,
-        mode: str = "chain",
+        mode: str = "star",
         hidden_dtype: str = "f16",
         max_context: int = 8192,
         timeout_s: float = 120.0,

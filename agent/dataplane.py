@@ -260,7 +260,9 @@ class DataPlane:
         if req.chain:
             s.chain = list(req.chain)
         elif req.chain_cached and not s.chain:
-            raise DataPlaneError(409, "no_chain", "cached-chain frame but this session never received a chain")
+            raise DataPlaneError(
+                409, "no_chain", "cached-chain frame but this session never received a chain"
+            )
         cur = s.backend.session_len(s.sid)
         if req.n_tokens == 0:
             raise DataPlaneError(400, "bad_frame", "forward frame with no tokens")

@@ -54,9 +54,15 @@ def apply_repeat_penalty(logits: np.ndarray, history: list[int] | None, p: Sampl
 def wire_exact(p: SamplingParams) -> SamplingParams:
     """The parameters as the wire carries them (float32), so in-process and routed runs sample alike."""
     f = np.float32
-    return SamplingParams(temperature=float(f(p.temperature)), top_k=p.top_k, top_p=float(f(p.top_p)),
-                          min_p=float(f(p.min_p)), repeat_penalty=float(f(p.repeat_penalty)),
-                          repeat_last_n=p.repeat_last_n, seed=p.seed)
+    return SamplingParams(
+        temperature=float(f(p.temperature)),
+        top_k=p.top_k,
+        top_p=float(f(p.top_p)),
+        min_p=float(f(p.min_p)),
+        repeat_penalty=float(f(p.repeat_penalty)),
+        repeat_last_n=p.repeat_last_n,
+        seed=p.seed,
+    )
 
 
 def sample(

@@ -25,13 +25,39 @@ def health(url: str) -> dict:
         return json.loads(r.read())
 
 
-def start_serve(model: str, layers: str, backend: str, public_key_b64: str, threads: int, logdir: Path,
-                extra_env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str, str]:
+def start_serve(
+    model: str,
+    layers: str,
+    backend: str,
+    public_key_b64: str,
+    threads: int,
+    logdir: Path,
+    extra_env: dict[str, str] | None = None,
+) -> tuple[subprocess.Popen, str, str]:
     port = free_port()
     node = f"bench-{port}"
-    cmd = [sys.executable, "-m", "agent", "serve", "--model", model, "--layers", layers, "--backend", backend,
-           "--port", str(port), "--public-key", public_key_b64, "--node-id", node, "--threads", str(threads),
-           "--kv-budget-mb", "4096"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "agent",
+        "serve",
+        "--model",
+        model,
+        "--layers",
+        layers,
+        "--backend",
+        backend,
+        "--port",
+        str(port),
+        "--public-key",
+        public_key_b64,
+        "--node-id",
+        node,
+        "--threads",
+        str(threads),
+        "--kv-budget-mb",
+        "4096",
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO), **(extra_env or {})}
     log = (logdir / f"serve-{port}.log").open("w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)

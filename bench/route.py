@@ -69,7 +69,7 @@ async def step_ms_at(hops_for, ctx: int, steps: int = 16) -> float:  # noqa: ANN
     rng = np.random.default_rng(0)
     ids = rng.integers(100, 40000, size=ctx).tolist()
     for off in range(0, ctx, 512):
-        resp = await client.forward(ids[off:off + 512], SamplingParams())
+        resp = await client.forward(ids[off : off + 512], SamplingParams())
     times = []
     tok = resp.token
     for _ in range(steps):
@@ -90,7 +90,11 @@ def main() -> None:
     from agent.tokenizer import ChatTokenizer
 
     prompt = ChatTokenizer(path).encode_chat([{"role": "user", "content": PROMPT_TEXT}])
-    out: dict[str, float | int | str] = {"model": manifest.name, "threads": args.threads, "tokens": args.tokens}
+    out: dict[str, float | int | str] = {
+        "model": manifest.name,
+        "threads": args.threads,
+        "tokens": args.tokens,
+    }
 
     llama = load_backend("llamacpp", ShardSpec(path, 0, 30, manifest, n_threads=args.threads))
     decode_tok_s(llama, prompt, 8)  # warm-up
@@ -116,8 +120,9 @@ def main() -> None:
     procs, hops = [], []
     try:
         for a, b in ((0, 10), (10, 20), (20, 30)):
-            proc, url, node = start_serve(path, f"{a}:{b}", "torch", public_key_b64(key.public_key()),
-                                          args.threads, logdir)
+            proc, url, node = start_serve(
+                path, f"{a}:{b}", "torch", public_key_b64(key.public_key()), args.threads, logdir
+            )
             procs.append(proc)
             hops.append((url, a, b, node))
 
@@ -137,18 +142,20 @@ def main() -> None:
                     # Frames entering hops 2 and 3 carry the boundary state (hop 1 gets token ids);
                     # the prefill frame is excluded by measuring decode-only deltas below.
                     out["_bytes_in"] = json.dumps([a - b for a, b in zip(after, before, strict=True)])
-            # Per-step wire bytes: decode 32 more steps and divide the seam hops' frame bytes by the steps.
-            session = os.urandom(16)
-            c = RouteClient(hops_for(session), session_id=session, mode="chain")
-            tok = (await c.forward(prompt, SamplingParams())).token
-            before = [health(u)["bytes_in"] for u, *_ in hops]
-            for _ in range(32):
-                tok = (await c.forward([tok], SamplingParams())).token
-            after = [health(u)["bytes_in"] for u, *_ in hops]
-            await c.close()
-            per_hop = [(a - b) / 32 for a, b in zip(after, before, strict=True)]
-            out["wire_bytes_per_decode_step_per_hop"] = round(max(per_hop[1:]), 1)
-            out["wire_bytes_per_decode_step_hop1_ids"] = round(per_hop[0], 1)
+            # Per-step wire bytes: decode 32 steps and divide each hop's received frame bytes by the steps.
+            for mode in ("star", "chain"):
+                session = os.urandom(16)
+                c = RouteClient(hops_for(session), session_id=session, mode=mode)
+                tok = (await c.forward(prompt, SamplingParams())).token
+                before = [health(u)["bytes_in"] for u, *_ in hops]
+                for _ in range(32):
+                    tok = (await c.forward([tok], SamplingParams())).token
+                after = [health(u)["bytes_in"] for u, *_ in hops]
+                await c.close()
+                per_hop = [(a - b) / 32 for a, b in zip(after, before, strict=True)]
+                # Hop 1 receives token ids; hops 2 and 3 receive the boundary state (the seam frames).
+                out[f"wire_bytes_per_decode_step_per_hop_{mode}"] = round(max(per_hop[1:]), 1)
+                out[f"wire_bytes_per_decode_step_hop1_ids_{mode}"] = round(per_hop[0], 1)
             out["step_ms_ctx64"] = round(await step_ms_at(hops_for, 64), 2)
             out["step_ms_ctx2048"] = round(await step_ms_at(hops_for, 2048), 2)
 
@@ -160,6 +167,9 @@ def main() -> None:
     out["route_mode_kept"] = "chain" if best == out["decode_tok_s_torch_3hop_chain"] else "star"
     out["decode_tok_s_torch_3hop"] = best
     out["ratio_3hop_vs_single"] = round(best / out["decode_tok_s_torch_single"], 3)
+    out["wire_bytes_per_decode_step_per_hop"] = out[
+        f"wire_bytes_per_decode_step_per_hop_{out['route_mode_kept']}"
+    ]
     out["ctx_ratio"] = round(out["step_ms_ctx2048"] / out["step_ms_ctx64"], 3)
     out["recompute_vs_cached_ctx2048"] = round(out["recompute_step_ms_ctx2048"] / out["step_ms_ctx2048"], 1)
     out["wire_budget_bytes"] = manifest.boundary_dim * 2 + 256

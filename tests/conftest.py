@@ -79,18 +79,40 @@ class ServeProcess:
 
 
 @pytest.fixture(scope="module")
-def serve_factory(tmp_path_factory: pytest.TempPathFactory, signing_key, model_path: str) -> Iterator[Callable[..., ServeProcess]]:  # noqa: ANN001
+def serve_factory(
+    tmp_path_factory: pytest.TempPathFactory, signing_key, model_path: str
+) -> Iterator[Callable[..., ServeProcess]]:  # noqa: ANN001
     procs: list[ServeProcess] = []
     logdir = tmp_path_factory.mktemp("serve-logs")
     pub = public_key_b64(signing_key.public_key())
 
-    def start(layers: str, backend: str = "torch", extra: list[str] | None = None, wait: bool = True) -> ServeProcess:
+    def start(
+        layers: str, backend: str = "torch", extra: list[str] | None = None, wait: bool = True
+    ) -> ServeProcess:
         port = free_port()
         node_id = f"node-{port}"
         log = logdir / f"serve-{port}.log"
-        cmd = [sys.executable, "-m", "agent", "serve", "--model", model_path, "--layers", layers,
-               "--backend", backend, "--port", str(port), "--public-key", pub, "--node-id", node_id,
-               "--threads", "1", *(extra or [])]
+        cmd = [
+            sys.executable,
+            "-m",
+            "agent",
+            "serve",
+            "--model",
+            model_path,
+            "--layers",
+            layers,
+            "--backend",
+            backend,
+            "--port",
+            str(port),
+            "--public-key",
+            pub,
+            "--node-id",
+            node_id,
+            "--threads",
+            "1",
+            *(extra or []),
+        ]
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, cwd=REPO)
         sp = ServeProcess(proc, f"http://127.0.0.1:{port}", node_id, log)

@@ -125,13 +125,19 @@ def test_tiny_gguf_layers_and_roles(tmp_path: Path) -> None:
 
 
 def test_inspect_cli_prints_json_and_fails_cleanly(tmp_path: Path, model_path: str) -> None:
-    out = subprocess.run([sys.executable, "-m", "agent", "inspect", model_path, "--json"], capture_output=True,
-                         text=True, cwd=REPO, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "agent", "inspect", model_path, "--json"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=True,
+    )
     d = json.loads(out.stdout)
     assert d["n_layers"] == 30 and len(d["tensors"]) == len(d["layers"]) * 9 + 2
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 40)
-    out = subprocess.run([sys.executable, "-m", "agent", "inspect", str(bad)], capture_output=True, text=True,
-                         cwd=REPO)
+    out = subprocess.run(
+        [sys.executable, "-m", "agent", "inspect", str(bad)], capture_output=True, text=True, cwd=REPO
+    )
     assert out.returncode == 2
     assert out.stderr.startswith("error: ") and "Traceback" not in out.stderr

@@ -34,8 +34,18 @@ SID = b"s" * 16
 
 def hidden_frame(n: int = 1, dim: int = 576, **kw: object) -> Request:
     payload = np.arange(n * dim, dtype=np.float16).tobytes()
-    return Request(op=Op.FORWARD, session=SID, step=7, pos_start=3, n_tokens=n, kind=Kind.F16, dim=dim,
-                   token=b"t" * 160, payload=payload, **kw)  # type: ignore[arg-type]
+    return Request(
+        op=Op.FORWARD,
+        session=SID,
+        step=7,
+        pos_start=3,
+        n_tokens=n,
+        kind=Kind.F16,
+        dim=dim,
+        token=b"t" * 160,
+        payload=payload,
+        **kw,
+    )  # type: ignore[arg-type]
 
 
 def test_layout_sizes_are_pinned_to_the_protocol_version() -> None:
@@ -51,10 +61,22 @@ def test_decode_frame_for_smollm2_fits_the_wire_budget() -> None:
 
 
 def test_requests_round_trip_with_every_optional_block() -> None:
-    req = hidden_frame(n=3, sampling=SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05,
-                                                    repeat_penalty=1.1, repeat_last_n=32, seed=2**63 + 5),
-                       history=[1, 2, 3], want_logits=True, f16_out=True,
-                       chain=[ChainHop("http://127.0.0.1:9/x", b"tok")])
+    req = hidden_frame(
+        n=3,
+        sampling=SamplingParams(
+            temperature=0.7,
+            top_k=40,
+            top_p=0.9,
+            min_p=0.05,
+            repeat_penalty=1.1,
+            repeat_last_n=32,
+            seed=2**63 + 5,
+        ),
+        history=[1, 2, 3],
+        want_logits=True,
+        f16_out=True,
+        chain=[ChainHop("http://127.0.0.1:9/x", b"tok")],
+    )
     out = decode_request(encode_request(req))
     assert out.sampling == wire_exact(req.sampling)
     assert out.history == [1, 2, 3] and out.want_logits and out.f16_out
@@ -81,8 +103,20 @@ def test_wrong_magic_and_version_are_named() -> None:
 
 
 def test_oversized_token_count_is_refused_before_reading_the_payload() -> None:
-    head = REQ_HEADER.pack(b"GSWP", 1, int(Op.FORWARD), 0, SID, 1, 0, MAX_TOKENS_PER_FRAME + 1, int(Kind.F32), 0,
-                           576, 4 * 576 * (MAX_TOKENS_PER_FRAME + 1))
+    head = REQ_HEADER.pack(
+        b"GSWP",
+        1,
+        int(Op.FORWARD),
+        0,
+        SID,
+        1,
+        0,
+        MAX_TOKENS_PER_FRAME + 1,
+        int(Kind.F32),
+        0,
+        576,
+        4 * 576 * (MAX_TOKENS_PER_FRAME + 1),
+    )
     with pytest.raises(FrameError, match="exceeds the per-frame limit") as e:
         decode_request(head)
     assert e.value.status == 413

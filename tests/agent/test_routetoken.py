@@ -24,7 +24,12 @@ def test_a_minted_token_verifies_and_names_its_grant() -> None:
     tok = mint(key, b"s" * 16, SHA, 10, 20, "node-a", ttl_s=60)
     claims = TokenVerifier(load_public_key(public_key_b64(key.public_key()))).verify(tok)
     assert (claims.session, claims.model_sha256, claims.layer_start, claims.layer_end, claims.node) == (
-        b"s" * 16, SHA, 10, 20, "node-a")
+        b"s" * 16,
+        SHA,
+        10,
+        20,
+        "node-a",
+    )
 
 
 def test_a_token_signed_by_another_key_is_forged() -> None:

@@ -13,7 +13,27 @@ from agent.ids import SessionId
 from agent.manifest import Manifest
 
 TEXT = (Path(__file__).resolve().parents[1] / "data" / "teacher_forcing_en.txt").read_text()
-PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 504, 3575, 282, 4649, 314]
+PROMPT = [
+    1,
+    9690,
+    198,
+    2683,
+    359,
+    253,
+    5356,
+    5646,
+    11173,
+    3365,
+    3511,
+    308,
+    34519,
+    28,
+    504,
+    3575,
+    282,
+    4649,
+    314,
+]
 SID = SessionId(b"a" * 16)
 
 
@@ -34,8 +54,9 @@ def greedy_split(parts: list[TorchLlamaBackend], prompt: list[int], n: int, sid:
     for _ in range(n):
         h = None
         for p in parts:
-            r = p.forward(sid, pos, token_ids=np.array(ids) if h is None else None, hidden=h,
-                          sampling=SamplingParams())
+            r = p.forward(
+                sid, pos, token_ids=np.array(ids) if h is None else None, hidden=h, sampling=SamplingParams()
+            )
             h = r.hidden
         pos += len(ids)
         out.append(r.token)
@@ -52,7 +73,9 @@ def test_three_shards_in_one_process_equal_the_whole_model(shards: dict[str, Tor
     assert len(set(whole)) > 3  # a real continuation, not one token repeated
 
 
-def test_a_decode_step_computes_exactly_one_new_position_per_layer(shards: dict[str, TorchLlamaBackend]) -> None:
+def test_a_decode_step_computes_exactly_one_new_position_per_layer(
+    shards: dict[str, TorchLlamaBackend],
+) -> None:
     b = shards["full"]
     b.open_session(SID, 256)
     try:
@@ -111,7 +134,9 @@ def test_bad_inputs_raise_backend_errors(shards: dict[str, TorchLlamaBackend]) -
 
 
 @pytest.mark.slow
-def test_teacher_forced_top1_agrees_with_llama_cpp(shards: dict[str, TorchLlamaBackend], model_path: str) -> None:
+def test_teacher_forced_top1_agrees_with_llama_cpp(
+    shards: dict[str, TorchLlamaBackend], model_path: str
+) -> None:
     llama_cpp = pytest.importorskip("llama_cpp")
     llm = llama_cpp.Llama(model_path, n_ctx=1024, n_threads=2, logits_all=True, verbose=False)
     ids = llm.tokenize(TEXT.encode(), add_bos=False)
@@ -129,6 +154,8 @@ def test_teacher_forced_top1_agrees_with_llama_cpp(shards: dict[str, TorchLlamaB
     for p in parts:
         p.close_session(sid)
     agree = float((ref.argmax(-1) == r.logits.argmax(-1)).mean())
-    print(f"teacher-forced top-1 agreement torch 3-shard vs llama.cpp: {agree:.4f} over {len(ids)} positions; "
-          f"max |logit diff| {np.abs(ref - r.logits).max():.3f}")
+    print(
+        f"teacher-forced top-1 agreement torch 3-shard vs llama.cpp: {agree:.4f} over {len(ids)} positions; "
+        f"max |logit diff| {np.abs(ref - r.logits).max():.3f}"
+    )
     assert agree >= 0.90

@@ -37,8 +37,10 @@ def tokenizer(model_path: str) -> ChatTokenizer:
 
 def make_hops(route, signing_key, manifest, session: bytes, ttl_s: int = 600) -> list[Hop]:  # noqa: ANN001
     ranges = [(0, 10), (10, 20), (20, 30)]
-    return [Hop(s.url, a, b, mint(signing_key, session, manifest.sha256, a, b, s.node_id, ttl_s))
-            for s, (a, b) in zip(route, ranges, strict=True)]
+    return [
+        Hop(s.url, a, b, mint(signing_key, session, manifest.sha256, a, b, s.node_id, ttl_s))
+        for s, (a, b) in zip(route, ranges, strict=True)
+    ]
 
 
 def reference_greedy(model_path: str, manifest, prompt: list[int], n: int) -> list[int]:  # noqa: ANN001
@@ -49,7 +51,9 @@ def reference_greedy(model_path: str, manifest, prompt: list[int], n: int) -> li
     r = be.forward(sid, 0, token_ids=np.array(prompt), sampling=SamplingParams())
     out = [r.token]
     while len(out) < n:
-        r = be.forward(sid, len(prompt) + len(out) - 1, token_ids=np.array([out[-1]]), sampling=SamplingParams())
+        r = be.forward(
+            sid, len(prompt) + len(out) - 1, token_ids=np.array([out[-1]]), sampling=SamplingParams()
+        )
         out.append(r.token)
     return out
 
@@ -71,10 +75,13 @@ def health(url: str) -> dict:
 
 @pytest.mark.parametrize("mode", ["chain", "star"])
 async def test_three_hops_produce_the_same_64_greedy_tokens_as_one_process(
-        route, signing_key, manifest, tokenizer, reference, mode: str) -> None:  # noqa: ANN001
+    route, signing_key, manifest, tokenizer, reference, mode: str
+) -> None:  # noqa: ANN001
     prompt, expected = reference
     session = os.urandom(16)
-    client = RouteClient(make_hops(route, signing_key, manifest, session), tokenizer, session_id=session, mode=mode)
+    client = RouteClient(
+        make_hops(route, signing_key, manifest, session), tokenizer, session_id=session, mode=mode
+    )
     try:
         got = await route_greedy(client, prompt, 64)
     finally:
@@ -94,7 +101,8 @@ async def test_closing_a_session_frees_its_kv_on_every_hop(route, signing_key, m
 
 
 async def test_turn_two_prefills_only_its_new_tokens_and_an_edit_truncates(
-        route, signing_key, manifest, tokenizer) -> None:  # noqa: ANN001
+    route, signing_key, manifest, tokenizer
+) -> None:  # noqa: ANN001
     session = os.urandom(16)
     client = RouteClient(make_hops(route, signing_key, manifest, session), tokenizer, session_id=session)
     try:
@@ -119,7 +127,9 @@ async def test_turn_two_prefills_only_its_new_tokens_and_an_edit_truncates(
             if ev.done:
                 t3 = ev.telemetry
         prompt3 = tokenizer.encode_chat(edited)
-        common = next(i for i, (a, b) in enumerate(zip(prompt3, tokenizer.encode_chat(msgs), strict=False)) if a != b)
+        common = next(
+            i for i, (a, b) in enumerate(zip(prompt3, tokenizer.encode_chat(msgs), strict=False)) if a != b
+        )
         assert t3["n_reused"] == common and t3["n_prefilled"] == len(prompt3) - common
         lens = {s["sessions"] for s in (health(r.url) for r in route)}
         assert lens == {1}
@@ -127,10 +137,13 @@ async def test_turn_two_prefills_only_its_new_tokens_and_an_edit_truncates(
         await client.close()
 
 
-async def test_prompts_beyond_the_context_limit_get_a_clear_error(route, signing_key, manifest, tokenizer) -> None:  # noqa: ANN001
+async def test_prompts_beyond_the_context_limit_get_a_clear_error(
+    route, signing_key, manifest, tokenizer
+) -> None:  # noqa: ANN001
     session = os.urandom(16)
-    client = RouteClient(make_hops(route, signing_key, manifest, session), tokenizer, session_id=session,
-                         max_context=32)
+    client = RouteClient(
+        make_hops(route, signing_key, manifest, session), tokenizer, session_id=session, max_context=32
+    )
     try:
         with pytest.raises(ContextLimitError, match="exceeds the context limit of 32"):
             async for _ in client.chat(QUESTION):
@@ -152,7 +165,8 @@ class Raw:
 
 
 async def test_bad_frames_get_clear_4xx_while_another_session_keeps_decoding(
-        route, signing_key, manifest, tokenizer, reference) -> None:  # noqa: ANN001
+    route, signing_key, manifest, tokenizer, reference
+) -> None:  # noqa: ANN001
     prompt, expected = reference
     good_sid = os.urandom(16)
     good = RouteClient(make_hops(route, signing_key, manifest, good_sid), tokenizer, session_id=good_sid)
@@ -162,42 +176,95 @@ async def test_bad_frames_get_clear_4xx_while_another_session_keeps_decoding(
     hidden = np.zeros((1, 576), np.float16).tobytes()
 
     def frame(**kw: object) -> bytes:
-        base = dict(op=Op.FORWARD, session=bad_sid, step=1, pos_start=0, n_tokens=1, kind=Kind.F16, dim=576,
-                    token=tok, payload=hidden)
+        base = dict(
+            op=Op.FORWARD,
+            session=bad_sid,
+            step=1,
+            pos_start=0,
+            n_tokens=1,
+            kind=Kind.F16,
+            dim=576,
+            token=tok,
+            payload=hidden,
+        )
         base.update(kw)
         return encode_request(Request(**base))  # type: ignore[arg-type]
 
     async with ClientSession() as http:
         raw = Raw(http, mid.url)
-        assert (await raw.post(frame(op=Op.OPEN, pos_start=64, n_tokens=0, kind=Kind.NONE, dim=0, payload=b"")))[0] == 200
+        assert (
+            await raw.post(frame(op=Op.OPEN, pos_start=64, n_tokens=0, kind=Kind.NONE, dim=0, payload=b""))
+        )[0] == 200
         ok, _ = await raw.post(frame())
         assert ok == 200
         good_frame = frame(step=2, pos_start=1)
         v2 = bytearray(good_frame)
         v2[4:6] = struct.pack("<H", 2)
-        huge = REQ_HEADER.pack(b"GSWP", 1, int(Op.FORWARD), 0, bad_sid, 3, 1, MAX_TOKENS_PER_FRAME + 1,
-                               int(Kind.F16), 0, 576, 2 * 576 * (MAX_TOKENS_PER_FRAME + 1))
+        huge = REQ_HEADER.pack(
+            b"GSWP",
+            1,
+            int(Op.FORWARD),
+            0,
+            bad_sid,
+            3,
+            1,
+            MAX_TOKENS_PER_FRAME + 1,
+            int(Kind.F16),
+            0,
+            576,
+            2 * 576 * (MAX_TOKENS_PER_FRAME + 1),
+        )
         cases = {
             "truncated": (good_frame[:60], 400, "bad_frame"),
             "magic": (b"NOPE" + good_frame[4:], 400, "bad_frame"),
             "version": (bytes(v2), 400, "bad_frame"),
             "n_tokens": (huge, 413, "bad_frame"),
             "hidden_size": (frame(step=2, pos_start=1, dim=100, payload=b"\0" * 200), 400, "hidden_size"),
-            "unknown_session": (encode_request(Request(op=Op.FORWARD, session=b"u" * 16, step=1, n_tokens=1,
-                                                       kind=Kind.F16, dim=576, payload=hidden,
-                                                       token=mint(signing_key, b"u" * 16, manifest.sha256, 10, 20,
-                                                                  mid.node_id))), 404, "unknown_session"),
-            "replayed": (frame(step=1, pos_start=0, payload=np.ones((1, 576), np.float16).tobytes()), 409,
-                         "replayed_step"),
+            "unknown_session": (
+                encode_request(
+                    Request(
+                        op=Op.FORWARD,
+                        session=b"u" * 16,
+                        step=1,
+                        n_tokens=1,
+                        kind=Kind.F16,
+                        dim=576,
+                        payload=hidden,
+                        token=mint(signing_key, b"u" * 16, manifest.sha256, 10, 20, mid.node_id),
+                    )
+                ),
+                404,
+                "unknown_session",
+            ),
+            "replayed": (
+                frame(step=1, pos_start=0, payload=np.ones((1, 576), np.float16).tobytes()),
+                409,
+                "replayed_step",
+            ),
             "no_token": (frame(step=2, pos_start=1, token=b""), 401, "bad_token"),
             "forged": (frame(step=2, pos_start=1, token=tok[:-1] + bytes([tok[-1] ^ 1])), 401, "bad_token"),
-            "expired": (frame(step=2, pos_start=1, token=mint(signing_key, bad_sid, manifest.sha256, 10, 20,
-                                                               mid.node_id, ttl_s=-5)), 401, "bad_token"),
-            "wrong_range": (frame(step=2, pos_start=1, token=mint(signing_key, bad_sid, manifest.sha256, 0, 10,
-                                                                   mid.node_id)), 403, "wrong_range"),
+            "expired": (
+                frame(
+                    step=2,
+                    pos_start=1,
+                    token=mint(signing_key, bad_sid, manifest.sha256, 10, 20, mid.node_id, ttl_s=-5),
+                ),
+                401,
+                "bad_token",
+            ),
+            "wrong_range": (
+                frame(
+                    step=2, pos_start=1, token=mint(signing_key, bad_sid, manifest.sha256, 0, 10, mid.node_id)
+                ),
+                403,
+                "wrong_range",
+            ),
             "no_chain": (frame(step=2, pos_start=1, chain_cached=True), 409, "no_chain"),
-            "beyond_cap": (frame(step=2, pos_start=1, n_tokens=64, payload=np.zeros((64, 576), np.float16).tobytes()),
-                           400, "context_cap"),
+            "beyond_cap": (
+                frame(step=2, pos_start=1, n_tokens=64, payload=np.zeros((64, 576), np.float16).tobytes()),
+                400,
+                "context_cap",
+            ),
         }
         got_tokens: list[int] = []
         gen = good.generate(prompt, SamplingParams(), 24)
@@ -222,7 +289,9 @@ async def test_bad_frames_get_clear_4xx_while_another_session_keeps_decoding(
     assert all(s.proc.poll() is None for s in route)
 
 
-async def test_unreachable_hop_is_reported_by_the_route_client(route, signing_key, manifest, tokenizer) -> None:  # noqa: ANN001
+async def test_unreachable_hop_is_reported_by_the_route_client(
+    route, signing_key, manifest, tokenizer
+) -> None:  # noqa: ANN001
     session = os.urandom(16)
     hops = make_hops(route, signing_key, manifest, session)
     hops[2] = Hop("http://127.0.0.1:9", 20, 30, hops[2].token)
