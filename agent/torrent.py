@@ -5,10 +5,11 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -137,7 +138,7 @@ class Progress:
     done_bytes: int  # bytes of wanted pieces we have
     wanted_bytes: int  # bytes of wanted pieces (piece-aligned: what we must download)
     downloaded_bytes: int  # payload received so far, redundant and failed bytes included
-    rate_bps: float
+    rate_bytes_per_s: float
     peers: int  # connected BitTorrent peers (web seeds not counted)
     peer_bytes: int
     web_seed_bytes: int
@@ -147,6 +148,22 @@ class Progress:
     @property
     def fraction(self) -> float:
         return self.done_bytes / self.wanted_bytes if self.wanted_bytes else 1.0
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready report for the control plane's fleet page."""
+        return {**asdict(self), "fraction": round(self.fraction, 4)}
+
+    def line(self, width: int = 24) -> str:
+        """One terminal line: a progress bar, MB done/needed, rate, peers, and where the bytes came from."""
+        filled = round(self.fraction * width)
+        src = self.peer_bytes + self.web_seed_bytes
+        peer_pct = 100 * self.peer_bytes / src if src else 0.0
+        return (
+            f"{self.infohash[:8]} [{'#' * filled}{'.' * (width - filled)}] {self.fraction:6.1%} "
+            f"{self.done_bytes / 1e6:7.1f}/{self.wanted_bytes / 1e6:.1f} MB {self.rate_bytes_per_s / 1e6:6.1f} MB/s "
+            f"peers {self.peers} (from peers {peer_pct:.0f}%, web seed {100 - peer_pct if src else 0:.0f}%)"
+            + (f" hash failures {self.hash_failures}" if self.hash_failures else "")
+        )
 
 
 @dataclass
@@ -175,13 +192,19 @@ class Download:
     flushed: threading.Event = field(default_factory=threading.Event)
 
 
-def _url_endpoint(url: str) -> tuple[str, int] | None:
+def _url_endpoints(url: str) -> set[tuple[str, int]]:
+    """The (ip, port) pairs a web seed URL connects to, so blocks from it are counted as web seed bytes."""
     parts = urlsplit(url)
+    host = parts.hostname or ""
+    port = parts.port or (443 if parts.scheme == "https" else 80)
     try:
-        ipaddress.ip_address(parts.hostname or "")
+        return {(str(ipaddress.ip_address(host)), port)}
     except ValueError:
-        return None
-    return parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
+        pass
+    try:
+        return {(str(ai[4][0]), port) for ai in socket.getaddrinfo(host, port, proto=socket.IPPROTO_TCP)}
+    except OSError:
+        return set()  # libtorrent will report the failure; peer_info fills the endpoint in later
 
 
 class SwarmClient:
@@ -420,7 +443,7 @@ class SwarmClient:
                 done_bytes=int(st.total_wanted_done),
                 wanted_bytes=int(st.total_wanted),
                 downloaded_bytes=d.payload_before_recheck + int(st.total_payload_download),
-                rate_bps=float(st.download_payload_rate),
+                rate_bytes_per_s=float(st.download_payload_rate),
                 peers=peers,
                 peer_bytes=d.peer_bytes,
                 web_seed_bytes=d.web_seed_bytes,
@@ -450,9 +473,7 @@ class SwarmClient:
                 return
             d.web_seed_active = True
             for url in d.web_seeds:
-                ep = _url_endpoint(url)
-                if ep:
-                    d.web_seed_endpoints.add(ep)
+                d.web_seed_endpoints |= _url_endpoints(url)
         for url in d.web_seeds:
             d.handle.add_url_seed(url)
 
@@ -487,14 +508,18 @@ class SwarmClient:
             st = d.handle.status()
             if st.total_wanted_done != last_done:
                 last_done, last_progress_t = st.total_wanted_done, now
+            peers = d.handle.get_peer_info()
+            n_bt = sum(1 for p in peers if p.connection_type == lt.peer_info.standard_bittorrent)
+            if n_bt < len(peers):
+                with self._lock:
+                    d.web_seed_endpoints.update(
+                        (str(p.ip[0]), int(p.ip[1]))
+                        for p in peers
+                        if p.connection_type != lt.peer_info.standard_bittorrent
+                    )
             if not d.web_seed_active and d.web_seeds:
                 have = list(st.pieces)
                 avail = d.handle.piece_availability() if st.num_peers else []
-                n_bt = sum(
-                    1
-                    for p in d.handle.get_peer_info()
-                    if p.connection_type == lt.peer_info.standard_bittorrent
-                )
                 if have and web_seed_needed(
                     d.policy,
                     elapsed_s=now - t0,

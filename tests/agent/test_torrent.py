@@ -381,3 +381,16 @@ def test_the_tracker_refuses_an_agent_with_an_unknown_passkey(
             time.sleep(0.05)
         assert "unknown passkey" in d.tracker_error
         assert d.tracker_peers is None
+
+
+def test_a_progress_report_renders_as_a_terminal_bar_and_a_json_dict() -> None:
+    p = Progress(
+        "ab" * 20, "downloading", 50_000_000, 100_000_000, 50_100_000, 2e6, 2, 30_000_000, 20_000_000, 1, True
+    )
+    line = p.line(width=10)
+    assert line.startswith("abababab [#####.....]  50.0%")
+    assert "50.0/100.0 MB" in line and "peers 2 (from peers 60%, web seed 40%)" in line
+    assert "hash failures 1" in line
+    d = p.to_dict()
+    assert d["fraction"] == 0.5 and d["peer_bytes"] == 30_000_000
+    json.dumps(d)
