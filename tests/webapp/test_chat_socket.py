@@ -174,3 +174,36 @@ async def test_a_model_without_a_full_route_gets_a_clear_error(
     _, ev = await answer(ws)
     assert ev["type"] == "error" and "no ready shard starts at layer 0" in ev["error"]
     await ws.disconnect()
+
+
+class DyingRouteClient(FakeRouteClient):
+    """The first route dies after one delta; later routes answer normally."""
+
+    async def chat(self, messages: list[dict[str, str]], sampling: Any, max_tokens: int):  # noqa: ANN201
+        if len(FakeRouteClient.instances) == 1:
+            self.calls.append(messages)
+            yield Event(text="Hel")
+            raise ConnectionResetError("hop 2 went away")
+        async for ev in super().chat(messages, sampling, max_tokens):
+            yield ev
+
+
+async def test_a_route_dying_mid_answer_fails_over_once_and_the_user_sees_one_seamless_answer(
+    member: Any, placed: Any, fake_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import agent.client
+
+    monkeypatch.setattr(agent.client, "RouteClient", DyingRouteClient)
+    ws = chat_socket(member)
+    await ws.connect()
+    await ws.send_json_to({"model": placed.pk, "message": "hi"})
+    events, done = await answer(ws)
+    assert [e["text"] for e in events if e["type"] == "delta"] == ["Hel", "lo"]
+    assert done["type"] == "done" and done["text"] == "Hello"
+    first, second = FakeRouteClient.instances
+    assert first.closed and second.calls[0] == [{"role": "user", "content": "hi"}]
+    states = await database_sync_to_async(
+        lambda: sorted(RouteSession.objects.values_list("state", flat=True))
+    )()
+    assert states == ["broken", "open"]
+    await ws.disconnect()

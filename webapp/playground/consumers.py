@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 from urllib.parse import parse_qs
@@ -44,7 +44,6 @@ class Conversation:
     session_id: uuid.UUID
     client: Any
     route: list[dict[str, Any]]
-    messages: list[dict[str, str]] = field(default_factory=list)
 
 
 def _open(artifact_id: int, user: Any) -> tuple[ModelArtifact, RouteSession, list[routing.HopGrant], Any]:
@@ -57,6 +56,8 @@ class ChatConsumer(SafeJsonConsumer):
     """/ws/chat/: logged-in users only."""
 
     conv: Conversation | None = None
+    messages: list[dict[str, str]]
+    messages_model: int | None = None
     task: asyncio.Task[None] | None = None
     turn = 0
 
@@ -67,6 +68,7 @@ class ChatConsumer(SafeJsonConsumer):
             return
         qs = parse_qs(self.scope.get("query_string", b"").decode("latin-1"))
         self.json_mode = qs.get("format", [""])[0] == "json"
+        self.messages = []
         await self.accept()
 
     async def disconnect(self, code: int) -> None:
@@ -77,6 +79,7 @@ class ChatConsumer(SafeJsonConsumer):
     async def receive_json(self, content: Any, **kwargs: Any) -> None:
         if isinstance(content, dict) and content.get("type") == "reset":
             await self._close_conversation()
+            self.messages = []
             await self._emit({"type": "reset"}, "playground/htmx/reset.html", {})
             return
         try:
@@ -122,53 +125,71 @@ class ChatConsumer(SafeJsonConsumer):
         self.conv = Conversation(req.model_id, session.id, client, session.hops)
         return self.conv
 
-    async def _answer(self, req: ChatRequest, turn: int) -> None:
+    async def _stream(
+        self, conv: Conversation, req: ChatRequest, base: dict[str, Any], shown: list[str]
+    ) -> tuple[str, dict[str, Any]]:
+        """Stream one answer; after a failover, text the user already saw (`shown[0]`) is not re-sent."""
         from agent.backends.base import SamplingParams
 
-        base = {"turn": turn}
-        try:
-            conv = await self._ensure_conversation(req)
-        except (NoRoute, ModelArtifact.DoesNotExist) as e:
-            text = str(e) if isinstance(e, NoRoute) else "no such ready model"
-            await self.send_error(f"cannot open a route: {text}")
-            return
-        conv.messages.append({"role": "user", "content": req.message})
-        await self._emit(
-            {
-                **base,
-                "type": "start",
-                "session": str(conv.session_id),
-                "route": conv.route,
-                "message": req.message,
-            },
-            "playground/htmx/turn_start.html",
-            {},
-        )
-        parts: list[str] = []
-        telemetry: dict[str, Any] = {}
-        try:
-            async for ev in conv.client.chat(conv.messages, SamplingParams(**req.sampling), req.max_tokens):
-                delta = getattr(ev, "text", "") or ""
-                if delta:
-                    parts.append(delta)
+        text, telemetry = "", {}
+        async for ev in conv.client.chat(self.messages, SamplingParams(**req.sampling), req.max_tokens):
+            delta = getattr(ev, "text", "") or ""
+            if delta:
+                before, text = len(text), text + delta
+                fresh = text[max(before, len(shown[0])) :]
+                if fresh:
+                    shown[0] += fresh
                     await self._emit(
-                        {**base, "type": "delta", "text": delta}, "playground/htmx/delta.html", {}
+                        {**base, "type": "delta", "text": fresh}, "playground/htmx/delta.html", {}
                     )
-                if getattr(ev, "telemetry", None):
-                    telemetry = dict(ev.telemetry)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - the route failed; tell the user, start fresh next turn
-            log.warning("generation failed on session %s", conv.session_id, exc_info=True)
-            conv.messages.pop()
-            await self._close_conversation(RouteSession.State.BROKEN)
-            await database_sync_to_async(record_generation)(
-                conv.session_id, req.model_id, self.scope["user"], telemetry, error=str(e)
-            )
-            await self.send_error(f"generation failed: {e}")
-            return
-        text = "".join(parts)
-        conv.messages.append({"role": "assistant", "content": text})
+            if getattr(ev, "telemetry", None):
+                telemetry = dict(ev.telemetry)
+        return text, telemetry
+
+    async def _answer(self, req: ChatRequest, turn: int) -> None:
+        """Answer one turn; if the route fails mid-answer, re-open a route once and re-prefill the history
+        (greedy or seeded sampling continues identically, so the user sees one seamless answer)."""
+        base = {"turn": turn}
+        if self.messages_model != req.model_id:
+            self.messages, self.messages_model = [], req.model_id
+        self.messages.append({"role": "user", "content": req.message})
+        shown, started = [""], False
+        for attempt in (1, 2):
+            try:
+                conv = await self._ensure_conversation(req)
+            except (NoRoute, ModelArtifact.DoesNotExist) as e:
+                text = str(e) if isinstance(e, NoRoute) else "no such ready model"
+                self.messages.pop()
+                await self.send_error(f"cannot open a route: {text}")
+                return
+            if not started:
+                started = True
+                start = {
+                    **base,
+                    "type": "start",
+                    "session": str(conv.session_id),
+                    "route": conv.route,
+                    "message": req.message,
+                }
+                await self._emit(start, "playground/htmx/turn_start.html", {})
+            try:
+                text, telemetry = await self._stream(conv, req, base, shown)
+                break
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the route failed: fail over once, then tell the user
+                log.warning(
+                    "generation failed on session %s (attempt %d)", conv.session_id, attempt, exc_info=True
+                )
+                await self._close_conversation(RouteSession.State.BROKEN)
+                await database_sync_to_async(record_generation)(
+                    conv.session_id, req.model_id, self.scope["user"], {}, error=str(e)
+                )
+                if attempt == 2:
+                    self.messages.pop()
+                    await self.send_error(f"generation failed: {e}")
+                    return
+        self.messages.append({"role": "assistant", "content": text})
         n_positions = int(telemetry.get("n_prompt", 0) or 0) + int(telemetry.get("n_generated", 0) or 0)
         await database_sync_to_async(routing.touch_session)(conv.session_id, n_positions)
         await database_sync_to_async(record_generation)(
