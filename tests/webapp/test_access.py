@@ -11,7 +11,7 @@ from webapp.fleet.models import Node
 
 pytestmark = pytest.mark.django_db
 
-ADMIN_GETS = ["/fleet/", "/fleet/placement/", "/models/", "/fleet/status.json"]
+ADMIN_GETS = ["/fleet/", "/fleet/placement/", "/models/", "/fleet/status.json", "/fleet/generations"]
 
 
 def admin_posts(node_id: str, artifact_id: int) -> list[str]:

@@ -13,6 +13,7 @@ urlpatterns = [
     path("fleet/nodes/<str:node_id>/drain", views.drain, name="drain"),
     path("fleet/nodes/<str:node_id>/remove", views.remove, name="remove"),
     path("fleet/placement/", views.placement, name="placement"),
+    path("fleet/generations", views.generations, name="generations"),
     path("fleet/status.json", views.status_json, name="status"),
     path("api/agent/enroll", views.enroll_api, name="enroll_api"),
 ]

@@ -16,6 +16,7 @@ from webapp.fleet import services
 from webapp.fleet.models import Node, ShardAssignment
 from webapp.fleet.presenters import placement_bars
 from webapp.fleet.tasks import drain_node, remove_node
+from webapp.telemetry.models import GenerationRecord
 
 
 def fleet_context() -> dict[str, object]:
@@ -56,6 +57,14 @@ def remove(request: HtmxHttpRequest, node_id: str) -> HttpResponse:
     node = get_object_or_404(Node, pk=node_id)
     remove_node.delay(node.pk)
     return HttpResponse("")
+
+
+@require_GET
+@staff_required
+def generations(request: HtmxHttpRequest) -> HttpResponse:
+    """The latest answers with their latency and throughput (refreshed live on the fleet page)."""
+    rows = GenerationRecord.objects.select_related("user", "artifact")[:20]
+    return render(request, "fleet/htmx/generations.html", {"generations": rows})
 
 
 @require_GET

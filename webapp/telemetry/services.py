@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
 
+from webapp.core.channels import notify_fleet
 from webapp.telemetry.models import GenerationRecord, NodeTelemetrySample
 
 if TYPE_CHECKING:
@@ -50,7 +51,7 @@ def record_generation(
         return float(v) if isinstance(v, int | float) else 0.0
 
     hops = telemetry.get("hops", [])
-    return GenerationRecord.objects.create(
+    record = GenerationRecord.objects.create(
         session_id=session_id,
         artifact_id=artifact_id,
         user=user if getattr(user, "is_authenticated", False) else None,
@@ -62,3 +63,5 @@ def record_generation(
         hops=hops if isinstance(hops, list) else [],
         error=error[:2000],
     )
+    notify_fleet(kind="generations")
+    return record
