@@ -183,3 +183,39 @@ def test_a_node_silent_for_longer_than_the_limit_is_swept_offline(
     assert sweep_offline_nodes() == [node.id]
     assert Node.objects.get(pk=node.id).state == Node.State.OFFLINE
     assert Node.objects.get(pk=other.id).state == Node.State.ONLINE
+
+
+async def test_a_replaced_socket_closing_late_does_not_mark_the_node_offline(
+    node_with_secret: Any, artifact: Any
+) -> None:
+    node, secret = node_with_secret
+    old = await connected(node.id, secret)
+    new = await connected(node.id, secret)
+    await old.disconnect()
+    n = await database_sync_to_async(Node.objects.get)(pk=node.id)
+    assert n.state == Node.State.ONLINE
+    await new.disconnect()
+    n = await database_sync_to_async(Node.objects.get)(pk=node.id)
+    assert n.state == Node.State.OFFLINE
+
+
+async def test_a_connecting_node_is_not_routable_until_its_hello(
+    node_with_secret: Any, artifact: Any
+) -> None:
+    node, secret = node_with_secret
+    await database_sync_to_async(Node.objects.filter(pk=node.id).update)(dataplane_url="http://stale:1")
+    a = await database_sync_to_async(ShardAssignment.objects.create)(
+        node=node, artifact=artifact, layer_start=0, layer_end=30, state=ShardAssignment.State.READY
+    )
+    ws = await connected(node.id, secret)
+    n = await database_sync_to_async(Node.objects.get)(pk=node.id)
+    a = await database_sync_to_async(ShardAssignment.objects.get)(pk=a.pk)
+    assert n.dataplane_url == "" and a.state == ShardAssignment.State.ASSIGNED
+    await ws.send_json_to(
+        hello(shards=[{"model_sha256": artifact.sha256, "layer_start": 0, "layer_end": 30}])
+    )
+    await ws.send_to(text_data="{")
+    await ws.receive_json_from()
+    a = await database_sync_to_async(ShardAssignment.objects.get)(pk=a.pk)
+    assert a.state == ShardAssignment.State.READY
+    await ws.disconnect()

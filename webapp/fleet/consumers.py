@@ -6,6 +6,7 @@ Consumers only authenticate, join groups, relay and call services; decisions liv
 from __future__ import annotations
 
 import time
+from datetime import datetime
 from typing import Any
 
 from channels.db import database_sync_to_async
@@ -64,8 +65,8 @@ def _progress_sync(node_id: str, p: Progress) -> bool:
     return changed
 
 
-def _disconnect_sync(node_id: str) -> None:
-    if services.mark_disconnected(node_id):
+def _disconnect_sync(node_id: str, connected_at: datetime | None) -> None:
+    if services.mark_disconnected(node_id, connected_at):
         notify_fleet(node_id)
 
 
@@ -73,6 +74,7 @@ class AgentConsumer(SafeJsonConsumer):
     """/ws/agent/: authenticated by `Authorization: Node <id>:<secret>`; relays commands and reports."""
 
     node_id: str | None = None
+    connected_at: datetime | None = None
 
     async def connect(self) -> None:
         creds = parse_node_authorization(authorization_from_scope_headers(self.scope.get("headers", [])))
@@ -84,7 +86,7 @@ class AgentConsumer(SafeJsonConsumer):
             return
         self.node_id = node.id
         await self.channel_layer.group_add(node_group(node.id), self.channel_name)
-        await database_sync_to_async(services.mark_connected)(node.id)
+        self.connected_at = await database_sync_to_async(services.mark_connected)(node.id)
         await self.send_json(
             {
                 "type": "welcome",
@@ -99,7 +101,7 @@ class AgentConsumer(SafeJsonConsumer):
         if self.node_id is None:
             return
         await self.channel_layer.group_discard(node_group(self.node_id), self.channel_name)
-        await database_sync_to_async(_disconnect_sync)(self.node_id)
+        await database_sync_to_async(_disconnect_sync)(self.node_id, self.connected_at)
 
     async def receive_json(self, content: Any, **kwargs: Any) -> None:
         if self.node_id is None:

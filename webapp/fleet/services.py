@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
@@ -20,6 +20,12 @@ from agent.ids import NodeId
 from webapp.fleet.models import EnrollmentToken, Node, NodeCredential, ShardAssignment, hash_secret
 from webapp.fleet.protocol import Hello, Telemetry
 from webapp.routing.keys import route_signing_key
+
+LOADED_OR_LOADING = [
+    ShardAssignment.State.FETCHING,
+    ShardAssignment.State.LOADING,
+    ShardAssignment.State.READY,
+]
 
 
 class EnrollmentError(Exception):
@@ -84,21 +90,27 @@ def authenticate_node(node_id: str, secret: str) -> Node | None:
     return cred.node
 
 
-def mark_connected(node_id: str) -> None:
+def mark_connected(node_id: str) -> datetime:
+    """A socket opened: online (unless draining), but nothing is routable until its hello says what it
+    holds, so the data-plane URL is cleared and loaded shards wait for reconciliation."""
     now = timezone.now()
     Node.objects.filter(pk=node_id).exclude(state__in=[Node.State.REMOVED, Node.State.DRAINING]).update(
-        state=Node.State.ONLINE, connected_at=now, last_seen=now
+        state=Node.State.ONLINE
     )
-    Node.objects.filter(pk=node_id, state=Node.State.DRAINING).update(connected_at=now, last_seen=now)
+    Node.objects.filter(pk=node_id).update(connected_at=now, last_seen=now, dataplane_url="")
+    ShardAssignment.objects.filter(node_id=node_id, state__in=LOADED_OR_LOADING).update(
+        state=ShardAssignment.State.ASSIGNED, progress=0.0
+    )
+    return now
 
 
-def mark_disconnected(node_id: str) -> bool:
-    """Offline at once when the socket closes; True when the state changed."""
-    return bool(
-        Node.objects.filter(pk=node_id, state__in=[Node.State.ONLINE, Node.State.PENDING]).update(
-            state=Node.State.OFFLINE
-        )
-    )
+def mark_disconnected(node_id: str, connected_at: datetime | None = None) -> bool:
+    """Offline at once when the socket closes; True when the state changed. A socket that was replaced
+    by a newer one (connected later) does not mark the node offline."""
+    qs = Node.objects.filter(pk=node_id, state__in=[Node.State.ONLINE, Node.State.PENDING])
+    if connected_at is not None:
+        qs = qs.filter(connected_at=connected_at)
+    return bool(qs.update(state=Node.State.OFFLINE))
 
 
 def apply_hello(node_id: str, hello: Hello) -> None:

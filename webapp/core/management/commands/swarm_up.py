@@ -109,6 +109,7 @@ class Command(BaseCommand):
     def _up(self, opts: dict[str, Any], base: str, logs: Path) -> None:
         say = self.stdout.write
         call_command("migrate", interactive=False, verbosity=0)
+        self._forget_connections()
         password = admin_password()
         user, _ = get_user_model().objects.get_or_create(username=ADMIN_USER, defaults={"is_staff": True})
         user.is_staff = user.is_superuser = True
@@ -163,6 +164,15 @@ class Command(BaseCommand):
         say(self.style.SUCCESS(f"GGUF Swarm is up: {base}/"))
         say(f"  log in as {ADMIN_USER} / {password}")
         say(f"  playground: {base}/playground/   fleet: {base}/fleet/")
+
+    def _forget_connections(self) -> None:
+        """No web server runs yet, so no agent is connected: states left by an earlier run are stale."""
+        from webapp.fleet.models import Node, ShardAssignment
+
+        Node.objects.filter(state=Node.State.ONLINE).update(state=Node.State.OFFLINE)
+        ShardAssignment.objects.filter(state__in=["fetching", "loading", "ready"]).update(
+            state="assigned", progress=0
+        )
 
     def _start_agent(self, i: int, base: str, admin: AdminClient, opts: dict[str, Any], logs: Path) -> str:
         from agent.config import ConfigError, load_config
