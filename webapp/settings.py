@@ -132,7 +132,7 @@ CELERY_TASK_DEFAULT_QUEUE = envstr("CELERY_QUEUE", "swarm")
 CELERY_BEAT_SCHEDULE = {
     "sweep-offline-nodes": {
         "task": "webapp.fleet.tasks.sweep_offline_nodes",
-        "schedule": timedelta(seconds=3),
+        "schedule": timedelta(seconds=2),
     },
     "prune-telemetry": {"task": "webapp.telemetry.tasks.prune_samples", "schedule": timedelta(minutes=10)},
     "gc-route-sessions": {"task": "webapp.routing.tasks.gc_sessions", "schedule": timedelta(minutes=1)},
@@ -140,7 +140,7 @@ CELERY_BEAT_SCHEDULE = {
 
 # --- swarm behaviour ------------------------------------------------------------------------------
 HEARTBEAT_INTERVAL_S = envint("HEARTBEAT_INTERVAL_S", 3, minimum=1)
-NODE_OFFLINE_AFTER_S = envint("NODE_OFFLINE_AFTER_S", 9, minimum=2)
+NODE_OFFLINE_AFTER_S = envint("NODE_OFFLINE_AFTER_S", 7, minimum=2)
 ENROLLMENT_TOKEN_TTL_S = envint("ENROLLMENT_TOKEN_TTL_S", 3600, minimum=60)
 ROUTE_TOKEN_TTL_S = envint("ROUTE_TOKEN_TTL_S", 3600, minimum=60)
 ROUTE_SESSION_IDLE_S = envint("ROUTE_SESSION_IDLE_S", 1800, minimum=60)

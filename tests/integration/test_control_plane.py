@@ -127,6 +127,21 @@ def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: str) -> Iterator
         s.manage("createsuperuser", "--noinput", "--username", "admin", "--email", "admin@example.invalid")
         if redis:
             s.spawn(
+                "beat",
+                [
+                    sys.executable,
+                    "-m",
+                    "celery",
+                    "-A",
+                    "webapp",
+                    "beat",
+                    "-l",
+                    "INFO",
+                    "-s",
+                    str(tmp / "beat-schedule"),
+                ],
+            )
+            s.spawn(
                 "worker",
                 [sys.executable, "-m", "celery", "-A", "webapp", "worker", "--pool", "solo", "-l", "INFO"],
             )
@@ -314,6 +329,28 @@ async def test_agents_reconnect_after_the_control_plane_restarts_keeping_their_s
     assert logs.count("loaded ") == 2, "no shard was loaded a second time"
     texts, _ = await _playground_chat(s, [QUESTION, "Now name a famous museum there."])
     assert all(t.strip() for t in texts)
+
+
+def test_a_hung_agent_that_stops_heartbeating_shows_offline_within_ten_seconds(swarm: Swarm) -> None:
+    s = swarm
+    victim, proc = list(s.agents.items())[1]
+    proc.send_signal(signal.SIGSTOP)  # the socket stays open; only the heartbeats stop
+    try:
+        t0 = time.monotonic()
+        s.admin.wait_for(
+            "the hung agent offline",
+            lambda st: any(n["id"] == victim and n["state"] == "offline" for n in st["nodes"]),
+            10,
+            every_s=0.2,
+        )
+        assert time.monotonic() - t0 < 10
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    s.admin.wait_for(
+        "the resumed agent online again",
+        lambda st: any(n["id"] == victim and n["state"] == "online" for n in st["nodes"]),
+        30,
+    )
 
 
 def test_a_killed_agent_shows_offline_within_ten_seconds(swarm: Swarm) -> None:
