@@ -1,6 +1,6 @@
 """Benchmark of the runtime core: 3-hop torch route vs one process vs llama-cpp-python (prints JSON last).
 
-    python bench/route.py [--tokens 64] [--threads 2]
+    python bench/route.py [--tokens 64] [--threads 2] [--rounds 3]
 
 All figures come from one run on one machine; compare ratios, not absolute times.
 """
@@ -84,6 +84,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     path = str(packaged_model_path())
     manifest = build_manifest(path, hash_tensors=False)
@@ -97,14 +98,7 @@ def main() -> None:
     }
 
     llama = load_backend("llamacpp", ShardSpec(path, 0, 30, manifest, n_threads=args.threads))
-    decode_tok_s(llama, prompt, 8)  # warm-up
-    out["decode_tok_s_llamacpp"] = round(decode_tok_s(llama, prompt, args.tokens), 2)
-    llama.close()
-    del llama
-
     single = load_backend("torch", ShardSpec(path, 0, 30, manifest, n_threads=args.threads))
-    decode_tok_s(single, prompt, 4)
-    out["decode_tok_s_torch_single"] = round(decode_tok_s(single, prompt, args.tokens), 2)
     # The no-KV baseline: without a cache every new token re-runs the whole 2,048-token sequence.
     sid = SessionId(os.urandom(16))
     single.open_session(sid, 4096)
@@ -113,11 +107,16 @@ def main() -> None:
     single.forward(sid, 0, token_ids=ids, sampling=SamplingParams())
     out["recompute_step_ms_ctx2048"] = round((time.perf_counter() - t0) * 1e3, 1)
     single.close_session(sid)
-    del single
 
     key = generate_key()
     logdir = Path(tempfile.mkdtemp(prefix="bench-route-"))
     procs, hops = [], []
+    samples: dict[str, list[float]] = {
+        "llamacpp": [],
+        "torch_single": [],
+        "torch_3hop_star": [],
+        "torch_3hop_chain": [],
+    }
     try:
         for a, b in ((0, 10), (10, 20), (20, 30)):
             proc, url, node = start_serve(
@@ -130,18 +129,19 @@ def main() -> None:
             return [Hop(u, a, b, mint(key, session, manifest.sha256, a, b, n)) for u, a, b, n in hops]
 
         async def run() -> None:
+            decode_tok_s(llama, prompt, 8)  # warm-ups
+            decode_tok_s(single, prompt, 4)
             for mode in ("star", "chain"):
-                _, c = await route_decode(hops_for, prompt, 4, mode)  # warm-up
+                _, c = await route_decode(hops_for, prompt, 4, mode)
                 await c.close()
-                before = [health(u)["bytes_in"] for u, *_ in hops]
-                tps, c = await route_decode(hops_for, prompt, args.tokens, mode)
-                after = [health(u)["bytes_in"] for u, *_ in hops]
-                await c.close()
-                out[f"decode_tok_s_torch_3hop_{mode}"] = round(tps, 2)
-                if mode == "chain":
-                    # Frames entering hops 2 and 3 carry the boundary state (hop 1 gets token ids);
-                    # the prefill frame is excluded by measuring decode-only deltas below.
-                    out["_bytes_in"] = json.dumps([a - b for a, b in zip(after, before, strict=True)])
+            # Interleaved rounds, medians reported: the machine is shared and noisy.
+            for _ in range(args.rounds):
+                samples["llamacpp"].append(decode_tok_s(llama, prompt, args.tokens))
+                samples["torch_single"].append(decode_tok_s(single, prompt, args.tokens))
+                for mode in ("star", "chain"):
+                    tps, c = await route_decode(hops_for, prompt, args.tokens, mode)
+                    await c.close()
+                    samples[f"torch_3hop_{mode}"].append(tps)
             # Per-step wire bytes: decode 32 steps and divide each hop's received frame bytes by the steps.
             for mode in ("star", "chain"):
                 session = os.urandom(16)
@@ -162,7 +162,8 @@ def main() -> None:
         asyncio.run(run())
     finally:
         stop(procs)
-    out.pop("_bytes_in", None)
+    for name, xs in samples.items():
+        out[f"decode_tok_s_{name}"] = round(float(np.median(xs)), 2)
     best = max(out["decode_tok_s_torch_3hop_star"], out["decode_tok_s_torch_3hop_chain"])
     out["route_mode_kept"] = "chain" if best == out["decode_tok_s_torch_3hop_chain"] else "star"
     out["decode_tok_s_torch_3hop"] = best
