@@ -22,7 +22,7 @@ WEB_SEED_ALWAYS = "always"
 WEB_SEED_FALLBACK = "fallback"
 WEB_SEED_NEVER = "never"
 WEB_SEED_POLICIES = (WEB_SEED_ALWAYS, WEB_SEED_FALLBACK, WEB_SEED_NEVER)
-MAX_RANK = 3  # later arrivals wait at most (1 + MAX_RANK) x stall_s before using the origin
+MAX_RANK = 3  # later arrivals wait at most (1 + 2 x MAX_RANK) x stall_s of swarm silence
 
 
 def _pow2_floor(n: int) -> int:
@@ -99,6 +99,7 @@ def web_seed_needed(
     has_trackers: bool,
     arrival_rank: int | None,
     connected_peers: int,
+    peers_still_downloading: int,
     seconds_since_progress: float,
     missing_available_from_peers: int,
     peer_wait_s: float,
@@ -109,10 +110,12 @@ def web_seed_needed(
     "fallback" keeps the origin as the last resort and lets only one of several agents that start
     together go to it at a time. arrival_rank is how many peers the tracker listed in its first reply
     (0: we are the first in the swarm; None: no reply yet). The first agent uses the web seed at once;
-    the k-th waits until it has made no progress for (1 + k) x stall_s (k capped at MAX_RANK) with
-    nothing left that a connected peer could give it, so later agents take from earlier ones what
-    those fetched from the origin. Without a tracker, or when no peer shows up within peer_wait_s, the
-    web seed is used; a peer that has pieces but does not send them delays it to 4x the patience.
+    the k-th waits until neither it nor its peers made progress for (1 + 2k) x stall_s (k capped at
+    MAX_RANK) with nothing left that a connected peer could give it, so later agents take from earlier
+    ones what those fetched from the origin. There is nothing to wait for when no connected peer has a piece we
+    lack and none is still downloading (all are partial or full seeds). Without a tracker, or when no
+    peer shows up within peer_wait_s, the web seed is used; a peer that has pieces but does not send
+    them delays it to 4x the patience.
     """
     if policy not in WEB_SEED_POLICIES:
         raise ValueError(f"unknown web seed policy {policy!r}; expected one of {WEB_SEED_POLICIES}")
@@ -124,7 +127,11 @@ def web_seed_needed(
         return True
     if arrival_rank is None or connected_peers == 0:
         return elapsed_s >= peer_wait_s
-    patience = stall_s * (1 + min(arrival_rank, MAX_RANK))
+    if missing_available_from_peers == 0 and peers_still_downloading == 0:
+        return True
+    # Ranks are 2 x stall_s apart: more than libtorrent needs to open a web seed connection (it does so
+    # on its once-a-second tick), so the next agent sees the previous one's new pieces before its turn.
+    patience = stall_s * (1 + 2 * min(arrival_rank, MAX_RANK))
     if seconds_since_progress < patience:
         return False
     return missing_available_from_peers == 0 or seconds_since_progress >= 4 * patience

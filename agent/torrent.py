@@ -488,7 +488,7 @@ class SwarmClient:
         """Block until every wanted piece is on disk (hash-checked by libtorrent); returns the file path."""
         t0 = time.monotonic()
         deadline = t0 + timeout
-        last_done, last_progress_t, last_report = -1, t0, 0.0
+        last_activity, last_progress_t, last_report = (-1, -1), t0, 0.0
         while True:
             now = time.monotonic()
             if d.error:
@@ -506,10 +506,15 @@ class SwarmClient:
                     f"{', tracker: ' + d.tracker_error if d.tracker_error else ''})"
                 )
             st = d.handle.status()
-            if st.total_wanted_done != last_done:
-                last_done, last_progress_t = st.total_wanted_done, now
             peers = d.handle.get_peer_info()
-            n_bt = sum(1 for p in peers if p.connection_type == lt.peer_info.standard_bittorrent)
+            bt = [p for p in peers if p.connection_type == lt.peer_info.standard_bittorrent]
+            # progress = ours or any peer's: a peer still gaining pieces may soon have what we lack
+            activity = (st.total_wanted_done, sum(p.num_pieces for p in bt))
+            if activity != last_activity:
+                last_activity, last_progress_t = activity, now
+            n_bt = len(bt)
+            # a partial seed announces upload-only once it has all it wants; a seed has every piece
+            n_busy = sum(1 for p in bt if not p.flags & (lt.peer_info.upload_only | lt.peer_info.seed))
             if n_bt < len(peers):
                 with self._lock:
                     d.web_seed_endpoints.update(
@@ -526,16 +531,18 @@ class SwarmClient:
                     has_trackers=d.has_trackers,
                     arrival_rank=d.arrival_rank,
                     connected_peers=n_bt,
+                    peers_still_downloading=n_busy,
                     seconds_since_progress=now - last_progress_t,
                     missing_available_from_peers=missing_available(d.wanted, have, avail),
                     peer_wait_s=self.peer_wait_s,
                     stall_s=self.stall_s,
                 ):
                     log.info(
-                        "%s: web seed on after %.2fs (peers %d, arrival rank %s, stalled %.2fs, done %d/%d)",
+                        "%s: web seed on after %.2fs (peers %d, %d downloading, arrival rank %s, stalled %.2fs, done %d/%d)",
                         d.infohash[:8],
                         now - t0,
                         n_bt,
+                        n_busy,
                         d.arrival_rank,
                         now - last_progress_t,
                         st.total_wanted_done,

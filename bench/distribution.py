@@ -47,10 +47,12 @@ def _needed(manifest: Manifest, a: int, b: int) -> int:
     return sum(e - s for s, e in shard_byte_ranges(manifest, a, b))
 
 
-def run_torrent(model: Path, manifest: Manifest, ranges: list[tuple[int, int]], work: Path) -> dict[str, Any]:
+def run_torrent(
+    model: Path, manifest: Manifest, ranges: list[tuple[int, int]], work: Path, rate: float | None
+) -> dict[str, Any]:
     tb, ih = create_torrent(model, smallest_layer_bytes=min(x.nbytes for x in manifest.layers))
     keys = [f"agent{i}" for i in range(len(ranges))]
-    with Origin(model, infohashes={bytes.fromhex(ih)}, passkeys=set(keys)) as origin:
+    with Origin(model, infohashes={bytes.fromhex(ih)}, passkeys=set(keys), total_rate_bps=rate) as origin:
         clients = [SwarmClient("127.0.0.1:0") for _ in ranges]
         try:
 
@@ -90,13 +92,15 @@ def run_torrent(model: Path, manifest: Manifest, ranges: list[tuple[int, int]], 
         return {"seconds": seconds, "origin_bytes": origin.origin_bytes, "agents": agents}
 
 
-def run_http(model: Path, manifest: Manifest, ranges: list[tuple[int, int]], work: Path) -> dict[str, Any]:
+def run_http(
+    model: Path, manifest: Manifest, ranges: list[tuple[int, int]], work: Path, rate: float | None
+) -> dict[str, Any]:
     from aiohttp import ClientSession
 
     from agent.fetch import fetch_shard
 
     keys = [f"agent{i}" for i in range(len(ranges))]
-    with Origin(model, passkeys=set(keys)) as origin:
+    with Origin(model, passkeys=set(keys), total_rate_bps=rate) as origin:
 
         async def all_agents() -> list[int]:
             async with ClientSession() as http:
@@ -126,6 +130,12 @@ def main() -> None:
     ap.add_argument(
         "--ranges", default="0:20,10:30,0:30", help="comma-separated layer ranges a:b, one per agent"
     )
+    ap.add_argument(
+        "--origin-mbit",
+        type=float,
+        default=400.0,
+        help="also run both modes with the origin's uplink limited to this many Mbit/s (0: skip)",
+    )
     args = ap.parse_args()
     ranges = [tuple(int(x) for x in r.split(":")) for r in args.ranges.split(",")]
     model = packaged_model_path()
@@ -134,8 +144,20 @@ def main() -> None:
     print(f"manifest of {model.name} in {time.perf_counter() - t:.1f}s", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="bench-distribution-") as tmp:
         work = Path(tmp)
-        http = run_http(model, manifest, ranges, work)  # type: ignore[arg-type]
-        torrent = run_torrent(model, manifest, ranges, work)  # type: ignore[arg-type]
+        http = run_http(model, manifest, ranges, work / "u", None)  # type: ignore[arg-type]
+        torrent = run_torrent(model, manifest, ranges, work / "u", None)  # type: ignore[arg-type]
+        limited: dict[str, Any] = {}
+        if args.origin_mbit > 0:
+            rate = args.origin_mbit * 1e6 / 8
+            lim_http = run_http(model, manifest, ranges, work / "l", rate)  # type: ignore[arg-type]
+            lim_torrent = run_torrent(model, manifest, ranges, work / "l", rate)  # type: ignore[arg-type]
+            limited = {
+                "origin_mbit": args.origin_mbit,
+                "seconds_torrent": round(lim_torrent["seconds"], 3),
+                "seconds_http_only": round(lim_http["seconds"], 3),
+                "origin_bytes_torrent": lim_torrent["origin_bytes"],
+                "origin_bytes_http_only": lim_http["origin_bytes"],
+            }
     needed_sum = sum(_needed(manifest, a, b) for a, b in ranges)
     union = sum(
         e - s for s, e in merge_ranges([r for a, b in ranges for r in shard_byte_ranges(manifest, a, b)])
@@ -156,6 +178,7 @@ def main() -> None:
         "max_download_ratio_vs_needed": max(a["ratio"] for a in torrent["agents"]),
         "ranges": [f"{a}:{b}" for a, b in ranges],
         "agents": torrent["agents"],
+        "origin_limited": limited,
     }
     print(json.dumps(result))
 

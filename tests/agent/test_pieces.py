@@ -80,6 +80,7 @@ _BASE = dict(
     has_trackers=True,
     arrival_rank=None,
     connected_peers=0,
+    peers_still_downloading=0,
     seconds_since_progress=0.0,
     missing_available_from_peers=0,
     peer_wait_s=2.0,
@@ -111,11 +112,11 @@ def test_fallback_waits_a_while_for_the_tracker_and_for_peers_to_connect() -> No
 
 
 def test_fallback_waits_while_peers_make_progress_or_still_have_pieces_for_us() -> None:
-    kw = dict(arrival_rank=1, connected_peers=1)
-    assert not _needed(**kw, seconds_since_progress=1.5)
-    assert not _needed(**kw, seconds_since_progress=2.5, missing_available_from_peers=3)
-    assert _needed(**kw, seconds_since_progress=2.5, missing_available_from_peers=0)
-    assert _needed(**kw, seconds_since_progress=8.0, missing_available_from_peers=3)
+    kw = dict(arrival_rank=1, connected_peers=1, peers_still_downloading=1)
+    assert not _needed(**kw, seconds_since_progress=2.5)
+    assert not _needed(**kw, seconds_since_progress=3.5, missing_available_from_peers=3)
+    assert _needed(**kw, seconds_since_progress=3.5, missing_available_from_peers=0)
+    assert _needed(**kw, seconds_since_progress=12.0, missing_available_from_peers=3)
 
 
 def test_later_arrivals_are_more_patient_so_only_one_agent_at_a_time_uses_the_origin() -> None:
@@ -123,7 +124,16 @@ def test_later_arrivals_are_more_patient_so_only_one_agent_at_a_time_uses_the_or
         return next(
             t / 10
             for t in range(100)
-            if _needed(arrival_rank=rank, connected_peers=2, seconds_since_progress=t / 10)
+            if _needed(
+                arrival_rank=rank, connected_peers=2, peers_still_downloading=1, seconds_since_progress=t / 10
+            )
         )
 
-    assert [patience(r) for r in (1, 2, 3, 9)] == [2.0, 3.0, 4.0, 4.0]
+    assert [patience(r) for r in (1, 2, 3, 9)] == [3.0, 5.0, 7.0, 7.0]
+
+
+def test_fallback_goes_to_the_origin_at_once_when_no_peer_can_still_bring_what_we_lack() -> None:
+    kw = dict(arrival_rank=2, connected_peers=2, seconds_since_progress=0.0)
+    assert _needed(**kw, peers_still_downloading=0, missing_available_from_peers=0)
+    assert not _needed(**kw, peers_still_downloading=0, missing_available_from_peers=4)
+    assert not _needed(**kw, peers_still_downloading=1, missing_available_from_peers=0)

@@ -35,6 +35,7 @@ class Origin:
     infohashes: set[bytes] = field(default_factory=set)
     passkeys: set[str] = field(default_factory=set)
     interval_s: int = 2
+    total_rate_bps: float | None = None  # the origin's uplink, shared by every web seed request
     rules: dict[str, SeedRule] = field(default_factory=dict)
     served: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     announces: list[tuple[str, bytes]] = field(default_factory=list)
@@ -45,6 +46,7 @@ class Origin:
         self.config = logic.TrackerConfig(interval_s=self.interval_s, min_interval_s=1)
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
+        self._uplink_free_at = 0.0
         self._thread = threading.Thread(target=self._run, name="origin", daemon=True)
 
     # URLs an agent with this passkey uses
@@ -155,6 +157,11 @@ class Origin:
                     ahead = sent / rule.rate_bps - (loop.time() - t0)
                     if ahead > 0:
                         await asyncio.sleep(ahead)
+                if self.total_rate_bps:
+                    self._uplink_free_at = (
+                        max(loop.time(), self._uplink_free_at) + len(data) / self.total_rate_bps
+                    )
+                    await asyncio.sleep(self._uplink_free_at - loop.time())
         await resp.write_eof()
         return resp
 
