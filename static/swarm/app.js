@@ -1,43 +1,67 @@
-// GGUF Swarm dashboard glue: throughput plot fed by live node rows, chat form reset after sending.
+// GGUF Swarm dashboard glue: live throughput plot (seeded from history), latency plot of recent answers,
+// chat form reset after sending.
 (function () {
   "use strict";
-  const WINDOW = 120; // points kept (one per 3 s)
+  const WINDOW = 600; // points kept per series
+
+  function colour(i) { return `hsl(${(i * 137) % 360} 60% 45%)`; }
 
   function startThroughputChart(el) {
-    const series = new Map(); // node id -> values
-    const xs = [];
+    const seed = JSON.parse(document.getElementById("throughput-history")?.textContent || "{}");
+    const points = new Map(); // node id -> [[t, v], ...]
+    Object.entries(seed).forEach(([id, pts]) => points.set(id, pts.slice(-WINDOW)));
     let plot = null;
+    function draw() {
+      const ids = [...points.keys()];
+      const xs = [...new Set(ids.flatMap((id) => points.get(id).map((p) => p[0])))].sort((a, b) => a - b);
+      const data = [xs, ...ids.map((id) => {
+        const m = new Map(points.get(id).map((p) => [p[0], p[1]]));
+        return xs.map((x) => (m.has(x) ? m.get(x) : null));
+      })];
+      if (plot) plot.destroy();
+      plot = new uPlot({
+        title: "Throughput per node (tokens/s)", width: el.clientWidth || 800, height: 200,
+        spanGaps: true,
+        series: [{}, ...ids.map((id, i) => ({ label: id, stroke: colour(i) }))],
+      }, data, el);
+    }
     function sample() {
-      const rows = document.querySelectorAll("tr.node[data-node]");
-      xs.push(Date.now() / 1000);
-      rows.forEach((tr) => {
+      const now = Date.now() / 1000;
+      document.querySelectorAll("tr.node[data-node]").forEach((tr) => {
         const id = tr.dataset.node;
-        if (!series.has(id)) series.set(id, new Array(xs.length - 1).fill(null));
+        if (!points.has(id)) points.set(id, []);
+        const pts = points.get(id);
+        pts.push([now, parseFloat(tr.dataset.tokS || "0")]);
+        if (pts.length > WINDOW) pts.shift();
       });
-      series.forEach((vals, id) => {
-        const tr = document.getElementById("node-" + id);
-        vals.push(tr ? parseFloat(tr.dataset.tokS || "0") : null);
-      });
-      if (xs.length > WINDOW) { xs.shift(); series.forEach((v) => v.shift()); }
-      const ids = [...series.keys()];
-      const data = [xs.slice(), ...ids.map((id) => series.get(id).slice())];
-      if (!plot || plot.series.length !== ids.length + 1) {
-        if (plot) plot.destroy();
-        plot = new uPlot({
-          title: "Throughput per node (tok/s)", width: el.clientWidth || 800, height: 200,
-          series: [{}, ...ids.map((id, i) => ({ label: id, stroke: `hsl(${(i * 137) % 360} 60% 45%)` }))],
-        }, data, el);
-      } else {
-        plot.setData(data);
-      }
+      draw();
     }
     sample();
     setInterval(sample, 3000);
   }
 
+  function drawLatency(el) {
+    const rows = [...document.querySelectorAll("#generations tr.generation")].reverse();
+    if (!rows.length) return;
+    const xs = rows.map((r) => parseFloat(r.dataset.ts));
+    const data = [xs, rows.map((r) => parseFloat(r.dataset.ttft)), rows.map((r) => parseFloat(r.dataset.toks))];
+    el.innerHTML = "";
+    new uPlot({
+      title: "Recent answers: time to first token (ms) and tokens/s", width: el.clientWidth || 800, height: 180,
+      series: [{}, { label: "TTFT ms", stroke: colour(1), scale: "ms" },
+               { label: "tok/s", stroke: colour(2), scale: "tps" }],
+      axes: [{}, { scale: "ms" }, { scale: "tps", side: 1 }],
+    }, data, el);
+  }
+
   document.addEventListener("DOMContentLoaded", () => {
     const chart = document.getElementById("throughput-chart");
     if (chart && window.uPlot) startThroughputChart(chart);
+  });
+
+  document.addEventListener("htmx:afterSwap", (e) => {
+    const latency = document.getElementById("latency-chart");
+    if (latency && window.uPlot && e.target.id === "generations") drawLatency(latency);
   });
 
   document.addEventListener("htmx:wsAfterSend", (e) => {

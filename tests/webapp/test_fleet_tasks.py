@@ -108,3 +108,11 @@ async def test_the_dashboard_socket_is_staff_only_and_pushes_node_rows(staff: An
     await ws.send_to(text_data="nonsense")
     assert "error" in await ws.receive_from()
     await ws.disconnect()
+
+
+@pytest.mark.django_db
+def test_the_fleet_page_seeds_its_throughput_plot_from_samples(staff_client: Any) -> None:
+    n = online("plotted")
+    NodeTelemetrySample.objects.create(node=n, ts=timezone.now(), tok_s=42.5)
+    body = staff_client.get("/fleet/").content.decode()
+    assert 'id="throughput-history"' in body and n.pk in body and "42.5" in body

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import get_object_or_404, render
+from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
 
@@ -16,12 +18,23 @@ from webapp.fleet import services
 from webapp.fleet.models import Node, ShardAssignment
 from webapp.fleet.presenters import placement_bars
 from webapp.fleet.tasks import drain_node, remove_node
-from webapp.telemetry.models import GenerationRecord
+from webapp.telemetry.models import GenerationRecord, NodeTelemetrySample
+
+
+def throughput_history(hours: int = 1) -> dict[str, list[list[float]]]:
+    """Per node, [unix time, tok/s] from the downsampled samples (seeds the live plot)."""
+    since = timezone.now() - timedelta(hours=hours)
+    out: dict[str, list[list[float]]] = {}
+    for node_id, ts, tok_s in NodeTelemetrySample.objects.filter(ts__gte=since).values_list(
+        "node_id", "ts", "tok_s"
+    ):
+        out.setdefault(node_id, []).append([ts.timestamp(), tok_s])
+    return out
 
 
 def fleet_context() -> dict[str, object]:
     nodes = Node.objects.exclude(state=Node.State.REMOVED).prefetch_related("shards__artifact")
-    return {"nodes": nodes, "offline_after_s": settings.NODE_OFFLINE_AFTER_S}
+    return {"nodes": nodes, "offline_after_s": settings.NODE_OFFLINE_AFTER_S, "history": throughput_history()}
 
 
 @require_GET
