@@ -123,6 +123,7 @@ async def test_an_answer_streams_and_turn_two_reuses_the_same_route_session(
     ]
     session = await database_sync_to_async(RouteSession.objects.get)()
     assert session.id.bytes == client.session_id and session.state == RouteSession.State.OPEN
+    assert session.n_turns == 2 and session.n_positions == 12
     assert await database_sync_to_async(GenerationRecord.objects.filter(session=session).count)() == 2
     await ws.disconnect()
     assert client.closed

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.conf import settings
+from django.db.models import F
 from django.utils import timezone
 
 from agent import routetoken
@@ -90,7 +91,9 @@ def open_route(artifact_id: int, user: Any) -> tuple[RouteSession, list[HopGrant
 
 
 def touch_session(session_id: uuid.UUID, n_positions: int) -> None:
-    RouteSession.objects.filter(pk=session_id).update(last_used=timezone.now(), n_positions=n_positions)
+    RouteSession.objects.filter(pk=session_id).update(
+        last_used=timezone.now(), n_positions=n_positions, n_turns=F("n_turns") + 1
+    )
 
 
 def close_session(session_id: uuid.UUID, state: str = RouteSession.State.CLOSED) -> None:
