@@ -466,6 +466,14 @@ class SwarmClient:
         if not d.flushed.wait(max(deadline - time.monotonic(), 1.0)):
             raise FetchError(f"{d.infohash}: libtorrent did not confirm writing the pieces to {d.path}")
 
+    def _disable_web_seeds(self, d: Download) -> None:
+        with self._lock:
+            if not d.web_seed_active:
+                return
+            d.web_seed_active = False
+        for url in d.web_seeds:
+            d.handle.remove_url_seed(url)
+
     def enable_web_seeds(self, d: Download) -> None:
         """Let this download pull from the origin's web seed(s) from now on."""
         with self._lock:
@@ -495,6 +503,7 @@ class SwarmClient:
                 raise FetchError(f"{d.infohash}: {d.error}")
             if self._wanted_done(d):
                 self._flush(d, deadline)
+                self._disable_web_seeds(d)  # a later add() on this torrent decides afresh
                 if on_progress:
                     on_progress(self.progress(d))
                 return d.path
