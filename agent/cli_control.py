@@ -66,7 +66,7 @@ def cmd_enroll(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from agent.control import AgentRejected, ControlAgent, data_dir_for
+    from agent.control import AgentRejected, ControlAgent, default_data_dir
     from agent.dataplane import DataPlane, start_dataplane
     from agent.routetoken import TokenError, load_public_key
 
@@ -76,7 +76,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         public_key = load_public_key(cfg.public_key)
     except (ConfigError, TokenError) as e:
         return _fail(str(e))
-    data_dir = Path(args.data_dir) if args.data_dir else data_dir_for(path)
+    data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
     data_dir.mkdir(parents=True, exist_ok=True)
     dp = DataPlane(cfg.node_id, public_key, kv_budget_bytes=int(args.kv_budget_mb * (1 << 20)))
 
@@ -114,7 +114,9 @@ def add_control_commands(sub: argparse._SubParsersAction) -> None:  # type: igno
 
     s = sub.add_parser("run", help="serve the data plane and follow the control plane's commands")
     s.add_argument("--config", help=f"node config file (default {default_config_path()})")
-    s.add_argument("--data-dir", help="where model files go (default: beside the config, data/)")
+    s.add_argument(
+        "--data-dir", help="where model files go (default: $GGUF_SWARM_DATA or ~/.local/share/gguf-swarm)"
+    )
     s.add_argument("--host", default="127.0.0.1", help="data plane bind address")
     s.add_argument("--port", type=int, default=0, help="data plane port (0: any free port)")
     s.add_argument("--advertise-url", help="data plane URL other nodes and the control plane use")

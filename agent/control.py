@@ -278,6 +278,8 @@ class ControlAgent:
             await self._unload(msg)
         elif kind == "drain":
             self.host.drain()
+        elif kind == "resync":  # we were marked offline (e.g. paused): say again what we hold
+            await self._send(self.hello())
         elif kind == "error":
             log.warning("control plane: %s", msg.get("error"))
         elif kind == "removed":
@@ -370,7 +372,9 @@ async def run_agent(
     await agent.run(stop)
 
 
-def data_dir_for(config_path: Path) -> Path:
-    d = Path(os.environ.get("GGUF_SWARM_DATA") or config_path.parent / "data")
+def default_data_dir() -> Path:
+    """Where model files go: $GGUF_SWARM_DATA, else $XDG_DATA_HOME/gguf-swarm (~/.local/share/gguf-swarm)."""
+    base = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
+    d = Path(os.environ.get("GGUF_SWARM_DATA") or base / "gguf-swarm")
     d.mkdir(parents=True, exist_ok=True)
     return d

@@ -119,6 +119,7 @@ def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: str) -> Iterator
         "CELERY_QUEUE": f"swarm-it-{run_id}",
         "CHANNELS_PREFIX": f"swarmit{run_id}",
         "DJANGO_SUPERUSER_PASSWORD": PASSWORD,
+        "NODE_LOST_AFTER_S": "2",
     }
     port = free_port()
     s = Swarm(f"http://127.0.0.1:{port}", tmp / "data", env, logs, AdminClient(f"http://127.0.0.1:{port}"))
@@ -365,3 +366,25 @@ def test_a_killed_agent_shows_offline_within_ten_seconds(swarm: Swarm) -> None:
         every_s=0.2,
     )
     assert time.monotonic() - t0 < 10
+
+
+async def test_the_layers_of_a_lost_agent_are_placed_on_the_survivor_and_chat_works_again(
+    swarm: Swarm,
+) -> None:
+    s = swarm
+    survivor = list(s.agents)[1]
+
+    def covered(st: dict[str, Any]) -> bool:
+        node = next(n for n in st["nodes"] if n["id"] == survivor)
+        ready = sorted(
+            (sh["layer_start"], sh["layer_end"]) for sh in node["shards"] if sh["state"] == "ready"
+        )
+        pos = 0
+        for a, b in ready:
+            if a == pos:
+                pos = b
+        return pos == 30
+
+    s.admin.wait_for("the survivor to hold every layer", covered, 300, every_s=0.5)
+    texts, route = await _playground_chat(s, [QUESTION])
+    assert texts[0].strip() and {h["node"] for h in route} == {survivor}

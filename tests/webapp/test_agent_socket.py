@@ -219,3 +219,14 @@ async def test_a_connecting_node_is_not_routable_until_its_hello(
     a = await database_sync_to_async(ShardAssignment.objects.get)(pk=a.pk)
     assert a.state == ShardAssignment.State.READY
     await ws.disconnect()
+
+
+async def test_a_heartbeat_from_a_node_marked_offline_asks_it_to_resync(node_with_secret: Any) -> None:
+    node, secret = node_with_secret
+    ws = await connected(node.id, secret)
+    await database_sync_to_async(Node.objects.filter(pk=node.id).update)(state=Node.State.OFFLINE)
+    await ws.send_json_to({"type": "heartbeat", "telemetry": {}})
+    assert await ws.receive_json_from() == {"type": "resync"}
+    n = await database_sync_to_async(Node.objects.get)(pk=node.id)
+    assert n.state == Node.State.ONLINE
+    await ws.disconnect()

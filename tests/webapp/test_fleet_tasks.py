@@ -81,7 +81,7 @@ def test_heartbeats_are_downsampled_to_one_sample_per_interval(node_with_secret:
     node, _ = node_with_secret
     settings.TELEMETRY_SAMPLE_EVERY_S = 10
     t = Telemetry({"tok_s": 5.0}, 1, 2, 3, 4, 5.0, 6, 7)
-    assert apply_heartbeat(node.id, t) is True
+    assert apply_heartbeat(node.id, t) is True, "a pending node's first heartbeat revives it"
     assert apply_heartbeat(node.id, t) is False
     assert NodeTelemetrySample.objects.filter(node=node).count() == 1
     assert Node.objects.get(pk=node.id).state == Node.State.ONLINE

@@ -48,14 +48,16 @@ def _hello_sync(node_id: str, hello: Hello) -> list[dict[str, Any]]:
     return commands
 
 
-def _heartbeat_sync(node_id: str, t: Telemetry) -> None:
+def _heartbeat_sync(node_id: str, t: Telemetry) -> bool:
+    """True when the node came back from offline and must resync."""
     global _last_sweep
-    services.apply_heartbeat(node_id, t)
+    revived = services.apply_heartbeat(node_id, t)
     notify_fleet(node_id)
     # Any live agent's heartbeat also sweeps for silent ones (beat does too, when it runs).
     if time.monotonic() - _last_sweep >= 2.0:
         _last_sweep = time.monotonic()
         sweep_offline_nodes()
+    return revived
 
 
 def _progress_sync(node_id: str, p: Progress) -> bool:
@@ -114,7 +116,8 @@ class AgentConsumer(SafeJsonConsumer):
             for command in await database_sync_to_async(_hello_sync)(self.node_id, msg):
                 await self.send_json(command)
         elif isinstance(msg, Telemetry):
-            await database_sync_to_async(_heartbeat_sync)(self.node_id, msg)
+            if await database_sync_to_async(_heartbeat_sync)(self.node_id, msg):
+                await self.send_json({"type": "resync"})
         elif isinstance(msg, Progress) and not await database_sync_to_async(_progress_sync)(
             self.node_id, msg
         ):

@@ -126,17 +126,19 @@ def apply_hello(node_id: str, hello: Hello) -> None:
 
 
 def apply_heartbeat(node_id: str, t: Telemetry) -> bool:
-    """Record a heartbeat; True when a downsampled telemetry sample was stored."""
+    """Record a heartbeat (and a downsampled sample); True when it revived a node marked offline, whose
+    shards may have been re-placed meanwhile, so it must say hello again to be reconciled."""
     from webapp.telemetry.services import maybe_store_sample
 
     now = timezone.now()
     Node.objects.filter(pk=node_id).update(
         last_seen=now, telemetry=t.raw, free_memory_bytes=t.free_memory_bytes
     )
-    Node.objects.filter(pk=node_id, state__in=[Node.State.OFFLINE, Node.State.PENDING]).update(
+    revived = Node.objects.filter(pk=node_id, state__in=[Node.State.OFFLINE, Node.State.PENDING]).update(
         state=Node.State.ONLINE
     )
-    return maybe_store_sample(node_id, t, now)
+    maybe_store_sample(node_id, t, now)
+    return bool(revived)
 
 
 def stale_online_nodes(now: Any = None) -> list[str]:

@@ -40,7 +40,6 @@ ACTIVE = [
     ShardAssignment.State.READY,
 ]
 PENDING = [ShardAssignment.State.ASSIGNED, ShardAssignment.State.FETCHING, ShardAssignment.State.LOADING]
-NODE_LOST_AFTER_S = 30
 
 
 def assignment_view(a: ShardAssignment) -> AssignmentView:
@@ -211,11 +210,11 @@ def replace_lost_node(node_id: str, mark: str = ShardAssignment.State.FAILED) ->
 
 @shared_task
 def sweep_offline_nodes() -> list[str]:
-    """Mark silent nodes offline; replace nodes offline for longer than NODE_LOST_AFTER_S."""
+    """Mark silent nodes offline; replace nodes offline for longer than settings.NODE_LOST_AFTER_S."""
     flipped = [nid for nid in services.stale_online_nodes() if services.mark_offline_if_stale(nid)]
     for nid in flipped:
         notify_fleet(nid)
-    lost_cutoff = timezone.now() - timedelta(seconds=NODE_LOST_AFTER_S)
+    lost_cutoff = timezone.now() - timedelta(seconds=settings.NODE_LOST_AFTER_S)
     lost = (
         Node.objects.filter(Q(state=Node.State.OFFLINE, last_seen__lt=lost_cutoff), shards__state__in=ACTIVE)
         .values_list("id", flat=True)
