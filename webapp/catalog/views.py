@@ -21,7 +21,9 @@ CHUNK = 1 << 20
 
 
 def _models_context() -> dict[str, object]:
-    return {"artifacts": ModelArtifact.objects.prefetch_related("shards").all()[:100]}
+    artifacts = list(ModelArtifact.objects.prefetch_related("shards").all()[:100])
+    building = any(a.state in (ModelArtifact.State.PENDING, ModelArtifact.State.BUILDING) for a in artifacts)
+    return {"artifacts": artifacts, "building": building}
 
 
 @require_GET
