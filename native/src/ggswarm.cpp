@@ -695,6 +695,72 @@ void build_graph(ggswarm_model * m, Session & s, Graph & g, int32_t n, int32_t p
     ggml_build_forward_expand(g.gf, g.out);
 }
 
+constexpr int32_t kUBatch = 512;
+
+// One micro-batch: positions [b->pos_start + off, + nc). On the last window *last points at the logits
+// of the chunk's final position afterwards.
+ggswarm_status forward_chunk(ggswarm_model * m, Session & s, const ggswarm_batch * b, int32_t off, int32_t nc,
+                             bool final_chunk, const float ** last) {
+    const int32_t pos = b->pos_start + off;
+    const int64_t d = m->d_model;
+    const bool last_only = m->is_last() && !b->logits_out;
+    Graph g;
+    build_graph(m, s, g, nc, pos, last_only);
+    ggml_backend_sched_reset(m->sched);
+    if (!ggml_backend_sched_alloc_graph(m->sched, g.gf)) {
+        return fail(m, GGSWARM_E_COMPUTE, "ggml could not allocate the compute graph (%d tokens)", nc);
+    }
+    const int32_t n_kv = (int32_t)g.inp_mask->ne[0];
+    m->pos_host.resize(nc);
+    for (int32_t i = 0; i < nc; ++i) m->pos_host[i] = pos + i;
+    ggml_backend_tensor_set(g.inp_pos, m->pos_host.data(), 0, sizeof(int32_t) * nc);
+    m->mask_host.resize((size_t)nc * n_kv);
+    for (int32_t i = 0; i < nc; ++i) {
+        float * row = m->mask_host.data() + (size_t)i * n_kv;
+        const int32_t lim = pos + i;
+        for (int32_t j = 0; j < n_kv; ++j) row[j] = j <= lim ? 0.0f : -INFINITY;
+    }
+    ggml_backend_tensor_set(g.inp_mask, m->mask_host.data(), 0, sizeof(float) * m->mask_host.size());
+    const int64_t n_hidden = (int64_t)nc * d;
+    if (g.inp_tokens) {
+        ggml_backend_tensor_set(g.inp_tokens, b->token_ids + off, 0, sizeof(int32_t) * nc);
+    } else if (b->hidden_in_type == GGSWARM_TYPE_F32) {
+        const float * src = static_cast<const float *>(b->hidden_in) + (int64_t)off * d;
+        ggml_backend_tensor_set(g.inp_hidden, src, 0, sizeof(float) * n_hidden);
+    } else {
+        const ggml_fp16_t * src = static_cast<const ggml_fp16_t *>(b->hidden_in) + (int64_t)off * d;
+        m->hidden_host.resize(n_hidden);
+        ggml_fp16_to_fp32_row(src, m->hidden_host.data(), n_hidden);
+        ggml_backend_tensor_set(g.inp_hidden, m->hidden_host.data(), 0, sizeof(float) * n_hidden);
+    }
+    if (ggml_backend_sched_graph_compute(m->sched, g.gf) != GGML_STATUS_SUCCESS) {
+        return fail(m, GGSWARM_E_COMPUTE, "ggml graph compute failed");
+    }
+    s.len = pos + nc;
+    if (!m->is_last()) {
+        if (b->hidden_out_type == GGSWARM_TYPE_F32) {
+            float * dst = static_cast<float *>(b->hidden_out) + (int64_t)off * d;
+            ggml_backend_tensor_get(g.out, dst, 0, sizeof(float) * n_hidden);
+        } else {
+            ggml_fp16_t * dst = static_cast<ggml_fp16_t *>(b->hidden_out) + (int64_t)off * d;
+            m->hidden_host.resize(n_hidden);
+            ggml_backend_tensor_get(g.out, m->hidden_host.data(), 0, sizeof(float) * n_hidden);
+            ggml_fp32_to_fp16_row(m->hidden_host.data(), dst, n_hidden);
+        }
+    } else if (b->logits_out) {
+        float * dst = b->logits_out + (int64_t)off * m->n_vocab;
+        ggml_backend_tensor_get(g.out, dst, 0, sizeof(float) * (size_t)nc * m->n_vocab);
+        *last = dst + (int64_t)(nc - 1) * m->n_vocab;
+    } else if (final_chunk) {
+        const int64_t rows = g.out->ne[1];
+        m->logits_host.resize((size_t)m->n_vocab);
+        ggml_backend_tensor_get(g.out, m->logits_host.data(), (size_t)(rows - 1) * g.out->nb[1],
+                                sizeof(float) * m->n_vocab);
+        *last = m->logits_host.data();
+    }
+    return GGSWARM_OK;
+}
+
 }  // namespace
 
 // --- C API ---------------------------------------------------------------------------------------------
@@ -923,59 +989,18 @@ ggswarm_status ggswarm_forward(ggswarm_model * m, int64_t sid, const ggswarm_bat
     ggswarm_status st = ensure_capacity(m, s, b->pos_start + n);
     if (st) return st;
 
-    const bool last_only = m->is_last() && !b->logits_out;
-    Graph g;
-    build_graph(m, s, g, n, b->pos_start, last_only);
-    ggml_backend_sched_reset(m->sched);
-    if (!ggml_backend_sched_alloc_graph(m->sched, g.gf)) {
-        return fail(m, GGSWARM_E_COMPUTE, "ggml could not allocate the compute graph (%d tokens)", n);
-    }
-    // inputs
-    const int32_t n_kv = (int32_t)g.inp_mask->ne[0];
-    m->pos_host.resize(n);
-    for (int32_t i = 0; i < n; ++i) m->pos_host[i] = b->pos_start + i;
-    ggml_backend_tensor_set(g.inp_pos, m->pos_host.data(), 0, sizeof(int32_t) * n);
-    m->mask_host.resize((size_t)n * n_kv);
-    for (int32_t i = 0; i < n; ++i) {
-        float * row = m->mask_host.data() + (size_t)i * n_kv;
-        const int32_t lim = b->pos_start + i;
-        for (int32_t j = 0; j < n_kv; ++j) row[j] = j <= lim ? 0.0f : -INFINITY;
-    }
-    ggml_backend_tensor_set(g.inp_mask, m->mask_host.data(), 0, sizeof(float) * m->mask_host.size());
-    if (g.inp_tokens) {
-        ggml_backend_tensor_set(g.inp_tokens, b->token_ids, 0, sizeof(int32_t) * n);
-    } else if (b->hidden_in_type == GGSWARM_TYPE_F32) {
-        ggml_backend_tensor_set(g.inp_hidden, b->hidden_in, 0, sizeof(float) * n_hidden);
-    } else {
-        m->hidden_host.resize(n_hidden);
-        ggml_fp16_to_fp32_row(static_cast<const ggml_fp16_t *>(b->hidden_in), m->hidden_host.data(), n_hidden);
-        ggml_backend_tensor_set(g.inp_hidden, m->hidden_host.data(), 0, sizeof(float) * n_hidden);
-    }
-    if (ggml_backend_sched_graph_compute(m->sched, g.gf) != GGML_STATUS_SUCCESS) {
-        // the KV rows written so far are beyond s.len and therefore ignored
-        return fail(m, GGSWARM_E_COMPUTE, "ggml graph compute failed");
-    }
-    s.len = b->pos_start + n;
-    if (!m->is_last()) {
-        if (b->hidden_out_type == GGSWARM_TYPE_F32) {
-            ggml_backend_tensor_get(g.out, b->hidden_out, 0, sizeof(float) * n_hidden);
-        } else {
-            m->hidden_host.resize(n_hidden);
-            ggml_backend_tensor_get(g.out, m->hidden_host.data(), 0, sizeof(float) * n_hidden);
-            ggml_fp32_to_fp16_row(m->hidden_host.data(), static_cast<ggml_fp16_t *>(b->hidden_out), n_hidden);
+    // run in micro-batches of at most kUBatch positions (bounded compute memory, like llama.cpp's n_ubatch)
+    const float * last = nullptr;
+    for (int32_t off = 0; off < n; off += kUBatch) {
+        const int32_t nc = std::min(kUBatch, n - off);
+        const bool final_chunk = off + nc == n;
+        if ((st = forward_chunk(m, s, b, off, nc, final_chunk, &last))) {
+            // a failed call leaves the session at its previous length; rows written beyond it are ignored
+            s.len = b->pos_start;
+            return st;
         }
-    } else {
-        const int64_t rows = g.out->ne[1];
-        const float * last;
-        if (b->logits_out) {
-            ggml_backend_tensor_get(g.out, b->logits_out, 0, sizeof(float) * rows * m->n_vocab);
-            last = b->logits_out + (rows - 1) * m->n_vocab;
-        } else {
-            m->logits_host.resize((size_t)m->n_vocab);
-            ggml_backend_tensor_get(g.out, m->logits_host.data(), (size_t)(rows - 1) * g.out->nb[1],
-                                    sizeof(float) * m->n_vocab);
-            last = m->logits_host.data();
-        }
+    }
+    if (m->is_last()) {
         ggswarm_sampling greedy = {0.0, 0, 64, 1.0, 0.0, 1.0, 0};
         const ggswarm_sampling & p = b->sampling ? *b->sampling : greedy;
         ggswarm::SampleResult r = ggswarm::sample(last, m->n_vocab, p, (int64_t)b->pos_start + n - 1, b->history,
