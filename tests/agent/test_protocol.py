@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from agent.backends.base import SamplingParams
-from agent.sampling import wire_exact
 from agent.protocol import (
     MAX_TOKENS_PER_FRAME,
     PROTOCOL_VERSION,
@@ -28,6 +27,7 @@ from agent.protocol import (
     encode_response,
     with_prepended_timing,
 )
+from agent.sampling import wire_exact
 
 SID = b"s" * 16
 

@@ -36,7 +36,7 @@ def test_the_same_seed_and_position_draw_the_same_token() -> None:
 
 def test_uniform_draws_are_spread_over_the_unit_interval() -> None:
     u = np.array([uniform(7, i) for i in range(4000)])
-    assert 0.0 <= u.min() and u.max() < 1.0
+    assert u.min() >= 0.0 and u.max() < 1.0
     assert abs(u.mean() - 0.5) < 0.03
 
 
