@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
 import signal
@@ -52,6 +53,24 @@ def admin_password() -> str:
     return path.read_text().strip()
 
 
+async def playground_answer(base: str, admin: AdminClient, model_id: int, message: str) -> str:
+    """Ask one question through the playground websocket, as the browser does, and return the answer."""
+    from aiohttp import ClientSession
+
+    headers = {"Origin": base, "Cookie": f"sessionid={admin.cookie('sessionid')}"}
+    async with (
+        ClientSession() as http,
+        http.ws_connect(base + "/ws/chat/?format=json", headers=headers) as ws,
+    ):
+        await ws.send_json({"type": "chat", "model": model_id, "message": message, "max_tokens": 24})
+        while True:
+            ev = await ws.receive_json(timeout=120)
+            if ev["type"] == "error":
+                raise CommandError(f"playground: {ev['error']}")
+            if ev["type"] == "done":
+                return str(ev["text"])
+
+
 class Command(BaseCommand):
     help = "Start the web server, worker and local agents; register and place SmolLM2; print the URL."
 
@@ -62,7 +81,7 @@ class Command(BaseCommand):
         parser.add_argument("--model", default="smollm2", help="PyPI-shipped model to register and place")
         parser.add_argument("--threads", type=int, default=1, help="compute threads per agent")
         parser.add_argument(
-            "--no-wait", action="store_true", help="exit once everything is placed (for scripts)"
+            "--check", action="store_true", help="once up, stream one playground answer, then stop everything"
         )
 
     def handle(self, *args: Any, **opts: Any) -> None:
@@ -71,18 +90,22 @@ class Command(BaseCommand):
         logs.mkdir(parents=True, exist_ok=True)
         base = f"http://{opts['host']}:{opts['port']}"
         try:
-            self._up(opts, base, logs)
-            if not opts["no_wait"]:
-                self.stdout.write("Ctrl-C stops everything.")
-                signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-                while all(p.poll() is None for p in self.procs):
-                    time.sleep(0.5)
-                raise CommandError("a child process exited; see the logs in " + str(logs))
+            admin, model = self._up(opts, base, logs)
+            if opts["check"]:
+                answer = asyncio.run(playground_answer(base, admin, model["id"], "Say hello in five words."))
+                if not answer.strip():
+                    raise CommandError("the playground streamed an empty answer")
+                self.stdout.write(f"playground check: {answer.strip()!r}")
+                return
+            self.stdout.write("Ctrl-C stops everything.")
+            signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+            while all(p.poll() is None for p in self.procs):
+                time.sleep(0.5)
+            raise CommandError("a child process exited; see the logs in " + str(logs))
         except KeyboardInterrupt:
             pass
         finally:
-            if not opts["no_wait"]:
-                self._stop()
+            self._stop()
 
     def _spawn(self, cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         p = subprocess.Popen(
@@ -106,7 +129,7 @@ class Command(BaseCommand):
             except subprocess.TimeoutExpired:
                 p.kill()
 
-    def _up(self, opts: dict[str, Any], base: str, logs: Path) -> None:
+    def _up(self, opts: dict[str, Any], base: str, logs: Path) -> tuple[AdminClient, dict[str, Any]]:
         say = self.stdout.write
         call_command("migrate", interactive=False, verbosity=0)
         self._forget_connections()
@@ -164,6 +187,7 @@ class Command(BaseCommand):
         say(self.style.SUCCESS(f"GGUF Swarm is up: {base}/"))
         say(f"  log in as {ADMIN_USER} / {password}")
         say(f"  playground: {base}/playground/   fleet: {base}/fleet/")
+        return admin, model
 
     def _forget_connections(self) -> None:
         """No web server runs yet, so no agent is connected: states left by an earlier run are stale."""
