@@ -38,7 +38,7 @@ def _tokenizer(path: str) -> Any:
 
 @dataclass
 class Conversation:
-    """The live state of one chat: its route session, client and message history."""
+    """The live route of one chat: its route session, client and hops (the history lives on the consumer)."""
 
     artifact_id: int
     session_id: uuid.UUID
