@@ -157,3 +157,19 @@ def test_split_windows_equal_the_whole_model_on_a_tiny_qwen2(native_lib: None, t
         h = a.forward(sa, 0, token_ids=ids)["hidden"]
         got = b.forward(sb, 0, hidden=h, want_logits=True)["logits"]
         np.testing.assert_allclose(got, ref, rtol=0, atol=1e-4)
+
+
+def test_the_snapshot_header_has_the_documented_layout(native_lib: None, tiny: Path) -> None:
+    import struct
+
+    with NativeModel(tiny, 1, 3, model_id="abc123") as m:
+        sid = m.open_session(64)
+        m.forward(sid, 0, hidden=np.ones((5, D), dtype=np.float32))
+        snap = m.snapshot(sid)
+    magic, version, header_size = struct.unpack_from("<8sII", snap, 0)
+    assert (magic, version, header_size) == (b"GGSWKVSN", 1, 168)
+    assert snap[16:88].rstrip(b"\0") == b"abc123"
+    assert snap[88:120].rstrip(b"\0") == b"llama"
+    start, end, total, n_kv, hd, kv_type, n_pos, _, payload, _ = struct.unpack_from("<8iQQ", snap, 120)
+    assert (start, end, total, n_kv, hd, kv_type, n_pos) == (1, 3, 3, 2, 16, 1, 5)
+    assert payload == 2 * 2 * n_kv * hd * 2 * n_pos == len(snap) - 168
