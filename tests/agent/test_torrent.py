@@ -306,6 +306,29 @@ def test_a_file_tampered_on_disk_is_caught_before_loading_and_repaired(
         assert 0 < refetched <= 2 * lt.torrent_info(lt.bdecode(tb)).piece_length()
 
 
+def _flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 1]))
+
+
+def test_fetch_verified_refetches_a_tampered_tensor_instead_of_returning_it(
+    tmp_path: Path, origin: Origin, torrent: tuple[bytes, str], manifest: Manifest
+) -> None:
+    tb, _ = torrent
+    urls = {"trackers": [], "web_seeds": [origin.web_seed_url("a")]}
+    with _client() as c:
+        path = c.fetch_verified(tb, tmp_path, manifest, 12, 13, timeout=60, **urls)
+        victim = manifest.tensor("blk.12.attn_q.weight")
+        _flip_byte(path, victim.offset + 3)
+        with pytest.raises(TensorHashMismatch):
+            verify_tensors(path, manifest, 12, 13)
+        assert c.fetch_verified(tb, tmp_path, manifest, 12, 13, timeout=60, **urls) == path
+        verify_tensors(path, manifest, 12, 13)
+
+
 def test_web_seed_only_mode_completes_without_any_peer(
     tmp_path: Path, origin: Origin, torrent: tuple[bytes, str], manifest: Manifest
 ) -> None:
