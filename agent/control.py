@@ -58,18 +58,20 @@ class AgentRejected(Exception):
     """The control plane refused this node for good (bad credentials or removed)."""
 
 
-def measure_speed(rounds: int = 10, seconds: float = 0.02) -> float:
+def measure_speed(rounds: int = 20, seconds: float = 0.015, pause_s: float = 0.05) -> float:
     """Rough GFLOP/s of small float32 matrix products (relative speed for placement).
 
-    Best of several short rounds, so a neighbour busy at the same moment (two agents starting together
-    on one host) lowers the figure less than one long average would.
+    The best of short rounds spread over about a second, so a neighbour that is busy for a moment (two
+    agents starting together on one host) does not make this host look slow.
     """
     import numpy as np
 
-    n = 128
+    n = 64  # small enough that BLAS stays on one thread (a multi-threaded probe collapses under contention)
     a = np.random.default_rng(0).random((n, n), dtype=np.float32)
     best = 0.0
-    for _ in range(rounds):
+    for i in range(rounds):
+        if i:
+            time.sleep(pause_s)
         ops, t0 = 0, time.perf_counter()
         while (dt := time.perf_counter() - t0) < seconds:
             a @ a

@@ -155,3 +155,9 @@ def test_the_shape_of_the_real_smollm2_manifest_places_across_two_nodes(manifest
     assert s.bytes_for(12, 30) == manifest.bytes_for_range(12, 30)
     plan = plan_placement([node("a", 10_000), node("b", 10_000)], s)
     assert covers(list(plan.placements), 30) and len(plan.placements) == 2
+
+
+def test_a_wildly_low_speed_probe_is_clamped_so_no_node_gets_a_sliver() -> None:
+    plan = plan_placement([node("fast", 1000, 30.0), node("noisy", 1000, 0.2)], shape(n=30))
+    sizes = {p.node_id: p.layer_end - p.layer_start for p in plan.placements}
+    assert sizes == {"fast": 24, "noisy": 6}

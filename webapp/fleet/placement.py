@@ -4,7 +4,8 @@ No database, no I/O. The Celery task in `webapp.fleet.tasks` feeds it plain valu
 result. Rationale for the choices:
 
 * A node's share of a chain is proportional to its measured speed (so hops finish their layers in about
-  the same time), capped by its memory; the cap always leaves room for the nodes after it.
+  the same time), capped by its memory; the cap always leaves room for the nodes after it. Speed probes
+  are noisy, so within a chain no node counts as more than MAX_SPEED_RATIO times slower than the fastest.
 * A chain is a set of nodes that together cover [0, n_layers). Replicas are disjoint chains; a model gets
   as many as the fleet can hold, up to the requested number, and never fewer than one (else the error
   says how much memory is missing).
@@ -19,6 +20,8 @@ from dataclasses import dataclass, field
 
 from agent.ids import NodeId
 from agent.manifest import Manifest
+
+MAX_SPEED_RATIO = 4.0
 
 
 class PlacementError(Exception):
@@ -133,13 +136,15 @@ def split_chain(
             f"layers {start}:{stop} need {need / 1e6:.1f} MB but {len(nodes)} node(s) can hold only "
             f"{have / 1e6:.1f} MB in contiguous ranges; add nodes or free memory"
         )
-    total_speed = sum(max(n.speed, 1e-9) for n in nodes)
+    floor = max((n.speed for n in nodes), default=1.0) / MAX_SPEED_RATIO
+    speeds = [max(n.speed, floor, 1e-9) for n in nodes]
+    total_speed = sum(speeds)
     out: list[Placement] = []
     pos, done_speed = start, 0.0
     for i, n in enumerate(nodes):
         if pos == stop:
             break
-        done_speed += max(n.speed, 1e-9)
+        done_speed += speeds[i]
         rest = nodes[i + 1 :]
         hi = _max_end(sub, pos, n.capacity_bytes)
         if not rest:
