@@ -86,6 +86,7 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **opts: Any) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.agents: list[subprocess.Popen[bytes]] = []
         logs = settings.DATA_DIR / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         base = f"http://{opts['host']}:{opts['port']}"
@@ -99,13 +100,27 @@ class Command(BaseCommand):
                 return
             self.stdout.write("Ctrl-C stops everything.")
             signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-            while all(p.poll() is None for p in self.procs):
-                time.sleep(0.5)
-            raise CommandError("a child process exited; see the logs in " + str(logs))
+            self._watch(logs)
         except KeyboardInterrupt:
             pass
         finally:
             self._stop()
+
+    def _watch(self, logs: Path) -> None:
+        """Run until the web server or a Celery process exits; an agent may die (that is a demo of failure)."""
+        reported: set[int] = set()
+        while True:
+            for p in self.procs:
+                if p.poll() is None or p.pid in reported:
+                    continue
+                if p in self.agents:
+                    reported.add(p.pid)
+                    self.stdout.write(
+                        f"agent process {p.pid} exited ({p.returncode}); the fleet page shows it offline"
+                    )
+                else:
+                    raise CommandError(f"{' '.join(map(str, p.args))} exited; see the logs in {logs}")
+            time.sleep(0.5)
 
     def _spawn(self, cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         p = subprocess.Popen(
@@ -231,7 +246,7 @@ class Command(BaseCommand):
                 cwd=settings.BASE_DIR,
             )
             cfg = load_config(config)
-        self._spawn(
+        agent = self._spawn(
             [
                 sys.executable,
                 "-m",
@@ -246,6 +261,7 @@ class Command(BaseCommand):
             ],
             logs / f"agent-{i}.log",
         )
+        self.agents.append(agent)
         return cfg.node_id
 
     def _register(self, admin: AdminClient, package: str) -> dict[str, Any]:
