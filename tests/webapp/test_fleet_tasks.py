@@ -116,3 +116,31 @@ def test_the_fleet_page_seeds_its_throughput_plot_from_samples(staff_client: Any
     NodeTelemetrySample.objects.create(node=n, ts=timezone.now(), tok_s=42.5)
     body = staff_client.get("/fleet/").content.decode()
     assert 'id="throughput-history"' in body and n.pk in body and "42.5" in body
+
+
+@pytest.mark.django_db
+def test_the_dashboard_lists_open_sessions_and_recent_answers(
+    staff_client: Any, artifact: Any, member: Any
+) -> None:
+    from webapp.routing.models import RouteSession
+    from webapp.telemetry.services import record_generation
+
+    s = RouteSession.objects.create(
+        artifact=artifact,
+        user=member,
+        hops=[{"node": "node-x", "layer_start": 0, "layer_end": 30, "url": "http://x"}],
+    )
+    record_generation(
+        s.id,
+        artifact.pk,
+        member,
+        {
+            "ttft_ms": 123.0,
+            "tok_s": 45.6,
+            "n_prompt": 7,
+            "n_generated": 3,
+            "hops": [{"layers": [0, 30], "compute_ms": 5, "network_ms": 1}],
+        },
+    )
+    body = staff_client.get("/fleet/generations").content.decode()
+    assert "node-x [0:30)" in body and "bob" in body and "123 ms" in body and "45.6" in body

@@ -18,6 +18,7 @@ from webapp.fleet import services
 from webapp.fleet.models import Node, ShardAssignment
 from webapp.fleet.presenters import placement_bars
 from webapp.fleet.tasks import drain_node, remove_node
+from webapp.routing.models import RouteSession
 from webapp.telemetry.models import GenerationRecord, NodeTelemetrySample
 
 
@@ -75,9 +76,12 @@ def remove(request: HtmxHttpRequest, node_id: str) -> HttpResponse:
 @require_GET
 @staff_required
 def generations(request: HtmxHttpRequest) -> HttpResponse:
-    """The latest answers with their latency and throughput (refreshed live on the fleet page)."""
+    """Open route sessions and the latest answers with their latency (refreshed live on the fleet page)."""
     rows = GenerationRecord.objects.select_related("user", "artifact")[:20]
-    return render(request, "fleet/htmx/generations.html", {"generations": rows})
+    sessions = RouteSession.objects.select_related("user", "artifact").filter(state=RouteSession.State.OPEN)[
+        :20
+    ]
+    return render(request, "fleet/htmx/generations.html", {"generations": rows, "sessions": sessions})
 
 
 @require_GET
