@@ -67,3 +67,43 @@ def test_artifact_bytes_need_node_credentials(client: Any, artifact: Any) -> Non
     assert r.status_code == 401
     r = client.get(f"/artifacts/{artifact.sha256}/manifest", HTTP_AUTHORIZATION="Node node-x:nope")
     assert r.status_code == 401
+
+
+def test_staff_drain_and_remove_a_node_through_the_fleet_page(
+    staff_client: Any, node_with_secret: Any
+) -> None:
+    from webapp.fleet.models import NodeCredential
+
+    node, _ = node_with_secret
+    r = staff_client.post(f"/fleet/nodes/{node.id}/drain", HTTP_HX_REQUEST="true")
+    assert r.status_code == 200 and b"draining" in r.content
+    r = staff_client.post(f"/fleet/nodes/{node.id}/remove", HTTP_HX_REQUEST="true")
+    assert r.status_code == 200 and r.content == b""
+    node.refresh_from_db()
+    assert node.state == Node.State.REMOVED
+    assert not NodeCredential.objects.filter(node=node, revoked_at=None).exists()
+    assert node.id.encode() not in staff_client.get("/fleet/").content
+
+
+def test_staff_place_and_unplace_a_model_from_the_models_page(
+    staff_client: Any, artifact: Any, django_capture_on_commit_callbacks: Any
+) -> None:
+    from django.utils import timezone
+
+    from webapp.fleet.models import ShardAssignment
+
+    Node.objects.create(
+        name="big",
+        state=Node.State.ONLINE,
+        dataplane_url="http://big:1",
+        backends=["torch"],
+        free_memory_bytes=8 << 30,
+        last_seen=timezone.now(),
+    )
+    with django_capture_on_commit_callbacks(execute=True):
+        r = staff_client.post(f"/models/{artifact.pk}/place", {"replicas": "1"}, HTTP_HX_REQUEST="true")
+    assert r.status_code == 200 and b"Placed 1 shard(s)" in r.content
+    assert b"already placed" in staff_client.post(f"/models/{artifact.pk}/place").content
+    with django_capture_on_commit_callbacks(execute=True):
+        staff_client.post(f"/models/{artifact.pk}/unplace")
+    assert set(ShardAssignment.objects.values_list("state", flat=True)) == {"draining"}
