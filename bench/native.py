@@ -68,7 +68,7 @@ class LlamaCppRef:
 
         self.llm = llama_cpp.Llama(
             model_path=model,
-            n_ctx=2048,
+            n_ctx=2304,
             n_batch=512,
             n_threads=threads,
             n_threads_batch=threads,
@@ -81,6 +81,17 @@ class LlamaCppRef:
         t0 = time.perf_counter()
         self.llm.eval(ids)
         return (time.perf_counter() - t0) * 1e3
+
+    def step_ms(self, ids: list[int], ctx: int, steps: int) -> float:
+        """Mean decode step time after a `ctx`-token context."""
+        llm = self.llm
+        llm.reset()
+        for off in range(0, ctx, 512):
+            llm.eval(ids[off : min(ctx, off + 512)])
+        t0 = time.perf_counter()
+        for i in range(steps):
+            llm.eval([ids[ctx + i]])
+        return (time.perf_counter() - t0) / steps * 1e3
 
     def _argmax_last(self) -> int:
         import llama_cpp
@@ -197,7 +208,6 @@ def main() -> None:
             f"native {name}: decode {out[f'decode_tok_s_{name}']:.1f} tok/s, prefill 512 in "
             f"{out[f'prefill_ms_512_{name}']:.1f} ms, tokens equal llama.cpp: {out[f'same_tokens_as_llamacpp_{name}']}"
         )
-    ref.llm.close()
 
     # decode step time at context 64 vs 2048 (3 hops, KV cache working); interleaved, best of rounds
     steps: dict[int, float] = {}
@@ -216,6 +226,11 @@ def main() -> None:
     for ctx in (64, 2048):
         close_all(three, _sid(ctx))
         print(f"native 3hop decode step at context {ctx}: {steps[ctx]:.2f} ms")
+    ref_steps = {ctx: min(ref.step_ms(long_ids, ctx, args.ctx_steps) for _ in range(2)) for ctx in (64, 2048)}
+    print(
+        f"llama-cpp-python decode step at context 64: {ref_steps[64]:.2f} ms, at 2048: {ref_steps[2048]:.2f} ms"
+    )
+    ref.llm.close()
 
     # teacher-forced parity on the test text
     tf = llama_cpp.Llama(model_path=model, logits_all=True, n_ctx=1024, n_threads=args.threads, verbose=False)
@@ -259,6 +274,9 @@ def main() -> None:
             "step_ms_ctx64": round(steps[64], 3),
             "step_ms_ctx2048": round(steps[2048], 3),
             "ctx_ratio": round(steps[2048] / steps[64], 3),
+            "step_ms_ctx64_llamacpp": round(ref_steps[64], 3),
+            "step_ms_ctx2048_llamacpp": round(ref_steps[2048], 3),
+            "ctx_ratio_llamacpp": round(ref_steps[2048] / ref_steps[64], 3),
             "rss_mb_full": round(full["rss_mb"], 1),
             "rss_mb_one_third": round(mid["rss_mb"], 1),
             "rss_ratio_one_third": round(mid["rss_mb"] / full["rss_mb"], 3),

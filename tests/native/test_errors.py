@@ -173,3 +173,38 @@ def test_the_snapshot_header_has_the_documented_layout(native_lib: None, tiny: P
     start, end, total, n_kv, hd, kv_type, n_pos, _, payload, _ = struct.unpack_from("<8iQQ", snap, 120)
     assert (start, end, total, n_kv, hd, kv_type, n_pos) == (1, 3, 3, 2, 16, 1, 5)
     assert payload == 2 * 2 * n_kv * hd * 2 * n_pos == len(snap) - 168
+
+
+def test_the_backend_turns_native_errors_into_backend_errors(native_lib: None, tiny: Path) -> None:
+    from agent.backends.base import AdmissionError, BackendError, SamplingParams, ShardSpec
+    from agent.backends.native import NativeBackend
+    from agent.ids import SessionId
+    from agent.manifest import build_manifest
+
+    manifest = build_manifest(tiny)
+    with pytest.raises(BackendError, match="layer range"):
+        NativeBackend(ShardSpec(str(tiny), 0, 4, manifest))
+    with pytest.raises(BackendError, match="n_threads"):
+        NativeBackend(ShardSpec(str(tiny), 0, 3, manifest, n_threads=0))
+    first = NativeBackend(ShardSpec(str(tiny), 0, 1, manifest, n_threads=1))
+    last = NativeBackend(ShardSpec(str(tiny), 1, 3, manifest, n_threads=1), kv_budget_bytes=100_000)
+    sid = SessionId(bytes(16))
+    first.open_session(sid, 64)
+    last.open_session(sid, 64)
+    with pytest.raises(BackendError, match="hidden size mismatch"):
+        last.forward(sid, 0, hidden=np.zeros((3, D - 1), dtype=np.float32))
+    with pytest.raises(BackendError, match="takes token ids"):
+        first.forward(sid, 0, hidden=np.zeros((3, D), dtype=np.float32))
+    with pytest.raises(BackendError, match="unknown session"):
+        first.forward(SessionId(b"x" * 16), 0, token_ids=np.array([1]))
+    h = first.forward(sid, 0, token_ids=np.array([1, 2, 3])).hidden
+    res = last.forward(sid, 0, hidden=h, sampling=SamplingParams(temperature=0.7, seed=1), history=[1, 2, 3])
+    assert 0 <= res.token < VOCAB and res.logprob <= 0.0
+    assert last.session_len(sid) == 3 and last.kv_bytes(sid) == last.kv_bytes() > 0
+    other = SessionId(b"y" * 16)
+    last.open_session(other, 256)  # 256 positions x 256 B more than the 100 kB budget has left
+    with pytest.raises(AdmissionError, match="KV budget"):
+        last.forward(other, 0, hidden=np.zeros((200, D), dtype=np.float32))
+    first.close()
+    last.close()
+    last.close()

@@ -29,9 +29,10 @@ def _sid(n: int) -> SessionId:
 
 @pytest.fixture(scope="module")
 def hops3(native_lib: None, model_path: str, manifest: Manifest) -> Iterator[list]:
-    from agent.backends.native import NativeBackend
+    from agent.backends import available_backends, load_backend
 
-    hops = [NativeBackend(ShardSpec(model_path, a, b, manifest, n_threads=2)) for a, b in SPLITS]
+    assert available_backends()[0] == "native"
+    hops = [load_backend("native", ShardSpec(model_path, a, b, manifest, n_threads=2)) for a, b in SPLITS]
     yield hops
     for h in hops:
         h.close()
