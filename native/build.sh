@@ -45,10 +45,8 @@ mkdir -p "$build/sdist"
 sdist="$build/sdist/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz"
 if [[ ! -s "$sdist" ]]; then
     echo "native/build.sh: downloading the llama-cpp-python $LLAMA_CPP_PYTHON_VERSION sdist (headers only are used)"
-    "$PYTHON" -m pip download --quiet --no-binary :all: --no-deps --no-build-isolation \
+    "$PYTHON" -m pip download --quiet --no-binary :all: --no-deps \
         "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" -d "$build/sdist" \
-        || "$PYTHON" -m pip download --quiet --no-binary :all: --no-deps \
-            "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" -d "$build/sdist" \
         || die "pip download of the llama-cpp-python sdist failed"
     [[ -s "$sdist" ]] || die "expected $sdist after pip download"
 fi

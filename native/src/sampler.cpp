@@ -40,7 +40,7 @@ namespace {
 
 // Sorted-prefix view of candidate indices under (value desc, index asc).
 struct LazyOrder {
-    std::vector<int32_t> idx;
+    std::vector<int32_t> & idx;  // scratch owned by SamplerScratch
     const double * x;
     size_t n = 0;
     size_t sorted = 0;
@@ -51,7 +51,8 @@ struct LazyOrder {
 
     void ensure(size_t m) {
         if (m <= sorted) return;
-        size_t target = std::min(n, std::max({m, 2 * sorted, static_cast<size_t>(64)}));
+        size_t target = std::min(n, std::max({m, 4 * sorted, static_cast<size_t>(64)}));
+        if (target > n / 4) target = n;  // a long walk: one full sort beats repeated selections
         auto cmp = [this](int32_t a, int32_t b) { return less(a, b); };
         if (target < n) {
             std::nth_element(idx.begin() + sorted, idx.begin() + target, idx.begin() + n, cmp);
@@ -93,9 +94,9 @@ SampleResult sample(const float * raw, int32_t n_vocab, const ggswarm_sampling &
     }
     // 3. tempered values in double
     s.x.resize(static_cast<size_t>(n_vocab));
+    s.e.resize(static_cast<size_t>(n_vocab));
     for (int32_t i = 0; i < n_vocab; ++i) s.x[i] = static_cast<double>(s.pen[i]) / p.temperature;
-    LazyOrder ord;
-    ord.x = s.x.data();
+    LazyOrder ord{s.idx, s.x.data()};
     ord.idx.resize(static_cast<size_t>(n_vocab));
     for (int32_t i = 0; i < n_vocab; ++i) ord.idx[i] = i;
     ord.n = static_cast<size_t>(n_vocab);
@@ -108,9 +109,14 @@ SampleResult sample(const float * raw, int32_t n_vocab, const ggswarm_sampling &
     const size_t n_cand = ord.n;
     ord.ensure(1);
     const double vmax = s.x[ord.idx[0]];
+    // unnormalised weights, cached by token id
     double total = 0.0;
-    for (size_t i = 0; i < n_cand; ++i) total += std::exp(s.x[ord.idx[i]] - vmax);
-    auto prob = [&](size_t i) { return std::exp(s.x[ord.idx[i]] - vmax) / total; };
+    for (size_t i = 0; i < n_cand; ++i) {
+        const int32_t t = ord.idx[i];
+        s.e[t] = std::exp(s.x[t] - vmax);
+        total += s.e[t];
+    }
+    auto prob = [&](size_t i) { return s.e[ord.idx[i]] / total; };
     // 5. top-p and min-p cut-offs over the sorted distribution
     size_t keep = n_cand;
     if (p.top_p < 1.0) {

@@ -17,6 +17,8 @@ struct SampleResult {
 struct SamplerScratch {
     std::vector<float> pen;
     std::vector<double> x;
+    std::vector<double> e;
+    std::vector<int32_t> idx;
     std::vector<uint8_t> seen;
 };
 
