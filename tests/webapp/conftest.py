@@ -87,3 +87,14 @@ def artifact(db: None, manifest: Any, model_path: str) -> Any:
         architecture=manifest.architecture,
         manifest=json.loads(manifest.to_json()),
     )
+
+
+@pytest.fixture(scope="session")
+def django_db_modify_db_settings(django_db_modify_db_settings_parallel_suffix: None) -> None:
+    """A PostgreSQL test database per run, so two runs sharing one server (a developer and CI) never
+    drop each other's database."""
+    from django.conf import settings
+
+    db = settings.DATABASES["default"]
+    if "postgresql" in db["ENGINE"]:
+        db.setdefault("TEST", {})["NAME"] = f"test_swarm_{os.getpid()}"
