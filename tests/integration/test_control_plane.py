@@ -47,6 +47,7 @@ class Swarm:
     agents: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     model: dict[str, Any] = field(default_factory=dict)
+    telemetry: list[dict[str, Any]] = field(default_factory=list)
 
     def spawn(self, name: str, cmd: list[str]) -> subprocess.Popen[bytes]:
         p = subprocess.Popen(
@@ -284,6 +285,7 @@ async def _playground_chat(s: Swarm, messages: list[str]) -> tuple[list[str], li
                 elif ev["type"] == "done":
                     assert ev["text"] == "".join(parts)
                     texts.append(ev["text"])
+                    s.telemetry.append(ev["telemetry"])
                     break
     return texts, route
 
@@ -330,6 +332,9 @@ async def test_agents_reconnect_after_the_control_plane_restarts_keeping_their_s
     assert logs.count("loaded ") == 2, "no shard was loaded a second time"
     texts, _ = await _playground_chat(s, [QUESTION, "Now name a famous museum there."])
     assert all(t.strip() for t in texts)
+    first, second = s.telemetry[-2:]
+    assert second["n_reused"] > first["n_prompt"], "turn 2 reuses the hops' KV and sends only the new tokens"
+    assert second["n_prefilled"] == second["n_prompt"] - second["n_reused"] < first["n_prompt"]
 
 
 def test_a_hung_agent_that_stops_heartbeating_shows_offline_within_ten_seconds(swarm: Swarm) -> None:
