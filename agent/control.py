@@ -131,7 +131,7 @@ class ControlAgent:
     dataplane_url: str
     data_dir: Path
     n_threads: int = 2
-    heartbeat_s: float = 3.0
+    heartbeat_s: float = 2.0
     backends: Callable[[], list[str]] | None = None
     speed: float = 0.0
     connected: asyncio.Event = field(default_factory=asyncio.Event)

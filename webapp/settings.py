@@ -139,7 +139,7 @@ CELERY_BEAT_SCHEDULE = {
 }
 
 # --- swarm behaviour ------------------------------------------------------------------------------
-HEARTBEAT_INTERVAL_S = envint("HEARTBEAT_INTERVAL_S", 3, minimum=1)
+HEARTBEAT_INTERVAL_S = envint("HEARTBEAT_INTERVAL_S", 2, minimum=1)
 NODE_OFFLINE_AFTER_S = envint("NODE_OFFLINE_AFTER_S", 7, minimum=2)
 # An offline node's shards are re-placed on the survivors after this long (a quick restart keeps them).
 NODE_LOST_AFTER_S = envint("NODE_LOST_AFTER_S", 30, minimum=0)

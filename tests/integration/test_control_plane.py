@@ -120,7 +120,8 @@ def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: str) -> Iterator
         "CELERY_QUEUE": f"swarm-it-{run_id}",
         "CHANNELS_PREFIX": f"swarmit{run_id}",
         "DJANGO_SUPERUSER_PASSWORD": PASSWORD,
-        "NODE_LOST_AFTER_S": "2",
+        # Long enough that a heartbeat delayed by a loaded CI machine never re-places a live agent.
+        "NODE_LOST_AFTER_S": "15",
     }
     port = free_port()
     s = Swarm(f"http://127.0.0.1:{port}", tmp / "data", env, logs, AdminClient(f"http://127.0.0.1:{port}"))
