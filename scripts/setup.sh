@@ -14,6 +14,12 @@ fi
 VPY=.venv/bin/python
 PIP=(.venv/bin/pip install --disable-pip-version-check -q)
 
+# Browser tests drive Debian's Chromium through Playwright (never `playwright install`).
+if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  log "chromium (browser tests)"
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+fi
+
 log "python dependencies"
 # torch: the CPU wheel that lies on this machine's disk (pip's find-links); never a multi-GB CUDA download.
 "${PIP[@]}" torch==2.13.0
