@@ -14,4 +14,5 @@ export REDIS_URL=${REDIS_URL:-redis://127.0.0.1:6379/0}
 
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
+.venv/bin/python manage.py makemigrations --check --dry-run >/dev/null
 exec .venv/bin/python -m pytest -q -p no:cacheprovider --timeout=900 "$@"
