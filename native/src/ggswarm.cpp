@@ -101,6 +101,38 @@ struct Session {
     }
 };
 
+// A built and allocated window graph; kept between calls and reused while its key matches (a decode
+// loop on one session rebuilds nothing: only the inputs change).
+struct GraphKey {
+    int64_t sid = -1;
+    int32_t n = 0;
+    int32_t n_kv = 0;
+    const void * kv = nullptr;  // identity of the session's KV buffer (changes when it grows)
+    bool last_only = false;
+    bool operator==(const GraphKey & o) const {
+        return sid == o.sid && n == o.n && n_kv == o.n_kv && kv == o.kv && last_only == o.last_only;
+    }
+};
+
+struct Graph {
+    ggml_context * ctx = nullptr;
+    ggml_cgraph * gf = nullptr;
+    ggml_tensor * inp_tokens = nullptr;
+    ggml_tensor * inp_hidden = nullptr;
+    ggml_tensor * inp_pos = nullptr;
+    ggml_tensor * inp_mask = nullptr;
+    ggml_tensor * inp_kidx = nullptr;  // row of each new position in K
+    ggml_tensor * inp_vidx = nullptr;  // element index of each new (channel, position) in transposed V
+    ggml_tensor * out = nullptr;
+    ggml_tensor * out_prob = nullptr;  // last window: softmax of the final position's logits
+    GraphKey key;
+    bool valid = false;
+    void clear() {
+        if (ctx) ggml_free(ctx);
+        *this = Graph();
+    }
+};
+
 }  // namespace
 
 struct ggswarm_model {
@@ -136,7 +168,10 @@ struct ggswarm_model {
 
     size_t graph_size = 0;
     std::vector<uint8_t> graph_meta;
+    Graph graph;  // last built graph (see GraphKey)
     std::vector<float> mask_host;
+    std::vector<int64_t> kidx_host;
+    std::vector<int64_t> vidx_host;
     std::vector<int32_t> pos_host;
     std::vector<float> hidden_host;
     std::vector<float> logits_host;
@@ -156,6 +191,7 @@ struct ggswarm_model {
     }
 
     ~ggswarm_model() {
+        graph.clear();
         for (auto & kv : sessions) kv.second.release();
         sessions.clear();
         if (sched) ggml_backend_sched_free(sched);
@@ -594,18 +630,6 @@ ggswarm_status ensure_capacity(ggswarm_model * m, Session & s, int32_t need) {
 
 // --- graph ---------------------------------------------------------------------------------------------
 
-struct Graph {
-    ggml_context * ctx = nullptr;
-    ggml_cgraph * gf = nullptr;
-    ggml_tensor * inp_tokens = nullptr;
-    ggml_tensor * inp_hidden = nullptr;
-    ggml_tensor * inp_pos = nullptr;
-    ggml_tensor * inp_mask = nullptr;
-    ggml_tensor * out = nullptr;
-    ~Graph() {
-        if (ctx) ggml_free(ctx);
-    }
-};
 
 ggml_tensor * rms(ggml_context * c, ggml_tensor * x, ggml_tensor * w, float eps) {
     return ggml_mul(c, ggml_rms_norm(c, x, eps), w);
@@ -618,12 +642,11 @@ ggml_tensor * linear(ggml_context * c, ggml_tensor * w, ggml_tensor * b, ggml_te
 
 // Build the window's graph for n new positions after pos_start. last_only: on the last window, keep
 // only the final position after the last attention (sampling needs nothing else).
-void build_graph(ggswarm_model * m, Session & s, Graph & g, int32_t n, int32_t pos_start, bool last_only) {
+void build_graph(ggswarm_model * m, Session & s, Graph & g, int32_t n, int32_t n_kv, bool last_only) {
     ggml_init_params ip = {m->graph_meta.size(), m->graph_meta.data(), true};
     g.ctx = ggml_init(ip);
     ggml_context * c = g.ctx;
     g.gf = ggml_new_graph_custom(c, m->graph_size, false);
-    const int32_t n_kv = (int32_t)std::min<int64_t>(pad_kv(pos_start + n), s.cap);
     const int64_t hd = m->head_dim, nh = m->n_head, nkv = m->n_head_kv, dkv = m->d_kv();
     const size_t f16 = sizeof(ggml_fp16_t);
     const float kq_scale = 1.0f / sqrtf((float)hd);
@@ -642,6 +665,10 @@ void build_graph(ggswarm_model * m, Session & s, Graph & g, int32_t n, int32_t p
     ggml_set_input(g.inp_pos);
     g.inp_mask = ggml_new_tensor_2d(c, GGML_TYPE_F32, n_kv, n);
     ggml_set_input(g.inp_mask);
+    g.inp_kidx = ggml_new_tensor_1d(c, GGML_TYPE_I64, n);
+    ggml_set_input(g.inp_kidx);
+    g.inp_vidx = ggml_new_tensor_1d(c, GGML_TYPE_I64, (int64_t)n * m->d_kv());
+    ggml_set_input(g.inp_vidx);
 
     int32_t rows = n;
     const int32_t nl = m->layer_end - m->layer_start;
@@ -660,10 +687,11 @@ void build_graph(ggswarm_model * m, Session & s, Graph & g, int32_t n, int32_t p
         // append the new positions to this session's cache (K rows; V transposed)
         ggml_tensor * kc = s.k[i];
         ggml_tensor * vc = s.v[i];
-        ggml_tensor * k_dst = ggml_view_1d(c, kc, (int64_t)n * dkv, (size_t)pos_start * kc->nb[1]);
-        ggml_build_forward_expand(g.gf, ggml_cpy(c, k, k_dst));
-        ggml_tensor * v_dst = ggml_view_2d(c, vc, n, dkv, vc->nb[1], (size_t)pos_start * f16);
-        ggml_build_forward_expand(g.gf, ggml_cpy(c, ggml_transpose(c, v), v_dst));
+        // (index inputs instead of view offsets keep the graph independent of the position)
+        ggml_build_forward_expand(g.gf, ggml_set_rows(c, kc, ggml_reshape_2d(c, k, dkv, n), g.inp_kidx));
+        ggml_tensor * v_elems = ggml_reshape_2d(c, vc, 1, ggml_nelements(vc));
+        ggml_build_forward_expand(g.gf, ggml_set_rows(c, v_elems, ggml_reshape_2d(c, v, 1, (int64_t)n * dkv),
+                                                      g.inp_vidx));
         // attention over all n_kv positions
         ggml_tensor * kall = ggml_view_3d(c, kc, hd, n_kv, nkv, kc->nb[1], hd * f16, 0);
         ggml_tensor * vall = ggml_view_3d(c, vc, n_kv, hd, nkv, vc->nb[1], vc->nb[1] * hd, 0);
@@ -693,24 +721,53 @@ void build_graph(ggswarm_model * m, Session & s, Graph & g, int32_t n, int32_t p
     g.out = x;
     ggml_set_output(g.out);
     ggml_build_forward_expand(g.gf, g.out);
+    if (m->is_last()) {
+        // probabilities of the final position, for the logprob (SIMD exp on the compute threads)
+        const int64_t rows = x->ne[1];
+        ggml_tensor * last = ggml_view_2d(c, x, x->ne[0], 1, x->nb[1], (size_t)(rows - 1) * x->nb[1]);
+        g.out_prob = ggml_soft_max(c, last);
+        ggml_set_output(g.out_prob);
+        ggml_build_forward_expand(g.gf, g.out_prob);
+    }
 }
 
 constexpr int32_t kUBatch = 512;
 
 // One micro-batch: positions [b->pos_start + off, + nc). On the last window *last points at the logits
 // of the chunk's final position afterwards.
-ggswarm_status forward_chunk(ggswarm_model * m, Session & s, const ggswarm_batch * b, int32_t off, int32_t nc,
-                             bool final_chunk, const float ** last) {
+ggswarm_status forward_chunk(ggswarm_model * m, int64_t sid, Session & s, const ggswarm_batch * b, int32_t off,
+                             int32_t nc, bool final_chunk, const float ** last) {
     const int32_t pos = b->pos_start + off;
     const int64_t d = m->d_model;
     const bool last_only = m->is_last() && !b->logits_out;
-    Graph g;
-    build_graph(m, s, g, nc, pos, last_only);
-    ggml_backend_sched_reset(m->sched);
-    if (!ggml_backend_sched_alloc_graph(m->sched, g.gf)) {
-        return fail(m, GGSWARM_E_COMPUTE, "ggml could not allocate the compute graph (%d tokens)", nc);
+    const int32_t n_kv = (int32_t)std::min<int64_t>(pad_kv(pos + nc), s.cap);
+    GraphKey key;
+    key.sid = sid;
+    key.n = nc;
+    key.n_kv = n_kv;
+    key.kv = s.buf;
+    key.last_only = last_only;
+    Graph & g = m->graph;
+    if (!(g.valid && g.key == key)) {
+        g.clear();
+        build_graph(m, s, g, nc, n_kv, last_only);
+        ggml_backend_sched_reset(m->sched);
+        if (!ggml_backend_sched_alloc_graph(m->sched, g.gf)) {
+            g.clear();
+            return fail(m, GGSWARM_E_COMPUTE, "ggml could not allocate the compute graph (%d tokens)", nc);
+        }
+        g.key = key;
+        g.valid = true;
     }
-    const int32_t n_kv = (int32_t)g.inp_mask->ne[0];
+    m->kidx_host.resize(nc);
+    m->vidx_host.resize((size_t)nc * m->d_kv());
+    for (int32_t t = 0; t < nc; ++t) {
+        m->kidx_host[t] = pos + t;
+        int64_t * vi = m->vidx_host.data() + (size_t)t * m->d_kv();
+        for (int32_t ch = 0; ch < m->d_kv(); ++ch) vi[ch] = (int64_t)ch * s.cap + pos + t;
+    }
+    ggml_backend_tensor_set(g.inp_kidx, m->kidx_host.data(), 0, sizeof(int64_t) * m->kidx_host.size());
+    ggml_backend_tensor_set(g.inp_vidx, m->vidx_host.data(), 0, sizeof(int64_t) * m->vidx_host.size());
     m->pos_host.resize(nc);
     for (int32_t i = 0; i < nc; ++i) m->pos_host[i] = pos + i;
     ggml_backend_tensor_set(g.inp_pos, m->pos_host.data(), 0, sizeof(int32_t) * nc);
@@ -734,6 +791,7 @@ ggswarm_status forward_chunk(ggswarm_model * m, Session & s, const ggswarm_batch
         ggml_backend_tensor_set(g.inp_hidden, m->hidden_host.data(), 0, sizeof(float) * n_hidden);
     }
     if (ggml_backend_sched_graph_compute(m->sched, g.gf) != GGML_STATUS_SUCCESS) {
+        g.clear();
         return fail(m, GGSWARM_E_COMPUTE, "ggml graph compute failed");
     }
     s.len = pos + nc;
@@ -994,7 +1052,7 @@ ggswarm_status ggswarm_forward(ggswarm_model * m, int64_t sid, const ggswarm_bat
     for (int32_t off = 0; off < n; off += kUBatch) {
         const int32_t nc = std::min(kUBatch, n - off);
         const bool final_chunk = off + nc == n;
-        if ((st = forward_chunk(m, s, b, off, nc, final_chunk, &last))) {
+        if ((st = forward_chunk(m, sid, s, b, off, nc, final_chunk, &last))) {
             // a failed call leaves the session at its previous length; rows written beyond it are ignored
             s.len = b->pos_start;
             return st;
@@ -1004,9 +1062,14 @@ ggswarm_status ggswarm_forward(ggswarm_model * m, int64_t sid, const ggswarm_bat
         ggswarm_sampling greedy = {0.0, 0, 64, 1.0, 0.0, 1.0, 0};
         const ggswarm_sampling & p = b->sampling ? *b->sampling : greedy;
         ggswarm::SampleResult r = ggswarm::sample(last, m->n_vocab, p, (int64_t)b->pos_start + n - 1, b->history,
-                                                  b->history ? b->n_history : 0, m->scratch);
+                                                  b->history ? b->n_history : 0, m->scratch, false);
         *b->token_out = r.token;
-        if (b->logprob_out) *b->logprob_out = r.logprob;
+        if (b->logprob_out) {
+            float prob = 0.0f;
+            ggml_backend_tensor_get(m->graph.out_prob, &prob, sizeof(float) * (size_t)r.token, sizeof(float));
+            // float softmax is exact to ~1e-7; tiny probabilities fall back to the double log-softmax
+            *b->logprob_out = prob > 1e-30f ? std::log((double)prob) : ggswarm::log_softmax_at(last, m->n_vocab, r.token);
+        }
     }
     if (b->compute_s_out) {
         *b->compute_s_out = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -65,20 +65,22 @@ struct LazyOrder {
 }  // namespace
 
 SampleResult sample(const float * raw, int32_t n_vocab, const ggswarm_sampling & p, int64_t position,
-                    const int32_t * history, int32_t n_history, SamplerScratch & s) {
+                    const int32_t * history, int32_t n_history, SamplerScratch & s, bool want_logprob) {
     // 1. repetition penalty, in float32 like numpy does with a float32 array and a Python float
-    s.pen.assign(raw, raw + n_vocab);
+    const float * pen = raw;
     if (p.repeat_penalty != 1.0 && history != nullptr && n_history > 0 && p.repeat_last_n != 0) {
+        s.pen.assign(raw, raw + n_vocab);
+        pen = s.pen.data();
         int32_t from = 0;
         if (p.repeat_last_n > 0 && n_history > p.repeat_last_n) from = n_history - p.repeat_last_n;
         s.seen.assign(static_cast<size_t>(n_vocab), 0);
-        const float pen = static_cast<float>(p.repeat_penalty);
+        const float factor = static_cast<float>(p.repeat_penalty);
         for (int32_t i = from; i < n_history; ++i) {
             int32_t t = history[i];
             if (t < 0 || t >= n_vocab || s.seen[t]) continue;
             s.seen[t] = 1;
             float v = raw[t];
-            s.pen[t] = v > 0 ? v / pen : v * pen;
+            s.pen[t] = v > 0 ? v / factor : v * factor;
         }
     }
     SampleResult out{};
@@ -86,16 +88,16 @@ SampleResult sample(const float * raw, int32_t n_vocab, const ggswarm_sampling &
     if (!(p.temperature > 0.0)) {
         int32_t best = 0;
         for (int32_t i = 1; i < n_vocab; ++i) {
-            if (s.pen[i] > s.pen[best]) best = i;
+            if (pen[i] > pen[best]) best = i;
         }
         out.token = best;
-        out.logprob = log_softmax_at(raw, n_vocab, best);
+        out.logprob = want_logprob ? log_softmax_at(raw, n_vocab, best) : 0.0;
         return out;
     }
     // 3. tempered values in double
     s.x.resize(static_cast<size_t>(n_vocab));
     s.e.resize(static_cast<size_t>(n_vocab));
-    for (int32_t i = 0; i < n_vocab; ++i) s.x[i] = static_cast<double>(s.pen[i]) / p.temperature;
+    for (int32_t i = 0; i < n_vocab; ++i) s.x[i] = static_cast<double>(pen[i]) / p.temperature;
     LazyOrder ord{s.idx, s.x.data()};
     ord.idx.resize(static_cast<size_t>(n_vocab));
     for (int32_t i = 0; i < n_vocab; ++i) ord.idx[i] = i;
@@ -162,7 +164,7 @@ SampleResult sample(const float * raw, int32_t n_vocab, const ggswarm_sampling &
         }
     }
     out.token = ord.idx[pick];
-    out.logprob = log_softmax_at(raw, n_vocab, out.token);
+    out.logprob = want_logprob ? log_softmax_at(raw, n_vocab, out.token) : 0.0;
     return out;
 }
 
