@@ -84,7 +84,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         runner = await start_dataplane(dp, args.host, args.port)
         port = args.port or next(iter(runner.addresses))[1]
         url = args.advertise_url or f"http://{args.host}:{port}"
-        agent = ControlAgent(cfg, dp, url, data_dir, n_threads=args.threads)
+        agent = ControlAgent(
+            cfg,
+            dp,
+            url,
+            data_dir,
+            n_threads=args.threads,
+            torrent_listen=None if args.no_torrent else args.torrent_listen,
+        )
+        if args.speed:
+            agent.speed = args.speed
         print(f"node {cfg.node_id}: data plane on {url}, control plane {cfg.server}", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -122,6 +131,17 @@ def add_control_commands(sub: argparse._SubParsersAction) -> None:  # type: igno
     s.add_argument("--advertise-url", help="data plane URL other nodes and the control plane use")
     s.add_argument("--threads", type=int, default=2)
     s.add_argument("--kv-budget-mb", type=float, default=1024.0)
+    s.add_argument(
+        "--torrent-listen",
+        default="0.0.0.0:6881",
+        help="libtorrent listen interface(s), e.g. 127.0.0.1:0 (port 0 or a taken port: any free port)",
+    )
+    s.add_argument(
+        "--no-torrent", action="store_true", help="never use the swarm; fetch shards with HTTP range requests"
+    )
+    s.add_argument(
+        "--speed", type=float, default=0.0, help="report this compute speed instead of measuring it (tests)"
+    )
     s.set_defaults(func=cmd_run)
 
 

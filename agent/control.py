@@ -1,7 +1,8 @@
 """The agent's control websocket client: hello, heartbeats, commands (load/unload/drain), reconnects.
 
 It owns no shards itself: a `ShardHost` (the data plane) does, so shards and sessions survive a lost
-control connection. Reconnects back off exponentially (1 s doubling to 30 s, reset after a good
+control connection. Shard bytes come over the torrent swarm (one `SwarmClient` per agent process, which
+keeps seeding) when the model has a .torrent and libtorrent is installed, else over HTTP range requests. Reconnects back off exponentially (1 s doubling to 30 s, reset after a good
 session). A close with code 4401 (bad credentials) or 4403 (node removed) is final. Messages are
 documented in docs/control-plane.md.
 """
@@ -18,7 +19,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 
@@ -26,6 +27,10 @@ from agent import __version__
 from agent.config import NodeConfig
 from agent.fetch import FetchError, fetch_shard, shard_path
 from agent.manifest import Manifest, ManifestError
+
+if TYPE_CHECKING:
+    from agent.torrent import Progress as SwarmProgress
+    from agent.torrent import SwarmClient
 
 log = logging.getLogger("agent.control")
 
@@ -134,11 +139,15 @@ class ControlAgent:
     heartbeat_s: float = 2.0
     backends: Callable[[], list[str]] | None = None
     speed: float = 0.0
+    torrent_listen: str | None = "0.0.0.0:6881"  # None: never use the swarm (HTTP range requests only)
+    fetch_timeout_s: float = 900.0
     connected: asyncio.Event = field(default_factory=asyncio.Event)
     _ws: aiohttp.ClientWebSocketResponse | None = None
     _loads: dict[int, asyncio.Task[None]] = field(default_factory=dict)
     _http: aiohttp.ClientSession | None = None
     _last_tokens: tuple[float, int] = (0.0, 0)
+    _swarm: SwarmClient | None = None
+    _swarm_unavailable: str = ""
 
     @property
     def _headers(self) -> dict[str, str]:
@@ -170,6 +179,9 @@ class ControlAgent:
             for t in self._loads.values():
                 t.cancel()
             await self._http.close()
+            if self._swarm is not None:
+                await asyncio.to_thread(self._swarm.close)
+                self._swarm = None
 
     async def _connect_once(self, stop: asyncio.Event) -> None:
         assert self._http is not None
@@ -287,17 +299,109 @@ class ControlAgent:
         elif kind == "removed":
             log.warning("this node was removed by an admin")
 
-    async def _report(self, aid: int | None, state: str, progress: float = 0.0, error: str = "") -> None:
+    async def _report(
+        self,
+        aid: int | None,
+        state: str,
+        progress: float = 0.0,
+        error: str = "",
+        transfer: dict[str, Any] | None = None,
+    ) -> None:
         if aid is not None:
-            await self._send(
-                {
-                    "type": "progress",
-                    "assignment_id": aid,
-                    "state": state,
-                    "progress": round(progress, 3),
-                    "error": error,
-                }
+            msg: dict[str, Any] = {
+                "type": "progress",
+                "assignment_id": aid,
+                "state": state,
+                "progress": round(progress, 3),
+                "error": error,
+            }
+            if transfer:
+                msg["transfer"] = transfer
+            await self._send(msg)
+
+    def swarm(self) -> SwarmClient | None:
+        """This process's one libtorrent session, started on first use; None without libtorrent."""
+        if self._swarm is None and self.torrent_listen is not None and not self._swarm_unavailable:
+            try:
+                from agent.torrent import SwarmClient
+            except ImportError as e:
+                self._swarm_unavailable = str(e)
+                log.warning("libtorrent is not available (%s); fetching shards over HTTP", e)
+                return None
+            self._swarm = SwarmClient(self.torrent_listen)
+            log.info(
+                "torrent session listening on %s (port %d)", self.torrent_listen, self._swarm.listen_port
             )
+        return self._swarm
+
+    async def _get_torrent(self, url: str) -> bytes | None:
+        """The model's .torrent from the control plane; None when it has none (HTTP fallback)."""
+        assert self._http is not None
+        async with self._http.get(url, headers=self._headers) as r:
+            if r.status == 404:
+                return None
+            if r.status != 200:
+                raise FetchError(f"torrent: HTTP {r.status}")
+            return await r.read()
+
+    async def _fetch_over_swarm(
+        self,
+        aid: int,
+        swarm: SwarmClient,
+        torrent: bytes,
+        manifest: Manifest,
+        a: int,
+        b: int,
+        cmd: dict[str, Any],
+    ) -> Path:
+        """Download only this range's pieces (sparse file), verify its tensors, keep seeding."""
+        base = self.config.server.rstrip("/")
+        loop = asyncio.get_running_loop()
+        last_line = [0.0]
+
+        def on_progress(p: SwarmProgress) -> None:  # libtorrent's thread
+            done = p.wanted_bytes > 0 and p.done_bytes >= p.wanted_bytes
+            if done or time.monotonic() - last_line[0] >= 2.0:
+                last_line[0] = time.monotonic()
+                log.info("fetch [%d:%d) %s", a, b, p.line())
+            transfer = {**p.to_dict(), "source": "swarm"}
+            asyncio.run_coroutine_threadsafe(
+                self._report(aid, "fetching", p.fraction, transfer=transfer), loop
+            )
+
+        return await asyncio.to_thread(
+            swarm.fetch_verified,
+            torrent,
+            self.data_dir / "swarm" / manifest.sha256,
+            manifest,
+            a,
+            b,
+            on_progress,
+            timeout=self.fetch_timeout_s,
+            trackers=[base + u for u in cmd.get("trackers") or []],
+            web_seeds=[base + u for u in cmd.get("web_seeds") or []],
+        )
+
+    async def _fetch_over_http(self, aid: int, manifest: Manifest, a: int, b: int, file_url: str) -> Path:
+        """The fallback: one HTTP range request per merged byte range, verified per tensor."""
+        assert self._http is not None
+        last = [0.0]
+
+        async def progress(frac: float) -> None:
+            if frac - last[0] >= 0.05 or frac >= 1.0:
+                last[0] = frac
+                await self._report(aid, "fetching", frac)
+
+        path = shard_path(self.data_dir, manifest.sha256)
+        n = await fetch_shard(self._http, file_url, self._headers, manifest, a, b, path, progress)
+        log.info("fetch [%d:%d) over HTTP: %.1f MB", a, b, n / 1e6)
+        await self._report(
+            aid,
+            "fetching",
+            1.0,
+            transfer={"source": "http", "downloaded_bytes": n, "done_bytes": n, "wanted_bytes": n},
+        )
+        return path
 
     async def _load(self, cmd: dict[str, Any]) -> None:
         aid = int(cmd["assignment_id"])
@@ -315,17 +419,12 @@ class ControlAgent:
                 manifest = Manifest.from_dict(await r.json())
             if manifest.sha256 != sha:
                 raise FetchError("manifest names another model")
-            last = [0.0]
-
-            async def progress(frac: float) -> None:
-                if frac - last[0] >= 0.05 or frac >= 1.0:
-                    last[0] = frac
-                    await self._report(aid, "fetching", frac)
-
-            path = shard_path(self.data_dir, sha)
-            await fetch_shard(
-                self._http, base + cmd["file_url"], self._headers, manifest, a, b, path, progress
-            )
+            swarm = self.swarm() if cmd.get("torrent_url") else None
+            torrent = await self._get_torrent(base + cmd["torrent_url"]) if swarm is not None else None
+            if swarm is not None and torrent is not None:
+                path = await self._fetch_over_swarm(aid, swarm, torrent, manifest, a, b, cmd)
+            else:
+                path = await self._fetch_over_http(aid, manifest, a, b, base + cmd["file_url"])
             await self._report(aid, "loading", 0.0)
             await asyncio.to_thread(
                 self.host.load_shard,
@@ -338,7 +437,15 @@ class ControlAgent:
             )
         except asyncio.CancelledError:
             raise
-        except (FetchError, ManifestError, aiohttp.ClientError, OSError, ValueError, KeyError) as e:
+        except (
+            FetchError,
+            ManifestError,
+            aiohttp.ClientError,
+            OSError,
+            ValueError,  # TensorHashMismatch: re-fetched once already; never loaded
+            KeyError,
+            RuntimeError,  # agent.torrent.FetchError: timeout, torrent or disk error
+        ) as e:
             log.warning("load %s[%d:%d) failed: %s", sha[:12], a, b, e)
             await self._report(aid, "failed", 0.0, str(e))
             return
@@ -367,8 +474,9 @@ async def run_agent(
     stop: asyncio.Event,
     n_threads: int = 2,
     on_ready: Callable[[ControlAgent], Awaitable[None]] | None = None,
+    torrent_listen: str | None = "0.0.0.0:6881",
 ) -> None:
-    agent = ControlAgent(config, host, dataplane_url, data_dir, n_threads)
+    agent = ControlAgent(config, host, dataplane_url, data_dir, n_threads, torrent_listen=torrent_listen)
     if on_ready is not None:
         await on_ready(agent)
     await agent.run(stop)

@@ -55,6 +55,7 @@ INSTALLED_APPS = [
     "webapp.routing",
     "webapp.playground",
     "webapp.telemetry",
+    "webapp.tracker",
 ]
 
 MIDDLEWARE = [
@@ -124,6 +125,8 @@ if REDIS_URL:
 else:
     CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
     CELERY_BROKER_URL = "memory://"
+# Tracker peers live in Redis when it exists (several web processes answer announces), else in memory.
+TRACKER_REDIS_PREFIX = envstr("CHANNELS_PREFIX", "swarm") + ":tracker"
 CELERY_TASK_ALWAYS_EAGER = envbool("CELERY_TASK_ALWAYS_EAGER", not REDIS_URL)
 CELERY_TASK_EAGER_PROPAGATES = True
 CELERY_TASK_IGNORE_RESULT = True

@@ -19,4 +19,5 @@ urlpatterns = [
     path("", include("webapp.playground.urls")),
     path("", include("webapp.routing.urls")),
     path("", include("webapp.telemetry.urls")),
+    path("", include("webapp.tracker.urls")),
 ]

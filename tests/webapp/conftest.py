@@ -98,3 +98,22 @@ def django_db_modify_db_settings(django_db_modify_db_settings_parallel_suffix: N
     db = settings.DATABASES["default"]
     if "postgresql" in db["ENGINE"]:
         db.setdefault("TEST", {})["NAME"] = f"test_swarm_{os.getpid()}"
+
+
+@pytest.fixture(scope="session")
+def smollm2_torrent(model_path: str, manifest: Any) -> tuple[bytes, str]:
+    """SmolLM2's .torrent and infohash, built once the way registration builds them."""
+    from webapp.catalog.services import build_torrent
+
+    torrent, infohash = build_torrent(model_path, manifest)
+    if torrent is None:
+        pytest.skip("libtorrent is not installed")
+    return torrent, infohash
+
+
+@pytest.fixture
+def swarm_artifact(artifact: Any, smollm2_torrent: tuple[bytes, str]) -> Any:
+    """The ready SmolLM2 artifact with its .torrent, as the registration job leaves it."""
+    artifact.torrent, artifact.infohash = smollm2_torrent
+    artifact.save(update_fields=["torrent", "infohash"])
+    return artifact

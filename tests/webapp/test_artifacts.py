@@ -8,7 +8,6 @@ from typing import Any
 import pytest
 
 from webapp.catalog.models import ModelArtifact
-from webapp.catalog.services import RangeNotSatisfiable, parse_range
 
 pytestmark = pytest.mark.django_db
 
@@ -40,24 +39,18 @@ def test_a_node_reads_the_manifest(client: Any, artifact: Any, node_with_secret:
     assert r.status_code == 200 and r.json()["n_layers"] == 30
 
 
-@pytest.mark.parametrize(
-    ("header", "expected"),
-    [
-        (None, None),
-        ("bytes=0-9", (0, 10)),
-        ("bytes=5-", (5, 100)),
-        ("bytes=-10", (90, 100)),
-        ("bytes=90-500", (90, 100)),
-    ],
-)
-def test_range_headers_are_parsed(header: str | None, expected: tuple[int, int] | None) -> None:
-    assert parse_range(header, 100) == expected
+@pytest.mark.parametrize("header", ["bytes=0-1,5-6", "items=0-1", "bytes=-", "bytes=9-3"])
+def test_the_artifact_endpoint_refuses_bad_ranges_with_the_web_seeds_parser(
+    client: Any, artifact: Any, node_with_secret: Any, header: str
+) -> None:
+    r = client.get(f"/artifacts/{artifact.sha256}/file", HTTP_RANGE=header, **auth(node_with_secret))
+    assert r.status_code == 416 and r["Content-Range"] == f"bytes */{artifact.size_bytes}"
 
 
-@pytest.mark.parametrize("header", ["bytes=100-", "bytes=0-1,5-6", "items=0-1", "bytes=-", "bytes=9-3"])
-def test_bad_ranges_are_refused(header: str) -> None:
-    with pytest.raises(RangeNotSatisfiable):
-        parse_range(header, 100)
+def test_the_whole_file_is_served_without_a_range(client: Any, artifact: Any, node_with_secret: Any) -> None:
+    r = client.get(f"/artifacts/{artifact.sha256}/file", **auth(node_with_secret))
+    assert r.status_code == 200 and r["Accept-Ranges"] == "bytes"
+    assert int(r["Content-Length"]) == artifact.size_bytes
 
 
 def test_registering_the_packaged_model_builds_its_manifest(
@@ -72,6 +65,12 @@ def test_registering_the_packaged_model_builds_its_manifest(
     assert a.state == ModelArtifact.State.READY, a.error
     assert a.n_layers == 30 and a.source == ModelArtifact.Source.PACKAGE and len(a.sha256) == 64
     assert a.parsed_manifest.sha256 == a.sha256
+    # the .torrent is built with the manifest: v1 infohash, pieces fitted to the smallest layer
+    import libtorrent as lt
+
+    ti = lt.torrent_info(lt.bdecode(bytes(a.torrent)))
+    assert str(ti.info_hashes().v1) == a.infohash and ti.total_size() == a.size_bytes
+    assert ti.piece_length() == 256 * 1024 and ti.priv()
 
 
 def test_registering_a_missing_path_says_so(staff_client: Any) -> None:

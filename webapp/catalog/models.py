@@ -35,6 +35,10 @@ class ModelArtifact(models.Model):
     n_layers = models.IntegerField(default=0)
     architecture = models.CharField(max_length=64, blank=True, default="")
     manifest = models.JSONField(null=True, blank=True)
+    torrent = models.BinaryField(
+        null=True, blank=True, editable=False, help_text="bencoded v1 .torrent (empty without libtorrent)"
+    )
+    infohash = models.CharField(max_length=40, blank=True, default="", db_index=True, help_text="v1, hex")
     desired_replicas = models.PositiveSmallIntegerField(default=1)
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
     created_at = models.DateTimeField(auto_now_add=True)

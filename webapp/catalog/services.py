@@ -1,9 +1,8 @@
-"""Registering GGUF artifacts (path, upload, PyPI package) and serving byte ranges of them."""
+"""Registering GGUF artifacts (path, upload, PyPI package) and building their .torrents."""
 
 from __future__ import annotations
 
 import os
-import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -12,38 +11,28 @@ from django.conf import settings
 from django.core.files.uploadedfile import UploadedFile
 from django.db import transaction
 
+from agent.manifest import Manifest
 from agent.models import ModelNotFound, packaged_model_path
 from webapp.catalog.models import ModelArtifact
-
-_RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$")
 
 
 class RegistrationError(ValueError):
     """The file cannot be registered; the message says why."""
 
 
-class RangeNotSatisfiable(ValueError):
-    """The Range header asks for bytes outside the file (HTTP 416)."""
+def build_torrent(path: str, manifest: Manifest) -> tuple[bytes | None, str]:
+    """(.torrent bytes, v1 infohash hex) with the piece size fitted to the smallest layer; (None, "")
+    when libtorrent is not installed, so agents fall back to plain HTTP range requests.
 
-
-def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
-    """[start, end) for a single `bytes=` range; None for the whole file. Multiple ranges are refused."""
-    if not header:
-        return None
-    m = _RANGE_RE.match(header.strip())
-    if not m or (not m.group(1) and not m.group(2)):
-        raise RangeNotSatisfiable(f"unsupported Range {header!r} (one bytes=a-b range only)")
-    a, b = m.group(1), m.group(2)
-    if not a:  # suffix: the last b bytes
-        n = int(b)
-        if n == 0:
-            raise RangeNotSatisfiable("empty suffix range")
-        return max(size - n, 0), size
-    start = int(a)
-    end = size if not b else min(int(b) + 1, size)
-    if start >= size or start >= end:
-        raise RangeNotSatisfiable(f"range {header!r} is outside the file ({size} bytes)")
-    return start, end
+    Trackers and web seeds are left out: each agent uses its own passkey URLs (they are outside the
+    info dict, so they never change the infohash).
+    """
+    try:
+        from agent.torrent import create_torrent
+    except ImportError:
+        return None, ""
+    smallest = min((layer.nbytes for layer in manifest.layers if layer.nbytes), default=None)
+    return create_torrent(path, smallest_layer_bytes=smallest)
 
 
 def _enqueue_build(artifact: ModelArtifact) -> ModelArtifact:

@@ -1,4 +1,4 @@
-"""Catalog tasks: build an artifact's manifest (hashes every tensor) off the request path."""
+"""Catalog tasks: build an artifact's manifest (hashes every tensor) and .torrent off the request path."""
 
 from __future__ import annotations
 
@@ -8,12 +8,13 @@ from celery import shared_task
 
 from agent.manifest import ManifestError, build_manifest
 from webapp.catalog.models import ModelArtifact
+from webapp.catalog.services import build_torrent
 from webapp.core.channels import notify_fleet
 
 
 @shared_task
 def build_artifact_manifest(artifact_id: int) -> str:
-    """pending -> building -> ready (or failed with the reason)."""
+    """pending -> building -> ready (or failed with the reason); the .torrent is built with the manifest."""
     claimed = ModelArtifact.objects.filter(pk=artifact_id, state=ModelArtifact.State.PENDING).update(
         state=ModelArtifact.State.BUILDING
     )
@@ -31,6 +32,13 @@ def build_artifact_manifest(artifact_id: int) -> str:
             error=f"this file (sha256 {m.sha256[:12]}) is already registered",
         )
         return "duplicate"
+    try:
+        torrent, infohash = build_torrent(a.path, m)
+    except (OSError, RuntimeError) as e:
+        ModelArtifact.objects.filter(pk=artifact_id).update(
+            state=ModelArtifact.State.FAILED, error=f"cannot build the .torrent: {e}"
+        )
+        return "failed"
     ModelArtifact.objects.filter(pk=artifact_id).update(
         state=ModelArtifact.State.READY,
         sha256=m.sha256,
@@ -38,6 +46,8 @@ def build_artifact_manifest(artifact_id: int) -> str:
         n_layers=m.n_layers,
         architecture=m.architecture,
         manifest=json.loads(m.to_json()),
+        torrent=torrent,
+        infohash=infohash,
         error="",
     )
     notify_fleet(kind="models")

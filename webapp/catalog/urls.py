@@ -14,4 +14,5 @@ urlpatterns = [
     path("models/<int:artifact_id>/unplace", views.unplace, name="unplace"),
     path("artifacts/<str:sha256>/manifest", views.artifact_manifest, name="manifest"),
     path("artifacts/<str:sha256>/file", views.artifact_file, name="file"),
+    path("artifacts/<str:sha256>/torrent", views.artifact_torrent, name="torrent"),
 ]

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-
 from celery.result import EagerResult
-from django.http import FileResponse, HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import get_object_or_404, render
 from django.views.decorators.http import require_GET, require_POST
 
@@ -16,8 +13,7 @@ from webapp.core.auth import HtmxHttpRequest, staff_required
 from webapp.core.nodeauth import parse_node_authorization
 from webapp.fleet.services import authenticate_node
 from webapp.fleet.tasks import place_model, unplace_model
-
-CHUNK = 1 << 20
+from webapp.tracker.http import file_range_response
 
 
 def _models_context() -> dict[str, object]:
@@ -102,42 +98,22 @@ def artifact_manifest(request: HttpRequest, sha256: str) -> HttpResponse:
     return JsonResponse(_ready_artifact(sha256).manifest)
 
 
-def _file_slice(path: str, start: int, end: int) -> Iterator[bytes]:
-    with open(path, "rb") as f:
-        f.seek(start)
-        left = end - start
-        while left > 0:
-            chunk = f.read(min(CHUNK, left))
-            if not chunk:
-                return
-            left -= len(chunk)
-            yield chunk
+@require_GET
+def artifact_file(request: HttpRequest, sha256: str) -> HttpResponse:
+    """The GGUF bytes with single-range support (the HTTP fallback when there is no swarm)."""
+    if not _may_read_artifacts(request):
+        return JsonResponse({"error": "node credentials required"}, status=401)
+    return file_range_response(_ready_artifact(sha256).path, request.headers.get("Range"))
 
 
 @require_GET
-def artifact_file(request: HttpRequest, sha256: str) -> HttpResponse:
-    """The GGUF bytes with single-range support (agents fetch only their layers; later the web seed)."""
+def artifact_torrent(request: HttpRequest, sha256: str) -> HttpResponse:
+    """The artifact's .torrent (nodes and staff only); 404 when it has none (agents then use HTTP)."""
     if not _may_read_artifacts(request):
         return JsonResponse({"error": "node credentials required"}, status=401)
     artifact = _ready_artifact(sha256)
-    try:
-        size = os.path.getsize(artifact.path)
-        rng = services.parse_range(request.headers.get("Range"), size)
-    except OSError:
-        return JsonResponse({"error": "artifact file is missing on the control plane"}, status=410)
-    except services.RangeNotSatisfiable as e:
-        resp = JsonResponse({"error": str(e)}, status=416)
-        resp["Content-Range"] = f"bytes */{size}"
-        return resp
-    if rng is None:
-        resp: HttpResponse = FileResponse(open(artifact.path, "rb"), content_type="application/octet-stream")  # noqa: SIM115 - FileResponse closes it
-        resp["Accept-Ranges"] = "bytes"
-        return resp
-    start, end = rng
-    resp = StreamingHttpResponse(
-        _file_slice(artifact.path, start, end), status=206, content_type="application/octet-stream"
-    )
-    resp["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
-    resp["Content-Length"] = str(end - start)
-    resp["Accept-Ranges"] = "bytes"
+    if not artifact.torrent:
+        return JsonResponse({"error": "this artifact has no .torrent"}, status=404)
+    resp = HttpResponse(bytes(artifact.torrent), content_type="application/x-bittorrent")
+    resp["Content-Disposition"] = f'attachment; filename="{sha256}.torrent"'
     return resp

@@ -61,7 +61,7 @@ def _heartbeat_sync(node_id: str, t: Telemetry) -> bool:
 
 
 def _progress_sync(node_id: str, p: Progress) -> bool:
-    changed = services.update_progress(node_id, p.assignment_id, p.state, p.progress, p.error)
+    changed = services.update_progress(node_id, p.assignment_id, p.state, p.progress, p.error, p.transfer)
     if changed:
         notify_fleet(node_id, kind="placement")
     return changed

@@ -101,6 +101,9 @@ class ShardAssignment(models.Model):
     backend = models.CharField(max_length=20, default="torch")
     state = models.CharField(max_length=16, choices=State.choices, default=State.ASSIGNED)
     progress = models.FloatField(default=0.0)
+    transfer = models.JSONField(
+        default=dict, blank=True, help_text="latest download report: bytes done/needed, rate, peers, sources"
+    )
     error = models.TextField(blank=True, default="")
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)

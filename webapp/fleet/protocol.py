@@ -90,6 +90,40 @@ class Progress:
     state: str
     progress: float
     error: str
+    transfer: dict[str, Any] = field(default_factory=dict)
+
+
+# What a progress report's `transfer` may carry (SwarmClient's Progress.to_dict()); anything else is dropped.
+TRANSFER_NUMBERS = (
+    "done_bytes",
+    "wanted_bytes",
+    "downloaded_bytes",
+    "rate_bytes_per_s",
+    "peers",
+    "peer_bytes",
+    "web_seed_bytes",
+    "hash_failures",
+    "fraction",
+)
+
+
+def _transfer(v: Any) -> dict[str, Any]:
+    """The numbers of a download report, validated; strings (source, infohash) are kept short."""
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise ProtocolError("'transfer' must be an object")
+    out: dict[str, Any] = {}
+    for key in TRANSFER_NUMBERS:
+        if key in v:
+            n = _num(v, key)
+            if n < 0:
+                raise ProtocolError(f"'transfer.{key}' must not be negative")
+            out[key] = n
+    for key in ("source", "infohash"):
+        if key in v:
+            out[key] = _str(v, key, limit=40)
+    return out
 
 
 def _shards(v: Any) -> list[ShardRef]:
@@ -145,7 +179,13 @@ def parse_agent_message(msg: Any) -> Hello | Telemetry | Progress:
         state = _str(msg, "state")
         if state not in AGENT_STATES:
             raise ProtocolError(f"'state' must be one of {sorted(AGENT_STATES)}")
-        return Progress(_int(msg, "assignment_id"), state, _num(msg, "progress", 0.0), _str(msg, "error", ""))
+        return Progress(
+            _int(msg, "assignment_id"),
+            state,
+            _num(msg, "progress", 0.0),
+            _str(msg, "error", ""),
+            _transfer(msg.get("transfer")),
+        )
     raise ProtocolError(f"unknown message type {kind!r}")
 
 
@@ -159,9 +199,13 @@ class AssignmentView:
     layer_end: int
     state: str
     backend: str
+    tracker_url: str = ""  # this node's passkey announce path; empty when the artifact has no .torrent
+    web_seed_url: str = ""
 
 
 def load_command(a: AssignmentView) -> dict[str, Any]:
+    """The `load` command; with a .torrent it names the torrent, this node's tracker and web seed."""
+    swarm = bool(a.tracker_url)
     return {
         "type": "load",
         "assignment_id": a.id,
@@ -171,6 +215,9 @@ def load_command(a: AssignmentView) -> dict[str, Any]:
         "backend": a.backend,
         "manifest_url": f"/artifacts/{a.model_sha256}/manifest",
         "file_url": f"/artifacts/{a.model_sha256}/file",
+        "torrent_url": f"/artifacts/{a.model_sha256}/torrent" if swarm else None,
+        "trackers": [a.tracker_url] if swarm else [],
+        "web_seeds": [a.web_seed_url] if swarm and a.web_seed_url else [],
     }
 
 

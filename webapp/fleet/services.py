@@ -159,13 +159,20 @@ def mark_offline_if_stale(node_id: str) -> bool:
     )
 
 
-def update_progress(node_id: str, assignment_id: int, state: str, progress: float, error: str) -> bool:
-    """Apply an agent's progress report to its own assignment (never another node's)."""
+def update_progress(
+    node_id: str,
+    assignment_id: int,
+    state: str,
+    progress: float,
+    error: str,
+    transfer: dict[str, Any] | None = None,
+) -> bool:
+    """Apply an agent's progress report to its own assignment (never another node's); a report without
+    download figures keeps the last ones (the fleet page still shows how the shard was fetched)."""
     qs = ShardAssignment.objects.filter(pk=assignment_id, node_id=node_id)
     if state == "unloaded":
         return bool(qs.filter(state=ShardAssignment.State.DRAINING).delete()[0])
-    return bool(
-        qs.exclude(state=ShardAssignment.State.DRAINING).update(
-            state=state, progress=max(0.0, min(1.0, progress)), error=error[:2000]
-        )
-    )
+    fields: dict[str, Any] = {"state": state, "progress": max(0.0, min(1.0, progress)), "error": error[:2000]}
+    if transfer:
+        fields["transfer"] = transfer
+    return bool(qs.exclude(state=ShardAssignment.State.DRAINING).update(**fields))

@@ -31,6 +31,7 @@ from webapp.fleet.placement import (
     shape_from_manifest,
 )
 from webapp.fleet.protocol import AssignmentView, choose_backend, load_command, unload_command
+from webapp.tracker.services import tracker_paths
 
 log = logging.getLogger(__name__)
 ACTIVE = [
@@ -43,7 +44,12 @@ PENDING = [ShardAssignment.State.ASSIGNED, ShardAssignment.State.FETCHING, Shard
 
 
 def assignment_view(a: ShardAssignment) -> AssignmentView:
-    return AssignmentView(a.pk, a.artifact.sha256, a.layer_start, a.layer_end, a.state, a.backend)
+    tracker_url, web_seed_url = (
+        tracker_paths(a.node_id, a.artifact.sha256) if a.artifact.infohash else ("", "")
+    )
+    return AssignmentView(
+        a.pk, a.artifact.sha256, a.layer_start, a.layer_end, a.state, a.backend, tracker_url, web_seed_url
+    )
 
 
 def send_command(node_id: str, command: dict[str, Any]) -> None:

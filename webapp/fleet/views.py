@@ -136,6 +136,7 @@ def status_json(request: HttpRequest) -> JsonResponse:
                             "layer_end": s.layer_end,
                             "state": s.state,
                             "progress": s.progress,
+                            "transfer": s.transfer,
                             "error": s.error,
                         }
                         for s in n.shards.all()

@@ -1,1 +1,1 @@
-"""BitTorrent tracker and HTTP web seed for model artifacts (pure logic; views are wired separately)."""
+"""BitTorrent HTTP tracker and BEP 19 web seed for model artifacts (pure logic, store, views)."""

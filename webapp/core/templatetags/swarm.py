@@ -28,3 +28,19 @@ def pct(value: Any) -> str:
         return f"{100 * float(value):.0f}%"
     except (TypeError, ValueError):
         return "–"
+
+
+@register.filter(name="transfer_line")
+def transfer_line(t: Any) -> str:
+    """A shard download report in words: MB done/needed, rate, peers and where the bytes came from."""
+    if not isinstance(t, dict) or not t.get("wanted_bytes"):
+        return ""
+    src = float(t.get("peer_bytes", 0)) + float(t.get("web_seed_bytes", 0))
+    peer_pct = 100 * float(t.get("peer_bytes", 0)) / src if src else 0.0
+    via = f" · from peers {peer_pct:.0f}%, web seed {100 - peer_pct:.0f}%" if src else ""
+    if t.get("source") == "http":
+        via = " · HTTP (no swarm)"
+    return (
+        f"{human_bytes(t.get('done_bytes', 0))} / {human_bytes(t['wanted_bytes'])}"
+        f" · {human_bytes(t.get('rate_bytes_per_s', 0))}/s · {int(t.get('peers', 0))} peers{via}"
+    )

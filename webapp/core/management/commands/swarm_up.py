@@ -258,6 +258,8 @@ class Command(BaseCommand):
                 str(home / "data"),
                 "--threads",
                 str(opts["threads"]),
+                "--torrent-listen",
+                "127.0.0.1:0",  # local agents: the swarm stays on loopback
             ],
             logs / f"agent-{i}.log",
         )

@@ -1,0 +1,13 @@
+"""Django app config for webapp.tracker."""
+
+from __future__ import annotations
+
+from django.apps import AppConfig
+
+
+class TrackerConfig(AppConfig):
+    """Registers webapp.tracker: the BitTorrent HTTP tracker and the BEP 19 web seed of artifacts."""
+
+    name = "webapp.tracker"
+    label = "tracker"
+    default_auto_field = "django.db.models.BigAutoField"
