@@ -46,6 +46,28 @@ def test_a_progress_report_is_parsed() -> None:
     assert msg == Progress(3, "fetching", 0.5, "")
 
 
+def test_a_progress_report_keeps_only_the_known_numbers_of_its_transfer() -> None:
+    transfer = {
+        "done_bytes": 10,
+        "wanted_bytes": 20,
+        "peers": 2,
+        "peer_bytes": 4,
+        "source": "swarm",
+        "x": "y",
+    }
+    msg = parse_agent_message(
+        {"type": "progress", "assignment_id": 3, "state": "fetching", "progress": 0.5, "transfer": transfer}
+    )
+    assert isinstance(msg, Progress)
+    assert msg.transfer == {
+        "done_bytes": 10,
+        "wanted_bytes": 20,
+        "peers": 2,
+        "peer_bytes": 4,
+        "source": "swarm",
+    }
+
+
 @pytest.mark.parametrize(
     ("msg", "error"),
     [
@@ -57,6 +79,11 @@ def test_a_progress_report_is_parsed() -> None:
         ({"type": "hello", "dataplane_url": "ftp://x"}, "http"),
         ({"type": "heartbeat", "telemetry": {"sessions": True}}, "sessions"),
         ({"type": "hello", "shards": [{"model_sha256": SHA, "layer_start": 0}]}, "layer_end"),
+        ({"type": "progress", "assignment_id": 1, "state": "fetching", "transfer": [1]}, "'transfer'"),
+        (
+            {"type": "progress", "assignment_id": 1, "state": "fetching", "transfer": {"peers": -1}},
+            "negative",
+        ),
     ],
 )
 def test_malformed_messages_raise_a_protocol_error_saying_what_is_wrong(msg: object, error: str) -> None:

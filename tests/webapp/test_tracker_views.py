@@ -167,3 +167,22 @@ def test_a_load_command_without_a_torrent_names_only_the_http_file(
     )
     cmd = load_command(assignment_view(a))
     assert cmd["torrent_url"] is None and cmd["trackers"] == [] and cmd["web_seeds"] == []
+
+
+def test_the_fleet_page_shows_a_fetching_shards_progress_bar_and_sources(
+    staff_client: Any, swarm_artifact: Any, node_with_secret: Any
+) -> None:
+    from webapp.fleet.models import ShardAssignment
+    from webapp.fleet.services import update_progress
+
+    node, _ = node_with_secret
+    a = ShardAssignment.objects.create(node=node, artifact=swarm_artifact, layer_start=0, layer_end=10)
+    transfer = {"done_bytes": 27e6, "wanted_bytes": 54e6, "rate_bytes_per_s": 3e6, "peers": 2}
+    transfer |= {"peer_bytes": 9e6, "web_seed_bytes": 18e6, "source": "swarm"}
+    assert update_progress(node.id, a.pk, "fetching", 0.5, "", transfer)
+    page = staff_client.get("/fleet/").content.decode()
+    assert '<progress class="transfer" max="54000000.0" value="27000000.0">' in page
+    assert "27.0 MB / 54.0 MB · 3.0 MB/s · 2 peers · from peers 33%, web seed 67%" in page
+    assert update_progress(node.id, a.pk, "ready", 1.0, "")  # a report without figures keeps the last ones
+    a.refresh_from_db()
+    assert a.transfer["peer_bytes"] == 9e6
