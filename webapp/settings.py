@@ -118,7 +118,12 @@ if REDIS_URL:
     CHANNEL_LAYERS = {
         "default": {
             "BACKEND": "channels_redis.core.RedisChannelLayer",
-            "CONFIG": {"hosts": [REDIS_URL], "prefix": envstr("CHANNELS_PREFIX", "swarm")},
+            "CONFIG": {
+                # redis-py 8 times socket reads out after 5 s by default, exactly channels-redis's blocking-pop
+                # timeout: the race killed consumers with "Timeout reading" (close 1011). Read longer.
+                "hosts": [{"address": REDIS_URL, "socket_timeout": 30}],
+                "prefix": envstr("CHANNELS_PREFIX", "swarm"),
+            },
         }
     }
     CELERY_BROKER_URL = REDIS_URL
