@@ -5,7 +5,12 @@ one the tests use). HTTP-only uses the agent's range fetcher (agent.fetch.fetch_
 uses agent.torrent.SwarmClient with the default "fallback" web-seed policy. All three agents start
 together in both modes. The last line printed is one JSON object.
 
-    .venv/bin/python bench/distribution.py [--ranges 0:20,10:30,0:30]
+With --control-plane both modes run against the real control plane instead (daphne + the Django
+tracker and web seed, embedded mode, or real mode when DATABASE_URL / REDIS_URL are set): SmolLM2 is
+registered through the admin UI (the Celery job builds the .torrent), one node per range is enrolled
+over HTTP, and each node fetches with its own passkey URLs (torrent) or node credentials (HTTP).
+
+    .venv/bin/python bench/distribution.py [--ranges 0:20,10:30,0:30] [--control-plane]
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import argparse
 import asyncio
 import importlib.util
 import json
+import secrets
 import sys
 import tempfile
 import time
@@ -26,7 +32,13 @@ sys.path.insert(0, str(REPO))
 
 from agent.manifest import Manifest, build_manifest, merge_ranges  # noqa: E402
 from agent.models import packaged_model_path  # noqa: E402
-from agent.torrent import SwarmClient, create_torrent, shard_byte_ranges, verify_tensors  # noqa: E402
+from agent.torrent import (  # noqa: E402
+    SwarmClient,
+    create_torrent,
+    shard_byte_ranges,
+    torrent_info,
+    verify_tensors,
+)
 
 
 def _load_origin() -> Any:
@@ -125,6 +137,97 @@ def run_http(
     return {"seconds": seconds, "origin_bytes": origin.origin_bytes, "downloaded": got}
 
 
+def run_control_plane(
+    manifest: Manifest, ranges: list[tuple[int, int]], work: Path
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(torrent, http-only) results against the real control plane; origin bytes are what its web seed
+    (torrent) or artifact endpoint (HTTP) served, as counted by the nodes."""
+    import urllib.request
+
+    from aiohttp import ClientSession
+
+    from agent.config import NodeConfig
+    from agent.fetch import fetch_shard
+    from tests.integration.swarm import control_plane
+    from webapp.tracker.logic import derive_passkey
+
+    secret = secrets.token_urlsafe(48)
+    with control_plane(work / "cp", SECRET_KEY=secret) as s:
+        sha = s.register_smollm2()["sha256"]
+        nodes = [NodeConfig(**json.loads(s.enroll(f"bench-{i}")[0].read_text())) for i in range(len(ranges))]
+        req = urllib.request.Request(
+            f"{s.base}/artifacts/{sha}/torrent", headers={"Authorization": nodes[0].authorization()}
+        )
+        with urllib.request.urlopen(req, timeout=30) as r:
+            tb = r.read()
+        clients = [SwarmClient("127.0.0.1:0") for _ in ranges]
+        try:
+
+            def one(i: int) -> Path:
+                a, b = ranges[i]
+                key = derive_passkey(secret, nodes[i].node_id)
+                return clients[i].fetch_verified(
+                    tb,
+                    work / f"cp-torrent{i}",
+                    manifest,
+                    a,
+                    b,
+                    timeout=300,
+                    trackers=[f"{s.base}/tracker/{key}/announce"],
+                    web_seeds=[f"{s.base}/webseed/{key}/{sha}"],
+                )
+
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(len(ranges)) as pool:
+                list(pool.map(one, range(len(ranges))))
+            seconds = time.perf_counter() - t0
+            agents = []
+            for i, (a, b) in enumerate(ranges):
+                d = clients[i].get(str(torrent_info(tb).info_hashes().v1))
+                assert d is not None
+                p = clients[i].progress(d)
+                agents.append(
+                    {
+                        "layers": f"{a}:{b}",
+                        "needed": _needed(manifest, a, b),
+                        "downloaded": p.downloaded_bytes,
+                        "ratio": round(p.downloaded_bytes / _needed(manifest, a, b), 4),
+                        "from_peers": p.peer_bytes,
+                        "from_origin": p.web_seed_bytes,
+                    }
+                )
+        finally:
+            for c in clients:
+                c.close()
+        torrent = {
+            "seconds": seconds,
+            "origin_bytes": sum(a["from_origin"] for a in agents),
+            "agents": agents,
+        }
+
+        async def all_agents() -> list[int]:
+            async with ClientSession() as http:
+                return await asyncio.gather(
+                    *(
+                        fetch_shard(
+                            http,
+                            f"{s.base}/artifacts/{sha}/file",
+                            {"Authorization": nodes[i].authorization()},
+                            manifest,
+                            a,
+                            b,
+                            work / f"cp-http{i}" / f"{sha}.gguf",
+                        )
+                        for i, (a, b) in enumerate(ranges)
+                    )
+                )
+
+        t0 = time.perf_counter()
+        got = asyncio.run(all_agents())
+        http = {"seconds": time.perf_counter() - t0, "origin_bytes": sum(got), "downloaded": got}
+    return torrent, http
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
@@ -136,6 +239,11 @@ def main() -> None:
         default=400.0,
         help="also run both modes with the origin's uplink limited to this many Mbit/s (0: skip)",
     )
+    ap.add_argument(
+        "--control-plane",
+        action="store_true",
+        help="run against the real control plane (Django tracker + web seed) instead of the stand-in",
+    )
     args = ap.parse_args()
     ranges = [tuple(int(x) for x in r.split(":")) for r in args.ranges.split(",")]
     model = packaged_model_path()
@@ -144,10 +252,13 @@ def main() -> None:
     print(f"manifest of {model.name} in {time.perf_counter() - t:.1f}s", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="bench-distribution-") as tmp:
         work = Path(tmp)
-        http = run_http(model, manifest, ranges, work / "u", None)  # type: ignore[arg-type]
-        torrent = run_torrent(model, manifest, ranges, work / "u", None)  # type: ignore[arg-type]
         limited: dict[str, Any] = {}
-        if args.origin_mbit > 0:
+        if args.control_plane:
+            torrent, http = run_control_plane(manifest, ranges, work)  # type: ignore[arg-type]
+        else:
+            http = run_http(model, manifest, ranges, work / "u", None)  # type: ignore[arg-type]
+            torrent = run_torrent(model, manifest, ranges, work / "u", None)  # type: ignore[arg-type]
+        if args.origin_mbit > 0 and not args.control_plane:
             rate = args.origin_mbit * 1e6 / 8
             lim_http = run_http(model, manifest, ranges, work / "l", rate)  # type: ignore[arg-type]
             lim_torrent = run_torrent(model, manifest, ranges, work / "l", rate)  # type: ignore[arg-type]
@@ -179,6 +290,7 @@ def main() -> None:
         "ranges": [f"{a}:{b}" for a, b in ranges],
         "agents": torrent["agents"],
         "origin_limited": limited,
+        "origin": "control plane" if args.control_plane else "stand-in",
     }
     print(json.dumps(result))
 

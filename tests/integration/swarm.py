@@ -184,7 +184,7 @@ def _drop(name: str) -> None:
 def control_plane(tmp: Path, **env_extra: str) -> Iterator[Swarm]:
     """Migrate, create the admin, start beat + worker (real mode) and the web server; stop them after."""
     logs = tmp / "logs"
-    logs.mkdir()
+    logs.mkdir(parents=True)
     db_url, db_name = _database()
     redis = os.environ.get("REDIS_URL", "")
     run_id = uuid.uuid4().hex[:8]

@@ -66,6 +66,20 @@ def test_two_enrolled_nodes_find_each_other_through_the_tracker(client: Any, swa
     assert scraped[b"files"][ih][b"incomplete"] == 2
 
 
+def test_joining_peers_hear_only_of_earlier_arrivals_so_their_ranks_differ(
+    client: Any, swarm_artifact: Any
+) -> None:
+    ih = bytes.fromhex(swarm_artifact.infohash)
+    nodes = [enroll(n) for n in "abc"]
+    lengths = []
+    for i, node in enumerate(nodes):
+        q = announce_query(ih, bytes([65 + i]) * 20, 7000 + i, event="started")
+        lengths.append(len(get(client, f"/tracker/{node_passkey(node)}/announce", q)[b"peers"]) // 6)
+    assert lengths == [0, 1, 2]
+    again = get(client, f"/tracker/{node_passkey(nodes[0])}/announce", announce_query(ih, b"A" * 20, 7000))
+    assert len(again[b"peers"]) // 6 == 2  # a regular re-announce lists everyone
+
+
 @pytest.mark.parametrize(
     "passkey",
     ["nobody", "node-000000000000.0123456789abcdef0123456789abcdef", "{node}.forged", "{node}"],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import ipaddress
 import struct
 import threading
@@ -138,11 +140,14 @@ class Announce:
 
 @dataclass(frozen=True)
 class Peer:
+    """A peer as the store keeps it; seq is its arrival order in the torrent's swarm (1, 2, ...)."""
+
     peer_id: bytes
     ip: str
     port: int
     left: int
     expires: float
+    seq: int = 0
 
 
 def parse_query(raw_query: str | bytes) -> dict[str, bytes]:
@@ -226,6 +231,21 @@ def parse_announce(raw_query: str | bytes, remote_ip: str) -> Announce:
     )
 
 
+def derive_passkey(secret: str, node_id: str) -> str:
+    """A node's passkey, `<node id>.<HMAC-SHA256(secret, node id)[:32 hex]>`: nothing to store or look up."""
+    mac = hmac.new(secret.encode(), b"tracker-passkey:" + node_id.encode(), hashlib.sha256).hexdigest()
+    return f"{node_id}.{mac[:32]}"
+
+
+def passkey_claims(secret: str, passkey: str) -> str | None:
+    """The node id a passkey was derived for, if its MAC is right (whether the node is still enrolled
+    is the caller's question)."""
+    node_id, sep, _ = passkey.rpartition(".")
+    if not sep or not node_id or not hmac.compare_digest(passkey, derive_passkey(secret, node_id)):
+        return None
+    return node_id
+
+
 def failure(reason: str) -> bytes:
     """Bencoded failure response (sent with HTTP 200, as clients expect)."""
     return bencode({"failure reason": reason})
@@ -237,9 +257,15 @@ def failure(reason: str) -> bytes:
 class PeerStore(Protocol):
     """Where the tracker keeps peers; in-memory here, Redis/DB in a multi-process deployment."""
 
-    def update(self, a: Announce, now: float, ttl_s: float) -> None: ...
+    def update(self, a: Announce, now: float, ttl_s: float) -> int:
+        """Record the announce; returns the peer's arrival order (assigned once, atomically)."""
+        ...
 
-    def peers(self, info_hash: bytes, exclude: bytes, numwant: int, now: float) -> list[Peer]: ...
+    def peers(
+        self, info_hash: bytes, exclude: bytes, numwant: int, now: float, before_seq: int | None = None
+    ) -> list[Peer]:
+        """Live peers, most recently seen first; with before_seq only those that arrived earlier."""
+        ...
 
     def counts(self, info_hash: bytes, now: float) -> tuple[int, int, int]:
         """(complete, incomplete, downloaded) for one torrent."""
@@ -253,16 +279,23 @@ class MemoryPeerStore:
         self._lock = threading.Lock()
         self._peers: dict[bytes, dict[bytes, Peer]] = {}
         self._downloaded: dict[bytes, int] = {}
+        self._arrivals: dict[bytes, int] = {}
 
-    def update(self, a: Announce, now: float, ttl_s: float) -> None:
+    def update(self, a: Announce, now: float, ttl_s: float) -> int:
         with self._lock:
             swarm = self._peers.setdefault(a.info_hash, {})
+            old = swarm.get(a.peer_id)
             if a.event == "stopped":
                 swarm.pop(a.peer_id, None)
-                return
+                return old.seq if old else 0
             if a.event == "completed":
                 self._downloaded[a.info_hash] = self._downloaded.get(a.info_hash, 0) + 1
-            swarm[a.peer_id] = Peer(a.peer_id, a.ip, a.port, a.left, now + ttl_s)
+            if old is None:
+                self._arrivals[a.info_hash] = seq = self._arrivals.get(a.info_hash, 0) + 1
+            else:
+                seq = old.seq
+            swarm[a.peer_id] = Peer(a.peer_id, a.ip, a.port, a.left, now + ttl_s, seq)
+            return seq
 
     def _live(self, info_hash: bytes, now: float) -> dict[bytes, Peer]:
         swarm = self._peers.get(info_hash, {})
@@ -270,9 +303,15 @@ class MemoryPeerStore:
             del swarm[pid]
         return swarm
 
-    def peers(self, info_hash: bytes, exclude: bytes, numwant: int, now: float) -> list[Peer]:
+    def peers(
+        self, info_hash: bytes, exclude: bytes, numwant: int, now: float, before_seq: int | None = None
+    ) -> list[Peer]:
         with self._lock:
-            live = [p for pid, p in self._live(info_hash, now).items() if pid != exclude]
+            live = [
+                p
+                for pid, p in self._live(info_hash, now).items()
+                if pid != exclude and (before_seq is None or p.seq < before_seq)
+            ]
         live.sort(key=lambda p: p.expires, reverse=True)  # most recently seen first
         return live[:numwant]
 
@@ -326,7 +365,7 @@ def announce(
     if not torrent_known(a.info_hash):
         return failure("unregistered torrent")
     t = time.time() if now is None else now
-    store.update(a, t, config.ttl_s)
+    seq = store.update(a, t, config.ttl_s)
     complete, incomplete, _ = store.counts(a.info_hash, t)
     body: dict[bytes | str, Bencodable] = {
         "interval": config.interval_s,
@@ -334,7 +373,11 @@ def announce(
         "complete": complete,
         "incomplete": incomplete,
     }
-    peers = [] if a.event == "stopped" else store.peers(a.info_hash, a.peer_id, a.numwant, t)
+    # A joining peer hears only of those that arrived before it (they hear of it on their own announces
+    # or when it connects): concurrent joins then get distinct list lengths, which agents use as their
+    # arrival rank to stagger web seed use (agent.pieces.web_seed_needed).
+    before = seq if a.event == "started" else None
+    peers = [] if a.event == "stopped" else store.peers(a.info_hash, a.peer_id, a.numwant, t, before)
     if a.compact:
         v4, v6 = compact_peers(peers)
         body["peers"] = v4

@@ -6,35 +6,24 @@ stored, and revoked with the node (a removed node or one without a live credenti
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 from functools import cache
 
 from django.conf import settings
 
 from webapp.catalog.models import ModelArtifact
 from webapp.fleet.models import Node, NodeCredential
-from webapp.tracker.logic import MemoryPeerStore, PeerStore
-
-_PASSKEY_DIGEST_CHARS = 32
-
-
-def _mac(node_id: str) -> str:
-    key = settings.SECRET_KEY.encode()
-    return hmac.new(key, b"tracker-passkey:" + node_id.encode(), hashlib.sha256).hexdigest()[
-        :_PASSKEY_DIGEST_CHARS
-    ]
+from webapp.tracker.logic import MemoryPeerStore, PeerStore, derive_passkey, passkey_claims
 
 
 def node_passkey(node_id: str) -> str:
     """The passkey this node puts in its tracker and web seed URLs."""
-    return f"{node_id}.{_mac(node_id)}"
+    return derive_passkey(settings.SECRET_KEY, node_id)
 
 
 def passkey_node(passkey: str) -> str | None:
     """The enrolled, not removed node this passkey belongs to, else None."""
-    node_id, sep, mac = passkey.rpartition(".")
-    if not sep or not node_id or not hmac.compare_digest(mac, _mac(node_id)):
+    node_id = passkey_claims(settings.SECRET_KEY, passkey)
+    if node_id is None:
         return None
     live = NodeCredential.objects.filter(node_id=node_id, revoked_at=None).exclude(
         node__state=Node.State.REMOVED
