@@ -14,6 +14,7 @@ from agent.config import NodeConfig
 from agent.control import AgentRejected, ControlAgent, next_backoff, ws_url
 from agent.fetch import FetchError, fetch_shard, shard_path
 from agent.manifest import Manifest
+from webapp.tracker.webseed import RangeNotSatisfiable, plan_range, read_range
 
 SECRET = "sec_test"
 
@@ -58,6 +59,8 @@ class ControlPlane:
         self.sockets: list[web.WebSocketResponse] = []
         self.close_code: int | None = None
         self.range_requests: list[str] = []
+        self.torrent: bytes | None = None
+        self.webseed_bytes = 0
 
     def authorized(self, request: web.Request) -> bool:
         return request.headers.get("Authorization") == f"Node node-1:{SECRET}"
@@ -90,6 +93,24 @@ class ControlPlane:
             status=206, body=body, headers={"Content-Range": f"bytes {a}-{b}/{self.manifest.file_size}"}
         )
 
+    async def torrent_view(self, request: web.Request) -> web.Response:
+        if not self.authorized(request):
+            return web.Response(status=401)
+        if self.torrent is None:
+            return web.json_response({"error": "no .torrent"}, status=404)
+        return web.Response(body=self.torrent, content_type="application/x-bittorrent")
+
+    async def webseed_view(self, request: web.Request) -> web.Response:
+        """BEP 19 web seed (the agent's swarm falls back to it when no peer has a piece)."""
+        size = self.manifest.file_size
+        try:
+            plan = plan_range(request.headers.get("Range"), size)
+        except RangeNotSatisfiable as e:
+            return web.Response(status=416, text=str(e), headers=e.headers)
+        self.webseed_bytes += plan.length
+        body = b"".join(read_range(self.model_path, plan.start, plan.end))
+        return web.Response(status=plan.status, body=body, headers=plan.headers)
+
     async def next(self, kind: str, timeout: float = 30.0) -> dict[str, Any]:
         while True:
             msg = await asyncio.wait_for(self.received.get(), timeout)
@@ -104,6 +125,8 @@ async def plane(manifest: Manifest, model_path: str):  # noqa: ANN201
     app.router.add_get("/ws/agent/", cp.ws)
     app.router.add_get("/artifacts/{sha}/manifest", cp.manifest_view)
     app.router.add_get("/artifacts/{sha}/file", cp.file_view)
+    app.router.add_get("/artifacts/{sha}/torrent", cp.torrent_view)
+    app.router.add_get("/webseed/{key}/{sha}", cp.webseed_view)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -114,10 +137,19 @@ async def plane(manifest: Manifest, model_path: str):  # noqa: ANN201
     await runner.cleanup()
 
 
-def make_agent(cp: ControlPlane, host: FakeHost, tmp_path: Path, secret: str = SECRET) -> ControlAgent:
+def make_agent(
+    cp: ControlPlane, host: FakeHost, tmp_path: Path, secret: str = SECRET, torrent_listen: str | None = None
+) -> ControlAgent:
     cfg = NodeConfig(server=cp.url, node_id="node-1", secret=secret, public_key="x")  # type: ignore[attr-defined]
     return ControlAgent(
-        cfg, host, "http://127.0.0.1:7000", tmp_path, heartbeat_s=0.2, backends=lambda: ["torch"], speed=5.0
+        cfg,
+        host,
+        "http://127.0.0.1:7000",
+        tmp_path,
+        heartbeat_s=0.2,
+        backends=lambda: ["torch"],
+        speed=5.0,
+        torrent_listen=torrent_listen,
     )
 
 
@@ -239,3 +271,119 @@ async def test_a_second_fetch_only_downloads_the_header_and_a_tampered_tensor_is
         plane.model_path = str(bad)
         with pytest.raises(FetchError, match="sha256"):
             await fetch_shard(http, url, headers, manifest, 28, 30, tmp_path / "fresh.gguf")
+
+
+@pytest.fixture(scope="module")
+def torrent(model_path: str, manifest: Manifest) -> bytes:
+    lt = pytest.importorskip("libtorrent")
+    del lt
+    from agent.torrent import create_torrent
+
+    return create_torrent(model_path, smallest_layer_bytes=min(x.nbytes for x in manifest.layers))[0]
+
+
+def swarm_load_command(manifest: Manifest, a: int, b: int, aid: int = 1) -> dict[str, Any]:
+    """A load command for a model with a .torrent; no tracker, so the swarm is web-seed-only."""
+    sha = manifest.sha256
+    return {
+        **load_command(manifest, a, b, aid),
+        "torrent_url": f"/artifacts/{sha}/torrent",
+        "trackers": [],
+        "web_seeds": [f"/webseed/key-1/{sha}"],
+    }
+
+
+async def until_done(plane: ControlPlane) -> list[dict[str, Any]]:
+    reports: list[dict[str, Any]] = []
+    while not reports or reports[-1]["state"] not in ("ready", "failed"):
+        reports.append(await plane.next("progress", timeout=120))
+    return reports
+
+
+class VerifyingHost(FakeHost):
+    """Checks every tensor of the range against the manifest when asked to load, like a careful backend."""
+
+    def load_shard(
+        self, path: str, manifest: Manifest, a: int, b: int, backend: str = "torch", n_threads: int = 2
+    ) -> None:
+        from agent.torrent import verify_tensors
+
+        verify_tensors(path, manifest, a, b)
+        super().load_shard(path, manifest, a, b, backend, n_threads)
+
+
+async def test_a_model_with_a_torrent_is_fetched_over_the_swarm_and_progress_names_the_sources(
+    plane: ControlPlane, tmp_path: Path, manifest: Manifest, torrent: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    from agent.torrent import shard_byte_ranges
+
+    plane.torrent = torrent
+    host, stop = VerifyingHost(), asyncio.Event()
+    task = asyncio.create_task(make_agent(plane, host, tmp_path, torrent_listen="127.0.0.1:0").run(stop))
+    await plane.next("hello")
+    await plane.sockets[-1].send_json(swarm_load_command(manifest, 28, 30))
+    reports = await until_done(plane)
+    assert reports[-1]["state"] == "ready", reports
+    last = [r["transfer"] for r in reports if "transfer" in r][-1]
+    assert last["source"] == "swarm" and last["done_bytes"] == last["wanted_bytes"] > 0
+    assert last["web_seed_bytes"] == last["downloaded_bytes"] and last["peer_bytes"] == 0
+    assert plane.range_requests == [], "the HTTP artifact endpoint was not used"
+    assert last["downloaded_bytes"] <= 1.10 * sum(e - s for s, e in shard_byte_ranges(manifest, 28, 30))
+    path = Path(host.loads[0][0])
+    assert path.parent == tmp_path / "swarm" / manifest.sha256
+    assert path.stat().st_blocks * 512 < manifest.file_size / 2, "the file on disk is sparse"
+
+    # Tampered on disk while the swarm still believes it has the pieces: the tensor check catches it,
+    # the pieces are re-fetched, and only then is the shard loaded.
+    t = manifest.tensors_for_range(28, 30)[3]
+    with open(path, "r+b") as f:
+        f.seek(t.offset)
+        f.write(b"\0" * 64)
+    host.shards.clear()
+    seen = plane.webseed_bytes
+    await plane.sockets[-1].send_json(swarm_load_command(manifest, 28, 30, aid=2))
+    reports = await until_done(plane)
+    assert reports[-1]["state"] == "ready", reports
+    assert len(host.loads) == 2 and plane.webseed_bytes > seen
+    assert f"sha256 mismatch for tensor(s) {t.name}" in caplog.text and "re-fetching" in caplog.text
+    stop.set()
+    await asyncio.wait_for(task, 20)
+
+
+async def test_without_libtorrent_a_model_with_a_torrent_is_fetched_over_http(
+    plane: ControlPlane, tmp_path: Path, manifest: Manifest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    plane.torrent = b"d4:infod6:lengthi1eee"  # never read: the agent cannot use it
+    monkeypatch.setitem(sys.modules, "agent.torrent", None)  # `from agent.torrent import ...` fails
+    host, stop = FakeHost(), asyncio.Event()
+    task = asyncio.create_task(make_agent(plane, host, tmp_path, torrent_listen="127.0.0.1:0").run(stop))
+    await plane.next("hello")
+    await plane.sockets[-1].send_json(swarm_load_command(manifest, 0, 3))
+    reports = await until_done(plane)
+    assert reports[-1]["state"] == "ready", reports
+    assert plane.range_requests and plane.webseed_bytes == 0
+    assert [r["transfer"]["source"] for r in reports if "transfer" in r] == ["http"]
+    stop.set()
+    await asyncio.wait_for(task, 10)
+
+
+async def test_a_tensor_that_never_matches_its_manifest_hash_fails_the_assignment_and_is_never_loaded(
+    plane: ControlPlane, tmp_path: Path, manifest: Manifest, torrent: bytes
+) -> None:
+    data = json.loads(manifest.to_json())
+    bad = next(t for t in data["tensors"] if t["layer"] == 29)
+    bad["sha256"] = "0" * 64  # the bytes pass every piece hash, but not the manifest's tensor hash
+    plane.manifest = Manifest.from_dict(data)
+    plane.torrent = torrent
+    host, stop = FakeHost(), asyncio.Event()
+    task = asyncio.create_task(make_agent(plane, host, tmp_path, torrent_listen="127.0.0.1:0").run(stop))
+    await plane.next("hello")
+    await plane.sockets[-1].send_json(swarm_load_command(manifest, 29, 30))
+    reports = await until_done(plane)
+    assert reports[-1]["state"] == "failed"
+    assert f"sha256 mismatch for tensor(s) {bad['name']}" in reports[-1]["error"]
+    assert host.loads == []
+    stop.set()
+    await asyncio.wait_for(task, 20)
