@@ -387,3 +387,30 @@ async def test_a_tensor_that_never_matches_its_manifest_hash_fails_the_assignmen
     assert host.loads == []
     stop.set()
     await asyncio.wait_for(task, 20)
+
+
+async def test_a_wider_range_on_the_same_agent_downloads_only_the_newly_needed_pieces(
+    plane: ControlPlane, tmp_path: Path, manifest: Manifest, torrent: bytes
+) -> None:
+    from agent.torrent import needed_pieces, shard_byte_ranges, torrent_info
+
+    plane.torrent = torrent
+    host, stop = FakeHost(), asyncio.Event()
+    task = asyncio.create_task(make_agent(plane, host, tmp_path, torrent_listen="127.0.0.1:0").run(stop))
+    await plane.next("hello")
+    await plane.sockets[-1].send_json(swarm_load_command(manifest, 28, 30))
+    assert (await until_done(plane))[-1]["state"] == "ready"
+    first = plane.webseed_bytes
+    await plane.sockets[-1].send_json(swarm_load_command(manifest, 26, 30, aid=2))  # a moved/extra range
+    reports = await until_done(plane)
+    assert reports[-1]["state"] == "ready", reports
+    old = needed_pieces(torrent, shard_byte_ranges(manifest, 28, 30))
+    new = needed_pieces(torrent, shard_byte_ranges(manifest, 26, 30)) - old
+    piece = torrent_info(torrent).piece_length()
+    assert 0 < plane.webseed_bytes - first <= len(new) * piece, (
+        plane.webseed_bytes - first,
+        len(new) * piece,
+    )
+    assert len({Path(p) for p, *_ in host.loads}) == 1, "both ranges load from the same sparse file"
+    stop.set()
+    await asyncio.wait_for(task, 20)
