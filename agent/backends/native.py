@@ -25,19 +25,19 @@ def _error(e: NativeError) -> BackendError:
 class NativeBackend(Backend):
     """Layers [layer_start, layer_end) of the GGUF in one libggswarm handle; one native session per sid."""
 
-    def __init__(
-        self,
-        spec: ShardSpec,
-        kv_budget_bytes: int = 1 << 30,
-        hidden_dtype: str = "float32",
-        model_id: str | None = None,
-    ) -> None:
+    def __init__(self, spec: ShardSpec, **options: object) -> None:
+        """Options: kv_budget_bytes (int, default 1 GiB; 0 = unlimited), hidden_dtype ("float32" or
+        "float16" for the rows returned to the next hop), model_id (identity written into KV snapshots;
+        default the manifest's sha256). Options other backends take (n_batch, ...) are ignored."""
+        kv_budget_bytes = int(options.get("kv_budget_bytes", 1 << 30))  # type: ignore[call-overload]
+        hidden_dtype = str(options.get("hidden_dtype", "float32"))
+        model_id = options.get("model_id")
         try:
             load_library()
         except OSError as e:
             raise BackendError(f"native backend unavailable: {e}") from None
         self.spec = spec
-        self.kv_budget_bytes = int(kv_budget_bytes)
+        self.kv_budget_bytes = kv_budget_bytes
         self.hidden_dtype = np.float16 if hidden_dtype == "float16" else np.float32
         try:
             self.model = NativeModel(
@@ -46,7 +46,7 @@ class NativeBackend(Backend):
                 spec.layer_end,
                 n_threads=spec.n_threads,
                 kv_budget_bytes=self.kv_budget_bytes,
-                model_id=model_id or spec.manifest.sha256 or None,
+                model_id=str(model_id) if model_id else (spec.manifest.sha256 or None),
             )
         except NativeError as e:
             raise _error(e) from None

@@ -205,6 +205,10 @@ def test_the_backend_turns_native_errors_into_backend_errors(native_lib: None, t
     last.open_session(other, 256)  # 256 positions x 256 B more than the 100 kB budget has left
     with pytest.raises(AdmissionError, match="KV budget"):
         last.forward(other, 0, hidden=np.zeros((200, D), dtype=np.float32))
-    first.close()
-    last.close()
+    half = NativeBackend(ShardSpec(str(tiny), 0, 1, manifest, n_threads=1), hidden_dtype="float16", n_batch=7)
+    half.open_session(sid, 64)
+    h16 = half.forward(sid, 0, token_ids=np.array([1, 2, 3])).hidden
+    assert h16.dtype == np.float16 and np.allclose(h16, h, rtol=1e-2, atol=1e-2)
+    for be in (first, last, half):
+        be.close()
     last.close()
