@@ -18,7 +18,7 @@ from agent import __version__
 from agent.backends import load_backend
 from agent.backends.base import AdmissionError, Backend, BackendError, ShardSpec
 from agent.ids import SessionId
-from agent.kvcache import SessionState, SessionTable
+from agent.kvcache import SessionState, SessionTable, ShardKey
 from agent.manifest import Manifest
 from agent.protocol import (
     CONTEXT_CAP,
@@ -39,7 +39,7 @@ from agent.protocol import (
 from agent.routetoken import RouteClaims, TokenError, TokenVerifier
 
 log = logging.getLogger("agent.dataplane")
-ShardKey = tuple[str, int, int]  # (model sha256, layer_start, layer_end)
+_SWEEPER: web.AppKey[asyncio.Task[None]] = web.AppKey("sweeper", asyncio.Task)
 _INLINE_TOKENS = 16  # batches up to this size run on the event loop; bigger ones in a worker thread
 
 
@@ -122,8 +122,8 @@ class DataPlane:
         shard = self.shards.pop((model_sha256, layer_start, layer_end), None)
         if shard is None:
             return False
-        for sid in self.sessions.for_shard(shard.key):
-            self.sessions.close(sid)
+        for key in self.sessions.for_shard(shard.key):
+            self.sessions.close(key)
         shard.backend.close()
         return True
 
@@ -178,11 +178,9 @@ class DataPlane:
         return claims, shard
 
     def _session(self, req: Request, shard: Shard) -> SessionState:
-        s = self.sessions.get(SessionId(req.session))
+        s = self.sessions.get((SessionId(req.session), shard.key))
         if s is None:
             raise DataPlaneError(404, "unknown_session", "unknown session (expired, evicted or never opened)")
-        if s.shard_key != shard.key:
-            raise DataPlaneError(403, "wrong_range", "session belongs to another shard")
         return s
 
     async def handle(self, body: bytes) -> bytes:
@@ -196,7 +194,7 @@ class DataPlane:
         if req.op == Op.OPEN:
             return self._open(req, shard)
         if req.op == Op.CLOSE:
-            self.sessions.close(SessionId(req.session))
+            self.sessions.close((SessionId(req.session), shard.key))
             return encode_response(Response(step=req.step, kind=Kind.NONE))
         s = self._session(req, shard)
         if req.op == Op.TRUNCATE:
@@ -209,8 +207,8 @@ class DataPlane:
             raise DataPlaneError(
                 503, "draining", "this shard is draining; ask the control plane for another route"
             )
-        if sid in self.sessions:
-            existing = self.sessions.get(sid)
+        if (sid, shard.key) in self.sessions:
+            existing = self.sessions.get((sid, shard.key))
             assert existing is not None
             return encode_response(
                 Response(
@@ -449,12 +447,12 @@ class DataPlane:
                 log.info("expired %d idle sessions", n)
 
     async def _on_startup(self, app: web.Application) -> None:
-        app["sweeper"] = asyncio.create_task(self._sweeper(app))
+        app[_SWEEPER] = asyncio.create_task(self._sweeper(app))
 
     async def _on_cleanup(self, app: web.Application) -> None:
-        app["sweeper"].cancel()
+        app[_SWEEPER].cancel()
         with contextlib.suppress(asyncio.CancelledError):
-            await app["sweeper"]
+            await app[_SWEEPER]
         if self._client is not None:
             await self._client.close()
 

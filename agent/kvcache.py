@@ -16,7 +16,7 @@ class SessionState:
     """One session as this node sees it: which shard holds its KV, and what was last applied."""
 
     sid: SessionId
-    shard_key: tuple[str, int, int]
+    shard_key: ShardKey
     backend: Backend
     max_tokens: int
     last_step: int = 0
@@ -28,6 +28,15 @@ class SessionState:
     busy: bool = False
     last_used: float = field(default_factory=time.monotonic)
 
+    @property
+    def key(self) -> SessionKey:
+        return (self.sid, self.shard_key)
+
+
+ShardKey = tuple[str, int, int]  # (model sha256, layer_start, layer_end)
+# A route may pass twice through one node (two ranges on it), so a session is keyed by id *and* shard.
+SessionKey = tuple[SessionId, ShardKey]
+
 
 class SessionTable:
     """Owns every session on the node and the node-wide KV byte budget."""
@@ -35,7 +44,7 @@ class SessionTable:
     def __init__(self, budget_bytes: int, ttl_s: float = 1800.0) -> None:
         self.budget_bytes = budget_bytes
         self.ttl_s = ttl_s
-        self._sessions: OrderedDict[SessionId, SessionState] = OrderedDict()
+        self._sessions: OrderedDict[SessionKey, SessionState] = OrderedDict()
         self.evictions = 0
         self.expirations = 0
 
@@ -45,21 +54,21 @@ class SessionTable:
     def __contains__(self, sid: object) -> bool:
         return sid in self._sessions
 
-    def get(self, sid: SessionId) -> SessionState | None:
-        s = self._sessions.get(sid)
+    def get(self, key: SessionKey) -> SessionState | None:
+        s = self._sessions.get(key)
         if s is not None:
             s.last_used = time.monotonic()
-            self._sessions.move_to_end(sid)
+            self._sessions.move_to_end(key)
         return s
 
     def add(self, state: SessionState) -> None:
-        self._sessions[state.sid] = state
+        self._sessions[state.key] = state
 
-    def close(self, sid: SessionId) -> bool:
-        s = self._sessions.pop(sid, None)
+    def close(self, key: SessionKey) -> bool:
+        s = self._sessions.pop(key, None)
         if s is None:
             return False
-        s.backend.close_session(sid)
+        s.backend.close_session(s.sid)
         return True
 
     def used_bytes(self) -> int:
@@ -72,14 +81,14 @@ class SessionTable:
         used = self.used_bytes()
         if used + extra_bytes <= self.budget_bytes:
             return
-        for sid in list(self._sessions):
+        for key in list(self._sessions):
             if used + extra_bytes <= self.budget_bytes:
                 break
-            victim = self._sessions[sid]
-            if sid == state.sid or victim.busy:
+            victim = self._sessions[key]
+            if key == state.key or victim.busy:
                 continue
-            used -= victim.backend.kv_bytes(sid)
-            self.close(sid)
+            used -= victim.backend.kv_bytes(victim.sid)
+            self.close(key)
             self.evictions += 1
         if used + extra_bytes > self.budget_bytes:
             raise AdmissionError(
@@ -88,11 +97,11 @@ class SessionTable:
 
     def expire(self, now: float | None = None) -> int:
         now = time.monotonic() if now is None else now
-        dead = [sid for sid, s in self._sessions.items() if not s.busy and now - s.last_used > self.ttl_s]
-        for sid in dead:
-            self.close(sid)
+        dead = [key for key, s in self._sessions.items() if not s.busy and now - s.last_used > self.ttl_s]
+        for key in dead:
+            self.close(key)
         self.expirations += len(dead)
         return len(dead)
 
-    def for_shard(self, key: tuple[str, int, int]) -> list[SessionId]:
-        return [sid for sid, s in self._sessions.items() if s.shard_key == key]
+    def for_shard(self, shard_key: ShardKey) -> list[SessionKey]:
+        return [key for key, s in self._sessions.items() if s.shard_key == shard_key]

@@ -22,9 +22,16 @@ class FakeBackend:
         self.bytes.pop(sid, None)
 
 
+SHARD = ("m", 0, 1)
+
+
+def key(name: bytes) -> tuple[SessionId, tuple[str, int, int]]:
+    return (SessionId(name * 16), SHARD)
+
+
 def add(table: SessionTable, be: FakeBackend, name: bytes, nbytes: int) -> SessionState:
     sid = SessionId(name * 16)
-    st = SessionState(sid=sid, shard_key=("m", 0, 1), backend=be, max_tokens=10)  # type: ignore[arg-type]
+    st = SessionState(sid=sid, shard_key=SHARD, backend=be, max_tokens=10)  # type: ignore[arg-type]
     table.admit(st, nbytes)
     be.bytes[sid] = nbytes
     table.add(st)
@@ -35,9 +42,9 @@ def test_admission_evicts_the_least_recently_used_idle_session() -> None:
     be, table = FakeBackend(), SessionTable(budget_bytes=100)
     add(table, be, b"a", 40)
     add(table, be, b"b", 40)
-    table.get(SessionId(b"a" * 16))  # a is now more recent than b
+    table.get(key(b"a"))  # a is now more recent than b
     add(table, be, b"c", 40)
-    assert SessionId(b"b" * 16) not in table and SessionId(b"a" * 16) in table
+    assert key(b"b") not in table and key(b"a") in table
     assert table.evictions == 1 and table.used_bytes() == 80
 
 
@@ -47,7 +54,7 @@ def test_busy_sessions_are_never_evicted_and_the_request_is_refused() -> None:
     a.busy = True
     with pytest.raises(AdmissionError, match="budget"):
         add(table, be, b"b", 60)
-    assert SessionId(b"a" * 16) in table
+    assert key(b"a") in table
 
 
 def test_idle_sessions_expire_after_the_ttl() -> None:
@@ -56,3 +63,13 @@ def test_idle_sessions_expire_after_the_ttl() -> None:
     assert table.expire(now=st.last_used + 5) == 0
     assert table.expire(now=st.last_used + 11) == 1
     assert len(table) == 0 and be.kv_bytes() == 0
+
+
+def test_one_session_id_on_two_shards_of_a_node_is_two_sessions() -> None:
+    be, table = FakeBackend(), SessionTable(budget_bytes=100)
+    sid = SessionId(b"s" * 16)
+    for shard in (("m", 0, 15), ("m", 15, 30)):
+        table.add(SessionState(sid=sid, shard_key=shard, backend=be, max_tokens=10))  # type: ignore[arg-type]
+    assert len(table) == 2
+    table.close((sid, ("m", 0, 15)))
+    assert (sid, ("m", 15, 30)) in table and len(table) == 1

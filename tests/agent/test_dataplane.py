@@ -1,0 +1,51 @@
+"""The data plane in-process: a route may pass through one node twice, on two of its shards."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from agent.backends.base import SamplingParams, ShardSpec
+from agent.backends.torch_llama import TorchLlamaBackend
+from agent.client import Hop, RouteClient
+from agent.dataplane import DataPlane, start_dataplane
+from agent.ids import SessionId
+from agent.routetoken import mint
+from tests.conftest import free_port
+
+PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 504, 3575, 282, 4649, 314]
+
+
+async def test_a_node_holding_two_consecutive_shards_serves_both_hops_of_one_session(
+    model_path, manifest, signing_key
+) -> None:  # noqa: ANN001
+    dp = DataPlane("node-x", signing_key.public_key())
+    dp.load_shard(model_path, manifest, 0, 15, backend="torch", n_threads=2)
+    dp.load_shard(model_path, manifest, 15, 30, backend="torch", n_threads=2)
+    port = free_port()
+    runner = await start_dataplane(dp, "127.0.0.1", port)
+    url = f"http://127.0.0.1:{port}"
+    session = os.urandom(16)
+    hops = [
+        Hop(url, a, b, mint(signing_key, session, manifest.sha256, a, b, "node-x"))
+        for a, b in ((0, 15), (15, 30))
+    ]
+    client = RouteClient(hops, session_id=session)
+    try:
+        got = [t async for t, _ in client.generate(PROMPT, SamplingParams(), 8)]
+        assert dp.stats()["sessions"] == 2
+    finally:
+        await client.close()
+        await runner.cleanup()
+    assert dp.stats()["sessions"] == 0 and dp.stats()["kv_bytes"] == 0
+
+    whole = TorchLlamaBackend(ShardSpec(model_path, 0, 30, manifest, n_threads=2))
+    sid = SessionId(b"w" * 16)
+    whole.open_session(sid, 64)
+    r = whole.forward(sid, 0, token_ids=np.array(PROMPT))
+    want = [r.token]
+    while len(want) < 8:
+        r = whole.forward(sid, len(PROMPT) + len(want) - 1, token_ids=np.array([want[-1]]))
+        want.append(r.token)
+    assert got == want
