@@ -200,3 +200,21 @@ def test_the_fleet_page_shows_a_fetching_shards_progress_bar_and_sources(
     assert update_progress(node.id, a.pk, "ready", 1.0, "")  # a report without figures keeps the last ones
     a.refresh_from_db()
     assert a.transfer["peer_bytes"] == 9e6
+
+
+@pytest.mark.django_db(transaction=True)  # the view runs in another thread than the test
+async def test_under_asgi_the_web_seed_streams_without_buffering_the_range(
+    async_client: Any, swarm_artifact: Any
+) -> None:
+    from channels.db import database_sync_to_async
+
+    key = await database_sync_to_async(lambda: node_passkey(enroll("a")))()
+    r = await async_client.get(
+        f"/webseed/{key}/{swarm_artifact.sha256}", headers={"Range": "bytes=10-3000000"}
+    )
+    assert r.status_code == 206 and r.is_async  # an async iterator: chunks are read as they are sent
+    body = b"".join([chunk async for chunk in r.streaming_content])
+    assert body == Path(swarm_artifact.path).read_bytes()[10:3000001]
+    from django.db import connections
+
+    await database_sync_to_async(connections.close_all)()  # the view's thread connection

@@ -103,7 +103,7 @@ def artifact_file(request: HttpRequest, sha256: str) -> HttpResponse:
     """The GGUF bytes with single-range support (the HTTP fallback when there is no swarm)."""
     if not _may_read_artifacts(request):
         return JsonResponse({"error": "node credentials required"}, status=401)
-    return file_range_response(_ready_artifact(sha256).path, request.headers.get("Range"))
+    return file_range_response(request, _ready_artifact(sha256).path)
 
 
 @require_GET

@@ -50,4 +50,4 @@ def webseed(request: HttpRequest, passkey: str, sha256: str) -> HttpResponse:
     if not services.passkey_ok(passkey):
         return HttpResponse("unknown passkey", status=403, content_type="text/plain")
     artifact = get_object_or_404(ModelArtifact, sha256=sha256, state=ModelArtifact.State.READY)
-    return file_range_response(artifact.path, request.headers.get("Range"))
+    return file_range_response(request, artifact.path)
