@@ -414,3 +414,19 @@ async def test_a_wider_range_on_the_same_agent_downloads_only_the_newly_needed_p
     assert len({Path(p) for p, *_ in host.loads}) == 1, "both ranges load from the same sparse file"
     stop.set()
     await asyncio.wait_for(task, 20)
+
+
+async def test_a_model_whose_torrent_is_gone_is_fetched_over_http(
+    plane: ControlPlane, tmp_path: Path, manifest: Manifest
+) -> None:
+    plane.torrent = None  # the control plane answers 404 for the .torrent
+    host, stop = FakeHost(), asyncio.Event()
+    task = asyncio.create_task(make_agent(plane, host, tmp_path, torrent_listen="127.0.0.1:0").run(stop))
+    await plane.next("hello")
+    await plane.sockets[-1].send_json(swarm_load_command(manifest, 0, 3))
+    reports = await until_done(plane)
+    assert reports[-1]["state"] == "ready", reports
+    assert plane.range_requests and plane.webseed_bytes == 0
+    assert host.loads == [(str(shard_path(tmp_path, manifest.sha256)), 0, 3, "torch")]
+    stop.set()
+    await asyncio.wait_for(task, 10)
