@@ -230,3 +230,28 @@ async def test_a_heartbeat_from_a_node_marked_offline_asks_it_to_resync(node_wit
     n = await database_sync_to_async(Node.objects.get)(pk=node.id)
     assert n.state == Node.State.ONLINE
     await ws.disconnect()
+
+
+async def test_a_progress_report_with_transfer_figures_is_kept_on_the_assignment(
+    node_with_secret: Any, artifact: Any
+) -> None:
+    node, secret = node_with_secret
+    a = await database_sync_to_async(ShardAssignment.objects.create)(
+        node=node, artifact=artifact, layer_start=0, layer_end=30
+    )
+    ws = await connected(node.id, secret)
+    transfer = {"done_bytes": 5, "wanted_bytes": 10, "peers": 1, "peer_bytes": 3, "web_seed_bytes": 2}
+    await ws.send_json_to(
+        {
+            "type": "progress",
+            "assignment_id": a.pk,
+            "state": "fetching",
+            "progress": 0.5,
+            "transfer": transfer,
+        }
+    )
+    await ws.send_to(text_data="{")  # the error reply means the report before it was handled
+    await ws.receive_json_from()
+    a = await database_sync_to_async(ShardAssignment.objects.get)(pk=a.pk)
+    assert a.state == "fetching" and a.transfer == transfer
+    await ws.disconnect()
