@@ -147,9 +147,9 @@ def close_all(hops: list, sid: SessionId) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--decode-tokens", type=int, default=128)
-    ap.add_argument("--ctx-steps", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--ctx-steps", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--wait-quiet-s", type=float, default=0.0, help="wait up to this long for load < 1 first")
     args = ap.parse_args()
     load_at_start = wait_for_quiet(args.wait_quiet_s) if args.wait_quiet_s > 0 else os.getloadavg()[0]
