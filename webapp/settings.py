@@ -157,7 +157,8 @@ ROUTE_SESSION_IDLE_S = envint("ROUTE_SESSION_IDLE_S", 1800, minimum=60)
 TELEMETRY_SAMPLE_EVERY_S = envint("TELEMETRY_SAMPLE_EVERY_S", 10, minimum=1)
 TELEMETRY_KEEP_HOURS = envint("TELEMETRY_KEEP_HOURS", 24, minimum=1)
 KV_RESERVE_BYTES = envint("KV_RESERVE_BYTES", 256 << 20, minimum=0)
-DEFAULT_BACKEND = envstr("DEFAULT_BACKEND", "torch")
+# The ggml executor when a node has it built; nodes without it fall back to their first backend.
+DEFAULT_BACKEND = envstr("DEFAULT_BACKEND", "native")
 # Ed25519 key that signs route tokens: ROUTE_KEY_PEM(_FILE), else generated into the data dir (0600).
 ROUTE_KEY_PEM = envstr("ROUTE_KEY_PEM")
 ROUTE_KEY_PATH = DATA_DIR / "route_key.pem"

@@ -127,5 +127,13 @@ class Backend(ABC):
         """Extra KV bytes the session will hold once it grows to `new_len` positions."""
         return 0
 
+    def snapshot(self, sid: SessionId) -> bytes:
+        """The session's KV as bytes (prefix snapshots, migration); backends that cannot, refuse."""
+        raise BackendError(f"{type(self).__name__} cannot snapshot sessions")
+
+    def restore(self, sid: SessionId, data: bytes) -> None:
+        """Open `sid` from a snapshot taken by the same backend on the same shard."""
+        raise BackendError(f"{type(self).__name__} cannot restore sessions")
+
     def close(self) -> None:  # noqa: B027 - optional hook, most backends free on garbage collection
         """Release the model. Idempotent."""

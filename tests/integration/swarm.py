@@ -201,6 +201,8 @@ def control_plane(tmp: Path, **env_extra: str) -> Iterator[Swarm]:
         "DJANGO_SUPERUSER_PASSWORD": PASSWORD,
         # Long enough that a heartbeat delayed by a loaded CI machine never re-places a live agent.
         "NODE_LOST_AFTER_S": "15",
+        # These tests compare against the torch oracle on the whole file, so shards run the oracle too.
+        "DEFAULT_BACKEND": "torch",
         **env_extra,
     }
     port = free_port()
