@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from agent.backends import load_backend  # noqa: E402
+from agent.backends import available_backends, load_backend  # noqa: E402
 from agent.backends.base import SamplingParams, ShardSpec  # noqa: E402
 from agent.client import Hop, RouteClient  # noqa: E402
 from agent.ids import SessionId  # noqa: E402
@@ -116,6 +116,7 @@ def main() -> None:
         "torch_single": [],
         "torch_3hop_star": [],
         "torch_3hop_chain": [],
+        "native_3hop_http": [],
     }
     try:
         for a, b in ((0, 10), (10, 20), (20, 30)):
@@ -128,11 +129,27 @@ def main() -> None:
         def hops_for(session: bytes) -> list[Hop]:
             return [Hop(u, a, b, mint(key, session, manifest.sha256, a, b, n)) for u, a, b, n in hops]
 
+        # The same route on the native (ggml) backend, when built: the P1 figure of the brief.
+        native_hops: list[tuple[str, int, int, str]] = []
+        if "native" in available_backends():
+            for a, b in ((0, 10), (10, 20), (20, 30)):
+                proc, url, node = start_serve(
+                    path, f"{a}:{b}", "native", public_key_b64(key.public_key()), args.threads, logdir
+                )
+                procs.append(proc)
+                native_hops.append((url, a, b, node))
+
+        def native_hops_for(session: bytes) -> list[Hop]:
+            return [Hop(u, a, b, mint(key, session, manifest.sha256, a, b, n)) for u, a, b, n in native_hops]
+
         async def run() -> None:
             decode_tok_s(llama, prompt, 8)  # warm-ups
             decode_tok_s(single, prompt, 4)
             for mode in ("star", "chain"):
                 _, c = await route_decode(hops_for, prompt, 4, mode)
+                await c.close()
+            if native_hops:
+                _, c = await route_decode(native_hops_for, prompt, 4, "star")
                 await c.close()
             # Interleaved rounds, medians reported: the machine is shared and noisy.
             for _ in range(args.rounds):
@@ -142,6 +159,10 @@ def main() -> None:
                     tps, c = await route_decode(hops_for, prompt, args.tokens, mode)
                     await c.close()
                     samples[f"torch_3hop_{mode}"].append(tps)
+                if native_hops:
+                    tps, c = await route_decode(native_hops_for, prompt, args.tokens, "star")
+                    await c.close()
+                    samples["native_3hop_http"].append(tps)
             # Per-step wire bytes: decode 32 steps and divide each hop's received frame bytes by the steps.
             for mode in ("star", "chain"):
                 session = os.urandom(16)
@@ -163,7 +184,12 @@ def main() -> None:
     finally:
         stop(procs)
     for name, xs in samples.items():
-        out[f"decode_tok_s_{name}"] = round(float(np.median(xs)), 2)
+        if xs:
+            out[f"decode_tok_s_{name}"] = round(float(np.median(xs)), 2)
+    if samples["native_3hop_http"]:
+        out["ratio_native_3hop_http_vs_llamacpp"] = round(
+            out["decode_tok_s_native_3hop_http"] / out["decode_tok_s_llamacpp"], 3
+        )
     best = max(out["decode_tok_s_torch_3hop_star"], out["decode_tok_s_torch_3hop_chain"])
     out["route_mode_kept"] = "chain" if best == out["decode_tok_s_torch_3hop_chain"] else "star"
     out["decode_tok_s_torch_3hop"] = best
