@@ -81,6 +81,12 @@ class SessionTable:
         used = self.used_bytes()
         if used + extra_bytes <= self.budget_bytes:
             return
+        evictable = [(k, v) for k, v in self._sessions.items() if k != state.key and not v.busy]
+        if used - sum(v.backend.kv_bytes(v.sid) for _, v in evictable) + extra_bytes > self.budget_bytes:
+            # Even evicting every idle session would not make room: refuse, and evict nobody for nothing.
+            raise AdmissionError(
+                f"KV budget exhausted: {used + extra_bytes} bytes needed, budget {self.budget_bytes}"
+            )
         for key in list(self._sessions):
             if used + extra_bytes <= self.budget_bytes:
                 break

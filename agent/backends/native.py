@@ -93,6 +93,11 @@ class NativeBackend(Backend):
         """Worst-case KV a session of `max_tokens` positions can grow to (for admission control)."""
         return min(int(max_tokens), self.model.n_ctx_max) * self.model.kv_bytes_per_token
 
+    def kv_growth_bytes(self, sid: SessionId, new_len: int) -> int:
+        """Estimate for admission: KV grows in 256-position steps (the attention padding)."""
+        need = -(-int(new_len) // 256) * 256 * self.model.kv_bytes_per_token
+        return max(0, need - self.kv_bytes(sid))
+
     def snapshot(self, sid: SessionId) -> bytes:
         """The session's KV as bytes (header with model id, layer range and positions; docs/native.md)."""
         try:

@@ -49,3 +49,45 @@ async def test_a_node_holding_two_consecutive_shards_serves_both_hops_of_one_ses
         r = whole.forward(sid, len(PROMPT) + len(want) - 1, token_ids=np.array([want[-1]]))
         want.append(r.token)
     assert got == want
+
+
+async def test_a_full_kv_budget_evicts_the_idle_session_and_refuses_one_that_cannot_fit(
+    model_path, manifest, signing_key
+) -> None:  # noqa: ANN001
+    from agent.client import RouteError
+
+    # All 30 layers on torch hold 46,080 bytes of KV per position, allocated 256 positions (11.8 MB) at a time.
+    dp = DataPlane("node-y", signing_key.public_key(), kv_budget_bytes=16 << 20)
+    dp.load_shard(model_path, manifest, 0, 30, backend="torch", n_threads=2)
+    port = free_port()
+    runner = await start_dataplane(dp, "127.0.0.1", port)
+    url = f"http://127.0.0.1:{port}"
+
+    def client() -> RouteClient:
+        session = os.urandom(16)
+        return RouteClient(
+            [Hop(url, 0, 30, mint(signing_key, session, manifest.sha256, 0, 30, "node-y"))],
+            session_id=session,
+        )
+
+    a, b, big = client(), client(), client()
+    try:
+        await a.forward(PROMPT, SamplingParams())
+        await b.forward(PROMPT, SamplingParams())  # a is idle: evicted to make room
+        assert dp.stats()["evictions"] == 1 and dp.stats()["sessions"] == 1
+        try:
+            await a.forward([5], SamplingParams())
+            raise AssertionError("the evicted session answered")
+        except RouteError as e:
+            assert (e.status, e.code) == (404, "unknown_session")
+        try:
+            await big.forward(list(range(100, 400)), SamplingParams())  # 512 positions alone exceed 16 MiB
+            raise AssertionError("an oversized session was admitted")
+        except RouteError as e:
+            assert (e.status, e.code) == (503, "kv_budget") and "budget" in str(e)
+        assert dp.stats()["kv_bytes"] <= 16 << 20
+        await b.forward([5], SamplingParams())  # the surviving session is unaffected
+    finally:
+        for c in (a, b, big):
+            await c.close()
+        await runner.cleanup()

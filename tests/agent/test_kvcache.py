@@ -73,3 +73,11 @@ def test_one_session_id_on_two_shards_of_a_node_is_two_sessions() -> None:
     assert len(table) == 2
     table.close((sid, ("m", 0, 15)))
     assert (sid, ("m", 15, 30)) in table and len(table) == 1
+
+
+def test_a_request_that_cannot_fit_even_after_evicting_everything_evicts_nobody() -> None:
+    be, table = FakeBackend(), SessionTable(budget_bytes=100)
+    add(table, be, b"a", 40)
+    with pytest.raises(AdmissionError, match="budget"):
+        add(table, be, b"b", 120)
+    assert key(b"a") in table and table.evictions == 0
