@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
-
 from agent.backends.base import SamplingParams, ShardSpec
 from agent.backends.torch_llama import TorchLlamaBackend
 from agent.client import Hop, RouteClient
 from agent.dataplane import DataPlane, start_dataplane
-from agent.ids import SessionId
 from agent.routetoken import mint
 from tests.conftest import free_port
+from tests.helpers import greedy_through
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 504, 3575, 282, 4649, 314]
 
@@ -40,14 +38,7 @@ async def test_a_node_holding_two_consecutive_shards_serves_both_hops_of_one_ses
         await runner.cleanup()
     assert dp.stats()["sessions"] == 0 and dp.stats()["kv_bytes"] == 0
 
-    whole = TorchLlamaBackend(ShardSpec(model_path, 0, 30, manifest, n_threads=2))
-    sid = SessionId(b"w" * 16)
-    whole.open_session(sid, 64)
-    r = whole.forward(sid, 0, token_ids=np.array(PROMPT))
-    want = [r.token]
-    while len(want) < 8:
-        r = whole.forward(sid, len(PROMPT) + len(want) - 1, token_ids=np.array([want[-1]]))
-        want.append(r.token)
+    want = greedy_through([TorchLlamaBackend(ShardSpec(model_path, 0, 30, manifest, n_threads=2))], PROMPT, 8)
     assert got == want
 
 

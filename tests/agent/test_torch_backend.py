@@ -7,33 +7,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agent.backends.base import BackendError, SamplingParams, ShardSpec
+from agent.backends.base import BackendError, ShardSpec
 from agent.backends.torch_llama import TorchLlamaBackend
 from agent.ids import SessionId
 from agent.manifest import Manifest
+from tests.helpers import CHAT_PROMPT as PROMPT
+from tests.helpers import greedy_through
 
 TEXT = (Path(__file__).resolve().parents[1] / "data" / "teacher_forcing_en.txt").read_text()
-PROMPT = [
-    1,
-    9690,
-    198,
-    2683,
-    359,
-    253,
-    5356,
-    5646,
-    11173,
-    3365,
-    3511,
-    308,
-    34519,
-    28,
-    504,
-    3575,
-    282,
-    4649,
-    314,
-]
 SID = SessionId(b"a" * 16)
 
 
@@ -45,30 +26,9 @@ def shards(model_path: str, manifest: Manifest) -> dict[str, TorchLlamaBackend]:
     return {"full": make(0, 30), "a": make(0, 10), "b": make(10, 20), "c": make(20, 30)}
 
 
-def greedy_split(parts: list[TorchLlamaBackend], prompt: list[int], n: int, sid: SessionId) -> list[int]:
-    for p in parts:
-        p.open_session(sid, 1024)
-    out: list[int] = []
-    ids = prompt
-    pos = 0
-    for _ in range(n):
-        h = None
-        for p in parts:
-            r = p.forward(
-                sid, pos, token_ids=np.array(ids) if h is None else None, hidden=h, sampling=SamplingParams()
-            )
-            h = r.hidden
-        pos += len(ids)
-        out.append(r.token)
-        ids = [r.token]
-    for p in parts:
-        p.close_session(sid)
-    return out
-
-
 def test_three_shards_in_one_process_equal_the_whole_model(shards: dict[str, TorchLlamaBackend]) -> None:
-    whole = greedy_split([shards["full"]], PROMPT, 16, SID)
-    split = greedy_split([shards["a"], shards["b"], shards["c"]], PROMPT, 16, SID)
+    whole = greedy_through([shards["full"]], PROMPT, 16)
+    split = greedy_through([shards["a"], shards["b"], shards["c"]], PROMPT, 16)
     assert whole == split
     assert len(set(whole)) > 3  # a real continuation, not one token repeated
 

@@ -11,7 +11,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import libtorrent as lt
-import numpy as np
 import pytest
 from test_torrent_origin import Origin
 
@@ -27,27 +26,6 @@ from agent.torrent import (
 )
 
 THIRDS = [(0, 10), (10, 20), (20, 30)]
-PROMPT = [
-    1,
-    9690,
-    198,
-    2683,
-    359,
-    253,
-    5356,
-    5646,
-    11173,
-    3365,
-    3511,
-    308,
-    34519,
-    28,
-    504,
-    3575,
-    282,
-    4649,
-    314,
-]
 
 
 @pytest.fixture(scope="module")
@@ -138,25 +116,12 @@ def test_a_route_over_the_three_sparse_files_generates_what_the_whole_file_does(
     thirds: tuple[list[Path], list[dict[str, object]]], manifest: Manifest, model_path: str
 ) -> None:
     pytest.importorskip("torch")
-    from agent.backends.base import SamplingParams, ShardSpec
+    from agent.backends.base import ShardSpec
     from agent.backends.torch_llama import TorchLlamaBackend
-    from agent.ids import SessionId
+    from tests.helpers import CHAT_PROMPT, greedy_through
 
     def greedy(parts: list[TorchLlamaBackend], n: int) -> list[int]:
-        sid = SessionId(b"s" * 16)
-        for part in parts:
-            part.open_session(sid, 256)
-        ids, pos, out = PROMPT, 0, []
-        for _ in range(n):
-            h = None
-            for part in parts:
-                tokens = np.array(ids) if h is None else None
-                r = part.forward(sid, pos, token_ids=tokens, hidden=h, sampling=SamplingParams())
-                h = r.hidden
-            pos += len(ids)
-            out.append(int(r.token))  # type: ignore[arg-type]
-            ids = [int(r.token)]  # type: ignore[arg-type]
-        return out
+        return greedy_through(parts, CHAT_PROMPT, n)
 
     paths, _ = thirds
     route = [

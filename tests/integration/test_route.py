@@ -15,10 +15,10 @@ from aiohttp import ClientSession
 from agent.backends.base import SamplingParams, ShardSpec
 from agent.backends.torch_llama import TorchLlamaBackend
 from agent.client import ContextLimitError, Hop, RouteClient
-from agent.ids import SessionId
 from agent.protocol import MAX_TOKENS_PER_FRAME, REQ_HEADER, Kind, Op, Request, encode_request
 from agent.routetoken import mint
 from agent.tokenizer import ChatTokenizer
+from tests.helpers import greedy_through
 
 pytestmark = pytest.mark.slow
 QUESTION = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
@@ -45,17 +45,7 @@ def make_hops(route, signing_key, manifest, session: bytes, ttl_s: int = 600) ->
 
 def reference_greedy(model_path: str, manifest, prompt: list[int], n: int) -> list[int]:  # noqa: ANN001
     """The torch backend holding all 30 layers in this process."""
-    be = TorchLlamaBackend(ShardSpec(model_path, 0, 30, manifest, n_threads=2))
-    sid = SessionId(b"r" * 16)
-    be.open_session(sid, 2048)
-    r = be.forward(sid, 0, token_ids=np.array(prompt), sampling=SamplingParams())
-    out = [r.token]
-    while len(out) < n:
-        r = be.forward(
-            sid, len(prompt) + len(out) - 1, token_ids=np.array([out[-1]]), sampling=SamplingParams()
-        )
-        out.append(r.token)
-    return out
+    return greedy_through([TorchLlamaBackend(ShardSpec(model_path, 0, 30, manifest, n_threads=2))], prompt, n)
 
 
 @pytest.fixture(scope="module")

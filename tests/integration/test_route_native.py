@@ -10,9 +10,9 @@ import pytest
 from agent.backends import load_backend
 from agent.backends.base import SamplingParams, ShardSpec
 from agent.client import Hop, RouteClient
-from agent.ids import SessionId
 from agent.routetoken import mint
 from agent.tokenizer import ChatTokenizer
+from tests.helpers import greedy_through
 
 pytestmark = pytest.mark.slow
 RANGES = [(0, 10), (10, 20), (20, 30)]
@@ -33,18 +33,9 @@ def prompt(model_path: str) -> list[int]:
 
 
 def one_hop_greedy(model_path: str, manifest, prompt: list[int], n: int) -> list[int]:  # noqa: ANN001
-    be = load_backend("native", ShardSpec(model_path, 0, 30, manifest, n_threads=2))
-    sid = SessionId(b"1" * 16)
-    be.open_session(sid, 1024)
-    r = be.forward(sid, 0, token_ids=np.array(prompt), sampling=SamplingParams())
-    out = [r.token]
-    while len(out) < n:
-        r = be.forward(
-            sid, len(prompt) + len(out) - 1, token_ids=np.array([out[-1]]), sampling=SamplingParams()
-        )
-        out.append(r.token)
-    be.close_session(sid)
-    return out
+    return greedy_through(
+        [load_backend("native", ShardSpec(model_path, 0, 30, manifest, n_threads=2))], prompt, n
+    )
 
 
 def client_for(route, signing_key, manifest, dtype: str, mode: str = "star") -> RouteClient:  # noqa: ANN001
