@@ -52,8 +52,7 @@ def missing_tensors(path: Path, tensors: list[TensorInfo]) -> list[TensorInfo]:
 
 def ranges_to_fetch(manifest: Manifest, missing: list[TensorInfo]) -> list[tuple[int, int]]:
     """The header (always: it holds the tokenizer and tensor table) plus the missing tensors' bytes."""
-    header_end = manifest.tensor_data_offset or min((t.offset for t in manifest.tensors), default=0)
-    return merge_ranges([(0, header_end)] + [(t.offset, t.end) for t in missing])
+    return merge_ranges([(0, manifest.header_end)] + [(t.offset, t.end) for t in missing])
 
 
 def shard_path(data_dir: Path, model_sha256: str) -> Path:

@@ -95,6 +95,11 @@ class Manifest:
         return True
 
     @property
+    def header_end(self) -> int:
+        """End of the GGUF header (metadata, tokenizer, tensor table): every shard's file needs it."""
+        return self.tensor_data_offset or min((t.offset for t in self.tensors), default=0)
+
+    @property
     def tied_embeddings(self) -> bool:
         return not self.has_tensor("output.weight")
 

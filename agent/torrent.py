@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import ipaddress
 import logging
 import socket
@@ -15,6 +14,7 @@ from urllib.parse import urlsplit
 
 import libtorrent as lt
 
+from agent.fetch import missing_tensors
 from agent.manifest import Manifest, merge_ranges
 from agent.pieces import (
     WEB_SEED_FALLBACK,
@@ -44,7 +44,6 @@ log = logging.getLogger(__name__)
 
 BLOCK = 16 * 1024  # libtorrent's request size
 _POLL_S = 0.05
-_READ_CHUNK = 4 << 20
 
 
 class FetchError(RuntimeError):
@@ -100,8 +99,7 @@ def torrent_info(torrent_bytes: bytes) -> lt.torrent_info:
 def shard_byte_ranges(manifest: Manifest, layer_start: int, layer_end: int) -> list[tuple[int, int]]:
     """What a node holding [layer_start, layer_end) downloads: the GGUF header (metadata, tokenizer,
     tensor table: backends open the sparse file as a GGUF) plus its layers' and role's tensors."""
-    header = (0, manifest.tensor_data_offset or min(t.offset for t in manifest.tensors))
-    return merge_ranges([header, *manifest.byte_ranges_for_range(layer_start, layer_end)])
+    return merge_ranges([(0, manifest.header_end), *manifest.byte_ranges_for_range(layer_start, layer_end)])
 
 
 def verify_tensors(path: str | Path, manifest: Manifest, layer_start: int, layer_end: int) -> None:
@@ -111,20 +109,7 @@ def verify_tensors(path: str | Path, manifest: Manifest, layer_start: int, layer
     tensor that was never downloaded fails too). The caller re-fetches; it never loads such a file.
     """
     p = Path(path)
-    bad: list[str] = []
-    with open(p, "rb") as f:
-        for t in manifest.tensors_for_range(layer_start, layer_end):
-            h = hashlib.sha256()
-            f.seek(t.offset)
-            left = t.nbytes
-            while left > 0:
-                chunk = f.read(min(left, _READ_CHUNK))
-                if not chunk:
-                    break
-                h.update(chunk)
-                left -= len(chunk)
-            if left or h.hexdigest() != t.sha256:
-                bad.append(t.name)
+    bad = [t.name for t in missing_tensors(p, manifest.tensors_for_range(layer_start, layer_end))]
     if bad:
         raise TensorHashMismatch(p, bad)
 
