@@ -289,11 +289,13 @@ class DataPlane:
                     f"hidden size {req.dim} does not match this model's {shard.backend.boundary_dim}",
                 )
             hidden = req.hidden().astype(np.float32)
+        # The last shard's token history grows in place (a copy per step would be O(context) on the
+        # decode path) and is cut back if the step fails.
+        history_len = len(s.history)
+        history = None
         if spec.is_last:
-            new_ids = ids.tolist() if ids is not None else (req.history or [])
-            history = s.history + list(new_ids)
-        else:
-            history = None
+            s.history.extend(ids.tolist() if ids is not None else (req.history or []))
+            history = s.history
         if req.sampling is not None:
             s.sampling = req.sampling
         s.busy = True
@@ -305,11 +307,13 @@ class DataPlane:
                 else:
                     res = await asyncio.to_thread(self._call, shard, s, req, ids, hidden, history)
         except AdmissionError as e:
+            del s.history[history_len:]
             raise DataPlaneError(503, "kv_budget", str(e)) from None
+        except BaseException:
+            del s.history[history_len:]
+            raise
         finally:
             s.busy = False
-        if history is not None:
-            s.history = history
         self.counters["tokens_in"] += req.n_tokens
         if res.token is not None:
             self.counters["tokens_out"] += 1
