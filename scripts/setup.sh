@@ -23,7 +23,20 @@ fi
 log "python dependencies"
 # torch: the CPU wheel that lies on this machine's disk (pip's find-links); never a multi-GB CUDA download.
 "${PIP[@]}" torch==2.13.0
+# llama-cpp-python compiles llama.cpp with -march=native. On CPUs with AMX that pulls in ggml's AMX
+# matmul, which segfaults on this fleet's VMs (Q4_1 weights, 2 threads); the AVX-512/AVX2 kernels are
+# the ones we benchmark against. Explicit -mno-amx-* win over -march=native in GCC.
+NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+export CMAKE_ARGS="${CMAKE_ARGS:-} -DCMAKE_C_FLAGS='$NO_AMX' -DCMAKE_CXX_FLAGS='$NO_AMX'"
 "${PIP[@]}" -r requirements.txt
+# pip's wheel cache may hold a build made before this rule (its key ignores CMAKE_ARGS): rebuild it once.
+cpu_lib="$("$VPY" -c 'import importlib.util as u, os; print(os.path.join(list(u.find_spec("llama_cpp").submodule_search_locations)[0], "lib", "libggml-cpu.so"))')"
+if grep -q ggml_backend_amx_mul_mat "$cpu_lib"; then
+  log "llama-cpp-python was built with AMX: rebuilding without it (~8 minutes)"
+  .venv/bin/pip cache remove llama_cpp_python >/dev/null 2>&1 || true
+  "${PIP[@]}" --force-reinstall --no-deps "$(grep -E '^llama-cpp-python==' requirements.txt)"
+  ! grep -q ggml_backend_amx_mul_mat "$cpu_lib" || { echo "setup: llama-cpp-python still has AMX kernels" >&2; exit 1; }
+fi
 for extra in requirements-web.txt requirements-torrent.txt; do
   [ -f "$extra" ] && "${PIP[@]}" -r "$extra"
 done
