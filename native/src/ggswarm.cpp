@@ -640,6 +640,12 @@ ggml_tensor * linear(ggml_context * c, ggml_tensor * w, ggml_tensor * b, ggml_te
     return b ? ggml_add(c, y, b) : y;
 }
 
+// ggml's CPU softmax splits the rows of one head across threads, never the heads: on a decode step
+// (one row per head) a single thread would exponentiate every head's n_kv scores. Viewing the scores
+// as one row per head spreads them over the threads; each row is computed exactly as before, so the
+// numerics do not change. The mask then needs one (identical) row per head.
+bool decode_rows(int32_t n) { return n == 1; }
+
 // Build the window's graph for n new positions after pos_start. last_only: on the last window, keep
 // only the final position after the last attention (sampling needs nothing else).
 void build_graph(ggswarm_model * m, Session & s, Graph & g, int32_t n, int32_t n_kv, bool last_only) {
@@ -663,7 +669,8 @@ void build_graph(ggswarm_model * m, Session & s, Graph & g, int32_t n, int32_t n
     }
     g.inp_pos = ggml_new_tensor_1d(c, GGML_TYPE_I32, n);
     ggml_set_input(g.inp_pos);
-    g.inp_mask = ggml_new_tensor_2d(c, GGML_TYPE_F32, n_kv, n);
+    // one mask row per softmax row: per position, or per head on a decode step (see decode_rows)
+    g.inp_mask = ggml_new_tensor_2d(c, GGML_TYPE_F32, n_kv, decode_rows(n) ? nh : n);
     ggml_set_input(g.inp_mask);
     g.inp_kidx = ggml_new_tensor_1d(c, GGML_TYPE_I64, n);
     ggml_set_input(g.inp_kidx);
@@ -697,7 +704,13 @@ void build_graph(ggswarm_model * m, Session & s, Graph & g, int32_t n, int32_t n
         ggml_tensor * vall = ggml_view_3d(c, vc, n_kv, hd, nkv, vc->nb[1], vc->nb[1] * hd, 0);
         ggml_tensor * qp = ggml_permute(c, q, 0, 2, 1, 3);       // [hd, n, nh]
         ggml_tensor * kq = ggml_mul_mat(c, kall, qp);             // [n_kv, n, nh]
-        kq = ggml_soft_max_ext(c, kq, g.inp_mask, kq_scale, 0.0f);
+        if (decode_rows(n)) {
+            // [n_kv, 1, nh] -> [n_kv, nh]: the heads become softmax rows, which ggml splits across threads
+            kq = ggml_reshape_2d(c, kq, n_kv, nh);
+            kq = ggml_reshape_3d(c, ggml_soft_max_ext(c, kq, g.inp_mask, kq_scale, 0.0f), n_kv, 1, nh);
+        } else {
+            kq = ggml_soft_max_ext(c, kq, g.inp_mask, kq_scale, 0.0f);
+        }
         ggml_tensor * kqv = ggml_mul_mat(c, vall, kq);            // [hd, n, nh]
         cur = ggml_cont_2d(c, ggml_permute(c, kqv, 0, 2, 1, 3), hd * nh, n);
         cur = linear(c, L.wo, L.bo, cur);
@@ -771,11 +784,15 @@ ggswarm_status forward_chunk(ggswarm_model * m, int64_t sid, Session & s, const 
     m->pos_host.resize(nc);
     for (int32_t i = 0; i < nc; ++i) m->pos_host[i] = pos + i;
     ggml_backend_tensor_set(g.inp_pos, m->pos_host.data(), 0, sizeof(int32_t) * nc);
-    m->mask_host.resize((size_t)nc * n_kv);
-    for (int32_t i = 0; i < nc; ++i) {
+    const int32_t mask_rows = (int32_t)g.inp_mask->ne[1];
+    m->mask_host.resize((size_t)mask_rows * n_kv);
+    for (int32_t i = 0; i < (decode_rows(nc) ? 1 : mask_rows); ++i) {
         float * row = m->mask_host.data() + (size_t)i * n_kv;
         const int32_t lim = pos + i;
         for (int32_t j = 0; j < n_kv; ++j) row[j] = j <= lim ? 0.0f : -INFINITY;
+    }
+    for (int32_t i = 1; decode_rows(nc) && i < mask_rows; ++i) {
+        memcpy(m->mask_host.data() + (size_t)i * n_kv, m->mask_host.data(), sizeof(float) * n_kv);
     }
     ggml_backend_tensor_set(g.inp_mask, m->mask_host.data(), 0, sizeof(float) * m->mask_host.size());
     const int64_t n_hidden = (int64_t)nc * d;

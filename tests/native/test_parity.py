@@ -114,6 +114,30 @@ def test_greedy_generation_equals_llama_cpp_greedy(hops3: list, llama, text_ids:
         print(f"\ngreedy {n_new} tokens identical to llama-cpp-python")
 
 
+def test_decode_steps_reproduce_llama_cpp_logits_across_a_padding_boundary(
+    hops3: list, llama, text_ids: list[int]
+) -> None:  # noqa: ANN001
+    # one position at a time from 250 to 262 tokens: the attended span grows from 256 to 512 positions,
+    # and a decode step lays the scores out one softmax row per head (docs/native.md, Graph)
+    prefix, steps = text_ids[:250], text_ids[250:262]
+    llama.reset()
+    llama.eval(prefix)
+    ref = []
+    for tok in steps:
+        llama.eval([tok])
+        ref.append(np.asarray(llama.scores[llama.n_tokens - 1], dtype=np.float32))
+    sid = _sid(5)
+    _open(hops3, sid)
+    route_forward(hops3, sid, 0, prefix)
+    got = [
+        route_forward(hops3, sid, 250 + i, [tok], want_logits=True).logits[0] for i, tok in enumerate(steps)
+    ]
+    _close(hops3, sid)
+    diff = float(np.abs(np.stack(got) - np.stack(ref)).max())
+    print(f"\ndecode logits over positions 250..261 vs llama-cpp-python: max |diff| {diff:.6f}")
+    assert diff == 0.0
+
+
 def test_three_hops_match_one_hop_token_for_token(hops3: list, hop1: list, text_ids: list[int]) -> None:
     prompt = text_ids[100:140]
     for n, sampling in enumerate([SamplingParams(), SamplingParams(temperature=0.9, top_p=0.95, seed=7)]):
