@@ -24,7 +24,7 @@ log "python dependencies"
 # torch: the CPU wheel that lies on this machine's disk (pip's find-links); never a multi-GB CUDA download.
 "${PIP[@]}" torch==2.13.0
 # llama-cpp-python compiles llama.cpp with -march=native. On CPUs with AMX that pulls in ggml's AMX
-# matmul, which segfaults on this fleet's VMs (Q4_1 weights, 2 threads); the AVX-512/AVX2 kernels are
+# matmul, which segfaulted in llama_decode on our KVM build machines (SmolLM2 Q4_1); the AVX-512/AVX2 kernels are
 # the ones we benchmark against. Explicit -mno-amx-* win over -march=native in GCC.
 NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 export CMAKE_ARGS="${CMAKE_ARGS:-} -DCMAKE_C_FLAGS='$NO_AMX' -DCMAKE_CXX_FLAGS='$NO_AMX'"
