@@ -41,6 +41,14 @@ GGSWARM_TYPE_F32 = 0
 GGSWARM_TYPE_F16 = 1
 GGSWARM_MAX_CONTEXT = 131072
 GGSWARM_MAX_BATCH = 4096
+# attention spans the cached positions rounded up to this (kKvPad in ggswarm.cpp, as in llama.cpp)
+KV_PAD = 256
+
+
+def padded_kv(n_positions: int) -> int:
+    """Positions the attention reads (and the KV buffer holds) for `n_positions` cached ones."""
+    return -(-int(n_positions) // KV_PAD) * KV_PAD
+
 
 DEFAULT_LIB = Path(__file__).resolve().parent.parent / "native" / "build" / "libggswarm.so"
 

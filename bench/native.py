@@ -22,8 +22,9 @@ sys.path.insert(0, str(REPO))
 
 from agent.backends.base import ShardSpec  # noqa: E402
 from agent.ids import SessionId  # noqa: E402
-from agent.manifest import build_manifest  # noqa: E402
+from agent.manifest import Manifest, build_manifest  # noqa: E402
 from agent.models import packaged_model_path  # noqa: E402
+from agent.native import padded_kv  # noqa: E402
 from tests.native.routes import route_forward  # noqa: E402
 
 TEXT = REPO / "tests" / "data" / "native_lighthouse.txt"
@@ -53,12 +54,12 @@ def wait_for_quiet(limit_s: float, load: float = 1.0) -> float:
     return os.getloadavg()[0]
 
 
-def bytes_per_step(hops: list, manifest, ctx: int) -> float:  # noqa: ANN001
+def bytes_per_step(hops: list, manifest: Manifest, ctx: int) -> float:
     """Bytes one decode step must read at context `ctx`: every hop's weights (the first hop's token
     embedding only by row, unless it is also the output head) plus the K/V of the attended span,
-    which covers the cached positions rounded up to 256 as in llama.cpp."""
+    which covers the cached positions rounded up to KV_PAD as in llama.cpp."""
     emb = next(t.nbytes for t in manifest.tensors if t.name == "token_embd.weight")
-    n_kv = -(-(ctx + 1) // 256) * 256
+    n_kv = padded_kv(ctx + 1)
     total = 0.0
     for h in hops:
         info = h.model.info

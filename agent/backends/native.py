@@ -15,7 +15,7 @@ from agent.backends.base import (
     ShardSpec,
 )
 from agent.ids import SessionId
-from agent.native import GGSWARM_E_BUDGET, NativeError, NativeModel, load_library, sampling_struct
+from agent.native import GGSWARM_E_BUDGET, NativeError, NativeModel, load_library, padded_kv, sampling_struct
 
 
 def _error(e: NativeError) -> BackendError:
@@ -95,7 +95,7 @@ class NativeBackend(Backend):
 
     def kv_growth_bytes(self, sid: SessionId, new_len: int) -> int:
         """Estimate for admission: KV grows in 256-position steps (the attention padding)."""
-        need = -(-int(new_len) // 256) * 256 * self.model.kv_bytes_per_token
+        need = padded_kv(new_len) * self.model.kv_bytes_per_token
         return max(0, need - self.kv_bytes(sid))
 
     def snapshot(self, sid: SessionId) -> bytes:
