@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-GGSWARM_API_VERSION = 1
+GGSWARM_API_VERSION = 2
 
 GGSWARM_OK = 0
 GGSWARM_E_INVALID_ARG = -1
@@ -88,6 +88,7 @@ class ggswarm_model_info(ctypes.Structure):  # noqa: N801 - mirrors the C name
         ("kv_bytes_per_token", ctypes.c_uint64),
         ("kv_budget_bytes", ctypes.c_uint64),
         ("model_id", ctypes.c_char * 72),
+        ("decode_kernels", ctypes.c_int32),
     ]
 
 
@@ -362,6 +363,7 @@ class NativeModel:
         self.n_vocab = info.n_vocab
         self.is_first = bool(info.is_first)
         self.is_last = bool(info.is_last)
+        self.decode_kernels = bool(info.decode_kernels)
         self.n_ctx_max = info.n_ctx_max
         self.kv_bytes_per_token = info.kv_bytes_per_token
         # reusable per-call buffers (a decode step allocates nothing on the C side)

@@ -20,6 +20,7 @@
  *   1 - first version: model open/free/info, threads, sessions (open/close/len/truncate/kv bytes),
  *       forward (token ids or f16/f32 hidden in; hidden, or sampled token + logprob + optional
  *       logits out), KV snapshot/restore (snapshot format version 1), standalone sampler.
+ *   2 - ggswarm_model_info.decode_kernels.
  */
 #ifndef GGSWARM_H
 #define GGSWARM_H
@@ -31,7 +32,7 @@
 extern "C" {
 #endif
 
-#define GGSWARM_API_VERSION 1
+#define GGSWARM_API_VERSION 2
 
 #if defined(_WIN32)
 #define GGSWARM_API __declspec(dllexport)
@@ -85,6 +86,9 @@ typedef struct ggswarm_model_info {
     uint64_t kv_bytes_per_token;/* KV bytes one position costs over the window's layers */
     uint64_t kv_budget_bytes;   /* per-model KV budget (all sessions together) */
     char model_id[72];          /* identity written into snapshots (caller's sha256 or a fingerprint) */
+    int32_t decode_kernels;     /* 1: decode steps run libggswarm's own CPU attention kernels, which
+                                   give the same numbers as ggml's ops (AVX-512 CPU and ggml build,
+                                   head_dim % 64 == 0, GGSWARM_GGML_ATTENTION unset when opened) */
 } ggswarm_model_info;
 
 typedef struct ggswarm_sampling {

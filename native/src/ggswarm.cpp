@@ -26,6 +26,7 @@
 #include "ggml-backend.h"
 #include "ggml.h"
 #include "gguf.h"
+#include "attention.h"
 #include "sampler.h"
 
 namespace {
@@ -146,6 +147,7 @@ struct ggswarm_model {
     int32_t n_ctx_train = 0, n_ctx_max = 0, n_threads = 1;
     float eps = 1e-5f, rope_base = 10000.0f, rope_freq_scale = 1.0f;
     int rope_mode = GGML_ROPE_TYPE_NORMAL;
+    bool decode_kernels = false;  // CPU decode steps use attention.cpp's kernels (see kernel_step)
     uint64_t kv_budget = 0;
     uint64_t weight_bytes = 0;
 
@@ -552,6 +554,8 @@ ggswarm_status init_sched(ggswarm_model * m) {
     return GGSWARM_OK;
 }
 
+bool kernel_step(const ggswarm_model * m, int32_t n) { return n == 1 && m->decode_kernels; }
+
 // --- KV -----------------------------------------------------------------------------------------------
 
 Session * find_session(const ggswarm_model * m, int64_t sid) {
@@ -568,6 +572,11 @@ ggswarm_status no_session(const ggswarm_model * m, int64_t sid) {
 constexpr int64_t kKvPad = 256;
 
 int64_t pad_kv(int64_t n) { return (n + kKvPad - 1) / kKvPad * kKvPad; }
+
+// A CPU decode step runs attention.cpp's kernels: no mask input (they write -inf past the new
+// position themselves), and a span padded only to their 64-position step, since padding adds exact
+// zeros to softmax's and the values' sums and so changes nothing but the work done (kernel_step).
+constexpr int64_t kKernelPad = 64;
 
 // Make room for `need` positions, keeping the first s.len positions.
 ggswarm_status ensure_capacity(ggswarm_model * m, Session & s, int32_t need) {
@@ -646,6 +655,27 @@ ggml_tensor * linear(ggml_context * c, ggml_tensor * w, ggml_tensor * b, ggml_te
 // numerics do not change. The mask then needs one (identical) row per head.
 bool decode_rows(int32_t n) { return n == 1; }
 
+// Attention of n new positions (already in the cache) over all n_kv cached ones, with ggml ops:
+// [hd * nh, n].
+ggml_tensor * attention(ggml_context * c, const Graph & g, ggml_tensor * q, ggml_tensor * kc, ggml_tensor * vc,
+                        int32_t n, int32_t n_kv) {
+    const int64_t hd = q->ne[0], nh = q->ne[1], nkv = kc->ne[0] / hd;
+    const float kq_scale = 1.0f / sqrtf((float)hd);
+    ggml_tensor * kall = ggml_view_3d(c, kc, hd, n_kv, nkv, kc->nb[1], hd * sizeof(ggml_fp16_t), 0);
+    ggml_tensor * vall = ggml_view_3d(c, vc, n_kv, hd, nkv, vc->nb[1], vc->nb[1] * hd, 0);
+    ggml_tensor * qp = ggml_permute(c, q, 0, 2, 1, 3);  // [hd, n, nh]
+    ggml_tensor * kq = ggml_mul_mat(c, kall, qp);        // [n_kv, n, nh]
+    if (decode_rows(n)) {
+        // [n_kv, 1, nh] -> [n_kv, nh]: the heads become softmax rows, which ggml splits across threads
+        kq = ggml_reshape_2d(c, kq, n_kv, nh);
+        kq = ggml_reshape_3d(c, ggml_soft_max_ext(c, kq, g.inp_mask, kq_scale, 0.0f), n_kv, 1, nh);
+    } else {
+        kq = ggml_soft_max_ext(c, kq, g.inp_mask, kq_scale, 0.0f);
+    }
+    ggml_tensor * kqv = ggml_mul_mat(c, vall, kq);  // [hd, n, nh]
+    return ggml_cont_2d(c, ggml_permute(c, kqv, 0, 2, 1, 3), hd * nh, n);
+}
+
 // Build the window's graph for n new positions after pos_start. last_only: on the last window, keep
 // only the final position after the last attention (sampling needs nothing else).
 void build_graph(ggswarm_model * m, Session & s, Graph & g, int32_t n, int32_t n_kv, bool last_only) {
@@ -654,7 +684,6 @@ void build_graph(ggswarm_model * m, Session & s, Graph & g, int32_t n, int32_t n
     ggml_context * c = g.ctx;
     g.gf = ggml_new_graph_custom(c, m->graph_size, false);
     const int64_t hd = m->head_dim, nh = m->n_head, nkv = m->n_head_kv, dkv = m->d_kv();
-    const size_t f16 = sizeof(ggml_fp16_t);
     const float kq_scale = 1.0f / sqrtf((float)hd);
 
     ggml_tensor * x;
@@ -670,8 +699,10 @@ void build_graph(ggswarm_model * m, Session & s, Graph & g, int32_t n, int32_t n
     g.inp_pos = ggml_new_tensor_1d(c, GGML_TYPE_I32, n);
     ggml_set_input(g.inp_pos);
     // one mask row per softmax row: per position, or per head on a decode step (see decode_rows)
-    g.inp_mask = ggml_new_tensor_2d(c, GGML_TYPE_F32, n_kv, decode_rows(n) ? nh : n);
-    ggml_set_input(g.inp_mask);
+    if (!kernel_step(m, n)) {
+        g.inp_mask = ggml_new_tensor_2d(c, GGML_TYPE_F32, n_kv, decode_rows(n) ? nh : n);
+        ggml_set_input(g.inp_mask);
+    }
     g.inp_kidx = ggml_new_tensor_1d(c, GGML_TYPE_I64, n);
     ggml_set_input(g.inp_kidx);
     g.inp_vidx = ggml_new_tensor_1d(c, GGML_TYPE_I64, (int64_t)n * m->d_kv());
@@ -695,24 +726,19 @@ void build_graph(ggswarm_model * m, Session & s, Graph & g, int32_t n, int32_t n
         ggml_tensor * kc = s.k[i];
         ggml_tensor * vc = s.v[i];
         // (index inputs instead of view offsets keep the graph independent of the position)
-        ggml_build_forward_expand(g.gf, ggml_set_rows(c, kc, ggml_reshape_2d(c, k, dkv, n), g.inp_kidx));
+        ggml_tensor * k_put = ggml_set_rows(c, kc, ggml_reshape_2d(c, k, dkv, n), g.inp_kidx);
+        ggml_build_forward_expand(g.gf, k_put);
         ggml_tensor * v_elems = ggml_reshape_2d(c, vc, 1, ggml_nelements(vc));
-        ggml_build_forward_expand(g.gf, ggml_set_rows(c, v_elems, ggml_reshape_2d(c, v, 1, (int64_t)n * dkv),
-                                                      g.inp_vidx));
-        // attention over all n_kv positions
-        ggml_tensor * kall = ggml_view_3d(c, kc, hd, n_kv, nkv, kc->nb[1], hd * f16, 0);
-        ggml_tensor * vall = ggml_view_3d(c, vc, n_kv, hd, nkv, vc->nb[1], vc->nb[1] * hd, 0);
-        ggml_tensor * qp = ggml_permute(c, q, 0, 2, 1, 3);       // [hd, n, nh]
-        ggml_tensor * kq = ggml_mul_mat(c, kall, qp);             // [n_kv, n, nh]
-        if (decode_rows(n)) {
-            // [n_kv, 1, nh] -> [n_kv, nh]: the heads become softmax rows, which ggml splits across threads
-            kq = ggml_reshape_2d(c, kq, n_kv, nh);
-            kq = ggml_reshape_3d(c, ggml_soft_max_ext(c, kq, g.inp_mask, kq_scale, 0.0f), n_kv, 1, nh);
+        ggml_tensor * v_put = ggml_set_rows(c, v_elems, ggml_reshape_2d(c, v, 1, (int64_t)n * dkv), g.inp_vidx);
+        ggml_build_forward_expand(g.gf, v_put);
+        if (kernel_step(m, n)) {
+            // same numbers as attention() below (see attention.cpp)
+            ggml_tensor * kq = ggswarm::decode_scores(c, q, kc, g.inp_pos, n_kv, k_put);
+            kq = ggml_soft_max_ext(c, kq, nullptr, kq_scale, 0.0f);
+            cur = ggml_reshape_2d(c, ggswarm::decode_values(c, kq, vc, g.inp_pos, hd, v_put), hd * nh, 1);
         } else {
-            kq = ggml_soft_max_ext(c, kq, g.inp_mask, kq_scale, 0.0f);
+            cur = attention(c, g, q, kc, vc, n, n_kv);
         }
-        ggml_tensor * kqv = ggml_mul_mat(c, vall, kq);            // [hd, n, nh]
-        cur = ggml_cont_2d(c, ggml_permute(c, kqv, 0, 2, 1, 3), hd * nh, n);
         cur = linear(c, L.wo, L.bo, cur);
         if (last_only && i == nl - 1 && n > 1) {
             cur = ggml_view_2d(c, cur, m->d_model, 1, cur->nb[1], (size_t)(n - 1) * cur->nb[1]);
@@ -753,7 +779,8 @@ ggswarm_status forward_chunk(ggswarm_model * m, int64_t sid, Session & s, const 
     const int32_t pos = b->pos_start + off;
     const int64_t d = m->d_model;
     const bool last_only = m->is_last() && !b->logits_out;
-    const int32_t n_kv = (int32_t)std::min<int64_t>(pad_kv(pos + nc), s.cap);
+    const int64_t span = kernel_step(m, nc) ? (pos + nc + kKernelPad - 1) / kKernelPad * kKernelPad : pad_kv(pos + nc);
+    const int32_t n_kv = (int32_t)std::min<int64_t>(span, s.cap);
     GraphKey key;
     key.sid = sid;
     key.n = nc;
@@ -784,17 +811,19 @@ ggswarm_status forward_chunk(ggswarm_model * m, int64_t sid, Session & s, const 
     m->pos_host.resize(nc);
     for (int32_t i = 0; i < nc; ++i) m->pos_host[i] = pos + i;
     ggml_backend_tensor_set(g.inp_pos, m->pos_host.data(), 0, sizeof(int32_t) * nc);
-    const int32_t mask_rows = (int32_t)g.inp_mask->ne[1];
-    m->mask_host.resize((size_t)mask_rows * n_kv);
-    for (int32_t i = 0; i < (decode_rows(nc) ? 1 : mask_rows); ++i) {
-        float * row = m->mask_host.data() + (size_t)i * n_kv;
-        const int32_t lim = pos + i;
-        for (int32_t j = 0; j < n_kv; ++j) row[j] = j <= lim ? 0.0f : -INFINITY;
+    if (g.inp_mask) {
+        const int32_t mask_rows = (int32_t)g.inp_mask->ne[1];
+        m->mask_host.resize((size_t)mask_rows * n_kv);
+        for (int32_t i = 0; i < (decode_rows(nc) ? 1 : mask_rows); ++i) {
+            float * row = m->mask_host.data() + (size_t)i * n_kv;
+            const int32_t lim = pos + i;
+            for (int32_t j = 0; j < n_kv; ++j) row[j] = j <= lim ? 0.0f : -INFINITY;
+        }
+        for (int32_t i = 1; decode_rows(nc) && i < mask_rows; ++i) {
+            memcpy(m->mask_host.data() + (size_t)i * n_kv, m->mask_host.data(), sizeof(float) * n_kv);
+        }
+        ggml_backend_tensor_set(g.inp_mask, m->mask_host.data(), 0, sizeof(float) * m->mask_host.size());
     }
-    for (int32_t i = 1; decode_rows(nc) && i < mask_rows; ++i) {
-        memcpy(m->mask_host.data() + (size_t)i * n_kv, m->mask_host.data(), sizeof(float) * n_kv);
-    }
-    ggml_backend_tensor_set(g.inp_mask, m->mask_host.data(), 0, sizeof(float) * m->mask_host.size());
     const int64_t n_hidden = (int64_t)nc * d;
     if (g.inp_tokens) {
         ggml_backend_tensor_set(g.inp_tokens, b->token_ids + off, 0, sizeof(int32_t) * nc);
@@ -902,6 +931,11 @@ ggswarm_status ggswarm_model_open(const char * path, int32_t layer_start, int32_
     m->n_vocab = (int32_t)emb->ne[1];
     m->kv_budget = kv_budget_bytes;
     if ((s = init_backends(m))) return bail(s);
+    // GGSWARM_GGML_ATTENTION=1 keeps ggml's own ops (to compare the two, or to rule ours out)
+    const char * ggml_attn = getenv("GGSWARM_GGML_ATTENTION");
+    const bool ggml_forced = ggml_attn && *ggml_attn && strcmp(ggml_attn, "0") != 0;
+    m->decode_kernels = ggml_backend_dev_type(m->dev) == GGML_BACKEND_DEVICE_TYPE_CPU &&
+                        ggswarm::decode_attention_supported(m->head_dim) && !ggml_forced;
     if ((s = load_weights(m, meta, path, file_size))) return bail(s);
     if ((s = init_sched(m))) return bail(s);
     apply_threads(m, n_threads);
@@ -933,6 +967,7 @@ ggswarm_status ggswarm_model_info_get(const ggswarm_model * m, ggswarm_model_inf
     out->n_ctx_train = m->n_ctx_train;
     out->n_ctx_max = m->n_ctx_max;
     out->n_threads = m->n_threads;
+    out->decode_kernels = m->decode_kernels ? 1 : 0;
     out->weight_bytes = m->weight_bytes;
     out->kv_bytes_per_token = m->kv_bytes_per_token();
     out->kv_budget_bytes = m->kv_budget;

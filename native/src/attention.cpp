@@ -1,0 +1,286 @@
+// Decode-step attention kernels (AVX-512) run as ggml custom ops on the CPU backend.
+//
+// Why: on a decode step ggml's mul_mat computes the scores with one f16 dot product call per
+// (position, head) pair, each only head_dim long, and reads every K and V row once per query head.
+// At 2,048 positions that call overhead, not memory, made up most of the extra cost of a long
+// context. These kernels read each K row and each V row once per KV group, keep the group's query
+// heads in registers, and skip the masked tail.
+//
+// Numerics: each output is formed exactly as ggml_vec_dot_f16 forms it on AVX-512 (the operand
+// rounded to f16 as mul_mat's vec_dot_type, four 16-lane FMA accumulators over 64-element steps,
+// pairwise adds 0+2, 1+3, then 0+1, then _mm512_reduce_add_ps), so the logits stay identical to
+// the ggml path and to llama.cpp (tests/native/test_parity.py checks a max difference of 0.0).
+
+#include "attention.h"
+
+// GCC 12's _mm512_reduce_add_ps expands through _mm256_undefined_pd(), which -Wuninitialized flags
+// when the intrinsics come in through a target attribute rather than -mavx512f
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "ggml-cpu.h"
+
+namespace ggswarm {
+namespace {
+
+constexpr int64_t kStep = 64;      // elements per step of ggml's AVX-512 f16 dot product
+constexpr int kMaxHeadBlock = 4;   // query heads kept in registers at once (4 x 4 accumulators)
+
+struct Range {
+    int64_t begin, end;
+};
+
+Range split(int64_t n, int ith, int nth) {
+    const int64_t per = (n + nth - 1) / nth;
+    const int64_t b = std::min<int64_t>(n, per * ith);
+    return {b, std::min<int64_t>(n, b + per)};
+}
+
+// Positions 0..pos are attended; pos is the single new position of the decode step.
+int64_t attended(const ggml_tensor * pos, int64_t n_kv) {
+    const int64_t p = static_cast<const int32_t *>(pos->data)[0];
+    return std::clamp<int64_t>(p + 1, 0, n_kv);
+}
+
+__attribute__((target("avx512f"))) inline float reduce4(__m512 s0, __m512 s1, __m512 s2, __m512 s3) {
+    s0 = _mm512_add_ps(s0, s2);
+    s1 = _mm512_add_ps(s1, s3);
+    s0 = _mm512_add_ps(s0, s1);
+    return _mm512_reduce_add_ps(s0);
+}
+
+__attribute__((target("avx512f"))) inline __m512 load_f16(const ggml_fp16_t * p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(p)));
+}
+
+// n floats (a multiple of 16) rounded to f16 and back, as mul_mat converts its second operand
+__attribute__((target("avx512f"))) void round_f16(const float * x, float * y, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) {
+        const __m256i h = _mm512_cvtps_ph(_mm512_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT);
+        _mm512_storeu_ps(y + i, _mm512_cvtph_ps(h));
+    }
+}
+
+// dst[b * dst_stride] = dot(x[0..n), y_b[0..n)) for NB operand rows y_b = y + b * y_stride, with
+// x read once per step for all of them
+template <int NB>
+__attribute__((target("avx512f,fma"))) void dot_rows(const ggml_fp16_t * x, const float * y, int64_t y_stride,
+                                                    int64_t n, float * dst, int64_t dst_stride) {
+    __m512 acc[NB][4];
+    for (int b = 0; b < NB; ++b)
+        for (int c = 0; c < 4; ++c) acc[b][c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += kStep) {
+        __m512 xv[4];
+        for (int c = 0; c < 4; ++c) xv[c] = load_f16(x + i + 16 * c);
+        for (int b = 0; b < NB; ++b) {
+            const float * yb = y + b * y_stride + i;
+            for (int c = 0; c < 4; ++c) acc[b][c] = _mm512_fmadd_ps(xv[c], _mm512_loadu_ps(yb + 16 * c), acc[b][c]);
+        }
+    }
+    for (int b = 0; b < NB; ++b) dst[b * dst_stride] = reduce4(acc[b][0], acc[b][1], acc[b][2], acc[b][3]);
+}
+
+// the heads h0..h0+nb of one group against one row x
+void dot_heads(const ggml_fp16_t * x, const float * y, int64_t y_stride, int64_t n, float * dst,
+               int64_t dst_stride, int64_t nb) {
+    while (nb > 0) {
+        const int64_t take = std::min<int64_t>(nb, kMaxHeadBlock);
+        switch (take) {
+            case 1: dot_rows<1>(x, y, y_stride, n, dst, dst_stride); break;
+            case 2: dot_rows<2>(x, y, y_stride, n, dst, dst_stride); break;
+            case 3: dot_rows<3>(x, y, y_stride, n, dst, dst_stride); break;
+            default: dot_rows<4>(x, y, y_stride, n, dst, dst_stride); break;
+        }
+        y += take * y_stride;
+        dst += take * dst_stride;
+        nb -= take;
+    }
+}
+
+// _mm512_reduce_add_ps (GCC) adds 256-bit halves, then 128-bit halves, then lanes {0,1} + {2,3},
+// then lane 0 + lane 1. These four steps make the same pairings for 16 vectors at once, two
+// vectors per instruction pair, so 16 scores cost 15 adds instead of 16 full reductions.
+__attribute__((target("avx512f"))) inline __m512 halves256(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+}
+__attribute__((target("avx512f"))) inline __m512 halves128(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+}
+__attribute__((target("avx512f"))) inline __m512 pairs(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE));
+}
+__attribute__((target("avx512f"))) inline __m512 lanes(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
+}
+
+constexpr int64_t kBlock = 16;  // positions scored by one batched reduction
+
+// One (position, head) dot product of head_dim 64 before its final reduction, formed as ggml forms
+// it: four single-FMA accumulators, then (s0 + s2) + (s1 + s3).
+__attribute__((target("avx512f,fma"))) inline __m512 partial64(const __m512 * k, const float * q) {
+    const __m512 z = _mm512_setzero_ps();
+    const __m512 s0 = _mm512_fmadd_ps(k[0], _mm512_loadu_ps(q), z);
+    const __m512 s1 = _mm512_fmadd_ps(k[1], _mm512_loadu_ps(q + 16), z);
+    const __m512 s2 = _mm512_fmadd_ps(k[2], _mm512_loadu_ps(q + 32), z);
+    const __m512 s3 = _mm512_fmadd_ps(k[3], _mm512_loadu_ps(q + 48), z);
+    return _mm512_add_ps(_mm512_add_ps(s0, s2), _mm512_add_ps(s1, s3));
+}
+
+// Scores of 16 consecutive positions (K rows k, k + k_stride bytes, ...; head_dim 64) for NB heads
+// of one group: dst[b * dst_stride + p]. Each K row is loaded once for all NB heads, and the
+// batched reduction runs as the pairs of positions come in, so few vectors stay live.
+template <int NB>
+__attribute__((target("avx512f,fma"))) void score_block64(const char * k, size_t k_stride, const float * q,
+                                                         float * dst, int64_t dst_stride) {
+    __m512 w[NB], u[NB], t[NB];
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+#pragma GCC unroll 8
+    for (int p = 0; p < kBlock; p += 2) {
+        __m512 ka[4], kb[4];
+        const auto * ra = reinterpret_cast<const ggml_fp16_t *>(k + p * k_stride);
+        const auto * rb = reinterpret_cast<const ggml_fp16_t *>(k + (p + 1) * k_stride);
+        for (int c = 0; c < 4; ++c) {
+            ka[c] = load_f16(ra + 16 * c);
+            kb[c] = load_f16(rb + 16 * c);
+        }
+        for (int b = 0; b < NB; ++b) {
+            const __m512 pw = halves256(partial64(ka, q + 64 * b), partial64(kb, q + 64 * b));
+            if (p % 4 == 0) {
+                w[b] = pw;
+                continue;
+            }
+            const __m512 pu = halves128(w[b], pw);
+            if (p % 8 == 2) {
+                u[b] = pu;
+                continue;
+            }
+            const __m512 pt = pairs(u[b], pu);
+            if (p < 8) {
+                t[b] = pt;
+                continue;
+            }
+            // lane 4 * (p % 4) + p / 4 of the result holds position p
+            _mm512_storeu_ps(dst + b * dst_stride, _mm512_permutexvar_ps(order, lanes(t[b], pt)));
+        }
+    }
+}
+
+void score_block(const char * k, size_t k_stride, const float * q, float * dst, int64_t dst_stride, int64_t nb) {
+    while (nb > 0) {
+        const int64_t take = std::min<int64_t>(nb, kMaxHeadBlock);
+        switch (take) {
+            case 1: score_block64<1>(k, k_stride, q, dst, dst_stride); break;
+            case 2: score_block64<2>(k, k_stride, q, dst, dst_stride); break;
+            case 3: score_block64<3>(k, k_stride, q, dst, dst_stride); break;
+            default: score_block64<4>(k, k_stride, q, dst, dst_stride); break;
+        }
+        q += take * 64;
+        dst += take * dst_stride;
+        nb -= take;
+    }
+}
+
+// srcs: q [hd, nh] f32, k [hd * nkv, cap] f16, pos [1] i32; dst [n_kv, nh] f32
+void scores_op(ggml_tensor * dst, int ith, int nth, void *) {
+    const ggml_tensor * q = dst->src[0];
+    const ggml_tensor * k = dst->src[1];
+    const int64_t hd = q->ne[0], nh = q->ne[1], n_kv = dst->ne[0];
+    const int64_t group = nh / (k->ne[0] / hd);
+    const int64_t valid = attended(dst->src[2], n_kv);
+    float * out = static_cast<float *>(dst->data);
+    auto k_row = [&](int64_t j, int64_t g) {
+        return reinterpret_cast<const ggml_fp16_t *>(static_cast<const char *>(k->data) + j * k->nb[1]) + g * hd;
+    };
+
+    thread_local std::vector<float> qr;
+    qr.resize((size_t)(hd * nh));
+    for (int64_t h = 0; h < nh; ++h) {
+        round_f16(reinterpret_cast<const float *>(static_cast<const char *>(q->data) + h * q->nb[1]),
+                  qr.data() + h * hd, hd);
+    }
+    // whole blocks of 16 positions when head_dim is 64 (the batched reduction); the rest, and other
+    // head sizes, one position at a time
+    const int64_t n_blocks = hd == 64 ? valid / kBlock : 0;
+    const Range rb = split(n_blocks, ith, nth);
+    for (int64_t b = rb.begin; b < rb.end; ++b) {
+        const int64_t j0 = b * kBlock;
+        for (int64_t g = 0; g * group < nh; ++g) {
+            score_block(reinterpret_cast<const char *>(k_row(j0, g)), k->nb[1], qr.data() + g * group * hd,
+                        out + g * group * n_kv + j0, n_kv, group);
+        }
+    }
+    // the last partial block, one position at a time
+    const int64_t tail = n_blocks * kBlock;
+    const Range rt = split(valid - tail, ith, nth);
+    for (int64_t j = tail + rt.begin; j < tail + rt.end; ++j) {
+        for (int64_t g = 0; g * group < nh; ++g) {
+            dot_heads(k_row(j, g), qr.data() + g * group * hd, hd, hd, out + g * group * n_kv + j, n_kv, group);
+        }
+    }
+    // later positions are masked here rather than by a mask input: -inf, which is what ggml's
+    // softmax makes of score * scale + mask there
+    const Range z = split(n_kv - valid, ith, nth);
+    for (int64_t h = 0; h < nh && z.end > z.begin; ++h) {
+        std::fill(out + h * n_kv + valid + z.begin, out + h * n_kv + valid + z.end, -INFINITY);
+    }
+}
+
+// srcs: p [n_kv, nh] f32, vt [cap, hd * nkv] f16, pos [1] i32; dst [hd, nh] f32
+void values_op(ggml_tensor * dst, int ith, int nth, void *) {
+    const ggml_tensor * p = dst->src[0];
+    const ggml_tensor * vt = dst->src[1];
+    const int64_t hd = dst->ne[0], nh = dst->ne[1], n_kv = p->ne[0];
+    const int64_t dkv = vt->ne[1], group = nh / (dkv / hd);
+    // weights past pos are exactly 0 and add nothing to any accumulator, so whole steps of them are
+    // skipped
+    const int64_t span = std::min<int64_t>(n_kv, (attended(dst->src[2], n_kv) + kStep - 1) / kStep * kStep);
+    float * out = static_cast<float *>(dst->data);
+    const Range r = split(dkv, ith, nth);
+    if (r.end <= r.begin) return;
+
+    // this thread's heads: those of the groups its channels fall in
+    const int64_t h_begin = r.begin / hd * group, h_end = ((r.end - 1) / hd + 1) * group;
+    thread_local std::vector<float> pr;
+    pr.resize((size_t)(nh * span));
+    for (int64_t h = h_begin; h < h_end; ++h) {
+        round_f16(reinterpret_cast<const float *>(static_cast<const char *>(p->data) + h * p->nb[1]),
+                  pr.data() + h * span, span);
+    }
+    for (int64_t ch = r.begin; ch < r.end; ++ch) {
+        const int64_t g = ch / hd, d = ch % hd;
+        const auto * row = reinterpret_cast<const ggml_fp16_t *>(static_cast<const char *>(vt->data) + ch * vt->nb[1]);
+        dot_heads(row, pr.data() + g * group * span, span, span, out + g * group * hd + d, hd, group);
+    }
+}
+
+bool cpu_has_avx512() {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
+}
+
+}  // namespace
+
+bool decode_attention_supported(int64_t head_dim) {
+    static const bool ok = cpu_has_avx512() && ggml_cpu_has_avx512();
+    return ok && head_dim > 0 && head_dim % kStep == 0;
+}
+
+ggml_tensor * decode_scores(ggml_context * c, ggml_tensor * q, ggml_tensor * k, ggml_tensor * pos, int64_t n_kv,
+                           ggml_tensor * after) {
+    ggml_tensor * args[4] = {q, k, pos, after};
+    return ggml_custom_4d(c, GGML_TYPE_F32, n_kv, q->ne[1], 1, 1, args, 4, scores_op, GGML_N_TASKS_MAX, nullptr);
+}
+
+ggml_tensor * decode_values(ggml_context * c, ggml_tensor * p, ggml_tensor * vt, ggml_tensor * pos, int64_t head_dim,
+                           ggml_tensor * after) {
+    ggml_tensor * args[4] = {p, vt, pos, after};
+    return ggml_custom_4d(c, GGML_TYPE_F32, head_dim, p->ne[1], 1, 1, args, 4, values_op, GGML_N_TASKS_MAX, nullptr);
+}
+
+}  // namespace ggswarm
