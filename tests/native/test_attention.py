@@ -28,7 +28,9 @@ def _decode_logits(path: Path, threads: int, truncate_at: int | None = None) -> 
             m.forward(sid, truncate_at, token_ids=ids[truncate_at:250])
         else:
             m.forward(sid, 0, token_ids=ids[:250])
-        rows = [m.forward(sid, 250 + i, token_ids=[ids[250 + i]], want_logits=True)["logits"] for i in range(12)]
+        rows = [
+            m.forward(sid, 250 + i, token_ids=[ids[250 + i]], want_logits=True)["logits"] for i in range(12)
+        ]
         return m.decode_kernels, np.concatenate(rows)
 
 
