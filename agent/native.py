@@ -41,13 +41,16 @@ GGSWARM_TYPE_F32 = 0
 GGSWARM_TYPE_F16 = 1
 GGSWARM_MAX_CONTEXT = 131072
 GGSWARM_MAX_BATCH = 4096
-# attention spans the cached positions rounded up to this (kKvPad in ggswarm.cpp, as in llama.cpp)
+# the KV buffer, and ggml's attention, span the cached positions rounded up to this (kKvPad in
+# ggswarm.cpp, as in llama.cpp); the CPU decode kernels read them rounded up to KERNEL_PAD only
 KV_PAD = 256
+KERNEL_PAD = 64
 
 
-def padded_kv(n_positions: int) -> int:
-    """Positions the attention reads (and the KV buffer holds) for `n_positions` cached ones."""
-    return -(-int(n_positions) // KV_PAD) * KV_PAD
+def padded_kv(n_positions: int, pad: int = KV_PAD) -> int:
+    """Positions the KV buffer holds (and ggml's attention reads) for `n_positions` cached ones;
+    with pad=KERNEL_PAD, those a decode step with the CPU kernels reads."""
+    return -(-int(n_positions) // pad) * pad
 
 
 DEFAULT_LIB = Path(__file__).resolve().parent.parent / "native" / "build" / "libggswarm.so"

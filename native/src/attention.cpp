@@ -76,6 +76,8 @@ __attribute__((target("avx512f,fma"))) void dot_rows(const ggml_fp16_t * x, cons
     for (int b = 0; b < NB; ++b)
         for (int c = 0; c < 4; ++c) acc[b][c] = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i += kStep) {
+        _mm_prefetch(reinterpret_cast<const char *>(x + i + 512), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char *>(x + i + 512 + 32), _MM_HINT_T0);
         __m512 xv[4];
         for (int c = 0; c < 4; ++c) xv[c] = load_f16(x + i + 16 * c);
         for (int b = 0; b < NB; ++b) {
@@ -210,6 +212,10 @@ void scores_op(ggml_tensor * dst, int ith, int nth, void *) {
     const Range rb = split(n_blocks, ith, nth);
     for (int64_t b = rb.begin; b < rb.end; ++b) {
         const int64_t j0 = b * kBlock;
+        if (b + 1 < rb.end) {
+            const char * next = reinterpret_cast<const char *>(k_row(j0 + kBlock, 0));
+            for (size_t off = 0; off < (size_t)kBlock * k->nb[1]; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
+        }
         for (int64_t g = 0; g * group < nh; ++g) {
             score_block(reinterpret_cast<const char *>(k_row(j0, g)), k->nb[1], qr.data() + g * group * hd,
                         out + g * group * n_kv + j0, n_kv, group);
