@@ -253,15 +253,15 @@ void values_op(ggml_tensor * dst, int ith, int nth, void *) {
     // this thread's heads: those of the groups its channels fall in
     const int64_t h_begin = r.begin / hd * group, h_end = ((r.end - 1) / hd + 1) * group;
     thread_local std::vector<float> pr;
-    pr.resize((size_t)(nh * span));
+    pr.resize((size_t)((h_end - h_begin) * span));
     for (int64_t h = h_begin; h < h_end; ++h) {
         round_f16(reinterpret_cast<const float *>(static_cast<const char *>(p->data) + h * p->nb[1]),
-                  pr.data() + h * span, span);
+                  pr.data() + (h - h_begin) * span, span);
     }
     for (int64_t ch = r.begin; ch < r.end; ++ch) {
         const int64_t g = ch / hd, d = ch % hd;
         const auto * row = reinterpret_cast<const ggml_fp16_t *>(static_cast<const char *>(vt->data) + ch * vt->nb[1]);
-        dot_heads(row, pr.data() + g * group * span, span, span, out + g * group * hd + d, hd, group);
+        dot_heads(row, pr.data() + (g * group - h_begin) * span, span, span, out + g * group * hd + d, hd, group);
     }
 }
 
