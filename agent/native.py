@@ -42,7 +42,7 @@ GGSWARM_TYPE_F16 = 1
 GGSWARM_MAX_CONTEXT = 131072
 GGSWARM_MAX_BATCH = 4096
 # the KV buffer, and ggml's attention, span the cached positions rounded up to this (kKvPad in
-# ggswarm.cpp, as in llama.cpp); the CPU decode kernels read them rounded up to KERNEL_PAD only
+# native/src/kv.cpp, as in llama.cpp); the CPU decode kernels read them rounded up to KERNEL_PAD only
 KV_PAD = 256
 KERNEL_PAD = 64
 

@@ -1,0 +1,339 @@
+// libggswarm compute: the window's ggml graph (llama family), built once per (session, batch size,
+// span) and reused, micro-batched forward, and sampling on the last window (docs/native.md, "Graph").
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+
+#include "attention.h"
+#include "model.h"
+
+namespace ggswarm {
+namespace {
+
+ggml_tensor * rms(ggml_context * c, ggml_tensor * x, ggml_tensor * w, float eps) {
+    return ggml_mul(c, ggml_rms_norm(c, x, eps), w);
+}
+
+ggml_tensor * linear(ggml_context * c, ggml_tensor * w, ggml_tensor * b, ggml_tensor * x) {
+    ggml_tensor * y = ggml_mul_mat(c, w, x);
+    return b ? ggml_add(c, y, b) : y;
+}
+
+// ggml's CPU softmax splits the rows of one head across threads, never the heads: on a decode step
+// (one row per head) a single thread would exponentiate every head's n_kv scores. Viewing the scores
+// as one row per head spreads them over the threads; each row is computed exactly as before, so the
+// numerics do not change. The mask then needs one (identical) row per head.
+bool decode_rows(int32_t n) { return n == 1; }
+
+// Attention of n new positions (already in the cache) over all n_kv cached ones, with ggml ops:
+// [hd * nh, n].
+ggml_tensor * attention(ggml_context * c, const Graph & g, ggml_tensor * q, ggml_tensor * kc, ggml_tensor * vc,
+                        int32_t n, int32_t n_kv) {
+    const int64_t hd = q->ne[0], nh = q->ne[1], nkv = kc->ne[0] / hd;
+    const float kq_scale = 1.0f / sqrtf((float)hd);
+    ggml_tensor * kall = ggml_view_3d(c, kc, hd, n_kv, nkv, kc->nb[1], hd * sizeof(ggml_fp16_t), 0);
+    ggml_tensor * vall = ggml_view_3d(c, vc, n_kv, hd, nkv, vc->nb[1], vc->nb[1] * hd, 0);
+    ggml_tensor * qp = ggml_permute(c, q, 0, 2, 1, 3);  // [hd, n, nh]
+    ggml_tensor * kq = ggml_mul_mat(c, kall, qp);        // [n_kv, n, nh]
+    if (decode_rows(n)) {
+        // [n_kv, 1, nh] -> [n_kv, nh]: the heads become softmax rows, which ggml splits across threads
+        kq = ggml_reshape_2d(c, kq, n_kv, nh);
+        kq = ggml_reshape_3d(c, ggml_soft_max_ext(c, kq, g.inp_mask, kq_scale, 0.0f), n_kv, 1, nh);
+    } else {
+        kq = ggml_soft_max_ext(c, kq, g.inp_mask, kq_scale, 0.0f);
+    }
+    ggml_tensor * kqv = ggml_mul_mat(c, vall, kq);  // [hd, n, nh]
+    return ggml_cont_2d(c, ggml_permute(c, kqv, 0, 2, 1, 3), hd * nh, n);
+}
+
+// Build the window's graph for n new positions after pos_start. last_only: on the last window, keep
+// only the final position after the last attention (sampling needs nothing else).
+void build_graph(ggswarm_model * m, Session & s, Graph & g, int32_t n, int32_t n_kv, bool last_only) {
+    ggml_init_params ip = {m->graph_meta.size(), m->graph_meta.data(), true};
+    g.ctx = ggml_init(ip);
+    ggml_context * c = g.ctx;
+    g.gf = ggml_new_graph_custom(c, m->graph_size, false);
+    const int64_t hd = m->head_dim, nh = m->n_head, nkv = m->n_head_kv, dkv = m->d_kv();
+    const float kq_scale = 1.0f / sqrtf((float)hd);
+
+    ggml_tensor * x;
+    if (m->is_first()) {
+        g.inp_tokens = ggml_new_tensor_1d(c, GGML_TYPE_I32, n);
+        ggml_set_input(g.inp_tokens);
+        x = ggml_get_rows(c, m->tok_embd, g.inp_tokens);
+    } else {
+        g.inp_hidden = ggml_new_tensor_2d(c, GGML_TYPE_F32, m->d_model, n);
+        ggml_set_input(g.inp_hidden);
+        x = g.inp_hidden;
+    }
+    g.inp_pos = ggml_new_tensor_1d(c, GGML_TYPE_I32, n);
+    ggml_set_input(g.inp_pos);
+    // one mask row per softmax row: per position, or per head on a decode step (see decode_rows)
+    if (!kernel_step(m, n)) {
+        g.inp_mask = ggml_new_tensor_2d(c, GGML_TYPE_F32, n_kv, decode_rows(n) ? nh : n);
+        ggml_set_input(g.inp_mask);
+    }
+    g.inp_kidx = ggml_new_tensor_1d(c, GGML_TYPE_I64, n);
+    ggml_set_input(g.inp_kidx);
+    g.inp_vidx = ggml_new_tensor_1d(c, GGML_TYPE_I64, (int64_t)n * m->d_kv());
+    ggml_set_input(g.inp_vidx);
+
+    int32_t rows = n;
+    const int32_t nl = m->layer_end - m->layer_start;
+    for (int32_t i = 0; i < nl; ++i) {
+        const Layer & L = m->layers[i];
+        ggml_tensor * cur = rms(c, x, L.attn_norm, m->eps);
+        ggml_tensor * q = linear(c, L.wq, L.bq, cur);
+        ggml_tensor * k = linear(c, L.wk, L.bk, cur);
+        ggml_tensor * v = linear(c, L.wv, L.bv, cur);
+        q = ggml_reshape_3d(c, q, hd, nh, n);
+        k = ggml_reshape_3d(c, k, hd, nkv, n);
+        q = ggml_rope_ext(c, q, g.inp_pos, m->rope_freqs, m->n_rot, m->rope_mode, m->n_ctx_train, m->rope_base,
+                          m->rope_freq_scale, 0.0f, 1.0f, 32.0f, 1.0f);
+        k = ggml_rope_ext(c, k, g.inp_pos, m->rope_freqs, m->n_rot, m->rope_mode, m->n_ctx_train, m->rope_base,
+                          m->rope_freq_scale, 0.0f, 1.0f, 32.0f, 1.0f);
+        // append the new positions to this session's cache (K rows; V transposed)
+        ggml_tensor * kc = s.k[i];
+        ggml_tensor * vc = s.v[i];
+        // (index inputs instead of view offsets keep the graph independent of the position)
+        ggml_tensor * k_put = ggml_set_rows(c, kc, ggml_reshape_2d(c, k, dkv, n), g.inp_kidx);
+        ggml_build_forward_expand(g.gf, k_put);
+        ggml_tensor * v_elems = ggml_reshape_2d(c, vc, 1, ggml_nelements(vc));
+        ggml_tensor * v_put = ggml_set_rows(c, v_elems, ggml_reshape_2d(c, v, 1, (int64_t)n * dkv), g.inp_vidx);
+        ggml_build_forward_expand(g.gf, v_put);
+        if (kernel_step(m, n)) {
+            // same numbers as attention() below (see attention.cpp)
+            ggml_tensor * kq = ggswarm::decode_scores(c, q, kc, g.inp_pos, n_kv, k_put);
+            kq = ggml_soft_max_ext(c, kq, nullptr, kq_scale, 0.0f);
+            cur = ggml_reshape_2d(c, ggswarm::decode_values(c, kq, vc, g.inp_pos, hd, v_put), hd * nh, 1);
+        } else {
+            cur = attention(c, g, q, kc, vc, n, n_kv);
+        }
+        cur = linear(c, L.wo, L.bo, cur);
+        if (last_only && i == nl - 1 && n > 1) {
+            cur = ggml_view_2d(c, cur, m->d_model, 1, cur->nb[1], (size_t)(n - 1) * cur->nb[1]);
+            x = ggml_view_2d(c, x, m->d_model, 1, x->nb[1], (size_t)(n - 1) * x->nb[1]);
+            rows = 1;
+        }
+        ggml_tensor * h = ggml_add(c, cur, x);
+        cur = rms(c, h, L.ffn_norm, m->eps);
+        ggml_tensor * gate = ggml_mul_mat(c, L.w_gate, cur);
+        ggml_tensor * up = ggml_mul_mat(c, L.w_up, cur);
+        cur = ggml_mul_mat(c, L.w_down, ggml_swiglu_split(c, gate, up));
+        x = ggml_add(c, cur, h);
+    }
+    (void)rows;
+    if (m->is_last()) {
+        x = rms(c, x, m->output_norm, m->eps);
+        x = ggml_mul_mat(c, m->output, x);
+    }
+    g.out = x;
+    ggml_set_output(g.out);
+    ggml_build_forward_expand(g.gf, g.out);
+    if (m->is_last()) {
+        // probabilities of the final position, for the logprob (SIMD exp on the compute threads)
+        const int64_t rows = x->ne[1];
+        ggml_tensor * last = ggml_view_2d(c, x, x->ne[0], 1, x->nb[1], (size_t)(rows - 1) * x->nb[1]);
+        g.out_prob = ggml_soft_max(c, last);
+        ggml_set_output(g.out_prob);
+        ggml_build_forward_expand(g.gf, g.out_prob);
+    }
+}
+
+constexpr int32_t kUBatch = 512;
+
+// One micro-batch: positions [b->pos_start + off, + nc). On the last window *last points at the logits
+// of the chunk's final position afterwards.
+ggswarm_status forward_chunk(ggswarm_model * m, int64_t sid, Session & s, const ggswarm_batch * b, int32_t off,
+                             int32_t nc, bool final_chunk, const float ** last) {
+    const int32_t pos = b->pos_start + off;
+    const int64_t d = m->d_model;
+    const bool last_only = m->is_last() && !b->logits_out;
+    const int64_t span = kernel_step(m, nc) ? kernel_span(pos + nc) : pad_kv(pos + nc);
+    const int32_t n_kv = (int32_t)std::min<int64_t>(span, s.cap);
+    GraphKey key;
+    key.sid = sid;
+    key.n = nc;
+    key.n_kv = n_kv;
+    key.kv = s.buf;
+    key.last_only = last_only;
+    Graph & g = m->graph;
+    if (!(g.valid && g.key == key)) {
+        g.clear();
+        build_graph(m, s, g, nc, n_kv, last_only);
+        ggml_backend_sched_reset(m->sched);
+        if (!ggml_backend_sched_alloc_graph(m->sched, g.gf)) {
+            g.clear();
+            return fail(m, GGSWARM_E_COMPUTE, "ggml could not allocate the compute graph (%d tokens)", nc);
+        }
+        g.key = key;
+        g.valid = true;
+    }
+    m->kidx_host.resize(nc);
+    m->vidx_host.resize((size_t)nc * m->d_kv());
+    for (int32_t t = 0; t < nc; ++t) {
+        m->kidx_host[t] = pos + t;
+        int64_t * vi = m->vidx_host.data() + (size_t)t * m->d_kv();
+        for (int32_t ch = 0; ch < m->d_kv(); ++ch) vi[ch] = (int64_t)ch * s.cap + pos + t;
+    }
+    ggml_backend_tensor_set(g.inp_kidx, m->kidx_host.data(), 0, sizeof(int64_t) * m->kidx_host.size());
+    ggml_backend_tensor_set(g.inp_vidx, m->vidx_host.data(), 0, sizeof(int64_t) * m->vidx_host.size());
+    m->pos_host.resize(nc);
+    for (int32_t i = 0; i < nc; ++i) m->pos_host[i] = pos + i;
+    ggml_backend_tensor_set(g.inp_pos, m->pos_host.data(), 0, sizeof(int32_t) * nc);
+    if (g.inp_mask) {
+        const int32_t mask_rows = (int32_t)g.inp_mask->ne[1];
+        m->mask_host.resize((size_t)mask_rows * n_kv);
+        for (int32_t i = 0; i < (decode_rows(nc) ? 1 : mask_rows); ++i) {
+            float * row = m->mask_host.data() + (size_t)i * n_kv;
+            const int32_t lim = pos + i;
+            for (int32_t j = 0; j < n_kv; ++j) row[j] = j <= lim ? 0.0f : -INFINITY;
+        }
+        for (int32_t i = 1; decode_rows(nc) && i < mask_rows; ++i) {
+            memcpy(m->mask_host.data() + (size_t)i * n_kv, m->mask_host.data(), sizeof(float) * n_kv);
+        }
+        ggml_backend_tensor_set(g.inp_mask, m->mask_host.data(), 0, sizeof(float) * m->mask_host.size());
+    }
+    const int64_t n_hidden = (int64_t)nc * d;
+    if (g.inp_tokens) {
+        ggml_backend_tensor_set(g.inp_tokens, b->token_ids + off, 0, sizeof(int32_t) * nc);
+    } else if (b->hidden_in_type == GGSWARM_TYPE_F32) {
+        const float * src = static_cast<const float *>(b->hidden_in) + (int64_t)off * d;
+        ggml_backend_tensor_set(g.inp_hidden, src, 0, sizeof(float) * n_hidden);
+    } else {
+        const ggml_fp16_t * src = static_cast<const ggml_fp16_t *>(b->hidden_in) + (int64_t)off * d;
+        m->hidden_host.resize(n_hidden);
+        ggml_fp16_to_fp32_row(src, m->hidden_host.data(), n_hidden);
+        ggml_backend_tensor_set(g.inp_hidden, m->hidden_host.data(), 0, sizeof(float) * n_hidden);
+    }
+    if (ggml_backend_sched_graph_compute(m->sched, g.gf) != GGML_STATUS_SUCCESS) {
+        g.clear();
+        return fail(m, GGSWARM_E_COMPUTE, "ggml graph compute failed");
+    }
+    s.len = pos + nc;
+    if (!m->is_last()) {
+        if (b->hidden_out_type == GGSWARM_TYPE_F32) {
+            float * dst = static_cast<float *>(b->hidden_out) + (int64_t)off * d;
+            ggml_backend_tensor_get(g.out, dst, 0, sizeof(float) * n_hidden);
+        } else {
+            ggml_fp16_t * dst = static_cast<ggml_fp16_t *>(b->hidden_out) + (int64_t)off * d;
+            m->hidden_host.resize(n_hidden);
+            ggml_backend_tensor_get(g.out, m->hidden_host.data(), 0, sizeof(float) * n_hidden);
+            ggml_fp32_to_fp16_row(m->hidden_host.data(), dst, n_hidden);
+        }
+    } else if (b->logits_out) {
+        float * dst = b->logits_out + (int64_t)off * m->n_vocab;
+        ggml_backend_tensor_get(g.out, dst, 0, sizeof(float) * (size_t)nc * m->n_vocab);
+        *last = dst + (int64_t)(nc - 1) * m->n_vocab;
+    } else if (final_chunk) {
+        const int64_t rows = g.out->ne[1];
+        m->logits_host.resize((size_t)m->n_vocab);
+        ggml_backend_tensor_get(g.out, m->logits_host.data(), (size_t)(rows - 1) * g.out->nb[1],
+                                sizeof(float) * m->n_vocab);
+        *last = m->logits_host.data();
+    }
+    return GGSWARM_OK;
+}
+
+}  // namespace
+}  // namespace ggswarm
+
+using namespace ggswarm;
+
+extern "C" {
+
+ggswarm_status ggswarm_forward(ggswarm_model * m, int64_t sid, const ggswarm_batch * b) {
+    if (!m || !b) return fail(m, GGSWARM_E_INVALID_ARG, "model or batch is NULL");
+    const auto t0 = std::chrono::steady_clock::now();
+    Session * sp = find_session(m, sid);
+    if (!sp) return no_session(m, sid);
+    Session & s = *sp;
+    const int32_t n = b->n_tokens;
+    if (n <= 0 || n > GGSWARM_MAX_BATCH) {
+        return fail(m, GGSWARM_E_INVALID_ARG, "n_tokens %d is outside 1..%d", n, GGSWARM_MAX_BATCH);
+    }
+    if (b->pos_start != s.len) {
+        return fail(m, GGSWARM_E_RANGE, "pos_start %d does not follow the session's %d positions (truncate first)",
+                    b->pos_start, s.len);
+    }
+    if ((int64_t)b->pos_start + n > s.max_tokens) {
+        return fail(m, GGSWARM_E_RANGE, "positions up to %lld exceed the session cap of %d tokens",
+                    (long long)b->pos_start + n, s.max_tokens);
+    }
+    const int64_t n_hidden = (int64_t)n * m->d_model;
+    if (m->is_first()) {
+        if (!b->token_ids) return fail(m, GGSWARM_E_INVALID_ARG, "the first window takes token_ids");
+        for (int32_t i = 0; i < n; ++i) {
+            if (b->token_ids[i] < 0 || b->token_ids[i] >= m->n_vocab) {
+                return fail(m, GGSWARM_E_INVALID_ARG, "token id %d at index %d is outside 0..%d", b->token_ids[i], i,
+                            m->n_vocab - 1);
+            }
+        }
+    } else {
+        if (!b->hidden_in) return fail(m, GGSWARM_E_INVALID_ARG, "a window after the first takes hidden_in");
+        if (b->hidden_in_type != GGSWARM_TYPE_F32 && b->hidden_in_type != GGSWARM_TYPE_F16) {
+            return fail(m, GGSWARM_E_INVALID_ARG, "hidden_in_type %d is not f32 (0) or f16 (1)", b->hidden_in_type);
+        }
+        if (b->hidden_in_count != n_hidden) {
+            return fail(m, GGSWARM_E_INVALID_ARG,
+                        "hidden size mismatch: got %lld elements, expected n_tokens %d x d_model %d = %lld",
+                        (long long)b->hidden_in_count, n, m->d_model, (long long)n_hidden);
+        }
+    }
+    if (m->is_last()) {
+        if (!b->token_out) return fail(m, GGSWARM_E_INVALID_ARG, "the last window needs token_out");
+        if (b->logits_out && b->logits_out_count < (int64_t)n * m->n_vocab) {
+            return fail(m, GGSWARM_E_INVALID_ARG, "logits_out holds %lld elements, need %lld",
+                        (long long)b->logits_out_count, (long long)n * m->n_vocab);
+        }
+        if (b->history && b->n_history < 0) return fail(m, GGSWARM_E_INVALID_ARG, "n_history is negative");
+        const ggswarm_sampling * p = b->sampling;
+        if (p && (std::isnan(p->temperature) || std::isnan(p->top_p) || std::isnan(p->min_p) ||
+                  !(p->repeat_penalty > 0) || p->top_k < 0)) {
+            return fail(m, GGSWARM_E_INVALID_ARG, "invalid sampling parameters");
+        }
+    } else {
+        if (!b->hidden_out) return fail(m, GGSWARM_E_INVALID_ARG, "a window before the last needs hidden_out");
+        if (b->hidden_out_type != GGSWARM_TYPE_F32 && b->hidden_out_type != GGSWARM_TYPE_F16) {
+            return fail(m, GGSWARM_E_INVALID_ARG, "hidden_out_type %d is not f32 (0) or f16 (1)", b->hidden_out_type);
+        }
+        if (b->hidden_out_count < n_hidden) {
+            return fail(m, GGSWARM_E_INVALID_ARG, "hidden_out holds %lld elements, need %lld",
+                        (long long)b->hidden_out_count, (long long)n_hidden);
+        }
+    }
+    ggswarm_status st = ensure_capacity(m, s, b->pos_start + n);
+    if (st) return st;
+
+    // run in micro-batches of at most kUBatch positions (bounded compute memory, like llama.cpp's n_ubatch)
+    const float * last = nullptr;
+    for (int32_t off = 0; off < n; off += kUBatch) {
+        const int32_t nc = std::min(kUBatch, n - off);
+        const bool final_chunk = off + nc == n;
+        if ((st = forward_chunk(m, sid, s, b, off, nc, final_chunk, &last))) {
+            // a failed call leaves the session at its previous length; rows written beyond it are ignored
+            s.len = b->pos_start;
+            return st;
+        }
+    }
+    if (m->is_last()) {
+        ggswarm_sampling greedy = {0.0, 0, 64, 1.0, 0.0, 1.0, 0};
+        const ggswarm_sampling & p = b->sampling ? *b->sampling : greedy;
+        ggswarm::SampleResult r = ggswarm::sample(last, m->n_vocab, p, (int64_t)b->pos_start + n - 1, b->history,
+                                                  b->history ? b->n_history : 0, m->scratch, false);
+        *b->token_out = r.token;
+        if (b->logprob_out) {
+            float prob = 0.0f;
+            ggml_backend_tensor_get(m->graph.out_prob, &prob, sizeof(float) * (size_t)r.token, sizeof(float));
+            // float softmax is exact to ~1e-7; tiny probabilities fall back to the double log-softmax
+            *b->logprob_out = prob > 1e-30f ? std::log((double)prob) : ggswarm::log_softmax_at(last, m->n_vocab, r.token);
+        }
+    }
+    if (b->compute_s_out) {
+        *b->compute_s_out = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
+    return ok(m);
+}
+
+}  // extern "C"

@@ -1,0 +1,293 @@
+// libggswarm sessions: per-session KV buffers (growth within the model's budget, truncate) and
+// the KV snapshot format (docs/native.md, "KV cache" and "Snapshot format").
+
+#include <algorithm>
+#include <cstring>
+
+#include "model.h"
+
+namespace ggswarm {
+namespace {
+
+constexpr char kSnapMagic[8] = {'G', 'G', 'S', 'W', 'K', 'V', 'S', 'N'};
+constexpr uint32_t kSnapVersion = 1;
+
+// Snapshot header (little-endian, packed by construction: every field is naturally aligned).
+struct SnapHeader {
+    char magic[8];
+    uint32_t format_version;
+    uint32_t header_size;
+    char model_id[72];
+    char architecture[32];
+    int32_t layer_start;
+    int32_t layer_end;
+    int32_t n_layers_total;
+    int32_t n_head_kv;
+    int32_t head_dim;
+    int32_t kv_type;  // ggml_type of K and V (GGML_TYPE_F16)
+    int32_t n_pos;
+    int32_t reserved;
+    uint64_t payload_bytes;
+    uint64_t payload_fnv1a;
+};
+static_assert(sizeof(SnapHeader) == 168, "snapshot header layout changed: bump kSnapVersion");
+
+}  // namespace
+
+Session * find_session(const ggswarm_model * m, int64_t sid) {
+    auto it = const_cast<ggswarm_model *>(m)->sessions.find(sid);
+    return it == m->sessions.end() ? nullptr : &it->second;
+}
+
+ggswarm_status no_session(const ggswarm_model * m, int64_t sid) {
+    return fail(m, GGSWARM_E_NO_SESSION, "unknown session id %lld", (long long)sid);
+}
+
+// Attention spans n_kv rounded up to this many positions (masked), like llama.cpp's KV cache, so the
+// reduction order inside softmax and KQV, and therefore the numerics, match llama.cpp's.
+constexpr int64_t kKvPad = 256;
+
+int64_t pad_kv(int64_t n) { return (n + kKvPad - 1) / kKvPad * kKvPad; }
+
+// A CPU decode step runs attention.cpp's kernels: no mask input (they write -inf past the new
+// position themselves), and a span padded only to their 64-position step, since padding adds exact
+// zeros to softmax's and the values' sums and so changes nothing but the work done (kernel_step).
+constexpr int64_t kKernelPad = 64;
+
+bool kernel_step(const ggswarm_model * m, int32_t n) { return n == 1 && m->decode_kernels; }
+
+int64_t kernel_span(int64_t n) { return (n + kKernelPad - 1) / kKernelPad * kKernelPad; }
+
+// Make room for `need` positions, keeping the first s.len positions.
+ggswarm_status ensure_capacity(ggswarm_model * m, Session & s, int32_t need) {
+    if (need <= s.cap) return GGSWARM_OK;
+    // capacity is a multiple of kKvPad so the attention always spans whole padded blocks
+    const int64_t need_pad = pad_kv(need);
+    int64_t cap = std::max<int64_t>(need_pad, 2LL * s.cap);
+    cap = std::min<int64_t>(cap, pad_kv(s.max_tokens));
+    const uint64_t new_bytes = (uint64_t)cap * m->kv_bytes_per_token();
+    const uint64_t others = m->kv_total() - s.bytes;
+    if (m->kv_budget && others + new_bytes > m->kv_budget) {
+        // retry with the padded need before giving up
+        const uint64_t exact = (uint64_t)need_pad * m->kv_bytes_per_token();
+        if (others + exact > m->kv_budget) {
+            return fail(m, GGSWARM_E_BUDGET,
+                        "KV budget exhausted: %d positions need %llu bytes, %llu of %llu bytes are held by other sessions",
+                        need, (unsigned long long)exact, (unsigned long long)others,
+                        (unsigned long long)m->kv_budget);
+        }
+        cap = need_pad;
+    }
+    const int32_t nl = m->layer_end - m->layer_start;
+    ggml_init_params ip = {ggml_tensor_overhead() * (size_t)(2 * nl + 2), nullptr, true};
+    Session n;
+    n.ctx = ggml_init(ip);
+    if (!n.ctx) return fail(m, GGSWARM_E_NO_MEMORY, "cannot create a KV context");
+    for (int32_t i = 0; i < nl; ++i) {
+        n.k.push_back(ggml_new_tensor_2d(n.ctx, GGML_TYPE_F16, m->d_kv(), cap));
+        n.v.push_back(ggml_new_tensor_2d(n.ctx, GGML_TYPE_F16, cap, m->d_kv()));
+    }
+    n.buf = ggml_backend_alloc_ctx_tensors_from_buft(n.ctx, m->buft);
+    if (!n.buf) {
+        n.release();
+        return fail(m, GGSWARM_E_NO_MEMORY, "cannot allocate %llu KV bytes on %s",
+                    (unsigned long long)new_bytes, m->device_name.c_str());
+    }
+    ggml_backend_buffer_set_usage(n.buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    ggml_backend_buffer_clear(n.buf, 0);  // padded positions are read (times a zero weight): keep them finite
+    n.cap = (int32_t)cap;
+    n.bytes = ggml_backend_buffer_get_size(n.buf);
+    n.max_tokens = s.max_tokens;
+    n.len = s.len;
+    if (s.len > 0) {
+        const size_t row = (size_t)m->d_kv() * sizeof(ggml_fp16_t);
+        std::vector<uint8_t> tmp((size_t)s.len * row);
+        for (int32_t i = 0; i < nl; ++i) {
+            ggml_backend_tensor_get(s.k[i], tmp.data(), 0, (size_t)s.len * row);
+            ggml_backend_tensor_set(n.k[i], tmp.data(), 0, (size_t)s.len * row);
+            const size_t vrow = (size_t)s.len * sizeof(ggml_fp16_t);
+            for (int32_t r = 0; r < m->d_kv(); ++r) {
+                ggml_backend_tensor_get(s.v[i], tmp.data(), (size_t)r * s.v[i]->nb[1], vrow);
+                ggml_backend_tensor_set(n.v[i], tmp.data(), (size_t)r * n.v[i]->nb[1], vrow);
+            }
+        }
+    }
+    s.release();
+    s = n;
+    return GGSWARM_OK;
+}
+
+}  // namespace ggswarm
+
+using namespace ggswarm;
+
+extern "C" {
+
+ggswarm_status ggswarm_session_open(ggswarm_model * m, int32_t max_tokens, int64_t * out_sid) {
+    if (!m || !out_sid) return fail(m, GGSWARM_E_INVALID_ARG, "model or out_sid is NULL");
+    if (max_tokens <= 0 || max_tokens > m->n_ctx_max) {
+        return fail(m, GGSWARM_E_RANGE, "max_tokens %d is outside 1..%d (model context, capped at %d)", max_tokens,
+                    m->n_ctx_max, GGSWARM_MAX_CONTEXT);
+    }
+    Session s;
+    s.max_tokens = max_tokens;
+    const int64_t sid = m->next_sid++;
+    m->sessions.emplace(sid, s);
+    *out_sid = sid;
+    return ok(m);
+}
+
+ggswarm_status ggswarm_session_close(ggswarm_model * m, int64_t sid) {
+    if (!m) return fail(nullptr, GGSWARM_E_INVALID_ARG, "model is NULL");
+    auto it = m->sessions.find(sid);
+    if (it == m->sessions.end()) return no_session(m, sid);
+    it->second.release();
+    m->sessions.erase(it);
+    return ok(m);
+}
+
+ggswarm_status ggswarm_session_len(const ggswarm_model * m, int64_t sid, int32_t * out_len) {
+    if (!m || !out_len) return fail(m, GGSWARM_E_INVALID_ARG, "model or out_len is NULL");
+    Session * s = find_session(m, sid);
+    if (!s) return no_session(m, sid);
+    *out_len = s->len;
+    return ok(m);
+}
+
+ggswarm_status ggswarm_session_truncate(ggswarm_model * m, int64_t sid, int32_t n_tokens) {
+    if (!m) return fail(nullptr, GGSWARM_E_INVALID_ARG, "model is NULL");
+    Session * s = find_session(m, sid);
+    if (!s) return no_session(m, sid);
+    if (n_tokens < 0 || n_tokens > s->len) {
+        return fail(m, GGSWARM_E_RANGE, "cannot truncate to %d positions: the session holds %d", n_tokens, s->len);
+    }
+    s->len = n_tokens;
+    return ok(m);
+}
+
+ggswarm_status ggswarm_kv_bytes(const ggswarm_model * m, int64_t sid, uint64_t * out_bytes) {
+    if (!m || !out_bytes) return fail(m, GGSWARM_E_INVALID_ARG, "model or out_bytes is NULL");
+    if (sid < 0) {
+        *out_bytes = m->kv_total();
+        return ok(m);
+    }
+    Session * s = find_session(m, sid);
+    if (!s) return no_session(m, sid);
+    *out_bytes = s->bytes;
+    return ok(m);
+}
+
+ggswarm_status ggswarm_session_snapshot_size(const ggswarm_model * m, int64_t sid, uint64_t * out_size) {
+    if (!m || !out_size) return fail(m, GGSWARM_E_INVALID_ARG, "model or out_size is NULL");
+    Session * s = find_session(m, sid);
+    if (!s) return no_session(m, sid);
+    *out_size = sizeof(SnapHeader) + (uint64_t)s->len * m->kv_bytes_per_token();
+    return ok(m);
+}
+
+ggswarm_status ggswarm_session_snapshot(const ggswarm_model * m, int64_t sid, void * buf, uint64_t capacity,
+                                        uint64_t * out_written) {
+    if (!m || !buf) return fail(m, GGSWARM_E_INVALID_ARG, "model or buf is NULL");
+    Session * s = find_session(m, sid);
+    if (!s) return no_session(m, sid);
+    const uint64_t payload = (uint64_t)s->len * m->kv_bytes_per_token();
+    const uint64_t total = sizeof(SnapHeader) + payload;
+    if (capacity < total) {
+        return fail(m, GGSWARM_E_INVALID_ARG, "snapshot needs %llu bytes, buffer holds %llu",
+                    (unsigned long long)total, (unsigned long long)capacity);
+    }
+    SnapHeader h;
+    memset(&h, 0, sizeof(h));
+    memcpy(h.magic, kSnapMagic, sizeof(h.magic));
+    h.format_version = kSnapVersion;
+    h.header_size = sizeof(SnapHeader);
+    snprintf(h.model_id, sizeof(h.model_id), "%s", m->model_id.c_str());
+    snprintf(h.architecture, sizeof(h.architecture), "%s", m->arch.c_str());
+    h.layer_start = m->layer_start;
+    h.layer_end = m->layer_end;
+    h.n_layers_total = m->n_layers_total;
+    h.n_head_kv = m->n_head_kv;
+    h.head_dim = m->head_dim;
+    h.kv_type = GGML_TYPE_F16;
+    h.n_pos = s->len;
+    h.payload_bytes = payload;
+    uint8_t * p = static_cast<uint8_t *>(buf) + sizeof(SnapHeader);
+    const size_t krow = (size_t)m->d_kv() * sizeof(ggml_fp16_t);
+    const size_t vrow = (size_t)s->len * sizeof(ggml_fp16_t);
+    if (s->len > 0) {
+        for (size_t i = 0; i < s->k.size(); ++i) {
+            ggml_backend_tensor_get(s->k[i], p, 0, (size_t)s->len * krow);
+            p += (size_t)s->len * krow;
+            for (int32_t r = 0; r < m->d_kv(); ++r) {
+                ggml_backend_tensor_get(s->v[i], p, (size_t)r * s->v[i]->nb[1], vrow);
+                p += vrow;
+            }
+        }
+    }
+    h.payload_fnv1a = fnv1a(static_cast<uint8_t *>(buf) + sizeof(SnapHeader), payload);
+    memcpy(buf, &h, sizeof(h));
+    if (out_written) *out_written = total;
+    return ok(m);
+}
+
+ggswarm_status ggswarm_session_restore(ggswarm_model * m, int64_t sid, const void * buf, uint64_t size) {
+    if (!m || !buf) return fail(m, GGSWARM_E_INVALID_ARG, "model or buf is NULL");
+    Session * sp = find_session(m, sid);
+    if (!sp) return no_session(m, sid);
+    if (size < sizeof(SnapHeader)) {
+        return fail(m, GGSWARM_E_FORMAT, "snapshot is %llu bytes, shorter than its %zu-byte header",
+                    (unsigned long long)size, sizeof(SnapHeader));
+    }
+    SnapHeader h;
+    memcpy(&h, buf, sizeof(h));
+    if (memcmp(h.magic, kSnapMagic, sizeof(h.magic)) != 0) return fail(m, GGSWARM_E_FORMAT, "not a ggswarm KV snapshot (bad magic)");
+    if (h.format_version != kSnapVersion || h.header_size != sizeof(SnapHeader)) {
+        return fail(m, GGSWARM_E_FORMAT, "snapshot format version %u (header %u bytes) is not supported (want %u)",
+                    h.format_version, h.header_size, kSnapVersion);
+    }
+    h.model_id[sizeof(h.model_id) - 1] = 0;
+    h.architecture[sizeof(h.architecture) - 1] = 0;
+    if (m->model_id != h.model_id) {
+        return fail(m, GGSWARM_E_MISMATCH, "snapshot model id %s does not match this model %s", h.model_id,
+                    m->model_id.c_str());
+    }
+    if (h.layer_start != m->layer_start || h.layer_end != m->layer_end || h.n_layers_total != m->n_layers_total) {
+        return fail(m, GGSWARM_E_MISMATCH, "snapshot layer range %d:%d of %d does not match this window %d:%d of %d",
+                    h.layer_start, h.layer_end, h.n_layers_total, m->layer_start, m->layer_end, m->n_layers_total);
+    }
+    if (h.n_head_kv != m->n_head_kv || h.head_dim != m->head_dim || h.kv_type != GGML_TYPE_F16) {
+        return fail(m, GGSWARM_E_MISMATCH, "snapshot KV shape (%d heads x %d, type %d) does not match (%d x %d, f16)",
+                    h.n_head_kv, h.head_dim, h.kv_type, m->n_head_kv, m->head_dim);
+    }
+    if (h.n_pos < 0 || h.n_pos > sp->max_tokens) {
+        return fail(m, GGSWARM_E_RANGE, "snapshot holds %d positions; the session cap is %d", h.n_pos, sp->max_tokens);
+    }
+    const uint64_t payload = (uint64_t)h.n_pos * m->kv_bytes_per_token();
+    if (h.payload_bytes != payload || size != sizeof(SnapHeader) + payload) {
+        return fail(m, GGSWARM_E_FORMAT, "snapshot is truncated or padded: %llu bytes, expected %llu",
+                    (unsigned long long)size, (unsigned long long)(sizeof(SnapHeader) + payload));
+    }
+    const uint8_t * p = static_cast<const uint8_t *>(buf) + sizeof(SnapHeader);
+    if (fnv1a(p, payload) != h.payload_fnv1a) return fail(m, GGSWARM_E_FORMAT, "snapshot payload checksum mismatch (corrupt)");
+    Session & s = *sp;
+    const int32_t keep_len = s.len;
+    ggswarm_status st = ensure_capacity(m, s, std::max(h.n_pos, 1));
+    if (st) return st;
+    (void)keep_len;
+    const size_t krow = (size_t)m->d_kv() * sizeof(ggml_fp16_t);
+    const size_t vrow = (size_t)h.n_pos * sizeof(ggml_fp16_t);
+    if (h.n_pos > 0) {
+        for (size_t i = 0; i < s.k.size(); ++i) {
+            ggml_backend_tensor_set(s.k[i], p, 0, (size_t)h.n_pos * krow);
+            p += (size_t)h.n_pos * krow;
+            for (int32_t r = 0; r < m->d_kv(); ++r) {
+                ggml_backend_tensor_set(s.v[i], p, (size_t)r * s.v[i]->nb[1], vrow);
+                p += vrow;
+            }
+        }
+    }
+    s.len = h.n_pos;
+    return ok(m);
+}
+
+}  // extern "C"

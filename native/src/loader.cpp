@@ -1,0 +1,338 @@
+// libggswarm loading: GGUF hyper-parameters and checks, the window's tensors read into one backend
+// buffer, the ggml device, scheduler and threads.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+
+#include "model.h"
+
+namespace ggswarm {
+namespace {
+
+bool get_int(const gguf_context * g, const std::string & key, int64_t * out) {
+    int64_t id = gguf_find_key(g, key.c_str());
+    if (id < 0) return false;
+    switch (gguf_get_kv_type(g, id)) {
+        case GGUF_TYPE_UINT8: *out = gguf_get_val_u8(g, id); return true;
+        case GGUF_TYPE_INT8: *out = gguf_get_val_i8(g, id); return true;
+        case GGUF_TYPE_UINT16: *out = gguf_get_val_u16(g, id); return true;
+        case GGUF_TYPE_INT16: *out = gguf_get_val_i16(g, id); return true;
+        case GGUF_TYPE_UINT32: *out = gguf_get_val_u32(g, id); return true;
+        case GGUF_TYPE_INT32: *out = gguf_get_val_i32(g, id); return true;
+        case GGUF_TYPE_UINT64: *out = (int64_t)gguf_get_val_u64(g, id); return true;
+        case GGUF_TYPE_INT64: *out = gguf_get_val_i64(g, id); return true;
+        default: return false;
+    }
+}
+
+bool get_float(const gguf_context * g, const std::string & key, double * out) {
+    int64_t id = gguf_find_key(g, key.c_str());
+    if (id < 0) return false;
+    switch (gguf_get_kv_type(g, id)) {
+        case GGUF_TYPE_FLOAT32: *out = gguf_get_val_f32(g, id); return true;
+        case GGUF_TYPE_FLOAT64: *out = gguf_get_val_f64(g, id); return true;
+        default: {
+            int64_t v;
+            if (get_int(g, key, &v)) {
+                *out = (double)v;
+                return true;
+            }
+            return false;
+        }
+    }
+}
+
+bool get_str(const gguf_context * g, const std::string & key, std::string * out) {
+    int64_t id = gguf_find_key(g, key.c_str());
+    if (id < 0 || gguf_get_kv_type(g, id) != GGUF_TYPE_STRING) return false;
+    *out = gguf_get_val_str(g, id);
+    return true;
+}
+
+const char * kSupportedArchs[] = {"llama", "mistral", "qwen2"};
+
+bool arch_supported(const std::string & a) {
+    for (const char * s : kSupportedArchs) {
+        if (a == s) return true;
+    }
+    return false;
+}
+
+// Read hyper-parameters and validate them; fills m.
+}  // namespace
+
+ggswarm_status read_hparams(ggswarm_model * m, const Meta & meta) {
+    const gguf_context * g = meta.g;
+    if (!get_str(g, "general.architecture", &m->arch)) {
+        return fail(m, GGSWARM_E_FORMAT, "general.architecture is missing");
+    }
+    if (!arch_supported(m->arch)) {
+        return fail(m, GGSWARM_E_UNSUPPORTED,
+                    "architecture '%s' is not supported by the native backend (supported: llama, mistral, qwen2)",
+                    m->arch.c_str());
+    }
+    const std::string a = m->arch + ".";
+    int64_t v = 0;
+    auto need_int = [&](const char * key, int64_t lo, int64_t hi, int32_t * dst) -> ggswarm_status {
+        std::string k = a + key;
+        int64_t id = gguf_find_key(g, k.c_str());
+        if (id >= 0 && gguf_get_kv_type(g, id) == GGUF_TYPE_ARRAY) {
+            return fail(m, GGSWARM_E_UNSUPPORTED, "%s: per-layer values are not supported", k.c_str());
+        }
+        if (!get_int(g, k, &v)) return fail(m, GGSWARM_E_FORMAT, "%s is missing", k.c_str());
+        if (v < lo || v > hi) {
+            return fail(m, GGSWARM_E_FORMAT, "%s = %lld is out of range [%lld, %lld]", k.c_str(), (long long)v,
+                        (long long)lo, (long long)hi);
+        }
+        *dst = (int32_t)v;
+        return GGSWARM_OK;
+    };
+    ggswarm_status st;
+    if ((st = need_int("block_count", 1, 4096, &m->n_layers_total))) return st;
+    if ((st = need_int("embedding_length", 1, 1 << 20, &m->d_model))) return st;
+    if ((st = need_int("feed_forward_length", 1, 1 << 22, &m->n_ff))) return st;
+    if ((st = need_int("attention.head_count", 1, 4096, &m->n_head))) return st;
+    m->n_head_kv = m->n_head;
+    if (gguf_find_key(g, (a + "attention.head_count_kv").c_str()) >= 0) {
+        if ((st = need_int("attention.head_count_kv", 1, 4096, &m->n_head_kv))) return st;
+    }
+    if (m->n_head % m->n_head_kv != 0) {
+        return fail(m, GGSWARM_E_FORMAT, "head_count %d is not a multiple of head_count_kv %d", m->n_head,
+                    m->n_head_kv);
+    }
+    if (get_int(g, a + "expert_count", &v) && v > 0) {
+        return fail(m, GGSWARM_E_UNSUPPORTED, "%s with %lld experts (MoE) is not supported by the native backend",
+                    m->arch.c_str(), (long long)v);
+    }
+    m->head_dim = m->d_model / m->n_head;
+    if (get_int(g, a + "attention.key_length", &v)) m->head_dim = (int32_t)v;
+    int64_t vlen = m->head_dim;
+    if (get_int(g, a + "attention.value_length", &vlen) && vlen != m->head_dim) {
+        return fail(m, GGSWARM_E_UNSUPPORTED, "key_length %d != value_length %lld", m->head_dim, (long long)vlen);
+    }
+    if (m->head_dim <= 0 || m->head_dim % 2 != 0 || m->head_dim > 1024) {
+        return fail(m, GGSWARM_E_FORMAT, "head dimension %d is invalid", m->head_dim);
+    }
+    m->n_rot = m->head_dim;
+    if (get_int(g, a + "rope.dimension_count", &v)) m->n_rot = (int32_t)v;
+    if (m->n_rot != m->head_dim) {
+        return fail(m, GGSWARM_E_UNSUPPORTED, "partial rotary embedding (%d of %d dims) is not supported", m->n_rot,
+                    m->head_dim);
+    }
+    double f = 0;
+    if (!get_float(g, a + "attention.layer_norm_rms_epsilon", &f)) {
+        return fail(m, GGSWARM_E_FORMAT, "%sattention.layer_norm_rms_epsilon is missing", a.c_str());
+    }
+    m->eps = (float)f;
+    m->rope_base = get_float(g, a + "rope.freq_base", &f) ? (float)f : 10000.0f;
+    std::string scaling = "none";
+    get_str(g, a + "rope.scaling.type", &scaling);
+    if (scaling == "linear") {
+        if (get_float(g, a + "rope.scaling.factor", &f) && f > 0) m->rope_freq_scale = (float)(1.0 / f);
+    } else if (scaling != "none" && !scaling.empty()) {
+        return fail(m, GGSWARM_E_UNSUPPORTED, "rope scaling '%s' is not supported by the native backend",
+                    scaling.c_str());
+    }
+    if (get_float(g, a + "rope.scale_linear", &f) && f > 0) m->rope_freq_scale = (float)(1.0 / f);
+    m->rope_mode = m->arch == "qwen2" ? GGML_ROPE_TYPE_NEOX : GGML_ROPE_TYPE_NORMAL;
+    m->n_ctx_train = 4096;
+    if (get_int(g, a + "context_length", &v) && v > 0) m->n_ctx_train = (int32_t)std::min<int64_t>(v, INT32_MAX);
+    m->n_ctx_max = std::min(m->n_ctx_train, (int32_t)GGSWARM_MAX_CONTEXT);
+    return GGSWARM_OK;
+}
+
+// --- weights -------------------------------------------------------------------------------------------
+
+namespace {
+
+struct Wanted {
+    std::string name;
+    std::vector<int64_t> shape;
+    bool optional;
+    ggml_tensor ** dst;
+};
+
+}  // namespace
+
+ggswarm_status load_weights(ggswarm_model * m, const Meta & meta, const char * path, uint64_t file_size) {
+    std::vector<Wanted> want;
+    const int64_t d = m->d_model, dq = (int64_t)m->n_head * m->head_dim, dkv = m->d_kv();
+    if (m->is_first()) want.push_back({"token_embd.weight", {d, m->n_vocab}, false, &m->tok_embd});
+    if (m->is_last()) {
+        want.push_back({"output_norm.weight", {d}, false, &m->output_norm});
+        if (gguf_find_tensor(meta.g, "output.weight") >= 0) {
+            want.push_back({"output.weight", {d, m->n_vocab}, false, &m->output});
+        } else if (!m->is_first()) {
+            want.push_back({"token_embd.weight", {d, m->n_vocab}, false, &m->tok_embd});
+        }
+    }
+    if (gguf_find_tensor(meta.g, "rope_freqs.weight") >= 0) {
+        want.push_back({"rope_freqs.weight", {m->n_rot / 2}, false, &m->rope_freqs});
+    }
+    m->layers.resize(m->layer_end - m->layer_start);
+    for (int32_t il = m->layer_start; il < m->layer_end; ++il) {
+        Layer & L = m->layers[il - m->layer_start];
+        auto n = [il](const char * s) { return "blk." + std::to_string(il) + "." + s; };
+        want.push_back({n("attn_norm.weight"), {d}, false, &L.attn_norm});
+        want.push_back({n("attn_q.weight"), {d, dq}, false, &L.wq});
+        want.push_back({n("attn_k.weight"), {d, dkv}, false, &L.wk});
+        want.push_back({n("attn_v.weight"), {d, dkv}, false, &L.wv});
+        want.push_back({n("attn_q.bias"), {dq}, true, &L.bq});
+        want.push_back({n("attn_k.bias"), {dkv}, true, &L.bk});
+        want.push_back({n("attn_v.bias"), {dkv}, true, &L.bv});
+        want.push_back({n("attn_output.weight"), {dq, d}, false, &L.wo});
+        want.push_back({n("attn_output.bias"), {d}, true, &L.bo});
+        want.push_back({n("ffn_norm.weight"), {d}, false, &L.ffn_norm});
+        want.push_back({n("ffn_gate.weight"), {d, m->n_ff}, false, &L.w_gate});
+        want.push_back({n("ffn_up.weight"), {d, m->n_ff}, false, &L.w_up});
+        want.push_back({n("ffn_down.weight"), {m->n_ff, d}, false, &L.w_down});
+        if (gguf_find_tensor(meta.g, n("attn_qkv.weight").c_str()) >= 0) {
+            return fail(m, GGSWARM_E_UNSUPPORTED, "fused attn_qkv tensors are not supported (layer %d)", il);
+        }
+    }
+    ggml_init_params ip = {ggml_tensor_overhead() * (want.size() + 4), nullptr, true};
+    m->wctx = ggml_init(ip);
+    if (!m->wctx) return fail(m, GGSWARM_E_NO_MEMORY, "cannot create the weights context");
+    std::vector<std::pair<ggml_tensor *, int64_t>> to_read;  // tensor, gguf id
+    for (const Wanted & w : want) {
+        int64_t tid = gguf_find_tensor(meta.g, w.name.c_str());
+        if (tid < 0) {
+            if (w.optional) continue;
+            return fail(m, GGSWARM_E_FORMAT, "tensor %s is missing", w.name.c_str());
+        }
+        const ggml_tensor * src = ggml_get_tensor(meta.ctx, w.name.c_str());
+        if (!src) return fail(m, GGSWARM_E_FORMAT, "tensor %s has no metadata", w.name.c_str());
+        for (int i = 0; i < GGML_MAX_DIMS; ++i) {
+            int64_t expect = i < (int)w.shape.size() ? w.shape[i] : 1;
+            if (src->ne[i] != expect) {
+                return fail(m, GGSWARM_E_FORMAT, "tensor %s has shape [%lld, %lld, %lld, %lld], expected dim %d = %lld",
+                            w.name.c_str(), (long long)src->ne[0], (long long)src->ne[1], (long long)src->ne[2],
+                            (long long)src->ne[3], i, (long long)expect);
+            }
+        }
+        bool is_vec = w.shape.size() == 1;
+        if (is_vec && src->type != GGML_TYPE_F32) {
+            return fail(m, GGSWARM_E_UNSUPPORTED, "tensor %s has type %s; norms and biases must be f32", w.name.c_str(),
+                        ggml_type_name(src->type));
+        }
+        ggml_tensor * t = ggml_new_tensor(m->wctx, src->type, (int)w.shape.size(), src->ne);
+        ggml_set_name(t, w.name.c_str());
+        *w.dst = t;
+        to_read.push_back({t, tid});
+    }
+    if (m->is_last() && !m->output) m->output = m->tok_embd;
+    m->wbuf = ggml_backend_alloc_ctx_tensors_from_buft(m->wctx, m->buft);
+    if (!m->wbuf) return fail(m, GGSWARM_E_NO_MEMORY, "cannot allocate %s weights buffer", m->device_name.c_str());
+    ggml_backend_buffer_set_usage(m->wbuf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    const bool host = ggml_backend_buffer_is_host(m->wbuf);
+
+    FILE * fp = fopen(path, "rb");
+    if (!fp) return fail(m, GGSWARM_E_IO, "cannot open %s: %s", path, strerror(errno));
+    const uint64_t data_off = gguf_get_data_offset(meta.g);
+    ggswarm_status st = GGSWARM_OK;
+    for (auto & tr : to_read) {
+        ggml_tensor * t = tr.first;
+        const uint64_t off = data_off + gguf_get_tensor_offset(meta.g, tr.second);
+        const size_t nbytes = ggml_nbytes(t);
+        if (off + nbytes > file_size) {
+            st = fail(m, GGSWARM_E_FORMAT, "tensor %s ends at byte %llu but the file has %llu bytes (truncated file?)",
+                      ggml_get_name(t), (unsigned long long)(off + nbytes), (unsigned long long)file_size);
+            break;
+        }
+        void * dst = t->data;
+        if (!host) {
+            m->staging.resize(nbytes);
+            dst = m->staging.data();
+        }
+        if (fseeko(fp, (off_t)off, SEEK_SET) != 0 || fread(dst, 1, nbytes, fp) != nbytes) {
+            st = fail(m, GGSWARM_E_IO, "cannot read tensor %s (%zu bytes at %llu)", ggml_get_name(t), nbytes,
+                      (unsigned long long)off);
+            break;
+        }
+        if (!ggml_validate_row_data(t->type, dst, nbytes)) {
+            st = fail(m, GGSWARM_E_FORMAT, "tensor %s: corrupt data (NaN/Inf values or invalid block scales)",
+                      ggml_get_name(t));
+            break;
+        }
+        if (!host) ggml_backend_tensor_set(t, dst, 0, nbytes);
+        m->weight_bytes += nbytes;
+    }
+    fclose(fp);
+    std::vector<uint8_t>().swap(m->staging);
+    return st;
+}
+
+// Fingerprint of the metadata region when the caller gives no model id.
+std::string fingerprint(const char * path, uint64_t data_off, uint64_t file_size) {
+    FILE * fp = fopen(path, "rb");
+    if (!fp) return "fp:unknown";
+    uint64_t h = 1469598103934665603ULL;
+    std::vector<uint8_t> buf(1 << 16);
+    uint64_t left = data_off;
+    while (left > 0) {
+        size_t n = fread(buf.data(), 1, std::min<uint64_t>(left, buf.size()), fp);
+        if (n == 0) break;
+        h = fnv1a(buf.data(), n, h);
+        left -= n;
+    }
+    fclose(fp);
+    h = fnv1a(reinterpret_cast<const uint8_t *>(&file_size), sizeof(file_size), h);
+    char s[32];
+    snprintf(s, sizeof(s), "fp:%016llx", (unsigned long long)h);
+    return s;
+}
+
+ggswarm_status apply_threads(ggswarm_model * m, int32_t n) {
+    m->n_threads = n;
+    ggml_backend_t targets[2] = {m->backend, m->backend_cpu};
+    for (ggml_backend_t b : targets) {
+        if (!b) continue;
+        ggml_backend_dev_t dev = ggml_backend_get_device(b);
+        ggml_backend_reg_t reg = dev ? ggml_backend_dev_backend_reg(dev) : nullptr;
+        if (!reg) continue;
+        auto fn = (ggml_backend_set_n_threads_t)ggml_backend_reg_get_proc_address(reg, "ggml_backend_set_n_threads");
+        if (fn) fn(b, n);
+    }
+    return GGSWARM_OK;
+}
+
+ggswarm_status init_backends(ggswarm_model * m) {
+    ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    ggml_backend_dev_t dev = nullptr;
+    const char * want = getenv("GGSWARM_DEVICE");
+    if (want && *want) {
+        dev = ggml_backend_dev_by_name(want);
+        if (!dev) return fail(m, GGSWARM_E_UNSUPPORTED, "GGSWARM_DEVICE=%s: no such ggml device", want);
+    } else {
+        dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU);
+        if (!dev) dev = cpu;
+    }
+    if (!dev) return fail(m, GGSWARM_E_UNSUPPORTED, "no ggml backend device is available");
+    m->dev = dev;
+    m->device_name = ggml_backend_dev_name(dev);
+    m->backend = ggml_backend_dev_init(dev, nullptr);
+    if (!m->backend) return fail(m, GGSWARM_E_NO_MEMORY, "cannot initialise ggml device %s", m->device_name.c_str());
+    if (dev == cpu || !cpu) {
+        m->backend_cpu = m->backend;
+    } else {
+        m->backend_cpu = ggml_backend_dev_init(cpu, nullptr);
+        if (!m->backend_cpu) return fail(m, GGSWARM_E_NO_MEMORY, "cannot initialise the ggml CPU device");
+    }
+    m->buft = ggml_backend_dev_buffer_type(dev);
+    return GGSWARM_OK;
+}
+
+ggswarm_status init_sched(ggswarm_model * m) {
+    const int32_t nl = m->layer_end - m->layer_start;
+    m->graph_size = (size_t)std::max(2048, 48 * nl + 256);
+    m->graph_meta.resize(ggml_tensor_overhead() * m->graph_size + ggml_graph_overhead_custom(m->graph_size, false));
+    ggml_backend_t bs[2] = {m->backend, m->backend_cpu};
+    int n = m->backend_cpu == m->backend ? 1 : 2;
+    m->sched = ggml_backend_sched_new(bs, nullptr, n, m->graph_size, false, false);
+    if (!m->sched) return fail(m, GGSWARM_E_NO_MEMORY, "cannot create the ggml scheduler");
+    return GGSWARM_OK;
+}
+
+}  // namespace ggswarm

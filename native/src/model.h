@@ -1,0 +1,201 @@
+// Internal types of libggswarm shared by its translation units: the model handle (weights, device,
+// scheduler, sessions, reusable graph), sessions' KV, and the functions one unit offers the others.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "ggml-alloc.h"
+#include "ggml-backend.h"
+#include "ggml.h"
+#include "ggswarm.h"
+#include "gguf.h"
+#include "sampler.h"
+
+namespace ggswarm {
+
+struct Layer {
+    ggml_tensor * attn_norm = nullptr;
+    ggml_tensor * wq = nullptr;
+    ggml_tensor * wk = nullptr;
+    ggml_tensor * wv = nullptr;
+    ggml_tensor * bq = nullptr;
+    ggml_tensor * bk = nullptr;
+    ggml_tensor * bv = nullptr;
+    ggml_tensor * wo = nullptr;
+    ggml_tensor * bo = nullptr;
+    ggml_tensor * ffn_norm = nullptr;
+    ggml_tensor * w_gate = nullptr;
+    ggml_tensor * w_up = nullptr;
+    ggml_tensor * w_down = nullptr;
+};
+
+struct Session {
+    int32_t max_tokens = 0;
+    int32_t len = 0;
+    int32_t cap = 0;
+    ggml_context * ctx = nullptr;
+    ggml_backend_buffer_t buf = nullptr;
+    std::vector<ggml_tensor *> k;
+    std::vector<ggml_tensor *> v;
+    uint64_t bytes = 0;
+
+    void release() {
+        if (buf) ggml_backend_buffer_free(buf);
+        if (ctx) ggml_free(ctx);
+        buf = nullptr;
+        ctx = nullptr;
+        k.clear();
+        v.clear();
+        bytes = 0;
+        cap = 0;
+    }
+};
+
+// A built and allocated window graph; kept between calls and reused while its key matches (a decode
+// loop on one session rebuilds nothing: only the inputs change).
+struct GraphKey {
+    int64_t sid = -1;
+    int32_t n = 0;
+    int32_t n_kv = 0;
+    const void * kv = nullptr;  // identity of the session's KV buffer (changes when it grows)
+    bool last_only = false;
+    bool operator==(const GraphKey & o) const {
+        return sid == o.sid && n == o.n && n_kv == o.n_kv && kv == o.kv && last_only == o.last_only;
+    }
+};
+
+struct Graph {
+    ggml_context * ctx = nullptr;
+    ggml_cgraph * gf = nullptr;
+    ggml_tensor * inp_tokens = nullptr;
+    ggml_tensor * inp_hidden = nullptr;
+    ggml_tensor * inp_pos = nullptr;
+    ggml_tensor * inp_mask = nullptr;
+    ggml_tensor * inp_kidx = nullptr;  // row of each new position in K
+    ggml_tensor * inp_vidx = nullptr;  // element index of each new (channel, position) in transposed V
+    ggml_tensor * out = nullptr;
+    ggml_tensor * out_prob = nullptr;  // last window: softmax of the final position's logits
+    GraphKey key;
+    bool valid = false;
+    void clear() {
+        if (ctx) ggml_free(ctx);
+        *this = Graph();
+    }
+};
+
+// A parsed GGUF header: key/values and tensor metadata, no tensor data.
+struct Meta {
+    gguf_context * g = nullptr;
+    ggml_context * ctx = nullptr;  // tensor metadata only (no_alloc)
+    ~Meta() {
+        if (g) gguf_free(g);
+        if (ctx) ggml_free(ctx);
+    }
+};
+
+}  // namespace ggswarm
+
+struct ggswarm_model {
+    mutable std::string error;
+
+    std::string arch;
+    std::string model_id;
+    std::string device_name;
+    int32_t n_layers_total = 0, layer_start = 0, layer_end = 0;
+    int32_t d_model = 0, n_vocab = 0, n_head = 0, n_head_kv = 0, head_dim = 0, n_ff = 0, n_rot = 0;
+    int32_t n_ctx_train = 0, n_ctx_max = 0, n_threads = 1;
+    float eps = 1e-5f, rope_base = 10000.0f, rope_freq_scale = 1.0f;
+    int rope_mode = GGML_ROPE_TYPE_NORMAL;
+    bool decode_kernels = false;  // CPU decode steps use attention.cpp's kernels (see kernel_step)
+    uint64_t kv_budget = 0;
+    uint64_t weight_bytes = 0;
+
+    ggml_backend_dev_t dev = nullptr;
+    ggml_backend_t backend = nullptr;      // device the weights and KV live on
+    ggml_backend_t backend_cpu = nullptr;  // CPU fallback for the scheduler (== backend on CPU hosts)
+    ggml_backend_buffer_type_t buft = nullptr;
+    ggml_backend_sched_t sched = nullptr;
+    ggml_context * wctx = nullptr;
+    ggml_backend_buffer_t wbuf = nullptr;
+
+    ggml_tensor * tok_embd = nullptr;
+    ggml_tensor * output_norm = nullptr;
+    ggml_tensor * output = nullptr;
+    ggml_tensor * rope_freqs = nullptr;
+    std::vector<ggswarm::Layer> layers;
+
+    std::map<int64_t, ggswarm::Session> sessions;
+    int64_t next_sid = 1;
+
+    size_t graph_size = 0;
+    std::vector<uint8_t> graph_meta;
+    ggswarm::Graph graph;  // last built graph (see GraphKey)
+    std::vector<float> mask_host;
+    std::vector<int64_t> kidx_host;
+    std::vector<int64_t> vidx_host;
+    std::vector<int32_t> pos_host;
+    std::vector<float> hidden_host;
+    std::vector<float> logits_host;
+    std::vector<uint8_t> staging;
+    ggswarm::SamplerScratch scratch;
+
+    bool is_first() const { return layer_start == 0; }
+    bool is_last() const { return layer_end == n_layers_total; }
+    int32_t d_kv() const { return head_dim * n_head_kv; }
+    uint64_t kv_bytes_per_token() const {
+        return 2ULL * (uint64_t)(layer_end - layer_start) * (uint64_t)d_kv() * sizeof(ggml_fp16_t);
+    }
+    uint64_t kv_total() const {
+        uint64_t t = 0;
+        for (const auto & kv : sessions) t += kv.second.bytes;
+        return t;
+    }
+
+    ~ggswarm_model() {
+        graph.clear();
+        for (auto & kv : sessions) kv.second.release();
+        sessions.clear();
+        if (sched) ggml_backend_sched_free(sched);
+        if (wbuf) ggml_backend_buffer_free(wbuf);
+        if (wctx) ggml_free(wctx);
+        if (backend_cpu && backend_cpu != backend) ggml_backend_free(backend_cpu);
+        if (backend) ggml_backend_free(backend);
+    }
+};
+
+namespace ggswarm {
+
+// 64-bit FNV-1a, for snapshot checksums and model fingerprints
+inline uint64_t fnv1a(const uint8_t * p, size_t n, uint64_t h = 1469598103934665603ULL) {
+    for (size_t i = 0; i < n; ++i) {
+        h ^= p[i];
+        h *= 1099511628211ULL;
+    }
+    return h;
+}
+
+// errors (ggswarm.cpp): set the thread's and the handle's last error, return code
+ggswarm_status fail(const ggswarm_model * m, ggswarm_status code, const char * fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+ggswarm_status ok(const ggswarm_model * m);
+
+// loading (loader.cpp)
+ggswarm_status read_hparams(ggswarm_model * m, const Meta & meta);
+ggswarm_status load_weights(ggswarm_model * m, const Meta & meta, const char * path, uint64_t file_size);
+std::string fingerprint(const char * path, uint64_t data_off, uint64_t file_size);
+ggswarm_status apply_threads(ggswarm_model * m, int32_t n);
+ggswarm_status init_backends(ggswarm_model * m);
+ggswarm_status init_sched(ggswarm_model * m);
+
+// KV (kv.cpp)
+Session * find_session(const ggswarm_model * m, int64_t sid);
+ggswarm_status no_session(const ggswarm_model * m, int64_t sid);
+int64_t pad_kv(int64_t n);
+bool kernel_step(const ggswarm_model * m, int32_t n);
+int64_t kernel_span(int64_t n);
+ggswarm_status ensure_capacity(ggswarm_model * m, Session & s, int32_t need);
+
+}  // namespace ggswarm
