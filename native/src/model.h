@@ -16,6 +16,7 @@
 
 namespace ggswarm {
 
+// One transformer layer's weights in the backend buffer (biases only where the GGUF has them: qwen2).
 struct Layer {
     ggml_tensor * attn_norm = nullptr;
     ggml_tensor * wq = nullptr;
@@ -32,6 +33,7 @@ struct Layer {
     ggml_tensor * w_down = nullptr;
 };
 
+// One session's KV cache on the model's device: per layer K [d_kv, cap] and V^T [cap, d_kv], f16.
 struct Session {
     int32_t max_tokens = 0;
     int32_t len = 0;
@@ -54,8 +56,7 @@ struct Session {
     }
 };
 
-// A built and allocated window graph; kept between calls and reused while its key matches (a decode
-// loop on one session rebuilds nothing: only the inputs change).
+// What a built graph depends on; see Graph.
 struct GraphKey {
     int64_t sid = -1;
     int32_t n = 0;
@@ -67,6 +68,8 @@ struct GraphKey {
     }
 };
 
+// A built and allocated window graph; kept between calls and reused while its key matches (a decode
+// loop on one session rebuilds nothing: only the inputs change).
 struct Graph {
     ggml_context * ctx = nullptr;
     ggml_cgraph * gf = nullptr;
@@ -98,6 +101,7 @@ struct Meta {
 
 }  // namespace ggswarm
 
+// The handle behind ggswarm.h's opaque ggswarm_model: one layer window on one device.
 struct ggswarm_model {
     mutable std::string error;
 
