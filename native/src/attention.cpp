@@ -4,7 +4,7 @@
 // (position, head) pair, each only head_dim long, and reads every K and V row once per query head.
 // At 2,048 positions that call overhead, not memory, made up most of the extra cost of a long
 // context. These kernels read each K row and each V row once per KV group, keep the group's query
-// heads in registers, and skip the masked tail.
+// heads in registers, reduce 16 scores at a time, prefetch ahead, and skip the masked tail.
 //
 // Numerics: each output is formed exactly as ggml_vec_dot_f16 forms it on AVX-512 (the operand
 // rounded to f16 as mul_mat's vec_dot_type, four 16-lane FMA accumulators over 64-element steps,
@@ -16,7 +16,6 @@
 // GCC 12's _mm512_reduce_add_ps expands through _mm256_undefined_pd(), which -Wuninitialized flags
 // when the intrinsics come in through a target attribute rather than -mavx512f
 #pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 
