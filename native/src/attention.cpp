@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "ggml-cpu.h"
@@ -87,21 +88,26 @@ __attribute__((target("avx512f,fma"))) void dot_rows(const ggml_fp16_t * x, cons
     for (int b = 0; b < NB; ++b) dst[b * dst_stride] = reduce4(acc[b][0], acc[b][1], acc[b][2], acc[b][3]);
 }
 
-// the heads h0..h0+nb of one group against one row x
+// f(std::integral_constant<int, NB>{}, first) for consecutive blocks of at most kMaxHeadBlock of
+// nb heads: the kernels are templates on the block size so a block's accumulators stay in registers
+template <class F>
+void head_blocks(int64_t nb, F && f) {
+    for (int64_t first = 0; first < nb; first += kMaxHeadBlock) {
+        switch (std::min<int64_t>(nb - first, kMaxHeadBlock)) {
+            case 1: f(std::integral_constant<int, 1>{}, first); break;
+            case 2: f(std::integral_constant<int, 2>{}, first); break;
+            case 3: f(std::integral_constant<int, 3>{}, first); break;
+            default: f(std::integral_constant<int, 4>{}, first); break;
+        }
+    }
+}
+
+// the nb heads of one group (operand rows y + h * y_stride) against one row x
 void dot_heads(const ggml_fp16_t * x, const float * y, int64_t y_stride, int64_t n, float * dst,
                int64_t dst_stride, int64_t nb) {
-    while (nb > 0) {
-        const int64_t take = std::min<int64_t>(nb, kMaxHeadBlock);
-        switch (take) {
-            case 1: dot_rows<1>(x, y, y_stride, n, dst, dst_stride); break;
-            case 2: dot_rows<2>(x, y, y_stride, n, dst, dst_stride); break;
-            case 3: dot_rows<3>(x, y, y_stride, n, dst, dst_stride); break;
-            default: dot_rows<4>(x, y, y_stride, n, dst, dst_stride); break;
-        }
-        y += take * y_stride;
-        dst += take * dst_stride;
-        nb -= take;
-    }
+    head_blocks(nb, [&](auto block, int64_t first) {
+        dot_rows<decltype(block)::value>(x, y + first * y_stride, y_stride, n, dst + first * dst_stride, dst_stride);
+    });
 }
 
 // _mm512_reduce_add_ps (GCC) adds 256-bit halves, then 128-bit halves, then lanes {0,1} + {2,3},
@@ -173,18 +179,9 @@ __attribute__((target("avx512f,fma"))) void score_block64(const char * k, size_t
 }
 
 void score_block(const char * k, size_t k_stride, const float * q, float * dst, int64_t dst_stride, int64_t nb) {
-    while (nb > 0) {
-        const int64_t take = std::min<int64_t>(nb, kMaxHeadBlock);
-        switch (take) {
-            case 1: score_block64<1>(k, k_stride, q, dst, dst_stride); break;
-            case 2: score_block64<2>(k, k_stride, q, dst, dst_stride); break;
-            case 3: score_block64<3>(k, k_stride, q, dst, dst_stride); break;
-            default: score_block64<4>(k, k_stride, q, dst, dst_stride); break;
-        }
-        q += take * 64;
-        dst += take * dst_stride;
-        nb -= take;
-    }
+    head_blocks(nb, [&](auto block, int64_t first) {
+        score_block64<decltype(block)::value>(k, k_stride, q + first * 64, dst + first * dst_stride, dst_stride);
+    });
 }
 
 // srcs: q [hd, nh] f32, k [hd * nkv, cap] f16, pos [1] i32; dst [n_kv, nh] f32

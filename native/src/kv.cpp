@@ -47,7 +47,11 @@ ggswarm_status no_session(const ggswarm_model * m, int64_t sid) {
 // reduction order inside softmax and KQV, and therefore the numerics, match llama.cpp's.
 constexpr int64_t kKvPad = 256;
 
-int64_t pad_kv(int64_t n) { return (n + kKvPad - 1) / kKvPad * kKvPad; }
+namespace {
+int64_t round_up(int64_t n, int64_t pad) { return (n + pad - 1) / pad * pad; }
+}  // namespace
+
+int64_t pad_kv(int64_t n) { return round_up(n, kKvPad); }
 
 // A CPU decode step runs attention.cpp's kernels: no mask input (they write -inf past the new
 // position themselves), and a span padded only to their 64-position step, since padding adds exact
@@ -56,7 +60,7 @@ constexpr int64_t kKernelPad = 64;
 
 bool kernel_step(const ggswarm_model * m, int32_t n) { return n == 1 && m->decode_kernels; }
 
-int64_t kernel_span(int64_t n) { return (n + kKernelPad - 1) / kKernelPad * kKernelPad; }
+int64_t kernel_span(int64_t n) { return round_up(n, kKernelPad); }
 
 // Make room for `need` positions, keeping the first s.len positions.
 ggswarm_status ensure_capacity(ggswarm_model * m, Session & s, int32_t need) {
