@@ -35,7 +35,7 @@ def _read_key_arg(value: str) -> str:
 
 # -- inspect ----------------------------------------------------------------------------------------
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from agent.manifest import ManifestError, build_manifest, format_manifest
+    from agent.artifacts.manifest import ManifestError, build_manifest, format_manifest
 
     try:
         m = build_manifest(args.model)
@@ -47,7 +47,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 # -- keygen -----------------------------------------------------------------------------------------
 def cmd_keygen(args: argparse.Namespace) -> int:
-    from agent.routetoken import generate_key, private_key_pem, public_key_b64
+    from agent.wire.routetoken import generate_key, private_key_pem, public_key_b64
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -63,12 +63,12 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
 # -- serve ------------------------------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
+    from agent.artifacts.manifest import ManifestError, build_manifest
+    from agent.artifacts.packaged import ModelNotFound, packaged_model_path
     from agent.backends import available_backends
     from agent.backends.base import BackendError
-    from agent.dataplane import DataPlane, start_dataplane
-    from agent.manifest import ManifestError, build_manifest
-    from agent.models import ModelNotFound, packaged_model_path
-    from agent.routetoken import TokenError, load_public_key
+    from agent.node.dataplane import DataPlane, start_dataplane
+    from agent.wire.routetoken import TokenError, load_public_key
 
     try:
         path = str(packaged_model_path(args.model[4:])) if args.model.startswith("pkg:") else args.model
@@ -114,8 +114,8 @@ async def _discover_hops(urls: list[str], key_path: str, session: bytes, ttl_s: 
     """Development route: ask each hop what it holds and mint its token with a local signing key."""
     from aiohttp import ClientSession
 
-    from agent.client import Hop
-    from agent.routetoken import load_private_key, mint
+    from agent.client.route.route import Hop
+    from agent.wire.routetoken import load_private_key, mint
 
     key = load_private_key(key_path)
     hops, model_sha = [], None
@@ -143,10 +143,10 @@ async def _discover_hops(urls: list[str], key_path: str, session: bytes, ttl_s: 
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from agent.backends.base import SamplingParams
-    from agent.client import RouteClient, RouteError
-    from agent.models import packaged_model_path
-    from agent.tokenizer import ChatTokenizer
+    from agent.artifacts.packaged import packaged_model_path
+    from agent.client.route.route import RouteClient, RouteError
+    from agent.client.route.tokenizer import ChatTokenizer
+    from agent.wire.sampling import SamplingParams
 
     model = str(packaged_model_path(args.model[4:])) if args.model.startswith("pkg:") else args.model
     tok = ChatTokenizer(model)
@@ -235,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_chat)
 
     try:
-        from agent.cli_control import add_control_commands
+        from agent.node.enroll import add_control_commands
     except ImportError:
         pass
     else:

@@ -1,8 +1,8 @@
 """Distribution bench: 3 agents with overlapping layer ranges, torrent swarm vs plain HTTP from the origin.
 
 Both modes run on 127.0.0.1 against the same stand-in origin (aiohttp web seed + passkey tracker, the
-one the tests use). HTTP-only uses the agent's range fetcher (agent.fetch.fetch_shard); torrent mode
-uses agent.torrent.SwarmClient with the default "fallback" web-seed policy. All three agents start
+one the tests use). HTTP-only uses the agent's range fetcher (agent.artifacts.fetch.fetch_shard); torrent mode
+uses agent.artifacts.torrent.SwarmClient with the default "fallback" web-seed policy. All three agents start
 together in both modes. The last line printed is one JSON object.
 
 With --control-plane both modes run against the real control plane instead (daphne + the Django
@@ -30,9 +30,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from agent.manifest import Manifest, build_manifest, merge_ranges  # noqa: E402
-from agent.models import packaged_model_path  # noqa: E402
-from agent.torrent import (  # noqa: E402
+from agent.artifacts.manifest import Manifest, build_manifest, merge_ranges  # noqa: E402
+from agent.artifacts.packaged import packaged_model_path  # noqa: E402
+from agent.artifacts.torrent import (  # noqa: E402
     SwarmClient,
     create_torrent,
     shard_byte_ranges,
@@ -109,7 +109,7 @@ def run_http(
 ) -> dict[str, Any]:
     from aiohttp import ClientSession
 
-    from agent.fetch import fetch_shard
+    from agent.artifacts.fetch import fetch_shard
 
     keys = [f"agent{i}" for i in range(len(ranges))]
     with Origin(model, passkeys=set(keys), total_rate_bps=rate) as origin:
@@ -146,8 +146,8 @@ def run_control_plane(
 
     from aiohttp import ClientSession
 
-    from agent.config import NodeConfig
-    from agent.fetch import fetch_shard
+    from agent.artifacts.fetch import fetch_shard
+    from agent.node.config import NodeConfig
     from tests.integration.swarm import control_plane
     from webapp.tracker.logic import derive_passkey
 

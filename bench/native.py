@@ -20,11 +20,11 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from agent.artifacts.manifest import Manifest, build_manifest  # noqa: E402
+from agent.artifacts.packaged import packaged_model_path  # noqa: E402
 from agent.backends.base import ShardSpec  # noqa: E402
-from agent.ids import SessionId  # noqa: E402
-from agent.manifest import Manifest, build_manifest  # noqa: E402
-from agent.models import packaged_model_path  # noqa: E402
-from agent.native import KERNEL_PAD, KV_PAD, padded_kv  # noqa: E402
+from agent.backends.libggswarm import KERNEL_PAD, KV_PAD, padded_kv  # noqa: E402
+from agent.wire.ids import SessionId  # noqa: E402
 from tests.native.routes import route_forward  # noqa: E402
 
 TEXT = REPO / "tests" / "data" / "native_lighthouse.txt"
@@ -37,7 +37,7 @@ def rss():
     for line in open("/proc/self/status"):
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024.0
-from agent.native import NativeModel
+from agent.backends.libggswarm import NativeModel
 import numpy
 before = rss()
 m = NativeModel(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), n_threads=2)

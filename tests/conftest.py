@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from agent.manifest import Manifest, build_manifest
-from agent.models import ModelNotFound, packaged_model_path
-from agent.routetoken import generate_key, public_key_b64
+from agent.artifacts.manifest import Manifest, build_manifest
+from agent.artifacts.packaged import ModelNotFound, packaged_model_path
+from agent.wire.routetoken import generate_key, public_key_b64
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from agent.backends.base import Backend, SamplingParams
-from agent.ids import SessionId
+from agent.backends.base import Backend
+from agent.wire.ids import SessionId
+from agent.wire.sampling import SamplingParams
 
 # "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, ... The capital of France is" in
 # SmolLM2's vocabulary: a real continuation, not one token repeated.

@@ -6,11 +6,10 @@ from agent.backends.base import (
     Backend,
     BackendError,
     ForwardResult,
-    SamplingParams,
     ShardSpec,
 )
 
-__all__ = ["Backend", "BackendError", "ForwardResult", "SamplingParams", "ShardSpec", "load_backend"]
+__all__ = ["Backend", "BackendError", "ForwardResult", "ShardSpec", "load_backend"]
 
 
 def available_backends() -> list[str]:
@@ -29,7 +28,7 @@ def available_backends() -> list[str]:
     except ImportError:
         pass
     try:
-        from agent import native
+        from agent.backends import libggswarm as native
 
         if native.is_available():
             names.insert(0, "native")

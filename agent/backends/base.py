@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from agent.ids import SessionId
-from agent.manifest import Manifest
+from agent.artifacts.manifest import Manifest
+from agent.wire.ids import SessionId
+from agent.wire.sampling import SamplingParams
 
 
 class BackendError(Exception):
@@ -40,19 +41,6 @@ class ShardSpec:
     @property
     def n_layers(self) -> int:
         return self.layer_end - self.layer_start
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Sampling options applied on the last shard; temperature 0 means greedy."""
-
-    temperature: float = 0.0
-    top_k: int = 0  # 0 = disabled
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repeat_penalty: float = 1.0
-    repeat_last_n: int = 64
-    seed: int = 0
 
 
 @dataclass

@@ -12,11 +12,11 @@ from agent.backends.base import (
     Backend,
     BackendError,
     ForwardResult,
-    SamplingParams,
     ShardSpec,
 )
-from agent.ids import SessionId
-from agent.sampling import sample
+from agent.backends.sampling import sample
+from agent.wire.ids import SessionId
+from agent.wire.sampling import SamplingParams
 
 
 class _Session:

@@ -11,11 +11,18 @@ from agent.backends.base import (
     Backend,
     BackendError,
     ForwardResult,
-    SamplingParams,
     ShardSpec,
 )
-from agent.ids import SessionId
-from agent.native import GGSWARM_E_BUDGET, NativeError, NativeModel, load_library, padded_kv, sampling_struct
+from agent.backends.libggswarm import (
+    GGSWARM_E_BUDGET,
+    NativeError,
+    NativeModel,
+    load_library,
+    padded_kv,
+    sampling_struct,
+)
+from agent.wire.ids import SessionId
+from agent.wire.sampling import SamplingParams
 
 
 def _error(e: NativeError) -> BackendError:

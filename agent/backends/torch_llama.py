@@ -13,17 +13,17 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from agent.artifacts.tensors import read_tensor_f32
 from agent.backends.base import (
     AdmissionError,
     Backend,
     BackendError,
     ForwardResult,
-    SamplingParams,
     ShardSpec,
 )
-from agent.ids import SessionId
-from agent.sampling import sample
-from agent.tensors import read_tensor_f32
+from agent.backends.sampling import sample
+from agent.wire.ids import SessionId
+from agent.wire.sampling import SamplingParams
 
 SUPPORTED_ARCHS = {"llama", "mistral"}
 _KV_CHUNK = 256  # positions added per growth step; growth doubles capacity so appends are amortised O(1)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.config import ConfigError, NodeConfig, load_config, save_config
+from agent.node.config import ConfigError, NodeConfig, load_config, save_config
 
 CFG = NodeConfig(
     server="http://127.0.0.1:8000", node_id="node-1", secret="sec_x", public_key="AAAA", name="n"

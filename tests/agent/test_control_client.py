@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 from aiohttp import WSCloseCode, web
 
-from agent.config import NodeConfig
-from agent.control import AgentRejected, ControlAgent, next_backoff, ws_url
-from agent.fetch import FetchError, fetch_shard, shard_path
-from agent.manifest import Manifest
+from agent.artifacts.fetch import FetchError, fetch_shard, shard_path
+from agent.artifacts.manifest import Manifest
+from agent.node.config import NodeConfig
+from agent.node.control import AgentRejected, ControlAgent, next_backoff, ws_url
 from webapp.tracker.webseed import RangeNotSatisfiable, plan_range, read_range
 
 SECRET = "sec_test"
@@ -277,7 +277,7 @@ async def test_a_second_fetch_only_downloads_the_header_and_a_tampered_tensor_is
 def torrent(model_path: str, manifest: Manifest) -> bytes:
     lt = pytest.importorskip("libtorrent")
     del lt
-    from agent.torrent import create_torrent
+    from agent.artifacts.torrent import create_torrent
 
     return create_torrent(model_path, smallest_layer_bytes=min(x.nbytes for x in manifest.layers))[0]
 
@@ -306,7 +306,7 @@ class VerifyingHost(FakeHost):
     def load_shard(
         self, path: str, manifest: Manifest, a: int, b: int, backend: str = "torch", n_threads: int = 2
     ) -> None:
-        from agent.torrent import verify_tensors
+        from agent.artifacts.torrent import verify_tensors
 
         verify_tensors(path, manifest, a, b)
         super().load_shard(path, manifest, a, b, backend, n_threads)
@@ -315,7 +315,7 @@ class VerifyingHost(FakeHost):
 async def test_a_model_with_a_torrent_is_fetched_over_the_swarm_and_progress_names_the_sources(
     plane: ControlPlane, tmp_path: Path, manifest: Manifest, torrent: bytes, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from agent.torrent import shard_byte_ranges
+    from agent.artifacts.torrent import shard_byte_ranges
 
     plane.torrent = torrent
     host, stop = VerifyingHost(), asyncio.Event()
@@ -356,7 +356,9 @@ async def test_without_libtorrent_a_model_with_a_torrent_is_fetched_over_http(
     import sys
 
     plane.torrent = b"d4:infod6:lengthi1eee"  # never read: the agent cannot use it
-    monkeypatch.setitem(sys.modules, "agent.torrent", None)  # `from agent.torrent import ...` fails
+    monkeypatch.setitem(
+        sys.modules, "agent.artifacts.torrent", None
+    )  # `from agent.artifacts.torrent import ...` fails
     host, stop = FakeHost(), asyncio.Event()
     task = asyncio.create_task(make_agent(plane, host, tmp_path, torrent_listen="127.0.0.1:0").run(stop))
     await plane.next("hello")
@@ -392,7 +394,7 @@ async def test_a_tensor_that_never_matches_its_manifest_hash_fails_the_assignmen
 async def test_a_wider_range_on_the_same_agent_downloads_only_the_newly_needed_pieces(
     plane: ControlPlane, tmp_path: Path, manifest: Manifest, torrent: bytes
 ) -> None:
-    from agent.torrent import needed_pieces, shard_byte_ranges, torrent_info
+    from agent.artifacts.torrent import needed_pieces, shard_byte_ranges, torrent_info
 
     plane.torrent = torrent
     host, stop = FakeHost(), asyncio.Event()

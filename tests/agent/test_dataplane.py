@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 
-from agent.backends.base import SamplingParams, ShardSpec
+from agent.client.route.route import Hop, RouteClient
+
+from agent.backends.base import ShardSpec
 from agent.backends.torch_llama import TorchLlamaBackend
-from agent.client import Hop, RouteClient
-from agent.dataplane import DataPlane, start_dataplane
-from agent.routetoken import mint
+from agent.node.dataplane import DataPlane, start_dataplane
+from agent.wire.routetoken import mint
+from agent.wire.sampling import SamplingParams
 from tests.conftest import free_port
 from tests.helpers import greedy_through
 
@@ -45,7 +47,7 @@ async def test_a_node_holding_two_consecutive_shards_serves_both_hops_of_one_ses
 async def test_a_full_kv_budget_evicts_the_idle_session_and_refuses_one_that_cannot_fit(
     model_path, manifest, signing_key
 ) -> None:  # noqa: ANN001
-    from agent.client import RouteError
+    from agent.client.route.route import RouteError
 
     # All 30 layers on torch hold 46,080 bytes of KV per position, allocated 256 positions (11.8 MB) at a time.
     dp = DataPlane("node-y", signing_key.public_key(), kv_budget_bytes=16 << 20)

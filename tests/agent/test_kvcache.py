@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from agent.backends.base import AdmissionError
-from agent.ids import SessionId
-from agent.kvcache import SessionState, SessionTable
+from agent.node.sessions import SessionState, SessionTable
+from agent.wire.ids import SessionId
 
 
 class FakeBackend:

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agent.manifest import Manifest, ManifestError, build_manifest
+from agent.artifacts.manifest import Manifest, ManifestError, build_manifest
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent.pieces import (
+from agent.artifacts.pieces import (
     KIB,
     PRIORITY_WANT,
     fit_piece_size,

@@ -7,8 +7,8 @@ import struct
 import numpy as np
 import pytest
 
-from agent.backends.base import SamplingParams
-from agent.protocol import (
+from agent.backends.sampling import wire_exact
+from agent.wire.frames import (
     MAX_TOKENS_PER_FRAME,
     PROTOCOL_VERSION,
     REQ_HEADER,
@@ -27,7 +27,7 @@ from agent.protocol import (
     encode_response,
     with_prepended_timing,
 )
-from agent.sampling import wire_exact
+from agent.wire.sampling import SamplingParams
 
 SID = b"s" * 16
 

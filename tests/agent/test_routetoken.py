@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from agent.routetoken import (
+from agent.wire.routetoken import (
     TokenError,
     TokenVerifier,
     decode_unverified,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from agent.backends.base import SamplingParams
-from agent.sampling import apply_repeat_penalty, sample, uniform
+from agent.backends.sampling import apply_repeat_penalty, sample, uniform
+from agent.wire.sampling import SamplingParams
 
 
 def logits(seed: int = 0, n: int = 500) -> np.ndarray:

@@ -7,10 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from agent.artifacts.manifest import Manifest
 from agent.backends.base import BackendError, ShardSpec
 from agent.backends.torch_llama import TorchLlamaBackend
-from agent.ids import SessionId
-from agent.manifest import Manifest
+from agent.wire.ids import SessionId
 from tests.helpers import CHAT_PROMPT as PROMPT
 from tests.helpers import greedy_through
 

@@ -14,9 +14,9 @@ import libtorrent as lt
 import pytest
 from test_torrent_origin import Origin
 
-from agent.manifest import Manifest
-from agent.pieces import pieces_bytes, pieces_for_ranges
-from agent.torrent import (
+from agent.artifacts.manifest import Manifest
+from agent.artifacts.pieces import pieces_bytes, pieces_for_ranges
+from agent.artifacts.torrent import (
     Progress,
     SwarmClient,
     TensorHashMismatch,

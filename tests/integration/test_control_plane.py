@@ -15,11 +15,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from agent.client.route.route import Hop, RouteClient
+from agent.client.route.tokenizer import ChatTokenizer
 
-from agent.backends.base import SamplingParams
-from agent.client import Hop, RouteClient
-from agent.routetoken import load_private_key, mint
-from agent.tokenizer import ChatTokenizer
+from agent.wire.routetoken import load_private_key, mint
+from agent.wire.sampling import SamplingParams
 from tests.integration.swarm import PASSWORD, QUESTION, REPO, Swarm, control_plane
 
 pytestmark = pytest.mark.slow

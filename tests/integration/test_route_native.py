@@ -6,12 +6,13 @@ import os
 
 import numpy as np
 import pytest
+from agent.client.route.route import Hop, RouteClient
+from agent.client.route.tokenizer import ChatTokenizer
 
 from agent.backends import load_backend
-from agent.backends.base import SamplingParams, ShardSpec
-from agent.client import Hop, RouteClient
-from agent.routetoken import mint
-from agent.tokenizer import ChatTokenizer
+from agent.backends.base import ShardSpec
+from agent.wire.routetoken import mint
+from agent.wire.sampling import SamplingParams
 from tests.helpers import greedy_through
 
 pytestmark = pytest.mark.slow
@@ -20,7 +21,7 @@ RANGES = [(0, 10), (10, 20), (20, 30)]
 
 @pytest.fixture(scope="module")
 def native_route(serve_factory):  # noqa: ANN001, ANN201
-    from agent import native
+    from agent.backends import libggswarm as native
 
     if not native.is_available():
         pytest.skip("native library not built (bash native/build.sh)")

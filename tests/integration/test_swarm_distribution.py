@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from agent.client.route.route import Hop, RouteClient
+from agent.client.route.tokenizer import ChatTokenizer
 
-from agent.backends.base import SamplingParams
-from agent.client import Hop, RouteClient
-from agent.manifest import Manifest
-from agent.routetoken import mint
-from agent.tokenizer import ChatTokenizer
-from agent.torrent import shard_byte_ranges, verify_tensors
+from agent.artifacts.manifest import Manifest
+from agent.artifacts.torrent import shard_byte_ranges, verify_tensors
+from agent.wire.routetoken import mint
+from agent.wire.sampling import SamplingParams
 from tests.integration.swarm import QUESTION, Swarm, control_plane
 
 pytestmark = pytest.mark.slow

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent import native
+from agent.backends import libggswarm as native
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agent.native import NativeModel
+from agent.backends.libggswarm import NativeModel
 from tests.native.tiny_gguf import VOCAB, write_tiny_gguf
 
 # (d_model, n_head, n_head_kv): head_dim 64 throughout; query heads per KV group 5 (a block of four

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agent import native
-from agent.native import NativeError, NativeModel
+from agent.backends import libggswarm as native
+from agent.backends.libggswarm import NativeError, NativeModel
 from tests.native.tiny_gguf import VOCAB, D, write_tiny_gguf
 
 
@@ -176,10 +176,11 @@ def test_the_snapshot_header_has_the_documented_layout(native_lib: None, tiny: P
 
 
 def test_the_backend_turns_native_errors_into_backend_errors(native_lib: None, tiny: Path) -> None:
-    from agent.backends.base import AdmissionError, BackendError, SamplingParams, ShardSpec
+    from agent.artifacts.manifest import build_manifest
+    from agent.backends.base import AdmissionError, BackendError, ShardSpec
     from agent.backends.native import NativeBackend
-    from agent.ids import SessionId
-    from agent.manifest import build_manifest
+    from agent.wire.ids import SessionId
+    from agent.wire.sampling import SamplingParams
 
     manifest = build_manifest(tiny)
     with pytest.raises(BackendError, match="layer range"):

@@ -11,9 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agent.backends.base import SamplingParams, ShardSpec
-from agent.ids import SessionId
-from agent.manifest import Manifest
+from agent.artifacts.manifest import Manifest
+from agent.backends.base import ShardSpec
+from agent.wire.ids import SessionId
+from agent.wire.sampling import SamplingParams
 from tests.native.routes import generate, route_forward
 
 REPO = Path(__file__).resolve().parents[2]
@@ -168,10 +169,11 @@ def test_truncating_and_reprefilling_continues_identically(hops3: list, text_ids
 _CHILD = r"""
 import json, sys
 from pathlib import Path
-from agent.backends.base import SamplingParams, ShardSpec
+from agent.backends.base import ShardSpec
+from agent.wire.sampling import SamplingParams
 from agent.backends.native import NativeBackend
-from agent.ids import SessionId
-from agent.manifest import Manifest
+from agent.wire.ids import SessionId
+from agent.artifacts.manifest import Manifest
 from tests.native.routes import generate
 cfg = json.loads(Path(sys.argv[1]).read_text())
 manifest = Manifest.from_json(Path(cfg["manifest"]).read_text())

@@ -1,4 +1,4 @@
-"""The C sampler (ggswarm_sample) picks exactly what agent/sampling.py picks."""
+"""The C sampler (ggswarm_sample) picks exactly what agent/backends/sampling.py picks."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import itertools
 import numpy as np
 import pytest
 
-from agent import native
-from agent.backends.base import SamplingParams
-from agent.sampling import sample as reference_sample
-from agent.sampling import uniform
+from agent.backends import libggswarm as native
+from agent.backends.sampling import sample as reference_sample
+from agent.backends.sampling import uniform
+from agent.wire.sampling import SamplingParams
 
 PARAM_SETS = [
     SamplingParams(**kw)

@@ -28,7 +28,7 @@ class Event:
 
 
 class FakeRouteClient:
-    """Stands in for agent.client.RouteClient: records what it was asked and streams a fixed answer."""
+    """Stands in for agent.client.route.RouteClient: records what it was asked and streams a fixed answer."""
 
     instances: list[FakeRouteClient] = []
 
@@ -61,10 +61,10 @@ class FakeRouteClient:
 
 @pytest.fixture
 def fake_client(monkeypatch: pytest.MonkeyPatch) -> type[FakeRouteClient]:
-    import agent.client
+    import agent.client.route.route
 
     FakeRouteClient.instances = []
-    monkeypatch.setattr(agent.client, "RouteClient", FakeRouteClient)
+    monkeypatch.setattr(agent.client.route, "RouteClient", FakeRouteClient)
     monkeypatch.setattr(consumers, "_tokenizer", lambda path: object())
     return FakeRouteClient
 
@@ -192,9 +192,9 @@ class DyingRouteClient(FakeRouteClient):
 async def test_a_route_dying_mid_answer_fails_over_once_and_the_user_sees_one_seamless_answer(
     member: Any, placed: Any, fake_client: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import agent.client
+    import agent.client.route.route
 
-    monkeypatch.setattr(agent.client, "RouteClient", DyingRouteClient)
+    monkeypatch.setattr(agent.client.route, "RouteClient", DyingRouteClient)
     ws = chat_socket(member)
     await ws.connect()
     await ws.send_json_to({"model": placed.pk, "message": "hi"})

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from django.utils import timezone
 
-from agent.routetoken import load_public_key
+from agent.wire.routetoken import load_public_key
 from webapp.fleet.models import EnrollmentToken, Node, NodeCredential, hash_secret
 from webapp.fleet.services import authenticate_node, create_enrollment_token
 from webapp.routing.keys import route_signing_key

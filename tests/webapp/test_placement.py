@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent.ids import NodeId
+from agent.wire.ids import NodeId
 from webapp.fleet.placement import (
     ModelShape,
     Placement,

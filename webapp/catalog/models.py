@@ -8,7 +8,7 @@ from django.conf import settings
 from django.db import models
 from django.db.models import Q
 
-from agent.manifest import Manifest
+from agent.artifacts.manifest import Manifest
 
 
 class ModelArtifact(models.Model):

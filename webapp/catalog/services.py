@@ -11,8 +11,8 @@ from django.conf import settings
 from django.core.files.uploadedfile import UploadedFile
 from django.db import transaction
 
-from agent.manifest import Manifest
-from agent.models import ModelNotFound, packaged_model_path
+from agent.artifacts.manifest import Manifest
+from agent.artifacts.packaged import ModelNotFound, packaged_model_path
 from webapp.catalog.models import ModelArtifact
 
 
@@ -28,7 +28,7 @@ def build_torrent(path: str, manifest: Manifest) -> tuple[bytes | None, str]:
     info dict, so they never change the infohash).
     """
     try:
-        from agent.torrent import create_torrent
+        from agent.artifacts.torrent import create_torrent
     except ImportError:
         return None, ""
     smallest = min((layer.nbytes for layer in manifest.layers if layer.nbytes), default=None)

@@ -6,7 +6,7 @@ import json
 
 from celery import shared_task
 
-from agent.manifest import ManifestError, build_manifest
+from agent.artifacts.manifest import ManifestError, build_manifest
 from webapp.catalog.models import ModelArtifact
 from webapp.catalog.services import build_torrent
 from webapp.core.channels import notify_fleet

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from agent.ids import NodeId
+from agent.wire.ids import NodeId
 
 AUTH_SCHEME = "Node"
 

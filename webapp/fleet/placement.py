@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from agent.ids import NodeId
-from agent.manifest import Manifest
+from agent.artifacts.manifest import Manifest
+from agent.wire.ids import NodeId
 
 MAX_SPEED_RATIO = 4.0
 

@@ -15,8 +15,8 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from agent import routetoken
-from agent.ids import NodeId
+from agent.wire import routetoken
+from agent.wire.ids import NodeId
 from webapp.fleet.models import EnrollmentToken, Node, NodeCredential, ShardAssignment, hash_secret
 from webapp.fleet.protocol import Hello, Telemetry
 from webapp.routing.keys import route_signing_key

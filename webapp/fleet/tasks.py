@@ -17,7 +17,7 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from agent.ids import NodeId
+from agent.wire.ids import NodeId
 from webapp.catalog.models import ModelArtifact
 from webapp.core.channels import group_send, node_group, notify_fleet
 from webapp.fleet import services

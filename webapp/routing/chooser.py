@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from agent.ids import NodeId
+from agent.wire.ids import NodeId
 
 HOP_OVERHEAD_MS = 1.0  # one loopback/LAN round trip plus framing
 LAYER_MS_AT_UNIT_SPEED = 10.0  # compute per layer per token at speed 1.0 (GFLOP/s scale; relative only)

@@ -10,7 +10,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
-from agent import routetoken
+from agent.wire import routetoken
 
 
 @lru_cache(maxsize=1)

@@ -10,8 +10,8 @@ from django.conf import settings
 from django.db.models import F
 from django.utils import timezone
 
-from agent import routetoken
-from agent.ids import NodeId, SessionId
+from agent.wire import routetoken
+from agent.wire.ids import NodeId, SessionId
 from webapp.catalog.models import ModelArtifact
 from webapp.fleet.models import Node, ShardAssignment
 from webapp.routing.chooser import ShardCandidate, choose_route

@@ -375,7 +375,7 @@ def announce(
     }
     # A joining peer hears only of those that arrived before it (they hear of it on their own announces
     # or when it connects): concurrent joins then get distinct list lengths, which agents use as their
-    # arrival rank to stagger web seed use (agent.pieces.web_seed_needed).
+    # arrival rank to stagger web seed use (agent.artifacts.pieces.web_seed_needed).
     before = seq if a.event == "started" else None
     peers = [] if a.event == "stopped" else store.peers(a.info_hash, a.peer_id, a.numwant, t, before)
     if a.compact:

@@ -214,7 +214,7 @@ class Command(BaseCommand):
         )
 
     def _start_agent(self, i: int, base: str, admin: AdminClient, opts: dict[str, Any], logs: Path) -> str:
-        from agent.config import ConfigError, load_config
+        from agent.node.config import ConfigError, load_config
         from webapp.fleet.models import Node
 
         home = settings.DATA_DIR / "agents" / f"agent-{i}"
@@ -267,7 +267,7 @@ class Command(BaseCommand):
         return cfg.node_id
 
     def _register(self, admin: AdminClient, package: str) -> dict[str, Any]:
-        from agent.models import packaged_model_path
+        from agent.artifacts.packaged import packaged_model_path
 
         path = str(packaged_model_path(package).resolve())
         existing = next(

@@ -24,15 +24,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 import aiohttp
 
 from agent import __version__
-from agent.config import NodeConfig
-from agent.fetch import FetchError, fetch_shard, shard_path
-from agent.manifest import Manifest, ManifestError
+from agent.artifacts.fetch import FetchError, fetch_shard, shard_path
+from agent.artifacts.manifest import Manifest, ManifestError
+from agent.node.config import NodeConfig
 
 if TYPE_CHECKING:
-    from agent.torrent import Progress as SwarmProgress
-    from agent.torrent import SwarmClient
+    from agent.artifacts.torrent import Progress as SwarmProgress
+    from agent.artifacts.torrent import SwarmClient
 
-log = logging.getLogger("agent.control")
+log = logging.getLogger("agent.node.control")
 
 CLOSE_UNAUTHORIZED = 4401
 CLOSE_REMOVED = 4403
@@ -323,7 +323,7 @@ class ControlAgent:
         """This process's one libtorrent session, started on first use; None without libtorrent."""
         if self._swarm is None and self.torrent_listen is not None and not self._swarm_unavailable:
             try:
-                from agent.torrent import SwarmClient
+                from agent.artifacts.torrent import SwarmClient
             except ImportError as e:
                 self._swarm_unavailable = str(e)
                 log.warning("libtorrent is not available (%s); fetching shards over HTTP", e)
@@ -444,7 +444,7 @@ class ControlAgent:
             OSError,
             ValueError,  # TensorHashMismatch: re-fetched once already; never loaded
             KeyError,
-            RuntimeError,  # agent.torrent.FetchError: timeout, torrent or disk error
+            RuntimeError,  # agent.artifacts.torrent.FetchError: timeout, torrent or disk error
         ) as e:
             log.warning("load %s[%d:%d) failed: %s", sha[:12], a, b, e)
             await self._report(aid, "failed", 0.0, str(e))

@@ -13,7 +13,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from agent.config import ConfigError, NodeConfig, default_config_path, load_config, save_config
+from agent.node.config import ConfigError, NodeConfig, default_config_path, load_config, save_config
 
 log = logging.getLogger("agent.cli")
 
@@ -66,9 +66,9 @@ def cmd_enroll(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from agent.control import AgentRejected, ControlAgent, default_data_dir
-    from agent.dataplane import DataPlane, start_dataplane
-    from agent.routetoken import TokenError, load_public_key
+    from agent.node.control import AgentRejected, ControlAgent, default_data_dir
+    from agent.node.dataplane import DataPlane, start_dataplane
+    from agent.wire.routetoken import TokenError, load_public_key
 
     path = Path(args.config) if args.config else default_config_path()
     try:

@@ -6,7 +6,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from agent.manifest import TensorInfo
+from agent.artifacts.manifest import TensorInfo
 
 
 def read_tensor_bytes(path: str, t: TensorInfo) -> np.ndarray:

@@ -312,7 +312,7 @@ def _i32_array(values: Any) -> tuple[np.ndarray, Any]:
 def sample(
     logits: np.ndarray, params: ggswarm_sampling, position: int, history: list[int] | None = None
 ) -> tuple[int, float]:
-    """The C sampler on one position's logits (tests compare it with agent.sampling)."""
+    """The C sampler on one position's logits (tests compare it with agent.backends.sampling)."""
     lib = load_library()
     x = np.ascontiguousarray(np.asarray(logits, dtype=np.float32).reshape(-1))
     hist, hist_p = _i32_array(history or [])

@@ -20,7 +20,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from agent.ids import NodeId, SessionId
+from agent.wire.ids import NodeId, SessionId
 
 TOKEN_VERSION = 1
 _FIXED = struct.Struct("<B16s32sHHB")

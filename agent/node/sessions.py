@@ -6,9 +6,10 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from agent.backends.base import AdmissionError, Backend, SamplingParams
-from agent.ids import SessionId
-from agent.protocol import ChainHop
+from agent.backends.base import AdmissionError, Backend
+from agent.wire.frames import ChainHop
+from agent.wire.ids import SessionId
+from agent.wire.sampling import SamplingParams
 
 
 @dataclass

@@ -12,10 +12,19 @@ from dataclasses import dataclass, field
 import numpy as np
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector
 
-from agent.backends.base import SamplingParams
-from agent.ids import SessionId
-from agent.protocol import CONTEXT_CAP, ChainHop, Kind, Op, Request, Response, decode_response, encode_request
-from agent.tokenizer import ChatTokenizer, StreamDecoder
+from agent.client.route.tokenizer import ChatTokenizer, StreamDecoder
+from agent.wire.frames import (
+    CONTEXT_CAP,
+    ChainHop,
+    Kind,
+    Op,
+    Request,
+    Response,
+    decode_response,
+    encode_request,
+)
+from agent.wire.ids import SessionId
+from agent.wire.sampling import SamplingParams
 
 PREFILL_CHUNK = 512
 

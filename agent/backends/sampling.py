@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from agent.backends.base import SamplingParams
+from agent.wire.sampling import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from aiohttp import ClientSession
 
-from agent.manifest import Manifest, TensorInfo, merge_ranges
+from agent.artifacts.manifest import Manifest, TensorInfo, merge_ranges
 
 CHUNK = 1 << 20
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")

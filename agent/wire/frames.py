@@ -12,7 +12,7 @@ from enum import IntEnum, IntFlag
 
 import numpy as np
 
-from agent.backends.base import SamplingParams
+from agent.wire.sampling import SamplingParams
 
 # Version 1: first release (open/forward/truncate/close, ids or f16/f32 hidden, chain forwarding).
 PROTOCOL_VERSION = 1

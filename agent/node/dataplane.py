@@ -15,12 +15,11 @@ from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from agent import __version__
+from agent.artifacts.manifest import Manifest
 from agent.backends import load_backend
 from agent.backends.base import AdmissionError, Backend, BackendError, ShardSpec
-from agent.ids import SessionId
-from agent.kvcache import SessionState, SessionTable, ShardKey
-from agent.manifest import Manifest
-from agent.protocol import (
+from agent.node.sessions import SessionState, SessionTable, ShardKey
+from agent.wire.frames import (
     CONTEXT_CAP,
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
@@ -36,9 +35,10 @@ from agent.protocol import (
     encode_response,
     with_prepended_timing,
 )
-from agent.routetoken import RouteClaims, TokenError, TokenVerifier
+from agent.wire.ids import SessionId
+from agent.wire.routetoken import RouteClaims, TokenError, TokenVerifier
 
-log = logging.getLogger("agent.dataplane")
+log = logging.getLogger("agent.node.dataplane")
 _SWEEPER: web.AppKey[asyncio.Task[None]] = web.AppKey("sweeper", asyncio.Task)
 _INLINE_TOKENS = 16  # batches up to this size run on the event loop; bigger ones in a worker thread
 

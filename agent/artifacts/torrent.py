@@ -14,9 +14,9 @@ from urllib.parse import urlsplit
 
 import libtorrent as lt
 
-from agent.fetch import missing_tensors
-from agent.manifest import Manifest, merge_ranges
-from agent.pieces import (
+from agent.artifacts.fetch import missing_tensors
+from agent.artifacts.manifest import Manifest, merge_ranges
+from agent.artifacts.pieces import (
     WEB_SEED_FALLBACK,
     WEB_SEED_POLICIES,
     fit_piece_size,
