@@ -53,7 +53,7 @@ def padded_kv(n_positions: int, pad: int = KV_PAD) -> int:
     return -(-int(n_positions) // pad) * pad
 
 
-DEFAULT_LIB = Path(__file__).resolve().parent.parent / "native" / "build" / "libggswarm.so"
+DEFAULT_LIB = Path(__file__).resolve().parents[2] / "native" / "build" / "libggswarm.so"
 
 
 class NativeError(Exception):
