@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from agent import __version__
+from agent import __version__, defaults
 
 
 def _fail(msg: str) -> int:
@@ -77,7 +77,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except (ManifestError, TokenError, ModelNotFound, OSError) as e:
         return _fail(str(e))
     a, b = args.layers if args.layers else (0, manifest.n_layers)
-    backend = args.backend or (available_backends() or ["torch"])[0]
+    backend = args.backend or (available_backends() or [defaults.DEFAULT_BACKEND])[0]
     if args.threads < 1:
         return _fail("--threads must be at least 1")
     node_id = args.node_id or f"node-{args.port}"
@@ -114,7 +114,7 @@ async def _discover_hops(urls: list[str], key_path: str, session: bytes, ttl_s: 
     """Development route: ask each hop what it holds and mint its token with a local signing key."""
     from aiohttp import ClientSession
 
-    from agent.client.route.route import Hop
+    from agent.client.route import Hop
     from agent.wire.routetoken import load_private_key, mint
 
     key = load_private_key(key_path)
@@ -144,8 +144,8 @@ async def _discover_hops(urls: list[str], key_path: str, session: bytes, ttl_s: 
 
 def cmd_chat(args: argparse.Namespace) -> int:
     from agent.artifacts.packaged import packaged_model_path
-    from agent.client.route.route import RouteClient, RouteError
-    from agent.client.route.tokenizer import ChatTokenizer
+    from agent.client.route import RouteClient, RouteError
+    from agent.client.tokenizer import ChatTokenizer
     from agent.wire.sampling import SamplingParams
 
     model = str(packaged_model_path(args.model[4:])) if args.model.startswith("pkg:") else args.model
@@ -161,7 +161,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     async def main() -> int:
         session = os.urandom(16)
-        hops = await _discover_hops(args.route.split(","), args.signing_key, session, 3600)
+        hops = await _discover_hops(
+            args.route.split(","), args.signing_key, session, defaults.ROUTE_TOKEN_TTL_S
+        )
         client = RouteClient(
             hops,
             tok,
@@ -206,14 +208,14 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="serve a layer range over the binary data plane")
     s.add_argument("--model", required=True, help="GGUF path, or pkg:smollm2")
     s.add_argument("--layers", type=_parse_layers, help="A:B (default: all layers)")
-    s.add_argument("--backend", choices=["native", "torch", "llamacpp"])
-    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--backend", choices=defaults.BACKENDS, help="default: the first this host has")
+    s.add_argument("--host", default=defaults.DATAPLANE_HOST)
     s.add_argument("--port", type=int, required=True)
     s.add_argument("--public-key", required=True, help="route-token public key (base64 or PEM), or @file")
     s.add_argument("--node-id")
-    s.add_argument("--threads", type=int, default=2)
-    s.add_argument("--kv-budget-mb", type=float, default=1024.0)
-    s.add_argument("--session-ttl", type=float, default=1800.0)
+    s.add_argument("--threads", type=int, default=defaults.N_THREADS)
+    s.add_argument("--kv-budget-mb", type=float, default=defaults.KV_BUDGET_BYTES / (1 << 20))
+    s.add_argument("--session-ttl", type=float, default=defaults.SESSION_TTL_S)
     s.set_defaults(func=cmd_serve)
 
     s = sub.add_parser("chat", help="chat through a route of serving hops")
@@ -224,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--mode", choices=["star", "chain"], default="star")
     s.add_argument("--hidden-dtype", choices=["f16", "f32"], default="f16")
     s.add_argument("--max-tokens", type=int, default=128)
-    s.add_argument("--max-context", type=int, default=8192)
+    s.add_argument("--max-context", type=int, default=defaults.MAX_CONTEXT)
     s.add_argument("--temperature", type=float, default=0.0)
     s.add_argument("--top-k", type=int, default=0)
     s.add_argument("--top-p", type=float, default=1.0)

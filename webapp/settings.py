@@ -10,6 +10,7 @@ from pathlib import Path
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
+from agent import defaults
 from webapp.env import envbool, envint, envlist, envstr
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -37,7 +38,7 @@ def _secret_key() -> str:
 SECRET_KEY = _secret_key()
 ALLOWED_HOSTS = envlist("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]", "testserver"])
 CSRF_TRUSTED_ORIGINS = envlist("CSRF_TRUSTED_ORIGINS", [])
-SITE_URL = envstr("SITE_URL", "http://127.0.0.1:8000").rstrip("/")
+SITE_URL = envstr("SITE_URL", f"http://127.0.0.1:{defaults.WEB_PORT}").rstrip("/")
 
 INSTALLED_APPS = [
     "daphne",
@@ -147,18 +148,18 @@ CELERY_BEAT_SCHEDULE = {
 }
 
 # --- swarm behaviour ------------------------------------------------------------------------------
-HEARTBEAT_INTERVAL_S = envint("HEARTBEAT_INTERVAL_S", 2, minimum=1)
+HEARTBEAT_INTERVAL_S = envint("HEARTBEAT_INTERVAL_S", defaults.HEARTBEAT_INTERVAL_S, minimum=1)
 NODE_OFFLINE_AFTER_S = envint("NODE_OFFLINE_AFTER_S", 7, minimum=2)
 # An offline node's shards are re-placed on the survivors after this long (a quick restart keeps them).
 NODE_LOST_AFTER_S = envint("NODE_LOST_AFTER_S", 30, minimum=0)
 ENROLLMENT_TOKEN_TTL_S = envint("ENROLLMENT_TOKEN_TTL_S", 3600, minimum=60)
-ROUTE_TOKEN_TTL_S = envint("ROUTE_TOKEN_TTL_S", 3600, minimum=60)
+ROUTE_TOKEN_TTL_S = envint("ROUTE_TOKEN_TTL_S", defaults.ROUTE_TOKEN_TTL_S, minimum=60)
 ROUTE_SESSION_IDLE_S = envint("ROUTE_SESSION_IDLE_S", 1800, minimum=60)
 TELEMETRY_SAMPLE_EVERY_S = envint("TELEMETRY_SAMPLE_EVERY_S", 10, minimum=1)
 TELEMETRY_KEEP_HOURS = envint("TELEMETRY_KEEP_HOURS", 24, minimum=1)
 KV_RESERVE_BYTES = envint("KV_RESERVE_BYTES", 256 << 20, minimum=0)
 # The ggml executor when a node has it built; nodes without it fall back to their first backend.
-DEFAULT_BACKEND = envstr("DEFAULT_BACKEND", "native")
+DEFAULT_BACKEND = envstr("DEFAULT_BACKEND", defaults.DEFAULT_BACKEND)
 # Ed25519 key that signs route tokens: ROUTE_KEY_PEM(_FILE), else generated into the data dir (0600).
 ROUTE_KEY_PEM = envstr("ROUTE_KEY_PEM")
 ROUTE_KEY_PATH = DATA_DIR / "route_key.pem"

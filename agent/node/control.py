@@ -16,14 +16,14 @@ import os
 import platform
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 
-from agent import __version__
+from agent import __version__, defaults
 from agent.artifacts.fetch import FetchError, fetch_shard, shard_path
 from agent.artifacts.manifest import Manifest, ManifestError
 from agent.node.config import NodeConfig
@@ -48,8 +48,8 @@ class ShardHost(Protocol):
         manifest: Manifest,
         layer_start: int,
         layer_end: int,
-        backend: str = "torch",
-        n_threads: int = 2,
+        backend: str = defaults.DEFAULT_BACKEND,
+        n_threads: int = defaults.N_THREADS,
     ) -> Any: ...
 
     def unload_shard(self, model_sha256: str, layer_start: int, layer_end: int) -> bool: ...
@@ -123,7 +123,7 @@ def ws_url(server: str) -> str:
     raise ValueError(f"server URL must start with http:// or https://, not {server!r}")
 
 
-def next_backoff(current: float, maximum: float = 30.0) -> float:
+def next_backoff(current: float, maximum: float = defaults.RECONNECT_MAX_S) -> float:
     return min(maximum, max(1.0, current * 2))
 
 
@@ -135,12 +135,13 @@ class ControlAgent:
     host: ShardHost
     dataplane_url: str
     data_dir: Path
-    n_threads: int = 2
-    heartbeat_s: float = 2.0
+    n_threads: int = defaults.N_THREADS
+    heartbeat_s: float = defaults.HEARTBEAT_INTERVAL_S
     backends: Callable[[], list[str]] | None = None
     speed: float = 0.0
-    torrent_listen: str | None = "0.0.0.0:6881"  # None: never use the swarm (HTTP range requests only)
-    fetch_timeout_s: float = 900.0
+    # None: never use the swarm (HTTP range requests only).
+    torrent_listen: str | None = defaults.TORRENT_LISTEN
+    fetch_timeout_s: float = defaults.FETCH_TIMEOUT_S
     connected: asyncio.Event = field(default_factory=asyncio.Event)
     _ws: aiohttp.ClientWebSocketResponse | None = None
     _loads: dict[int, asyncio.Task[None]] = field(default_factory=dict)
@@ -432,7 +433,7 @@ class ControlAgent:
                 manifest,
                 a,
                 b,
-                str(cmd.get("backend") or "torch"),
+                str(cmd.get("backend") or defaults.DEFAULT_BACKEND),
                 self.n_threads,
             )
         except asyncio.CancelledError:
@@ -464,22 +465,6 @@ class ControlAgent:
             self.host.unload_shard, str(cmd["model_sha256"]), int(cmd["layer_start"]), int(cmd["layer_end"])
         )
         await self._report(aid, "unloaded", 0.0)
-
-
-async def run_agent(
-    config: NodeConfig,
-    host: ShardHost,
-    dataplane_url: str,
-    data_dir: Path,
-    stop: asyncio.Event,
-    n_threads: int = 2,
-    on_ready: Callable[[ControlAgent], Awaitable[None]] | None = None,
-    torrent_listen: str | None = "0.0.0.0:6881",
-) -> None:
-    agent = ControlAgent(config, host, dataplane_url, data_dir, n_threads, torrent_listen=torrent_listen)
-    if on_ready is not None:
-        await on_ready(agent)
-    await agent.run(stop)
 
 
 def default_data_dir() -> Path:

@@ -14,7 +14,7 @@ import numpy as np
 from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from agent import __version__
+from agent import __version__, defaults
 from agent.artifacts.manifest import Manifest
 from agent.backends import load_backend
 from agent.backends.base import AdmissionError, Backend, BackendError, ShardSpec
@@ -76,8 +76,8 @@ class DataPlane:
         self,
         node_id: str,
         public_key: Ed25519PublicKey,
-        kv_budget_bytes: int = 1 << 30,
-        session_ttl_s: float = 1800.0,
+        kv_budget_bytes: int = defaults.KV_BUDGET_BYTES,
+        session_ttl_s: float = defaults.SESSION_TTL_S,
     ) -> None:
         self.node_id = node_id
         self.verifier = TokenVerifier(public_key)
@@ -101,8 +101,8 @@ class DataPlane:
         manifest: Manifest,
         layer_start: int,
         layer_end: int,
-        backend: str = "torch",
-        n_threads: int = 2,
+        backend: str = defaults.DEFAULT_BACKEND,
+        n_threads: int = defaults.N_THREADS,
     ) -> Shard:
         """Load layers [layer_start, layer_end) of `path`; blocking, so call it from a thread."""
         spec = ShardSpec(

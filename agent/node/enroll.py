@@ -13,6 +13,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from agent import defaults
 from agent.node.config import ConfigError, NodeConfig, default_config_path, load_config, save_config
 
 log = logging.getLogger("agent.cli")
@@ -23,7 +24,7 @@ def _fail(msg: str) -> int:
     return 2
 
 
-def enroll(server: str, token: str, name: str, timeout_s: float = 30.0) -> NodeConfig:
+def enroll(server: str, token: str, name: str, timeout_s: float = defaults.ENROLL_TIMEOUT_S) -> NodeConfig:
     """Exchange a one-time enrollment token for node credentials (raises ConfigError with the reason)."""
     server = server.rstrip("/")
     if not server.startswith(("http://", "https://")):
@@ -114,7 +115,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 def add_control_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Register `enroll` and `run` on the agent CLI's subparsers."""
     s = sub.add_parser("enroll", help="exchange an enrollment token for node credentials")
-    s.add_argument("--server", required=True, help="control plane URL, e.g. http://10.0.0.5:8000")
+    s.add_argument(
+        "--server", required=True, help=f"control plane URL, e.g. http://10.0.0.5:{defaults.WEB_PORT}"
+    )
     s.add_argument("--token", required=True, help="one-time enrollment token from the fleet page")
     s.add_argument("--name", help="node name shown in the dashboard (default: hostname)")
     s.add_argument("--config", help=f"node config file (default {default_config_path()})")
@@ -126,14 +129,14 @@ def add_control_commands(sub: argparse._SubParsersAction) -> None:  # type: igno
     s.add_argument(
         "--data-dir", help="where model files go (default: $GGUF_SWARM_DATA or ~/.local/share/gguf-swarm)"
     )
-    s.add_argument("--host", default="127.0.0.1", help="data plane bind address")
+    s.add_argument("--host", default=defaults.DATAPLANE_HOST, help="data plane bind address")
     s.add_argument("--port", type=int, default=0, help="data plane port (0: any free port)")
     s.add_argument("--advertise-url", help="data plane URL other nodes and the control plane use")
-    s.add_argument("--threads", type=int, default=2)
-    s.add_argument("--kv-budget-mb", type=float, default=1024.0)
+    s.add_argument("--threads", type=int, default=defaults.N_THREADS)
+    s.add_argument("--kv-budget-mb", type=float, default=defaults.KV_BUDGET_BYTES / (1 << 20))
     s.add_argument(
         "--torrent-listen",
-        default="0.0.0.0:6881",
+        default=defaults.TORRENT_LISTEN,
         help="libtorrent listen interface(s), e.g. 127.0.0.1:0 (port 0 or a taken port: any free port)",
     )
     s.add_argument(

@@ -8,6 +8,8 @@ import secrets
 from django.conf import settings
 from django.db import models
 
+from agent import defaults
+
 
 def new_node_id() -> str:
     return "node-" + secrets.token_hex(6)
@@ -98,7 +100,7 @@ class ShardAssignment(models.Model):
     artifact = models.ForeignKey("catalog.ModelArtifact", on_delete=models.CASCADE, related_name="shards")
     layer_start = models.IntegerField()
     layer_end = models.IntegerField()
-    backend = models.CharField(max_length=20, default="torch")
+    backend = models.CharField(max_length=20, default=defaults.DEFAULT_BACKEND)
     state = models.CharField(max_length=16, choices=State.choices, default=State.ASSIGNED)
     progress = models.FloatField(default=0.0)
     transfer = models.JSONField(

@@ -1,0 +1,41 @@
+"""Defaults shared by the agent and the control plane, each defined once here; imports nothing of ours.
+
+The agent's command line, its runtime classes and the webapp's settings read these, so a default
+changes in one place. Settings may still override the control plane's values from the environment.
+"""
+
+from __future__ import annotations
+
+# --- backends ----------------------------------------------------------------------------------------
+# Every backend name, best first: the ggml executor, the torch reference, llama.cpp (whole models only).
+BACKENDS = ("native", "torch", "llamacpp")
+# What a shard runs on when nothing else is asked for (nodes without it fall back to their first).
+DEFAULT_BACKEND = BACKENDS[0]
+# Compute threads per shard.
+N_THREADS = 2
+
+# --- data plane --------------------------------------------------------------------------------------
+DATAPLANE_HOST = "127.0.0.1"
+# A node's KV cache budget, shared by all its shards.
+KV_BUDGET_BYTES = 1 << 30
+# An idle session's KV is freed after this long (a route that stopped talking).
+SESSION_TTL_S = 1800.0
+# Longest context a route client asks its hops to hold.
+MAX_CONTEXT = 8192
+
+# --- control channel ---------------------------------------------------------------------------------
+# The control plane's web port (`make up`, SITE_URL).
+WEB_PORT = 8000
+# The agent's telemetry period until the control plane's welcome says otherwise.
+HEARTBEAT_INTERVAL_S = 2
+# Reconnects back off from 1 s, doubling up to this.
+RECONNECT_MAX_S = 30.0
+# Enrollment request timeout.
+ENROLL_TIMEOUT_S = 30.0
+# One shard's download (swarm or HTTP) gives up after this long.
+FETCH_TIMEOUT_S = 900.0
+# libtorrent's listen interface on a node (port taken: libtorrent picks a free one).
+TORRENT_LISTEN = "0.0.0.0:6881"
+
+# --- route tokens ------------------------------------------------------------------------------------
+ROUTE_TOKEN_TTL_S = 3600
