@@ -4,25 +4,19 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
+from typing import Any
+
+from agent.procs import Process, free_port, spawn, stop, wait_http
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def health(url: str) -> dict:
+def health(url: str) -> dict[str, Any]:
     with urllib.request.urlopen(url + "/v1/health", timeout=5) as r:
-        return json.loads(r.read())
+        return dict(json.loads(r.read()))
 
 
 def start_serve(
@@ -33,7 +27,8 @@ def start_serve(
     threads: int,
     logdir: Path,
     extra_env: dict[str, str] | None = None,
-) -> tuple[subprocess.Popen, str, str]:
+) -> tuple[Process, str, str]:
+    """Start `agent serve` for one layer range and wait until it answers; (process, URL, node id)."""
     port = free_port()
     node = f"bench-{port}"
     cmd = [
@@ -59,27 +54,11 @@ def start_serve(
         "4096",
     ]
     env = {**os.environ, "PYTHONPATH": str(REPO), **(extra_env or {})}
-    log = (logdir / f"serve-{port}.log").open("w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    proc = spawn(cmd, logdir / f"serve-{port}.log", env=env, cwd=REPO)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"serve {layers} exited early; see {log.name}")
-        try:
-            health(url)
-            return proc, url, node
-        except OSError:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"serve {layers} did not come up") from None
-            time.sleep(0.1)
-
-
-def stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        p.terminate()
-    for p in procs:
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            p.kill()
+    try:
+        wait_http(url + "/v1/health", 180, procs=[proc])
+    except BaseException:
+        stop([proc])
+        raise
+    return proc, url, node

@@ -21,16 +21,16 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from agent.client.route.route import Hop, RouteClient  # noqa: E402
-
 from agent.artifacts.manifest import build_manifest  # noqa: E402
 from agent.artifacts.packaged import packaged_model_path  # noqa: E402
 from agent.backends import available_backends, load_backend  # noqa: E402
 from agent.backends.base import ShardSpec  # noqa: E402
+from agent.client.route import Hop, RouteClient  # noqa: E402
+from agent.procs import stop  # noqa: E402
 from agent.wire.ids import SessionId  # noqa: E402
 from agent.wire.routetoken import generate_key, mint, public_key_b64  # noqa: E402
 from agent.wire.sampling import SamplingParams  # noqa: E402
-from bench._common import health, start_serve, stop  # noqa: E402
+from bench._common import health, start_serve  # noqa: E402
 
 PROMPT_TEXT = "Write a long story about a lighthouse keeper who kept a log of every ship."
 
@@ -86,7 +86,7 @@ def main() -> None:
     args = ap.parse_args()
     path = str(packaged_model_path())
     manifest = build_manifest(path, hash_tensors=False)
-    from agent.client.route.tokenizer import ChatTokenizer
+    from agent.client.tokenizer import ChatTokenizer
 
     prompt = ChatTokenizer(path).encode_chat([{"role": "user", "content": PROMPT_TEXT}])
     out: dict[str, float | int | str] = {

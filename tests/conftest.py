@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -14,6 +11,7 @@ import pytest
 
 from agent.artifacts.manifest import Manifest, build_manifest
 from agent.artifacts.packaged import ModelNotFound, packaged_model_path
+from agent.procs import Process, free_port, spawn, stop, wait_http
 from agent.wire.routetoken import generate_key, public_key_b64
 
 REPO = Path(__file__).resolve().parent.parent
@@ -37,45 +35,14 @@ def signing_key():  # noqa: ANN201
     return generate_key()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_http(url: str, timeout: float = 120.0, proc: subprocess.Popen | None = None) -> None:
-    """Poll `url` until it answers 200; fail early if the process died."""
-    import urllib.error
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before {url} came up")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"{url} did not come up within {timeout}s")
-
-
 class ServeProcess:
     """A real `python -m agent serve` process on 127.0.0.1."""
 
-    def __init__(self, proc: subprocess.Popen, url: str, node_id: str, log: Path) -> None:
+    def __init__(self, proc: Process, url: str, node_id: str, log: Path) -> None:
         self.proc, self.url, self.node_id, self.log = proc, url, node_id, log
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop([self.proc])
 
 
 @pytest.fixture(scope="module")
@@ -114,13 +81,12 @@ def serve_factory(
             *(extra or []),
         ]
         env = {**os.environ, "PYTHONPATH": str(REPO)}
-        proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        proc = spawn(cmd, log, env=env, cwd=REPO)
         sp = ServeProcess(proc, f"http://127.0.0.1:{port}", node_id, log)
         procs.append(sp)
         if wait:
-            wait_http(sp.url + "/v1/health", proc=proc)
+            wait_http(sp.url + "/v1/health", procs=[proc])
         return sp
 
     yield start
-    for p in procs:
-        p.stop()
+    stop([p.proc for p in procs])

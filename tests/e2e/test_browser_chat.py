@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import os
-import re
-import signal
-import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port
+from agent.procs import ProcessExited, free_port, spawn, stop, wait_log
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -21,43 +19,23 @@ PASSWORD = "e2e-Admin-pass-1"
 
 
 @pytest.fixture(scope="module")
-def swarm_up(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+def swarm_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if not Path(CHROMIUM).exists():
         pytest.skip("Debian chromium is not installed (scripts/setup.sh installs it)")
     tmp = tmp_path_factory.mktemp("up")
-    port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}  # embedded defaults
     env.update(SWARM_DATA_DIR=str(tmp / "var"), SWARM_ADMIN_PASSWORD=PASSWORD, PYTHONUNBUFFERED="1")
     log = tmp / "up.log"
-    proc = subprocess.Popen(
-        [sys.executable, "scripts/up.py", "--port", str(port)],
-        cwd=REPO,
-        env=env,
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    deadline = time.monotonic() + 420
-    url = None
-    while time.monotonic() < deadline:
-        text = log.read_text()
-        m = re.search(r"GGUF Swarm is up: (http://\S+)", text)
-        if m:
-            url = m.group(1)
-            break
-        if proc.poll() is not None:
-            pytest.fail(f"`up` exited with {proc.returncode}:\n{text[-3000:]}")
-        time.sleep(0.5)
-    if url is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        pytest.fail(f"`up` did not print its URL in time:\n{log.read_text()[-3000:]}")
-    assert f"log in as admin / {PASSWORD}" in log.read_text()
-    yield url
-    os.killpg(proc.pid, signal.SIGTERM)
+    proc = spawn([sys.executable, "scripts/up.py", "--port", str(free_port())], log, env=env, cwd=REPO)
     try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            url = wait_log(log, r"GGUF Swarm is up: (http://\S+)", 420, procs=[proc], every_s=0.5).group(1)
+        except (ProcessExited, TimeoutError) as e:
+            pytest.fail(f"`up` did not print its URL: {e}\n{log.read_text()[-3000:]}")
+        assert f"log in as admin / {PASSWORD}" in log.read_text()
+        yield url
+    finally:
+        stop([proc], grace_s=30)  # its whole process group: `up` stops the servers and agents it started
 
 
 def test_the_printed_url_loads_and_a_chat_answer_streams_into_the_page(swarm_up: str) -> None:

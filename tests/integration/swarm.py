@@ -20,7 +20,7 @@ from typing import Any
 
 from aiohttp import ClientSession
 
-from tests.conftest import free_port, wait_http
+from agent.procs import Process, free_port, spawn, stop, wait_http
 from webapp.core.adminclient import AdminClient
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,21 +37,15 @@ class Swarm:
     env: dict[str, str]
     logs: Path
     admin: AdminClient
-    web: subprocess.Popen[bytes] | None = None
-    agents: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    web: Process | None = None
+    agents: dict[str, Process] = field(default_factory=dict)
     agent_dirs: dict[str, Path] = field(default_factory=dict)
-    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    procs: list[Process] = field(default_factory=list)
     model: dict[str, Any] = field(default_factory=dict)
     telemetry: list[dict[str, Any]] = field(default_factory=list)
 
-    def spawn(self, name: str, cmd: list[str]) -> subprocess.Popen[bytes]:
-        p = subprocess.Popen(
-            cmd,
-            cwd=REPO,
-            env=self.env,
-            stdout=(self.logs / f"{name}.log").open("ab"),
-            stderr=subprocess.STDOUT,
-        )
+    def spawn(self, name: str, cmd: list[str]) -> Process:
+        p = spawn(cmd, self.logs / f"{name}.log", env=self.env, cwd=REPO, append=True)
         self.procs.append(p)
         return p
 
@@ -60,7 +54,7 @@ class Swarm:
             "web",
             [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "webapp.asgi:application"],
         )
-        wait_http(self.base + "/healthz", timeout=60, proc=self.web)
+        wait_http(self.base + "/healthz", 60, procs=[self.web])
 
     def manage(self, *args: str) -> None:
         subprocess.run(
@@ -227,14 +221,6 @@ def control_plane(tmp: Path, **env_extra: str) -> Iterator[Swarm]:
         print(s.log_tail())
         raise
     finally:
-        for p in s.procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in s.procs:
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop(s.procs, grace_s=15)
         if db_name:
             _drop(db_name)

@@ -15,9 +15,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from agent.client.route.route import Hop, RouteClient
-from agent.client.route.tokenizer import ChatTokenizer
 
+from agent.client.route import Hop, RouteClient
+from agent.client.tokenizer import ChatTokenizer
+from agent.procs import stop
 from agent.wire.routetoken import load_private_key, mint
 from agent.wire.sampling import SamplingParams
 from tests.integration.swarm import PASSWORD, QUESTION, REPO, Swarm, control_plane
@@ -89,8 +90,7 @@ async def test_a_playground_chat_matches_the_route_client_on_the_same_hops(
 async def test_agents_reconnect_after_the_control_plane_restarts_keeping_their_shards(swarm: Swarm) -> None:
     s = swarm
     assert s.web is not None
-    s.web.send_signal(signal.SIGTERM)
-    s.web.wait(30)
+    stop([s.web], grace_s=30)
     s.start_web(int(s.base.rsplit(":", 1)[1]))
     s.admin.login("admin", PASSWORD)
     s.online(list(s.agents))

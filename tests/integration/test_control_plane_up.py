@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port
+from agent.procs import free_port
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]

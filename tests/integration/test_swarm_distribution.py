@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from agent.client.route.route import Hop, RouteClient
-from agent.client.route.tokenizer import ChatTokenizer
 
 from agent.artifacts.manifest import Manifest
 from agent.artifacts.torrent import shard_byte_ranges, verify_tensors
+from agent.client.route import Hop, RouteClient
+from agent.client.tokenizer import ChatTokenizer
+from agent.procs import stop
 from agent.wire.routetoken import mint
 from agent.wire.sampling import SamplingParams
 from tests.integration.swarm import QUESTION, Swarm, control_plane
@@ -120,8 +120,7 @@ def test_a_shard_tampered_on_disk_is_fetched_again_before_it_is_loaded(
     s = swarm
     node_id = shards_by_range(s)[(10, 20)]["node"]
     proc = s.agents[node_id]
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(30)
+    stop([proc], grace_s=30)
     path = sparse_file(s, node_id, manifest, model_path)
     victim = manifest.tensors_for_range(10, 20)[5]
     with open(path, "r+b") as f:

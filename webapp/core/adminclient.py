@@ -5,11 +5,12 @@ from __future__ import annotations
 import http.cookiejar
 import json
 import re
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from typing import Any
+
+from agent.procs import wait_until
 
 
 class AdminClient:
@@ -72,12 +73,13 @@ class AdminClient:
 
     def wait_for(self, what: str, check: Any, timeout_s: float = 300.0, every_s: float = 0.25) -> Any:
         """Poll the status until `check(status)` returns something truthy; raise with the last status."""
-        deadline = time.monotonic() + timeout_s
-        last: dict[str, Any] = {}
-        while time.monotonic() < deadline:
-            last = self.status()
-            found = check(last)
-            if found:
-                return found
-            time.sleep(every_s)
-        raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}; last status: {last}")
+        last: list[dict[str, Any]] = [{}]
+
+        def poll() -> Any:
+            last[0] = self.status()
+            return check(last[0])
+
+        try:
+            return wait_until(what, poll, timeout_s, every_s=every_s)
+        except TimeoutError as e:
+            raise TimeoutError(f"{e}; last status: {last[0]}") from None

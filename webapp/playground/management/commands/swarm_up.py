@@ -9,8 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -19,25 +17,10 @@ from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from agent import defaults, procs
 from webapp.core.adminclient import AdminClient
 
 ADMIN_USER = "admin"
-
-
-def _wait_http(url: str, procs: list[subprocess.Popen[bytes]], timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for p in procs:
-            if p.poll() is not None:
-                raise CommandError(f"{' '.join(map(str, p.args))} exited with {p.returncode}; see its log")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(0.2)
-    raise CommandError(f"{url} did not answer within {timeout_s:.0f} s")
 
 
 def admin_password() -> str:
@@ -76,7 +59,7 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--host", default="127.0.0.1")
-        parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
+        parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", defaults.WEB_PORT)))
         parser.add_argument("--agents", type=int, default=2)
         parser.add_argument("--model", default="smollm2", help="PyPI-shipped model to register and place")
         parser.add_argument("--threads", type=int, default=1, help="compute threads per agent")
@@ -85,8 +68,8 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **opts: Any) -> None:
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.agents: list[subprocess.Popen[bytes]] = []
+        self.procs: list[procs.Process] = []
+        self.agents: list[procs.Process] = []
         logs = settings.DATA_DIR / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         base = f"http://{opts['host']}:{opts['port']}"
@@ -119,30 +102,16 @@ class Command(BaseCommand):
                         f"agent process {p.pid} exited ({p.returncode}); the fleet page shows it offline"
                     )
                 else:
-                    raise CommandError(f"{' '.join(map(str, p.args))} exited; see the logs in {logs}")
+                    raise CommandError(f"`{procs.describe(p)}` exited; see the logs in {logs}")
             time.sleep(0.5)
 
-    def _spawn(self, cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-        p = subprocess.Popen(
-            cmd,
-            stdout=log.open("ab"),
-            stderr=subprocess.STDOUT,
-            cwd=settings.BASE_DIR,
-            env={**os.environ, **(env or {})},
-            start_new_session=True,
-        )
+    def _spawn(self, cmd: list[str], log: Path) -> procs.Process:
+        p = procs.spawn(cmd, log, cwd=settings.BASE_DIR, append=True)
         self.procs.append(p)
         return p
 
     def _stop(self) -> None:
-        for p in reversed(self.procs):
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        procs.stop(reversed(self.procs))  # agents first, the web server last
 
     def _up(self, opts: dict[str, Any], base: str, logs: Path) -> tuple[AdminClient, dict[str, Any]]:
         say = self.stdout.write
@@ -181,7 +150,12 @@ class Command(BaseCommand):
                 ],
                 logs / "beat.log",
             )
-        _wait_http(base + "/healthz", self.procs)
+        try:
+            procs.wait_http(base + "/healthz", 120, procs=self.procs, every_s=0.2)
+        except procs.ProcessExited as e:
+            raise CommandError(f"{e}; see its log in {logs}") from None
+        except TimeoutError as e:
+            raise CommandError(str(e)) from None
 
         admin = AdminClient(base)
         admin.login(ADMIN_USER, password)
