@@ -1,8 +1,9 @@
 """Fetching a shard's bytes from the control plane with HTTP range requests, verified per tensor.
 
-The file is rebuilt sparsely at its original offsets (header + the tensors of the layer range), so the
-backends open it like the full GGUF. Tensors already present and matching their sha256 are not fetched
-again. The torrent swarm will replace this with piece selection over the same web-seed endpoint.
+The fallback when a model has no .torrent or the node has no libtorrent (`agent.artifacts.torrent` is
+the swarm path). The file is rebuilt sparsely at its original offsets (header + the tensors of the
+layer range), so the backends open it like the full GGUF. Tensors already present and matching their
+sha256 are not fetched again. `FetchError` here is the one both paths raise.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 Progress = Callable[[float], Awaitable[None]]
 
 
-class FetchError(Exception):
-    """The download failed or a tensor did not match its manifest hash."""
+class FetchError(RuntimeError):
+    """A shard could not be fetched (HTTP status, timeout, torrent or disk error, a tensor that does not
+    match its manifest hash after a retry); the message says which and why."""
 
 
 def _tensor_ok(f: object, t: TensorInfo) -> bool:

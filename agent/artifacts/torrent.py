@@ -14,14 +14,13 @@ from urllib.parse import urlsplit
 
 import libtorrent as lt
 
-from agent.artifacts.fetch import missing_tensors
+from agent.artifacts.fetch import FetchError, missing_tensors
 from agent.artifacts.manifest import Manifest, merge_ranges
 from agent.artifacts.pieces import (
     WEB_SEED_FALLBACK,
     WEB_SEED_POLICIES,
     fit_piece_size,
     missing_available,
-    num_pieces,
     pieces_for_ranges,
     priorities,
     web_seed_needed,
@@ -44,10 +43,6 @@ log = logging.getLogger(__name__)
 
 BLOCK = 16 * 1024  # libtorrent's request size
 _POLL_S = 0.05
-
-
-class FetchError(RuntimeError):
-    """A download could not finish (timeout, torrent or disk error); the message says which and why."""
 
 
 class TensorHashMismatch(ValueError):
@@ -619,8 +614,3 @@ def needed_pieces(torrent_bytes: bytes, byte_ranges: Iterable[tuple[int, int]]) 
     """Pieces of this torrent a node holding byte_ranges must download."""
     ti = torrent_info(torrent_bytes)
     return pieces_for_ranges(byte_ranges, ti.piece_length(), ti.total_size())
-
-
-def total_pieces(torrent_bytes: bytes) -> int:
-    ti = torrent_info(torrent_bytes)
-    return num_pieces(ti.piece_length(), ti.total_size())
