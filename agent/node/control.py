@@ -3,8 +3,9 @@
 It owns no shards itself: a `ShardHost` (the data plane) does, so shards and sessions survive a lost
 control connection. Shard bytes come over the torrent swarm (one `SwarmClient` per agent process, which
 keeps seeding) when the model has a .torrent and libtorrent is installed, else over HTTP range requests. Reconnects back off exponentially (1 s doubling to 30 s, reset after a good
-session). A close with code 4401 (bad credentials) or 4403 (node removed) is final. Messages are
-documented in docs/control-plane.md.
+session). A close with code 4401 (bad credentials) or 4403 (node removed) is final. Every message is
+built from, and every command validated against, the shared schema in `agent.wire.control`; a malformed
+or unknown command is answered with an error and otherwise ignored.
 """
 
 from __future__ import annotations
@@ -27,16 +28,38 @@ from agent import __version__, defaults
 from agent.artifacts.fetch import FetchError, fetch_shard, shard_path
 from agent.artifacts.manifest import Manifest, ManifestError
 from agent.node.config import NodeConfig
+from agent.wire.control import (
+    FINAL_CLOSE_CODES,
+    MAX_NAME,
+    MAX_STR,
+    MAX_URL,
+    PROTOCOL_VERSION,
+    AgentMessage,
+    ControlError,
+    Drain,
+    ErrorMessage,
+    Gpu,
+    Hardware,
+    Heartbeat,
+    Hello,
+    Load,
+    Progress,
+    Removed,
+    Resync,
+    ServerMessage,
+    ShardRef,
+    Telemetry,
+    Transfer,
+    Unload,
+    Welcome,
+    parse_server_message,
+)
 
 if TYPE_CHECKING:
     from agent.artifacts.torrent import Progress as SwarmProgress
     from agent.artifacts.torrent import SwarmClient
 
 log = logging.getLogger("agent.node.control")
-
-CLOSE_UNAUTHORIZED = 4401
-CLOSE_REMOVED = 4403
-FINAL_CLOSE_CODES = {CLOSE_UNAUTHORIZED, CLOSE_REMOVED}
 
 
 class ShardHost(Protocol):
@@ -85,33 +108,33 @@ def measure_speed(rounds: int = 20, seconds: float = 0.015, pause_s: float = 0.0
     return round(best, 2)
 
 
-def hardware_info() -> dict[str, Any]:
+def hardware_info() -> Hardware:
     import psutil
 
-    vm = psutil.virtual_memory()
-    info: dict[str, Any] = {
-        "hostname": socket.gethostname(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpu_count": psutil.cpu_count(logical=True),
-        "cpu_physical": psutil.cpu_count(logical=False),
-        "memory_bytes": vm.total,
-        "gpus": [],
-    }
+    gpus: list[Gpu] = []
     with contextlib.suppress(Exception):  # NVML is optional: only on hosts with NVIDIA GPUs
         import pynvml  # type: ignore[import-not-found]
 
         pynvml.nvmlInit()
-        for i in range(pynvml.nvmlDeviceGetCount()):
+        for i in range(min(pynvml.nvmlDeviceGetCount(), 64)):
             h = pynvml.nvmlDeviceGetHandleByIndex(i)
             name = pynvml.nvmlDeviceGetName(h)
-            info["gpus"].append(
-                {
-                    "name": name.decode() if isinstance(name, bytes) else name,
-                    "memory_bytes": int(pynvml.nvmlDeviceGetMemoryInfo(h).total),
-                }
-            )
-    return info
+            name = name.decode() if isinstance(name, bytes) else str(name)
+            gpus.append(Gpu(name=name[:MAX_NAME], memory_bytes=int(pynvml.nvmlDeviceGetMemoryInfo(h).total)))
+    return Hardware(
+        hostname=socket.gethostname()[:MAX_NAME],
+        platform=platform.platform()[:MAX_URL],
+        python=platform.python_version(),
+        cpu_count=psutil.cpu_count(logical=True),
+        cpu_physical=psutil.cpu_count(logical=False),
+        memory_bytes=int(psutil.virtual_memory().total),
+        gpus=gpus,
+    )
+
+
+def _count(v: Any) -> int:
+    """A data-plane counter as the wire wants it (a non-negative int)."""
+    return max(0, int(v or 0))
 
 
 def ws_url(server: str) -> str:
@@ -203,8 +226,8 @@ class ControlAgent:
                         await ws.close()
                         return
                     msg = recv.result()
-                    if msg.type == aiohttp.WSMsgType.TEXT:
-                        await self._dispatch(msg.json())
+                    if msg.type in (aiohttp.WSMsgType.TEXT, aiohttp.WSMsgType.BINARY):
+                        await self._dispatch(msg.data)
                     elif msg.type in (
                         aiohttp.WSMsgType.CLOSE,
                         aiohttp.WSMsgType.CLOSED,
@@ -222,82 +245,94 @@ class ControlAgent:
                 raise AgentRejected(f"control plane closed the connection with code {code}")
             log.warning("control connection closed (code %s)", code)
 
-    async def _send(self, msg: dict[str, Any]) -> None:
+    async def _send(self, msg: AgentMessage) -> None:
         ws = self._ws
         if ws is None or ws.closed:
             return  # reconciliation on the next hello catches up
         with contextlib.suppress(ConnectionError, aiohttp.ClientError):
-            await ws.send_json(msg)
+            await ws.send_json(msg.to_wire())
 
-    def _shards(self) -> list[dict[str, Any]]:
+    def _shards(self) -> list[ShardRef]:
         return [
-            {"model_sha256": s["model_sha256"], "layer_start": s["layer_start"], "layer_end": s["layer_end"]}
+            ShardRef(model_sha256=s["model_sha256"], layer_start=s["layer_start"], layer_end=s["layer_end"])
             for s in self.host.stats().get("shards", [])
         ]
 
-    def hello(self) -> dict[str, Any]:
+    def hello(self) -> Hello:
         import psutil
 
         from agent.backends import available_backends
 
-        return {
-            "type": "hello",
-            "version": __version__,
-            "hardware": hardware_info(),
-            "backends": (self.backends or available_backends)(),
-            "dataplane_url": self.dataplane_url,
-            "speed": self.speed,
-            "free_memory_bytes": int(psutil.virtual_memory().available),
-            "shards": self._shards(),
-        }
+        return Hello(
+            version=__version__,
+            hardware=hardware_info(),
+            backends=(self.backends or available_backends)(),
+            dataplane_url=self.dataplane_url,
+            speed=max(float(self.speed), 0.0),
+            free_memory_bytes=int(psutil.virtual_memory().available),
+            shards=self._shards(),
+        )
 
-    def telemetry(self) -> dict[str, Any]:
+    def telemetry(self) -> Telemetry:
         import psutil
 
         st = self.host.stats()
-        served = int(st.get("tokens_out", 0) or 0)
+        served = _count(st.get("tokens_out"))
         now = time.monotonic()
         t_prev, n_prev = self._last_tokens
         tok_s = (served - n_prev) / (now - t_prev) if t_prev and now > t_prev else 0.0
         self._last_tokens = (now, served)
         vm = psutil.virtual_memory()
-        return {
-            "sessions": int(st.get("sessions", 0)),
-            "kv_bytes": int(st.get("kv_bytes", 0)),
-            "kv_budget_bytes": int(st.get("kv_budget_bytes", 0)),
-            "tokens_served": served,
-            "tok_s": round(max(tok_s, 0.0), 2),
-            "cpu_percent": float(psutil.cpu_percent(interval=None)),
-            "mem_used_bytes": int(vm.total - vm.available),
-            "free_memory_bytes": int(vm.available),
-            "shards": len(st.get("shards", [])),
-        }
+        return Telemetry(
+            sessions=_count(st.get("sessions")),
+            kv_bytes=_count(st.get("kv_bytes")),
+            kv_budget_bytes=_count(st.get("kv_budget_bytes")),
+            tokens_served=served,
+            tok_s=round(max(tok_s, 0.0), 2),
+            cpu_percent=max(float(psutil.cpu_percent(interval=None)), 0.0),
+            mem_used_bytes=_count(vm.total - vm.available),
+            free_memory_bytes=_count(vm.available),
+            shards=len(st.get("shards", [])),
+        )
 
     async def _heartbeats(self) -> None:
         while True:
-            await self._send({"type": "heartbeat", "telemetry": self.telemetry()})
+            await self._send(Heartbeat(telemetry=self.telemetry()))
             await asyncio.sleep(self.heartbeat_s)
 
-    async def _dispatch(self, msg: Any) -> None:
-        if not isinstance(msg, dict):
+    async def _dispatch(self, raw: str | bytes) -> None:
+        """Validate one message from the control plane and act on it; a bad one is answered and dropped."""
+        try:
+            msg = parse_server_message(raw)
+        except ControlError as e:
+            log.warning("control plane sent a message we refuse: %s", e)
+            if e.kind != "error":  # an error is never answered with an error: two ends could loop
+                await self._send(ErrorMessage.about(str(e)))
             return
-        kind = msg.get("type")
-        if kind == "welcome":
-            self.heartbeat_s = float(msg.get("heartbeat_interval_s", self.heartbeat_s))
-        elif kind == "load":
-            aid = int(msg["assignment_id"])
-            running = self._loads.get(aid)
+        try:
+            await self._execute(msg)
+        except Exception as e:  # noqa: BLE001 - a failing command must be reported, not end the connection
+            log.exception("command %r failed", msg.type)
+            await self._send(ErrorMessage.about(f"{msg.type} failed: {type(e).__name__}: {e}"))
+
+    async def _execute(self, msg: ServerMessage) -> None:
+        if isinstance(msg, Welcome):
+            if msg.protocol != PROTOCOL_VERSION:
+                log.warning("control plane speaks protocol %d, this agent %d", msg.protocol, PROTOCOL_VERSION)
+            self.heartbeat_s = msg.heartbeat_interval_s
+        elif isinstance(msg, Load):
+            running = self._loads.get(msg.assignment_id)
             if running is None or running.done():
-                self._loads[aid] = asyncio.create_task(self._load(msg))
-        elif kind == "unload":
+                self._loads[msg.assignment_id] = asyncio.create_task(self._load(msg))
+        elif isinstance(msg, Unload):
             await self._unload(msg)
-        elif kind == "drain":
+        elif isinstance(msg, Drain):
             self.host.drain()
-        elif kind == "resync":  # we were marked offline (e.g. paused): say again what we hold
+        elif isinstance(msg, Resync):  # we were marked offline (e.g. paused): say again what we hold
             await self._send(self.hello())
-        elif kind == "error":
-            log.warning("control plane: %s", msg.get("error"))
-        elif kind == "removed":
+        elif isinstance(msg, ErrorMessage):
+            log.warning("control plane: %s", msg.error)
+        elif isinstance(msg, Removed):
             log.warning("this node was removed by an admin")
 
     async def _report(
@@ -306,19 +341,20 @@ class ControlAgent:
         state: str,
         progress: float = 0.0,
         error: str = "",
-        transfer: dict[str, Any] | None = None,
+        transfer: Transfer | None = None,
     ) -> None:
         if aid is not None:
-            msg: dict[str, Any] = {
-                "type": "progress",
-                "assignment_id": aid,
-                "state": state,
-                "progress": round(progress, 3),
-                "error": error,
-            }
-            if transfer:
-                msg["transfer"] = transfer
-            await self._send(msg)
+            await self._send(
+                Progress.model_validate(
+                    {
+                        "assignment_id": aid,
+                        "state": state,
+                        "progress": min(max(round(float(progress), 3), 0.0), 1.0),
+                        "error": error[:MAX_STR],
+                        "transfer": transfer,
+                    }
+                )
+            )
 
     def swarm(self) -> SwarmClient | None:
         """This process's one libtorrent session, started on first use; None without libtorrent."""
@@ -353,7 +389,7 @@ class ControlAgent:
         manifest: Manifest,
         a: int,
         b: int,
-        cmd: dict[str, Any],
+        cmd: Load,
     ) -> Path:
         """Download only this range's pieces (sparse file), verify its tensors, keep seeding."""
         base = self.config.server.rstrip("/")
@@ -365,7 +401,19 @@ class ControlAgent:
             if done or time.monotonic() - last_line[0] >= 2.0:
                 last_line[0] = time.monotonic()
                 log.info("fetch [%d:%d) %s", a, b, p.line())
-            transfer = {**p.to_dict(), "source": "swarm"}
+            transfer = Transfer(
+                done_bytes=max(p.done_bytes, 0),
+                wanted_bytes=max(p.wanted_bytes, 0),
+                downloaded_bytes=max(p.downloaded_bytes, 0),
+                rate_bytes_per_s=max(float(p.rate_bytes_per_s), 0.0),
+                peers=max(p.peers, 0),
+                peer_bytes=max(p.peer_bytes, 0),
+                web_seed_bytes=max(p.web_seed_bytes, 0),
+                hash_failures=max(p.hash_failures, 0),
+                fraction=min(max(round(p.fraction, 4), 0.0), 1.0),
+                source="swarm",
+                infohash=p.infohash[:64],
+            )
             asyncio.run_coroutine_threadsafe(
                 self._report(aid, "fetching", p.fraction, transfer=transfer), loop
             )
@@ -379,8 +427,8 @@ class ControlAgent:
             b,
             on_progress,
             timeout=self.fetch_timeout_s,
-            trackers=[base + u for u in cmd.get("trackers") or []],
-            web_seeds=[base + u for u in cmd.get("web_seeds") or []],
+            trackers=[base + u for u in cmd.trackers],
+            web_seeds=[base + u for u in cmd.web_seeds],
         )
 
     async def _fetch_over_http(self, aid: int, manifest: Manifest, a: int, b: int, file_url: str) -> Path:
@@ -400,32 +448,35 @@ class ControlAgent:
             aid,
             "fetching",
             1.0,
-            transfer={"source": "http", "downloaded_bytes": n, "done_bytes": n, "wanted_bytes": n},
+            transfer=Transfer(source="http", downloaded_bytes=n, done_bytes=n, wanted_bytes=n),
         )
         return path
 
-    async def _load(self, cmd: dict[str, Any]) -> None:
-        aid = int(cmd["assignment_id"])
-        sha, a, b = str(cmd["model_sha256"]), int(cmd["layer_start"]), int(cmd["layer_end"])
-        if (sha, a, b) in {(s["model_sha256"], s["layer_start"], s["layer_end"]) for s in self._shards()}:
+    async def _load(self, cmd: Load) -> None:
+        aid, sha, a, b = cmd.assignment_id, cmd.model_sha256, cmd.layer_start, cmd.layer_end
+        if (sha, a, b) in {s.key for s in self._shards()}:
             await self._report(aid, "ready", 1.0)
             return
         assert self._http is not None
         base = self.config.server.rstrip("/")
         try:
             await self._report(aid, "fetching", 0.0)
-            async with self._http.get(base + cmd["manifest_url"], headers=self._headers) as r:
+            async with self._http.get(base + cmd.manifest_url, headers=self._headers) as r:
                 if r.status != 200:
                     raise FetchError(f"manifest: HTTP {r.status}")
                 manifest = Manifest.from_dict(await r.json())
             if manifest.sha256 != sha:
                 raise FetchError("manifest names another model")
-            swarm = self.swarm() if cmd.get("torrent_url") else None
-            torrent = await self._get_torrent(base + cmd["torrent_url"]) if swarm is not None else None
+            swarm = self.swarm() if cmd.torrent_url else None
+            torrent = (
+                await self._get_torrent(base + cmd.torrent_url)
+                if swarm is not None and cmd.torrent_url
+                else None
+            )
             if swarm is not None and torrent is not None:
                 path = await self._fetch_over_swarm(aid, swarm, torrent, manifest, a, b, cmd)
             else:
-                path = await self._fetch_over_http(aid, manifest, a, b, base + cmd["file_url"])
+                path = await self._fetch_over_http(aid, manifest, a, b, base + cmd.file_url)
             await self._report(aid, "loading", 0.0)
             await asyncio.to_thread(
                 self.host.load_shard,
@@ -433,7 +484,7 @@ class ControlAgent:
                 manifest,
                 a,
                 b,
-                str(cmd.get("backend") or defaults.DEFAULT_BACKEND),
+                cmd.backend,
                 self.n_threads,
             )
         except asyncio.CancelledError:
@@ -456,14 +507,12 @@ class ControlAgent:
             return
         await self._report(aid, "ready", 1.0)
 
-    async def _unload(self, cmd: dict[str, Any]) -> None:
-        aid = cmd.get("assignment_id")
-        task = self._loads.pop(int(aid), None) if aid is not None else None
+    async def _unload(self, cmd: Unload) -> None:
+        aid = cmd.assignment_id
+        task = self._loads.pop(aid, None) if aid is not None else None
         if task is not None:
             task.cancel()
-        await asyncio.to_thread(
-            self.host.unload_shard, str(cmd["model_sha256"]), int(cmd["layer_start"]), int(cmd["layer_end"])
-        )
+        await asyncio.to_thread(self.host.unload_shard, cmd.model_sha256, cmd.layer_start, cmd.layer_end)
         await self._report(aid, "unloaded", 0.0)
 
 

@@ -14,6 +14,7 @@ from agent.artifacts.fetch import FetchError, fetch_shard, shard_path
 from agent.artifacts.manifest import Manifest
 from agent.node.config import NodeConfig
 from agent.node.control import AgentRejected, ControlAgent, next_backoff, ws_url
+from agent.wire.control import parse_agent_message
 from webapp.tracker.webseed import RangeNotSatisfiable, plan_range, read_range
 
 SECRET = "sec_test"
@@ -113,9 +114,15 @@ class ControlPlane:
 
     async def next(self, kind: str, timeout: float = 30.0) -> dict[str, Any]:
         while True:
-            msg = await asyncio.wait_for(self.received.get(), timeout)
+            msg = await self.any(timeout)
             if msg["type"] == kind:
                 return msg
+
+    async def any(self, timeout: float = 30.0) -> dict[str, Any]:
+        """The agent's next message, checked against the schema the real control plane enforces."""
+        msg = await asyncio.wait_for(self.received.get(), timeout)
+        parse_agent_message(msg)
+        return msg
 
 
 @pytest.fixture
@@ -245,6 +252,67 @@ async def test_unload_and_drain_commands_reach_the_host(
         "error": "",
     }
     assert host.drained and host.shards == []
+    stop.set()
+    await asyncio.wait_for(task, 10)
+
+
+async def test_a_malformed_or_unknown_command_is_answered_with_an_error_and_the_agent_keeps_running(
+    plane: ControlPlane, tmp_path: Path, manifest: Manifest
+) -> None:
+    host, stop = FakeHost(), asyncio.Event()
+    task = asyncio.create_task(make_agent(plane, host, tmp_path).run(stop))
+    await plane.next("hello")
+    ws = plane.sockets[-1]
+    good = load_command(manifest, 0, 3)
+    for text, why in [
+        ("{", "malformed JSON"),
+        ("[1]", "JSON object"),
+        (json.dumps({"type": "launch"}), "unknown message type 'launch'"),
+        (json.dumps({**good, "layer_start": "0"}), "layer_start"),
+        (json.dumps({**good, "manifest_url": "http://elsewhere.example/m"}), "manifest_url"),
+        (json.dumps({**good, "backend": "b" * 500}), "backend"),
+        (json.dumps({"type": "unload", "model_sha256": manifest.sha256}), "layer_start"),
+    ]:
+        await ws.send_str(text)
+        assert why in (await plane.next("error"))["error"]
+    await ws.send_bytes(b"\xff")
+    assert "malformed JSON" in (await plane.next("error"))["error"]
+
+    # A malformed error report is only logged: the next message is the hello that resync asks for.
+    await ws.send_json({"type": "error", "error": 5})
+    await ws.send_json({"type": "resync"})
+    while (msg := await plane.any())["type"] != "hello":
+        assert msg["type"] == "heartbeat", msg
+    await ws.send_json({"type": "drain"})
+    await ws.send_json({"type": "resync"})  # commands run in order: this hello means drain ran
+    await plane.next("hello")
+    assert host.drained and host.loads == [], "refused commands were not acted on"
+    assert not task.done() and len(plane.sockets) == 1, "the agent stayed on the same connection"
+    stop.set()
+    await asyncio.wait_for(task, 10)
+
+
+class BrokenHost(FakeHost):
+    """A host whose unload fails (a backend bug)."""
+
+    def unload_shard(self, sha: str, a: int, b: int) -> bool:
+        raise RuntimeError("backend refused")
+
+
+async def test_a_command_that_fails_on_the_host_is_reported_and_the_agent_keeps_running(
+    plane: ControlPlane, tmp_path: Path, manifest: Manifest
+) -> None:
+    host, stop = BrokenHost(), asyncio.Event()
+    task = asyncio.create_task(make_agent(plane, host, tmp_path).run(stop))
+    await plane.next("hello")
+    await plane.sockets[-1].send_json(
+        {"type": "unload", "model_sha256": manifest.sha256, "layer_start": 0, "layer_end": 30}
+    )
+    assert (await plane.next("error"))["error"] == "unload failed: RuntimeError: backend refused"
+    await plane.sockets[-1].send_json({"type": "drain"})
+    await plane.sockets[-1].send_json({"type": "resync"})  # commands run in order: this hello means drain ran
+    await plane.next("hello")
+    assert host.drained and not task.done()
     stop.set()
     await asyncio.wait_for(task, 10)
 

@@ -10,9 +10,9 @@ from channels.db import database_sync_to_async
 from channels.testing import WebsocketCommunicator
 from django.utils import timezone
 
+from agent.wire.control import CLOSE_REMOVED, CLOSE_UNAUTHORIZED, MAX_STR, parse_server_message
 from webapp.asgi import application
 from webapp.fleet.models import Node, ShardAssignment
-from webapp.fleet.protocol import CLOSE_REMOVED, CLOSE_UNAUTHORIZED
 from webapp.fleet.tasks import place_model, remove_node, sweep_offline_nodes
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("clear_channel_layer")]
@@ -41,9 +41,16 @@ async def connected(node_id: str, secret: str) -> WebsocketCommunicator:
     ws = agent_socket(node_id, secret)
     ok, _ = await ws.connect()
     assert ok
-    welcome = await ws.receive_json_from()
+    welcome = await receive_command(ws)
     assert welcome["type"] == "welcome" and welcome["node_id"] == node_id
     return ws
+
+
+async def receive_command(ws: WebsocketCommunicator) -> dict[str, Any]:
+    """The server's next message, checked against the schema the agent enforces."""
+    msg: dict[str, Any] = await ws.receive_json_from()
+    parse_server_message(msg)
+    return msg
 
 
 async def test_a_socket_without_credentials_is_closed_with_4401() -> None:
@@ -73,6 +80,7 @@ async def test_hello_records_the_node_and_a_closed_socket_marks_it_offline(node_
         and n.backends == ["torch"]
         and n.dataplane_url == "http://127.0.0.1:9000"
     )
+    assert n.hardware["cpu_count"] == 2 and n.hardware["memory_bytes"] == 8 * GB
     await ws.disconnect()
     n = await database_sync_to_async(Node.objects.get)(pk=node.id)
     assert n.state == Node.State.OFFLINE
@@ -86,6 +94,8 @@ async def test_hello_records_the_node_and_a_closed_socket_marks_it_offline(node_
         '{"type": "launch"}',
         '{"type": "progress", "assignment_id": "x"}',
         '{"type": "heartbeat", "telemetry": 5}',
+        '{"type": "hello", "protocol": 99}',
+        '{"type": "progress", "assignment_id": 1, "state": "failed", "error": "%s"}' % ("x" * (MAX_STR + 1)),
         "\u0000" * 10,
     ],
 )
@@ -95,13 +105,25 @@ async def test_a_malformed_message_gets_an_error_reply_and_the_socket_stays_up(
     node, secret = node_with_secret
     ws = await connected(node.id, secret)
     await ws.send_to(text_data=bad)
-    reply = await ws.receive_json_from()
+    reply = await receive_command(ws)
     assert reply["type"] == "error" and reply["error"]
     await ws.send_json_to({"type": "heartbeat", "telemetry": {"sessions": 3, "kv_bytes": 42}})
     await ws.send_to(text_data="{")
     await ws.receive_json_from()
     n = await database_sync_to_async(Node.objects.get)(pk=node.id)
     assert n.telemetry["sessions"] == 3
+    await ws.disconnect()
+
+
+async def test_an_error_report_from_an_agent_is_never_answered_with_another_error(
+    node_with_secret: Any,
+) -> None:
+    node, secret = node_with_secret
+    ws = await connected(node.id, secret)
+    await ws.send_json_to({"type": "error", "error": "bad 'load' message: backend: Field required"})
+    await ws.send_json_to({"type": "error", "error": 5})  # malformed, still not answered
+    await ws.send_to(text_data="{")
+    assert "malformed JSON" in (await receive_command(ws))["error"], "the first reply is to the last message"
     await ws.disconnect()
 
 
@@ -125,7 +147,7 @@ async def test_placement_pushes_load_commands_to_both_agents_and_progress_reache
 
     result = await database_sync_to_async(place_model)(artifact.pk)
     assert result["ok"], result
-    la, lb = await wa.receive_json_from(), await wb.receive_json_from()
+    la, lb = await receive_command(wa), await receive_command(wb)
     assert la["type"] == lb["type"] == "load"
     ranges = sorted([(la["layer_start"], la["layer_end"]), (lb["layer_start"], lb["layer_end"])])
     assert ranges[0][0] == 0 and ranges[0][1] == ranges[1][0] and ranges[1][1] == 30
@@ -154,7 +176,7 @@ async def test_a_reconnecting_agent_that_lost_its_shard_is_told_to_load_it_again
     )
     ws = await connected(node.id, secret)
     await ws.send_json_to(hello())
-    cmd = await ws.receive_json_from()
+    cmd = await receive_command(ws)
     assert cmd["type"] == "load" and cmd["assignment_id"] == a.pk
     await ws.disconnect()
 
@@ -163,7 +185,7 @@ async def test_a_removed_node_is_disconnected_with_4403_and_cannot_reconnect(nod
     node, secret = node_with_secret
     ws = await connected(node.id, secret)
     await database_sync_to_async(remove_node)(node.id)
-    assert (await ws.receive_json_from())["type"] == "removed"
+    assert (await receive_command(ws))["type"] == "removed"
     assert (await ws.receive_output())["code"] == CLOSE_REMOVED
     again = agent_socket(node.id, secret)
     await again.connect()
@@ -226,7 +248,7 @@ async def test_a_heartbeat_from_a_node_marked_offline_asks_it_to_resync(node_wit
     ws = await connected(node.id, secret)
     await database_sync_to_async(Node.objects.filter(pk=node.id).update)(state=Node.State.OFFLINE)
     await ws.send_json_to({"type": "heartbeat", "telemetry": {}})
-    assert await ws.receive_json_from() == {"type": "resync"}
+    assert await receive_command(ws) == {"type": "resync"}
     n = await database_sync_to_async(Node.objects.get)(pk=node.id)
     assert n.state == Node.State.ONLINE
     await ws.disconnect()

@@ -10,8 +10,8 @@ from channels.db import database_sync_to_async
 from channels.testing import WebsocketCommunicator
 from django.contrib.auth.models import AnonymousUser
 
+from agent.wire.control import CLOSE_UNAUTHORIZED
 from webapp.fleet.models import Node, ShardAssignment
-from webapp.fleet.protocol import CLOSE_UNAUTHORIZED
 from webapp.playground import consumers
 from webapp.playground.consumers import ChatConsumer
 from webapp.routing.models import RouteSession

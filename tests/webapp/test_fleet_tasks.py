@@ -10,10 +10,10 @@ from channels.testing import WebsocketCommunicator
 from django.contrib.auth.models import AnonymousUser
 from django.utils import timezone
 
+from agent.wire.control import CLOSE_UNAUTHORIZED, Telemetry
 from webapp.core.channels import notify_fleet
 from webapp.fleet.consumers import FleetConsumer
 from webapp.fleet.models import Node, ShardAssignment
-from webapp.fleet.protocol import CLOSE_UNAUTHORIZED, Telemetry
 from webapp.fleet.services import apply_heartbeat
 from webapp.fleet.tasks import drain_node, place_model, replace_lost_node
 from webapp.telemetry.models import NodeTelemetrySample
@@ -80,7 +80,16 @@ def test_draining_a_node_stops_routing_to_it_and_moves_its_layers(artifact: Any)
 def test_heartbeats_are_downsampled_to_one_sample_per_interval(node_with_secret: Any, settings: Any) -> None:
     node, _ = node_with_secret
     settings.TELEMETRY_SAMPLE_EVERY_S = 10
-    t = Telemetry({"tok_s": 5.0}, 1, 2, 3, 4, 5.0, 6, 7)
+    t = Telemetry(
+        tok_s=5.0,
+        sessions=1,
+        kv_bytes=2,
+        kv_budget_bytes=3,
+        tokens_served=4,
+        cpu_percent=5.0,
+        mem_used_bytes=6,
+        free_memory_bytes=7,
+    )
     assert apply_heartbeat(node.id, t) is True, "a pending node's first heartbeat revives it"
     assert apply_heartbeat(node.id, t) is False
     assert NodeTelemetrySample.objects.filter(node=node).count() == 1

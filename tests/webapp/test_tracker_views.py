@@ -166,9 +166,9 @@ def test_a_load_command_carries_this_nodes_passkey_urls(swarm_artifact: Any, nod
     a = ShardAssignment.objects.create(node=node, artifact=swarm_artifact, layer_start=0, layer_end=10)
     cmd = load_command(assignment_view(a))
     key = node_passkey(node.id)
-    assert cmd["torrent_url"] == f"/artifacts/{swarm_artifact.sha256}/torrent"
-    assert cmd["trackers"] == [f"/tracker/{key}/announce"]
-    assert cmd["web_seeds"] == [f"/webseed/{key}/{swarm_artifact.sha256}"]
+    assert cmd.torrent_url == f"/artifacts/{swarm_artifact.sha256}/torrent"
+    assert cmd.trackers == [f"/tracker/{key}/announce"]
+    assert cmd.web_seeds == [f"/webseed/{key}/{swarm_artifact.sha256}"]
 
 
 def test_a_load_command_without_a_torrent_names_only_the_http_file(
@@ -180,7 +180,7 @@ def test_a_load_command_without_a_torrent_names_only_the_http_file(
         node=node_with_secret[0], artifact=artifact, layer_start=0, layer_end=10
     )
     cmd = load_command(assignment_view(a))
-    assert cmd["torrent_url"] is None and cmd["trackers"] == [] and cmd["web_seeds"] == []
+    assert cmd.torrent_url is None and cmd.trackers == [] and cmd.web_seeds == []
 
 
 def test_the_fleet_page_shows_a_fetching_shards_progress_bar_and_sources(

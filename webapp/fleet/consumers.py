@@ -5,6 +5,7 @@ Consumers only authenticate, join groups, relay and call services; decisions liv
 
 from __future__ import annotations
 
+import logging
 import time
 from datetime import datetime
 from typing import Any
@@ -13,39 +14,47 @@ from channels.db import database_sync_to_async
 from django.conf import settings
 from django.template.loader import render_to_string
 
+from agent.wire.control import (
+    CLOSE_REMOVED,
+    CLOSE_UNAUTHORIZED,
+    PROTOCOL_VERSION,
+    ControlError,
+    ErrorMessage,
+    Heartbeat,
+    Hello,
+    Load,
+    Progress,
+    Removed,
+    Resync,
+    ServerMessage,
+    Telemetry,
+    Welcome,
+    parse_agent_message,
+)
 from webapp.core.channels import FLEET_GROUP, node_group, notify_fleet
 from webapp.core.consumers import BadMessage, SafeJsonConsumer
 from webapp.core.nodeauth import authorization_from_scope_headers, parse_node_authorization
 from webapp.fleet import services
 from webapp.fleet.models import Node, ShardAssignment
-from webapp.fleet.protocol import (
-    CLOSE_REMOVED,
-    CLOSE_UNAUTHORIZED,
-    CONTROL_PROTOCOL_VERSION,
-    Hello,
-    Progress,
-    ProtocolError,
-    Telemetry,
-    parse_agent_message,
-    reconcile,
-)
+from webapp.fleet.protocol import reconcile
 from webapp.fleet.tasks import assignment_view, sweep_offline_nodes
 
+log = logging.getLogger(__name__)
 _last_sweep = 0.0
 
 
-def _hello_sync(node_id: str, hello: Hello) -> list[dict[str, Any]]:
+def _hello_sync(node_id: str, hello: Hello) -> list[ServerMessage]:
     services.apply_hello(node_id, hello)
     rows = list(ShardAssignment.objects.select_related("artifact").filter(node_id=node_id))
     ready, commands = reconcile([assignment_view(a) for a in rows], hello.shards)
     ShardAssignment.objects.filter(pk__in=ready).exclude(state=ShardAssignment.State.DRAINING).update(
         state=ShardAssignment.State.READY, progress=1.0, error=""
     )
-    ShardAssignment.objects.filter(
-        pk__in=[c["assignment_id"] for c in commands if c["type"] == "load"]
-    ).update(state=ShardAssignment.State.ASSIGNED, progress=0.0)
+    ShardAssignment.objects.filter(pk__in=[c.assignment_id for c in commands if isinstance(c, Load)]).update(
+        state=ShardAssignment.State.ASSIGNED, progress=0.0
+    )
     notify_fleet(node_id)
-    return commands
+    return list(commands)
 
 
 def _heartbeat_sync(node_id: str, t: Telemetry) -> bool:
@@ -61,7 +70,9 @@ def _heartbeat_sync(node_id: str, t: Telemetry) -> bool:
 
 
 def _progress_sync(node_id: str, p: Progress) -> bool:
-    changed = services.update_progress(node_id, p.assignment_id, p.state, p.progress, p.error, p.transfer)
+    changed = services.update_progress(
+        node_id, p.assignment_id, p.state, p.progress, p.error, p.transfer.to_wire() if p.transfer else None
+    )
     if changed:
         notify_fleet(node_id, kind="placement")
     return changed
@@ -78,6 +89,13 @@ class AgentConsumer(SafeJsonConsumer):
     node_id: str | None = None
     connected_at: datetime | None = None
 
+    async def send_message(self, msg: ServerMessage) -> None:
+        """Every message to the agent goes through the shared schema."""
+        await self.send_json(msg.to_wire())
+
+    async def send_error(self, text: str) -> None:
+        await self.send_message(ErrorMessage.about(text))
+
     async def connect(self) -> None:
         creds = parse_node_authorization(authorization_from_scope_headers(self.scope.get("headers", [])))
         node = await database_sync_to_async(services.authenticate_node)(*creds) if creds else None
@@ -89,13 +107,10 @@ class AgentConsumer(SafeJsonConsumer):
         self.node_id = node.id
         await self.channel_layer.group_add(node_group(node.id), self.channel_name)
         self.connected_at = await database_sync_to_async(services.mark_connected)(node.id)
-        await self.send_json(
-            {
-                "type": "welcome",
-                "node_id": node.id,
-                "protocol": CONTROL_PROTOCOL_VERSION,
-                "heartbeat_interval_s": settings.HEARTBEAT_INTERVAL_S,
-            }
+        await self.send_message(
+            Welcome(
+                node_id=node.id, protocol=PROTOCOL_VERSION, heartbeat_interval_s=settings.HEARTBEAT_INTERVAL_S
+            )
         )
         await database_sync_to_async(notify_fleet)(node.id)
 
@@ -110,24 +125,30 @@ class AgentConsumer(SafeJsonConsumer):
             return
         try:
             msg = parse_agent_message(content)
-        except ProtocolError as e:
+        except ControlError as e:
+            if e.kind == "error":
+                log.warning("agent %s sent a malformed error report: %s", self.node_id, e)
+                return  # an error is never answered with an error: two ends that disagree would loop
             raise BadMessage(str(e)) from None
-        if isinstance(msg, Hello):
+        if isinstance(msg, ErrorMessage):
+            log.warning("agent %s refused a message: %s", self.node_id, msg.error)
+        elif isinstance(msg, Hello):
             for command in await database_sync_to_async(_hello_sync)(self.node_id, msg):
-                await self.send_json(command)
-        elif isinstance(msg, Telemetry):
-            if await database_sync_to_async(_heartbeat_sync)(self.node_id, msg):
-                await self.send_json({"type": "resync"})
+                await self.send_message(command)
+        elif isinstance(msg, Heartbeat):
+            if await database_sync_to_async(_heartbeat_sync)(self.node_id, msg.telemetry):
+                await self.send_message(Resync())
         elif isinstance(msg, Progress) and not await database_sync_to_async(_progress_sync)(
             self.node_id, msg
         ):
             await self.send_error(f"assignment {msg.assignment_id} is not yours or is draining")
 
     async def node_command(self, event: dict[str, Any]) -> None:
+        """A command from a task (already a wire dict: the channel layer carries plain data)."""
         await self.send_json(event["command"])
 
     async def node_close(self, event: dict[str, Any]) -> None:
-        await self.send_json({"type": "removed"})
+        await self.send_message(Removed())
         await self.close(code=CLOSE_REMOVED)
 
 

@@ -1,7 +1,7 @@
 """Fleet decisions that touch the database: enrollment, node authentication, heartbeats, commands.
 
 Views, consumers and tasks stay thin and call these; the pure parts (what to send an agent that just
-said hello, how to read its messages) live in `webapp.fleet.protocol`.
+said hello) live in `webapp.fleet.protocol`, the messages in `agent.wire.control`.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from django.db import transaction
 from django.utils import timezone
 
 from agent.wire import routetoken
+from agent.wire.control import Hello, Telemetry
 from agent.wire.ids import NodeId
 from webapp.fleet.models import EnrollmentToken, Node, NodeCredential, ShardAssignment, hash_secret
-from webapp.fleet.protocol import Hello, Telemetry
 from webapp.routing.keys import route_signing_key
 
 LOADED_OR_LOADING = [
@@ -115,7 +115,7 @@ def mark_disconnected(node_id: str, connected_at: datetime | None = None) -> boo
 
 def apply_hello(node_id: str, hello: Hello) -> None:
     Node.objects.filter(pk=node_id).update(
-        hardware=hello.hardware,
+        hardware=hello.hardware.to_wire(),
         backends=hello.backends,
         version=hello.version,
         dataplane_url=hello.dataplane_url,

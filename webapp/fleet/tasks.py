@@ -17,6 +17,7 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from agent.wire.control import Drain, ServerMessage
 from agent.wire.ids import NodeId
 from webapp.catalog.models import ModelArtifact
 from webapp.core.channels import group_send, node_group, notify_fleet
@@ -52,8 +53,9 @@ def assignment_view(a: ShardAssignment) -> AssignmentView:
     )
 
 
-def send_command(node_id: str, command: dict[str, Any]) -> None:
-    group_send(node_group(node_id), {"type": "node.command", "command": command})
+def send_command(node_id: str, command: ServerMessage) -> None:
+    """Relay a command to the node's socket; the channel layer carries it as its wire dict."""
+    group_send(node_group(node_id), {"type": "node.command", "command": command.to_wire()})
 
 
 def push_loads(assignment_ids: list[int]) -> None:
@@ -147,7 +149,7 @@ def drain_node(node_id: str) -> bool:
             .update(state=Node.State.DRAINING)
         ):
             return False
-        transaction.on_commit(lambda: (send_command(node_id, {"type": "drain"}), notify_fleet(node_id)))
+        transaction.on_commit(lambda: (send_command(node_id, Drain()), notify_fleet(node_id)))
     replace_lost_node.delay(node_id, ShardAssignment.State.DRAINING)
     return True
 

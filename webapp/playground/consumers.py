@@ -17,9 +17,9 @@ from urllib.parse import parse_qs
 from channels.db import database_sync_to_async
 from django.template.loader import render_to_string
 
+from agent.wire.control import CLOSE_UNAUTHORIZED
 from webapp.catalog.models import ModelArtifact
 from webapp.core.consumers import BadMessage, SafeJsonConsumer
-from webapp.fleet.protocol import CLOSE_UNAUTHORIZED
 from webapp.playground.chat import ChatRequest, ChatRequestError, parse_chat_request, telemetry_bars
 from webapp.routing import services as routing
 from webapp.routing.chooser import NoRoute

@@ -11,7 +11,7 @@ from webapp.core.channels import notify_fleet
 from webapp.telemetry.models import GenerationRecord, NodeTelemetrySample
 
 if TYPE_CHECKING:
-    from webapp.fleet.protocol import Telemetry
+    from agent.wire.control import Telemetry
 
 
 def should_sample(last: datetime | None, now: datetime, every_s: int) -> bool:
