@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from agent import defaults
 from agent.wire.control import Load, ShardRef, Unload
 
 
@@ -91,4 +92,4 @@ def choose_backend(node_backends: list[str], full_model: bool, preferred: str = 
     usable = [b for b in node_backends if full_model or b != "llamacpp"]
     if preferred and preferred in usable:
         return preferred
-    return usable[0] if usable else (preferred or "torch")
+    return usable[0] if usable else (preferred or defaults.DEFAULT_BACKEND)
