@@ -17,7 +17,7 @@ Imports nothing of ours outside `agent.wire`.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
@@ -293,8 +293,8 @@ ServerMessage = Welcome | Load | Unload | Drain | Resync | Removed | ErrorMessag
 
 _AGENT = TypeAdapter[AgentMessage](Annotated[AgentMessage, Field(discriminator="type")])
 _SERVER = TypeAdapter[ServerMessage](Annotated[ServerMessage, Field(discriminator="type")])
-_AGENT_TYPES = ("hello", "heartbeat", "progress", "error")
-_SERVER_TYPES = ("welcome", "load", "unload", "drain", "resync", "removed", "error")
+_AGENT_TYPES = tuple(m.model_fields["type"].default for m in get_args(AgentMessage))
+_SERVER_TYPES = tuple(m.model_fields["type"].default for m in get_args(ServerMessage))
 
 
 def _explain(e: ValidationError, kind: str) -> str:
