@@ -16,8 +16,7 @@ test-fast:
 	$(PY) -m pytest -m "not slow" -q
 
 lint:
-	.venv/bin/ruff check .
-	.venv/bin/ruff format --check .
+	bash scripts/lint.sh
 
 format:
 	.venv/bin/ruff format .

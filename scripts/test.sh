@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The test command (README, CI): start the services the tests need if they are down, lint, run pytest.
+# The test command (README, CI): start the services the tests need if they are down, lint (ruff,
+# import contracts, mypy: scripts/lint.sh), check migrations, run pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -12,7 +13,6 @@ fi
 export DATABASE_URL=${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgres}
 export REDIS_URL=${REDIS_URL:-redis://127.0.0.1:6379/0}
 
-.venv/bin/ruff check .
-.venv/bin/ruff format --check .
+bash scripts/lint.sh
 .venv/bin/python manage.py makemigrations --check --dry-run >/dev/null
 exec .venv/bin/python -m pytest -q -p no:cacheprovider --timeout=900 "$@"

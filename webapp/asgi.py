@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from django.core.asgi import get_asgi_application
 
@@ -17,6 +18,9 @@ from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: 
 
 from webapp.ws_urls import agent_websocket_urlpatterns, browser_websocket_urlpatterns  # noqa: E402
 
+if TYPE_CHECKING:
+    from asgiref.typing import ASGIReceiveCallable, ASGISendCallable, WebSocketScope
+
 
 class _WebsocketRouter:
     """Agents (no Origin header, node credentials) and browsers (same-origin only, session auth)."""
@@ -27,9 +31,11 @@ class _WebsocketRouter:
             AuthMiddlewareStack(URLRouter(browser_websocket_urlpatterns))
         )
 
-    async def __call__(self, scope, receive, send):  # type: ignore[no-untyped-def]
+    async def __call__(
+        self, scope: WebSocketScope, receive: ASGIReceiveCallable, send: ASGISendCallable
+    ) -> None:
         app = self.agents if scope.get("path", "").startswith("/ws/agent/") else self.browsers
-        return await app(scope, receive, send)
+        await app(scope, receive, send)
 
 
 application = ProtocolTypeRouter(

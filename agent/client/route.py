@@ -8,11 +8,12 @@ import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector
 
-from agent.client.route.tokenizer import ChatTokenizer, StreamDecoder
+from agent.client.tokenizer import ChatTokenizer, StreamDecoder
 from agent.wire.frames import (
     CONTEXT_CAP,
     ChainHop,
@@ -66,7 +67,8 @@ class ChatEvent:
     text: str = ""
     token: int | None = None
     done: bool = False
-    telemetry: dict = field(default_factory=dict)
+    # JSON for the playground and GenerationRecord: timings, token counts, per-hop stats.
+    telemetry: dict[str, Any] = field(default_factory=dict)
 
 
 class RouteClient:
@@ -134,8 +136,9 @@ class RouteClient:
         self.hop_stats[i].bytes_in += len(data)
         return decode_response(data)
 
-    def _frame(self, i: int, op: Op, **kw: object) -> bytes:
-        return encode_request(Request(op=op, session=self.session, token=self.hops[i].token, **kw))  # type: ignore[arg-type]
+    def _frame(self, i: int, op: Op, **fields: Any) -> bytes:
+        """Hop `i`'s request frame: `fields` are Request's other keyword fields."""
+        return encode_request(Request(op=op, session=self.session, token=self.hops[i].token, **fields))
 
     async def open(self) -> None:
         if self.opened:

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
+
+if TYPE_CHECKING:
+    from llama_cpp.llama_types import ChatCompletionRequestMessage
 
 
 class TokenizerError(Exception):
@@ -15,7 +20,8 @@ class Message:
     content: str
 
 
-_LOG_CALLBACK = None
+# Kept alive here: llama.cpp holds only a raw pointer to the ctypes trampoline.
+_LOG_CALLBACK: ctypes._CFunctionType | None = None
 
 
 def _silence_llama_log() -> None:
@@ -25,11 +31,10 @@ def _silence_llama_log() -> None:
         return
     import llama_cpp
 
-    @llama_cpp.llama_log_callback
-    def _noop(level, text, user_data):  # noqa: ANN001, ANN202, ARG001
+    def _noop(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
         return None
 
-    _LOG_CALLBACK = _noop
+    _LOG_CALLBACK = llama_cpp.llama_log_callback(_noop)
     llama_cpp.llama_log_set(_LOG_CALLBACK, None)
 
 
@@ -74,7 +79,9 @@ class ChatTokenizer:
                 raise TokenizerError("each message needs string 'role' and 'content'")
         if self._formatter is None:
             return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
-        return self._formatter(messages=messages).prompt
+        # Checked above to be role/content strings; the template renders whatever roles it knows.
+        chat = cast("list[ChatCompletionRequestMessage]", messages)
+        return self._formatter(messages=chat).prompt
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         return self.encode(self.apply_chat_template(messages))

@@ -23,7 +23,7 @@ class AdminClient:
         self.timeout = timeout_s
 
     def cookie(self, name: str) -> str:
-        return next((c.value for c in self.jar if c.name == name), "")
+        return next((c.value or "" for c in self.jar if c.name == name), "")
 
     def get(self, path: str) -> tuple[int, str]:
         try:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from agent.wire.sampling import SamplingParams
+
 MAX_MESSAGE_CHARS = 16000
 MAX_NEW_TOKENS = 1024
 
@@ -20,7 +22,7 @@ class ChatRequest:
     model_id: int
     message: str
     max_tokens: int = 128
-    sampling: dict[str, float | int] = field(default_factory=dict)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
 
 
 def _number(v: Any, name: str, cast: type, lo: float, hi: float) -> Any:
@@ -44,18 +46,20 @@ def parse_chat_request(content: Any) -> ChatRequest:
         raise ChatRequestError(f"message longer than {MAX_MESSAGE_CHARS} characters")
     model_id = _number(content.get("model"), "model", int, 1, 2**62)
     max_tokens = _number(content.get("max_tokens", 128) or 128, "max_tokens", int, 1, MAX_NEW_TOKENS)
-    sampling: dict[str, float | int] = {}
-    for key, cast, lo, hi in (
-        ("temperature", float, 0.0, 5.0),
-        ("top_k", int, 0, 1000),
-        ("top_p", float, 0.0, 1.0),
-        ("min_p", float, 0.0, 1.0),
-        ("repeat_penalty", float, 0.5, 2.0),
-        ("seed", int, 0, 2**31 - 1),
-    ):
+
+    def option(key: str, cast: type, lo: float, hi: float, default: float) -> Any:
         v = content.get(key)
-        if v not in (None, ""):
-            sampling[key] = _number(v, key, cast, lo, hi)
+        return default if v in (None, "") else _number(v, key, cast, lo, hi)
+
+    d = SamplingParams()
+    sampling = SamplingParams(
+        temperature=option("temperature", float, 0.0, 5.0, d.temperature),
+        top_k=option("top_k", int, 0, 1000, d.top_k),
+        top_p=option("top_p", float, 0.0, 1.0, d.top_p),
+        min_p=option("min_p", float, 0.0, 1.0, d.min_p),
+        repeat_penalty=option("repeat_penalty", float, 0.5, 2.0, d.repeat_penalty),
+        seed=option("seed", int, 0, 2**31 - 1, d.seed),
+    )
     return ChatRequest(model_id, message, max_tokens, sampling)
 
 

@@ -66,10 +66,10 @@ def choose_route(shards: Sequence[ShardCandidate], n_layers: int) -> list[ShardC
     route: list[ShardCandidate] = []
     pos = n_layers
     while pos > 0:
-        s = prev[pos]
-        assert s is not None
-        route.append(s)
-        pos = s.layer_start
+        hop = prev[pos]
+        assert hop is not None
+        route.append(hop)
+        pos = hop.layer_start
     return route[::-1]
 
 

@@ -7,7 +7,7 @@ import os
 from collections.abc import AsyncIterator
 
 from django.core.handlers.asgi import ASGIRequest
-from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
+from django.http import HttpRequest, HttpResponse, HttpResponseBase, StreamingHttpResponse
 
 from webapp.tracker.webseed import MAX_CHUNK, RangeNotSatisfiable, plan_range, read_range
 
@@ -30,7 +30,7 @@ async def aread_range(path: str, start: int, end: int, chunk: int = MAX_CHUNK) -
         f.close()
 
 
-def file_range_response(request: HttpRequest, path: str) -> HttpResponse:
+def file_range_response(request: HttpRequest, path: str) -> HttpResponseBase:
     """200 with the whole file, 206 with one range, 416 with the reason; 410 when the file is gone."""
     try:
         size = os.path.getsize(path)
@@ -41,10 +41,10 @@ def file_range_response(request: HttpRequest, path: str) -> HttpResponse:
     try:
         plan = plan_range(request.headers.get("Range"), size)
     except RangeNotSatisfiable as e:
-        resp = HttpResponse(str(e), status=416, content_type="text/plain")
+        refused = HttpResponse(str(e), status=416, content_type="text/plain")
         for k, v in e.headers.items():
-            resp[k] = v
-        return resp
+            refused[k] = v
+        return refused
     body = (
         aread_range(path, plan.start, plan.end)
         if isinstance(request, ASGIRequest)
