@@ -10,12 +10,12 @@ import urllib.request
 
 import numpy as np
 import pytest
-from agent.client.route.route import ContextLimitError, Hop, RouteClient
-from agent.client.route.tokenizer import ChatTokenizer
 from aiohttp import ClientSession
 
 from agent.backends.base import ShardSpec
 from agent.backends.torch_llama import TorchLlamaBackend
+from agent.client.route import ContextLimitError, Hop, RouteClient
+from agent.client.tokenizer import ChatTokenizer
 from agent.wire.frames import MAX_TOKENS_PER_FRAME, REQ_HEADER, Kind, Op, Request, encode_request
 from agent.wire.routetoken import mint
 from agent.wire.sampling import SamplingParams

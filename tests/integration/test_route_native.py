@@ -6,11 +6,11 @@ import os
 
 import numpy as np
 import pytest
-from agent.client.route.route import Hop, RouteClient
-from agent.client.route.tokenizer import ChatTokenizer
 
 from agent.backends import load_backend
 from agent.backends.base import ShardSpec
+from agent.client.route import Hop, RouteClient
+from agent.client.tokenizer import ChatTokenizer
 from agent.wire.routetoken import mint
 from agent.wire.sampling import SamplingParams
 from tests.helpers import greedy_through

@@ -61,7 +61,7 @@ class FakeRouteClient:
 
 @pytest.fixture
 def fake_client(monkeypatch: pytest.MonkeyPatch) -> type[FakeRouteClient]:
-    import agent.client.route.route
+    import agent.client.route
 
     FakeRouteClient.instances = []
     monkeypatch.setattr(agent.client.route, "RouteClient", FakeRouteClient)
@@ -192,7 +192,7 @@ class DyingRouteClient(FakeRouteClient):
 async def test_a_route_dying_mid_answer_fails_over_once_and_the_user_sees_one_seamless_answer(
     member: Any, placed: Any, fake_client: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import agent.client.route.route
+    import agent.client.route
 
     monkeypatch.setattr(agent.client.route, "RouteClient", DyingRouteClient)
     ws = chat_socket(member)
