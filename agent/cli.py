@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from agent import __version__, defaults
+from agent.wire import frames
 
 
 def _fail(msg: str) -> int:
@@ -224,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", default="pkg:smollm2", help="GGUF path for the tokenizer, or pkg:NAME")
     s.add_argument("--signing-key", required=True, help="route-token private key (PEM) from keygen")
     s.add_argument("--mode", choices=["star", "chain"], default="star")
-    s.add_argument("--hidden-dtype", choices=["f16", "f32"], default="f16")
+    s.add_argument("--hidden-dtype", choices=frames.HIDDEN_DTYPES, default=frames.DEFAULT_HIDDEN_DTYPE)
     s.add_argument("--max-tokens", type=int, default=128)
     s.add_argument("--max-context", type=int, default=defaults.MAX_CONTEXT)
     s.add_argument("--temperature", type=float, default=0.0)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from agent.artifacts.manifest import Manifest
+from agent.wire.frames import HiddenDtype
 from agent.wire.ids import SessionId
 from agent.wire.sampling import SamplingParams
 
@@ -47,9 +48,10 @@ class ShardSpec:
 class ForwardResult:
     """Output of one forward call.
 
-    Non-last shards return `hidden` (n_tokens x boundary_dim, float32). The last shard returns the
-    sampled `token` and its `logprob` (log-softmax of the raw logits) for the final position; when
-    `want_logits` was asked (tests, teacher forcing) it also fills `logits` for every position.
+    Non-last shards return `hidden` (n_tokens x boundary_dim, in the dtype forward was asked for).
+    The last shard returns the sampled `token` and its `logprob` (log-softmax of the raw logits) for
+    the final position; when `want_logits` was asked (tests, teacher forcing) it also fills `logits`
+    for every position.
     """
 
     hidden: np.ndarray | None = None
@@ -57,13 +59,15 @@ class ForwardResult:
     logprob: float | None = None
     logits: np.ndarray | None = None
     compute_s: float = 0.0
-    positions_per_layer: list[int] = field(default_factory=list)
 
 
 class Backend(ABC):
     """A loaded layer range. Thread-compatible, not thread-safe: the data plane serialises calls."""
 
     spec: ShardSpec
+    # True when the backend's KV is charged to the node budget it was given, in the backend itself
+    # (native: in libggswarm); the session table then reads that budget instead of adding sessions up.
+    kv_in_node_budget: bool = False
 
     @property
     def boundary_dim(self) -> int:
@@ -96,11 +100,13 @@ class Backend(ABC):
         sampling: SamplingParams | None = None,
         history: list[int] | None = None,
         want_logits: bool = False,
+        hidden_dtype: HiddenDtype = "f32",
     ) -> ForwardResult:
         """Run the range on new positions [pos_start, pos_start + n) appended to the session's KV.
 
-        The first shard takes `token_ids`; the others take `hidden`. `history` is the token ids the
-        session has seen (for the repetition penalty on the last shard).
+        The first shard takes `token_ids`; the others take `hidden` (f16 or f32 rows, as the frame
+        carried them). `history` is the token ids the session has seen (for the repetition penalty on
+        the last shard). A non-last shard returns its hidden rows in `hidden_dtype` (f32: unrounded).
         """
 
     @abstractmethod
@@ -112,7 +118,7 @@ class Backend(ABC):
         return 0
 
     def kv_growth_bytes(self, sid: SessionId, new_len: int) -> int:
-        """Extra KV bytes the session will hold once it grows to `new_len` positions."""
+        """Extra KV bytes the node budget must have free for the session to grow to `new_len`."""
         return 0
 
     def snapshot(self, sid: SessionId) -> bytes:

@@ -10,7 +10,9 @@ from typing import Any
 
 import numpy as np
 
-GGSWARM_API_VERSION = 2
+from agent.wire.frames import HiddenDtype, numpy_dtype
+
+GGSWARM_API_VERSION = 3
 
 GGSWARM_OK = 0
 GGSWARM_E_INVALID_ARG = -1
@@ -41,15 +43,16 @@ GGSWARM_TYPE_F32 = 0
 GGSWARM_TYPE_F16 = 1
 GGSWARM_MAX_CONTEXT = 131072
 GGSWARM_MAX_BATCH = 4096
-# the KV buffer, and ggml's attention, span the cached positions rounded up to this (kKvPad in
-# native/src/kv.cpp, as in llama.cpp); the CPU decode kernels read them rounded up to KERNEL_PAD only
+# ggml's attention spans the cached positions rounded up to this (kKvPad in native/src/kv.cpp, as in
+# llama.cpp); the CPU decode kernels read them rounded up to KERNEL_PAD only. For the work a step does
+# (bench/native.py); KV bytes are the library's to say (NativeModel.growth_bytes, NativeBudget).
 KV_PAD = 256
 KERNEL_PAD = 64
 
 
 def padded_kv(n_positions: int, pad: int = KV_PAD) -> int:
-    """Positions the KV buffer holds (and ggml's attention reads) for `n_positions` cached ones;
-    with pad=KERNEL_PAD, those a decode step with the CPU kernels reads."""
+    """Positions ggml's attention reads for `n_positions` cached ones; with pad=KERNEL_PAD, those a
+    decode step with the CPU kernels reads."""
     return -(-int(n_positions) // pad) * pad
 
 
@@ -89,9 +92,9 @@ class ggswarm_model_info(ctypes.Structure):  # noqa: N801 - mirrors the C name
         ("n_threads", ctypes.c_int32),
         ("weight_bytes", ctypes.c_uint64),
         ("kv_bytes_per_token", ctypes.c_uint64),
-        ("kv_budget_bytes", ctypes.c_uint64),
         ("model_id", ctypes.c_char * 72),
         ("decode_kernels", ctypes.c_int32),
+        ("graph_builds", ctypes.c_uint64),
     ]
 
 
@@ -133,6 +136,7 @@ class ggswarm_batch(ctypes.Structure):  # noqa: N801
 
 
 ggswarm_model_p = ctypes.c_void_p
+ggswarm_budget_p = ctypes.c_void_p
 _lib: ctypes.CDLL | None = None
 _load_error: str | None = None
 
@@ -146,6 +150,7 @@ def library_path() -> Path:
 def _bind(lib: ctypes.CDLL) -> None:
     c_status = ctypes.c_int32
     i32p = ctypes.POINTER(ctypes.c_int32)
+    u64p = ctypes.POINTER(ctypes.c_uint64)
 
     # int32_t ggswarm_api_version(void);
     lib.ggswarm_api_version.argtypes = []
@@ -155,14 +160,27 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.ggswarm_last_error.argtypes = []
     lib.ggswarm_last_error.restype = ctypes.c_char_p
 
+    # ggswarm_status ggswarm_budget_new(uint64_t total_bytes, ggswarm_budget ** out);
+    lib.ggswarm_budget_new.argtypes = [ctypes.c_uint64, ctypes.POINTER(ggswarm_budget_p)]
+    lib.ggswarm_budget_new.restype = c_status
+
+    # void ggswarm_budget_free(ggswarm_budget * budget);
+    lib.ggswarm_budget_free.argtypes = [ggswarm_budget_p]
+    lib.ggswarm_budget_free.restype = None
+
+    # ggswarm_status ggswarm_budget_get(const ggswarm_budget * budget, uint64_t * out_total,
+    #     uint64_t * out_used);
+    lib.ggswarm_budget_get.argtypes = [ggswarm_budget_p, u64p, u64p]
+    lib.ggswarm_budget_get.restype = c_status
+
     # ggswarm_status ggswarm_model_open(const char * path, int32_t layer_start, int32_t layer_end,
-    #     int32_t n_threads, uint64_t kv_budget_bytes, const char * model_id, ggswarm_model ** out);
+    #     int32_t n_threads, ggswarm_budget * budget, const char * model_id, ggswarm_model ** out);
     lib.ggswarm_model_open.argtypes = [
         ctypes.c_char_p,
         ctypes.c_int32,
         ctypes.c_int32,
         ctypes.c_int32,
-        ctypes.c_uint64,
+        ggswarm_budget_p,
         ctypes.c_char_p,
         ctypes.POINTER(ggswarm_model_p),
     ]
@@ -201,8 +219,13 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.ggswarm_session_truncate.restype = c_status
 
     # ggswarm_status ggswarm_kv_bytes(const ggswarm_model * model, int64_t sid, uint64_t * out_bytes);
-    lib.ggswarm_kv_bytes.argtypes = [ggswarm_model_p, ctypes.c_int64, ctypes.POINTER(ctypes.c_uint64)]
+    lib.ggswarm_kv_bytes.argtypes = [ggswarm_model_p, ctypes.c_int64, u64p]
     lib.ggswarm_kv_bytes.restype = c_status
+
+    # ggswarm_status ggswarm_session_growth_bytes(const ggswarm_model * model, int64_t sid,
+    #     int32_t n_positions, uint64_t * out_bytes);
+    lib.ggswarm_session_growth_bytes.argtypes = [ggswarm_model_p, ctypes.c_int64, ctypes.c_int32, u64p]
+    lib.ggswarm_session_growth_bytes.restype = c_status
 
     # ggswarm_status ggswarm_forward(ggswarm_model * model, int64_t sid, const ggswarm_batch * batch);
     lib.ggswarm_forward.argtypes = [ggswarm_model_p, ctypes.c_int64, ctypes.POINTER(ggswarm_batch)]
@@ -210,11 +233,7 @@ def _bind(lib: ctypes.CDLL) -> None:
 
     # ggswarm_status ggswarm_session_snapshot_size(const ggswarm_model * model, int64_t sid,
     #     uint64_t * out_size);
-    lib.ggswarm_session_snapshot_size.argtypes = [
-        ggswarm_model_p,
-        ctypes.c_int64,
-        ctypes.POINTER(ctypes.c_uint64),
-    ]
+    lib.ggswarm_session_snapshot_size.argtypes = [ggswarm_model_p, ctypes.c_int64, u64p]
     lib.ggswarm_session_snapshot_size.restype = c_status
 
     # ggswarm_status ggswarm_session_snapshot(const ggswarm_model * model, int64_t sid, void * buf,
@@ -224,7 +243,7 @@ def _bind(lib: ctypes.CDLL) -> None:
         ctypes.c_int64,
         ctypes.c_void_p,
         ctypes.c_uint64,
-        ctypes.POINTER(ctypes.c_uint64),
+        u64p,
     ]
     lib.ggswarm_session_snapshot.restype = c_status
 
@@ -332,6 +351,53 @@ def sample(
     return tok.value, lp.value
 
 
+class NativeBudget:
+    """Owns a reference to one ggswarm_budget: a node's KV bytes, shared by the models opened with it."""
+
+    def __init__(self, total_bytes: int) -> None:
+        self._lib = load_library()
+        self._h = ggswarm_budget_p()
+        _check(
+            self._lib.ggswarm_budget_new(int(total_bytes), ctypes.byref(self._h)),
+            self._lib.ggswarm_last_error(),
+        )
+
+    @property
+    def handle(self) -> int | None:
+        return self._h.value
+
+    def usage(self) -> tuple[int, int]:
+        """(total, used) bytes, as the library holds them now."""
+        if not self._h:
+            raise NativeError(GGSWARM_E_INVALID_ARG, "budget is freed")
+        total, used = ctypes.c_uint64(), ctypes.c_uint64()
+        st = self._lib.ggswarm_budget_get(self._h, ctypes.byref(total), ctypes.byref(used))
+        _check(st, self._lib.ggswarm_last_error())
+        return total.value, used.value
+
+    @property
+    def total(self) -> int:
+        return self.usage()[0]
+
+    @property
+    def used(self) -> int:
+        return self.usage()[1]
+
+    def remaining(self) -> int:
+        total, used = self.usage()
+        return max(0, total - used)
+
+    def close(self) -> None:
+        """Drop this reference (models opened with the budget keep theirs). Idempotent."""
+        if self._h:
+            self._lib.ggswarm_budget_free(self._h)
+            self._h = ggswarm_budget_p()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # interpreter shutdown
+            self.close()
+
+
 class NativeModel:
     """Owns one ggswarm_model handle (a loaded layer window) and the sessions opened on it."""
 
@@ -341,9 +407,10 @@ class NativeModel:
         layer_start: int,
         layer_end: int,
         n_threads: int = 2,
-        kv_budget_bytes: int = 0,
+        budget: NativeBudget | None = None,
         model_id: str | None = None,
     ) -> None:
+        """budget: the node's KV budget, charged for this model's sessions (None: no limit)."""
         self._lib = load_library()
         self._h = ggswarm_model_p()
         st = self._lib.ggswarm_model_open(
@@ -351,7 +418,7 @@ class NativeModel:
             int(layer_start),
             int(layer_end),
             int(n_threads),
-            int(kv_budget_bytes),
+            budget.handle if budget is not None else None,
             model_id.encode() if model_id else None,
             ctypes.byref(self._h),
         )
@@ -366,7 +433,7 @@ class NativeModel:
         self.n_vocab = info.n_vocab
         self.is_first = bool(info.is_first)
         self.is_last = bool(info.is_last)
-        self.decode_kernels = bool(info.decode_kernels)
+        self.decode_kernels = info.decode_kernels == 1
         self.n_ctx_max = info.n_ctx_max
         self.kv_bytes_per_token = info.kv_bytes_per_token
         # reusable per-call buffers (a decode step allocates nothing on the C side)
@@ -422,6 +489,19 @@ class NativeModel:
         self._call(self._lib.ggswarm_kv_bytes, sid, ctypes.byref(n))
         return n.value
 
+    def growth_bytes(self, sid: int, n_positions: int) -> int:
+        """Extra KV bytes the budget must have free for the session to hold `n_positions`."""
+        n = ctypes.c_uint64()
+        self._call(self._lib.ggswarm_session_growth_bytes, sid, int(n_positions), ctypes.byref(n))
+        return n.value
+
+    @property
+    def graph_builds(self) -> int:
+        """Window graphs built so far (one per new shape; sessions of one shape share a graph)."""
+        info = ggswarm_model_info()
+        self._call(self._lib.ggswarm_model_info_get, ctypes.byref(info))
+        return int(info.graph_builds)
+
     def snapshot(self, sid: int) -> bytes:
         size = ctypes.c_uint64()
         self._call(self._lib.ggswarm_session_snapshot_size, sid, ctypes.byref(size))
@@ -442,9 +522,13 @@ class NativeModel:
         sampling: ggswarm_sampling | None = None,
         history: np.ndarray | None = None,
         want_logits: bool = False,
-        hidden_out_dtype: type = np.float32,
+        hidden_dtype: HiddenDtype = "f32",
     ) -> dict[str, Any]:
-        """One forward call; returns {"hidden"} or {"token", "logprob", "logits"} plus "compute_s"."""
+        """One forward call; returns {"hidden"} or {"token", "logprob", "logits"} plus "compute_s".
+
+        `hidden` goes in as it is when f16 or f32 (the library reads either); the returned hidden rows
+        are written by the library in `hidden_dtype`.
+        """
         b = self._batch
         keep: list[Any] = []  # arrays that must outlive the call
         if token_ids is not None:
@@ -483,11 +567,10 @@ class NativeModel:
         b.logprob_out = None
         b.compute_s_out = ctypes.pointer(self._secs)
         if not self.is_last:
-            dt = np.float16 if hidden_out_dtype == np.float16 else np.float32
-            hout = np.empty((max(n, 0), self.d_model), dtype=dt)
+            hout = np.empty((max(n, 0), self.d_model), dtype=numpy_dtype(hidden_dtype))
             b.hidden_out = hout.ctypes.data
             b.hidden_out_count = hout.size
-            b.hidden_out_type = GGSWARM_TYPE_F16 if dt == np.float16 else GGSWARM_TYPE_F32
+            b.hidden_out_type = GGSWARM_TYPE_F16 if hidden_dtype == "f16" else GGSWARM_TYPE_F32
             out["hidden"] = hout
         else:
             if want_logits:

@@ -15,6 +15,7 @@ from agent.backends.base import (
     ShardSpec,
 )
 from agent.backends.sampling import sample
+from agent.wire.frames import HiddenDtype
 from agent.wire.ids import SessionId
 from agent.wire.sampling import SamplingParams
 
@@ -54,7 +55,6 @@ class LlamaCppBackend(Backend):
         self.max_ctx = spec.manifest.context_length or 4096
         self.sessions: dict[SessionId, _Session] = {}
         self._batch = LlamaBatch(n_tokens=n_batch, embd=0, n_seq_max=1, verbose=False)
-        self.last_positions_per_layer: list[int] = []
 
     def open_session(self, sid: SessionId, max_tokens: int) -> None:
         from llama_cpp._internals import LlamaContext
@@ -115,6 +115,7 @@ class LlamaCppBackend(Backend):
         sampling: SamplingParams | None = None,
         history: list[int] | None = None,
         want_logits: bool = False,
+        hidden_dtype: HiddenDtype = "f32",
     ) -> ForwardResult:
         t0 = time.perf_counter()
         s = self._s(sid)
@@ -139,11 +140,10 @@ class LlamaCppBackend(Backend):
                 ptr = self._lc.llama_get_logits(s.ctx.ctx)
                 all_logits.append(np.ctypeslib.as_array(ptr, shape=(len(chunk), self.n_vocab)).copy())
         s.length = pos_start + len(ids)
-        self.last_positions_per_layer = [len(ids)] * self.spec.manifest.n_layers
         ptr = self._lc.llama_get_logits_ith(s.ctx.ctx, -1)
         last = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(self.n_vocab,))
         tok, lp = sample(last, sampling or SamplingParams(), s.length - 1, history)
-        res = ForwardResult(token=tok, logprob=lp, positions_per_layer=list(self.last_positions_per_layer))
+        res = ForwardResult(token=tok, logprob=lp)
         if want_logits:
             res.logits = np.concatenate(all_logits)
         res.compute_s = time.perf_counter() - t0

@@ -15,12 +15,13 @@ from agent.backends.base import (
 )
 from agent.backends.libggswarm import (
     GGSWARM_E_BUDGET,
+    NativeBudget,
     NativeError,
     NativeModel,
     load_library,
-    padded_kv,
     sampling_struct,
 )
+from agent.wire.frames import HiddenDtype
 from agent.wire.ids import SessionId
 from agent.wire.sampling import SamplingParams
 
@@ -33,26 +34,28 @@ class NativeBackend(Backend):
     """Layers [layer_start, layer_end) of the GGUF in one libggswarm handle; one native session per sid."""
 
     def __init__(self, spec: ShardSpec, **options: object) -> None:
-        """Options: kv_budget_bytes (int, default 1 GiB; 0 = unlimited), hidden_dtype ("float32" or
-        "float16" for the rows returned to the next hop), model_id (identity written into KV snapshots;
-        default the manifest's sha256). Options other backends take (n_batch, ...) are ignored."""
-        kv_budget_bytes = int(options.get("kv_budget_bytes", 1 << 30))  # type: ignore[call-overload]
-        hidden_dtype = str(options.get("hidden_dtype", "float32"))
+        """Options: kv_budget (a NativeBudget: the node's, shared by all its native shards; default
+        none, no limit), model_id (identity written into KV snapshots; default the manifest's sha256).
+        Options other backends take (kv_budget_bytes, n_batch, ...) are ignored."""
+        budget = options.get("kv_budget")
+        if budget is not None and not isinstance(budget, NativeBudget):
+            raise BackendError(f"kv_budget must be a NativeBudget, not {type(budget).__name__}")
         model_id = options.get("model_id")
         try:
             load_library()
         except OSError as e:
             raise BackendError(f"native backend unavailable: {e}") from None
         self.spec = spec
-        self.kv_budget_bytes = kv_budget_bytes
-        self.hidden_dtype = np.float16 if hidden_dtype == "float16" else np.float32
+        self.kv_budget = budget
+        # the library charges every session's KV to the node budget itself (SessionTable reads it there)
+        self.kv_in_node_budget = budget is not None
         try:
             self.model = NativeModel(
                 spec.path,
                 spec.layer_start,
                 spec.layer_end,
                 n_threads=spec.n_threads,
-                kv_budget_bytes=self.kv_budget_bytes,
+                budget=budget,
                 model_id=str(model_id) if model_id else (spec.manifest.sha256 or None),
             )
         except NativeError as e:
@@ -63,7 +66,6 @@ class NativeBackend(Backend):
                 f"model d_model {self.model.d_model} != manifest boundary_dim {spec.manifest.boundary_dim}"
             )
         self.sessions: dict[SessionId, int] = {}
-        self.last_positions_per_layer: list[int] = []
 
     def _sid(self, sid: SessionId) -> int:
         try:
@@ -96,14 +98,17 @@ class NativeBackend(Backend):
     def kv_bytes(self, sid: SessionId | None = None) -> int:
         return self.model.kv_bytes(-1 if sid is None else self._sid(sid))
 
-    def kv_open_bytes(self, max_tokens: int) -> int:
-        """Worst-case KV a session of `max_tokens` positions can grow to (for admission control)."""
-        return min(int(max_tokens), self.model.n_ctx_max) * self.model.kv_bytes_per_token
-
     def kv_growth_bytes(self, sid: SessionId, new_len: int) -> int:
-        """Estimate for admission: KV grows in 256-position steps (the attention padding)."""
-        need = padded_kv(new_len) * self.model.kv_bytes_per_token
-        return max(0, need - self.kv_bytes(sid))
+        """Exactly the extra KV bytes the library needs free to hold `new_len` positions."""
+        try:
+            return self.model.growth_bytes(self._sid(sid), int(new_len))
+        except NativeError as e:
+            raise _error(e) from None
+
+    @property
+    def graph_builds(self) -> int:
+        """Window graphs the library has built (one per new shape; sessions of one shape share it)."""
+        return self.model.graph_builds
 
     def snapshot(self, sid: SessionId) -> bytes:
         """The session's KV as bytes (header with model id, layer range and positions; docs/native.md)."""
@@ -128,6 +133,7 @@ class NativeBackend(Backend):
         sampling: SamplingParams | None = None,
         history: list[int] | None = None,
         want_logits: bool = False,
+        hidden_dtype: HiddenDtype = "f32",
     ) -> ForwardResult:
         t0 = time.perf_counter()
         native_sid = self._sid(sid)
@@ -159,24 +165,15 @@ class NativeBackend(Backend):
                 sampling=params,
                 history=np.asarray(history, dtype=np.int32) if history else None,
                 want_logits=want_logits,
-                hidden_out_dtype=self.hidden_dtype,
+                hidden_dtype=hidden_dtype,
             )
         except NativeError as e:
             raise _error(e) from None
-        n = (
-            int(out["hidden"].shape[0])
-            if "hidden" in out
-            else (
-                len(token_ids) if token_ids is not None else int(hidden.shape[0])  # type: ignore[union-attr]
-            )
-        )
-        self.last_positions_per_layer = [n] * self.spec.n_layers
         res = ForwardResult(
             hidden=out.get("hidden"),
             token=out.get("token"),
             logprob=out.get("logprob"),
             logits=out.get("logits") if want_logits else None,
-            positions_per_layer=list(self.last_positions_per_layer),
         )
         res.compute_s = time.perf_counter() - t0
         return res

@@ -22,6 +22,7 @@ from agent.backends.base import (
     ShardSpec,
 )
 from agent.backends.sampling import sample
+from agent.wire.frames import HiddenDtype, numpy_dtype
 from agent.wire.ids import SessionId
 from agent.wire.sampling import SamplingParams
 
@@ -154,8 +155,6 @@ class TorchLlamaBackend(Backend):
             self.out_norm = w("output_norm.weight")
             self.head = self.tok_embd if m.tied_embeddings else w("output.weight")
         self.sessions: dict[SessionId, SessionKV] = {}
-        # Positions computed by each layer in the last forward call: a decode step must be exactly 1.
-        self.last_positions_per_layer: list[int] = []
 
     # -- sessions ---------------------------------------------------------------------------------
     def open_session(self, sid: SessionId, max_tokens: int) -> None:
@@ -236,6 +235,7 @@ class TorchLlamaBackend(Backend):
         sampling: SamplingParams | None = None,
         history: list[int] | None = None,
         want_logits: bool = False,
+        hidden_dtype: HiddenDtype = "f32",
     ) -> ForwardResult:
         t0 = time.perf_counter()
         kv = self._kv(sid)
@@ -268,8 +268,7 @@ class TorchLlamaBackend(Backend):
         for i, lw in enumerate(self.layers):
             x = self._block(lw, i, x, kv, pos_start)
         kv.length = end
-        self.last_positions_per_layer = [n] * len(self.layers)
-        res = ForwardResult(positions_per_layer=list(self.last_positions_per_layer))
+        res = ForwardResult()
         if self.spec.is_last:
             h = self._rms(x if want_logits else x[-1:], self.out_norm)
             logits = h @ self.head.T
@@ -278,6 +277,6 @@ class TorchLlamaBackend(Backend):
             if want_logits:
                 res.logits = logits.numpy()
         else:
-            res.hidden = x.numpy()
+            res.hidden = x.numpy().astype(numpy_dtype(hidden_dtype), copy=False)
         res.compute_s = time.perf_counter() - t0
         return res

@@ -16,13 +16,16 @@ from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector
 from agent.client.tokenizer import ChatTokenizer, StreamDecoder
 from agent.wire.frames import (
     CONTEXT_CAP,
+    DEFAULT_HIDDEN_DTYPE,
     ChainHop,
+    HiddenDtype,
     Kind,
     Op,
     Request,
     Response,
     decode_response,
     encode_request,
+    hidden_kind,
 )
 from agent.wire.ids import SessionId
 from agent.wire.sampling import SamplingParams
@@ -80,7 +83,7 @@ class RouteClient:
         tokenizer: ChatTokenizer | None = None,
         session_id: bytes | None = None,
         mode: str = "star",
-        hidden_dtype: str = "f16",
+        hidden_dtype: HiddenDtype = DEFAULT_HIDDEN_DTYPE,
         max_context: int = 8192,
         timeout_s: float = 120.0,
     ) -> None:
@@ -100,7 +103,7 @@ class RouteClient:
         self.tokenizer = tokenizer
         self.session = SessionId(session_id or os.urandom(16))
         self.mode = mode
-        self.kind = Kind.F16 if hidden_dtype == "f16" else Kind.F32
+        self.kind = hidden_kind(hidden_dtype)
         self.max_context = min(max_context, CONTEXT_CAP)
         self.history: list[int] = []  # token ids in every hop's KV, in order
         self.step = 0

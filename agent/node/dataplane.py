@@ -24,6 +24,7 @@ from agent.wire.frames import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
     FrameError,
+    HiddenDtype,
     Kind,
     Op,
     Request,
@@ -33,6 +34,8 @@ from agent.wire.frames import (
     decode_response,
     encode_request,
     encode_response,
+    hidden_kind,
+    numpy_dtype,
     with_prepended_timing,
 )
 from agent.wire.ids import SessionId
@@ -112,7 +115,13 @@ class DataPlane:
             manifest=manifest,
             n_threads=n_threads,
         )
-        be = load_backend(backend, spec, kv_budget_bytes=self.sessions.budget_bytes)
+        # native shards share the node budget inside libggswarm; the others are counted by the table
+        budget: dict[str, object] = (
+            {"kv_budget": self.sessions.native_budget()}
+            if backend == "native"
+            else {"kv_budget_bytes": self.sessions.budget_bytes}
+        )
+        be = load_backend(backend, spec, **budget)
         shard = Shard(spec, backend, be, asyncio.Lock())
         self.shards[shard.key] = shard
         log.info("loaded %s layers %d:%d with %s", manifest.sha256[:12], layer_start, layer_end, backend)
@@ -139,6 +148,7 @@ class DataPlane:
             "sessions": len(self.sessions),
             "kv_bytes": self.sessions.used_bytes(),
             "kv_budget_bytes": self.sessions.budget_bytes,
+            "kv_remaining_bytes": self.sessions.remaining_bytes(),
             "evictions": self.sessions.evictions,
             "expirations": self.sessions.expirations,
             "shards": [
@@ -191,15 +201,25 @@ class DataPlane:
         except FrameError as e:
             raise DataPlaneError(e.status, "bad_frame", str(e)) from None
         claims, shard = self._authorise(req)
+        # Every call into a shard's backend holds its lock: a big batch computes in a worker thread,
+        # and a backend handle must not be used from two threads at once.
         if req.op == Op.OPEN:
-            return self._open(req, shard)
+            async with shard.lock:
+                return self._open(req, shard)
         if req.op == Op.CLOSE:
-            self.sessions.close((SessionId(req.session), shard.key))
+            async with shard.lock:
+                self.sessions.close((SessionId(req.session), shard.key))
             return encode_response(Response(step=req.step, kind=Kind.NONE))
         s = self._session(req, shard)
         if req.op == Op.TRUNCATE:
-            return self._truncate(req, s)
+            async with shard.lock:
+                return self._truncate(req, s)
         return await self._forward(req, body, shard, s)
+
+    def _evictable(self, s: SessionState, holding: Shard | None = None) -> bool:
+        """Whether `s` may be closed now, by a caller holding `holding`'s lock: its shard is idle."""
+        shard = self.shards.get(s.shard_key)
+        return shard is None or shard is holding or not shard.lock.locked()
 
     def _open(self, req: Request, shard: Shard) -> bytes:
         sid = SessionId(req.session)
@@ -223,7 +243,9 @@ class DataPlane:
             )
         state = SessionState(sid=sid, shard_key=shard.key, backend=shard.backend, max_tokens=max_tokens)
         try:
-            self.sessions.admit(state, shard.backend.kv_open_bytes(max_tokens))
+            self.sessions.admit(
+                state, shard.backend.kv_open_bytes(max_tokens), lambda v: self._evictable(v, shard)
+            )
             shard.backend.open_session(sid, max_tokens)
         except AdmissionError as e:
             raise DataPlaneError(503, "kv_budget", str(e)) from None
@@ -288,7 +310,7 @@ class DataPlane:
                     "hidden_size",
                     f"hidden size {req.dim} does not match this model's {shard.backend.boundary_dim}",
                 )
-            hidden = req.hidden().astype(np.float32)
+            hidden = req.hidden()  # f16 or f32 as the frame carries it: backends read either
         # The last shard's token history grows in place (a copy per step would be O(context) on the
         # decode path) and is cut back if the step fails.
         history_len = len(s.history)
@@ -300,8 +322,10 @@ class DataPlane:
             s.sampling = req.sampling
         s.busy = True
         try:
-            self.sessions.admit(s, shard.backend.kv_growth_bytes(s.sid, end))
             async with shard.lock:
+                # exact bytes from the backend (native: libggswarm), asked while no step runs on it
+                grow = shard.backend.kv_growth_bytes(s.sid, end)
+                self.sessions.admit(s, grow, lambda v: self._evictable(v, shard))
                 if req.n_tokens <= _INLINE_TOKENS:
                     res = self._call(shard, s, req, ids, hidden, history)
                 else:
@@ -335,12 +359,12 @@ class DataPlane:
             )
         else:
             assert res.hidden is not None
-            f16 = req.f16_out
-            arr = res.hidden.astype(np.float16 if f16 else np.float32, copy=False)
+            dtype = _out_dtype(req)
+            arr = res.hidden.astype(numpy_dtype(dtype), copy=False)  # no copy: the backend wrote it so
             local = encode_response(
                 Response(
                     step=req.step,
-                    kind=Kind.F16 if f16 else Kind.F32,
+                    kind=hidden_kind(dtype),
                     session_len=end,
                     n_tokens=arr.shape[0],
                     dim=arr.shape[1],
@@ -360,6 +384,7 @@ class DataPlane:
                 sampling=s.sampling,
                 history=history,
                 want_logits=req.want_logits,
+                hidden_dtype=_out_dtype(req),
             )
         except AdmissionError:
             raise
@@ -446,7 +471,7 @@ class DataPlane:
     async def _sweeper(self, app: web.Application) -> None:  # noqa: ARG002
         while True:
             await asyncio.sleep(5.0)
-            n = self.sessions.expire()
+            n = self.sessions.expire(evictable=self._evictable)
             if n:
                 log.info("expired %d idle sessions", n)
 
@@ -467,6 +492,10 @@ class DataPlane:
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
+
+
+def _out_dtype(req: Request) -> HiddenDtype:
+    return "f16" if req.f16_out else "f32"
 
 
 def _error(status: int, code: str, message: str) -> web.Response:

@@ -1,15 +1,20 @@
-"""Per-node session table: KV budget admission, idle-LRU eviction, TTL expiry, step idempotency state."""
+"""Per-node session table: the node's one KV budget, admission, idle-LRU eviction, TTL expiry, step state."""
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from agent.backends.base import AdmissionError, Backend
 from agent.wire.frames import ChainHop
 from agent.wire.ids import SessionId
 from agent.wire.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from agent.backends.libggswarm import NativeBudget
 
 
 @dataclass
@@ -40,14 +45,28 @@ SessionKey = tuple[SessionId, ShardKey]
 
 
 class SessionTable:
-    """Owns every session on the node and the node-wide KV byte budget."""
+    """Owns every session on the node and the node's one KV byte budget.
+
+    Native shards keep their KV inside libggswarm, which charges it to one budget object shared by all
+    of them (native_budget()); the table reads that budget rather than estimating. Other backends'
+    sessions are added up here, against the same total.
+    """
 
     def __init__(self, budget_bytes: int, ttl_s: float = 1800.0) -> None:
         self.budget_bytes = budget_bytes
         self.ttl_s = ttl_s
         self._sessions: OrderedDict[SessionKey, SessionState] = OrderedDict()
+        self._native: NativeBudget | None = None
         self.evictions = 0
         self.expirations = 0
+
+    def native_budget(self) -> NativeBudget:
+        """The node budget inside libggswarm, for every native shard of the node (made with the first)."""
+        if self._native is None:
+            from agent.backends.libggswarm import NativeBudget
+
+            self._native = NativeBudget(self.budget_bytes)
+        return self._native
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -73,38 +92,57 @@ class SessionTable:
         return True
 
     def used_bytes(self) -> int:
-        return sum(s.backend.kv_bytes(s.sid) for s in self._sessions.values())
+        """KV bytes held on the node: libggswarm's count for native shards, plus the other backends'."""
+        native = self._native.used if self._native is not None else 0
+        return native + sum(
+            s.backend.kv_bytes(s.sid) for s in self._sessions.values() if not s.backend.kv_in_node_budget
+        )
 
-    def admit(self, state: SessionState, extra_bytes: int) -> None:
-        """Make room for `extra_bytes` more KV for `state`, evicting idle LRU sessions; else refuse."""
-        if extra_bytes <= 0:
+    def remaining_bytes(self) -> int:
+        return max(0, self.budget_bytes - self.used_bytes())
+
+    def admit(
+        self,
+        state: SessionState,
+        extra_bytes: int,
+        evictable: Callable[[SessionState], bool] = lambda s: True,
+    ) -> None:
+        """Make room for `extra_bytes` more KV for `state`, evicting idle sessions least recently used
+        first; else refuse with AdmissionError. `evictable` may veto a victim (its shard is computing).
+        """
+        if extra_bytes <= 0 or self.remaining_bytes() >= extra_bytes:
             return
-        used = self.used_bytes()
-        if used + extra_bytes <= self.budget_bytes:
-            return
-        evictable = [(k, v) for k, v in self._sessions.items() if k != state.key and not v.busy]
-        if used - sum(v.backend.kv_bytes(v.sid) for _, v in evictable) + extra_bytes > self.budget_bytes:
+        # never the session's own other shards: evicting half of a route to admit its other half
+        # would only break the route
+        victims = [k for k, v in self._sessions.items() if v.sid != state.sid and not v.busy and evictable(v)]
+        freeable = sum(self._sessions[k].backend.kv_bytes(self._sessions[k].sid) for k in victims)
+        if self.remaining_bytes() + freeable < extra_bytes:
             # Even evicting every idle session would not make room: refuse, and evict nobody for nothing.
-            raise AdmissionError(
-                f"KV budget exhausted: {used + extra_bytes} bytes needed, budget {self.budget_bytes}"
-            )
-        for key in list(self._sessions):
-            if used + extra_bytes <= self.budget_bytes:
+            raise AdmissionError(self._refusal(extra_bytes))
+        for key in victims:
+            if self.remaining_bytes() >= extra_bytes:
                 break
-            victim = self._sessions[key]
-            if key == state.key or victim.busy:
-                continue
-            used -= victim.backend.kv_bytes(victim.sid)
             self.close(key)
             self.evictions += 1
-        if used + extra_bytes > self.budget_bytes:
-            raise AdmissionError(
-                f"KV budget exhausted: {used + extra_bytes} bytes needed, budget {self.budget_bytes}"
-            )
+        if self.remaining_bytes() < extra_bytes:
+            raise AdmissionError(self._refusal(extra_bytes))
 
-    def expire(self, now: float | None = None) -> int:
+    def _refusal(self, extra_bytes: int) -> str:
+        return (
+            f"KV budget exhausted: {extra_bytes} more bytes needed, "
+            f"{self.used_bytes()} of the node's {self.budget_bytes} bytes in use"
+        )
+
+    def expire(
+        self, now: float | None = None, evictable: Callable[[SessionState], bool] = lambda s: True
+    ) -> int:
+        """Close the idle sessions unused for longer than the TTL (and not vetoed by `evictable`)."""
         now = time.monotonic() if now is None else now
-        dead = [key for key, s in self._sessions.items() if not s.busy and now - s.last_used > self.ttl_s]
+        dead = [
+            key
+            for key, s in self._sessions.items()
+            if not s.busy and now - s.last_used > self.ttl_s and evictable(s)
+        ]
         for key in dead:
             self.close(key)
         self.expirations += len(dead)

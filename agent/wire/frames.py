@@ -9,6 +9,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field
 from enum import IntEnum, IntFlag
+from typing import Any, Literal
 
 import numpy as np
 
@@ -59,6 +60,23 @@ class Kind(IntEnum):
     F16 = 3  # float16 hidden states
     TOKEN = 4  # response: sampled token + logprob in the header
     LOGITS = 5  # response: float32 logits n_tokens x dim (dim = vocab) + the sampled token
+
+
+# The element type of hidden states at a seam, spelled as frames, the command line and the backends
+# spell it. A route sends f16 unless told otherwise: half the bytes per hop, and greedy tokens agree
+# with f32 seams (docs/benchmarks.md).
+HiddenDtype = Literal["f16", "f32"]
+HIDDEN_DTYPES: tuple[HiddenDtype, ...] = ("f16", "f32")
+DEFAULT_HIDDEN_DTYPE: HiddenDtype = "f16"
+
+
+def hidden_kind(dtype: HiddenDtype) -> Kind:
+    """The frame kind that carries hidden states of `dtype`."""
+    return Kind.F16 if dtype == "f16" else Kind.F32
+
+
+def numpy_dtype(dtype: HiddenDtype) -> type[np.floating]:
+    return np.float16 if dtype == "f16" else np.float32
 
 
 class FrameError(Exception):
@@ -202,7 +220,7 @@ class _Reader:
         self.off += n
         return out
 
-    def unpack(self, st: struct.Struct, what: str) -> tuple:
+    def unpack(self, st: struct.Struct, what: str) -> tuple[Any, ...]:
         return st.unpack(self.take(st.size, what))
 
 

@@ -4,15 +4,16 @@
  * libggswarm runs transformer layers [layer_start, layer_end) of a GGUF model with ggml's quantized
  * kernels. The boundary hidden state goes in and out as f16/f32 rows; the first window embeds token
  * ids; the last one applies the output norm and head and samples on the node (logits never leave it).
- * Every session keeps its own KV cache in ggml tensors, grown on demand inside a per-model byte budget,
- * and can be truncated, snapshotted to bytes and restored in another process.
+ * Every session keeps its own KV cache in ggml tensors, grown on demand inside a byte budget that all
+ * model handles of a node share (ggswarm_budget), and can be truncated, snapshotted to bytes and
+ * restored in another process.
  *
  * Conventions
  *   - Every function that can fail returns a ggswarm_status (0 = GGSWARM_OK, < 0 = error). The message
  *     of the last failure is available from ggswarm_last_error() (thread-local) and from
  *     ggswarm_model_last_error() (per model handle). The library never aborts on bad input.
  *   - A model handle is not thread-safe: serialise calls on one handle. Distinct handles may be used
- *     from distinct threads.
+ *     from distinct threads, even when they share one budget (the budget is thread-safe).
  *   - Sessions are identified by int64 ids owned by the model handle; unknown ids are an error
  *     (GGSWARM_E_NO_SESSION), so a stale id can never touch freed memory.
  *
@@ -21,6 +22,9 @@
  *       forward (token ids or f16/f32 hidden in; hidden, or sampled token + logprob + optional
  *       logits out), KV snapshot/restore (snapshot format version 1), standalone sampler.
  *   2 - ggswarm_model_info.decode_kernels.
+ *   3 - one KV budget per node: ggswarm_budget_new/free/get, shared by the handles opened with it
+ *       (ggswarm_model_open takes a budget instead of kv_budget_bytes; ggswarm_model_info loses
+ *       kv_budget_bytes); ggswarm_session_growth_bytes; ggswarm_model_info.graph_builds.
  */
 #ifndef GGSWARM_H
 #define GGSWARM_H
@@ -32,7 +36,7 @@
 extern "C" {
 #endif
 
-#define GGSWARM_API_VERSION 2
+#define GGSWARM_API_VERSION 3
 
 #if defined(_WIN32)
 #define GGSWARM_API __declspec(dllexport)
@@ -64,6 +68,7 @@ typedef int32_t ggswarm_status;
 #define GGSWARM_MAX_BATCH 4096
 
 typedef struct ggswarm_model ggswarm_model;
+typedef struct ggswarm_budget ggswarm_budget;
 
 typedef struct ggswarm_model_info {
     char architecture[32];      /* general.architecture, NUL-terminated */
@@ -84,11 +89,12 @@ typedef struct ggswarm_model_info {
     int32_t n_threads;
     uint64_t weight_bytes;      /* bytes of tensor data read for this window */
     uint64_t kv_bytes_per_token;/* KV bytes one position costs over the window's layers */
-    uint64_t kv_budget_bytes;   /* per-model KV budget (all sessions together) */
     char model_id[72];          /* identity written into snapshots (caller's sha256 or a fingerprint) */
     int32_t decode_kernels;     /* 1: decode steps run libggswarm's own CPU attention kernels, which
                                    give the same numbers as ggml's ops (AVX-512 CPU and ggml build,
                                    head_dim % 64 == 0, GGSWARM_GGML_ATTENTION unset when opened) */
+    uint64_t graph_builds;      /* window graphs built so far: one per new shape (batch size, attended
+                                   span, KV capacity, last-only); sessions of one shape share it */
 } ggswarm_model_info;
 
 typedef struct ggswarm_sampling {
@@ -127,12 +133,25 @@ GGSWARM_API int32_t ggswarm_api_version(void);
 /* Message of the last failed call on this thread ("" when none). Valid until the next call. */
 GGSWARM_API const char * ggswarm_last_error(void);
 
+/* A node's KV byte budget: the KV of every session of every model handle opened with it stays within
+ * total_bytes together (0 holds nothing). Thread-safe. */
+GGSWARM_API ggswarm_status ggswarm_budget_new(uint64_t total_bytes, ggswarm_budget ** out);
+
+/* Drop the caller's reference. The budget lives on until the last model handle opened with it is
+ * freed, so the order of frees does not matter. NULL is ignored. */
+GGSWARM_API void ggswarm_budget_free(ggswarm_budget * budget);
+
+/* The budget's total and the KV bytes its sessions hold now (either out pointer may be NULL). */
+GGSWARM_API ggswarm_status ggswarm_budget_get(const ggswarm_budget * budget, uint64_t * out_total,
+                                              uint64_t * out_used);
+
 /* Open layers [layer_start, layer_end) of the GGUF at path. Reads only those layers' tensors plus the
  * role tensors (first window: token_embd.weight; last: output_norm.weight and output.weight, or
- * token_embd.weight when tied). kv_budget_bytes = 0 means no budget. model_id (may be NULL) is the
- * identity recorded in snapshots, e.g. the file's sha256 hex; when NULL a metadata fingerprint is used. */
+ * token_embd.weight when tied). budget (may be NULL: no limit) is charged for every session's KV; the
+ * handle keeps a reference to it. model_id (may be NULL) is the identity recorded in snapshots, e.g.
+ * the file's sha256 hex; when NULL a metadata fingerprint is used. */
 GGSWARM_API ggswarm_status ggswarm_model_open(const char * path, int32_t layer_start, int32_t layer_end,
-                                              int32_t n_threads, uint64_t kv_budget_bytes,
+                                              int32_t n_threads, ggswarm_budget * budget,
                                               const char * model_id, ggswarm_model ** out);
 
 /* Free the model, its sessions and their KV. NULL is ignored. */
@@ -157,8 +176,14 @@ GGSWARM_API ggswarm_status ggswarm_session_len(const ggswarm_model * model, int6
 /* Drop positions >= n_tokens (n_tokens <= length). */
 GGSWARM_API ggswarm_status ggswarm_session_truncate(ggswarm_model * model, int64_t sid, int32_t n_tokens);
 
-/* KV bytes held by one session, or by all sessions when sid < 0. */
+/* KV bytes held by one session, or by all sessions of this handle when sid < 0. */
 GGSWARM_API ggswarm_status ggswarm_kv_bytes(const ggswarm_model * model, int64_t sid, uint64_t * out_bytes);
+
+/* Extra KV bytes the budget must have free for the session to hold n_positions (1 .. its max_tokens):
+ * 0 when its capacity already suffices. A forward call that grows the session needs no more than this
+ * (it takes more, doubling the capacity, only when the budget has room). */
+GGSWARM_API ggswarm_status ggswarm_session_growth_bytes(const ggswarm_model * model, int64_t sid,
+                                                        int32_t n_positions, uint64_t * out_bytes);
 
 /* Run the window on positions [pos_start, pos_start + n_tokens) of session sid, appending to its KV. */
 GGSWARM_API ggswarm_status ggswarm_forward(ggswarm_model * model, int64_t sid, const ggswarm_batch * batch);

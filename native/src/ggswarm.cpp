@@ -3,9 +3,9 @@
 // Weights stay in their GGUF (quantized) types in one backend buffer of the chosen ggml device; only
 // the window's tensors and its role tensors are read from the file. Every session owns a KV buffer
 // (f16; K as [head_dim * n_head_kv, capacity], V transposed as [capacity, head_dim * n_head_kv] per
-// layer) that grows by doubling inside the model's byte budget. A forward call builds the window's
-// graph in a preallocated metadata arena and runs it through ggml_backend_sched, so the same code
-// drives a CPU or a GPU build of ggml. See include/ggswarm.h and docs/native.md.
+// layer) that grows by doubling inside the node's byte budget (shared by every handle of the node).
+// A forward call builds the window's graph in a preallocated metadata arena (once per shape) and runs
+// it through ggml_backend_sched, so the same code drives a CPU or a GPU build of ggml. See include/ggswarm.h and docs/native.md.
 //
 // This unit: errors, the model handle's lifecycle and info; loader.cpp, kv.cpp, graph.cpp and
 // attention.cpp do the rest (model.h holds what they share).
@@ -50,6 +50,18 @@ ggswarm_status ok(const ggswarm_model * m) {
 
 using namespace ggswarm;
 
+ggswarm_model::~ggswarm_model() {
+    graph.clear();
+    for (auto & kv : sessions) free_kv(this, kv.second);
+    sessions.clear();
+    budget_release(budget);
+    if (sched) ggml_backend_sched_free(sched);
+    if (wbuf) ggml_backend_buffer_free(wbuf);
+    if (wctx) ggml_free(wctx);
+    if (backend_cpu && backend_cpu != backend) ggml_backend_free(backend_cpu);
+    if (backend) ggml_backend_free(backend);
+}
+
 extern "C" {
 
 int32_t ggswarm_api_version(void) { return GGSWARM_API_VERSION; }
@@ -61,7 +73,7 @@ const char * ggswarm_model_last_error(const ggswarm_model * model) {
 }
 
 ggswarm_status ggswarm_model_open(const char * path, int32_t layer_start, int32_t layer_end, int32_t n_threads,
-                                  uint64_t kv_budget_bytes, const char * model_id, ggswarm_model ** out) {
+                                  ggswarm_budget * budget, const char * model_id, ggswarm_model ** out) {
     g_last_error.clear();
     if (!out) return fail(nullptr, GGSWARM_E_INVALID_ARG, "out is NULL");
     *out = nullptr;
@@ -110,7 +122,11 @@ ggswarm_status ggswarm_model_open(const char * path, int32_t layer_start, int32_
                          (long long)emb->ne[0], (long long)emb->ne[1], m->d_model));
     }
     m->n_vocab = (int32_t)emb->ne[1];
-    m->kv_budget = kv_budget_bytes;
+    if (budget) {
+        std::lock_guard<std::mutex> lock(budget->mu);
+        ++budget->refs;
+        m->budget = budget;  // from here on the destructor releases the reference
+    }
     if ((s = init_backends(m))) return bail(s);
     // GGSWARM_GGML_ATTENTION=1 keeps ggml's own ops (to compare the two, or to rule ours out)
     const char * ggml_attn = getenv("GGSWARM_GGML_ATTENTION");
@@ -151,7 +167,7 @@ ggswarm_status ggswarm_model_info_get(const ggswarm_model * m, ggswarm_model_inf
     out->decode_kernels = m->decode_kernels ? 1 : 0;
     out->weight_bytes = m->weight_bytes;
     out->kv_bytes_per_token = m->kv_bytes_per_token();
-    out->kv_budget_bytes = m->kv_budget;
+    out->graph_builds = m->graph_builds;
     return ok(m);
 }
 

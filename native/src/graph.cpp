@@ -1,9 +1,11 @@
-// libggswarm compute: the window's ggml graph (llama family), built once per (session, batch size,
-// span) and reused, micro-batched forward, and sampling on the last window (docs/native.md, "Graph").
+// libggswarm compute: the window's ggml graph (llama family), built once per shape (batch size, span,
+// KV capacity) and reused by every session of that shape, micro-batched forward, and sampling on the
+// last window (docs/native.md, "Graph").
 
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <unordered_set>
 
 #include "attention.h"
 #include "model.h"
@@ -47,9 +49,10 @@ ggml_tensor * attention(ggml_context * c, const Graph & g, ggml_tensor * q, ggml
     return ggml_cont_2d(c, ggml_permute(c, kqv, 0, 2, 1, 3), hd * nh, n);
 }
 
-// Build the window's graph for n new positions after pos_start. last_only: on the last window, keep
-// only the final position after the last attention (sampling needs nothing else).
-void build_graph(ggswarm_model * m, Session & s, Graph & g, int32_t n, int32_t n_kv, bool last_only) {
+// Build the window's graph for n new positions over a cache of cap positions, attending n_kv of them.
+// last_only: on the last window, keep only the final position after the last attention (sampling needs
+// nothing else). The cache leaves are the graph's own (Graph::k, Graph::v), bound by bind_kv.
+void build_graph(ggswarm_model * m, Graph & g, int32_t n, int32_t n_kv, int32_t cap, bool last_only) {
     ggml_init_params ip = {m->graph_meta.size(), m->graph_meta.data(), true};
     g.ctx = ggml_init(ip);
     ggml_context * c = g.ctx;
@@ -79,8 +82,11 @@ void build_graph(ggswarm_model * m, Session & s, Graph & g, int32_t n, int32_t n
     g.inp_vidx = ggml_new_tensor_1d(c, GGML_TYPE_I64, (int64_t)n * m->d_kv());
     ggml_set_input(g.inp_vidx);
 
-    int32_t rows = n;
     const int32_t nl = m->layer_end - m->layer_start;
+    for (int32_t i = 0; i < nl; ++i) {
+        g.k.push_back(ggml_new_tensor_2d(c, GGML_TYPE_F16, dkv, cap));
+        g.v.push_back(ggml_new_tensor_2d(c, GGML_TYPE_F16, cap, dkv));
+    }
     for (int32_t i = 0; i < nl; ++i) {
         const Layer & L = m->layers[i];
         ggml_tensor * cur = rms(c, x, L.attn_norm, m->eps);
@@ -93,9 +99,9 @@ void build_graph(ggswarm_model * m, Session & s, Graph & g, int32_t n, int32_t n
                           m->rope_freq_scale, 0.0f, 1.0f, 32.0f, 1.0f);
         k = ggml_rope_ext(c, k, g.inp_pos, m->rope_freqs, m->n_rot, m->rope_mode, m->n_ctx_train, m->rope_base,
                           m->rope_freq_scale, 0.0f, 1.0f, 32.0f, 1.0f);
-        // append the new positions to this session's cache (K rows; V transposed)
-        ggml_tensor * kc = s.k[i];
-        ggml_tensor * vc = s.v[i];
+        // append the new positions to the bound session's cache (K rows; V transposed)
+        ggml_tensor * kc = g.k[i];
+        ggml_tensor * vc = g.v[i];
         // (index inputs instead of view offsets keep the graph independent of the position)
         ggml_tensor * k_put = ggml_set_rows(c, kc, ggml_reshape_2d(c, k, dkv, n), g.inp_kidx);
         ggml_build_forward_expand(g.gf, k_put);
@@ -114,7 +120,6 @@ void build_graph(ggswarm_model * m, Session & s, Graph & g, int32_t n, int32_t n
         if (last_only && i == nl - 1 && n > 1) {
             cur = ggml_view_2d(c, cur, m->d_model, 1, cur->nb[1], (size_t)(n - 1) * cur->nb[1]);
             x = ggml_view_2d(c, x, m->d_model, 1, x->nb[1], (size_t)(n - 1) * x->nb[1]);
-            rows = 1;
         }
         ggml_tensor * h = ggml_add(c, cur, x);
         cur = rms(c, h, L.ffn_norm, m->eps);
@@ -123,7 +128,6 @@ void build_graph(ggswarm_model * m, Session & s, Graph & g, int32_t n, int32_t n
         cur = ggml_mul_mat(c, L.w_down, ggml_swiglu_split(c, gate, up));
         x = ggml_add(c, cur, h);
     }
-    (void)rows;
     if (m->is_last()) {
         x = rms(c, x, m->output_norm, m->eps);
         x = ggml_mul_mat(c, m->output, x);
@@ -141,35 +145,71 @@ void build_graph(ggswarm_model * m, Session & s, Graph & g, int32_t n, int32_t n
     }
 }
 
+// Point one cache leaf of the graph at a session's tensor of the same shape.
+void bind_leaf(ggml_tensor * leaf, const ggml_tensor * kv) {
+    leaf->buffer = nullptr;
+    leaf->data = nullptr;
+    ggml_backend_tensor_alloc(kv->buffer, leaf, kv->data);
+}
+
+// Bind the graph's cache to session s: its leaves, then every allocated view of them (set_rows
+// results, attention's K/V views), which ggml resolved from the leaves' addresses at allocation and
+// resolves again here the same way (ggml_backend_view_init).
+void bind_kv(Graph & g, const Session & s) {
+    for (size_t i = 0; i < g.k.size(); ++i) {
+        bind_leaf(g.k[i], s.k[i]);
+        bind_leaf(g.v[i], s.v[i]);
+    }
+    for (ggml_tensor * t : g.kv_views) {
+        t->buffer = nullptr;
+        ggml_backend_view_init(t);
+    }
+}
+
+// After allocation: remember the graph tensors that view the cache leaves (a view's view_src is
+// always the leaf itself, ggml flattens chains of views).
+void collect_kv_views(Graph & g) {
+    std::unordered_set<const ggml_tensor *> leaves(g.k.begin(), g.k.end());
+    leaves.insert(g.v.begin(), g.v.end());
+    g.kv_views.clear();
+    for (ggml_tensor * t = ggml_get_first_tensor(g.ctx); t; t = ggml_get_next_tensor(g.ctx, t)) {
+        if (t->view_src && t->buffer && leaves.count(t->view_src)) g.kv_views.push_back(t);
+    }
+}
+
 constexpr int32_t kUBatch = 512;
 
 // One micro-batch: positions [b->pos_start + off, + nc). On the last window *last points at the logits
 // of the chunk's final position afterwards.
-ggswarm_status forward_chunk(ggswarm_model * m, int64_t sid, Session & s, const ggswarm_batch * b, int32_t off,
-                             int32_t nc, bool final_chunk, const float ** last) {
+ggswarm_status forward_chunk(ggswarm_model * m, Session & s, const ggswarm_batch * b, int32_t off, int32_t nc,
+                             bool final_chunk, const float ** last) {
     const int32_t pos = b->pos_start + off;
     const int64_t d = m->d_model;
     const bool last_only = m->is_last() && !b->logits_out;
     const int64_t span = kernel_step(m, nc) ? kernel_span(pos + nc) : pad_kv(pos + nc);
     const int32_t n_kv = (int32_t)std::min<int64_t>(span, s.cap);
     GraphKey key;
-    key.sid = sid;
     key.n = nc;
     key.n_kv = n_kv;
-    key.kv = s.buf;
+    key.cap = s.cap;
     key.last_only = last_only;
     Graph & g = m->graph;
     if (!(g.valid && g.key == key)) {
         g.clear();
-        build_graph(m, s, g, nc, n_kv, last_only);
+        build_graph(m, g, nc, n_kv, s.cap, last_only);
+        m->graph_builds++;
+        // bound before allocation, so the allocator sees the cache as already placed
+        bind_kv(g, s);
         ggml_backend_sched_reset(m->sched);
         if (!ggml_backend_sched_alloc_graph(m->sched, g.gf)) {
             g.clear();
             return fail(m, GGSWARM_E_COMPUTE, "ggml could not allocate the compute graph (%d tokens)", nc);
         }
+        collect_kv_views(g);
         g.key = key;
         g.valid = true;
     }
+    bind_kv(g, s);
     m->kidx_host.resize(nc);
     m->vidx_host.resize((size_t)nc * m->d_kv());
     for (int32_t t = 0; t < nc; ++t) {
@@ -311,7 +351,7 @@ ggswarm_status ggswarm_forward(ggswarm_model * m, int64_t sid, const ggswarm_bat
     for (int32_t off = 0; off < n; off += kUBatch) {
         const int32_t nc = std::min(kUBatch, n - off);
         const bool final_chunk = off + nc == n;
-        if ((st = forward_chunk(m, sid, s, b, off, nc, final_chunk, &last))) {
+        if ((st = forward_chunk(m, s, b, off, nc, final_chunk, &last))) {
             // a failed call leaves the session at its previous length; rows written beyond it are ignored
             s.len = b->pos_start;
             return st;

@@ -1,8 +1,9 @@
-// libggswarm sessions: per-session KV buffers (growth within the model's budget, truncate) and
-// the KV snapshot format (docs/native.md, "KV cache" and "Snapshot format").
+// libggswarm sessions: the node's KV budget, per-session KV buffers (growth within the budget,
+// truncate) and the KV snapshot format (docs/native.md, "KV cache" and "Snapshot format").
 
 #include <algorithm>
 #include <cstring>
+#include <new>
 
 #include "model.h"
 
@@ -62,48 +63,108 @@ bool kernel_step(const ggswarm_model * m, int32_t n) { return n == 1 && m->decod
 
 int64_t kernel_span(int64_t n) { return round_up(n, kKernelPad); }
 
-// Make room for `need` positions, keeping the first s.len positions.
-ggswarm_status ensure_capacity(ggswarm_model * m, Session & s, int32_t need) {
-    if (need <= s.cap) return GGSWARM_OK;
-    // capacity is a multiple of kKvPad so the attention always spans whole padded blocks
-    const int64_t need_pad = pad_kv(need);
-    int64_t cap = std::max<int64_t>(need_pad, 2LL * s.cap);
-    cap = std::min<int64_t>(cap, pad_kv(s.max_tokens));
-    const uint64_t new_bytes = (uint64_t)cap * m->kv_bytes_per_token();
-    const uint64_t others = m->kv_total() - s.bytes;
-    if (m->kv_budget && others + new_bytes > m->kv_budget) {
-        // retry with the padded need before giving up
-        const uint64_t exact = (uint64_t)need_pad * m->kv_bytes_per_token();
-        if (others + exact > m->kv_budget) {
-            return fail(m, GGSWARM_E_BUDGET,
-                        "KV budget exhausted: %d positions need %llu bytes, %llu of %llu bytes are held by other sessions",
-                        need, (unsigned long long)exact, (unsigned long long)others,
-                        (unsigned long long)m->kv_budget);
-        }
-        cap = need_pad;
-    }
+// The node's budget. Charges and credits come from any handle's thread, so under the budget's lock.
+
+namespace {
+
+// Take `bytes` from the budget; false (nothing taken) when it cannot hold them. No budget: always.
+bool budget_charge(ggswarm_budget * b, uint64_t bytes) {
+    if (!b || bytes == 0) return true;
+    std::lock_guard<std::mutex> lock(b->mu);
+    if (b->used + bytes > b->total) return false;
+    b->used += bytes;
+    return true;
+}
+
+void budget_credit(ggswarm_budget * b, uint64_t bytes) {
+    if (!b || bytes == 0) return;
+    std::lock_guard<std::mutex> lock(b->mu);
+    b->used -= std::min(bytes, b->used);
+}
+
+void budget_usage(const ggswarm_budget * b, uint64_t * total, uint64_t * used) {
+    std::lock_guard<std::mutex> lock(b->mu);
+    *total = b->total;
+    *used = b->used;
+}
+
+// The KV tensors (not yet allocated) of a cache of `cap` positions; n.bytes: exactly what
+// ggml_backend_alloc_ctx_tensors_from_buft will allocate for them (alignment included).
+ggswarm_status plan_kv(const ggswarm_model * m, int64_t cap, Session & n) {
     const int32_t nl = m->layer_end - m->layer_start;
     ggml_init_params ip = {ggml_tensor_overhead() * (size_t)(2 * nl + 2), nullptr, true};
-    Session n;
     n.ctx = ggml_init(ip);
     if (!n.ctx) return fail(m, GGSWARM_E_NO_MEMORY, "cannot create a KV context");
     for (int32_t i = 0; i < nl; ++i) {
         n.k.push_back(ggml_new_tensor_2d(n.ctx, GGML_TYPE_F16, m->d_kv(), cap));
         n.v.push_back(ggml_new_tensor_2d(n.ctx, GGML_TYPE_F16, cap, m->d_kv()));
     }
+    n.cap = (int32_t)cap;
+    n.bytes = ggml_backend_alloc_ctx_tensors_from_buft_size(n.ctx, m->buft);
+    return GGSWARM_OK;
+}
+
+// Capacity that holds `need` positions: a multiple of kKvPad, so the attention always spans whole
+// padded blocks, and no more than the session's max_tokens need.
+int64_t min_capacity(const Session & s, int32_t need) {
+    return std::min<int64_t>(pad_kv(need), pad_kv(s.max_tokens));
+}
+
+}  // namespace
+
+void budget_release(ggswarm_budget * b) {
+    if (!b) return;
+    bool last;
+    {
+        std::lock_guard<std::mutex> lock(b->mu);
+        last = --b->refs == 0;
+    }
+    if (last) delete b;
+}
+
+void free_kv(ggswarm_model * m, Session & s) {
+    budget_credit(m->budget, s.bytes);
+    s.release();
+}
+
+// Make room for `need` positions, keeping the first s.len positions. The capacity doubles while the
+// budget has room (fewer copies over a long generation), else grows to exactly what `need` takes,
+// which is what ggswarm_session_growth_bytes reports.
+ggswarm_status ensure_capacity(ggswarm_model * m, Session & s, int32_t need) {
+    if (need <= s.cap) return GGSWARM_OK;
+    const int64_t exact_cap = min_capacity(s, need);
+    const int64_t doubled_cap = std::max<int64_t>(exact_cap, std::min<int64_t>(2LL * s.cap, pad_kv(s.max_tokens)));
+    Session n;
+    ggswarm_status st = plan_kv(m, doubled_cap, n);
+    if (st) return st;
+    if (!budget_charge(m->budget, n.bytes - s.bytes)) {
+        n.release();
+        if ((st = plan_kv(m, exact_cap, n))) return st;
+        if (!budget_charge(m->budget, n.bytes - s.bytes)) {
+            uint64_t total = 0, used = 0;
+            budget_usage(m->budget, &total, &used);
+            const uint64_t more = n.bytes - s.bytes;
+            n.release();
+            return fail(m, GGSWARM_E_BUDGET,
+                        "KV budget exhausted: %d positions need %llu more bytes; %llu of the node's %llu bytes are in use",
+                        need, (unsigned long long)more, (unsigned long long)used, (unsigned long long)total);
+        }
+    }
+    const uint64_t charged = n.bytes - s.bytes;
     n.buf = ggml_backend_alloc_ctx_tensors_from_buft(n.ctx, m->buft);
     if (!n.buf) {
+        budget_credit(m->budget, charged);
+        const uint64_t bytes = n.bytes;
         n.release();
-        return fail(m, GGSWARM_E_NO_MEMORY, "cannot allocate %llu KV bytes on %s",
-                    (unsigned long long)new_bytes, m->device_name.c_str());
+        return fail(m, GGSWARM_E_NO_MEMORY, "cannot allocate %llu KV bytes on %s", (unsigned long long)bytes,
+                    m->device_name.c_str());
     }
     ggml_backend_buffer_set_usage(n.buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
     ggml_backend_buffer_clear(n.buf, 0);  // padded positions are read (times a zero weight): keep them finite
-    n.cap = (int32_t)cap;
-    n.bytes = ggml_backend_buffer_get_size(n.buf);
     n.max_tokens = s.max_tokens;
     n.len = s.len;
     if (s.len > 0) {
+        const int32_t nl = m->layer_end - m->layer_start;
         const size_t row = (size_t)m->d_kv() * sizeof(ggml_fp16_t);
         std::vector<uint8_t> tmp((size_t)s.len * row);
         for (int32_t i = 0; i < nl; ++i) {
@@ -116,7 +177,7 @@ ggswarm_status ensure_capacity(ggswarm_model * m, Session & s, int32_t need) {
             }
         }
     }
-    s.release();
+    s.release();  // its bytes now belong to n: the charge above was the difference
     s = n;
     return GGSWARM_OK;
 }
@@ -145,7 +206,7 @@ ggswarm_status ggswarm_session_close(ggswarm_model * m, int64_t sid) {
     if (!m) return fail(nullptr, GGSWARM_E_INVALID_ARG, "model is NULL");
     auto it = m->sessions.find(sid);
     if (it == m->sessions.end()) return no_session(m, sid);
-    it->second.release();
+    free_kv(m, it->second);
     m->sessions.erase(it);
     return ok(m);
 }
@@ -172,12 +233,35 @@ ggswarm_status ggswarm_session_truncate(ggswarm_model * m, int64_t sid, int32_t 
 ggswarm_status ggswarm_kv_bytes(const ggswarm_model * m, int64_t sid, uint64_t * out_bytes) {
     if (!m || !out_bytes) return fail(m, GGSWARM_E_INVALID_ARG, "model or out_bytes is NULL");
     if (sid < 0) {
-        *out_bytes = m->kv_total();
+        uint64_t t = 0;
+        for (const auto & kv : m->sessions) t += kv.second.bytes;
+        *out_bytes = t;
         return ok(m);
     }
     Session * s = find_session(m, sid);
     if (!s) return no_session(m, sid);
     *out_bytes = s->bytes;
+    return ok(m);
+}
+
+ggswarm_status ggswarm_session_growth_bytes(const ggswarm_model * m, int64_t sid, int32_t n_positions,
+                                            uint64_t * out_bytes) {
+    if (!m || !out_bytes) return fail(m, GGSWARM_E_INVALID_ARG, "model or out_bytes is NULL");
+    Session * s = find_session(m, sid);
+    if (!s) return no_session(m, sid);
+    if (n_positions <= 0 || n_positions > s->max_tokens) {
+        return fail(m, GGSWARM_E_RANGE, "n_positions %d is outside 1..%d (the session cap)", n_positions,
+                    s->max_tokens);
+    }
+    if (n_positions <= s->cap) {
+        *out_bytes = 0;
+        return ok(m);
+    }
+    Session n;
+    ggswarm_status st = plan_kv(m, min_capacity(*s, n_positions), n);
+    if (st) return st;
+    *out_bytes = n.bytes - s->bytes;
+    n.release();
     return ok(m);
 }
 
@@ -274,10 +358,8 @@ ggswarm_status ggswarm_session_restore(ggswarm_model * m, int64_t sid, const voi
     const uint8_t * p = static_cast<const uint8_t *>(buf) + sizeof(SnapHeader);
     if (fnv1a(p, payload) != h.payload_fnv1a) return fail(m, GGSWARM_E_FORMAT, "snapshot payload checksum mismatch (corrupt)");
     Session & s = *sp;
-    const int32_t keep_len = s.len;
     ggswarm_status st = ensure_capacity(m, s, std::max(h.n_pos, 1));
     if (st) return st;
-    (void)keep_len;
     const size_t krow = (size_t)m->d_kv() * sizeof(ggml_fp16_t);
     const size_t vrow = (size_t)h.n_pos * sizeof(ggml_fp16_t);
     if (h.n_pos > 0) {
@@ -292,6 +374,25 @@ ggswarm_status ggswarm_session_restore(ggswarm_model * m, int64_t sid, const voi
     }
     s.len = h.n_pos;
     return ok(m);
+}
+
+ggswarm_status ggswarm_budget_new(uint64_t total_bytes, ggswarm_budget ** out) {
+    if (!out) return fail(nullptr, GGSWARM_E_INVALID_ARG, "out is NULL");
+    *out = new (std::nothrow) ggswarm_budget();
+    if (!*out) return fail(nullptr, GGSWARM_E_NO_MEMORY, "out of memory");
+    (*out)->total = total_bytes;
+    return GGSWARM_OK;
+}
+
+void ggswarm_budget_free(ggswarm_budget * budget) { budget_release(budget); }
+
+ggswarm_status ggswarm_budget_get(const ggswarm_budget * budget, uint64_t * out_total, uint64_t * out_used) {
+    if (!budget) return fail(nullptr, GGSWARM_E_INVALID_ARG, "budget is NULL");
+    uint64_t total = 0, used = 0;
+    budget_usage(budget, &total, &used);
+    if (out_total) *out_total = total;
+    if (out_used) *out_used = used;
+    return GGSWARM_OK;
 }
 
 }  // extern "C"

@@ -1,9 +1,11 @@
-// Internal types of libggswarm shared by its translation units: the model handle (weights, device,
-// scheduler, sessions, reusable graph), sessions' KV, and the functions one unit offers the others.
+// Internal types of libggswarm shared by its translation units: the node's KV budget, the model handle
+// (weights, device, scheduler, sessions, reusable graph), sessions' KV, and the functions one unit
+// offers the others.
 #pragma once
 
 #include <cstdint>
 #include <map>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -56,20 +58,22 @@ struct Session {
     }
 };
 
-// What a built graph depends on; see Graph.
+// The shape a built graph depends on; see Graph. No session in it: the KV is bound per call.
 struct GraphKey {
-    int64_t sid = -1;
-    int32_t n = 0;
-    int32_t n_kv = 0;
-    const void * kv = nullptr;  // identity of the session's KV buffer (changes when it grows)
+    int32_t n = 0;       // new positions
+    int32_t n_kv = 0;    // attended span
+    int32_t cap = 0;     // KV capacity of the bound session (the cache tensors' shape)
     bool last_only = false;
     bool operator==(const GraphKey & o) const {
-        return sid == o.sid && n == o.n && n_kv == o.n_kv && kv == o.kv && last_only == o.last_only;
+        return n == o.n && n_kv == o.n_kv && cap == o.cap && last_only == o.last_only;
     }
 };
 
-// A built and allocated window graph; kept between calls and reused while its key matches (a decode
-// loop on one session rebuilds nothing: only the inputs change).
+// A built and allocated window graph; kept between calls and reused while its key matches, whichever
+// session calls (a decode loop, or sessions taking turns at one shape, rebuild nothing: only the
+// inputs and the KV binding change). The graph reads and writes the cache through its own K/V leaf
+// tensors of shape [d_kv, cap] and [cap, d_kv]; bind_kv points them, and every view of them, at the
+// calling session's cache before each compute.
 struct Graph {
     ggml_context * ctx = nullptr;
     ggml_cgraph * gf = nullptr;
@@ -81,6 +85,8 @@ struct Graph {
     ggml_tensor * inp_vidx = nullptr;  // element index of each new (channel, position) in transposed V
     ggml_tensor * out = nullptr;
     ggml_tensor * out_prob = nullptr;  // last window: softmax of the final position's logits
+    std::vector<ggml_tensor *> k, v;     // per layer: the cache leaves bound to a session's s.k / s.v
+    std::vector<ggml_tensor *> kv_views; // graph tensors viewing k or v (rebound with them)
     GraphKey key;
     bool valid = false;
     void clear() {
@@ -101,6 +107,15 @@ struct Meta {
 
 }  // namespace ggswarm
 
+// The handle behind ggswarm.h's opaque ggswarm_budget: the node's KV bytes, charged and credited by
+// every model handle opened with it (from any thread), freed with its last reference.
+struct ggswarm_budget {
+    mutable std::mutex mu;
+    uint64_t total = 0;
+    uint64_t used = 0;
+    int refs = 1;  // the creator's, plus one per model handle
+};
+
 // The handle behind ggswarm.h's opaque ggswarm_model: one layer window on one device.
 struct ggswarm_model {
     mutable std::string error;
@@ -114,8 +129,9 @@ struct ggswarm_model {
     float eps = 1e-5f, rope_base = 10000.0f, rope_freq_scale = 1.0f;
     int rope_mode = GGML_ROPE_TYPE_NORMAL;
     bool decode_kernels = false;  // CPU decode steps use attention.cpp's kernels (see kernel_step)
-    uint64_t kv_budget = 0;
+    ggswarm_budget * budget = nullptr;  // the node's KV budget (a reference), or none
     uint64_t weight_bytes = 0;
+    uint64_t graph_builds = 0;
 
     ggml_backend_dev_t dev = nullptr;
     ggml_backend_t backend = nullptr;      // device the weights and KV live on
@@ -158,16 +174,7 @@ struct ggswarm_model {
         return t;
     }
 
-    ~ggswarm_model() {
-        graph.clear();
-        for (auto & kv : sessions) kv.second.release();
-        sessions.clear();
-        if (sched) ggml_backend_sched_free(sched);
-        if (wbuf) ggml_backend_buffer_free(wbuf);
-        if (wctx) ggml_free(wctx);
-        if (backend_cpu && backend_cpu != backend) ggml_backend_free(backend_cpu);
-        if (backend) ggml_backend_free(backend);
-    }
+    ~ggswarm_model();  // ggswarm.cpp: also returns the sessions' KV bytes and the budget reference
 };
 
 namespace ggswarm {
@@ -195,6 +202,8 @@ ggswarm_status init_backends(ggswarm_model * m);
 ggswarm_status init_sched(ggswarm_model * m);
 
 // KV (kv.cpp)
+void budget_release(ggswarm_budget * b);
+void free_kv(ggswarm_model * m, Session & s);  // release the session's KV and credit the budget
 Session * find_session(const ggswarm_model * m, int64_t sid);
 ggswarm_status no_session(const ggswarm_model * m, int64_t sid);
 int64_t pad_kv(int64_t n);

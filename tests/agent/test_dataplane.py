@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import os
 
-from agent.client.route.route import Hop, RouteClient
-
 from agent.backends.base import ShardSpec
 from agent.backends.torch_llama import TorchLlamaBackend
+from agent.client.route import Hop, RouteClient
 from agent.node.dataplane import DataPlane, start_dataplane
 from agent.wire.routetoken import mint
 from agent.wire.sampling import SamplingParams
@@ -47,7 +46,7 @@ async def test_a_node_holding_two_consecutive_shards_serves_both_hops_of_one_ses
 async def test_a_full_kv_budget_evicts_the_idle_session_and_refuses_one_that_cannot_fit(
     model_path, manifest, signing_key
 ) -> None:  # noqa: ANN001
-    from agent.client.route.route import RouteError
+    from agent.client.route import RouteError
 
     # All 30 layers on torch hold 46,080 bytes of KV per position, allocated 256 positions (11.8 MB) at a time.
     dp = DataPlane("node-y", signing_key.public_key(), kv_budget_bytes=16 << 20)
@@ -78,7 +77,9 @@ async def test_a_full_kv_budget_evicts_the_idle_session_and_refuses_one_that_can
             raise AssertionError("an oversized session was admitted")
         except RouteError as e:
             assert (e.status, e.code) == (503, "kv_budget") and "budget" in str(e)
-        assert dp.stats()["kv_bytes"] <= 16 << 20
+        stats = dp.stats()
+        assert stats["kv_bytes"] <= 16 << 20
+        assert stats["kv_remaining_bytes"] == (16 << 20) - stats["kv_bytes"]
         await b.forward([5], SamplingParams())  # the surviving session is unaffected
     finally:
         for c in (a, b, big):

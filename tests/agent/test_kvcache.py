@@ -12,6 +12,8 @@ from agent.wire.ids import SessionId
 class FakeBackend:
     """Stands in for a backend at the accounting seam: a fixed number of bytes per session."""
 
+    kv_in_node_budget = False  # counted by the table, like the torch and llama.cpp backends
+
     def __init__(self) -> None:
         self.bytes: dict[SessionId, int] = {}
 
@@ -29,9 +31,11 @@ def key(name: bytes) -> tuple[SessionId, tuple[str, int, int]]:
     return (SessionId(name * 16), SHARD)
 
 
-def add(table: SessionTable, be: FakeBackend, name: bytes, nbytes: int) -> SessionState:
+def add(
+    table: SessionTable, be: FakeBackend, name: bytes, nbytes: int, shard: tuple[str, int, int] = SHARD
+) -> SessionState:
     sid = SessionId(name * 16)
-    st = SessionState(sid=sid, shard_key=SHARD, backend=be, max_tokens=10)  # type: ignore[arg-type]
+    st = SessionState(sid=sid, shard_key=shard, backend=be, max_tokens=10)  # type: ignore[arg-type]
     table.admit(st, nbytes)
     be.bytes[sid] = nbytes
     table.add(st)
@@ -45,7 +49,7 @@ def test_admission_evicts_the_least_recently_used_idle_session() -> None:
     table.get(key(b"a"))  # a is now more recent than b
     add(table, be, b"c", 40)
     assert key(b"b") not in table and key(b"a") in table
-    assert table.evictions == 1 and table.used_bytes() == 80
+    assert table.evictions == 1 and table.used_bytes() == 80 and table.remaining_bytes() == 20
 
 
 def test_busy_sessions_are_never_evicted_and_the_request_is_refused() -> None:
@@ -81,3 +85,20 @@ def test_a_request_that_cannot_fit_even_after_evicting_everything_evicts_nobody(
     with pytest.raises(AdmissionError, match="budget"):
         add(table, be, b"b", 120)
     assert key(b"a") in table and table.evictions == 0
+
+
+def test_admission_never_evicts_the_same_session_on_the_node_s_other_shard() -> None:
+    be, table = FakeBackend(), SessionTable(budget_bytes=100)
+    add(table, be, b"a", 50, shard=("m", 0, 15))
+    with pytest.raises(AdmissionError, match="budget"):
+        add(table, be, b"a", 60, shard=("m", 15, 30))  # its first half is idle, but it is the same route
+    assert (SessionId(b"a" * 16), ("m", 0, 15)) in table and table.evictions == 0
+
+
+def test_a_vetoed_session_is_neither_evicted_nor_expired() -> None:
+    be, table = FakeBackend(), SessionTable(budget_bytes=100, ttl_s=10)
+    a = add(table, be, b"a", 60)
+    with pytest.raises(AdmissionError, match="budget"):
+        table.admit(SessionState(SessionId(b"b" * 16), SHARD, be, 10), 60, evictable=lambda s: False)  # type: ignore[arg-type]
+    assert table.expire(now=a.last_used + 11, evictable=lambda s: False) == 0
+    assert key(b"a") in table

@@ -9,13 +9,19 @@ import numpy as np
 import pytest
 
 from agent.backends import libggswarm as native
-from agent.backends.libggswarm import NativeError, NativeModel
+from agent.backends.libggswarm import NativeBudget, NativeError, NativeModel
 from tests.native.tiny_gguf import VOCAB, D, write_tiny_gguf
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf")
+
+
+@pytest.fixture(scope="module")
+def tiny_4k(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with a 4,096-position context (KV: 128 bytes per position per layer)."""
+    return write_tiny_gguf(tmp_path_factory.mktemp("tiny4k") / "tiny-llama.gguf", context=4096)
 
 
 def test_a_layer_range_out_of_bounds_is_a_range_error(native_lib: None, tiny: Path) -> None:
@@ -105,16 +111,62 @@ def test_forward_validates_its_batch(native_lib: None, tiny: Path) -> None:
 
 def test_the_kv_budget_is_an_error_not_an_out_of_memory(native_lib: None, tiny: Path) -> None:
     per_token = NativeModel(tiny, 0, 3).kv_bytes_per_token
-    with NativeModel(tiny, 0, 3, kv_budget_bytes=per_token * 300) as m:
+    budget = NativeBudget(per_token * 300)
+    with NativeModel(tiny, 0, 3, budget=budget) as m:
         a = m.open_session(256)
+        assert m.growth_bytes(a, 64) == 256 * per_token  # the cache holds whole 256-position blocks
         m.forward(a, 0, token_ids=list(range(64)))
+        assert m.growth_bytes(a, 200) == 0 and budget.used == m.kv_bytes(a) == 256 * per_token
         b = m.open_session(256)
         with pytest.raises(NativeError, match="KV budget") as e:
             m.forward(b, 0, token_ids=list(range(64)))
         assert e.value.status == native.GGSWARM_E_BUDGET
         m.close_session(a)
+        assert budget.used == 0
         m.forward(b, 0, token_ids=list(range(64)))
-        assert m.kv_bytes() == m.kv_bytes(b) > 0
+        assert m.kv_bytes() == m.kv_bytes(b) == budget.used > 0
+        with pytest.raises(NativeError, match="n_positions"):
+            m.growth_bytes(b, 257)
+    assert budget.used == 0  # freeing the model returned its sessions' bytes
+    budget.close()
+
+
+def test_two_models_sharing_one_budget_cannot_overrun_it(native_lib: None, tiny_4k: Path) -> None:
+    budget = NativeBudget(150_000)
+    first, last = NativeModel(tiny_4k, 0, 1, budget=budget), NativeModel(tiny_4k, 1, 3, budget=budget)
+    budget.close()  # the models hold their own references: the budget outlives this one
+    s1, s2 = first.open_session(512), last.open_session(512)
+    h = first.forward(s1, 0, token_ids=[i % VOCAB for i in range(300)])["hidden"]  # 512 positions x 128 B
+    assert first.kv_bytes() == 512 * first.kv_bytes_per_token == 65_536
+    need = last.growth_bytes(s2, 300)
+    assert need == 512 * last.kv_bytes_per_token == 131_072 > budget_left(first, 150_000)
+    with pytest.raises(NativeError, match="KV budget") as e:
+        last.forward(s2, 0, hidden=h)
+    assert e.value.status == native.GGSWARM_E_BUDGET and last.kv_bytes() == 0
+    first.close()  # its 64 KiB go back to the shared budget
+    out = last.forward(s2, 0, hidden=h)
+    assert 0 <= out["token"] < VOCAB and last.kv_bytes() == need
+    last.close()
+
+
+def budget_left(m: NativeModel, total: int) -> int:
+    return total - m.kv_bytes()
+
+
+def test_a_doubling_capacity_falls_back_to_the_exact_need_when_the_budget_is_short(
+    native_lib: None, tiny_4k: Path
+) -> None:
+    per_token = NativeModel(tiny_4k, 0, 3).kv_bytes_per_token
+    roomy, tight = NativeBudget(per_token * 2048), NativeBudget(per_token * 768)
+    for budget, cap in ((roomy, 1024), (tight, 768)):
+        with NativeModel(tiny_4k, 0, 3, budget=budget) as m:
+            s = m.open_session(2048)
+            m.forward(s, 0, token_ids=[1] * 256)
+            m.forward(s, 256, token_ids=[2] * 256)  # 256 -> 512 positions: double
+            assert m.kv_bytes(s) == 512 * per_token
+            assert m.growth_bytes(s, 513) == 256 * per_token  # what it needs at least
+            m.forward(s, 512, token_ids=[3])  # takes 1024 when the budget has room, else 768
+            assert m.kv_bytes(s) == budget.used == cap * per_token
 
 
 def test_a_snapshot_from_another_window_or_a_corrupt_one_is_refused(native_lib: None, tiny: Path) -> None:
@@ -188,7 +240,7 @@ def test_the_backend_turns_native_errors_into_backend_errors(native_lib: None, t
     with pytest.raises(BackendError, match="n_threads"):
         NativeBackend(ShardSpec(str(tiny), 0, 3, manifest, n_threads=0))
     first = NativeBackend(ShardSpec(str(tiny), 0, 1, manifest, n_threads=1))
-    last = NativeBackend(ShardSpec(str(tiny), 1, 3, manifest, n_threads=1), kv_budget_bytes=100_000)
+    last = NativeBackend(ShardSpec(str(tiny), 1, 3, manifest, n_threads=1), kv_budget=NativeBudget(100_000))
     sid = SessionId(bytes(16))
     first.open_session(sid, 64)
     last.open_session(sid, 64)
@@ -206,10 +258,19 @@ def test_the_backend_turns_native_errors_into_backend_errors(native_lib: None, t
     last.open_session(other, 256)  # 256 positions x 256 B more than the 100 kB budget has left
     with pytest.raises(AdmissionError, match="KV budget"):
         last.forward(other, 0, hidden=np.zeros((200, D), dtype=np.float32))
-    half = NativeBackend(ShardSpec(str(tiny), 0, 1, manifest, n_threads=1), hidden_dtype="float16", n_batch=7)
+    half = NativeBackend(ShardSpec(str(tiny), 0, 1, manifest, n_threads=1), n_batch=7)
     half.open_session(sid, 64)
-    h16 = half.forward(sid, 0, token_ids=np.array([1, 2, 3])).hidden
-    assert h16.dtype == np.float16 and np.allclose(h16, h, rtol=1e-2, atol=1e-2)
+    h16 = half.forward(sid, 0, token_ids=np.array([1, 2, 3]), hidden_dtype="f16").hidden
+    assert h16.dtype == np.float16 and np.array_equal(h16, h.astype(np.float16))
+    # f16 rows go into the library as they are, and give exactly what their f32 values give
+    rest = NativeBackend(ShardSpec(str(tiny), 1, 3, manifest, n_threads=1))
+    a16, a32 = SessionId(b"p" * 16), SessionId(b"q" * 16)
+    rest.open_session(a16, 64)
+    rest.open_session(a32, 64)
+    got16 = rest.forward(a16, 0, hidden=h16, want_logits=True).logits
+    got32 = rest.forward(a32, 0, hidden=h16.astype(np.float32), want_logits=True).logits
+    assert np.array_equal(got16, got32)
+    rest.close()
     for be in (first, last, half):
         be.close()
     last.close()
