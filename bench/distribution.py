@@ -149,7 +149,7 @@ def run_control_plane(
     from agent.artifacts.fetch import fetch_shard
     from agent.node.config import NodeConfig
     from tests.integration.swarm import control_plane
-    from webapp.tracker.logic import derive_passkey
+    from webapp.fleet.passkeys import derive_passkey
 
     secret = secrets.token_urlsafe(48)
     with control_plane(work / "cp", SECRET_KEY=secret) as s:

@@ -18,6 +18,5 @@ urlpatterns = [
     path("", include("webapp.fleet.urls")),
     path("", include("webapp.playground.urls")),
     path("", include("webapp.routing.urls")),
-    path("", include("webapp.telemetry.urls")),
     path("", include("webapp.tracker.urls")),
 ]

@@ -10,9 +10,9 @@ import pytest
 from django.utils import timezone
 
 from agent.wire.routetoken import load_public_key
+from webapp.core.keys import route_signing_key
 from webapp.fleet.models import EnrollmentToken, Node, NodeCredential, hash_secret
 from webapp.fleet.services import authenticate_node, create_enrollment_token
-from webapp.routing.keys import route_signing_key
 
 pytestmark = pytest.mark.django_db
 

@@ -11,11 +11,12 @@ from urllib.parse import quote_from_bytes
 import pytest
 
 from webapp.fleet.models import Node
+from webapp.fleet.passkeys import node_passkey
 from webapp.fleet.protocol import load_command
 from webapp.fleet.services import create_enrollment_token, redeem_enrollment_token
 from webapp.fleet.tasks import assignment_view
 from webapp.tracker.logic import bdecode
-from webapp.tracker.services import node_passkey, peer_store
+from webapp.tracker.services import peer_store
 from webapp.tracker.store import RedisPeerStore
 
 pytestmark = pytest.mark.django_db

@@ -1,1 +1,1 @@
-"""Model catalog: registered GGUF artifacts, their manifests and the HTTP range endpoint agents fetch from."""
+"""Model catalog: registered GGUF artifacts, their manifests and .torrents."""

@@ -1,4 +1,8 @@
-"""Registering GGUF artifacts (path, upload, PyPI package) and building their .torrents."""
+"""Registering GGUF artifacts (path, upload, PyPI package) and building their .torrents.
+
+Registration only writes the row; the caller starts the manifest build (`tasks.enqueue_build`), so
+this module never imports the tasks that import it.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,6 @@ from typing import Any
 
 from django.conf import settings
 from django.core.files.uploadedfile import UploadedFile
-from django.db import transaction
 
 from agent.artifacts.manifest import Manifest
 from agent.artifacts.packaged import ModelNotFound, packaged_model_path
@@ -35,14 +38,6 @@ def build_torrent(path: str, manifest: Manifest) -> tuple[bytes | None, str]:
     return create_torrent(path, smallest_layer_bytes=smallest)
 
 
-def _enqueue_build(artifact: ModelArtifact) -> ModelArtifact:
-    from webapp.catalog.tasks import build_artifact_manifest
-
-    pk = artifact.pk
-    transaction.on_commit(lambda: build_artifact_manifest.delay(pk))
-    return artifact
-
-
 def register_path(
     path: str, user: Any, name: str = "", source: str = ModelArtifact.Source.PATH
 ) -> ModelArtifact:
@@ -53,11 +48,9 @@ def register_path(
         raise RegistrationError(f"{p}: no such file")
     if not os.access(p, os.R_OK):
         raise RegistrationError(f"{p}: not readable by the control plane")
-    with transaction.atomic():
-        a = ModelArtifact.objects.create(
-            name=name or p.stem, source=source, path=str(p.resolve()), created_by=user
-        )
-        return _enqueue_build(a)
+    return ModelArtifact.objects.create(
+        name=name or p.stem, source=source, path=str(p.resolve()), created_by=user
+    )
 
 
 def register_package(name: str, user: Any) -> ModelArtifact:
@@ -76,11 +69,9 @@ def register_upload(f: UploadedFile, user: Any, name: str = "") -> ModelArtifact
     with os.fdopen(fd, "wb") as out:
         for chunk in f.chunks():
             out.write(chunk)
-    with transaction.atomic():
-        a = ModelArtifact.objects.create(
-            name=name or Path(f.name or "upload").stem,
-            source=ModelArtifact.Source.UPLOAD,
-            path=tmp,
-            created_by=user,
-        )
-        return _enqueue_build(a)
+    return ModelArtifact.objects.create(
+        name=name or Path(f.name or "upload").stem,
+        source=ModelArtifact.Source.UPLOAD,
+        path=tmp,
+        created_by=user,
+    )

@@ -5,11 +5,17 @@ from __future__ import annotations
 import json
 
 from celery import shared_task
+from django.db import transaction
 
 from agent.artifacts.manifest import ManifestError, build_manifest
 from webapp.catalog.models import ModelArtifact
 from webapp.catalog.services import build_torrent
 from webapp.core.channels import notify_fleet
+
+
+def enqueue_build(artifact_id: int) -> None:
+    """Build the manifest once the registering transaction commits (a worker must see the row)."""
+    transaction.on_commit(lambda: build_artifact_manifest.delay(artifact_id))
 
 
 @shared_task

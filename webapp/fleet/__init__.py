@@ -1,1 +1,1 @@
-"""Fleet: nodes, enrollment, credentials, the agent websocket, placement of shards."""
+"""Fleet: nodes, enrollment, credentials and tracker passkeys, the agent websocket, placement of shards."""

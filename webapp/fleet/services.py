@@ -18,8 +18,8 @@ from django.utils import timezone
 from agent.wire import routetoken
 from agent.wire.control import Hello, Telemetry
 from agent.wire.ids import NodeId
+from webapp.core.keys import route_signing_key
 from webapp.fleet.models import EnrollmentToken, Node, NodeCredential, ShardAssignment, hash_secret
-from webapp.routing.keys import route_signing_key
 
 LOADED_OR_LOADING = [
     ShardAssignment.State.FETCHING,

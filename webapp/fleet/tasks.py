@@ -23,6 +23,7 @@ from webapp.catalog.models import ModelArtifact
 from webapp.core.channels import group_send, node_group, notify_fleet
 from webapp.fleet import services
 from webapp.fleet.models import Node, ShardAssignment
+from webapp.fleet.passkeys import tracker_paths
 from webapp.fleet.placement import (
     Placement,
     PlacementError,
@@ -32,7 +33,6 @@ from webapp.fleet.placement import (
     shape_from_manifest,
 )
 from webapp.fleet.protocol import AssignmentView, choose_backend, load_command, unload_command
-from webapp.tracker.services import tracker_paths
 
 log = logging.getLogger(__name__)
 ACTIVE = [

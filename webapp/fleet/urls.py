@@ -1,4 +1,4 @@
-"""Fleet URLs (pages for staff, the enrollment API for agents)."""
+"""Fleet URLs (pages and placement for staff, the enrollment API for agents)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ urlpatterns = [
     path("fleet/nodes/<str:node_id>/drain", views.drain, name="drain"),
     path("fleet/nodes/<str:node_id>/remove", views.remove, name="remove"),
     path("fleet/placement/", views.placement, name="placement"),
-    path("fleet/generations", views.generations, name="generations"),
+    path("models/<int:artifact_id>/place", views.place, name="place"),
+    path("models/<int:artifact_id>/unplace", views.unplace, name="unplace"),
     path("fleet/status.json", views.status_json, name="status"),
     path("api/agent/enroll", views.enroll_api, name="enroll_api"),
 ]

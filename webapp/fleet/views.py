@@ -1,10 +1,12 @@
-"""Fleet views: the live fleet page, enrollment tokens, drain/remove, placement bars, the enroll API."""
+"""Fleet views: the live fleet page, enrollment tokens, drain/remove, placing models, placement bars,
+the enroll API."""
 
 from __future__ import annotations
 
 import json
 from datetime import timedelta
 
+from celery.result import EagerResult
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import get_object_or_404, render
@@ -17,9 +19,8 @@ from webapp.core.auth import HtmxHttpRequest, staff_required
 from webapp.fleet import services
 from webapp.fleet.models import Node, ShardAssignment
 from webapp.fleet.presenters import placement_bars
-from webapp.fleet.tasks import drain_node, remove_node
-from webapp.routing.models import RouteSession
-from webapp.telemetry.models import GenerationRecord, NodeTelemetrySample
+from webapp.fleet.tasks import drain_node, place_model, remove_node, unplace_model
+from webapp.telemetry.models import NodeTelemetrySample
 
 
 def throughput_history(hours: int = 1) -> dict[str, list[list[float]]]:
@@ -73,15 +74,30 @@ def remove(request: HtmxHttpRequest, node_id: str) -> HttpResponse:
     return HttpResponse("")
 
 
-@require_GET
+@require_POST
 @staff_required
-def generations(request: HtmxHttpRequest) -> HttpResponse:
-    """Open route sessions and the latest answers with their latency (refreshed live on the fleet page)."""
-    rows = GenerationRecord.objects.select_related("user", "artifact")[:20]
-    sessions = RouteSession.objects.select_related("user", "artifact").filter(state=RouteSession.State.OPEN)[
-        :20
-    ]
-    return render(request, "fleet/htmx/generations.html", {"generations": rows, "sessions": sessions})
+def place(request: HtmxHttpRequest, artifact_id: int) -> HttpResponse:
+    artifact = get_object_or_404(ModelArtifact, pk=artifact_id)
+    replicas = request.POST.get("replicas", "")
+    result = place_model.delay(artifact.pk, int(replicas) if replicas.isdigit() else None)
+    # Eager mode answers at once; with a worker there is no result backend, so report it queued.
+    outcome = result.result if isinstance(result, EagerResult) else {"ok": True, "queued": True}
+    status = 200 if outcome.get("ok") else 409
+    return render(
+        request, "catalog/htmx/place_result.html", {"artifact": artifact, "outcome": outcome}, status=status
+    )
+
+
+@require_POST
+@staff_required
+def unplace(request: HtmxHttpRequest, artifact_id: int) -> HttpResponse:
+    artifact = get_object_or_404(ModelArtifact, pk=artifact_id)
+    unplace_model.delay(artifact.pk)
+    return render(
+        request,
+        "catalog/htmx/place_result.html",
+        {"artifact": artifact, "outcome": {"ok": True, "unplaced": True}},
+    )
 
 
 @require_GET

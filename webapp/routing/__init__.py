@@ -1,1 +1,1 @@
-"""Routing: choosing chains of ready shards, route sessions and route tokens."""
+"""Routing: choosing chains of ready shards, route sessions and their route tokens."""

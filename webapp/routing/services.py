@@ -13,9 +13,9 @@ from django.utils import timezone
 from agent.wire import routetoken
 from agent.wire.ids import NodeId, SessionId
 from webapp.catalog.models import ModelArtifact
+from webapp.core.keys import route_signing_key
 from webapp.fleet.models import Node, ShardAssignment
 from webapp.routing.chooser import ShardCandidate, choose_route
-from webapp.routing.keys import route_signing_key
 from webapp.routing.models import RouteSession
 
 

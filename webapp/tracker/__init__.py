@@ -1,1 +1,1 @@
-"""BitTorrent HTTP tracker and BEP 19 web seed for model artifacts (pure logic, store, views)."""
+"""Distributing artifacts to nodes: the manifest, .torrent and HTTP range endpoints, the BitTorrent tracker and the BEP 19 web seed."""

@@ -6,7 +6,7 @@ from django.apps import AppConfig
 
 
 class TrackerConfig(AppConfig):
-    """Registers webapp.tracker: the BitTorrent HTTP tracker and the BEP 19 web seed of artifacts."""
+    """Registers webapp.tracker: artifact endpoints, the BitTorrent HTTP tracker and the BEP 19 web seed."""
 
     name = "webapp.tracker"
     label = "tracker"

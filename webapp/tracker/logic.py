@@ -1,9 +1,10 @@
-"""BitTorrent HTTP tracker as pure functions: bencoding, announce/scrape parsing, passkeys, peer store."""
+"""BitTorrent HTTP tracker as pure functions: bencoding, announce/scrape parsing, peer store.
+
+Passkeys are node credentials: `webapp.fleet.passkeys` derives and checks them.
+"""
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import ipaddress
 import struct
 import threading
@@ -229,21 +230,6 @@ def parse_announce(raw_query: str | bytes, remote_ip: str) -> Announce:
         compact=q.get("compact", b"1") != b"0",
         numwant=min(_int_param(q, "numwant", default=DEFAULT_NUMWANT, hi=2**31), MAX_NUMWANT),
     )
-
-
-def derive_passkey(secret: str, node_id: str) -> str:
-    """A node's passkey, `<node id>.<HMAC-SHA256(secret, node id)[:32 hex]>`: nothing to store or look up."""
-    mac = hmac.new(secret.encode(), b"tracker-passkey:" + node_id.encode(), hashlib.sha256).hexdigest()
-    return f"{node_id}.{mac[:32]}"
-
-
-def passkey_claims(secret: str, passkey: str) -> str | None:
-    """The node id a passkey was derived for, if its MAC is right (whether the node is still enrolled
-    is the caller's question)."""
-    node_id, sep, _ = passkey.rpartition(".")
-    if not sep or not node_id or not hmac.compare_digest(passkey, derive_passkey(secret, node_id)):
-        return None
-    return node_id
 
 
 def failure(reason: str) -> bytes:

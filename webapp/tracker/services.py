@@ -1,7 +1,7 @@
-"""Tracker decisions that touch settings or the database: per-node passkeys, known torrents, the store.
+"""Tracker decisions that touch settings or the database: whose passkey this is, known torrents, the store.
 
-A node's passkey is `<node id>.<HMAC-SHA256(SECRET_KEY, node id)>`: derived, so nothing extra is
-stored, and revoked with the node (a removed node or one without a live credential is refused).
+Passkeys are derived per node (`webapp.fleet.passkeys`), so nothing extra is stored; one is refused
+once its node is removed or has no live credential.
 """
 
 from __future__ import annotations
@@ -12,12 +12,8 @@ from django.conf import settings
 
 from webapp.catalog.models import ModelArtifact
 from webapp.fleet.models import Node, NodeCredential
-from webapp.tracker.logic import MemoryPeerStore, PeerStore, derive_passkey, passkey_claims
-
-
-def node_passkey(node_id: str) -> str:
-    """The passkey this node puts in its tracker and web seed URLs."""
-    return derive_passkey(settings.SECRET_KEY, node_id)
+from webapp.fleet.passkeys import passkey_claims
+from webapp.tracker.logic import MemoryPeerStore, PeerStore
 
 
 def passkey_node(passkey: str) -> str | None:
@@ -50,9 +46,3 @@ def peer_store() -> PeerStore:
 
         return RedisPeerStore(redis.Redis.from_url(settings.REDIS_URL), settings.TRACKER_REDIS_PREFIX)
     return MemoryPeerStore()
-
-
-def tracker_paths(node_id: str, model_sha256: str) -> tuple[str, str]:
-    """(announce path, web seed path) on the control plane for this node and artifact."""
-    key = node_passkey(node_id)
-    return f"/tracker/{key}/announce", f"/webseed/{key}/{model_sha256}"

@@ -1,4 +1,7 @@
-"""The control plane's Ed25519 route-token signing key: from ROUTE_KEY_PEM(_FILE) or a 0600 file."""
+"""The control plane's Ed25519 route-token signing key: from ROUTE_KEY_PEM(_FILE) or a 0600 file.
+
+In core because two apps need it: fleet hands its public half to enrolling nodes, routing signs with it.
+"""
 
 from __future__ import annotations
 

@@ -1,1 +1,0 @@
-"""Core has no models."""

@@ -1,1 +1,0 @@
-"""Playground models (none: conversations are RouteSession rows, answers GenerationRecord rows)."""

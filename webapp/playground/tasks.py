@@ -1,1 +1,0 @@
-"""Playground tasks (none yet)."""

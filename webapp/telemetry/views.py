@@ -1,1 +1,0 @@
-"""Telemetry views (none yet: its data is shown on the fleet and playground pages)."""
