@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 @lru_cache(maxsize=8)
 def _tokenizer(path: str) -> Any:
-    from agent.client.route.tokenizer import ChatTokenizer
+    from agent.client.tokenizer import ChatTokenizer
 
     return ChatTokenizer(path)
 
@@ -116,7 +116,7 @@ class ChatConsumer(SafeJsonConsumer):
         if self.conv is not None and self.conv.artifact_id == req.model_id:
             return self.conv
         await self._close_conversation()
-        from agent.client.route.route import Hop, RouteClient
+        from agent.client.route import Hop, RouteClient
 
         user = self.scope["user"]
         _, session, grants, tokenizer = await database_sync_to_async(_open)(req.model_id, user)
@@ -129,10 +129,8 @@ class ChatConsumer(SafeJsonConsumer):
         self, conv: Conversation, req: ChatRequest, base: dict[str, Any], shown: list[str]
     ) -> tuple[str, dict[str, Any]]:
         """Stream one answer; after a failover, text the user already saw (`shown[0]`) is not re-sent."""
-        from agent.wire.sampling import SamplingParams
-
         text, telemetry = "", {}
-        async for ev in conv.client.chat(self.messages, SamplingParams(**req.sampling), req.max_tokens):
+        async for ev in conv.client.chat(self.messages, req.sampling, req.max_tokens):
             delta = getattr(ev, "text", "") or ""
             if delta:
                 before, text = len(text), text + delta
