@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 
 import libtorrent as lt
 
+from agent import defaults
 from agent.artifacts.fetch import FetchError, missing_tensors
 from agent.artifacts.manifest import Manifest, merge_ranges
 from agent.artifacts.pieces import (
@@ -196,7 +197,7 @@ class SwarmClient:
 
     def __init__(
         self,
-        listen: str = "0.0.0.0:6881",
+        listen: str = defaults.TORRENT_LISTEN,
         *,
         web_seed_policy: str = WEB_SEED_FALLBACK,
         peer_wait_s: float = 2.0,

@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 
+from agent import defaults
 from agent.backends.base import (
     AdmissionError,
     Backend,
@@ -30,7 +31,9 @@ class _Session:
 class LlamaCppBackend(Backend):
     """All layers in one llama.cpp model; one llama_context per session (its own KV)."""
 
-    def __init__(self, spec: ShardSpec, kv_budget_bytes: int = 1 << 30, n_batch: int = 512) -> None:
+    def __init__(
+        self, spec: ShardSpec, kv_budget_bytes: int = defaults.KV_BUDGET_BYTES, n_batch: int = 512
+    ) -> None:
         if not (spec.is_first and spec.is_last):
             raise BackendError("the llamacpp backend runs whole models only (layers 0:n)")
         import llama_cpp

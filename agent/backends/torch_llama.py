@@ -13,6 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from agent import defaults
 from agent.artifacts.tensors import read_tensor_f32
 from agent.backends.base import (
     AdmissionError,
@@ -101,7 +102,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class TorchLlamaBackend(Backend):
     """Layers [a, b) of a llama-family GGUF in float32 PyTorch with a per-session KV cache."""
 
-    def __init__(self, spec: ShardSpec, kv_budget_bytes: int = 1 << 30, rope_table_len: int = 8192) -> None:
+    def __init__(
+        self, spec: ShardSpec, kv_budget_bytes: int = defaults.KV_BUDGET_BYTES, rope_table_len: int = 8192
+    ) -> None:
         m = spec.manifest
         if m.architecture not in SUPPORTED_ARCHS:
             raise BackendError(

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector
 
+from agent import defaults
 from agent.client.tokenizer import ChatTokenizer, StreamDecoder
 from agent.wire.frames import (
     CONTEXT_CAP,
@@ -84,7 +85,7 @@ class RouteClient:
         session_id: bytes | None = None,
         mode: str = "star",
         hidden_dtype: HiddenDtype = DEFAULT_HIDDEN_DTYPE,
-        max_context: int = 8192,
+        max_context: int = defaults.MAX_CONTEXT,
         timeout_s: float = 120.0,
     ) -> None:
         if not hops:

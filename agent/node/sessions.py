@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from agent import defaults
 from agent.backends.base import AdmissionError, Backend
 from agent.wire.frames import ChainHop
 from agent.wire.ids import SessionId
@@ -52,7 +53,7 @@ class SessionTable:
     sessions are added up here, against the same total.
     """
 
-    def __init__(self, budget_bytes: int, ttl_s: float = 1800.0) -> None:
+    def __init__(self, budget_bytes: int, ttl_s: float = defaults.SESSION_TTL_S) -> None:
         self.budget_bytes = budget_bytes
         self.ttl_s = ttl_s
         self._sessions: OrderedDict[SessionKey, SessionState] = OrderedDict()
