@@ -11,9 +11,14 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from agent import __version__, defaults
 from agent.wire import frames
+from agent.wire.ids import SessionId
+
+if TYPE_CHECKING:
+    from agent.client.route import Hop
 
 
 def _fail(msg: str) -> int:
@@ -111,7 +116,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 # -- chat -------------------------------------------------------------------------------------------
-async def _discover_hops(urls: list[str], key_path: str, session: bytes, ttl_s: int):  # noqa: ANN202
+async def _discover_hops(urls: list[str], key_path: str, session: SessionId, ttl_s: int) -> list[Hop]:
     """Development route: ask each hop what it holds and mint its token with a local signing key."""
     from aiohttp import ClientSession
 
@@ -119,7 +124,8 @@ async def _discover_hops(urls: list[str], key_path: str, session: bytes, ttl_s: 
     from agent.wire.routetoken import load_private_key, mint
 
     key = load_private_key(key_path)
-    hops, model_sha = [], None
+    hops: list[Hop] = []
+    model_sha: str | None = None
     async with ClientSession() as http:
         for url in urls:
             async with http.get(url.rstrip("/") + "/v1/health") as r:
@@ -161,7 +167,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     )
 
     async def main() -> int:
-        session = os.urandom(16)
+        session = SessionId(os.urandom(16))
         hops = await _discover_hops(
             args.route.split(","), args.signing_key, session, defaults.ROUTE_TOKEN_TTL_S
         )
@@ -253,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     t0 = time.perf_counter()
-    rc = args.func(args)
+    rc = int(args.func(args))
     logging.getLogger("agent.cli").debug("%s took %.2fs", args.cmd, time.perf_counter() - t0)
     return rc
 

@@ -14,6 +14,7 @@ import os
 import re
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import BinaryIO
 
 from aiohttp import ClientSession
 
@@ -29,14 +30,14 @@ class FetchError(RuntimeError):
     match its manifest hash after a retry); the message says which and why."""
 
 
-def _tensor_ok(f: object, t: TensorInfo) -> bool:
+def _tensor_ok(f: BinaryIO, t: TensorInfo) -> bool:
     if not t.sha256:
         return False
     h = hashlib.sha256()
-    f.seek(t.offset)  # type: ignore[attr-defined]
+    f.seek(t.offset)
     left = t.nbytes
     while left > 0:
-        chunk = f.read(min(CHUNK, left))  # type: ignore[attr-defined]
+        chunk = f.read(min(CHUNK, left))
         if not chunk:
             return False
         h.update(chunk)

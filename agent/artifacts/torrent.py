@@ -84,12 +84,12 @@ def create_torrent(
     ct.set_creator("gguf-swarm")
     lt.set_piece_hashes(ct, str(p.parent))
     torrent = lt.bencode(ct.generate())
-    info = lt.torrent_info(lt.bdecode(torrent))
+    info = lt.torrent_info(torrent)
     return torrent, str(info.info_hashes().v1)
 
 
 def torrent_info(torrent_bytes: bytes) -> lt.torrent_info:
-    return lt.torrent_info(lt.bdecode(torrent_bytes))
+    return lt.torrent_info(torrent_bytes)
 
 
 def shard_byte_ranges(manifest: Manifest, layer_start: int, layer_end: int) -> list[tuple[int, int]]:
@@ -202,14 +202,14 @@ class SwarmClient:
         web_seed_policy: str = WEB_SEED_FALLBACK,
         peer_wait_s: float = 2.0,
         stall_s: float = 1.0,
-        settings: dict[str, object] | None = None,
+        settings: lt.settings_pack | None = None,
     ) -> None:
         if web_seed_policy not in WEB_SEED_POLICIES:
             raise ValueError(f"unknown web seed policy {web_seed_policy!r}")
         self.web_seed_policy = web_seed_policy
         self.peer_wait_s = peer_wait_s
         self.stall_s = stall_s
-        pack: dict[str, object] = {
+        pack: lt.settings_pack = {
             "listen_interfaces": listen,
             "enable_dht": False,
             "enable_lsd": False,
@@ -593,11 +593,22 @@ class SwarmClient:
         *,
         timeout: float = 300.0,
         retries: int = 1,
-        **kwargs: object,
+        trackers: list[str] | None = None,
+        web_seeds: list[str] | None = None,
+        web_seed_policy: str | None = None,
     ) -> Path:
         """fetch + verify_tensors; on a mismatch, recheck and re-download, up to `retries` times."""
         ranges = shard_byte_ranges(manifest, layer_start, layer_end)
-        path = self.fetch(torrent_bytes, dest_dir, ranges, on_progress, timeout=timeout, **kwargs)  # type: ignore[arg-type]
+        path = self.fetch(
+            torrent_bytes,
+            dest_dir,
+            ranges,
+            on_progress,
+            timeout=timeout,
+            trackers=trackers,
+            web_seeds=web_seeds,
+            web_seed_policy=web_seed_policy,
+        )
         ih = str(torrent_info(torrent_bytes).info_hashes().v1)
         for attempt in range(retries + 1):
             try:

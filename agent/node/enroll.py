@@ -112,7 +112,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     return asyncio.run(main())
 
 
-def add_control_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_control_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register `enroll` and `run` on the agent CLI's subparsers."""
     s = sub.add_parser("enroll", help="exchange an enrollment token for node credentials")
     s.add_argument(

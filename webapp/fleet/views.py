@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from datetime import timedelta
+from typing import Any
 
 from celery.result import EagerResult
 from django.conf import settings
@@ -81,7 +82,9 @@ def place(request: HtmxHttpRequest, artifact_id: int) -> HttpResponse:
     replicas = request.POST.get("replicas", "")
     result = place_model.delay(artifact.pk, int(replicas) if replicas.isdigit() else None)
     # Eager mode answers at once; with a worker there is no result backend, so report it queued.
-    outcome = result.result if isinstance(result, EagerResult) else {"ok": True, "queued": True}
+    outcome: dict[str, Any] = {"ok": True, "queued": True}
+    if isinstance(result, EagerResult) and isinstance(result.result, dict):
+        outcome = result.result
     status = 200 if outcome.get("ok") else 409
     return render(
         request, "catalog/htmx/place_result.html", {"artifact": artifact, "outcome": outcome}, status=status
