@@ -59,7 +59,7 @@ int64_t pad_kv(int64_t n) { return round_up(n, kKvPad); }
 // zeros to softmax's and the values' sums and so changes nothing but the work done (kernel_step).
 constexpr int64_t kKernelPad = 64;
 
-bool kernel_step(const ggswarm_model * m, int32_t n) { return n == 1 && m->decode_kernels; }
+bool kernel_step(const ggswarm_model * m, int32_t n) { return n == 1 && m->decode_kernels == 1; }
 
 int64_t kernel_span(int64_t n) { return round_up(n, kKernelPad); }
 

@@ -128,7 +128,9 @@ struct ggswarm_model {
     int32_t n_ctx_train = 0, n_ctx_max = 0, n_threads = 1;
     float eps = 1e-5f, rope_base = 10000.0f, rope_freq_scale = 1.0f;
     int rope_mode = GGML_ROPE_TYPE_NORMAL;
-    bool decode_kernels = false;  // CPU decode steps use attention.cpp's kernels (see kernel_step)
+    // 1: CPU decode steps use attention.cpp's kernels (see kernel_step); 0: they do not apply here;
+    // -1: they would, but failed the self-check at open (ggswarm_model_info.decode_kernels)
+    int32_t decode_kernels = 0;
     ggswarm_budget * budget = nullptr;  // the node's KV budget (a reference), or none
     uint64_t weight_bytes = 0;
     uint64_t graph_builds = 0;
