@@ -1,4 +1,8 @@
-"""`make up`: migrate, start web + worker + two local agents, register and place SmolLM2, print the URL."""
+"""`make up`: migrate, start web + worker + two local agents, register and place SmolLM2, print the URL.
+
+The work is `manage.py swarm_up` (webapp/playground/management/commands), which starts, waits for and
+stops its processes with `agent.procs`.
+"""
 
 from __future__ import annotations
 

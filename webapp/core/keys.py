@@ -34,7 +34,3 @@ def route_signing_key() -> Ed25519PrivateKey:
         with os.fdopen(fd, "wb") as f:
             f.write(routetoken.private_key_pem(routetoken.generate_key()))
     return routetoken.load_private_key(path)
-
-
-def route_public_key_b64() -> str:
-    return routetoken.public_key_b64(route_signing_key().public_key())
