@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 from aiohttp import ClientSession
 
 from agent.artifacts.manifest import Manifest
@@ -31,6 +32,23 @@ async def test_a_node_with_two_native_shards_refuses_a_session_that_would_take_i
     for a, b in SPLITS:
         dp.load_shard(model_path, manifest, a, b, backend="native", n_threads=2)
     budget = dp.sessions.native_budget()
+    seen: list[tuple[str, object, object]] = []  # (shard, dtype of the hidden rows in, dtype out)
+    for shard in dp.shards.values():
+        inner = shard.backend.forward
+
+        def spy(*args, _inner=inner, _name=f"{shard.spec.layer_start}:{shard.spec.layer_end}", **kw):  # noqa: ANN002, ANN003, ANN202
+            res = _inner(*args, **kw)
+            hidden = kw.get("hidden")
+            seen.append(
+                (
+                    _name,
+                    None if hidden is None else hidden.dtype,
+                    None if res.hidden is None else res.hidden.dtype,
+                )
+            )
+            return res
+
+        shard.backend.forward = spy  # type: ignore[method-assign]  # records what crosses the seam
     # SmolLM2: 15 layers x 3 KV heads x 64 x (K + V) x f16 = 11,520 bytes per position on each shard
     per_position = 15 * 3 * 64 * 2 * 2
     # a 300-token prompt takes 512 positions on each shard: either alone fits the node, both do not
@@ -49,6 +67,9 @@ async def test_a_node_with_two_native_shards_refuses_a_session_that_would_take_i
     small, big = client(), client()
     try:
         await small.forward(PROMPT, SamplingParams())
+        # the route's default f16 seam: the first shard's library writes f16 rows, and the frame's f16
+        # payload reaches the second shard's library as f16 (no f32 copy in between)
+        assert seen == [("0:15", None, np.float16), ("15:30", np.float16, None)]
         health = await _health(url)
         total, used = budget.usage()
         assert used == 2 * 256 * per_position  # 256-position blocks, on both shards, in one budget
