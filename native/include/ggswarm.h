@@ -92,7 +92,9 @@ typedef struct ggswarm_model_info {
     char model_id[72];          /* identity written into snapshots (caller's sha256 or a fingerprint) */
     int32_t decode_kernels;     /* 1: decode steps run libggswarm's own CPU attention kernels, which
                                    give the same numbers as ggml's ops (AVX-512 CPU and ggml build,
-                                   head_dim % 64 == 0, GGSWARM_GGML_ATTENTION unset when opened) */
+                                   head_dim % 64 == 0, GGSWARM_GGML_ATTENTION unset when opened, and
+                                   checked against ggml's ops at open); 0: ggml's ops; -1: ggml's ops
+                                   because that check found a bit differ (logged to stderr) */
     uint64_t graph_builds;      /* window graphs built so far: one per new shape (batch size, attended
                                    span, KV capacity, last-only); sessions of one shape share it */
 } ggswarm_model_info;

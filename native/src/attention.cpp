@@ -1,4 +1,5 @@
-// Decode-step attention kernels (AVX-512) run as ggml custom ops on the CPU backend.
+// Attention over a session's KV cache: ggml's own ops (ops_attention), and decode-step kernels
+// (AVX-512) run as ggml custom ops on the CPU backend, with the open-time check that they agree.
 //
 // Why: on a decode step ggml's mul_mat computes the scores with one f16 dot product call per
 // (position, head) pair, each only head_dim long, and reads every K and V row once per query head.
@@ -10,6 +11,8 @@
 // rounded to f16 as mul_mat's vec_dot_type, four 16-lane FMA accumulators over 64-element steps,
 // pairwise adds 0+2, 1+3, then 0+1, then _mm512_reduce_add_ps), so the logits stay identical to
 // the ggml path and to llama.cpp (tests/native/test_parity.py checks a max difference of 0.0).
+// Other compilers or ggml builds could reduce differently, so every model open compares the two
+// on random data first (decode_attention_self_check) and keeps ggml's ops if a bit differs.
 
 #include "attention.h"
 
@@ -21,9 +24,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
+#include "ggml-alloc.h"
 #include "ggml-cpu.h"
 
 namespace ggswarm {
@@ -268,21 +274,161 @@ bool cpu_has_avx512() {
 
 }  // namespace
 
-bool decode_attention_supported(int64_t head_dim) {
+bool decode_attention_cpu() {
     static const bool ok = cpu_has_avx512() && ggml_cpu_has_avx512();
-    return ok && head_dim > 0 && head_dim % kStep == 0;
+    return ok;
+}
+
+bool decode_attention_supported(int64_t head_dim) {
+    return decode_attention_cpu() && head_dim > 0 && head_dim % kStep == 0;
+}
+
+ggml_tensor * ops_attention(ggml_context * c, ggml_tensor * q, ggml_tensor * kc, ggml_tensor * vc, ggml_tensor * mask,
+                            int32_t n, int32_t n_kv, ggml_tensor ** scores) {
+    const int64_t hd = q->ne[0], nh = q->ne[1], nkv = kc->ne[0] / hd;
+    const float kq_scale = 1.0f / sqrtf((float)hd);
+    ggml_tensor * kall = ggml_view_3d(c, kc, hd, n_kv, nkv, kc->nb[1], hd * sizeof(ggml_fp16_t), 0);
+    ggml_tensor * vall = ggml_view_3d(c, vc, n_kv, hd, nkv, vc->nb[1], vc->nb[1] * hd, 0);
+    ggml_tensor * qp = ggml_permute(c, q, 0, 2, 1, 3);  // [hd, n, nh]
+    ggml_tensor * kq = ggml_mul_mat(c, kall, qp);        // [n_kv, n, nh]
+    if (scores) *scores = kq;
+    if (decode_rows(n)) {
+        // [n_kv, 1, nh] -> [n_kv, nh]: the heads become softmax rows, which ggml splits across threads
+        kq = ggml_reshape_2d(c, kq, n_kv, nh);
+        kq = ggml_reshape_3d(c, ggml_soft_max_ext(c, kq, mask, kq_scale, 0.0f), n_kv, 1, nh);
+    } else {
+        kq = ggml_soft_max_ext(c, kq, mask, kq_scale, 0.0f);
+    }
+    ggml_tensor * kqv = ggml_mul_mat(c, vall, kq);  // [hd, n, nh]
+    return ggml_cont_2d(c, ggml_permute(c, kqv, 0, 2, 1, 3), hd * nh, n);
 }
 
 ggml_tensor * decode_scores(ggml_context * c, ggml_tensor * q, ggml_tensor * k, ggml_tensor * pos, int64_t n_kv,
-                           ggml_tensor * after) {
+                            ggml_tensor * after) {
     ggml_tensor * args[4] = {q, k, pos, after};
     return ggml_custom_4d(c, GGML_TYPE_F32, n_kv, q->ne[1], 1, 1, args, 4, scores_op, GGML_N_TASKS_MAX, nullptr);
 }
 
 ggml_tensor * decode_values(ggml_context * c, ggml_tensor * p, ggml_tensor * vt, ggml_tensor * pos, int64_t head_dim,
-                           ggml_tensor * after) {
+                            ggml_tensor * after) {
     ggml_tensor * args[4] = {p, vt, pos, after};
     return ggml_custom_4d(c, GGML_TYPE_F32, head_dim, p->ne[1], 1, 1, args, 4, values_op, GGML_N_TASKS_MAX, nullptr);
+}
+
+ggml_tensor * kernel_attention(ggml_context * c, ggml_tensor * q, ggml_tensor * kc, ggml_tensor * vc,
+                               ggml_tensor * pos, int32_t n_kv, ggml_tensor * k_put, ggml_tensor * v_put,
+                               ggml_tensor ** scores) {
+    const int64_t hd = q->ne[0], nh = q->ne[1];
+    ggml_tensor * kq = decode_scores(c, q, kc, pos, n_kv, k_put);
+    if (scores) *scores = kq;
+    kq = ggml_soft_max_ext(c, kq, nullptr, 1.0f / sqrtf((float)hd), 0.0f);
+    return ggml_reshape_2d(c, decode_values(c, kq, vc, pos, hd, v_put), hd * nh, 1);
+}
+
+namespace {
+
+// splitmix64: the same test data on every machine, uniform in [-1, 1)
+struct Rng {
+    uint64_t s;
+    float next() {
+        uint64_t z = (s += 0x9E3779B97F4A7C15ULL);
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+        z ^= z >> 31;
+        return (float)(z >> 40) / (float)(1ULL << 23) - 1.0f;
+    }
+};
+
+}  // namespace
+
+bool decode_attention_self_check(ggml_backend_t cpu, int64_t hd, int64_t nh, int64_t nkv, bool corrupt,
+                                 std::string * why) {
+    auto say = [&](const std::string & s) {
+        if (why) *why = s;
+        return false;
+    };
+    if (!cpu || hd <= 0 || nh <= 0 || nkv <= 0 || nh % nkv != 0) return say("invalid head shape");
+    // the graph's spans for 101 attended positions: ggml's ops over 256 (kv.cpp's pad_kv, masked), the
+    // kernels over 128 (kernel_span); 101 crosses a 64-position step and leaves a tail of 5 after the
+    // kernels' 16-position score blocks; rows past it hold stale data, as after a truncate
+    constexpr int32_t kCap = 256, kLen = 101, kKernelSpan = 128;
+    const int64_t dkv = hd * nkv;
+    constexpr size_t kNodes = 64;
+    ggml_init_params ip = {ggml_tensor_overhead() * kNodes + ggml_graph_overhead_custom(kNodes, false), nullptr, true};
+    ggml_context * c = ggml_init(ip);
+    if (!c) return say("cannot create a ggml context");
+    ggml_tensor * q = ggml_new_tensor_3d(c, GGML_TYPE_F32, hd, nh, 1);
+    ggml_tensor * kc = ggml_new_tensor_2d(c, GGML_TYPE_F16, dkv, kCap);
+    ggml_tensor * vc = ggml_new_tensor_2d(c, GGML_TYPE_F16, kCap, dkv);
+    ggml_tensor * pos = ggml_new_tensor_1d(c, GGML_TYPE_I32, 1);
+    ggml_tensor * mask = ggml_new_tensor_2d(c, GGML_TYPE_F32, kCap, nh);
+    ggml_tensor *ref_kq = nullptr, *got_kq = nullptr;
+    ggml_tensor * ref = ops_attention(c, q, kc, vc, mask, 1, kCap, &ref_kq);
+    // no write to order before the reads here: the caches themselves stand in for k_put / v_put
+    ggml_tensor * got = kernel_attention(c, q, kc, vc, pos, kKernelSpan, kc, vc, &got_kq);
+    ggml_cgraph * gf = ggml_new_graph_custom(c, kNodes, false);
+    ggml_build_forward_expand(gf, ref);
+    ggml_build_forward_expand(gf, got);
+    // every tensor gets its own memory here, so the scores can be read after the compute
+    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(c, cpu);
+    if (!buf) {
+        ggml_free(c);
+        return say("cannot allocate the self-check's tensors");
+    }
+
+    Rng rng{0x5e1fc4ecULL};
+    std::vector<float> f((size_t)std::max<int64_t>(hd * nh, kCap * nh));
+    for (int64_t i = 0; i < hd * nh; ++i) f[i] = rng.next();
+    ggml_backend_tensor_set(q, f.data(), 0, sizeof(float) * hd * nh);
+    std::vector<ggml_fp16_t> h((size_t)(dkv * kCap));
+    for (auto & x : h) x = ggml_fp32_to_fp16(rng.next());
+    ggml_backend_tensor_set(kc, h.data(), 0, sizeof(ggml_fp16_t) * h.size());
+    for (auto & x : h) x = ggml_fp32_to_fp16(rng.next());
+    ggml_backend_tensor_set(vc, h.data(), 0, sizeof(ggml_fp16_t) * h.size());
+    const int32_t p = kLen - 1;
+    ggml_backend_tensor_set(pos, &p, 0, sizeof(p));
+    for (int64_t r = 0; r < nh; ++r) {
+        for (int32_t j = 0; j < kCap; ++j) f[(size_t)(r * kCap + j)] = j < kLen ? 0.0f : -INFINITY;
+    }
+    ggml_backend_tensor_set(mask, f.data(), 0, sizeof(float) * kCap * nh);
+
+    bool same = false;
+    if (ggml_backend_graph_compute(cpu, gf) != GGML_STATUS_SUCCESS) {
+        say("ggml graph compute failed");
+    } else {
+        // the scores of the attended positions (rows of kCap and kKernelSpan per head), then the outputs
+        std::vector<float> ra((size_t)(kCap * nh)), rb((size_t)(kKernelSpan * nh)), a((size_t)(hd * nh)),
+            b((size_t)(hd * nh));
+        ggml_backend_tensor_get(ref_kq, ra.data(), 0, sizeof(float) * ra.size());
+        ggml_backend_tensor_get(got_kq, rb.data(), 0, sizeof(float) * rb.size());
+        ggml_backend_tensor_get(ref, a.data(), 0, sizeof(float) * a.size());
+        ggml_backend_tensor_get(got, b.data(), 0, sizeof(float) * b.size());
+        if (corrupt) b[b.size() / 2] = std::nextafter(b[b.size() / 2], INFINITY);  // one output off by one bit
+        char msg[320] = "";
+        auto compare = [&](const char * what, int64_t rows, int64_t len, const float * x, int64_t x_row,
+                           const float * y, int64_t y_row) {
+            int64_t differ = 0, first = 0;
+            for (int64_t r = 0; r < rows; ++r) {
+                for (int64_t i = 0; i < len; ++i) {
+                    if (memcmp(&x[r * x_row + i], &y[r * y_row + i], sizeof(float)) != 0 && !differ++) first = r * len + i;
+                }
+            }
+            if (differ && !*msg) {
+                snprintf(msg, sizeof(msg), "%lld of %lld %s differ from ggml's (first: head %lld, index %lld: %.9g vs %.9g)%s",
+                         (long long)differ, (long long)(rows * len), what, (long long)(first / len),
+                         (long long)(first % len), y[first / len * y_row + first % len],
+                         x[first / len * x_row + first % len],
+                         corrupt ? " [forced by GGSWARM_KERNEL_SELFCHECK=corrupt]" : "");
+            }
+        };
+        compare("scores", nh, kLen, ra.data(), kCap, rb.data(), kKernelSpan);
+        compare("outputs", nh, hd, a.data(), hd, b.data(), hd);
+        same = !*msg;
+        if (!same) say(msg);
+    }
+    ggml_backend_buffer_free(buf);
+    ggml_free(c);
+    return same;
 }
 
 }  // namespace ggswarm

@@ -46,6 +46,36 @@ ggswarm_status ok(const ggswarm_model * m) {
     return GGSWARM_OK;
 }
 
+namespace {
+
+bool env_set(const char * name) {
+    const char * v = getenv(name);
+    return v && *v && strcmp(v, "0") != 0;
+}
+
+// CPU decode steps run attention.cpp's kernels when they apply here and, checked now on random data
+// of this model's head shape, give ggml's bits. GGSWARM_GGML_ATTENTION=1 keeps ggml's own ops (to
+// compare the two, or to rule ours out); GGSWARM_KERNEL_SELFCHECK=corrupt (tests only) makes the check
+// fail, to exercise the fallback.
+void choose_decode_kernels(ggswarm_model * m, const char * path) {
+    m->decode_kernels = 0;
+    if (ggml_backend_dev_type(m->dev) != GGML_BACKEND_DEVICE_TYPE_CPU ||
+        !decode_attention_supported(m->head_dim) || env_set("GGSWARM_GGML_ATTENTION")) {
+        return;
+    }
+    const char * hook = getenv("GGSWARM_KERNEL_SELFCHECK");
+    const bool corrupt = hook && strcmp(hook, "corrupt") == 0;
+    std::string why;
+    if (decode_attention_self_check(m->backend_cpu, m->head_dim, m->n_head, m->n_head_kv, corrupt, &why)) {
+        m->decode_kernels = 1;
+        return;
+    }
+    m->decode_kernels = -1;
+    fprintf(stderr, "libggswarm: %s: decode attention kernels off, ggml's ops used instead: self-check: %s\n", path,
+            why.c_str());
+}
+
+}  // namespace
 }  // namespace ggswarm
 
 using namespace ggswarm;
@@ -128,14 +158,10 @@ ggswarm_status ggswarm_model_open(const char * path, int32_t layer_start, int32_
         m->budget = budget;  // from here on the destructor releases the reference
     }
     if ((s = init_backends(m))) return bail(s);
-    // GGSWARM_GGML_ATTENTION=1 keeps ggml's own ops (to compare the two, or to rule ours out)
-    const char * ggml_attn = getenv("GGSWARM_GGML_ATTENTION");
-    const bool ggml_forced = ggml_attn && *ggml_attn && strcmp(ggml_attn, "0") != 0;
-    m->decode_kernels = ggml_backend_dev_type(m->dev) == GGML_BACKEND_DEVICE_TYPE_CPU &&
-                        ggswarm::decode_attention_supported(m->head_dim) && !ggml_forced;
     if ((s = load_weights(m, meta, path, file_size))) return bail(s);
     if ((s = init_sched(m))) return bail(s);
     apply_threads(m, n_threads);
+    choose_decode_kernels(m, path);
     m->model_id = (model_id && *model_id) ? std::string(model_id) : fingerprint(path, gguf_get_data_offset(meta.g), file_size);
     if (m->model_id.size() > 71) m->model_id.resize(71);
     *out = m;
@@ -164,7 +190,7 @@ ggswarm_status ggswarm_model_info_get(const ggswarm_model * m, ggswarm_model_inf
     out->n_ctx_train = m->n_ctx_train;
     out->n_ctx_max = m->n_ctx_max;
     out->n_threads = m->n_threads;
-    out->decode_kernels = m->decode_kernels ? 1 : 0;
+    out->decode_kernels = m->decode_kernels;
     out->weight_bytes = m->weight_bytes;
     out->kv_bytes_per_token = m->kv_bytes_per_token();
     out->graph_builds = m->graph_builds;

@@ -22,33 +22,6 @@ ggml_tensor * linear(ggml_context * c, ggml_tensor * w, ggml_tensor * b, ggml_te
     return b ? ggml_add(c, y, b) : y;
 }
 
-// ggml's CPU softmax splits the rows of one head across threads, never the heads: on a decode step
-// (one row per head) a single thread would exponentiate every head's n_kv scores. Viewing the scores
-// as one row per head spreads them over the threads; each row is computed exactly as before, so the
-// numerics do not change. The mask then needs one (identical) row per head.
-bool decode_rows(int32_t n) { return n == 1; }
-
-// Attention of n new positions (already in the cache) over all n_kv cached ones, with ggml ops:
-// [hd * nh, n].
-ggml_tensor * attention(ggml_context * c, const Graph & g, ggml_tensor * q, ggml_tensor * kc, ggml_tensor * vc,
-                        int32_t n, int32_t n_kv) {
-    const int64_t hd = q->ne[0], nh = q->ne[1], nkv = kc->ne[0] / hd;
-    const float kq_scale = 1.0f / sqrtf((float)hd);
-    ggml_tensor * kall = ggml_view_3d(c, kc, hd, n_kv, nkv, kc->nb[1], hd * sizeof(ggml_fp16_t), 0);
-    ggml_tensor * vall = ggml_view_3d(c, vc, n_kv, hd, nkv, vc->nb[1], vc->nb[1] * hd, 0);
-    ggml_tensor * qp = ggml_permute(c, q, 0, 2, 1, 3);  // [hd, n, nh]
-    ggml_tensor * kq = ggml_mul_mat(c, kall, qp);        // [n_kv, n, nh]
-    if (decode_rows(n)) {
-        // [n_kv, 1, nh] -> [n_kv, nh]: the heads become softmax rows, which ggml splits across threads
-        kq = ggml_reshape_2d(c, kq, n_kv, nh);
-        kq = ggml_reshape_3d(c, ggml_soft_max_ext(c, kq, g.inp_mask, kq_scale, 0.0f), n_kv, 1, nh);
-    } else {
-        kq = ggml_soft_max_ext(c, kq, g.inp_mask, kq_scale, 0.0f);
-    }
-    ggml_tensor * kqv = ggml_mul_mat(c, vall, kq);  // [hd, n, nh]
-    return ggml_cont_2d(c, ggml_permute(c, kqv, 0, 2, 1, 3), hd * nh, n);
-}
-
 // Build the window's graph for n new positions over a cache of cap positions, attending n_kv of them.
 // last_only: on the last window, keep only the final position after the last attention (sampling needs
 // nothing else). The cache leaves are the graph's own (Graph::k, Graph::v), bound by bind_kv.
@@ -58,7 +31,6 @@ void build_graph(ggswarm_model * m, Graph & g, int32_t n, int32_t n_kv, int32_t 
     ggml_context * c = g.ctx;
     g.gf = ggml_new_graph_custom(c, m->graph_size, false);
     const int64_t hd = m->head_dim, nh = m->n_head, nkv = m->n_head_kv, dkv = m->d_kv();
-    const float kq_scale = 1.0f / sqrtf((float)hd);
 
     ggml_tensor * x;
     if (m->is_first()) {
@@ -108,14 +80,9 @@ void build_graph(ggswarm_model * m, Graph & g, int32_t n, int32_t n_kv, int32_t 
         ggml_tensor * v_elems = ggml_reshape_2d(c, vc, 1, ggml_nelements(vc));
         ggml_tensor * v_put = ggml_set_rows(c, v_elems, ggml_reshape_2d(c, v, 1, (int64_t)n * dkv), g.inp_vidx);
         ggml_build_forward_expand(g.gf, v_put);
-        if (kernel_step(m, n)) {
-            // same numbers as attention() below (see attention.cpp)
-            ggml_tensor * kq = ggswarm::decode_scores(c, q, kc, g.inp_pos, n_kv, k_put);
-            kq = ggml_soft_max_ext(c, kq, nullptr, kq_scale, 0.0f);
-            cur = ggml_reshape_2d(c, ggswarm::decode_values(c, kq, vc, g.inp_pos, hd, v_put), hd * nh, 1);
-        } else {
-            cur = attention(c, g, q, kc, vc, n, n_kv);
-        }
+        // the kernels give the same bits as ggml's ops (checked when the model was opened)
+        cur = kernel_step(m, n) ? kernel_attention(c, q, kc, vc, g.inp_pos, n_kv, k_put, v_put)
+                                : ops_attention(c, q, kc, vc, g.inp_mask, n, n_kv);
         cur = linear(c, L.wo, L.bo, cur);
         if (last_only && i == nl - 1 && n > 1) {
             cur = ggml_view_2d(c, cur, m->d_model, 1, cur->nb[1], (size_t)(n - 1) * cur->nb[1]);
