@@ -113,7 +113,7 @@ def hardware_info() -> Hardware:
 
     gpus: list[Gpu] = []
     with contextlib.suppress(Exception):  # NVML is optional: only on hosts with NVIDIA GPUs
-        import pynvml  # type: ignore[import-not-found]
+        import pynvml
 
         pynvml.nvmlInit()
         for i in range(min(pynvml.nvmlDeviceGetCount(), 64)):
@@ -496,7 +496,6 @@ class ControlAgent:
             OSError,
             ValueError,  # TensorHashMismatch: re-fetched once already; never loaded
             KeyError,
-            RuntimeError,  # agent.artifacts.torrent.FetchError: timeout, torrent or disk error
         ) as e:
             log.warning("load %s[%d:%d) failed: %s", sha[:12], a, b, e)
             await self._report(aid, "failed", 0.0, str(e))

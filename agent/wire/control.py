@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, RootModel, ValidationError, model_validator
 
 # 1: hello/heartbeat/progress/error from agents; welcome/load/unload/drain/resync/removed/error to them.
 PROTOCOL_VERSION = 1
@@ -291,8 +291,15 @@ class Removed(_Wire):
 AgentMessage = Hello | Heartbeat | Progress | ErrorMessage
 ServerMessage = Welcome | Load | Unload | Drain | Resync | Removed | ErrorMessage
 
-_AGENT = TypeAdapter[AgentMessage](Annotated[AgentMessage, Field(discriminator="type")])
-_SERVER = TypeAdapter[ServerMessage](Annotated[ServerMessage, Field(discriminator="type")])
+
+class _AgentRoot(RootModel[Annotated[AgentMessage, Field(discriminator="type")]]):
+    """Any message an agent may send, dispatched on `type`."""
+
+
+class _ServerRoot(RootModel[Annotated[ServerMessage, Field(discriminator="type")]]):
+    """Any message the control plane may send, dispatched on `type`."""
+
+
 _AGENT_TYPES = tuple(m.model_fields["type"].default for m in get_args(AgentMessage))
 _SERVER_TYPES = tuple(m.model_fields["type"].default for m in get_args(ServerMessage))
 
@@ -307,7 +314,7 @@ def _explain(e: ValidationError, kind: str) -> str:
     return f"bad {kind!r} message: " + "; ".join(parts)
 
 
-def _parse(raw: object, adapter: TypeAdapter[Any], types: tuple[str, ...]) -> Any:
+def _parse(raw: object, root: type[RootModel[Any]], types: tuple[str, ...]) -> Any:
     if isinstance(raw, str | bytes | bytearray):
         if len(raw) > MAX_MESSAGE_BYTES:
             raise ControlError(f"message larger than {MAX_MESSAGE_BYTES} bytes")
@@ -323,18 +330,18 @@ def _parse(raw: object, adapter: TypeAdapter[Any], types: tuple[str, ...]) -> An
     if kind not in types:
         raise ControlError(f"unknown message type {kind[:40]!r}; expected one of {', '.join(types)}", kind)
     try:
-        return adapter.validate_python(raw)
+        return root.model_validate(raw).root
     except ValidationError as e:
         raise ControlError(_explain(e, kind), kind) from None
 
 
 def parse_agent_message(raw: object) -> AgentMessage:
     """Validate one message from an agent (decoded JSON, or its text); raises ControlError."""
-    msg: AgentMessage = _parse(raw, _AGENT, _AGENT_TYPES)
+    msg: AgentMessage = _parse(raw, _AgentRoot, _AGENT_TYPES)
     return msg
 
 
 def parse_server_message(raw: object) -> ServerMessage:
     """Validate one message from the control plane (decoded JSON, or its text); raises ControlError."""
-    msg: ServerMessage = _parse(raw, _SERVER, _SERVER_TYPES)
+    msg: ServerMessage = _parse(raw, _ServerRoot, _SERVER_TYPES)
     return msg

@@ -133,9 +133,13 @@ def unplace_model(artifact_id: int) -> int:
         commands = [
             (a.node_id, unload_command(a.artifact.sha256, a.layer_start, a.layer_end, a.pk)) for a in rows
         ]
-        transaction.on_commit(
-            lambda: [send_command(n, c) for n, c in commands] and notify_fleet(kind="placement")
-        )
+
+        def send_all() -> None:
+            for n, c in commands:
+                send_command(n, c)
+            notify_fleet(kind="placement")
+
+        transaction.on_commit(send_all)
     return len(rows)
 
 
@@ -149,7 +153,12 @@ def drain_node(node_id: str) -> bool:
             .update(state=Node.State.DRAINING)
         ):
             return False
-        transaction.on_commit(lambda: (send_command(node_id, Drain()), notify_fleet(node_id)))
+
+        def tell_node() -> None:
+            send_command(node_id, Drain())
+            notify_fleet(node_id)
+
+        transaction.on_commit(tell_node)
     replace_lost_node.delay(node_id, ShardAssignment.State.DRAINING)
     return True
 
@@ -165,12 +174,12 @@ def remove_node(node_id: str) -> bool:
         ):
             return False
         Node.objects.get(pk=node_id).credentials.filter(revoked_at=None).update(revoked_at=timezone.now())
-        transaction.on_commit(
-            lambda: (
-                group_send(node_group(node_id), {"type": "node.close"}),
-                notify_fleet(node_id),
-            )
-        )
+
+        def close_socket() -> None:
+            group_send(node_group(node_id), {"type": "node.close"})
+            notify_fleet(node_id)
+
+        transaction.on_commit(close_socket)
     replace_lost_node.delay(node_id)
     return True
 
