@@ -9,6 +9,9 @@ const files = {
   "htmx-ext-ws/dist/ws.min.js": "htmx-ext-ws.min.js",
   "uplot/dist/uPlot.iife.min.js": "uPlot.iife.min.js",
   "uplot/dist/uPlot.min.css": "uPlot.min.css",
+  // The playground renders answers as Markdown in the browser and sanitises the HTML before use.
+  "markdown-it/dist/browser/markdown-it.umd.min.js": "markdown-it.min.js",
+  "dompurify/dist/purify.min.js": "purify.min.js",
 };
 const out = join(root, "static", "vendor");
 mkdirSync(out, { recursive: true });
