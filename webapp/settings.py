@@ -55,6 +55,7 @@ INSTALLED_APPS = [
     "webapp.fleet",
     "webapp.routing",
     "webapp.playground",
+    "webapp.api",
     "webapp.telemetry",
     "webapp.tracker",
 ]

@@ -17,6 +17,7 @@ urlpatterns = [
     path("", include("webapp.catalog.urls")),
     path("", include("webapp.fleet.urls")),
     path("", include("webapp.playground.urls")),
+    path("", include("webapp.api.urls")),
     path("", include("webapp.routing.urls")),
     path("", include("webapp.tracker.urls")),
 ]

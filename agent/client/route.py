@@ -111,6 +111,7 @@ class RouteClient:
         self.opened = False
         self.hop_stats = [HopStats() for _ in hops]
         self.last_prefilled = 0
+        self.last_response: Response | None = None  # the step that sampled the token being yielded
         self._sent_sampling: SamplingParams | None = None
         self._chain_sent = False
         self._http = ClientSession(
@@ -263,8 +264,12 @@ class RouteClient:
         sampling: SamplingParams,
         max_tokens: int,
         stop_ids: set[int] | None = None,
+        want_logits: bool = False,
     ) -> AsyncIterator[tuple[int, float]]:
-        """Bring the KV to `prompt_ids` (reusing the common prefix), then yield sampled (token, logprob)."""
+        """Bring the KV to `prompt_ids` (reusing the common prefix), then yield sampled (token, logprob).
+
+        With `want_logits` the last hop also returns the raw logits of the position each token was
+        sampled at: `self.last_response.logits()[-1]` while the token is being consumed."""
         common = 0
         for a, b in zip(self.history, prompt_ids, strict=False):
             if a != b:
@@ -275,16 +280,21 @@ class RouteClient:
         await self.truncate(common)
         new = prompt_ids[common:]
         self.last_prefilled = len(new)
-        for off in range(0, len(new), PREFILL_CHUNK):
-            resp = await self.forward(new[off : off + PREFILL_CHUNK], sampling)
+        chunks = [new[off : off + PREFILL_CHUNK] for off in range(0, len(new), PREFILL_CHUNK)]
+        if want_logits and len(chunks[-1]) > 1:
+            # Logits come back for every position of a step: the last position goes alone.
+            chunks[-1:] = [chunks[-1][:-1], chunks[-1][-1:]]
+        for i, chunk in enumerate(chunks):
+            resp = await self.forward(chunk, sampling, want_logits=want_logits and i == len(chunks) - 1)
         token, logprob = resp.token, resp.logprob
         for n in range(max_tokens):
+            self.last_response = resp
             yield token, logprob
             if (stop_ids and token in stop_ids) or n == max_tokens - 1:
                 break
             if len(self.history) + 1 > self.max_context:
                 raise ContextLimitError(f"context limit of {self.max_context} tokens reached")
-            resp = await self.forward([token], sampling)
+            resp = await self.forward([token], sampling, want_logits=want_logits)
             token, logprob = resp.token, resp.logprob
 
     async def chat(
