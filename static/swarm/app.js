@@ -1,5 +1,5 @@
-// GGUF Swarm dashboard glue: live throughput plot (seeded from history), latency plot of recent answers,
-// chat form reset after sending.
+// GGUF Swarm dashboard glue: live throughput plot (seeded from history), latency plot of recent answers.
+// The playground has its own script, playground.js.
 (function () {
   "use strict";
   const WINDOW = 600; // points kept per series
@@ -62,10 +62,5 @@
   document.addEventListener("htmx:afterSwap", (e) => {
     const latency = document.getElementById("latency-chart");
     if (latency && window.uPlot && e.target.id === "generations") drawLatency(latency);
-  });
-
-  document.addEventListener("htmx:wsAfterSend", (e) => {
-    const form = e.target.closest ? e.target.closest("#chat-form") : null;
-    if (form) form.querySelector("textarea").value = "";
   });
 })();

@@ -1,7 +1,9 @@
-"""The playground websocket: sticky route sessions, streamed deltas, telemetry, and refusals."""
+"""The playground websocket: saved conversations, sticky and parked routes, Stop, streamed telemetry, refusals."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,10 +12,12 @@ from channels.db import database_sync_to_async
 from channels.testing import WebsocketCommunicator
 from django.contrib.auth.models import AnonymousUser
 
+from agent.client.route import HopStats
 from agent.wire.control import CLOSE_UNAUTHORIZED
 from webapp.fleet.models import Node, ShardAssignment
-from webapp.playground import consumers
+from webapp.playground import consumers, live
 from webapp.playground.consumers import ChatConsumer
+from webapp.playground.models import Conversation, Message
 from webapp.routing.models import RouteSession
 from webapp.telemetry.models import GenerationRecord
 
@@ -23,30 +27,59 @@ pytestmark = pytest.mark.django_db(transaction=True)
 @dataclass
 class Event:
     text: str = ""
+    token: int | None = None
     done: bool = False
     telemetry: dict[str, Any] = field(default_factory=dict)
 
 
 class FakeRouteClient:
-    """Stands in for agent.client.route.RouteClient: records what it was asked and streams a fixed answer."""
+    """Stands in for agent.client.route.RouteClient: records what it was asked and streams a fixed answer.
+
+    `history` is what the hops would hold: every step appends to it only once the step has completed."""
 
     instances: list[FakeRouteClient] = []
+    answer: tuple[str, ...] = ("Hel", "lo")
+    step_s = 0.0
 
-    def __init__(self, hops: list[Any], tokenizer: Any, session_id: bytes | None = None) -> None:
-        self.hops, self.session_id, self.calls, self.closed = hops, session_id, [], False
+    def __init__(
+        self, hops: list[Any], tokenizer: Any, session_id: bytes | None = None, max_context: int = 8192
+    ) -> None:
+        self.hops, self.session_id, self.max_context = hops, session_id, max_context
+        self.calls: list[list[dict[str, str]]] = []
+        self.closed, self.in_flight, self.generator_closed = False, False, False
+        self.hop_stats = [HopStats() for _ in hops]
+        self.history: list[int] = []
         FakeRouteClient.instances.append(self)
 
-    async def chat(self, messages: list[dict[str, str]], sampling: Any, max_tokens: int):  # noqa: ANN201
+    async def _step(self) -> None:
+        self.in_flight = True
+        await asyncio.sleep(self.step_s)
+        for s in self.hop_stats:
+            s.compute_ms += 5
+            s.network_ms += 1
+        self.history.append(len(self.history))
+        self.in_flight = False
+
+    async def chat(
+        self, messages: list[dict[str, str]], sampling: Any, max_tokens: int
+    ) -> AsyncIterator[Event]:
         self.calls.append([dict(m) for m in messages])
-        for part in ("Hel", "lo"):
-            yield Event(text=part)
+        self.sampling, self.max_tokens = sampling, max_tokens
+        try:
+            for i, part in enumerate(self.answer):
+                await self._step()
+                yield Event(text=part, token=i)
+        finally:
+            self.generator_closed = True
         yield Event(
             done=True,
             telemetry={
                 "ttft_ms": 12.5,
                 "tok_s": 80.0,
                 "n_prompt": 10,
-                "n_generated": 2,
+                "n_prefilled": 10,
+                "n_reused": 0,
+                "n_generated": len(self.answer),
                 "wire_bytes": 100,
                 "hops": [
                     {"url": h.url, "layers": [h.layer_start, h.layer_end], "compute_ms": 5, "network_ms": 1}
@@ -59,6 +92,25 @@ class FakeRouteClient:
         self.closed = True
 
 
+class SlowRouteClient(FakeRouteClient):
+    """A long answer, one token every 20 ms: time enough to press Stop."""
+
+    answer = tuple(f"w{i} " for i in range(500))
+    step_s = 0.02
+
+
+class HangingRouteClient(FakeRouteClient):
+    """Streams two tokens, then a step that never completes (a hop that stopped answering)."""
+
+    answer = ("Hel", "lo", " world")
+
+    async def _step(self) -> None:
+        if len(self.history) >= 2:
+            self.in_flight = True
+            await asyncio.sleep(3600)
+        await super()._step()
+
+
 @pytest.fixture
 def fake_client(monkeypatch: pytest.MonkeyPatch) -> type[FakeRouteClient]:
     import agent.client.route
@@ -66,6 +118,7 @@ def fake_client(monkeypatch: pytest.MonkeyPatch) -> type[FakeRouteClient]:
     FakeRouteClient.instances = []
     monkeypatch.setattr(agent.client.route, "RouteClient", FakeRouteClient)
     monkeypatch.setattr(consumers, "_tokenizer", lambda path: object())
+    monkeypatch.setattr(live, "PARK_S", 0.0)  # a socket's route closes with it unless a test parks it
     return FakeRouteClient
 
 
@@ -79,19 +132,26 @@ def placed(artifact: Any) -> Any:
     return artifact
 
 
-def chat_socket(user: Any, fmt: str = "json") -> WebsocketCommunicator:
-    ws = WebsocketCommunicator(ChatConsumer.as_asgi(), f"/ws/chat/?format={fmt}")
+def chat_socket(user: Any) -> WebsocketCommunicator:
+    ws = WebsocketCommunicator(ChatConsumer.as_asgi(), "/ws/chat/?format=json")
     ws.scope["user"] = user
     return ws
 
 
-async def answer(ws: WebsocketCommunicator) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+async def answer(
+    ws: WebsocketCommunicator, timeout: float = 5
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     events = []
     while True:
-        ev = await ws.receive_json_from(timeout=5)
+        ev = await ws.receive_json_from(timeout=timeout)
         events.append(ev)
         if ev["type"] in ("done", "error"):
             return events, ev
+
+
+@database_sync_to_async
+def db(fn: Any) -> Any:
+    return fn()
 
 
 async def test_anonymous_users_are_closed_with_4401() -> None:
@@ -100,90 +160,259 @@ async def test_anonymous_users_are_closed_with_4401() -> None:
     assert not ok and code == CLOSE_UNAUTHORIZED
 
 
-async def test_an_answer_streams_and_turn_two_reuses_the_same_route_session(
+async def test_an_answer_streams_into_a_new_saved_conversation_and_turn_two_reuses_the_route(
     member: Any, placed: Any, fake_client: Any
 ) -> None:
     ws = chat_socket(member)
     assert (await ws.connect())[0]
-    await ws.send_json_to({"type": "chat", "model": placed.pk, "message": "hi"})
+    await ws.send_json_to({"type": "chat", "model": placed.pk, "message": "hi there", "system": "Be brief."})
     events, done = await answer(ws)
-    assert [e["type"] for e in events] == ["start", "delta", "delta", "done"]
-    assert done["text"] == "Hello" and done["telemetry"]["ttft_ms"] == 12.5
-    assert [(h["layer_start"], h["layer_end"]) for h in events[0]["route"]] == [(0, 15), (15, 30)]
+    assert [e["type"] for e in events if e["type"] != "progress"] == ["start", "delta", "delta", "done"]
+    start = events[0]
+    assert start["created"] and start["title"] == "hi there" and start["context"] == 8192
+    assert done["text"] == "Hello" and done["telemetry"]["ttft_ms"] == 12.5 and not done["stopped"]
+    assert [b["layers"] for b in done["bars"]] == ["0–15", "15–30"]
+    assert [(h["layer_start"], h["layer_end"]) for h in start["route"]] == [(0, 15), (15, 30)]
+    cid = done["conversation"]
 
-    await ws.send_json_to({"type": "chat", "model": str(placed.pk), "message": "again", "max_tokens": "8"})
+    await ws.send_json_to(
+        {"model": str(placed.pk), "conversation": cid, "message": "again", "max_tokens": "8"}
+    )
     _, done2 = await answer(ws)
-    assert done2["type"] == "done"
+    assert done2["type"] == "done" and done2["conversation"] == cid
     assert len(fake_client.instances) == 1, "turn 2 must reuse the sticky route client"
     client = fake_client.instances[0]
     assert client.calls[1] == [
-        {"role": "user", "content": "hi"},
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hi there"},
         {"role": "assistant", "content": "Hello"},
         {"role": "user", "content": "again"},
     ]
-    session = await database_sync_to_async(RouteSession.objects.get)()
+    assert client.max_tokens == 8 and client.max_context == 8192
+    msgs = await db(lambda: list(Message.objects.filter(conversation_id=cid).values_list("role", "content")))
+    assert msgs == [("user", "hi there"), ("assistant", "Hello"), ("user", "again"), ("assistant", "Hello")]
+    session = await db(RouteSession.objects.get)
     assert session.id.bytes == client.session_id and session.state == RouteSession.State.OPEN
-    assert session.n_turns == 2 and session.n_positions == 12
-    assert await database_sync_to_async(GenerationRecord.objects.filter(session=session).count)() == 2
+    assert session.n_turns == 2 and session.n_positions == 4
+    assert await db(GenerationRecord.objects.filter(session=session).count) == 2
     await ws.disconnect()
     assert client.closed
-    session = await database_sync_to_async(RouteSession.objects.get)()
-    assert session.state == RouteSession.State.CLOSED
+    assert (await db(RouteSession.objects.get)).state == RouteSession.State.CLOSED
 
 
-async def test_htmx_clients_get_out_of_band_fragments_with_telemetry_bars(
-    member: Any, placed: Any, fake_client: Any
+async def test_telemetry_bars_move_while_the_answer_streams(
+    member: Any, placed: Any, fake_client: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    ws = chat_socket(member, fmt="html")
+    import agent.client.route
+
+    monkeypatch.setattr(agent.client.route, "RouteClient", SlowRouteClient)
+    monkeypatch.setattr(SlowRouteClient, "answer", tuple(f"w{i} " for i in range(40)))
+    monkeypatch.setattr(consumers, "PROGRESS_S", 0.05)
+    ws = chat_socket(member)
     await ws.connect()
-    await ws.send_json_to({"model": str(placed.pk), "message": "hi", "HEADERS": {"HX-Request": "true"}})
-    frames = [await ws.receive_from(timeout=5) for _ in range(4)]
-    assert 'hx-swap-oob="beforeend"' in frames[1] and "Hel" in frames[1]
-    assert 'id="telemetry-1"' in frames[3] and "TTFT" in frames[3] and 'class="compute"' in frames[3]
+    await ws.send_json_to({"type": "chat", "model": placed.pk, "message": "count"})
+    events, done = await answer(ws)
+    progress = [e for e in events if e["type"] == "progress"]
+    assert len(progress) >= 3
+    generated = [p["telemetry"]["n_generated"] for p in progress]
+    assert generated == sorted(generated) and generated[-1] > generated[0]
+    compute = [p["bars"][0]["compute_ms"] for p in progress]
+    assert compute[-1] > compute[0] and len(progress[-1]["bars"]) == 2
     await ws.disconnect()
+
+
+async def test_stop_ends_the_answer_between_steps_keeps_the_route_and_saves_the_partial_answer(
+    member: Any, placed: Any, fake_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import agent.client.route
+
+    monkeypatch.setattr(agent.client.route, "RouteClient", SlowRouteClient)
+    ws = chat_socket(member)
+    await ws.connect()
+    await ws.send_json_to({"type": "chat", "model": placed.pk, "message": "talk forever"})
+    for _ in range(6):
+        while (await ws.receive_json_from(timeout=5))["type"] != "delta":
+            pass
+    await ws.send_json_to({"type": "stop"})
+    events, done = await answer(ws)
+    assert done["type"] == "done" and done["stopped"] and done["telemetry"]["stopped"]
+    client = FakeRouteClient.instances[0]
+    assert not client.in_flight and client.generator_closed and not client.closed
+    n = len(client.history)
+    assert 6 <= n < 100 and done["telemetry"]["n_generated"] == n
+    assert done["text"].startswith("w0 w1 w2 w3 w4 w5 ")
+    saved = await db(lambda: Message.objects.get(role="assistant"))
+    assert saved.stopped and saved.content == done["text"]
+    await asyncio.sleep(0.1)
+    assert len(client.history) == n, "nothing runs on the hops after Stop"
+    session = await db(RouteSession.objects.get)
+    assert session.state == RouteSession.State.OPEN and session.n_positions == n
+
+    # The route (and its KV) carries on: turn 2 goes to the same client.
+    monkeypatch.setattr(SlowRouteClient, "answer", ("ok",))
+    await ws.send_json_to({"model": placed.pk, "conversation": done["conversation"], "message": "and?"})
+    _, done2 = await answer(ws)
+    assert done2["text"] == "ok" and not done2["stopped"] and len(FakeRouteClient.instances) == 1
+    assert client.calls[1][1] == {"role": "assistant", "content": done["text"]}
+    await ws.disconnect()
+
+
+async def test_stop_during_a_step_that_never_ends_abandons_it_and_closes_the_route(
+    member: Any, placed: Any, fake_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import agent.client.route
+
+    monkeypatch.setattr(agent.client.route, "RouteClient", HangingRouteClient)
+    monkeypatch.setattr(consumers, "STOP_GRACE_S", 0.2)
+    ws = chat_socket(member)
+    await ws.connect()
+    await ws.send_json_to({"type": "chat", "model": placed.pk, "message": "hi"})
+    for _ in range(2):
+        while (await ws.receive_json_from(timeout=5))["type"] != "delta":
+            pass
+    await ws.send_json_to({"type": "stop"})
+    _, done = await answer(ws)
+    assert done["stopped"] and done["telemetry"]["route_closed"] and done["text"] == "Hello"
+    client = FakeRouteClient.instances[0]
+    assert client.closed, "a half-applied step leaves the hops' KV unknown: the route is closed"
+    assert (await db(RouteSession.objects.get)).state == RouteSession.State.CLOSED
+    await ws.disconnect()
+
+
+async def test_a_reload_reclaims_the_parked_route_and_another_conversation_does_not(
+    member: Any, placed: Any, fake_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(live, "PARK_S", 60.0)
+    ws = chat_socket(member)
+    await ws.connect()
+    await ws.send_json_to({"model": placed.pk, "message": "remember me"})
+    _, done = await answer(ws)
+    await ws.disconnect()
+    first = FakeRouteClient.instances[0]
+    assert not first.closed and len(live.parking) == 1, "the route waits for the page to come back"
+
+    ws2 = chat_socket(member)  # the reloaded page
+    await ws2.connect()
+    await ws2.send_json_to({"model": placed.pk, "conversation": done["conversation"], "message": "well?"})
+    _, again = await answer(ws2)
+    assert again["type"] == "done" and len(FakeRouteClient.instances) == 1 and len(first.calls) == 2
+    await ws2.send_json_to({"model": placed.pk, "message": "a new chat"})  # another conversation
+    _, other = await answer(ws2)
+    assert other["conversation"] != done["conversation"] and len(FakeRouteClient.instances) == 2
+    assert not first.closed and len(live.parking) == 1  # parked again, for its next reopen
+    await ws2.disconnect()
+    await live.parking.close_all()
+    assert first.closed and FakeRouteClient.instances[1].closed and len(live.parking) == 0
+
+
+async def test_deleting_a_conversation_frees_its_parked_route(
+    member: Any, placed: Any, fake_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from webapp.playground import views
+
+    monkeypatch.setattr(live, "PARK_S", 60.0)
+    ws = chat_socket(member)
+    await ws.connect()
+    await ws.send_json_to({"model": placed.pk, "message": "short-lived"})
+    _, done = await answer(ws)
+    await ws.disconnect()
+    client = FakeRouteClient.instances[0]
+    assert not client.closed
+
+    from django.test import RequestFactory
+
+    request = RequestFactory().post(f"/playground/conversations/{done['conversation']}/delete")
+    request.user = member
+    resp = await database_sync_to_async(views.delete)(request, pk=done["conversation"])
+    assert resp.status_code == 200
+    for _ in range(100):
+        if client.closed:
+            break
+        await asyncio.sleep(0.01)
+    assert client.closed and len(live.parking) == 0
+    assert (await db(RouteSession.objects.get)).state == RouteSession.State.CLOSED
+    assert not await db(Conversation.objects.exists)
 
 
 @pytest.mark.parametrize(
-    "bad",
+    ("bad", "why"),
     [
-        "{",
-        '{"message": "hi"}',
-        '{"model": 1, "message": ""}',
-        '{"model": 1, "message": "x", "temperature": "hot"}',
-        "[]",
+        ("{", "malformed JSON"),
+        ('{"message": "hi"}', "model must be a number"),
+        ('{"model": 1, "message": ""}', "type a message first"),
+        ('{"model": 1, "message": "x", "temperature": "hot"}', "temperature must be a number"),
+        ('{"model": 1, "message": "x", "top_p": 1.5}', "top_p must be between 0 and 1"),
+        ('{"model": 1, "message": "x", "max_tokens": 0}', "max_tokens must be between 1 and 131072"),
+        ('{"model": 1, "message": "x", "seed": -1}', "seed must be between"),
+        ('{"model": 1, "message": "x", "system": 5}', "system prompt must be text"),
+        ('{"type": "dance"}', "unknown message type"),
+        ("[]", "unknown message type"),
     ],
 )
 async def test_a_malformed_chat_message_gets_an_error_and_the_socket_stays_up(
-    member: Any, placed: Any, fake_client: Any, bad: str
+    member: Any, placed: Any, fake_client: Any, bad: str, why: str
 ) -> None:
     ws = chat_socket(member)
     await ws.connect()
     await ws.send_to(text_data=bad)
-    assert (await ws.receive_json_from())["type"] == "error"
+    err = await ws.receive_json_from()
+    assert err["type"] == "error" and why in err["error"]
     await ws.send_json_to({"model": placed.pk, "message": "hi"})
     _, done = await answer(ws)
     assert done["type"] == "done"
     await ws.disconnect()
 
 
-async def test_a_model_without_a_full_route_gets_a_clear_error(
+async def test_max_tokens_beyond_the_models_own_context_is_refused_and_nothing_is_saved(
+    member: Any, placed: Any, fake_client: Any
+) -> None:
+    ws = chat_socket(member)
+    await ws.connect()
+    await ws.send_json_to({"model": placed.pk, "message": "hi", "max_tokens": 8193})
+    _, ev = await answer(ws)
+    assert ev["type"] == "error" and "exceeds this model's context of 8192 tokens" in ev["error"]
+    assert ev["turn"] == 1 and not fake_client.instances
+    await ws.send_json_to({"model": placed.pk, "message": "hi", "max_tokens": 8192})
+    _, done = await answer(ws)
+    assert done["type"] == "done" and fake_client.instances[0].max_tokens == 8192
+    await ws.disconnect()
+
+
+async def test_someone_elses_conversation_cannot_be_continued(
+    member: Any, staff: Any, placed: Any, fake_client: Any
+) -> None:
+    theirs = await db(lambda: Conversation.objects.create(user=staff, title="private"))
+    ws = chat_socket(member)
+    await ws.connect()
+    await ws.send_json_to({"model": placed.pk, "conversation": theirs.pk, "message": "hi"})
+    _, ev = await answer(ws)
+    assert ev["type"] == "error" and "no such conversation" in ev["error"]
+    assert await db(Message.objects.count) == 0
+    await ws.disconnect()
+
+
+async def test_a_model_that_is_not_placed_gets_a_clear_error_and_the_turn_is_forgotten(
     member: Any, artifact: Any, fake_client: Any
 ) -> None:
     ws = chat_socket(member)
     await ws.connect()
     await ws.send_json_to({"model": artifact.pk, "message": "hi"})
     _, ev = await answer(ws)
-    assert ev["type"] == "error" and "no ready shard starts at layer 0" in ev["error"]
+    assert ev["type"] == "error" and "SmolLM2 is not placed" in ev["error"]
+    assert "no ready shard starts at layer 0" in ev["error"]
+    assert await db(Conversation.objects.count) == 0 and await db(Message.objects.count) == 0
     await ws.disconnect()
 
 
 class DyingRouteClient(FakeRouteClient):
     """The first route dies after one delta; later routes answer normally."""
 
-    async def chat(self, messages: list[dict[str, str]], sampling: Any, max_tokens: int):  # noqa: ANN201
+    async def chat(
+        self, messages: list[dict[str, str]], sampling: Any, max_tokens: int
+    ) -> AsyncIterator[Event]:
         if len(FakeRouteClient.instances) == 1:
             self.calls.append(messages)
-            yield Event(text="Hel")
+            yield Event(text="Hel", token=0)
             raise ConnectionResetError("hop 2 went away")
         async for ev in super().chat(messages, sampling, max_tokens):
             yield ev
@@ -203,8 +432,6 @@ async def test_a_route_dying_mid_answer_fails_over_once_and_the_user_sees_one_se
     assert done["type"] == "done" and done["text"] == "Hello"
     first, second = FakeRouteClient.instances
     assert first.closed and second.calls[0] == [{"role": "user", "content": "hi"}]
-    states = await database_sync_to_async(
-        lambda: sorted(RouteSession.objects.values_list("state", flat=True))
-    )()
+    states = await db(lambda: sorted(RouteSession.objects.values_list("state", flat=True)))
     assert states == ["broken", "open"]
     await ws.disconnect()

@@ -1,32 +1,38 @@
-"""The playground websocket: one sticky route session per conversation, tokens streamed as they come.
+"""The playground websocket (JSON): answers stream token by token over a conversation's sticky route.
 
-The conversation's RouteClient lives as long as the socket, so turn 2 reuses the hops' KV caches and
-sends only the new tokens. `?format=json` speaks JSON; otherwise replies are htmx out-of-band fragments.
+A conversation keeps one route session and RouteClient, so turn 2 prefills only the new tokens; when the
+socket goes the route is parked (webapp/playground/live.py) and a reload continues with the hops' KV.
+Stop ends generation between two steps, so every hop's KV still equals the client's token history.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import uuid
-from dataclasses import dataclass
+import time
 from functools import lru_cache
 from typing import Any
-from urllib.parse import parse_qs
 
 from channels.db import database_sync_to_async
-from django.template.loader import render_to_string
 
 from agent.wire.control import CLOSE_UNAUTHORIZED
 from webapp.catalog.models import ModelArtifact
 from webapp.core.consumers import BadMessage, SafeJsonConsumer
-from webapp.playground.chat import ChatRequest, ChatRequestError, parse_chat_request, telemetry_bars
+from webapp.playground import store
+from webapp.playground.chat import ChatRequest, ChatRequestError, bars_json, parse_chat_request
+from webapp.playground.live import LiveRoute, close_live, parking
 from webapp.routing import services as routing
 from webapp.routing.chooser import NoRoute
 from webapp.routing.models import RouteSession
 from webapp.telemetry.services import record_generation
 
 log = logging.getLogger(__name__)
+
+PROGRESS_S = 0.25  # how often the page's telemetry bars move while an answer streams
+# After Stop, how long the step in flight (a decode step, or a 512-token prefill chunk) may take to
+# finish; past it the step is abandoned and the route closed, since a hop may or may not have applied it.
+STOP_GRACE_S = 10.0
 
 
 @lru_cache(maxsize=8)
@@ -36,28 +42,47 @@ def _tokenizer(path: str) -> Any:
     return ChatTokenizer(path)
 
 
-@dataclass
-class Conversation:
-    """The live route of one chat: its route session, client and hops (the history lives on the consumer)."""
-
-    artifact_id: int
-    session_id: uuid.UUID
-    client: Any
-    route: list[dict[str, Any]]
-
-
 def _open(artifact_id: int, user: Any) -> tuple[ModelArtifact, RouteSession, list[routing.HopGrant], Any]:
     artifact = ModelArtifact.objects.get(pk=artifact_id, state=ModelArtifact.State.READY)
     session, hops = routing.open_route(artifact_id, user)
     return artifact, session, hops, _tokenizer(artifact.path)
 
 
-class ChatConsumer(SafeJsonConsumer):
-    """/ws/chat/: logged-in users only."""
+class _Abandoned(Exception):
+    """Stop came while a step was in flight and it did not finish in time: the route's KV is unknown."""
 
-    conv: Conversation | None = None
-    messages: list[dict[str, str]]
-    messages_model: int | None = None
+
+def _hops(client: Any) -> list[dict[str, Any]]:
+    """Per-hop compute and network time of the answer so far (the client adds to them every step)."""
+    return [
+        {
+            "url": h.url,
+            "layers": [h.layer_start, h.layer_end],
+            "compute_ms": round(s.compute_ms, 2),
+            "network_ms": round(s.network_ms, 2),
+        }
+        for h, s in zip(getattr(client, "hops", []), getattr(client, "hop_stats", []), strict=False)
+    ]
+
+
+def _so_far(client: Any, n_generated: int, t0: float, t_first: float | None) -> dict[str, Any]:
+    """Telemetry of an answer still streaming (or cut by Stop), in the shape of the final one."""
+    now = time.perf_counter()
+    decode_s = now - t_first if t_first is not None else 0.0
+    return {
+        "n_generated": n_generated,
+        "total_ms": round((now - t0) * 1e3, 1),
+        "ttft_ms": round((t_first - t0) * 1e3, 1) if t_first is not None else None,
+        "tok_s": round((n_generated - 1) / decode_s, 1) if n_generated > 1 and decode_s > 0 else 0.0,
+        "hops": _hops(client),
+    }
+
+
+class ChatConsumer(SafeJsonConsumer):
+    """/ws/chat/: logged-in users only. Messages `chat`, `stop` and `reset`; see docs/control-plane.md."""
+
+    live: LiveRoute | None = None
+    live_dirty = False  # a step may be half-applied on the hops: close the route, never park it
     task: asyncio.Task[None] | None = None
     turn = 0
 
@@ -66,135 +91,228 @@ class ChatConsumer(SafeJsonConsumer):
         if user is None or not user.is_authenticated:
             await self.close(code=CLOSE_UNAUTHORIZED)
             return
-        qs = parse_qs(self.scope.get("query_string", b"").decode("latin-1"))
-        self.json_mode = qs.get("format", [""])[0] == "json"
-        self.messages = []
+        self.stop_event = asyncio.Event()
         await self.accept()
 
     async def disconnect(self, code: int) -> None:
-        if self.task is not None:
+        if self.task is not None and not self.task.done():
             self.task.cancel()
-        await self._close_conversation()
+            await asyncio.gather(self.task, return_exceptions=True)
+        await self._leave_live()
 
     async def receive_json(self, content: Any, **kwargs: Any) -> None:
-        if isinstance(content, dict) and content.get("type") == "reset":
-            await self._close_conversation()
-            self.messages = []
-            await self._emit({"type": "reset"}, "playground/htmx/reset.html", {})
+        kind = content.get("type", "chat") if isinstance(content, dict) else None
+        if kind == "stop":
+            if self.task is not None and not self.task.done():
+                self.stop_event.set()
             return
+        if kind == "reset":  # the page starts a new conversation: the current one's route is parked
+            if self.task is not None and not self.task.done():
+                raise BadMessage("stop the current answer first")
+            await self._leave_live()
+            await self.send_json({"type": "reset"})
+            return
+        if kind != "chat":
+            raise BadMessage(f"unknown message type {kind!r}")
         try:
             req = parse_chat_request(content)
         except ChatRequestError as e:
             raise BadMessage(str(e)) from None
         if self.task is not None and not self.task.done():
-            raise BadMessage("wait for the current answer to finish")
+            raise BadMessage("wait for the current answer to finish, or stop it")
         self.turn += 1
+        self.stop_event.clear()
         self.task = asyncio.create_task(self._answer(req, self.turn))
 
-    async def send_error(self, text: str) -> None:
-        await self._emit({"type": "error", "error": text}, "playground/htmx/error.html", {})
-
-    async def _emit(self, msg: dict[str, Any], template: str, ctx: dict[str, Any]) -> None:
-        if self.json_mode:
-            await self.send_json(msg)
-        else:
-            await self.send(
-                text_data=await database_sync_to_async(render_to_string)(template, {**msg, **ctx})
-            )
-
-    async def _close_conversation(self, state: str = RouteSession.State.CLOSED) -> None:
-        conv, self.conv = self.conv, None
-        if conv is None:
+    async def _leave_live(self, state: str = RouteSession.State.CLOSED) -> None:
+        """Park the live route for a later reopen, or close it when its KV cannot be trusted."""
+        live, self.live = self.live, None
+        if live is None:
             return
+        if self.live_dirty or state != RouteSession.State.CLOSED:
+            self.live_dirty = False
+            await close_live(live, state)
+        else:
+            parking.park(live)
+
+    async def _ensure_live(self, req: ChatRequest, turn: store.Turn) -> LiveRoute:
+        cid = turn.conversation_id
+        if self.live is not None and (self.live.conversation_id, self.live.artifact_id) == (
+            cid,
+            req.model_id,
+        ):
+            return self.live
+        await self._leave_live()
+        live = parking.claim(cid, req.model_id)
+        if live is None:
+            from agent.client.route import Hop, RouteClient
+
+            user = self.scope["user"]
+            _, session, grants, tokenizer = await database_sync_to_async(_open)(req.model_id, user)
+            hops = [Hop(g.url, g.layer_start, g.layer_end, g.token) for g in grants]
+            client = RouteClient(hops, tokenizer, session_id=session.id.bytes, max_context=turn.context)
+            live = LiveRoute(cid, req.model_id, session.id, client, session.hops, turn.context)
+        self.live = live
+        return live
+
+    async def _next(self, it: Any) -> Any:
+        """The next event of the answer, or None when Stop was pressed (after the step in flight ends)."""
+        step = asyncio.ensure_future(anext(it))
+        stop = asyncio.ensure_future(self.stop_event.wait())
         try:
-            await conv.client.close()
-        except Exception:  # noqa: BLE001 - a dead hop must not stop us from recording the close
-            log.warning("closing route session %s failed", conv.session_id, exc_info=True)
-        await database_sync_to_async(routing.close_session)(conv.session_id, state)
-
-    async def _ensure_conversation(self, req: ChatRequest) -> Conversation:
-        if self.conv is not None and self.conv.artifact_id == req.model_id:
-            return self.conv
-        await self._close_conversation()
-        from agent.client.route import Hop, RouteClient
-
-        user = self.scope["user"]
-        _, session, grants, tokenizer = await database_sync_to_async(_open)(req.model_id, user)
-        hops = [Hop(g.url, g.layer_start, g.layer_end, g.token) for g in grants]
-        client = RouteClient(hops, tokenizer, session_id=session.id.bytes)
-        self.conv = Conversation(req.model_id, session.id, client, session.hops)
-        return self.conv
+            await asyncio.wait({step, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():
+                await asyncio.wait({step}, timeout=STOP_GRACE_S)
+        finally:
+            stop.cancel()
+            if not step.done():  # abandoned after Stop, or this task was cancelled (the socket went)
+                step.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await step
+        if step.cancelled():
+            raise _Abandoned
+        return step.result()  # StopAsyncIteration at the end of the answer
 
     async def _stream(
-        self, conv: Conversation, req: ChatRequest, base: dict[str, Any], shown: list[str]
-    ) -> tuple[str, dict[str, Any]]:
-        """Stream one answer; after a failover, text the user already saw (`shown[0]`) is not re-sent."""
-        text, telemetry = "", {}
-        async for ev in conv.client.chat(self.messages, req.sampling, req.max_tokens):
-            delta = getattr(ev, "text", "") or ""
-            if delta:
-                before, text = len(text), text + delta
-                fresh = text[max(before, len(shown[0])) :]
-                if fresh:
-                    shown[0] += fresh
-                    await self._emit(
-                        {**base, "type": "delta", "text": fresh}, "playground/htmx/delta.html", {}
+        self,
+        live: LiveRoute,
+        req: ChatRequest,
+        messages: list[dict[str, str]],
+        base: dict[str, Any],
+        shown: list[str],
+    ) -> tuple[str, dict[str, Any], bool]:
+        """Stream one answer; returns (text, telemetry, stopped). After a failover, text the user already
+        saw (`shown[0]`) is not sent again."""
+        text, telemetry, n = "", {}, 0
+        t0, t_first, last_progress = time.perf_counter(), None, 0.0
+        it = aiter(live.client.chat(messages, req.sampling, req.max_tokens))
+        self.live_dirty = True
+        try:
+            while not self.stop_event.is_set():
+                try:
+                    ev = await self._next(it)
+                except StopAsyncIteration:
+                    break
+                delta = getattr(ev, "text", "") or ""
+                if getattr(ev, "token", None) is not None or delta:
+                    n += 1
+                    t_first = t_first or time.perf_counter()
+                if delta:
+                    before, text = len(text), text + delta
+                    fresh = text[max(before, len(shown[0])) :]
+                    if fresh:
+                        shown[0] += fresh
+                        await self.send_json({**base, "type": "delta", "text": fresh})
+                if getattr(ev, "telemetry", None):
+                    telemetry = dict(ev.telemetry)
+                now = time.perf_counter()
+                if now - last_progress >= PROGRESS_S and not telemetry:
+                    last_progress = now
+                    progress = _so_far(live.client, n, t0, t_first)
+                    await self.send_json(
+                        {**base, "type": "progress", "telemetry": progress, "bars": bars_json(progress)}
                     )
-            if getattr(ev, "telemetry", None):
-                telemetry = dict(ev.telemetry)
-        return text, telemetry
+        finally:
+            with contextlib.suppress(Exception):
+                await it.aclose()  # between steps: nothing is in flight, the KV equals the history
+        self.live_dirty = False
+        stopped = self.stop_event.is_set() and not telemetry
+        if stopped:
+            telemetry = {**_so_far(live.client, n, t0, t_first), "stopped": True}
+        return text, telemetry, stopped
 
-    async def _answer(self, req: ChatRequest, turn: int) -> None:
+    async def _turn_error(self, base: dict[str, Any], text: str) -> None:
+        """This turn got no answer; the page gives the user's text back to edit and resend."""
+        await self.send_json({**base, "type": "error", "error": text})
+
+    async def _answer(self, req: ChatRequest, turn_no: int) -> None:
         """Answer one turn; if the route fails mid-answer, re-open a route once and re-prefill the history
         (greedy or seeded sampling continues identically, so the user sees one seamless answer)."""
-        base = {"turn": turn}
-        if self.messages_model != req.model_id:
-            self.messages, self.messages_model = [], req.model_id
-        self.messages.append({"role": "user", "content": req.message})
-        shown, started = [""], False
-        for attempt in (1, 2):
-            try:
-                conv = await self._ensure_conversation(req)
-            except (NoRoute, ModelArtifact.DoesNotExist) as e:
-                text = str(e) if isinstance(e, NoRoute) else "no such ready model"
-                self.messages.pop()
-                await self.send_error(f"cannot open a route: {text}")
-                return
-            if not started:
-                started = True
-                start = {
-                    **base,
-                    "type": "start",
-                    "session": str(conv.session_id),
-                    "route": conv.route,
-                    "message": req.message,
-                }
-                await self._emit(start, "playground/htmx/turn_start.html", {})
-            try:
-                text, telemetry = await self._stream(conv, req, base, shown)
-                break
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # noqa: BLE001 - the route failed: fail over once, then tell the user
-                log.warning(
-                    "generation failed on session %s (attempt %d)", conv.session_id, attempt, exc_info=True
-                )
-                await self._close_conversation(RouteSession.State.BROKEN)
-                await database_sync_to_async(record_generation)(
-                    conv.session_id, req.model_id, self.scope["user"], {}, error=str(e)
-                )
-                if attempt == 2:
-                    self.messages.pop()
-                    await self.send_error(f"generation failed: {e}")
+        base: dict[str, Any] = {"turn": turn_no}
+        user = self.scope["user"]
+        try:
+            turn = await database_sync_to_async(store.begin_turn)(user, req)
+        except ChatRequestError as e:
+            await self._turn_error(base, str(e))
+            return
+        base["conversation"] = turn.conversation_id
+        shown, started, text, stopped = [""], False, "", False
+        telemetry: dict[str, Any] = {}
+        try:
+            for attempt in (1, 2):
+                try:
+                    live = await self._ensure_live(req, turn)
+                except (NoRoute, ModelArtifact.DoesNotExist) as e:
+                    why = str(e) if isinstance(e, NoRoute) else "it is no longer ready"
+                    await database_sync_to_async(store.abandon_turn)(turn)
+                    await self._turn_error(
+                        base,
+                        f"{turn.model_name} is not placed so that it can answer: {why}. "
+                        "An admin can place it from the Models page.",
+                    )
                     return
-        self.messages.append({"role": "assistant", "content": text})
-        n_positions = int(telemetry.get("n_prompt", 0) or 0) + int(telemetry.get("n_generated", 0) or 0)
-        await database_sync_to_async(routing.touch_session)(conv.session_id, n_positions)
-        await database_sync_to_async(record_generation)(
-            conv.session_id, req.model_id, self.scope["user"], telemetry
-        )
-        await self._emit(
-            {**base, "type": "done", "text": text, "telemetry": telemetry},
-            "playground/htmx/turn_done.html",
-            {"bars": telemetry_bars(telemetry), "route": conv.route},
-        )
+                if not started:
+                    started = True
+                    start = {
+                        **base,
+                        "type": "start",
+                        "title": turn.title,
+                        "created": turn.created,
+                        "session": str(live.session_id),
+                        "route": live.route,
+                        "context": live.context,
+                        "message": req.message,
+                    }
+                    await self.send_json(start)
+                try:
+                    text, telemetry, stopped = await self._stream(live, req, turn.messages, base, shown)
+                    break
+                except asyncio.CancelledError:
+                    raise
+                except _Abandoned:
+                    log.info("stop abandoned a step in flight on session %s; closing it", live.session_id)
+                    text, stopped, telemetry = shown[0], True, {"stopped": True, "route_closed": True}
+                    await self._leave_live()
+                    break
+                except Exception as e:  # noqa: BLE001 - the route failed: fail over once, then tell the user
+                    log.warning(
+                        "generation failed on session %s (attempt %d)",
+                        live.session_id,
+                        attempt,
+                        exc_info=True,
+                    )
+                    await self._leave_live(RouteSession.State.BROKEN)
+                    await database_sync_to_async(record_generation)(
+                        live.session_id, req.model_id, user, {}, error=str(e)
+                    )
+                    if attempt == 2:
+                        await database_sync_to_async(store.abandon_turn)(turn)
+                        await self._turn_error(base, f"the route failed twice, so this answer is lost: {e}")
+                        return
+        except asyncio.CancelledError:  # the socket went: keep what the user saw of the answer
+            if shown[0]:
+                await asyncio.shield(
+                    database_sync_to_async(store.finish_turn)(turn, shown[0], {"stopped": True}, True)
+                )
+            raise
+        if self.live is live:  # still open: record what its hops hold
+            history = getattr(live.client, "history", None)
+            n_positions = (
+                len(history)
+                if isinstance(history, list)
+                else (int(telemetry.get("n_prompt", 0) or 0) + int(telemetry.get("n_generated", 0) or 0))
+            )
+            await database_sync_to_async(routing.touch_session)(live.session_id, n_positions)
+        if not stopped:
+            await database_sync_to_async(record_generation)(live.session_id, req.model_id, user, telemetry)
+        message_id = await database_sync_to_async(store.finish_turn)(turn, text, telemetry, stopped)
+        done = {
+            **base,
+            "type": "done",
+            "message": message_id,
+            "text": text,
+            "stopped": stopped,
+            "telemetry": telemetry,
+            "bars": bars_json(telemetry),
+        }
+        await self.send_json(done)
