@@ -339,6 +339,7 @@ class Generation:
         decode_s = total - ttft
         return {
             "session": str(entry.session_id),
+            "route": entry.route,
             "reused_route": self.reused,
             "ttft_ms": round(ttft * 1e3, 2),
             "tok_s": round((n_out - 1) / decode_s, 2) if n_out > 1 and decode_s > 0 else 0.0,
