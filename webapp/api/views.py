@@ -190,12 +190,16 @@ async def _stream(gen: Generation) -> AsyncIterator[bytes]:
     shape = Shaper(gen)
     if shape.chat:
         yield _sse(shape.chunk(None, None, first=True))
+    pieces = gen.pieces()
     try:
-        async for piece in gen.pieces():
+        async for piece in pieces:
             yield _sse(shape.chunk(piece, None))
     except ApiError as e:
         yield _sse(e.body())  # mid-stream: the status line is gone, the error travels as an event
         return
+    finally:
+        # Closed while suspended at a yield (the client left between tokens): free the route now.
+        await pieces.aclose()
     o = gen.outcome
     assert o is not None
     await gen.finish()
