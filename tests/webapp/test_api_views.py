@@ -4,6 +4,7 @@ prefix reuse and cleanup. The real hops are exercised in tests/integration/test_
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -355,6 +356,32 @@ async def test_a_stream_abandoned_mid_answer_closes_its_route_on_every_hop(
     assert client.closed and len(engine.cache) == 0
     session = await database_sync_to_async(RouteSession.objects.get)()
     assert session.state == RouteSession.State.CLOSED
+    usage = await database_sync_to_async(ApiUsage.objects.get)()
+    assert usage.tokens_in == len(gen.prompt) and usage.tokens_out == 1, "what was computed is counted"
+
+
+async def test_a_body_over_the_upload_limit_is_413(
+    async_client: Any, api_key: tuple[str, Any], settings: Any
+) -> None:
+    settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 1000
+    body = {"model": "m", "messages": [{"role": "user", "content": "x" * 2000}]}
+    assert_error(await post(async_client, "/v1/chat/completions", body, api_key[0]), 413, "request_too_large")
+
+
+def test_rate_windows_in_redis_are_shared_and_reset_each_minute(settings: Any) -> None:
+    import redis
+
+    url = os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379/0"
+    try:
+        redis.Redis.from_url(url, socket_timeout=2).ping()
+    except redis.RedisError:
+        pytest.skip(f"no Redis at {url}")
+    settings.REDIS_URL = url
+    key_id = int.from_bytes(os.urandom(4), "big")
+    first, second = keys.RateLimiter(), keys.RateLimiter()  # two web processes
+    assert first.hit(key_id, 2) == 0 and second.hit(key_id, 2) == 0
+    wait = first.hit(key_id, 2)
+    assert 0 < wait <= 60
 
 
 def test_the_keys_page_shows_a_new_secret_once_and_stores_only_its_hash(

@@ -171,6 +171,8 @@ class Generation:
         self.reused = False
         self.prompt: list[int] = []
         self.tok: ChatTokenizer | None = None
+        self.n_out = 0  # tokens generated so far (counted in usage even if the client leaves)
+        self.text = ""
 
     async def prepare(self) -> None:
         try:
@@ -280,6 +282,9 @@ class Generation:
                 entry, self.entry = self.entry, None
                 cache.drop(entry)
                 await asyncio.shield(close_entry(entry))
+                # What was computed counts, even for a client that did not stay to read it.
+                usage = database_sync_to_async(keys.record_usage)(self.key.pk, len(self.prompt), self.n_out)
+                await asyncio.shield(usage)
 
     async def _run(self, entry: Entry) -> AsyncIterator[Piece]:
         tok, req, client = self.tok, self.req, entry.client
@@ -302,6 +307,7 @@ class Generation:
                     finish = "stop"
                     break
                 n_out += 1
+                self.n_out = n_out
                 if req.logprobs:
                     resp = client.last_response
                     logits = resp.logits()[-1] if want_top and resp is not None and resp.n_tokens else None
