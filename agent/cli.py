@@ -1,4 +1,4 @@
-"""Command line of the node agent: inspect, keygen, serve, chat (and enroll/run when present)."""
+"""Command line of the node agent: inspect, tiny, keygen, serve, chat (and enroll/run when present)."""
 
 from __future__ import annotations
 
@@ -48,7 +48,17 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     except ManifestError as e:
         return _fail(str(e))
     print(m.to_json() if args.json else format_manifest(m))
+    if args.json and m.servable_problem:
+        # the text form says it in its "servable" line; JSON readers get it on stderr
+        print(m.servable_problem, file=sys.stderr)
     return 0
+
+
+# -- tiny -------------------------------------------------------------------------------------------
+def cmd_tiny(args: argparse.Namespace) -> int:
+    from agent.artifacts import tiny
+
+    return tiny.run(args)
 
 
 # -- keygen -----------------------------------------------------------------------------------------
@@ -207,6 +217,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("model")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_inspect)
+
+    s = sub.add_parser("tiny", help="write a tiny random-weight GGUF of an architecture (tests, bench)")
+    from agent.artifacts.tiny import add_arguments
+
+    add_arguments(s)
+    s.set_defaults(func=cmd_tiny)
 
     s = sub.add_parser("keygen", help="create a development route-token signing key")
     s.add_argument("--out", default=".")

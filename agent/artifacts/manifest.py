@@ -16,14 +16,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agent.artifacts.archs import StatePart, describe, servable_problem
+
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_GGUF_VERSIONS = (2, 3)
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2: per-layer state parts, expert bytes, MTP blocks, unsplittable groups
+_READABLE_VERSIONS = (1, MANIFEST_VERSION)  # a version 1 manifest is re-described from its hparams
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.")
 _HASH_CHUNK = 8 << 20
-
-# Architectures whose per-layer state is a plain attention KV and whose seam carries d_model floats.
-LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "gemma3", "granite"}
 
 
 class ManifestError(ValueError):
@@ -53,8 +53,15 @@ class LayerInfo:
 
     index: int
     ranges: list[tuple[int, int]]  # merged [start, end) absolute byte ranges
-    nbytes: int
-    state_kind: str  # "attention_kv" for llama-like layers; later: "latent_kv", "recurrent"
+    nbytes: int  # every tensor of the block, routed experts included
+    state_kind: str  # "kv", "recurrent", "latent_kv" or "compressed_kv" (archs.STATE_KINDS)
+    state: list[StatePart] = field(default_factory=list)
+    expert_bytes: int = 0  # the routed-expert tensors' share of nbytes
+    needs_token_ids: bool = False  # a window starting here needs the token ids with the boundary state
+
+    def state_bytes(self, n_ctx: int, kv_bytes: float = 2.0) -> int:
+        """Per-sequence state of this layer at `n_ctx` tokens (KV cache of `kv_bytes` per element)."""
+        return sum(p.bytes_at(n_ctx, kv_bytes) for p in self.state)
 
 
 @dataclass(frozen=True)
@@ -77,6 +84,9 @@ class Manifest:
     roles: dict[str, list[str]]  # "first" / "last" / "all" -> non-layer tensor names needed
     manifest_version: int = MANIFEST_VERSION
     tensor_data_offset: int = 0
+    mtp_layers: int = 0  # multi-token-prediction blocks after the trunk; their tensors are "last" role
+    layer_groups: list[tuple[int, int]] = field(default_factory=list)  # [start, end) never split
+    leading_dense_layers: int = 0
     _by_name: dict[str, TensorInfo] = field(default_factory=dict, compare=False, repr=False)
 
     def tensor(self, name: str) -> TensorInfo:
@@ -103,6 +113,19 @@ class Manifest:
     def tied_embeddings(self) -> bool:
         return not self.has_tensor("output.weight")
 
+    @property
+    def servable_problem(self) -> str:
+        """Why this agent cannot serve the model layer by layer ("" when it can)."""
+        return servable_problem(self.architecture)
+
+    @property
+    def expert_bytes(self) -> int:
+        return sum(layer.expert_bytes for layer in self.layers)
+
+    def boundary_allowed(self, layer: int) -> bool:
+        """May a shard boundary sit before `layer`? Never inside an unsplittable group."""
+        return not any(s < layer < e for s, e in self.layer_groups)
+
     def tensors_for_range(self, layer_start: int, layer_end: int) -> list[TensorInfo]:
         """The tensors a shard holding [layer_start, layer_end) must read, role tensors included."""
         check_range(self, layer_start, layer_end)
@@ -112,7 +135,8 @@ class Manifest:
         if layer_end == self.n_layers:
             names.update(self.roles.get("last", []))
         out = [t for t in self.tensors if t.layer is not None and layer_start <= t.layer < layer_end]
-        out += [t for t in self.tensors if t.layer is None and t.name in names]
+        # role tensors by name: MTP blocks carry a layer index past the trunk, so no range selects them
+        out += [t for t in self.tensors if t.name in names and (t.layer is None or t.layer >= self.n_layers)]
         return out
 
     def byte_ranges_for_range(self, layer_start: int, layer_end: int) -> list[tuple[int, int]]:
@@ -132,25 +156,56 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Manifest:
-        if d.get("manifest_version") != MANIFEST_VERSION:
-            raise ManifestError(f"unsupported manifest version {d.get('manifest_version')!r}")
+        version = d.get("manifest_version")
+        if version not in _READABLE_VERSIONS:
+            raise ManifestError(f"unsupported manifest version {version!r} (readable: {_READABLE_VERSIONS})")
         d = dict(d)
         d.pop("_by_name", None)
         d["tensors"] = [TensorInfo(**t) for t in d["tensors"]]
+        if version == 1:
+            return _upgrade_v1(d)
         d["layers"] = [
             LayerInfo(
                 index=x["index"],
                 ranges=[tuple(r) for r in x["ranges"]],
                 nbytes=x["nbytes"],
                 state_kind=x["state_kind"],
+                state=[StatePart(**p) for p in x.get("state", [])],
+                expert_bytes=x.get("expert_bytes", 0),
+                needs_token_ids=x.get("needs_token_ids", False),
             )
             for x in d["layers"]
         ]
+        d["layer_groups"] = [(int(s), int(e)) for s, e in d.get("layer_groups", [])]
         return cls(**d)
 
     @classmethod
     def from_json(cls, s: str) -> Manifest:
         return cls.from_dict(json.loads(s))
+
+
+def _upgrade_v1(d: dict[str, Any]) -> Manifest:
+    """A version 1 manifest (llama-like only, no state parts) re-described from its own hparams."""
+    tensors: list[TensorInfo] = d["tensors"]
+    desc = describe(
+        d["architecture"], d["hparams"], d["n_layers"], d["boundary_dim"], [t.name for t in tensors]
+    )
+    d["layers"] = [
+        _layer_info(
+            x["index"], [tuple(r) for r in x["ranges"]], x["nbytes"], tensors, desc.layers[x["index"]]
+        )
+        for x in d["layers"]
+    ]
+    d["manifest_version"] = MANIFEST_VERSION
+    d["boundary_dim"] = desc.boundary_dim
+    return Manifest(**d)
+
+
+def _layer_info(
+    index: int, ranges: list[Any], nbytes: int, tensors: list[TensorInfo], desc: Any
+) -> LayerInfo:
+    experts = sum(t.nbytes for t in tensors if t.layer == index and "_exps." in t.name)
+    return LayerInfo(index, ranges, nbytes, desc.state_kind, list(desc.state), experts, desc.needs_token_ids)
 
 
 def check_range(manifest: Manifest, layer_start: int, layer_end: int) -> None:
@@ -273,22 +328,24 @@ def build_manifest(path: str | os.PathLike[str], *, hash_tensors: bool = True) -
         if ti.layer is not None and ti.layer >= n_layers:
             raise ManifestError(f"{p}: tensor {ti.name} names layer {ti.layer} but block_count is {n_layers}")
 
+    try:
+        desc = describe(arch, hparams, n_layers, d_model, [t.name for t in tensors])
+    except (ValueError, TypeError, IndexError) as e:
+        raise ManifestError(f"{p}: {arch} metadata does not describe its layers ({e})") from None
+    n_layers = desc.n_layers
+    if n_layers <= 0:
+        raise ManifestError(f"{p}: {arch}.nextn_predict_layers leaves no trunk layers")
     layers: list[LayerInfo] = []
     for i in range(n_layers):
         ranges = merge_ranges([(t.offset, t.end) for t in tensors if t.layer == i])
         if not ranges:
             raise ManifestError(f"{p}: layer {i} has no tensors")
-        layers.append(LayerInfo(i, ranges, sum(e - s for s, e in ranges), "attention_kv"))
+        layers.append(_layer_info(i, ranges, sum(e - s for s, e in ranges), tensors, desc.layers[i]))
 
     names = {t.name for t in tensors}
     if "token_embd.weight" not in names:
         raise ManifestError(f"{p}: token_embd.weight is missing")
-    last = ["output_norm.weight"] + (["output.weight"] if "output.weight" in names else ["token_embd.weight"])
-    roles = {
-        "first": ["token_embd.weight"],
-        "last": [n for n in last if n in names],
-        "all": [n for n in ("rope_freqs.weight",) if n in names],
-    }
+    roles = _roles(tensors, n_layers)
     ctx = hparams.get("context_length")
     return Manifest(
         sha256=sha256_file(p),
@@ -297,7 +354,7 @@ def build_manifest(path: str | os.PathLike[str], *, hash_tensors: bool = True) -
         architecture=arch,
         name=str(_field_value(reader, "general.name") or p.stem),
         n_layers=n_layers,
-        boundary_dim=d_model,
+        boundary_dim=desc.boundary_dim,
         context_length=int(ctx) if isinstance(ctx, int) else 0,
         hparams=hparams,
         has_tokenizer=tokens is not None,
@@ -306,26 +363,58 @@ def build_manifest(path: str | os.PathLike[str], *, hash_tensors: bool = True) -
         layers=layers,
         roles=roles,
         tensor_data_offset=int(reader.data_offset),
+        mtp_layers=desc.mtp_layers,
+        layer_groups=desc.groups,
+        leading_dense_layers=desc.leading_dense_layers,
     )
+
+
+# Non-layer tensors the last shard needs besides the output norm and head: deepseek4's
+# hyper-connection head collapses the streams before the output norm.
+_LAST_PREFIXES = ("output_norm.", "output.", "output_hc_")
+
+
+def _roles(tensors: list[TensorInfo], n_layers: int) -> dict[str, list[str]]:
+    """Which non-trunk tensors each shard role loads: first (embedding), last (head, MTP blocks), all."""
+    names = [t.name for t in tensors if t.layer is None]
+    last = [n for n in names if n.startswith(_LAST_PREFIXES)]
+    if "output.weight" not in names:
+        last.append("token_embd.weight")  # tied output head
+    last += [t.name for t in tensors if t.layer is not None and t.layer >= n_layers]  # MTP blocks
+    # anything else (rope_freqs, unknown extras) goes to every shard: loading too much beats a missing tensor
+    always = [n for n in names if n != "token_embd.weight" and n not in last]
+    return {"first": ["token_embd.weight"], "last": last, "all": always}
 
 
 def format_manifest(m: Manifest) -> str:
     """Human-readable summary for `inspect`."""
+    counts: dict[str, int] = {}
+    for layer in m.layers:
+        counts[layer.state_kind] = counts.get(layer.state_kind, 0) + 1
+    kinds = ", ".join(f"{k} x{n}" for k, n in counts.items())
     lines = [
         f"file        sha256:{m.sha256}  ({m.file_size / 1e6:.1f} MB, GGUF v{m.gguf_version})",
-        f"model       {m.name}  arch={m.architecture}  layers={m.n_layers}  d_model={m.boundary_dim}  "
+        f"model       {m.name}  arch={m.architecture}  layers={m.n_layers}  d_model={m.hparams.get('embedding_length')}  "
         f"ctx={m.context_length}",
         f"tokenizer   {'yes' if m.has_tokenizer else 'no'}  chat template: {'yes' if m.has_chat_template else 'no'}"
         f"  tied embeddings: {'yes' if m.tied_embeddings else 'no'}",
         "hparams     "
         + ", ".join(f"{k}={v}" for k, v in sorted(m.hparams.items()) if not isinstance(v, list)),
         f"roles       first={m.roles['first']} last={m.roles['last']} all={m.roles['all']}",
+        f"structure   seam={m.boundary_dim} floats/token  state kinds: {kinds}  experts: {m.expert_bytes} bytes"
+        f"  leading dense: {m.leading_dense_layers}  mtp blocks: {m.mtp_layers}"
+        f"  unsplittable groups: {' '.join(f'[{s},{e})' for s, e in m.layer_groups) or 'none'}",
+        f"servable    {m.servable_problem or 'yes'}",
         "",
-        f"{'layer':>5} {'bytes':>12}  ranges",
+        f"{'layer':>5} {'bytes':>12} {'experts':>10} {'state':<14} {'state@4K':>10}  ranges",
     ]
     for layer in m.layers:
         rs = " ".join(f"[{s},{e})" for s, e in layer.ranges)
-        lines.append(f"{layer.index:>5} {layer.nbytes:>12}  {rs}")
+        kind = layer.state_kind + ("+ids" if layer.needs_token_ids else "")
+        lines.append(
+            f"{layer.index:>5} {layer.nbytes:>12} {layer.expert_bytes:>10} {kind:<14} "
+            f"{layer.state_bytes(4096):>10}  {rs}"
+        )
     lines.append("")
     lines.append(
         f"{'tensor':<32} {'layer':>5} {'type':>6} {'shape':<16} {'offset':>10} {'bytes':>10}  sha256"

@@ -46,7 +46,7 @@ def test_smollm2_manifest_describes_every_layer_and_role(manifest: Manifest) -> 
     assert manifest.roles["first"] == ["token_embd.weight"]
     assert manifest.roles["last"] == ["output_norm.weight", "token_embd.weight"]
     assert [layer.index for layer in manifest.layers] == list(range(30))
-    assert all(layer.nbytes > 0 and layer.state_kind == "attention_kv" for layer in manifest.layers)
+    assert all(layer.nbytes > 0 and layer.state_kind == "kv" for layer in manifest.layers)
     # Every byte of tensor data belongs to exactly one tensor and the ranges stay inside the file.
     spans = sorted((t.offset, t.end) for t in manifest.tensors)
     assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:], strict=False))

@@ -1,0 +1,230 @@
+"""Per-architecture structure of a GGUF: what state each layer keeps, what crosses a seam, what may not be split.
+
+The manifest calls `describe` once per file; everything is derived from the architecture's metadata
+(the same keys llama.cpp's loader reads), so an old manifest can be re-described from its hparams.
+`SERVABLE_ARCHITECTURES` is the one list of what this agent's executor runs; inspect, placement and
+the control plane refuse the rest with `servable_problem`'s message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+# What the native executor runs today. Extend it (with the C loader's kSupportedArchs) when an
+# architecture's layer windows are proved against llama.cpp.
+SERVABLE_ARCHITECTURES: frozenset[str] = frozenset({"llama", "mistral", "qwen2"})
+
+STATE_KINDS = ("kv", "recurrent", "latent_kv", "compressed_kv")
+# Gated delta-net hybrids: recurrent layers with full attention every N-th layer.
+_DELTA_NET = ("qwen35", "qwen35moe", "qwen3next")
+_MLA = ("deepseek2", "deepseek32", "glm-dsa")
+# Gemma's alternating sliding-window pattern (every N-th layer global), llama.cpp's defaults.
+_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
+_DSV4_CSA, _DSV4_HCA = 4, 128
+
+
+@dataclass(frozen=True)
+class StatePart:
+    """One piece of a layer's per-sequence state: a cache that grows with the context, or a fixed tensor."""
+
+    name: str
+    elements: int  # per cached row (a row per token, or per `ratio` tokens); per sequence when `fixed`
+    fixed: bool = False
+    window: int = 0  # rows cover at most this many recent tokens (0: the whole context)
+    ratio: int = 1  # one row per `ratio` tokens (compressed caches)
+    f32: bool = False  # kept in f32 whatever the KV cache type (recurrent and compressor states)
+
+    def elements_at(self, n_ctx: int) -> int:
+        if self.fixed:
+            return self.elements
+        tokens = min(n_ctx, self.window) if self.window else n_ctx
+        return self.elements * -(-tokens // self.ratio)
+
+    def bytes_at(self, n_ctx: int, kv_bytes: float = 2.0) -> int:
+        """Bytes at a context of `n_ctx` tokens with a KV cache of `kv_bytes` per element (f16: 2)."""
+        return int(self.elements_at(n_ctx) * (4 if self.f32 else kv_bytes))
+
+
+@dataclass(frozen=True)
+class LayerDescription:
+    """What `describe` says about one trunk layer."""
+
+    state_kind: str
+    state: list[StatePart] = field(default_factory=list)
+    needs_token_ids: bool = False  # the layer reads the token ids (deepseek4's hash-routed MoE)
+
+
+@dataclass(frozen=True)
+class ArchDescription:
+    """The architecture-level answer: layers, seam width, groups a boundary may not split."""
+
+    n_layers: int  # trunk layers (block_count less the multi-token-prediction blocks)
+    mtp_layers: int
+    boundary_dim: int
+    layers: list[LayerDescription]
+    groups: list[tuple[int, int]]  # unsplittable [start, end) layer ranges
+    leading_dense_layers: int
+
+
+def _int(hp: dict[str, Any], key: str, default: int = 0) -> int:
+    v = hp.get(key, default)
+    if isinstance(v, list):
+        return int(v[0]) if v else default
+    return int(v)
+
+
+def _per_layer(hp: dict[str, Any], key: str, i: int, default: int) -> int:
+    """A key llama.cpp reads with get_key_or_arr: one value for every layer, or one per layer."""
+    v = hp.get(key, default)
+    if isinstance(v, list):
+        return int(v[i]) if i < len(v) else default
+    return int(v)
+
+
+def _kv_parts(hp: dict[str, Any], i: int, d_model: int, window: int = 0) -> list[StatePart]:
+    n_head = max(_per_layer(hp, "attention.head_count", i, 1), 1)
+    n_kv = _per_layer(hp, "attention.head_count_kv", i, n_head)
+    k_len = _int(hp, "attention.key_length", d_model // n_head)
+    v_len = _int(hp, "attention.value_length", d_model // n_head)
+    return [StatePart("k", n_kv * k_len, window=window), StatePart("v", n_kv * v_len, window=window)]
+
+
+def _swa_layers(arch: str, hp: dict[str, Any], n_layers: int) -> list[bool]:
+    if arch not in _SWA_PATTERN or _int(hp, "attention.sliding_window") <= 0:
+        return [False] * n_layers
+    pattern = hp.get("attention.sliding_window_pattern", _SWA_PATTERN[arch])
+    if isinstance(pattern, list):
+        return [bool(pattern[i]) if i < len(pattern) else False for i in range(n_layers)]
+    n = int(pattern)
+    return [n == 0 or i % n < n - 1 for i in range(n_layers)]
+
+
+def _delta_net(hp: dict[str, Any], n_layers: int, d_model: int) -> list[LayerDescription]:
+    recurrent = hp.get("attention.recurrent_layers")
+    if isinstance(recurrent, list):
+        is_recr = [bool(recurrent[i]) if i < len(recurrent) else False for i in range(n_layers)]
+    else:
+        interval = _int(hp, "full_attention_interval", 4)
+        is_recr = [(i + 1) % interval != 0 for i in range(n_layers)]
+    d_conv = _int(hp, "ssm.conv_kernel")
+    d_state = _int(hp, "ssm.state_size")
+    d_inner = _int(hp, "ssm.inner_size")
+    n_group = _int(hp, "ssm.group_count")
+    conv = max(d_conv - 1, 0) * (d_inner + 2 * n_group * d_state)
+    out = []
+    for i in range(n_layers):
+        if is_recr[i]:
+            parts = [
+                StatePart("conv", conv, fixed=True, f32=True),
+                StatePart("ssm", d_state * d_inner, fixed=True, f32=True),
+            ]
+            out.append(LayerDescription("recurrent", parts))
+        else:
+            out.append(LayerDescription("kv", _kv_parts(hp, i, d_model)))
+    return out
+
+
+def glm_indexer_full(hp: dict[str, Any], n_layers: int) -> list[bool]:
+    """Which glm-dsa layers run their own indexer (the rest reuse the previous full layer's top-k)."""
+    types = hp.get("attention.indexer.types")
+    if isinstance(types, list):
+        return [bool(types[i]) if i < len(types) else False for i in range(n_layers)]
+    if _int(hp, "context_length") < 1048576:  # GLM 5 / 5.1: every layer has a full indexer
+        return [True] * n_layers
+    # GLM-5.2's layout when the file does not say: two full layers, then one full layer in four.
+    return [i < 2 or (i < 78 and (i - 2) % 4 == 0) for i in range(n_layers)]
+
+
+def _mla(
+    arch: str, hp: dict[str, Any], n_layers: int
+) -> tuple[list[LayerDescription], list[tuple[int, int]]]:
+    latent = StatePart("latent", _int(hp, "attention.kv_lora_rank"))
+    rope = StatePart("rope", _int(hp, "rope.dimension_count"))
+    if arch != "glm-dsa":
+        return [LayerDescription("latent_kv", [latent, rope]) for _ in range(n_layers)], []
+    full = glm_indexer_full(hp, n_layers)
+    idx_k = StatePart("indexer_k", _int(hp, "attention.indexer.key_length"))
+    layers = [LayerDescription("latent_kv", [latent, rope, idx_k] if f else [latent, rope]) for f in full]
+    # A shared-indexer layer needs the top-k indices its group's full layer computed: keep the group whole.
+    groups: list[tuple[int, int]] = []
+    starts = [i for i in range(n_layers) if full[i]] + [n_layers]
+    for s, e in zip(starts, starts[1:], strict=False):
+        if e - s > 1:
+            groups.append((s, e))
+    return layers, groups
+
+
+def _deepseek4(hp: dict[str, Any], n_layers: int) -> list[LayerDescription]:
+    head = _int(hp, "attention.key_length")
+    idx_len = _int(hp, "attention.indexer.key_length")
+    window = _int(hp, "attention.sliding_window")
+    ratios = hp.get("attention.compress_ratios")
+    hash_layers = _int(hp, "hash_layer_count")
+    out = []
+    for i in range(n_layers):
+        ratio = int(ratios[i]) if isinstance(ratios, list) and i < len(ratios) else 0
+        parts = [StatePart("raw_k", head, window=window)]  # K = V: one cache serves both
+        if ratio == _DSV4_CSA:
+            rows = 2 * _DSV4_CSA  # overlapping compressor: two blocks of `ratio` rows, kv + score
+            parts += [
+                StatePart("compressed_k", head, ratio=ratio),
+                StatePart("indexer_k", idx_len, ratio=ratio),
+                StatePart("compressor", 2 * rows * 2 * head, fixed=True, f32=True),
+                StatePart("indexer_compressor", 2 * rows * 2 * idx_len, fixed=True, f32=True),
+            ]
+        elif ratio == _DSV4_HCA:
+            parts += [
+                StatePart("compressed_k", head, ratio=ratio),
+                StatePart("compressor", 2 * _DSV4_HCA * head, fixed=True, f32=True),
+            ]
+        out.append(
+            LayerDescription("compressed_kv" if ratio else "kv", parts, needs_token_ids=i < hash_layers)
+        )
+    return out
+
+
+def describe(
+    arch: str, hp: dict[str, Any], block_count: int, d_model: int, tensor_names: Sequence[str]
+) -> ArchDescription:
+    """Layer kinds, seam width, groups and MTP blocks of a file, from its metadata and tensor names."""
+    mtp = _int(hp, "nextn_predict_layers")
+    if arch == "deepseek4" and mtp and f"blk.{block_count - mtp}.nextn.eh_proj.weight" not in tensor_names:
+        mtp = 0  # llama.cpp treats the blocks as trunk layers when the MTP tensors are absent
+    n_layers = block_count - mtp
+    boundary_dim = d_model
+    groups: list[tuple[int, int]] = []
+    if arch in _DELTA_NET:
+        layers = _delta_net(hp, n_layers, d_model)
+    elif arch in _MLA:
+        layers, groups = _mla(arch, hp, n_layers)
+    elif arch == "deepseek4":
+        layers = _deepseek4(hp, n_layers)
+        # hyper-connections: the residual travels as `count` streams of d_model between layers
+        boundary_dim = d_model * _int(hp, "hyper_connection.count", 4)
+    else:
+        swa = _swa_layers(arch, hp, n_layers)
+        window = _int(hp, "attention.sliding_window")
+        layers = [
+            LayerDescription("kv", _kv_parts(hp, i, d_model, window if swa[i] else 0))
+            for i in range(n_layers)
+        ]
+    return ArchDescription(
+        n_layers=n_layers,
+        mtp_layers=mtp,
+        boundary_dim=boundary_dim,
+        layers=layers,
+        groups=groups,
+        leading_dense_layers=_int(hp, "leading_dense_block_count"),
+    )
+
+
+def servable_problem(arch: str) -> str:
+    """Why this agent cannot serve `arch` layer by layer ("" when it can)."""
+    if arch in SERVABLE_ARCHITECTURES:
+        return ""
+    return (
+        f"not servable by this agent: architecture {arch!r} has no layer-window executor yet "
+        f"(servable: {', '.join(sorted(SERVABLE_ARCHITECTURES))})"
+    )
