@@ -141,3 +141,115 @@ def test_inspect_cli_prints_json_and_fails_cleanly(tmp_path: Path, model_path: s
     )
     assert out.returncode == 2
     assert out.stderr.startswith("error: ") and "Traceback" not in out.stderr
+
+
+# -- per-architecture structure, on the tiny generated models -----------------------------------------
+@pytest.fixture(scope="module")
+def tiny_manifest(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    from agent.artifacts import tiny
+    from agent.artifacts.packaged import ModelNotFound, packaged_model_path
+
+    try:
+        packaged_model_path("smollm2")
+    except ModelNotFound as e:
+        pytest.skip(f"the tiny models carry SmolLM2's tokenizer: {e}")
+    root = tmp_path_factory.mktemp("tiny-manifests")
+    cache: dict[tuple[str, bool], Manifest] = {}
+
+    def get(arch: str, mtp: bool = False) -> Manifest:
+        if (arch, mtp) not in cache:
+            path = tiny.write_tiny_gguf(arch, root / f"{arch}-{mtp}.gguf", mtp=mtp)
+            cache[arch, mtp] = build_manifest(path, hash_tensors=False)
+        return cache[arch, mtp]
+
+    return get
+
+
+def test_attention_layers_keep_kv_and_gemma3_windows_all_but_every_sixth(tiny_manifest) -> None:  # noqa: ANN001
+    llama = tiny_manifest("llama")
+    assert [layer.state_kind for layer in llama.layers] == ["kv"] * 4
+    assert [(p.name, p.elements, p.window) for p in llama.layers[0].state] == [("k", 32, 0), ("v", 32, 0)]
+    gemma = tiny_manifest("gemma3")
+    assert [layer.state[0].window for layer in gemma.layers] == [32, 32, 32, 32, 32, 0]
+    # a sliding-window layer's cache stops growing at the window; the global one does not
+    assert gemma.layers[0].state_bytes(4096) == gemma.layers[0].state_bytes(32)
+    assert gemma.layers[5].state_bytes(4096) == 128 * gemma.layers[5].state_bytes(32)
+
+
+def test_delta_net_layers_are_recurrent_with_fixed_conv_and_ssm_state(tiny_manifest) -> None:  # noqa: ANN001
+    for arch in ("qwen35", "qwen35moe"):
+        m = tiny_manifest(arch)
+        kinds = [layer.state_kind for layer in m.layers]
+        assert kinds == ["recurrent"] * 3 + ["kv"] + ["recurrent"] * 3 + ["kv"]
+        parts = {p.name: p for p in m.layers[0].state}
+        # conv: (kernel - 1) x (inner + 2 x groups x state); ssm: state x inner; both f32 per sequence
+        assert parts["conv"].elements == 3 * (64 + 2 * 2 * 16) and parts["ssm"].elements == 16 * 64
+        assert all(p.fixed and p.f32 for p in parts.values())
+        assert m.layers[0].state_bytes(8) == m.layers[0].state_bytes(4096) == 4 * (384 + 1024)
+
+
+def test_moe_expert_tensors_are_counted_with_their_layer(tiny_manifest) -> None:  # noqa: ANN001
+    m = tiny_manifest("qwen35moe")
+    for layer in m.layers:
+        exps = [t for t in m.tensors if t.layer == layer.index and "_exps." in t.name]
+        assert len(exps) == 3
+        assert layer.expert_bytes == sum(t.nbytes for t in exps) == 3 * 4 * 64 * 32 * 4
+        assert layer.nbytes > layer.expert_bytes
+    assert m.bytes_for_range(1, 2) >= m.layers[1].nbytes
+    assert tiny_manifest("llama").expert_bytes == 0
+
+
+def test_deepseek4_seam_is_four_streams_wide_and_layers_follow_their_compress_ratio(tiny_manifest) -> None:  # noqa: ANN001
+    m = tiny_manifest("deepseek4")
+    assert m.boundary_dim == 4 * 64
+    assert [layer.state_kind for layer in m.layers] == ["kv", "compressed_kv", "compressed_kv"] * 2
+    assert [layer.needs_token_ids for layer in m.layers] == [True] + [False] * 5  # hash-routed layer 0
+    names = [[p.name for p in layer.state] for layer in m.layers[:3]]
+    assert names[0] == ["raw_k"]
+    assert names[1] == ["raw_k", "compressed_k", "indexer_k", "compressor", "indexer_compressor"]
+    assert names[2] == ["raw_k", "compressed_k", "compressor"]
+    assert m.roles["last"][:2] == ["output_norm.weight", "output.weight"]
+    assert {"output_hc_fn.weight", "output_hc_base.weight", "output_hc_scale.weight"} <= set(m.roles["last"])
+
+
+def test_glm_dsa_indexer_groups_are_unsplittable_and_the_first_layer_is_dense(tiny_manifest) -> None:  # noqa: ANN001
+    m = tiny_manifest("glm-dsa")
+    assert {layer.state_kind for layer in m.layers} == {"latent_kv"}
+    with_indexer = [i for i, layer in enumerate(m.layers) if any(p.name == "indexer_k" for p in layer.state)]
+    assert with_indexer == [0, 3]
+    assert m.layer_groups == [(0, 3), (3, 6)]
+    assert [b for b in range(1, 6) if m.boundary_allowed(b)] == [3]
+    assert m.leading_dense_layers == 1
+    assert m.layers[0].expert_bytes == 0 and m.layers[1].expert_bytes > 0
+
+
+def test_mtp_blocks_are_not_trunk_layers_and_travel_with_the_last_shard(tiny_manifest) -> None:  # noqa: ANN001
+    m = tiny_manifest("glm-dsa", mtp=True)
+    assert (m.n_layers, m.mtp_layers) == (6, 1)
+    mtp = {t.name for t in m.tensors if t.layer == 6}
+    assert mtp and mtp <= set(m.roles["last"])
+    assert mtp <= {t.name for t in m.tensors_for_range(3, 6)}
+    assert not mtp & {t.name for t in m.tensors_for_range(0, 3)}
+
+
+def test_a_version_1_manifest_is_upgraded_from_its_hparams(tiny_manifest) -> None:  # noqa: ANN001
+    m = tiny_manifest("qwen35moe")
+    d = m.to_dict()
+    d["manifest_version"] = 1
+    for key in ("mtp_layers", "layer_groups", "leading_dense_layers"):
+        d.pop(key)
+    d["layers"] = [
+        {"index": x["index"], "ranges": x["ranges"], "nbytes": x["nbytes"], "state_kind": "attention_kv"}
+        for x in d["layers"]
+    ]
+    up = Manifest.from_dict(d)
+    assert up.manifest_version == 2
+    assert up.layers == m.layers
+    assert Manifest.from_json(m.to_json()) == m
+
+
+def test_unsupported_architectures_are_named_not_servable(tiny_manifest, manifest: Manifest) -> None:  # noqa: ANN001
+    assert manifest.servable_problem == ""
+    problem = tiny_manifest("qwen35moe").servable_problem
+    assert problem.startswith("not servable by this agent: architecture 'qwen35moe'")
+    assert "llama" in problem
