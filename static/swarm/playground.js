@@ -113,15 +113,23 @@
   function showTelemetry(wrap, t, bars, stopped, live) {
     const tel = wrap.querySelector(".telemetry");
     if (!tel) return;
-    let line;
-    if (live) {
-      line = `${t.n_generated} tokens · ${fmt(t.tok_s, 1)} tok/s · ${fmt(t.total_ms / 1000, 1)} s`;
-    } else if (stopped) {
-      line = `stopped after ${t.n_generated ?? "?"} tokens` + (t.route_closed ? " (the route was closed)" : "");
+    const has = (k) => t[k] !== undefined && t[k] !== null;
+    const parts = [];
+    if (stopped) {
+      parts.push(`stopped after ${has("n_generated") ? t.n_generated : "?"} tokens`);
+      if (t.route_closed) parts.push("the route was closed");
+    } else if (live) {
+      parts.push(`${t.n_generated} tokens`, `${fmt(t.tok_s, 1)} tok/s`, `${fmt(t.total_ms / 1000, 1)} s`);
     } else {
-      const reuse = t.n_reused ? ` (${t.n_reused} reused from the hops' KV, ${t.n_prefilled} sent)` : "";
-      line = `TTFT ${fmt(t.ttft_ms, 0)} ms · ${fmt(t.tok_s, 1)} tok/s · ${t.n_prompt} prompt tokens${reuse} · ${t.n_generated} generated`;
+      if (has("ttft_ms")) parts.push(`TTFT ${fmt(t.ttft_ms, 0)} ms`);
+      if (has("tok_s")) parts.push(`${fmt(t.tok_s, 1)} tok/s`);
+      if (has("n_prompt")) {
+        const reuse = t.n_reused ? ` (${t.n_reused} reused from the hops' KV, ${t.n_prefilled} sent)` : "";
+        parts.push(`${t.n_prompt} prompt tokens${reuse}`);
+      }
+      if (has("n_generated")) parts.push(`${t.n_generated} generated`);
     }
+    const line = parts.join(" · ");
     let hops = tel.querySelector(".hops");
     if (!hops) {
       tel.innerHTML = '<div class="tel-line"></div><div class="hops"></div>';
@@ -176,7 +184,7 @@
       ren.type = "button"; ren.className = "icon rename"; ren.title = "Rename"; ren.textContent = "✎";
       ren.addEventListener("click", () => startRename(li, c));
       const del = document.createElement("button");
-      del.type = "button"; del.className = "icon delete"; del.title = "Delete"; del.textContent = "🗑";
+      del.type = "button"; del.className = "icon delete"; del.title = "Delete"; del.textContent = "×";
       del.addEventListener("click", () => deleteConversation(c));
       li.append(a, ren, del);
       el.list.append(li);
@@ -331,7 +339,7 @@
     if (ev) {
       p.answerEl.dataset.raw = ev.text;
       renderMarkdown(p.answerEl.querySelector(".msg-body"), ev.text);
-      showTelemetry(p.answerEl, ev.telemetry, ev.bars || barsFrom(ev.telemetry), ev.stopped);
+      showTelemetry(p.answerEl, ev.telemetry, ev.bars && ev.bars.length ? ev.bars : barsFrom(ev.telemetry), ev.stopped);
       p.answerEl.classList.remove("typing");
       p.answerEl.classList.toggle("stopped", !!ev.stopped);
       p.answerEl.dataset.done = "1";
