@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from agent.wire.ids import NodeId
@@ -161,3 +163,94 @@ def test_a_wildly_low_speed_probe_is_clamped_so_no_node_gets_a_sliver() -> None:
     plan = plan_placement([node("fast", 1000, 30.0), node("noisy", 1000, 0.2)], shape(n=30))
     sizes = {p.node_id: p.layer_end - p.layer_start for p in plan.placements}
     assert sizes == {"fast": 24, "noisy": 6}
+
+
+# -- architecture rules: unsplittable groups, real (expert) bytes, the MTP head, refusal ------------------
+def grouped(n: int = 12, size: int = 3, per_layer: int = 10 * MB) -> ModelShape:
+    """A model whose layers come in unsplittable groups of `size` (glm-dsa's indexer groups)."""
+    return replace(shape(n=n, per_layer=per_layer), groups=tuple((s, s + size) for s in range(0, n, size)))
+
+
+def boundaries(placements: list[Placement]) -> set[int]:
+    return {p.layer_start for p in placements} - {0}
+
+
+def test_a_boundary_never_splits_an_unsplittable_layer_group() -> None:
+    for n_nodes in (2, 3, 4, 5):
+        plan = plan_placement([node(f"n{i}", 1000) for i in range(n_nodes)], grouped())
+        assert covers(list(plan.placements), 12)
+        assert boundaries(list(plan.placements)) <= {3, 6, 9}, n_nodes
+
+
+def test_a_memory_cap_inside_a_group_cuts_before_the_group() -> None:
+    # "a" could hold the embedding and 5 layers, but layers 3-5 are one group: it gets 0:3
+    plan = plan_placement([node("a", 75, 3.0), node("b", 1000)], grouped())
+    spans = {p.node_id: (p.layer_start, p.layer_end) for p in plan.placements}
+    assert spans == {"a": (0, 3), "b": (3, 12)}
+
+
+def test_a_group_no_node_can_hold_is_refused_naming_the_groups() -> None:
+    with pytest.raises(PlacementError, match=r"layer groups .*0:6.* are never split"):
+        plan_placement([node("a", 60), node("b", 60), node("c", 60)], grouped(size=6))
+
+
+def test_replacing_a_lost_node_keeps_groups_whole() -> None:
+    s = grouped()
+    current = [Placement(NodeId("a"), 0, 3), Placement(NodeId("b"), 3, 12)]
+    new = replan_lost([node("c", 50), node("d", 90)], s, current, NodeId("b"))
+    assert covers([current[0], *new], 12)
+    assert boundaries([current[0], *new]) <= {3, 6, 9}
+
+
+def test_an_architecture_the_agent_cannot_serve_is_refused_before_planning() -> None:
+    s = replace(shape(), refusal="not servable by this agent: architecture 'x' has no layer-window executor")
+    with pytest.raises(PlacementError, match="not servable by this agent"):
+        plan_placement([node("a", 10_000)], s)
+    with pytest.raises(PlacementError, match="not servable by this agent"):
+        replan_lost([node("a", 10_000)], s, [Placement(NodeId("b"), 0, 30)], NodeId("b"))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    from agent.artifacts.manifest import build_manifest
+    from agent.artifacts.packaged import ModelNotFound, packaged_model_path
+    from agent.artifacts.tiny import write_tiny_gguf
+
+    try:
+        packaged_model_path("smollm2")
+    except ModelNotFound as e:
+        pytest.skip(f"the tiny models carry SmolLM2's tokenizer: {e}")
+    root = tmp_path_factory.mktemp("tiny-placement")
+
+    def get(arch: str, mtp: bool = False):  # noqa: ANN202
+        return build_manifest(write_tiny_gguf(arch, root / f"{arch}-{mtp}.gguf", mtp=mtp), hash_tensors=False)
+
+    return get
+
+
+def test_moe_layers_are_planned_with_their_experts_and_the_mtp_block_with_the_last_layers(tiny) -> None:  # noqa: ANN001
+    m = tiny("qwen35moe", mtp=True)
+    s = replace(shape_from_manifest(m), refusal="")  # planned as if the executor ran it
+    assert s.layer_bytes == tuple(layer.nbytes for layer in m.layers)
+    assert all(b > layer.expert_bytes > 0 for b, layer in zip(s.layer_bytes, m.layers, strict=True))
+    mtp = sum(t.nbytes for t in m.tensors if t.layer == m.n_layers)
+    assert s.bytes_for(4, 8) == m.bytes_for_range(4, 8) > sum(s.layer_bytes[4:8]) + mtp
+    assert s.bytes_for(0, 4) == m.bytes_for_range(0, 4)
+    assert shape_from_manifest(m).refusal.startswith("not servable by this agent")
+
+
+def test_glm_dsa_is_split_only_between_indexer_groups(tiny) -> None:  # noqa: ANN001
+    s = replace(shape_from_manifest(tiny("glm-dsa")), refusal="")
+    assert s.groups == ((0, 3), (3, 6))
+    plan = plan_placement([node("a", 1000), node("b", 1000), node("c", 1000)], s)
+    assert boundaries(list(plan.placements)) == {3}
+
+
+def test_a_context_adds_each_layers_state_at_that_length(tiny) -> None:  # noqa: ANN001
+    m = tiny("qwen35")
+    at_4k = shape_from_manifest(m, context_tokens=4096)
+    for layer, b in zip(m.layers, at_4k.layer_bytes, strict=True):
+        assert b == layer.nbytes + layer.state_bytes(4096)
+    # recurrent layers keep a fixed state; attention layers grow with the context
+    assert at_4k.layer_bytes[0] - m.layers[0].nbytes == 4 * (384 + 1024)
+    assert at_4k.layer_bytes[3] - m.layers[3].nbytes == 4096 * 2 * 2 * 16 * 2

@@ -11,6 +11,11 @@ result. Rationale for the choices:
   says how much memory is missing).
 * A lost node is replaced by planning only the layers no surviving shard covers, onto the memory still
   free, so routes keep their existing boundaries.
+* Bytes per layer are the manifest's real ones (a MoE layer's experts included); the last shard also
+  holds the output head and any multi-token-prediction block (the manifest's "last" role).
+* A boundary never falls inside an unsplittable layer group (glm-dsa: a shared-indexer layer needs
+  the top-k indices of its group's full-indexer layer, which the seam does not carry).
+* An architecture this agent cannot serve is refused before any planning, with the manifest's reason.
 """
 
 from __future__ import annotations
@@ -46,10 +51,16 @@ class ModelShape:
     first: frozenset[str] = frozenset()
     last: frozenset[str] = frozenset()
     always: frozenset[str] = frozenset()
+    groups: tuple[tuple[int, int], ...] = ()  # [start, end) layer ranges a boundary may not split
+    refusal: str = ""  # non-empty: the model cannot be served, and this says why
 
     @property
     def n_layers(self) -> int:
         return len(self.layer_bytes)
+
+    def cut_ok(self, layer: int) -> bool:
+        """May a shard boundary sit right before `layer`?"""
+        return not any(s < layer < e for s, e in self.groups)
 
     def bytes_for(self, start: int, end: int) -> int:
         """Bytes a shard holding [start, end) loads (a tied embedding shared by both ends counts once)."""
@@ -65,15 +76,22 @@ class ModelShape:
         return self.bytes_for(0, self.n_layers)
 
 
-def shape_from_manifest(m: Manifest) -> ModelShape:
+def shape_from_manifest(m: Manifest, context_tokens: int = 0, kv_bytes: float = 2.0) -> ModelShape:
+    """The planner's view of a manifest; with `context_tokens`, each layer also counts the state one
+    session of that many tokens keeps there (KV of `kv_bytes` per element, recurrent state in f32)."""
     roles = {k: frozenset(v) for k, v in m.roles.items()}
     needed = roles.get("first", frozenset()) | roles.get("last", frozenset()) | roles.get("all", frozenset())
     return ModelShape(
-        layer_bytes=tuple(layer.nbytes for layer in m.layers),
+        layer_bytes=tuple(
+            layer.nbytes + (layer.state_bytes(context_tokens, kv_bytes) if context_tokens else 0)
+            for layer in m.layers
+        ),
         tensor_bytes={t.name: t.nbytes for t in m.tensors if t.name in needed},
         first=roles.get("first", frozenset()),
         last=roles.get("last", frozenset()),
         always=roles.get("all", frozenset()),
+        groups=tuple(m.layer_groups),
+        refusal=m.servable_problem,
     )
 
 
@@ -100,11 +118,13 @@ class Plan:
 
 
 def _max_end(shape: ModelShape, start: int, capacity: int) -> int:
-    """Furthest end such that [start, end) fits in `capacity` (start if not even one layer fits)."""
-    end = start
+    """Furthest allowed end such that [start, end) fits in `capacity` (start if nothing fits)."""
+    end = best = start
     while end < shape.n_layers and shape.bytes_for(start, end + 1) <= capacity:
         end += 1
-    return end
+        if shape.cut_ok(end):
+            best = end
+    return best
 
 
 def _fits(shape: ModelShape, start: int, nodes: Sequence[PlannerNode]) -> bool:
@@ -128,13 +148,17 @@ def split_chain(
         shape.first,
         shape.last if stop == shape.n_layers else frozenset(),
         shape.always,
+        tuple((s, min(e, stop)) for s, e in shape.groups if s < stop),
     )
     if not _fits(sub, start, nodes):
         need = sub.bytes_for(start, stop)
         have = sum(n.capacity_bytes for n in nodes)
+        groups = [f"{s}:{e}" for s, e in sub.groups if start <= s and e - s > 1]
         raise PlacementError(
             f"layers {start}:{stop} need {need / 1e6:.1f} MB but {len(nodes)} node(s) can hold only "
-            f"{have / 1e6:.1f} MB in contiguous ranges; add nodes or free memory"
+            f"{have / 1e6:.1f} MB in contiguous ranges"
+            + (f" (layer groups {', '.join(groups)} are never split)" if groups else "")
+            + "; add nodes or free memory"
         )
     floor = max((n.speed for n in nodes), default=1.0) / MAX_SPEED_RATIO
     speeds = [max(n.speed, floor, 1e-9) for n in nodes]
@@ -151,8 +175,10 @@ def split_chain(
             cut = stop
         else:
             target = start + round((stop - start) * done_speed / total_speed)
-            lo = next((e for e in range(pos, hi + 1) if _fits(sub, e, rest)), hi)
-            cut = min(max(target, lo), hi)
+            allowed = [e for e in range(pos, hi + 1) if e == pos or sub.cut_ok(e)]
+            lo = next((e for e in allowed if _fits(sub, e, rest)), hi)
+            # the allowed cut nearest the speed-proportional target, within what memory permits
+            cut = min((e for e in allowed if e >= lo), key=lambda e: (abs(e - target), e))
         if cut > pos:
             out.append(Placement(n.node_id, pos, cut, chain))
             pos = cut
@@ -171,6 +197,8 @@ def _deal(nodes: Sequence[PlannerNode], groups: int) -> list[list[PlannerNode]]:
 
 def plan_placement(nodes: Sequence[PlannerNode], shape: ModelShape, replicas: int = 1) -> Plan:
     """Place the whole model: up to `replicas` disjoint chains, as many as memory allows (at least one)."""
+    if shape.refusal:
+        raise PlacementError(shape.refusal)
     if shape.n_layers == 0:
         raise PlacementError("the model has no layers")
     usable = [n for n in nodes if n.capacity_bytes > 0]
@@ -222,6 +250,8 @@ def replan_lost(
     Each missing range goes to the fastest single node that can hold it; otherwise it is split over the
     survivors. Raises PlacementError when the survivors cannot hold it.
     """
+    if shape.refusal:
+        raise PlacementError(shape.refusal)
     survivors = [p for p in current if p.node_id != lost]
     holes = uncovered_ranges(shape.n_layers, survivors)
     free = {n.node_id: n.capacity_bytes for n in nodes if n.node_id != lost}
