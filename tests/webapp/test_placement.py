@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -254,3 +255,24 @@ def test_a_context_adds_each_layers_state_at_that_length(tiny) -> None:  # noqa:
     # recurrent layers keep a fixed state; attention layers grow with the context
     assert at_4k.layer_bytes[0] - m.layers[0].nbytes == 4 * (384 + 1024)
     assert at_4k.layer_bytes[3] - m.layers[3].nbytes == 4096 * 2 * 2 * 16 * 2
+
+
+@pytest.mark.django_db
+def test_registering_a_model_the_agent_cannot_serve_marks_it_failed_with_the_reason(
+    staff_client,
+    tiny,
+    tmp_path: Path,
+    django_capture_on_commit_callbacks,  # noqa: ANN001
+) -> None:
+    from agent.artifacts.tiny import write_tiny_gguf
+    from webapp.catalog.models import ModelArtifact
+    from webapp.fleet.tasks import place_model
+
+    path = write_tiny_gguf("qwen35moe", tmp_path / "qwen35moe.gguf")
+    with django_capture_on_commit_callbacks(execute=True):
+        staff_client.post("/models/register", {"kind": "path", "path": str(path)})
+    a = ModelArtifact.objects.get()
+    assert a.state == ModelArtifact.State.FAILED
+    assert a.error.startswith("not servable by this agent: architecture 'qwen35moe'")
+    assert (a.architecture, a.n_layers, a.sha256) == ("qwen35moe", 8, "")
+    assert place_model(a.pk) == {"ok": False, "error": "model is failed, not ready"}

@@ -20,7 +20,8 @@ def enqueue_build(artifact_id: int) -> None:
 
 @shared_task
 def build_artifact_manifest(artifact_id: int) -> str:
-    """pending -> building -> ready (or failed with the reason); the .torrent is built with the manifest."""
+    """pending -> building -> ready (or failed with the reason: unreadable, an architecture this agent
+    cannot serve, a duplicate); the .torrent is built with the manifest."""
     claimed = ModelArtifact.objects.filter(pk=artifact_id, state=ModelArtifact.State.PENDING).update(
         state=ModelArtifact.State.BUILDING
     )
@@ -32,6 +33,17 @@ def build_artifact_manifest(artifact_id: int) -> str:
     except ManifestError as e:
         ModelArtifact.objects.filter(pk=artifact_id).update(state=ModelArtifact.State.FAILED, error=str(e))
         return "failed"
+    if m.servable_problem:
+        # Marked with the reason instead of being placed. The row keeps what the file is but no sha256,
+        # so the same file registers again once the executor runs its architecture.
+        ModelArtifact.objects.filter(pk=artifact_id).update(
+            state=ModelArtifact.State.FAILED,
+            error=m.servable_problem,
+            size_bytes=m.file_size,
+            n_layers=m.n_layers,
+            architecture=m.architecture,
+        )
+        return "not servable"
     if ModelArtifact.objects.filter(sha256=m.sha256).exclude(pk=artifact_id).exists():
         ModelArtifact.objects.filter(pk=artifact_id).update(
             state=ModelArtifact.State.FAILED,
