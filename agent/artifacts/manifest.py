@@ -1,7 +1,8 @@
 """GGUF model-artifact manifest: tensors, byte ranges, hashes, per-layer sizes and shard roles.
 
 The manifest is what placement (bytes per layer), torrent piece selection and partial loading work
-from. It is computed once per file and travels as JSON (see docs/manifest.md).
+from. It is computed once per file and travels as JSON; the per-architecture structure (state kinds, seam
+width, unsplittable groups) comes from `archs` (see docs/architecture.md, "Architectures").
 """
 
 from __future__ import annotations
