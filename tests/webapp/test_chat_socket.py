@@ -435,3 +435,18 @@ async def test_a_route_dying_mid_answer_fails_over_once_and_the_user_sees_one_se
     states = await db(lambda: sorted(RouteSession.objects.values_list("state", flat=True)))
     assert states == ["broken", "open"]
     await ws.disconnect()
+
+
+async def test_leaving_a_deleted_conversation_closes_its_route_instead_of_parking_it(
+    member: Any, placed: Any, fake_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(live, "PARK_S", 60.0)
+    ws = chat_socket(member)
+    await ws.connect()
+    await ws.send_json_to({"model": placed.pk, "message": "soon deleted"})
+    _, done = await answer(ws)
+    await db(lambda: Conversation.objects.filter(pk=done["conversation"]).delete())  # the page's Delete
+    await ws.send_json_to({"type": "reset"})
+    assert (await ws.receive_json_from())["type"] == "reset"
+    assert FakeRouteClient.instances[0].closed and len(live.parking) == 0
+    await ws.disconnect()

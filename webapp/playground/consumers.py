@@ -129,8 +129,9 @@ class ChatConsumer(SafeJsonConsumer):
         live, self.live = self.live, None
         if live is None:
             return
-        if self.live_dirty or state != RouteSession.State.CLOSED:
-            self.live_dirty = False
+        dirty, self.live_dirty = self.live_dirty, False
+        kept = await database_sync_to_async(store.conversation_exists)(live.conversation_id)
+        if dirty or state != RouteSession.State.CLOSED or not kept:  # a deleted chat's KV goes at once
             await close_live(live, state)
         else:
             parking.park(live)

@@ -97,6 +97,10 @@ def get_conversation(user: Any, conversation_id: int) -> Conversation:
     return conv
 
 
+def conversation_exists(conversation_id: int) -> bool:
+    return Conversation.objects.filter(pk=conversation_id).exists()
+
+
 def delete_conversation(user: Any, conversation_id: int) -> bool:
     n, _ = Conversation.objects.filter(pk=conversation_id, user=user).delete()
     return n > 0
