@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 from channels.db import database_sync_to_async
 
-from agent.client.route import HopStats
+from agent.client.route import HopStats, RouteError
 from agent.wire.frames import Kind, Response
 from webapp.api import engine, keys
 from webapp.api.cache import PrefixCache, common_prefix
@@ -149,6 +150,10 @@ async def test_models_lists_ready_models_by_name_with_their_context(
     [m] = body["data"]
     assert m["id"] == placed.name and m["object"] == "model" and m["x_swarm"]["sha256"] == placed.sha256
     assert m["x_swarm"]["context_length"] > 0
+    one = json.loads((await async_client.get(f"/v1/models/{placed.name}", headers=auth(api_key[0]))).content)
+    assert one == m
+    assert_error(await async_client.get("/v1/models/nope", headers=auth(api_key[0])), 404, "model_not_found")
+    assert_error(await async_client.post("/v1/embeddings", headers=auth(api_key[0])), 404, "unknown_url")
 
 
 async def test_an_unknown_model_is_404_and_bad_parameters_are_400(
@@ -418,3 +423,31 @@ def test_a_rate_limit_above_the_maximum_is_refused(member_client: Any, member: A
         "/api-keys/new", {"name": "x", "rate_limit_per_min": str(keys.MAX_RATE_PER_MIN + 1)}
     )
     assert r.status_code == 302 and not member.api_keys.exists()
+
+
+class EvictedRouteClient(FakeRouteClient):
+    """A route whose hops dropped the session while it sat in the cache: the next step fails."""
+
+    async def generate(self, prompt: list[int], *args: Any, **kw: Any) -> AsyncIterator[tuple[int, float]]:
+        if self.history:
+            raise RouteError("hop 0 answered 404 unknown_session", status=404, code="unknown_session", hop=0)
+        async for x in super().generate(prompt, *args, **kw):
+            yield x
+
+
+async def test_a_cached_route_that_fails_before_the_first_token_is_replaced_once(
+    async_client: Any, api_key: tuple[str, Any], placed: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(engine, "RouteClient", EvictedRouteClient)
+    plain = api_key[0]
+    one = await post(async_client, "/v1/chat/completions", {"model": placed.name, "messages": Q}, plain)
+    turn2 = [*Q, {"role": "assistant", "content": ANSWER}, {"role": "user", "content": "And of Italy?"}]
+    r = await post(async_client, "/v1/chat/completions", {"model": placed.name, "messages": turn2}, plain)
+    assert r.status_code == 200, r.content
+    body = json.loads(r.content)
+    assert body["choices"][0]["message"]["content"] == ANSWER and not body["x_swarm"]["reused_route"]
+    first, second = FakeRouteClient.instances
+    assert first.closed and not second.closed
+    states = await database_sync_to_async(lambda: dict(RouteSession.objects.values_list("id", "state")))()
+    assert states[uuid.UUID(json.loads(one.content)["x_swarm"]["session"])] == RouteSession.State.BROKEN
+    assert states[uuid.UUID(body["x_swarm"]["session"])] == RouteSession.State.OPEN

@@ -63,6 +63,11 @@ def ready_models() -> list[ModelArtifact]:
 
 
 def resolve_model(name: str) -> Target:
+    a = find_model(name)
+    return Target(a.pk, a.name, a.path, _context_of(a))
+
+
+def find_model(name: str) -> ModelArtifact:
     """A ready model by name (newest first), sha256 (or a 12+ character prefix) or id; 404 otherwise."""
     ready = ModelArtifact.objects.filter(state=ModelArtifact.State.READY).order_by("-created_at")
     a = ready.filter(name=name).first()
@@ -74,7 +79,7 @@ def resolve_model(name: str) -> Target:
         raise ApiError(
             404, f"The model '{name}' does not exist or is not ready", param="model", code="model_not_found"
         )
-    return Target(a.pk, a.name, a.path, _context_of(a))
+    return a
 
 
 def _open(target: Target, user: Any) -> tuple[RouteSession, list[routing.HopGrant]]:

@@ -24,7 +24,7 @@ from webapp.api.params import ApiError, GenRequest, parse_body, parse_chat, pars
 from webapp.core.auth import login_required_403
 
 log = logging.getLogger(__name__)
-ApiView = Callable[[HttpRequest, Any], Coroutine[Any, Any, HttpResponseBase]]
+ApiView = Callable[..., Coroutine[Any, Any, HttpResponseBase]]
 
 
 def error_response(e: ApiError) -> JsonResponse:
@@ -59,15 +59,15 @@ def api_view(
 ) -> Callable[[ApiView], Callable[[HttpRequest], Coroutine[Any, Any, HttpResponseBase]]]:
     """Bearer-key authentication, the method check, and OpenAI-shaped errors for one /v1/ endpoint."""
 
-    def deco(view: ApiView) -> Callable[[HttpRequest], Coroutine[Any, Any, HttpResponseBase]]:
+    def deco(view: ApiView) -> ApiView:
         @csrf_exempt
         @wraps(view)
-        async def wrapper(request: HttpRequest) -> HttpResponseBase:
+        async def wrapper(request: HttpRequest, **kwargs: Any) -> HttpResponseBase:
             try:
                 if request.method != method:
                     raise ApiError(405, f"use {method} on {request.path}", code="method_not_allowed")
                 key = await database_sync_to_async(_auth)(request.headers.get("Authorization", ""))
-                return await view(request, key)
+                return await view(request, key, **kwargs)
             except ApiError as e:
                 return error_response(e)
             except RequestDataTooBig:
@@ -108,6 +108,17 @@ async def models(request: HttpRequest, key: ApiKey) -> HttpResponseBase:
             seen.add(a.name)
             data.append(_model_row(a))
     return JsonResponse({"object": "list", "data": data})
+
+
+@api_view("GET")
+async def model(request: HttpRequest, key: ApiKey, model: str) -> HttpResponseBase:
+    return JsonResponse(_model_row(await database_sync_to_async(engine.find_model)(model)))
+
+
+@csrf_exempt
+def unknown(request: HttpRequest, rest: str) -> HttpResponse:
+    """Any other /v1/ path: OpenAI's 404 shape rather than an HTML page."""
+    return error_response(ApiError(404, f"Invalid URL ({request.method} {request.path})", code="unknown_url"))
 
 
 def _sse(obj: Any) -> bytes:
