@@ -101,3 +101,14 @@ def test_a_revoked_keys_idle_entries_are_dropped() -> None:
     c.put(a)
     c.put(b)
     assert c.drop_key(1) == [a] and len(c) == 1
+
+
+def test_an_entry_busy_far_longer_than_any_answer_is_given_up() -> None:
+    clock = Clock()
+    c = PrefixCache(idle_s=10, max_age_s=100, clock=clock)
+    stuck = entry(1, [1])
+    c.add_busy(stuck)
+    clock.t = 50
+    assert c.expired() == []
+    clock.t = 101
+    assert c.expired() == [stuck]

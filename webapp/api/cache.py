@@ -66,12 +66,15 @@ class PrefixCache:
         return len(self.entries)
 
     def expired(self) -> list[Entry]:
-        """Remove and return idle entries past the idle limit or near their route tokens' expiry."""
+        """Remove and return idle entries past the idle limit or near their route tokens' expiry, and
+        entries busy for longer than that (a request that never ran its answer, e.g. a stream response
+        the server never started: no real answer takes that long)."""
         now = self.clock()
         old = [
             e
             for e in self.entries
-            if not e.busy and (now - e.last_used > self.idle_s or now - e.created > self.max_age_s)
+            if (not e.busy and (now - e.last_used > self.idle_s or now - e.created > self.max_age_s))
+            or (e.busy and now - e.last_used > self.max_age_s)
         ]
         self.entries = [e for e in self.entries if e not in old]
         return old
@@ -95,14 +98,14 @@ class PrefixCache:
             self.misses += 1
             return None, 0
         self.hits += 1
-        best.busy = True
+        best.busy, best.last_used = True, self.clock()
         self.entries.remove(best)
         self.entries.append(best)
         return best, best_n
 
     def add_busy(self, entry: Entry) -> list[Entry]:
         """Track a freshly opened entry (busy while its request runs); returns evicted idle entries."""
-        entry.busy = True
+        entry.busy, entry.last_used = True, self.clock()
         self.entries.append(entry)
         return self._evict()
 
