@@ -451,3 +451,47 @@ async def test_a_cached_route_that_fails_before_the_first_token_is_replaced_once
     states = await database_sync_to_async(lambda: dict(RouteSession.objects.values_list("id", "state")))()
     assert states[uuid.UUID(json.loads(one.content)["x_swarm"]["session"])] == RouteSession.State.BROKEN
     assert states[uuid.UUID(body["x_swarm"]["session"])] == RouteSession.State.OPEN
+
+
+class FullRouteClient(FakeRouteClient):
+    """Hops out of KV budget: the first step is refused with 503."""
+
+    async def generate(self, prompt: list[int], *args: Any, **kw: Any) -> AsyncIterator[tuple[int, float]]:
+        raise RouteError("hop 1 answered 503 kv_budget: no room", status=503, code="kv_budget", hop=1)
+        yield 0, 0.0  # an async generator, like the real one
+
+
+class DyingRouteClient(FakeRouteClient):
+    """A hop dies after the answer started streaming."""
+
+    async def generate(self, prompt: list[int], *args: Any, **kw: Any) -> AsyncIterator[tuple[int, float]]:
+        n = 0
+        async for x in super().generate(prompt, *args, **kw):
+            yield x
+            n += 1
+            if n == 3:
+                raise RouteError("hop 0 unreachable", hop=0)
+
+
+async def test_hops_out_of_capacity_give_503_overloaded_with_retry_after(
+    async_client: Any, api_key: tuple[str, Any], placed: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(engine, "RouteClient", FullRouteClient)
+    r = await post(async_client, "/v1/chat/completions", {"model": placed.name, "messages": Q}, api_key[0])
+    assert_error(r, 503, "overloaded")
+    assert r["Retry-After"] == engine.RETRY_AFTER_S and FakeRouteClient.instances[0].closed
+
+
+async def test_a_route_failing_mid_stream_ends_the_stream_with_an_error_event(
+    async_client: Any, api_key: tuple[str, Any], placed: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(engine, "RouteClient", DyingRouteClient)
+    body = {"model": placed.name, "messages": Q, "stream": True}
+    r = await post(async_client, "/v1/chat/completions", body, api_key[0])
+    raw = b"".join([c async for c in r.streaming_content]).decode()
+    events = [json.loads(e.removeprefix("data: ")) for e in raw.split("\n\n") if e]
+    assert "[DONE]" not in raw and events[-1]["error"]["code"] == "route_failed"
+    assert set(events[-1]["error"]) == {"message", "type", "param", "code"}
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1])
+    assert FakeRouteClient.instances[0].closed
+    assert (await database_sync_to_async(RouteSession.objects.get)()).state == RouteSession.State.BROKEN
