@@ -296,7 +296,7 @@ async def test_a_reload_reclaims_the_parked_route_and_another_conversation_does_
     await ws2.send_json_to({"model": placed.pk, "conversation": done["conversation"], "message": "well?"})
     _, again = await answer(ws2)
     assert again["type"] == "done" and len(FakeRouteClient.instances) == 1 and len(first.calls) == 2
-    await ws2.send_json_to({"model": placed.pk, "message": "a new chat"})  # another conversation
+    await ws2.send_json_to({"model": placed.pk, "conversation": None, "message": "a new chat"})
     _, other = await answer(ws2)
     assert other["conversation"] != done["conversation"] and len(FakeRouteClient.instances) == 2
     assert not first.closed and len(live.parking) == 1  # parked again, for its next reopen
@@ -449,4 +449,22 @@ async def test_leaving_a_deleted_conversation_closes_its_route_instead_of_parkin
     await ws.send_json_to({"type": "reset"})
     assert (await ws.receive_json_from())["type"] == "reset"
     assert FakeRouteClient.instances[0].closed and len(live.parking) == 0
+    await ws.disconnect()
+
+
+async def test_a_script_that_omits_the_conversation_continues_the_sockets_one_until_reset(
+    member: Any, placed: Any, fake_client: Any
+) -> None:
+    ws = chat_socket(member)
+    await ws.connect()
+    await ws.send_json_to({"model": placed.pk, "message": "one"})
+    _, first = await answer(ws)
+    await ws.send_json_to({"model": placed.pk, "message": "two"})
+    _, second = await answer(ws)
+    assert second["conversation"] == first["conversation"] and len(fake_client.instances) == 1
+    await ws.send_json_to({"type": "reset"})
+    assert (await ws.receive_json_from())["type"] == "reset"
+    await ws.send_json_to({"model": placed.pk, "message": "three"})
+    _, third = await answer(ws)
+    assert third["conversation"] != first["conversation"]
     await ws.disconnect()

@@ -83,6 +83,7 @@ class ChatConsumer(SafeJsonConsumer):
 
     live: LiveRoute | None = None
     live_dirty = False  # a step may be half-applied on the hops: close the route, never park it
+    conversation_id: int | None = None  # the socket's current conversation
     task: asyncio.Task[None] | None = None
     turn = 0
 
@@ -110,10 +111,14 @@ class ChatConsumer(SafeJsonConsumer):
             if self.task is not None and not self.task.done():
                 raise BadMessage("stop the current answer first")
             await self._leave_live()
+            self.conversation_id = None
             await self.send_json({"type": "reset"})
             return
         if kind != "chat":
             raise BadMessage(f"unknown message type {kind!r}")
+        if "conversation" not in content and self.conversation_id is not None:
+            # Scripts that omit the key continue the socket's conversation; the page always sends it.
+            content = {**content, "conversation": self.conversation_id}
         try:
             req = parse_chat_request(content)
         except ChatRequestError as e:
@@ -222,6 +227,11 @@ class ChatConsumer(SafeJsonConsumer):
             telemetry = {**_so_far(live.client, n, t0, t_first), "stopped": True}
         return text, telemetry, stopped
 
+    async def _abandon(self, turn: store.Turn) -> None:
+        await database_sync_to_async(store.abandon_turn)(turn)
+        if turn.created:
+            self.conversation_id = None
+
     async def _turn_error(self, base: dict[str, Any], text: str) -> None:
         """This turn got no answer; the page gives the user's text back to edit and resend."""
         await self.send_json({**base, "type": "error", "error": text})
@@ -237,6 +247,7 @@ class ChatConsumer(SafeJsonConsumer):
             await self._turn_error(base, str(e))
             return
         base["conversation"] = turn.conversation_id
+        self.conversation_id = turn.conversation_id
         shown, started, text, stopped = [""], False, "", False
         telemetry: dict[str, Any] = {}
         try:
@@ -245,7 +256,7 @@ class ChatConsumer(SafeJsonConsumer):
                     live = await self._ensure_live(req, turn)
                 except (NoRoute, ModelArtifact.DoesNotExist) as e:
                     why = str(e) if isinstance(e, NoRoute) else "it is no longer ready"
-                    await database_sync_to_async(store.abandon_turn)(turn)
+                    await self._abandon(turn)
                     await self._turn_error(
                         base,
                         f"{turn.model_name} is not placed so that it can answer: {why}. "
@@ -287,7 +298,7 @@ class ChatConsumer(SafeJsonConsumer):
                         live.session_id, req.model_id, user, {}, error=str(e)
                     )
                     if attempt == 2:
-                        await database_sync_to_async(store.abandon_turn)(turn)
+                        await self._abandon(turn)
                         await self._turn_error(base, f"the route failed twice, so this answer is lost: {e}")
                         return
         except asyncio.CancelledError:  # the socket went: keep what the user saw of the answer
