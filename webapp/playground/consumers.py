@@ -30,7 +30,7 @@ from webapp.telemetry.services import record_generation
 log = logging.getLogger(__name__)
 
 PROGRESS_S = 0.25  # how often the page's telemetry bars move while an answer streams
-# After Stop, how long the step in flight (a decode step, or a 512-token prefill chunk) may take to
+# After Stop, how long the step in flight (a decode step, or the prompt's prefill) may take to
 # finish; past it the step is abandoned and the route closed, since a hop may or may not have applied it.
 STOP_GRACE_S = 10.0
 
