@@ -468,3 +468,29 @@ async def test_a_script_that_omits_the_conversation_continues_the_sockets_one_un
     _, third = await answer(ws)
     assert third["conversation"] != first["conversation"]
     await ws.disconnect()
+
+
+async def test_reopening_a_conversation_whose_route_is_gone_re_prefills_its_saved_history(
+    member: Any, placed: Any, fake_client: Any
+) -> None:
+    ws = chat_socket(member)  # PARK_S is 0 here: the route closes with the socket
+    await ws.connect()
+    await ws.send_json_to({"model": placed.pk, "message": "first", "system": "Be kind."})
+    _, done = await answer(ws)
+    await ws.disconnect()
+    assert FakeRouteClient.instances[0].closed
+
+    ws2 = chat_socket(member)
+    await ws2.connect()
+    await ws2.send_json_to({"model": placed.pk, "conversation": done["conversation"], "message": "second"})
+    _, again = await answer(ws2)
+    assert again["type"] == "done" and len(FakeRouteClient.instances) == 2
+    assert FakeRouteClient.instances[1].calls[0] == [
+        {"role": "system", "content": "Be kind."},
+        {"role": "user", "content": "first"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "second"},
+    ]
+    states = await db(lambda: sorted(RouteSession.objects.values_list("state", flat=True)))
+    assert states == ["closed", "open"]
+    await ws2.disconnect()
