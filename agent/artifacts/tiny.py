@@ -34,8 +34,8 @@ DEFAULT_LAYERS = {
     "glm-dsa": 6,
 }
 _FILE_TYPE = {"f32": 0, "f16": 1, "q8_0": 7}
-# Tensors whose values are not matmul weights stay f32 at every dtype (the graphs read them as f32).
-_KEEP_F32 = ("ssm_conv1d", "ssm_a", "hc_", "_ape", "attn_sinks", "exp_probs_b", "output_hc_")
+# Only matmul weights take the file's dtype; these stay f32 (the graphs read them as f32).
+_KEEP_F32 = ("ssm_conv1d", "hc_", "_ape")  # 1-D tensors (norms, biases, ssm_a, sinks) stay f32 anyway
 
 
 class TinyModelError(ValueError):
