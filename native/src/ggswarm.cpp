@@ -81,11 +81,10 @@ void choose_decode_kernels(ggswarm_model * m, const char * path) {
 using namespace ggswarm;
 
 ggswarm_model::~ggswarm_model() {
-    graph.clear();
+    graphs.clear();  // their schedulers, before the backends
     for (auto & kv : sessions) free_kv(this, kv.second);
     sessions.clear();
     budget_release(budget);
-    if (sched) ggml_backend_sched_free(sched);
     if (wbuf) ggml_backend_buffer_free(wbuf);
     if (wctx) ggml_free(wctx);
     if (backend_cpu && backend_cpu != backend) ggml_backend_free(backend_cpu);

@@ -26,7 +26,8 @@ ggml_tensor * linear(ggml_context * c, ggml_tensor * w, ggml_tensor * b, ggml_te
 // last_only: on the last window, keep only the final position after the last attention (sampling needs
 // nothing else). The cache leaves are the graph's own (Graph::k, Graph::v), bound by bind_kv.
 void build_graph(ggswarm_model * m, Graph & g, int32_t n, int32_t n_kv, int32_t cap, bool last_only) {
-    ggml_init_params ip = {m->graph_meta.size(), m->graph_meta.data(), true};
+    g.meta.resize(ggml_tensor_overhead() * m->graph_size + ggml_graph_overhead_custom(m->graph_size, false));
+    ggml_init_params ip = {g.meta.size(), g.meta.data(), true};
     g.ctx = ggml_init(ip);
     ggml_context * c = g.ctx;
     g.gf = ggml_new_graph_custom(c, m->graph_size, false);
@@ -146,6 +147,59 @@ void collect_kv_views(Graph & g) {
 
 constexpr int32_t kUBatch = 512;
 
+// Graphs kept per model, by kind. Decode-step graphs are small (one position's activations) and many
+// shapes recur (one per attended span and cache size); batch graphs' compute buffers grow with the
+// batch and the span, and one prompt's chunks rarely share a shape with the next prompt's.
+constexpr size_t kDecodeGraphs = 8;
+constexpr size_t kBatchGraphs = 1;
+
+// Drop the graph (and its scheduler's buffers) from the cache.
+void drop_graph(ggswarm_model * m, const Graph * g) {
+    if (m->graph == g) m->graph = nullptr;
+    for (auto it = m->graphs.begin(); it != m->graphs.end(); ++it) {
+        if (it->get() == g) {
+            m->graphs.erase(it);
+            return;
+        }
+    }
+}
+
+// The cached graph of this shape, or a new one built, allocated and cached, evicting the least
+// recently used graph of its kind when the cache holds as many as it keeps. Bound to s before
+// allocation, so the allocator sees the cache as already placed.
+ggswarm_status graph_for(ggswarm_model * m, const GraphKey & key, const Session & s, Graph ** out) {
+    for (auto & g : m->graphs) {
+        if (g->key == key) {
+            *out = g.get();
+            return GGSWARM_OK;
+        }
+    }
+    const bool batch = key.n > 1;
+    size_t same_kind = 0;
+    const Graph * oldest = nullptr;
+    for (auto & g : m->graphs) {
+        if ((g->key.n > 1) != batch) continue;
+        ++same_kind;
+        if (!oldest || g->last_use < oldest->last_use) oldest = g.get();
+    }
+    if (oldest && same_kind >= (batch ? kBatchGraphs : kDecodeGraphs)) drop_graph(m, oldest);
+    auto g = std::make_unique<Graph>();
+    build_graph(m, *g, key.n, key.n_kv, key.cap, key.last_only);
+    g->key = key;
+    m->graph_builds++;
+    g->sched = new_sched(m);
+    if (!g->sched) return fail(m, GGSWARM_E_NO_MEMORY, "cannot create a ggml scheduler");
+    bind_kv(*g, s);
+    if (!ggml_backend_sched_alloc_graph(g->sched, g->gf)) {
+        return fail(m, GGSWARM_E_COMPUTE, "ggml could not allocate the compute graph (%d tokens)", key.n);
+    }
+    collect_kv_views(*g);
+    *out = g.get();
+    m->graphs.push_back(std::move(g));
+    return GGSWARM_OK;
+}
+
+
 // One micro-batch: positions [b->pos_start + off, + nc). On the last window *last points at the logits
 // of the chunk's final position afterwards.
 ggswarm_status forward_chunk(ggswarm_model * m, Session & s, const ggswarm_batch * b, int32_t off, int32_t nc,
@@ -160,22 +214,11 @@ ggswarm_status forward_chunk(ggswarm_model * m, Session & s, const ggswarm_batch
     key.n_kv = n_kv;
     key.cap = s.cap;
     key.last_only = last_only;
-    Graph & g = m->graph;
-    if (!(g.valid && g.key == key)) {
-        g.clear();
-        build_graph(m, g, nc, n_kv, s.cap, last_only);
-        m->graph_builds++;
-        // bound before allocation, so the allocator sees the cache as already placed
-        bind_kv(g, s);
-        ggml_backend_sched_reset(m->sched);
-        if (!ggml_backend_sched_alloc_graph(m->sched, g.gf)) {
-            g.clear();
-            return fail(m, GGSWARM_E_COMPUTE, "ggml could not allocate the compute graph (%d tokens)", nc);
-        }
-        collect_kv_views(g);
-        g.key = key;
-        g.valid = true;
-    }
+    Graph * gp = nullptr;
+    if (ggswarm_status st = graph_for(m, key, s, &gp)) return st;
+    Graph & g = *gp;
+    g.last_use = ++m->graph_clock;
+    m->graph = gp;
     bind_kv(g, s);
     m->kidx_host.resize(nc);
     m->vidx_host.resize((size_t)nc * m->d_kv());
@@ -214,8 +257,8 @@ ggswarm_status forward_chunk(ggswarm_model * m, Session & s, const ggswarm_batch
         ggml_fp16_to_fp32_row(src, m->hidden_host.data(), n_hidden);
         ggml_backend_tensor_set(g.inp_hidden, m->hidden_host.data(), 0, sizeof(float) * n_hidden);
     }
-    if (ggml_backend_sched_graph_compute(m->sched, g.gf) != GGML_STATUS_SUCCESS) {
-        g.clear();
+    if (ggml_backend_sched_graph_compute(g.sched, g.gf) != GGML_STATUS_SUCCESS) {
+        drop_graph(m, gp);
         return fail(m, GGSWARM_E_COMPUTE, "ggml graph compute failed");
     }
     s.len = pos + nc;
@@ -332,7 +375,7 @@ ggswarm_status ggswarm_forward(ggswarm_model * m, int64_t sid, const ggswarm_bat
         *b->token_out = r.token;
         if (b->logprob_out) {
             float prob = 0.0f;
-            ggml_backend_tensor_get(m->graph.out_prob, &prob, sizeof(float) * (size_t)r.token, sizeof(float));
+            ggml_backend_tensor_get(m->graph->out_prob, &prob, sizeof(float) * (size_t)r.token, sizeof(float));
             // float softmax is exact to ~1e-7; tiny probabilities fall back to the double log-softmax
             *b->logprob_out = prob > 1e-30f ? std::log((double)prob) : ggswarm::log_softmax_at(last, m->n_vocab, r.token);
         }

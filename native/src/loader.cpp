@@ -324,15 +324,18 @@ ggswarm_status init_backends(ggswarm_model * m) {
     return GGSWARM_OK;
 }
 
+// Size the window graph; every cached graph gets a scheduler of its own (new_sched), made with it.
 ggswarm_status init_sched(ggswarm_model * m) {
     const int32_t nl = m->layer_end - m->layer_start;
     m->graph_size = (size_t)std::max(2048, 48 * nl + 256);
-    m->graph_meta.resize(ggml_tensor_overhead() * m->graph_size + ggml_graph_overhead_custom(m->graph_size, false));
+    return GGSWARM_OK;
+}
+
+// A scheduler over the model's device (and the CPU as fallback); NULL when ggml cannot make one.
+ggml_backend_sched_t new_sched(const ggswarm_model * m) {
     ggml_backend_t bs[2] = {m->backend, m->backend_cpu};
     int n = m->backend_cpu == m->backend ? 1 : 2;
-    m->sched = ggml_backend_sched_new(bs, nullptr, n, m->graph_size, false, false);
-    if (!m->sched) return fail(m, GGSWARM_E_NO_MEMORY, "cannot create the ggml scheduler");
-    return GGSWARM_OK;
+    return ggml_backend_sched_new(bs, nullptr, n, m->graph_size, false, false);
 }
 
 }  // namespace ggswarm

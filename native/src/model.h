@@ -1,10 +1,11 @@
 // Internal types of libggswarm shared by its translation units: the node's KV budget, the model handle
-// (weights, device, scheduler, sessions, reusable graph), sessions' KV, and the functions one unit
-// offers the others.
+// (weights, device, sessions, cached graphs), sessions' KV, and the functions one unit offers the
+// others.
 #pragma once
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -69,12 +70,15 @@ struct GraphKey {
     }
 };
 
-// A built and allocated window graph; kept between calls and reused while its key matches, whichever
-// session calls (a decode loop, or sessions taking turns at one shape, rebuild nothing: only the
-// inputs and the KV binding change). The graph reads and writes the cache through its own K/V leaf
-// tensors of shape [d_kv, cap] and [cap, d_kv]; bind_kv points them, and every view of them, at the
-// calling session's cache before each compute.
+// A built and allocated window graph, cached by its key and reused by whichever session calls with
+// that shape (a decode loop, or sessions taking turns, rebuild nothing: only the inputs and the KV
+// binding change). It owns its metadata arena and its scheduler (so its allocation survives while
+// other graphs run). The graph reads and writes the cache through its own K/V leaf tensors of shape
+// [d_kv, cap] and [cap, d_kv]; bind_kv points them, and every view of them, at the calling session's
+// cache before each compute.
 struct Graph {
+    std::vector<uint8_t> meta;
+    ggml_backend_sched_t sched = nullptr;
     ggml_context * ctx = nullptr;
     ggml_cgraph * gf = nullptr;
     ggml_tensor * inp_tokens = nullptr;
@@ -88,10 +92,14 @@ struct Graph {
     std::vector<ggml_tensor *> k, v;     // per layer: the cache leaves bound to a session's s.k / s.v
     std::vector<ggml_tensor *> kv_views; // graph tensors viewing k or v (rebound with them)
     GraphKey key;
-    bool valid = false;
-    void clear() {
+    uint64_t last_use = 0;
+
+    Graph() = default;
+    Graph(const Graph &) = delete;
+    Graph & operator=(const Graph &) = delete;
+    ~Graph() {
+        if (sched) ggml_backend_sched_free(sched);
         if (ctx) ggml_free(ctx);
-        *this = Graph();
     }
 };
 
@@ -139,7 +147,6 @@ struct ggswarm_model {
     ggml_backend_t backend = nullptr;      // device the weights and KV live on
     ggml_backend_t backend_cpu = nullptr;  // CPU fallback for the scheduler (== backend on CPU hosts)
     ggml_backend_buffer_type_t buft = nullptr;
-    ggml_backend_sched_t sched = nullptr;
     ggml_context * wctx = nullptr;
     ggml_backend_buffer_t wbuf = nullptr;
 
@@ -152,9 +159,10 @@ struct ggswarm_model {
     std::map<int64_t, ggswarm::Session> sessions;
     int64_t next_sid = 1;
 
-    size_t graph_size = 0;
-    std::vector<uint8_t> graph_meta;
-    ggswarm::Graph graph;  // last built graph (see GraphKey)
+    size_t graph_size = 0;                                 // node capacity of a window graph
+    std::vector<std::unique_ptr<ggswarm::Graph>> graphs;  // built graphs, one per shape (see GraphKey)
+    ggswarm::Graph * graph = nullptr;                      // the one the last forward call ran
+    uint64_t graph_clock = 0;                              // orders graphs by last use (eviction)
     std::vector<float> mask_host;
     std::vector<int64_t> kidx_host;
     std::vector<int64_t> vidx_host;
@@ -202,6 +210,7 @@ std::string fingerprint(const char * path, uint64_t data_off, uint64_t file_size
 ggswarm_status apply_threads(ggswarm_model * m, int32_t n);
 ggswarm_status init_backends(ggswarm_model * m);
 ggswarm_status init_sched(ggswarm_model * m);
+ggml_backend_sched_t new_sched(const ggswarm_model * m);
 
 // KV (kv.cpp)
 void budget_release(ggswarm_budget * b);

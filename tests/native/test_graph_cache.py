@@ -27,11 +27,17 @@ def _sid(n: int) -> SessionId:
     return SessionId(bytes([n]) * 16)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def shard(native_lib: None, model_path: str, manifest: Manifest) -> Iterator[NativeBackend]:
     be = NativeBackend(ShardSpec(model_path, 0, 30, manifest, n_threads=2))
     yield be
     be.close()
+
+
+def _spans(shard: NativeBackend, start: int, steps: int) -> set[int]:
+    """The attended spans of decode steps at positions start .. start + steps - 1 (cache of 256)."""
+    pad = KERNEL_PAD if shard.model.decode_kernels else KV_PAD
+    return {min(padded_kv(start + i + 1, pad), 256) for i in range(steps)}
 
 
 def _alone(model_path: str, manifest: Manifest, prompt: list[int]) -> list[int]:
@@ -62,30 +68,53 @@ def test_two_sessions_alternating_decode_steps_build_each_shape_once_and_keep_th
             out.append(shard.forward(sid, len(PROMPTS[0]) + i, token_ids=np.asarray(out[-1:])).token)
     assert got == want
     # one graph per attended span the steps went through (the cache holds 256 positions throughout)
-    pad = KERNEL_PAD if shard.model.decode_kernels else KV_PAD
-    spans = {min(padded_kv(len(PROMPTS[0]) + i + 1, pad), 256) for i in range(STEPS)}
-    assert shard.graph_builds == before + 1 + len(spans)
+    assert shard.graph_builds == before + 1 + len(_spans(shard, len(PROMPTS[0]), STEPS))
     for sid in (a, b):
         shard.close_session(sid)
 
 
-def test_sessions_of_different_capacities_get_different_graphs_and_their_own_cache(
+def test_sessions_of_different_lengths_taking_turns_build_each_of_their_shapes_once(
+    shard: NativeBackend, model_path: str, manifest: Manifest
+) -> None:
+    prompts = PROMPTS[0], PROMPTS[1][:40]  # their decode steps attend different spans with the kernels
+    want = [_alone(model_path, manifest, p) for p in prompts]
+    a, b = _sid(3), _sid(4)
+    for sid in (a, b):
+        shard.open_session(sid, 256)
+    before = shard.graph_builds
+    got = [
+        [shard.forward(sid, 0, token_ids=np.asarray(p)).token] for sid, p in zip((a, b), prompts, strict=True)
+    ]
+    assert shard.graph_builds == before + 2  # two prefill shapes
+    for i in range(STEPS):
+        for out, sid, p in zip(got, (a, b), prompts, strict=True):
+            out.append(shard.forward(sid, len(p) + i, token_ids=np.asarray(out[-1:])).token)
+    assert got == want
+    shapes = _spans(shard, len(prompts[0]), STEPS) | _spans(shard, len(prompts[1]), STEPS)
+    assert shard.graph_builds == before + 2 + len(shapes)
+    for sid in (a, b):
+        shard.close_session(sid)
+
+
+def test_sessions_of_different_capacities_get_their_own_graphs_and_their_own_cache(
     native_lib: None, tmp_path: Path
 ) -> None:
     path = write_tiny_gguf(tmp_path / "tiny.gguf", context=4096)
     ids = [3, 1, 4, 1, 5, 9, 2, 6]
     with NativeModel(path, 0, 3, n_threads=1) as ref, NativeModel(path, 0, 3, n_threads=1) as m:
         r = ref.open_session(64)
-        want = ref.forward(r, 0, token_ids=ids, want_logits=True)["logits"]
+        want = [ref.forward(r, 0, token_ids=ids)["token"]]
         small, large = m.open_session(64), m.open_session(1024)
         m.forward(large, 0, token_ids=[7] * 300)  # grows its cache to 512 positions
         m.truncate(large, 0)  # (the capacity stays)
-        got_large = m.forward(large, 0, token_ids=ids, want_logits=True)["logits"]
+        got = {
+            small: [m.forward(small, 0, token_ids=ids)["token"]],
+            large: [m.forward(large, 0, token_ids=ids)["token"]],
+        }
         builds = m.graph_builds
-        got_small = m.forward(small, 0, token_ids=ids, want_logits=True)["logits"]
-        assert m.graph_builds == builds + 1  # same batch and span, another cache shape
-        # back on the large session's cache: positions 8..15 after its own first 8
-        got_again = m.forward(large, 8, token_ids=ids, want_logits=True)["logits"]
-        r2 = ref.forward(r, 8, token_ids=ids, want_logits=True)["logits"]
-    assert np.array_equal(got_large, want) and np.array_equal(got_small, want)
-    assert np.array_equal(got_again, r2)
+        for i in range(6):
+            want.append(ref.forward(r, 8 + i, token_ids=want[-1:])["token"])
+            for sid in (small, large):
+                got[sid].append(m.forward(sid, 8 + i, token_ids=got[sid][-1:])["token"])
+        assert m.graph_builds == builds + 2  # one decode graph per cache size, each built once
+    assert got[small] == got[large] == want  # each read and wrote its own cache
