@@ -116,11 +116,12 @@ class DataPlane:
             n_threads=n_threads,
         )
         # native shards share the node budget inside libggswarm; the others are counted by the table
-        budget: dict[str, object] = (
-            {"kv_budget": self.sessions.native_budget()}
-            if backend == "native"
-            else {"kv_budget_bytes": self.sessions.budget_bytes}
-        )
+        budget: dict[str, object] = {"kv_budget_bytes": self.sessions.budget_bytes}
+        if backend == "native":
+            try:
+                budget = {"kv_budget": self.sessions.native_budget()}
+            except OSError as e:  # the library is not built or has another API version
+                raise BackendError(f"native backend unavailable: {e}") from None
         be = load_backend(backend, spec, **budget)
         shard = Shard(spec, backend, be, asyncio.Lock())
         self.shards[shard.key] = shard
