@@ -94,7 +94,9 @@ typedef struct ggswarm_model_info {
                                    give the same numbers as ggml's ops (AVX-512 CPU and ggml build,
                                    head_dim % 64 == 0, GGSWARM_GGML_ATTENTION unset when opened, and
                                    checked against ggml's ops at open); 0: ggml's ops; -1: ggml's ops
-                                   because that check found a bit differ (logged to stderr) */
+                                   because that check found a bit differ (logged to stderr); -2:
+                                   ggml_flash_attn_ext on every step (GPU devices, CPUs without
+                                   AVX-512, GGSWARM_ATTENTION=flash; V cache not transposed) */
     uint64_t graph_builds;      /* window graphs built so far: one per new shape (batch size, attended
                                    span, KV capacity, last-only); sessions of one shape share it */
 } ggswarm_model_info;

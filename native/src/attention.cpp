@@ -1,5 +1,6 @@
-// Attention over a session's KV cache: ggml's own ops (ops_attention), and decode-step kernels
-// (AVX-512) run as ggml custom ops on the CPU backend, with the open-time check that they agree.
+// Attention over a session's KV cache: ggml's own ops (ops_attention), ggml's flash attention
+// (flash_attention), and decode-step kernels (AVX-512) run as ggml custom ops on the CPU backend, with
+// the open-time check that they agree with ggml's ops.
 //
 // Why: on a decode step ggml's mul_mat computes the scores with one f16 dot product call per
 // (position, head) pair, each only head_dim long, and reads every K and V row once per query head.
@@ -281,6 +282,18 @@ bool decode_attention_cpu() {
 
 bool decode_attention_supported(int64_t head_dim) {
     return decode_attention_cpu() && head_dim > 0 && head_dim % kStep == 0;
+}
+
+ggml_tensor * flash_attention(ggml_context * c, ggml_tensor * q, ggml_tensor * kc, ggml_tensor * vc, ggml_tensor * mask,
+                              int32_t n, int32_t n_kv) {
+    const int64_t hd = q->ne[0], nh = q->ne[1], nkv = kc->ne[0] / hd;
+    const size_t head = hd * sizeof(ggml_fp16_t);
+    ggml_tensor * k = ggml_view_3d(c, kc, hd, n_kv, nkv, kc->nb[1], head, 0);  // [hd, n_kv, nkv]
+    ggml_tensor * v = ggml_view_3d(c, vc, hd, n_kv, nkv, vc->nb[1], head, 0);
+    ggml_tensor * qp = ggml_permute(c, q, 0, 2, 1, 3);  // [hd, n, nh]
+    ggml_tensor * o = ggml_flash_attn_ext(c, qp, k, v, mask, 1.0f / sqrtf((float)hd), 0.0f, 0.0f);  // [hd, nh, n]
+    ggml_prec_set_acc(o, GGML_PREC_F32);
+    return ggml_reshape_2d(c, o, hd * nh, n);
 }
 
 ggml_tensor * ops_attention(ggml_context * c, ggml_tensor * q, ggml_tensor * kc, ggml_tensor * vc, ggml_tensor * mask,

@@ -1,5 +1,6 @@
-// Attention of new positions over a session's KV cache: with ggml's own ops, and on CPU decode steps
-// with two ggml custom ops of our own (scores and weighted values), checked against ggml's at open.
+// Attention of new positions over a session's KV cache: with ggml's own ops, with ggml's flash
+// attention, and on CPU decode steps with two ggml custom ops of our own (scores and weighted values),
+// checked against ggml's ops at open.
 #pragma once
 
 #include <cstdint>
@@ -31,6 +32,12 @@ bool decode_attention_cpu();
 // True when the custom decode ops can run here and reproduce ggml's own f16 mul_mat bit for bit:
 // decode_attention_cpu(), and the head size is a multiple of 64.
 bool decode_attention_supported(int64_t head_dim);
+
+// Attention of n new positions over the first n_kv cached ones with ggml_flash_attn_ext, as llama.cpp
+// builds it with flash attention on: [hd * nh, n]. vc: the V cache NOT transposed, [hd * nkv, cap]
+// f16 like kc; mask: f16 [n_kv, n].
+ggml_tensor * flash_attention(ggml_context * c, ggml_tensor * q, ggml_tensor * kc, ggml_tensor * vc, ggml_tensor * mask,
+                              int32_t n, int32_t n_kv);
 
 
 // Scores of one new position against the cache, unscaled: out[j, h] = K[j, group(h)] . q[h] for

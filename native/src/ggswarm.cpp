@@ -53,26 +53,34 @@ bool env_set(const char * name) {
     return v && *v && strcmp(v, "0") != 0;
 }
 
-// CPU decode steps run attention.cpp's kernels when they apply here and, checked now on random data
-// of this model's head shape, give ggml's bits. GGSWARM_GGML_ATTENTION=1 keeps ggml's own ops (to
-// compare the two, or to rule ours out); GGSWARM_KERNEL_SELFCHECK=corrupt (tests only) makes the check
-// fail, to exercise the fallback.
-void choose_decode_kernels(ggswarm_model * m, const char * path) {
-    m->decode_kernels = 0;
-    if (ggml_backend_dev_type(m->dev) != GGML_BACKEND_DEVICE_TYPE_CPU ||
-        !decode_attention_supported(m->head_dim) || env_set("GGSWARM_GGML_ATTENTION")) {
-        return;
+// How this handle computes attention (docs/native.md, "Attention modes"). On a CPU whose ggml build
+// and hardware have AVX-512, decode steps run attention.cpp's kernels if, checked now on random data
+// of this model's head shape, they give ggml's bits; every other step runs ggml's mul_mat/soft_max
+// ops, which reproduce llama.cpp's default path. Where the kernels cannot run (GPU devices, CPUs
+// without AVX-512) every step runs ggml_flash_attn_ext, as llama.cpp does with flash attention on.
+// Environment, read here: GGSWARM_GGML_ATTENTION=1 forces ggml's ops; GGSWARM_ATTENTION=flash forces
+// flash attention; GGSWARM_KERNEL_SELFCHECK=corrupt (tests only) makes the self-check fail.
+void choose_attention(ggswarm_model * m, const char * path) {
+    const char * mode = getenv("GGSWARM_ATTENTION");
+    const bool cpu = ggml_backend_dev_type(m->dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
+    if (env_set("GGSWARM_GGML_ATTENTION")) {
+        m->decode_kernels = 0;
+    } else if ((mode && strcmp(mode, "flash") == 0) || !cpu || !decode_attention_cpu()) {
+        m->decode_kernels = -2;
+    } else if (!decode_attention_supported(m->head_dim)) {
+        m->decode_kernels = 0;  // an AVX-512 CPU, and a head size the kernels do not take
+    } else {
+        const char * hook = getenv("GGSWARM_KERNEL_SELFCHECK");
+        const bool corrupt = hook && strcmp(hook, "corrupt") == 0;
+        std::string why;
+        if (decode_attention_self_check(m->backend_cpu, m->head_dim, m->n_head, m->n_head_kv, corrupt, &why)) {
+            m->decode_kernels = 1;
+        } else {
+            m->decode_kernels = -1;
+            fprintf(stderr, "libggswarm: %s: decode attention kernels off, ggml's ops used instead: self-check: %s\n",
+                    path, why.c_str());
+        }
     }
-    const char * hook = getenv("GGSWARM_KERNEL_SELFCHECK");
-    const bool corrupt = hook && strcmp(hook, "corrupt") == 0;
-    std::string why;
-    if (decode_attention_self_check(m->backend_cpu, m->head_dim, m->n_head, m->n_head_kv, corrupt, &why)) {
-        m->decode_kernels = 1;
-        return;
-    }
-    m->decode_kernels = -1;
-    fprintf(stderr, "libggswarm: %s: decode attention kernels off, ggml's ops used instead: self-check: %s\n", path,
-            why.c_str());
 }
 
 }  // namespace
@@ -160,7 +168,7 @@ ggswarm_status ggswarm_model_open(const char * path, int32_t layer_start, int32_
     if ((s = load_weights(m, meta, path, file_size))) return bail(s);
     if ((s = init_sched(m))) return bail(s);
     apply_threads(m, n_threads);
-    choose_decode_kernels(m, path);
+    choose_attention(m, path);
     m->model_id = (model_id && *model_id) ? std::string(model_id) : fingerprint(path, gguf_get_data_offset(meta.g), file_size);
     if (m->model_id.size() > 71) m->model_id.resize(71);
     *out = m;

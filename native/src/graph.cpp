@@ -45,20 +45,27 @@ void build_graph(ggswarm_model * m, Graph & g, int32_t n, int32_t n_kv, int32_t 
     }
     g.inp_pos = ggml_new_tensor_1d(c, GGML_TYPE_I32, n);
     ggml_set_input(g.inp_pos);
-    // one mask row per softmax row: per position, or per head on a decode step (see decode_rows)
-    if (!kernel_step(m, n)) {
+    // one mask row per softmax row: per position, or per head on a decode step (see decode_rows);
+    // flash attention takes one f16 row per position
+    if (m->flash()) {
+        g.inp_mask = ggml_new_tensor_2d(c, GGML_TYPE_F16, n_kv, n);
+        ggml_set_input(g.inp_mask);
+    } else if (!kernel_step(m, n)) {
         g.inp_mask = ggml_new_tensor_2d(c, GGML_TYPE_F32, n_kv, decode_rows(n) ? nh : n);
         ggml_set_input(g.inp_mask);
     }
     g.inp_kidx = ggml_new_tensor_1d(c, GGML_TYPE_I64, n);
     ggml_set_input(g.inp_kidx);
-    g.inp_vidx = ggml_new_tensor_1d(c, GGML_TYPE_I64, (int64_t)n * m->d_kv());
-    ggml_set_input(g.inp_vidx);
+    if (!m->flash()) {
+        g.inp_vidx = ggml_new_tensor_1d(c, GGML_TYPE_I64, (int64_t)n * m->d_kv());
+        ggml_set_input(g.inp_vidx);
+    }
 
     const int32_t nl = m->layer_end - m->layer_start;
     for (int32_t i = 0; i < nl; ++i) {
         g.k.push_back(ggml_new_tensor_2d(c, GGML_TYPE_F16, dkv, cap));
-        g.v.push_back(ggml_new_tensor_2d(c, GGML_TYPE_F16, cap, dkv));
+        g.v.push_back(m->flash() ? ggml_new_tensor_2d(c, GGML_TYPE_F16, dkv, cap)
+                                 : ggml_new_tensor_2d(c, GGML_TYPE_F16, cap, dkv));
     }
     for (int32_t i = 0; i < nl; ++i) {
         const Layer & L = m->layers[i];
@@ -72,18 +79,29 @@ void build_graph(ggswarm_model * m, Graph & g, int32_t n, int32_t n_kv, int32_t 
                           m->rope_freq_scale, 0.0f, 1.0f, 32.0f, 1.0f);
         k = ggml_rope_ext(c, k, g.inp_pos, m->rope_freqs, m->n_rot, m->rope_mode, m->n_ctx_train, m->rope_base,
                           m->rope_freq_scale, 0.0f, 1.0f, 32.0f, 1.0f);
-        // append the new positions to the bound session's cache (K rows; V transposed)
+        // append the new positions to the bound session's cache (K rows; V transposed, or V rows for
+        // flash attention)
         ggml_tensor * kc = g.k[i];
         ggml_tensor * vc = g.v[i];
         // (index inputs instead of view offsets keep the graph independent of the position)
         ggml_tensor * k_put = ggml_set_rows(c, kc, ggml_reshape_2d(c, k, dkv, n), g.inp_kidx);
         ggml_build_forward_expand(g.gf, k_put);
-        ggml_tensor * v_elems = ggml_reshape_2d(c, vc, 1, ggml_nelements(vc));
-        ggml_tensor * v_put = ggml_set_rows(c, v_elems, ggml_reshape_2d(c, v, 1, (int64_t)n * dkv), g.inp_vidx);
+        ggml_tensor * v_put;
+        if (m->flash()) {
+            v_put = ggml_set_rows(c, vc, ggml_reshape_2d(c, v, dkv, n), g.inp_kidx);
+        } else {
+            ggml_tensor * v_elems = ggml_reshape_2d(c, vc, 1, ggml_nelements(vc));
+            v_put = ggml_set_rows(c, v_elems, ggml_reshape_2d(c, v, 1, (int64_t)n * dkv), g.inp_vidx);
+        }
         ggml_build_forward_expand(g.gf, v_put);
-        // the kernels give the same bits as ggml's ops (checked when the model was opened)
-        cur = kernel_step(m, n) ? kernel_attention(c, q, kc, vc, g.inp_pos, n_kv, k_put, v_put)
-                                : ops_attention(c, q, kc, vc, g.inp_mask, n, n_kv);
+        if (m->flash()) {
+            cur = flash_attention(c, q, kc, vc, g.inp_mask, n, n_kv);
+        } else if (kernel_step(m, n)) {
+            // the same bits as ggml's ops (checked when the model was opened)
+            cur = kernel_attention(c, q, kc, vc, g.inp_pos, n_kv, k_put, v_put);
+        } else {
+            cur = ops_attention(c, q, kc, vc, g.inp_mask, n, n_kv);
+        }
         cur = linear(c, L.wo, L.bo, cur);
         if (last_only && i == nl - 1 && n > 1) {
             cur = ggml_view_2d(c, cur, m->d_model, 1, cur->nb[1], (size_t)(n - 1) * cur->nb[1]);
@@ -221,14 +239,16 @@ ggswarm_status forward_chunk(ggswarm_model * m, Session & s, const ggswarm_batch
     m->graph = gp;
     bind_kv(g, s);
     m->kidx_host.resize(nc);
-    m->vidx_host.resize((size_t)nc * m->d_kv());
-    for (int32_t t = 0; t < nc; ++t) {
-        m->kidx_host[t] = pos + t;
-        int64_t * vi = m->vidx_host.data() + (size_t)t * m->d_kv();
-        for (int32_t ch = 0; ch < m->d_kv(); ++ch) vi[ch] = (int64_t)ch * s.cap + pos + t;
-    }
+    for (int32_t t = 0; t < nc; ++t) m->kidx_host[t] = pos + t;
     ggml_backend_tensor_set(g.inp_kidx, m->kidx_host.data(), 0, sizeof(int64_t) * m->kidx_host.size());
-    ggml_backend_tensor_set(g.inp_vidx, m->vidx_host.data(), 0, sizeof(int64_t) * m->vidx_host.size());
+    if (g.inp_vidx) {  // transposed V: one element index per (position, channel)
+        m->vidx_host.resize((size_t)nc * m->d_kv());
+        for (int32_t t = 0; t < nc; ++t) {
+            int64_t * vi = m->vidx_host.data() + (size_t)t * m->d_kv();
+            for (int32_t ch = 0; ch < m->d_kv(); ++ch) vi[ch] = (int64_t)ch * s.cap + pos + t;
+        }
+        ggml_backend_tensor_set(g.inp_vidx, m->vidx_host.data(), 0, sizeof(int64_t) * m->vidx_host.size());
+    }
     m->pos_host.resize(nc);
     for (int32_t i = 0; i < nc; ++i) m->pos_host[i] = pos + i;
     ggml_backend_tensor_set(g.inp_pos, m->pos_host.data(), 0, sizeof(int32_t) * nc);
@@ -243,7 +263,13 @@ ggswarm_status forward_chunk(ggswarm_model * m, Session & s, const ggswarm_batch
         for (int32_t i = 1; decode_rows(nc) && i < mask_rows; ++i) {
             memcpy(m->mask_host.data() + (size_t)i * n_kv, m->mask_host.data(), sizeof(float) * n_kv);
         }
-        ggml_backend_tensor_set(g.inp_mask, m->mask_host.data(), 0, sizeof(float) * m->mask_host.size());
+        if (g.inp_mask->type == GGML_TYPE_F16) {
+            m->mask_f16.resize(m->mask_host.size());
+            ggml_fp32_to_fp16_row(m->mask_host.data(), m->mask_f16.data(), (int64_t)m->mask_host.size());
+            ggml_backend_tensor_set(g.inp_mask, m->mask_f16.data(), 0, sizeof(ggml_fp16_t) * m->mask_f16.size());
+        } else {
+            ggml_backend_tensor_set(g.inp_mask, m->mask_host.data(), 0, sizeof(float) * m->mask_host.size());
+        }
     }
     const int64_t n_hidden = (int64_t)nc * d;
     if (g.inp_tokens) {

@@ -97,7 +97,8 @@ ggswarm_status plan_kv(const ggswarm_model * m, int64_t cap, Session & n) {
     if (!n.ctx) return fail(m, GGSWARM_E_NO_MEMORY, "cannot create a KV context");
     for (int32_t i = 0; i < nl; ++i) {
         n.k.push_back(ggml_new_tensor_2d(n.ctx, GGML_TYPE_F16, m->d_kv(), cap));
-        n.v.push_back(ggml_new_tensor_2d(n.ctx, GGML_TYPE_F16, cap, m->d_kv()));
+        n.v.push_back(m->flash() ? ggml_new_tensor_2d(n.ctx, GGML_TYPE_F16, m->d_kv(), cap)
+                                 : ggml_new_tensor_2d(n.ctx, GGML_TYPE_F16, cap, m->d_kv()));
     }
     n.cap = (int32_t)cap;
     n.bytes = ggml_backend_alloc_ctx_tensors_from_buft_size(n.ctx, m->buft);
@@ -170,6 +171,11 @@ ggswarm_status ensure_capacity(ggswarm_model * m, Session & s, int32_t need) {
         for (int32_t i = 0; i < nl; ++i) {
             ggml_backend_tensor_get(s.k[i], tmp.data(), 0, (size_t)s.len * row);
             ggml_backend_tensor_set(n.k[i], tmp.data(), 0, (size_t)s.len * row);
+            if (m->flash()) {  // V rows per position, like K
+                ggml_backend_tensor_get(s.v[i], tmp.data(), 0, (size_t)s.len * row);
+                ggml_backend_tensor_set(n.v[i], tmp.data(), 0, (size_t)s.len * row);
+                continue;
+            }
             const size_t vrow = (size_t)s.len * sizeof(ggml_fp16_t);
             for (int32_t r = 0; r < m->d_kv(); ++r) {
                 ggml_backend_tensor_get(s.v[i], tmp.data(), (size_t)r * s.v[i]->nb[1], vrow);
@@ -302,10 +308,22 @@ ggswarm_status ggswarm_session_snapshot(const ggswarm_model * m, int64_t sid, vo
     uint8_t * p = static_cast<uint8_t *>(buf) + sizeof(SnapHeader);
     const size_t krow = (size_t)m->d_kv() * sizeof(ggml_fp16_t);
     const size_t vrow = (size_t)s->len * sizeof(ggml_fp16_t);
+    std::vector<ggml_fp16_t> rows;
     if (s->len > 0) {
         for (size_t i = 0; i < s->k.size(); ++i) {
             ggml_backend_tensor_get(s->k[i], p, 0, (size_t)s->len * krow);
             p += (size_t)s->len * krow;
+            if (m->flash()) {
+                // the payload holds V transposed in every attention mode, so a snapshot restores anywhere
+                rows.resize((size_t)s->len * m->d_kv());
+                ggml_backend_tensor_get(s->v[i], rows.data(), 0, (size_t)s->len * krow);
+                auto * out = reinterpret_cast<ggml_fp16_t *>(p);
+                for (int32_t r = 0; r < m->d_kv(); ++r) {
+                    for (int32_t j = 0; j < s->len; ++j) out[(size_t)r * s->len + j] = rows[(size_t)j * m->d_kv() + r];
+                }
+                p += (size_t)s->len * krow;
+                continue;
+            }
             for (int32_t r = 0; r < m->d_kv(); ++r) {
                 ggml_backend_tensor_get(s->v[i], p, (size_t)r * s->v[i]->nb[1], vrow);
                 p += vrow;
@@ -362,10 +380,21 @@ ggswarm_status ggswarm_session_restore(ggswarm_model * m, int64_t sid, const voi
     if (st) return st;
     const size_t krow = (size_t)m->d_kv() * sizeof(ggml_fp16_t);
     const size_t vrow = (size_t)h.n_pos * sizeof(ggml_fp16_t);
+    std::vector<ggml_fp16_t> rows;
     if (h.n_pos > 0) {
         for (size_t i = 0; i < s.k.size(); ++i) {
             ggml_backend_tensor_set(s.k[i], p, 0, (size_t)h.n_pos * krow);
             p += (size_t)h.n_pos * krow;
+            if (m->flash()) {
+                rows.resize((size_t)h.n_pos * m->d_kv());
+                const auto * in = reinterpret_cast<const ggml_fp16_t *>(p);
+                for (int32_t r = 0; r < m->d_kv(); ++r) {
+                    for (int32_t j = 0; j < h.n_pos; ++j) rows[(size_t)j * m->d_kv() + r] = in[(size_t)r * h.n_pos + j];
+                }
+                ggml_backend_tensor_set(s.v[i], rows.data(), 0, (size_t)h.n_pos * krow);
+                p += (size_t)h.n_pos * krow;
+                continue;
+            }
             for (int32_t r = 0; r < m->d_kv(); ++r) {
                 ggml_backend_tensor_set(s.v[i], p, (size_t)r * s.v[i]->nb[1], vrow);
                 p += vrow;

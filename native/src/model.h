@@ -136,8 +136,9 @@ struct ggswarm_model {
     int32_t n_ctx_train = 0, n_ctx_max = 0, n_threads = 1;
     float eps = 1e-5f, rope_base = 10000.0f, rope_freq_scale = 1.0f;
     int rope_mode = GGML_ROPE_TYPE_NORMAL;
-    // 1: CPU decode steps use attention.cpp's kernels (see kernel_step); 0: they do not apply here;
-    // -1: they would, but failed the self-check at open (ggswarm_model_info.decode_kernels)
+    // How attention runs (ggswarm_model_info.decode_kernels, chosen at open): 1: CPU decode steps use
+    // attention.cpp's kernels (see kernel_step); 0: ggml's ops; -1: ggml's ops, the kernels failed the
+    // self-check at open; -2: ggml_flash_attn_ext on every step, with the V cache not transposed
     int32_t decode_kernels = 0;
     ggswarm_budget * budget = nullptr;  // the node's KV budget (a reference), or none
     uint64_t weight_bytes = 0;
@@ -164,6 +165,7 @@ struct ggswarm_model {
     ggswarm::Graph * graph = nullptr;                      // the one the last forward call ran
     uint64_t graph_clock = 0;                              // orders graphs by last use (eviction)
     std::vector<float> mask_host;
+    std::vector<ggml_fp16_t> mask_f16;  // the mask as flash attention takes it
     std::vector<int64_t> kidx_host;
     std::vector<int64_t> vidx_host;
     std::vector<int32_t> pos_host;
@@ -175,6 +177,7 @@ struct ggswarm_model {
     bool is_first() const { return layer_start == 0; }
     bool is_last() const { return layer_end == n_layers_total; }
     int32_t d_kv() const { return head_dim * n_head_kv; }
+    bool flash() const { return decode_kernels == -2; }  // V rows per position; f16 mask
     uint64_t kv_bytes_per_token() const {
         return 2ULL * (uint64_t)(layer_end - layer_start) * (uint64_t)d_kv() * sizeof(ggml_fp16_t);
     }
