@@ -63,7 +63,7 @@ def bytes_per_step(hops: list, manifest: Manifest, ctx: int) -> float:
     total = 0.0
     for h in hops:
         info = h.model.info
-        n_kv = padded_kv(ctx + 1, KERNEL_PAD if info.decode_kernels else KV_PAD)
+        n_kv = padded_kv(ctx + 1, KERNEL_PAD if info.decode_kernels == 1 else KV_PAD)
         total += info.weight_bytes + n_kv * info.kv_bytes_per_token
         if info.is_first and not info.is_last:
             total -= emb
