@@ -49,9 +49,14 @@ def hop1(native_lib: None, model_path: str, manifest: Manifest) -> Iterator[list
 
 
 @pytest.fixture(scope="module")
-def llama(model_path: str):  # noqa: ANN201
+def llama(model_path: str, hops3: list):  # noqa: ANN201
     llama_cpp = pytest.importorskip("llama_cpp")
-    llm = llama_cpp.Llama(model_path=model_path, logits_all=True, n_ctx=1024, n_threads=2, verbose=False)
+    # hops in flash-attention mode (decode_kernels -2: CPUs without AVX-512) reproduce llama.cpp with
+    # flash attention on; the other modes reproduce its default path (docs/native.md, Attention modes)
+    flash = hops3[0].model.info.decode_kernels == -2
+    llm = llama_cpp.Llama(
+        model_path=model_path, logits_all=True, n_ctx=1024, n_threads=2, flash_attn=flash, verbose=False
+    )
     yield llm
     llm.close()
 
