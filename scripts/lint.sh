@@ -9,9 +9,7 @@ cd "$(dirname "$0")/.."
 .venv/bin/ruff format --check .
 .venv/bin/lint-imports --no-cache
 # mypy (ignore-without-code) makes every ignore name its error code; the reason is ours to require.
-# phase 2 (issue 10): the ignores in these files get their reason (or go) with their type fixes.
-phase2='^(agent/backends/__init__)\.py:'
-bare=$(grep -rnE --include='*.py' '# type: ignore(\[[^]]*\])?[[:space:]]*$' agent webapp | grep -vE "$phase2" || true)
+bare=$(grep -rnE --include='*.py' '# type: ignore(\[[^]]*\])?[[:space:]]*$' agent webapp || true)
 if [ -n "$bare" ]; then
   printf '%s\n' "$bare" >&2
   echo "lint: give each ignore above a reason: '# type: ignore[code]  # why'" >&2

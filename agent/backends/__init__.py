@@ -42,13 +42,13 @@ def load_backend(name: str, spec: ShardSpec, **options: object) -> Backend:
     if name == "torch":
         from agent.backends.torch_llama import TorchLlamaBackend
 
-        return TorchLlamaBackend(spec, **options)  # type: ignore[arg-type]
+        return TorchLlamaBackend(spec, **options)  # type: ignore[arg-type]  # options are per backend; each checks its own
     if name == "llamacpp":
         from agent.backends.llamacpp import LlamaCppBackend
 
-        return LlamaCppBackend(spec, **options)  # type: ignore[arg-type]
+        return LlamaCppBackend(spec, **options)  # type: ignore[arg-type]  # options are per backend; each checks its own
     if name == "native":
         from agent.backends.native import NativeBackend
 
-        return NativeBackend(spec, **options)  # type: ignore[arg-type]
+        return NativeBackend(spec, **options)
     raise BackendError(f"unknown backend {name!r}; available: {', '.join(available_backends()) or 'none'}")

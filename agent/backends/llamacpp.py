@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -20,9 +21,12 @@ from agent.wire.frames import HiddenDtype
 from agent.wire.ids import SessionId
 from agent.wire.sampling import SamplingParams
 
+if TYPE_CHECKING:  # llama-cpp-python is an optional extra: imported when the backend is built
+    from llama_cpp._internals import LlamaContext
+
 
 class _Session:
-    def __init__(self, ctx: object, n_ctx: int) -> None:
+    def __init__(self, ctx: LlamaContext, n_ctx: int) -> None:
         self.ctx = ctx
         self.n_ctx = n_ctx
         self.length = 0
@@ -83,7 +87,7 @@ class LlamaCppBackend(Backend):
     def close_session(self, sid: SessionId) -> None:
         s = self.sessions.pop(sid, None)
         if s is not None:
-            s.ctx.close()
+            s.ctx.close()  # type: ignore[no-untyped-call]  # llama-cpp-python leaves close() unannotated
 
     def _s(self, sid: SessionId) -> _Session:
         try:

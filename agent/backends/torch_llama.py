@@ -247,10 +247,12 @@ class TorchLlamaBackend(Backend):
         if self.spec.is_first:
             if token_ids is None:
                 raise BackendError("first shard needs token ids")
+            emb = self.tok_embd
+            assert emb is not None  # loaded for every first shard (__init__)
             ids = torch.from_numpy(np.asarray(token_ids, dtype=np.int64))
-            if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= self.tok_embd.shape[0]:
+            if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= emb.shape[0]:
                 raise BackendError("token id out of vocabulary range")
-            x = self.tok_embd[ids]
+            x = emb[ids]
         else:
             if hidden is None:
                 raise BackendError("this shard needs hidden states")
@@ -274,7 +276,9 @@ class TorchLlamaBackend(Backend):
         res = ForwardResult()
         if self.spec.is_last:
             h = self._rms(x if want_logits else x[-1:], self.out_norm)
-            logits = h @ self.head.T
+            head = self.head
+            assert head is not None  # loaded for every last shard (__init__)
+            logits = h @ head.T
             last = logits[-1].numpy()
             res.token, res.logprob = sample(last, sampling or SamplingParams(), end - 1, history)
             if want_logits:

@@ -9,6 +9,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
@@ -17,7 +18,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from agent import __version__, defaults
 from agent.artifacts.manifest import Manifest
 from agent.backends import load_backend
-from agent.backends.base import AdmissionError, Backend, BackendError, ShardSpec
+from agent.backends.base import AdmissionError, Backend, BackendError, ForwardResult, ShardSpec
 from agent.node.sessions import SessionState, SessionTable, ShardKey
 from agent.wire.frames import (
     CONTEXT_CAP,
@@ -141,7 +142,7 @@ class DataPlane:
         for s in self.shards.values():
             s.draining = True
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         return {
             "node_id": self.node_id,
             "version": __version__,
@@ -375,7 +376,15 @@ class DataPlane:
         s.last_step, s.last_digest, s.last_output = req.step, digest, local
         return await self._continue_chain(req, s, local, t_start, int(res.compute_s * 1e6))
 
-    def _call(self, shard: Shard, s: SessionState, req: Request, ids, hidden, history):  # noqa: ANN001, ANN202
+    def _call(
+        self,
+        shard: Shard,
+        s: SessionState,
+        req: Request,
+        ids: np.ndarray | None,
+        hidden: np.ndarray | None,
+        history: list[int] | None,
+    ) -> ForwardResult:
         try:
             return shard.backend.forward(
                 s.sid,
