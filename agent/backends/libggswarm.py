@@ -57,6 +57,10 @@ def padded_kv(n_positions: int, pad: int = KV_PAD) -> int:
 
 
 DEFAULT_LIB = Path(__file__).resolve().parents[2] / "native" / "build" / "libggswarm.so"
+# Where an installed wheel carries it (scripts/build_agent_wheel.py).
+PACKAGED_LIB = Path(__file__).resolve().parents[1] / "_native" / "libggswarm.so"
+# llama-cpp-python's ggml, in dependency order; libggswarm links them by soname.
+GGML_LIBS = ("libggml-base.so.0", "libggml-cpu.so.0", "libggml.so.0")
 
 
 class NativeError(Exception):
@@ -142,9 +146,39 @@ _load_error: str | None = None
 
 
 def library_path() -> Path:
-    """Where the shared library is looked for (env GGSWARM_NATIVE_LIB overrides the build output)."""
+    """Where the shared library is looked for: env GGSWARM_NATIVE_LIB, else the checkout's build
+    output, else the copy an installed wheel carries."""
     env = os.environ.get("GGSWARM_NATIVE_LIB")
-    return Path(env) if env else DEFAULT_LIB
+    if env:
+        return Path(env)
+    return DEFAULT_LIB if DEFAULT_LIB.is_file() or not PACKAGED_LIB.is_file() else PACKAGED_LIB
+
+
+def ggml_lib_dir() -> Path | None:
+    """llama-cpp-python's lib/ directory (its ggml shared libraries), found without importing it."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    d = Path(next(iter(spec.submodule_search_locations))) / "lib"
+    return d if d.is_dir() else None
+
+
+def _preload_ggml() -> None:
+    """Load llama-cpp-python's ggml by path before libggswarm, so its sonames resolve to them.
+
+    native/build.sh links with an absolute rpath to the venv it was built in; an installed wheel
+    lives in another venv, where that path does not exist (or holds another copy). A library
+    already loaded under a soname satisfies a later NEEDED entry of that soname, so loading these
+    first (RTLD_GLOBAL, so their symbols are shared) makes the rpath irrelevant.
+    """
+    d = ggml_lib_dir()
+    if d is None:
+        return  # the rpath may still find them; load_library reports what is missing
+    for name in GGML_LIBS:
+        if (d / name).exists():
+            ctypes.CDLL(str(d / name), mode=ctypes.RTLD_GLOBAL)
 
 
 def _bind(lib: ctypes.CDLL) -> None:
@@ -277,6 +311,7 @@ def load_library() -> ctypes.CDLL:
     if not path.is_file():
         _load_error = f"{path} is not built (run `bash native/build.sh`)"
         raise OSError(_load_error)
+    _preload_ggml()
     lib = ctypes.CDLL(str(path))
     _bind(lib)
     version = lib.ggswarm_api_version()
