@@ -7,6 +7,7 @@ allocated from a peer-supplied size.
 from __future__ import annotations
 
 import struct
+import urllib.parse
 from dataclasses import dataclass, field
 from enum import IntEnum, IntFlag
 from typing import Any, Literal
@@ -26,7 +27,12 @@ MAX_FRAME_BYTES = 64 << 20
 MAX_CHAIN_HOPS = 16
 MAX_URL_LEN = 512
 MAX_HISTORY = 1024
-MAX_TOKEN_BYTES = 512
+MAX_TOKEN_BYTES = 1024  # a route token names its node and its next hop (id and URL): <= 893 bytes
+# Steps count up from 1; one near 2**64 would leave no later step for the session, so refuse it.
+MAX_STEP = 2**62
+# Logits are n_tokens x vocab float32: a prefill asking for all of them would answer megabytes per
+# request byte. 32 MiB covers 128 positions of a 64K vocabulary (teacher forcing in chunks).
+MAX_LOGITS_BYTES = 32 << 20
 CONTEXT_CAP = 131072  # product-wide hard cap (128K), applied on top of the model's own limit
 
 # magic, version, op, flags, session, step, pos_start, n_tokens, kind, token_len, dim, payload_len
@@ -224,6 +230,34 @@ class _Reader:
         return st.unpack(self.take(st.size, what))
 
 
+def peek_request(data: bytes | memoryview) -> tuple[bytes, bytes, int]:
+    """(session, route token, total frame length the header promises at least) from the first
+    REQ_HEADER.size + token bytes: lets a hop check the token before it buffers a body."""
+    buf = memoryview(data)
+    if len(buf) < REQ_HEADER.size:
+        raise FrameError(f"truncated frame: {len(buf)} bytes, header needs {REQ_HEADER.size}")
+    magic, version, _op, _flags, session, _step, _pos, n, kind, token_len, dim, payload_len = (
+        REQ_HEADER.unpack_from(buf, 0)
+    )
+    if magic != REQ_MAGIC:
+        raise FrameError(f"bad magic {bytes(magic)!r}, expected {REQ_MAGIC!r}")
+    if version != PROTOCOL_VERSION:
+        raise FrameError(f"protocol version {version} is not supported (this node speaks {PROTOCOL_VERSION})")
+    if token_len > MAX_TOKEN_BYTES:
+        raise FrameError(f"route token of {token_len} bytes exceeds {MAX_TOKEN_BYTES}")
+    if n > MAX_TOKENS_PER_FRAME or dim > MAX_BOUNDARY_DIM:
+        raise FrameError("n_tokens or dim exceeds the per-frame limit", 413)
+    if len(buf) < REQ_HEADER.size + token_len:
+        raise FrameError("truncated frame: route token")
+    token = bytes(buf[REQ_HEADER.size : REQ_HEADER.size + token_len])
+    return bytes(session), token, REQ_HEADER.size + token_len + payload_len
+
+
+MAX_TAIL_BYTES = (
+    SAMPLING.size + 4 + 4 * MAX_HISTORY + 1 + MAX_CHAIN_HOPS * (4 + MAX_URL_LEN + MAX_TOKEN_BYTES)
+)
+
+
 def decode_request(data: bytes | memoryview) -> Request:
     buf = memoryview(data)
     if len(buf) > MAX_FRAME_BYTES:
@@ -255,6 +289,8 @@ def decode_request(data: bytes | memoryview) -> Request:
         raise FrameError(f"payload is {payload_len} bytes but {n} x {dim} {kind_e.name} needs {expected}")
     if token_len > MAX_TOKEN_BYTES:
         raise FrameError(f"route token of {token_len} bytes exceeds {MAX_TOKEN_BYTES}")
+    if step > MAX_STEP:
+        raise FrameError(f"step {step} exceeds the limit of {MAX_STEP}")
     req = Request(op=op_e, session=bytes(session), step=step, pos_start=pos, n_tokens=n, kind=kind_e, dim=dim)
     req.token = bytes(rd.take(token_len, "route token"))
     if flags_e & Flag.SAMPLING:
@@ -282,9 +318,7 @@ def decode_request(data: bytes | memoryview) -> Request:
             (ul,) = rd.unpack(struct.Struct("<H"), "chain url length")
             if ul > MAX_URL_LEN:
                 raise FrameError("chain url too long")
-            url = bytes(rd.take(ul, "chain url")).decode("utf-8", "replace")
-            if not url.startswith(("http://", "https://")):
-                raise FrameError("chain url must be http(s)")
+            url = check_url(bytes(rd.take(ul, "chain url")))
             (tl,) = rd.unpack(struct.Struct("<H"), "chain token length")
             if tl > MAX_TOKEN_BYTES:
                 raise FrameError("chain token too long")
@@ -293,6 +327,41 @@ def decode_request(data: bytes | memoryview) -> Request:
     if rd.off != len(buf):
         raise FrameError(f"{len(buf) - rd.off} unexpected trailing bytes")
     return req
+
+
+def check_url(raw: bytes) -> str:
+    """A chain URL as a hop would dial it, or FrameError (400): every malformed part is refused here,
+    before any HTTP library sees it."""
+    try:
+        url = raw.decode("ascii")
+    except UnicodeDecodeError:
+        raise FrameError("chain url is not ascii") from None
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError as e:
+        raise FrameError(f"chain url is malformed: {e}") from None
+    if parts.scheme not in ("http", "https"):
+        raise FrameError("chain url must be http(s)")
+    host = parts.hostname or ""
+    if not host or parts.username is not None or parts.password is not None or parts.query or parts.fragment:
+        raise FrameError("chain url must be scheme://host[:port][/path] with nothing else")
+    if port == 0:
+        raise FrameError("chain url port 0")
+    if "[" not in parts.netloc:  # IPv6 literals are checked by urlsplit; names by their labels
+        labels = host.rstrip(".").split(".")
+        if any(not 0 < len(label) <= 63 for label in labels) or len(host) > 253:
+            raise FrameError("chain url host has an empty label or one longer than 63 characters")
+        if any(not c.isalnum() and c not in "-." for c in host):
+            raise FrameError("chain url host has characters a host name cannot have")
+    return url
+
+
+def response_limit(n_tokens: int, dim: int, want_logits: bool) -> int:
+    """The most bytes a valid answer to a forward of `n_tokens` x `dim` may take: hidden states as f32,
+    the token response with every hop's timing, or (asked for) capped logits."""
+    body = max(4 * n_tokens * dim, MAX_LOGITS_BYTES if want_logits else 0)
+    return RESP_HEADER.size + (MAX_CHAIN_HOPS + 1) * TIMING.size + body
 
 
 def encode_response(r: Response) -> bytes:
@@ -325,11 +394,20 @@ def decode_response(data: bytes | memoryview) -> Response:
     )
     if magic != RESP_MAGIC or version != PROTOCOL_VERSION:
         raise FrameError("bad response magic or version")
+    if nt > MAX_CHAIN_HOPS + 1:
+        raise FrameError(f"response carries {nt} timings, more than a route has hops")
     timings = [Timing(*TIMING.unpack(rd.take(TIMING.size, "timing"))) for _ in range(nt)]
-    kind_e = Kind(kind)
+    try:
+        kind_e = Kind(kind)
+    except ValueError:
+        raise FrameError(f"unknown response kind {kind}") from None
+    if kind_e == Kind.IDS:
+        raise FrameError("token ids are not a response")
     if plen != payload_size(kind_e, n, dim):
         raise FrameError("response payload size mismatch")
     payload = rd.take(plen, "payload")
+    if rd.off != len(buf):
+        raise FrameError(f"{len(buf) - rd.off} unexpected trailing bytes in a response")
     return Response(
         step=step,
         kind=kind_e,
@@ -344,7 +422,7 @@ def decode_response(data: bytes | memoryview) -> Response:
 
 
 def with_prepended_timing(resp_bytes: bytes, timing: Timing) -> bytes:
-    """Add this hop's timing in front of the downstream hops' (chain mode), without re-encoding tensors."""
+    """Add this hop's timing in front of the others' (this hop's own, already valid response only)."""
     head = bytearray(resp_bytes[: RESP_HEADER.size])
     nt = head[-1]
     head[-1] = nt + 1

@@ -1,10 +1,14 @@
-"""Route tokens: Ed25519-signed grants naming session, model, layer range, node and expiry.
+"""Route tokens: Ed25519-signed grants naming session, model, layer range, node, next hop and expiry.
 
 The control plane (or, in development, a local key) signs; every hop verifies offline against the
 public key it was configured with. Binary layout (all integers little-endian):
 
     u8 version | 16B session | 32B model sha256 | u16 layer_start | u16 layer_end |
-    u8 node_len | node_len B node id (utf-8) | u64 expiry (unix s) | 64B Ed25519 signature
+    u8 node_len | node id (utf-8) | u8 next_node_len | next node id | u8 next_url_len | next url |
+    u64 expiry (unix s) | 64B Ed25519 signature
+
+The next hop (node id and data-plane URL; both empty on a route's last hop) binds the route into the
+token: in chain mode a hop forwards only to the hop its own token names (docs/security.md).
 """
 
 from __future__ import annotations
@@ -22,11 +26,11 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from agent.wire.ids import NodeId, SessionId
 
-TOKEN_VERSION = 1
+TOKEN_VERSION = 2
 _FIXED = struct.Struct("<B16s32sHHB")
 _EXPIRY = struct.Struct("<Q")
 SIG_LEN = 64
-MAX_TOKEN_LEN = _FIXED.size + 255 + _EXPIRY.size + SIG_LEN
+MAX_TOKEN_LEN = _FIXED.size + 255 + 1 + 255 + 1 + 255 + _EXPIRY.size + SIG_LEN
 
 
 class TokenError(Exception):
@@ -43,6 +47,15 @@ class RouteClaims:
     layer_end: int
     node: NodeId
     expiry: int
+    next_node: str = ""  # the hop this one may forward to in chain mode ("" = none: last hop)
+    next_url: str = ""
+
+
+def _short(field: str, value: str) -> bytes:
+    raw = value.encode()
+    if len(raw) > 255:
+        raise TokenError(f"{field} longer than 255 bytes")
+    return struct.pack("<B", len(raw)) + raw
 
 
 def encode_claims(c: RouteClaims) -> bytes:
@@ -56,6 +69,8 @@ def encode_claims(c: RouteClaims) -> bytes:
             TOKEN_VERSION, c.session, bytes.fromhex(c.model_sha256), c.layer_start, c.layer_end, len(node)
         )
         + node
+        + _short("next node id", c.next_node)
+        + _short("next hop url", c.next_url)
         + _EXPIRY.pack(c.expiry)
     )
 
@@ -73,12 +88,61 @@ def mint(
     layer_end: int,
     node: str,
     ttl_s: int = 3600,
+    next_node: str = "",
+    next_url: str = "",
 ) -> bytes:
-    """Sign a token for one hop of a route, valid for `ttl_s` seconds."""
+    """Sign a token for one hop of a route, valid for `ttl_s` seconds; it may forward to `next_url`."""
     return sign(
         key,
-        RouteClaims(session, model_sha256, layer_start, layer_end, NodeId(node), int(time.time()) + ttl_s),
+        RouteClaims(
+            session,
+            model_sha256,
+            layer_start,
+            layer_end,
+            NodeId(node),
+            int(time.time()) + ttl_s,
+            next_node,
+            normalise_url(next_url) if next_url else "",
+        ),
     )
+
+
+@dataclass(frozen=True)
+class RouteHop:
+    """One hop of a route to mint for: node id, data-plane URL and layer range."""
+
+    node: str
+    url: str
+    layer_start: int
+    layer_end: int
+
+
+def mint_route(
+    key: Ed25519PrivateKey, session: SessionId, model_sha256: str, hops: list[RouteHop], ttl_s: int = 3600
+) -> list[bytes]:
+    """One token per hop, each naming the hop after it: the only place chain mode may forward to."""
+    out = []
+    for i, h in enumerate(hops):
+        nxt = hops[i + 1] if i + 1 < len(hops) else None
+        out.append(
+            mint(
+                key,
+                session,
+                model_sha256,
+                h.layer_start,
+                h.layer_end,
+                h.node,
+                ttl_s,
+                nxt.node if nxt else "",
+                nxt.url if nxt else "",
+            )
+        )
+    return out
+
+
+def normalise_url(url: str) -> str:
+    """The form a next-hop URL is signed and compared in: no trailing slash."""
+    return url.strip().rstrip("/")
 
 
 def decode_unverified(token: bytes) -> RouteClaims:
@@ -89,15 +153,26 @@ def decode_unverified(token: bytes) -> RouteClaims:
     version, session, model, a, b, node_len = _FIXED.unpack_from(token, 0)
     if version != TOKEN_VERSION:
         raise TokenError(f"route token version {version} is not supported")
-    if len(token) != _FIXED.size + node_len + _EXPIRY.size + SIG_LEN:
-        raise TokenError("route token length does not match its node id length")
-    node = token[_FIXED.size : _FIXED.size + node_len]
-    (expiry,) = _EXPIRY.unpack_from(token, _FIXED.size + node_len)
-    try:
-        node_s = node.decode()
-    except UnicodeDecodeError:
-        raise TokenError("route token node id is not utf-8") from None
-    return RouteClaims(SessionId(session), model.hex(), a, b, NodeId(node_s), expiry)
+    off = _FIXED.size
+    fields: list[str] = []
+    for what, n in (("node id", node_len), ("next node id", -1), ("next hop url", -1)):
+        if n < 0:
+            if off >= len(token):
+                raise TokenError(f"route token is truncated before its {what}")
+            n = token[off]
+            off += 1
+        raw = token[off : off + n]
+        off += n
+        if len(raw) != n:
+            raise TokenError(f"route token is truncated in its {what}")
+        try:
+            fields.append(raw.decode())
+        except UnicodeDecodeError:
+            raise TokenError(f"route token {what} is not utf-8") from None
+    if len(token) != off + _EXPIRY.size + SIG_LEN:
+        raise TokenError("route token length does not match its field lengths")
+    (expiry,) = _EXPIRY.unpack_from(token, off)
+    return RouteClaims(SessionId(session), model.hex(), a, b, NodeId(fields[0]), expiry, fields[1], fields[2])
 
 
 class TokenVerifier:
