@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 
-from agent import __version__, defaults
+from agent import defaults
 from agent.artifacts.fetch import FetchError, fetch_shard, shard_path
 from agent.artifacts.manifest import Manifest, ManifestError
 from agent.node.config import NodeConfig
@@ -51,6 +51,8 @@ from agent.wire.control import (
     Telemetry,
     Transfer,
     Unload,
+    Update,
+    UpdateStatus,
     Welcome,
     parse_server_message,
 )
@@ -58,6 +60,7 @@ from agent.wire.control import (
 if TYPE_CHECKING:
     from agent.artifacts.torrent import Progress as SwarmProgress
     from agent.artifacts.torrent import SwarmClient
+    from agent.node.update import Updater
 
 log = logging.getLogger("agent.node.control")
 
@@ -172,6 +175,16 @@ class ControlAgent:
     _last_tokens: tuple[float, int] = (0.0, 0)
     _swarm: SwarmClient | None = None
     _swarm_unavailable: str = ""
+    updater: Updater | None = None  # signed self-update (agent/node/update.py); None: refused
+    restart_requested: bool = False  # an update is installed: `run` exits for the launcher to restart
+    _stop: asyncio.Event | None = None
+    _update_task: asyncio.Task[None] | None = None
+
+    def request_restart(self) -> None:
+        """Stop serving so the launcher starts the version an update installed."""
+        self.restart_requested = True
+        if self._stop is not None:
+            self._stop.set()
 
     @property
     def _headers(self) -> dict[str, str]:
@@ -179,6 +192,7 @@ class ControlAgent:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Connect, serve, reconnect with backoff until `stop` is set or the node is rejected."""
+        self._stop = stop
         if not self.speed:
             self.speed = await asyncio.to_thread(measure_speed)
         self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_read=60))
@@ -262,9 +276,10 @@ class ControlAgent:
         import psutil
 
         from agent.backends import available_backends
+        from agent.node.update import running_version
 
         return Hello(
-            version=__version__,
+            version=running_version(),
             hardware=hardware_info(),
             backends=(self.backends or available_backends)(),
             dataplane_url=self.dataplane_url,
@@ -320,6 +335,8 @@ class ControlAgent:
             if msg.protocol != PROTOCOL_VERSION:
                 log.warning("control plane speaks protocol %d, this agent %d", msg.protocol, PROTOCOL_VERSION)
             self.heartbeat_s = msg.heartbeat_interval_s
+            if self.updater is not None:
+                await self.updater.on_welcome(self._send)
         elif isinstance(msg, Load):
             running = self._loads.get(msg.assignment_id)
             if running is None or running.done():
@@ -328,6 +345,18 @@ class ControlAgent:
             await self._unload(msg)
         elif isinstance(msg, Drain):
             self.host.drain()
+        elif isinstance(msg, Update):
+            if self.updater is None or self._http is None:
+                await self._send(
+                    UpdateStatus(
+                        rollout_id=msg.rollout_id,
+                        version=msg.version,
+                        state="refused",
+                        error="this agent does not take updates",
+                    )
+                )
+            elif self._update_task is None or self._update_task.done():
+                self._update_task = asyncio.create_task(self.updater.apply(msg, self._http, self._send))
         elif isinstance(msg, Resync):  # we were marked offline (e.g. paused): say again what we hold
             await self._send(self.hello())
         elif isinstance(msg, ErrorMessage):
@@ -343,6 +372,9 @@ class ControlAgent:
         error: str = "",
         transfer: Transfer | None = None,
     ) -> None:
+        metrics = getattr(self.host, "metrics", None)  # the data plane's /metrics (agent/node/metrics.py)
+        if transfer is not None and aid is not None and metrics is not None:
+            metrics.transfer(aid, transfer)
         if aid is not None:
             await self._send(
                 Progress.model_validate(

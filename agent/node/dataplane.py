@@ -6,23 +6,29 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import ipaddress
 import logging
+import ssl
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
+from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from agent import __version__, defaults
 from agent.artifacts.manifest import Manifest
 from agent.backends import load_backend
 from agent.backends.base import AdmissionError, Backend, BackendError, ForwardResult, ShardSpec
+from agent.node.metrics import NodeMetrics
 from agent.node.sessions import SessionState, SessionTable, ShardKey
 from agent.wire.frames import (
     CONTEXT_CAP,
     MAX_FRAME_BYTES,
+    MAX_LOGITS_BYTES,
+    MAX_TAIL_BYTES,
+    REQ_HEADER,
     PROTOCOL_VERSION,
     FrameError,
     HiddenDtype,
@@ -37,14 +43,26 @@ from agent.wire.frames import (
     encode_response,
     hidden_kind,
     numpy_dtype,
+    peek_request,
+    response_limit,
     with_prepended_timing,
 )
 from agent.wire.ids import SessionId
-from agent.wire.routetoken import RouteClaims, TokenError, TokenVerifier
+from agent.wire.routetoken import RouteClaims, TokenError, TokenVerifier, normalise_url
+from agent.wire.tls import peer_node_id
 
 log = logging.getLogger("agent.node.dataplane")
 _SWEEPER: web.AppKey[asyncio.Task[None]] = web.AppKey("sweeper", asyncio.Task)
 _INLINE_TOKENS = 16  # batches up to this size run on the event loop; bigger ones in a worker thread
+# A retried step is answered from its stored response only when that is small (a token, one decode
+# step's hidden states); a bigger one (a prefill's hidden states, logits) is recomputed instead.
+RETRY_CACHE_MAX = 64 << 10
+_ERROR_BODY_MAX = 4096  # of a next hop's error answer, read to relay its code and message
+# Requests handled at once, per client address and per route token (429 beyond), and frame bytes
+# buffered at once on the whole node (503 beyond): a flood waits in nobody's memory.
+PER_IP_CONCURRENCY = 16
+PER_TOKEN_CONCURRENCY = 4
+INFLIGHT_BYTES = 256 << 20
 
 
 @dataclass
@@ -82,8 +100,14 @@ class DataPlane:
         public_key: Ed25519PublicKey,
         kv_budget_bytes: int = defaults.KV_BUDGET_BYTES,
         session_ttl_s: float = defaults.SESSION_TTL_S,
+        client_ssl: ssl.SSLContext | None = None,
     ) -> None:
         self.node_id = node_id
+        # mutual TLS towards next hops (chain mode): the swarm CA only, and the node id the token names
+        self.client_ssl = client_ssl
+        self._per_ip: dict[str, int] = {}
+        self._per_token: dict[bytes, int] = {}
+        self._inflight_bytes = 0
         self.verifier = TokenVerifier(public_key)
         self.sessions = SessionTable(kv_budget_bytes, session_ttl_s)
         self.shards: dict[ShardKey, Shard] = {}
@@ -97,6 +121,7 @@ class DataPlane:
         }
         self._client: ClientSession | None = None
         self.started = time.time()
+        self.metrics = NodeMetrics(self.stats)  # GET /metrics (agent/node/metrics.py)
 
     # -- shard management (called by the CLI or the control agent) --------------------------------
     def load_shard(
@@ -151,6 +176,10 @@ class DataPlane:
             "kv_bytes": self.sessions.used_bytes(),
             "kv_budget_bytes": self.sessions.budget_bytes,
             "kv_remaining_bytes": self.sessions.remaining_bytes(),
+            # every byte the node holds for its sessions: KV plus the stored answers retries get
+            "retry_cache_bytes": self.sessions.retry_bytes(),
+            "held_bytes": self.sessions.used_bytes() + self.sessions.retry_bytes(),
+            "inflight_bytes": self._inflight_bytes,
             "evictions": self.sessions.evictions,
             "expirations": self.sessions.expirations,
             "shards": [
@@ -187,7 +216,42 @@ class DataPlane:
                 f"this node holds no shard {claims.model_sha256[:12]} "
                 f"{claims.layer_start}:{claims.layer_end}",
             )
+        if req.chain:
+            self._check_chain(req, claims)
         return claims, shard
+
+    def _check_chain(self, req: Request, claims: RouteClaims) -> None:
+        """Chain mode forwards only along the route the control plane signed: each hop's token names
+        the next hop's node and URL, so the chain beside the token must be exactly that route."""
+        want_node, want_url = claims.next_node, claims.next_url
+        for i, hop in enumerate(req.chain):
+            if not want_url or normalise_url(hop.url) != want_url:
+                raise DataPlaneError(
+                    403,
+                    "chain_not_granted",
+                    f"chain hop {i} ({hop.url[:80]}) is not the next hop the route token grants"
+                    + (f" ({want_url})" if want_url else " (none: this is the route's last hop)"),
+                )
+            try:
+                nxt = self.verifier.verify(hop.token)
+            except TokenError as e:
+                raise DataPlaneError(403, "chain_not_granted", f"chain hop {i}: {e}") from None
+            if nxt.node != want_node or nxt.session != req.session:
+                raise DataPlaneError(
+                    403, "chain_not_granted", f"chain hop {i}'s token is for another node or session"
+                )
+            want_node, want_url = nxt.next_node, nxt.next_url
+
+    def authorise_token(self, session: bytes, token: bytes) -> None:
+        """The token check alone, before a body is read: forged, expired or foreign tokens cost no buffer."""
+        try:
+            claims = self.verifier.verify(token)
+        except TokenError as e:
+            raise DataPlaneError(401, "bad_token", str(e)) from None
+        if claims.node != self.node_id:
+            raise DataPlaneError(403, "wrong_node", f"route token is for node {claims.node!r}, not this node")
+        if claims.session != session:
+            raise DataPlaneError(403, "wrong_session", "route token is for another session")
 
     def _session(self, req: Request, shard: Shard) -> SessionState:
         s = self.sessions.get((SessionId(req.session), shard.key))
@@ -272,10 +336,18 @@ class DataPlane:
         t_start = time.perf_counter()
         digest = hashlib.blake2b(body, digest_size=16).digest()
         if req.step <= s.last_step:
-            if req.step == s.last_step and digest == s.last_digest and s.last_output:
+            retry = req.step == s.last_step and digest == s.last_digest
+            if retry and s.last_output:
                 # A retry of the step we already applied: answer again, never append KV twice.
                 local = s.last_output
                 return await self._continue_chain(req, s, local, t_start, 0)
+            if retry and s.retry_pos == req.pos_start:
+                # Its answer was too big to keep: roll the KV back to where the step began, apply again.
+                async with shard.lock:
+                    s.backend.truncate(s.sid, req.pos_start)
+                del s.history[s.retry_history :]
+                s.last_step, s.last_digest, s.retry_pos = req.step - 1, b"", -1
+        if req.step <= s.last_step:
             raise DataPlaneError(
                 409, "replayed_step", f"step {req.step} was already applied (last step {s.last_step})"
             )
@@ -313,6 +385,15 @@ class DataPlane:
                     f"hidden size {req.dim} does not match this model's {shard.backend.boundary_dim}",
                 )
             hidden = req.hidden()  # f16 or f32 as the frame carries it: backends read either
+        if req.want_logits and spec.is_last:
+            vocab = _vocab_size(shard)
+            if req.n_tokens * vocab * 4 > MAX_LOGITS_BYTES:
+                raise DataPlaneError(
+                    413,
+                    "logits_too_large",
+                    f"logits of {req.n_tokens} positions x {vocab} vocabulary exceed {MAX_LOGITS_BYTES} "
+                    f"bytes: ask for at most {MAX_LOGITS_BYTES // (4 * vocab)} positions per step",
+                )
         # The last shard's token history grows in place (a copy per step would be O(context) on the
         # decode path) and is cut back if the step fails.
         history_len = len(s.history)
@@ -323,8 +404,10 @@ class DataPlane:
         if req.sampling is not None:
             s.sampling = req.sampling
         s.busy = True
+        t_queued = time.perf_counter()
         try:
             async with shard.lock:
+                self.metrics.queue_wait(time.perf_counter() - t_queued)
                 # exact bytes from the backend (native: libggswarm), asked while no step runs on it
                 grow = shard.backend.kv_growth_bytes(s.sid, end)
                 self.sessions.admit(s, grow, lambda v: self._evictable(v, shard))
@@ -373,7 +456,11 @@ class DataPlane:
                     payload=arr.tobytes(),
                 )
             )
-        s.last_step, s.last_digest, s.last_output = req.step, digest, local
+        # The stored answer is bounded (and counted in held_bytes); a bigger one is recomputed on retry.
+        s.last_step, s.last_digest = req.step, digest
+        s.last_output = local if len(local) <= RETRY_CACHE_MAX else b""
+        s.retry_pos, s.retry_history = req.pos_start, history_len
+        self.metrics.step(req.n_tokens, time.perf_counter() - t_start)
         return await self._continue_chain(req, s, local, t_start, int(res.compute_s * 1e6))
 
     def _call(
@@ -467,9 +554,11 @@ class DataPlane:
             out = await self.handle(body)
         except DataPlaneError as e:
             self.counters["errors"] += 1
+            self.metrics.error(e.code)
             return _error(e.status, e.code, e.message)
         except Exception:  # noqa: BLE001 - one bad request must never take the node down
             self.counters["errors"] += 1
+            self.metrics.error("internal")
             log.exception("unexpected error handling a frame")
             return _error(500, "internal", "internal error while handling the frame")
         self.counters["bytes_out"] += len(out)
@@ -499,9 +588,16 @@ class DataPlane:
         app = web.Application(client_max_size=MAX_FRAME_BYTES)
         app.router.add_post("/v1/frame", self._frame_view)
         app.router.add_get("/v1/health", self._health_view)
+        app.router.add_get("/metrics", self.metrics.view)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
+
+
+def _vocab_size(shard: Shard) -> int:
+    """Logits per position; an unknown vocabulary counts as 128K, the largest a served model has."""
+    v = shard.spec.manifest.hparams.get("vocab_size")
+    return v if isinstance(v, int) and v > 0 else 1 << 17
 
 
 def _out_dtype(req: Request) -> HiddenDtype:

@@ -1,0 +1,124 @@
+"""The data plane's Prometheus metrics (`GET /metrics`): tokens, step latency, queue wait, KV, downloads.
+
+One `CollectorRegistry` per `DataPlane` (tests run several nodes in one process), never the global
+one. Counters that the data plane already keeps (`DataPlane.counters`, the session table) are read at
+scrape time by a collector, so the hot path pays nothing for them; only what has no other home is
+recorded as it happens: the per-hop step latency and queue-wait histograms (two `observe` calls per
+frame), errors by code, and download bytes and rate (reported by the control client's transfers).
+Names start with `gguf_swarm_agent_`; docs/agent-install.md lists them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import Collector
+
+from agent import __version__
+from agent.wire.control import PROTOCOL_VERSION, Transfer
+
+PREFIX = "gguf_swarm_agent"
+# Step latency: a SmolLM2 decode hop takes ~1-10 ms on a CPU, a 512-token prefill ~0.1-1 s.
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+WAIT_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
+
+# DataPlane.stats() keys exposed as counters / gauges: (key, metric name, help)
+_COUNTERS = (
+    ("tokens_out", "tokens_served", "Tokens sampled on this node (last-shard steps)"),
+    ("tokens_in", "tokens_in", "Token positions this node computed (prefill and decode)"),
+    ("frames", "frames", "Data-plane frames received"),
+    ("bytes_in", "bytes_in", "Frame bytes received"),
+    ("bytes_out", "bytes_out", "Response bytes sent"),
+    ("evictions", "kv_evictions", "Idle sessions evicted to admit another"),
+    ("expirations", "kv_expirations", "Sessions closed after their idle TTL"),
+)
+_GAUGES = (
+    ("sessions", "sessions", "Open sessions"),
+    ("kv_bytes", "kv_bytes", "Bytes of session state (KV and other layer state) held"),
+    ("kv_budget_bytes", "kv_budget_bytes", "The node's KV budget"),
+)
+
+
+class _StatsCollector(Collector):
+    """Reads the data plane's own counters and session table at scrape time."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        st = self._stats()
+        for key, name, help_text in _COUNTERS:
+            yield CounterMetricFamily(f"{PREFIX}_{name}", help_text, value=float(st.get(key) or 0))
+        for key, name, help_text in _GAUGES:
+            yield GaugeMetricFamily(f"{PREFIX}_{name}", help_text, value=float(st.get(key) or 0))
+        yield GaugeMetricFamily(f"{PREFIX}_shards", "Shards loaded", value=float(len(st.get("shards") or [])))
+
+
+class NodeMetrics:
+    """The metrics of one data plane, and the aiohttp view that serves them."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.step_seconds = Histogram(
+            f"{PREFIX}_step_seconds",
+            "Time this hop spends on one forward frame (decoding, compute, encoding; not the next hops)",
+            ["kind"],
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self.queue_wait_seconds = Histogram(
+            f"{PREFIX}_queue_wait_seconds",
+            "Time a frame waited for its shard (another session's step running on it)",
+            buckets=WAIT_BUCKETS,
+            registry=r,
+        )
+        self.errors = Counter(
+            f"{PREFIX}_errors", "Frames refused or failed, by error code", ["code"], registry=r
+        )
+        self.download_bytes = Counter(
+            f"{PREFIX}_download_bytes",
+            "Shard bytes downloaded, by source (swarm or http)",
+            ["source"],
+            registry=r,
+        )
+        self.download_rate = Gauge(
+            f"{PREFIX}_download_rate_bytes_per_second", "Rate of the latest shard download report", registry=r
+        )
+        Info(f"{PREFIX}_build", "The agent's version and wire protocol", registry=r).info(
+            {"version": __version__, "protocol": str(PROTOCOL_VERSION)}
+        )
+        r.register(_StatsCollector(stats))
+        self._downloaded: dict[int, int] = {}
+
+    # -- hooks (the data plane and the control client call these) ------------------------------------
+    def step(self, n_tokens: int, seconds: float) -> None:
+        self.step_seconds.labels("decode" if n_tokens == 1 else "prefill").observe(seconds)
+
+    def queue_wait(self, seconds: float) -> None:
+        self.queue_wait_seconds.observe(seconds)
+
+    def error(self, code: str) -> None:
+        self.errors.labels(code[:40]).inc()
+
+    def transfer(self, key: int, t: Transfer) -> None:
+        """A shard download's progress report (`downloaded_bytes` is cumulative per assignment `key`)."""
+        if t.downloaded_bytes is not None:
+            before = self._downloaded.get(key, 0)
+            if t.downloaded_bytes > before:
+                self.download_bytes.labels(t.source or "http").inc(t.downloaded_bytes - before)
+                self._downloaded[key] = t.downloaded_bytes
+        if t.rate_bytes_per_s is not None:
+            self.download_rate.set(t.rate_bytes_per_s)
+
+    # -- exposition ---------------------------------------------------------------------------------
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    async def view(self, request: web.Request) -> web.Response:  # noqa: ARG002 - aiohttp's signature
+        return web.Response(body=self.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
