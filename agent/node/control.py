@@ -114,17 +114,13 @@ def measure_speed(rounds: int = 20, seconds: float = 0.015, pause_s: float = 0.0
 def hardware_info() -> Hardware:
     import psutil
 
-    gpus: list[Gpu] = []
-    with contextlib.suppress(Exception):  # NVML is optional: only on hosts with NVIDIA GPUs
-        import pynvml
+    from agent.node.gpu import native_compute_device, nvml_gpus
 
-        pynvml.nvmlInit()
-        for i in range(min(pynvml.nvmlDeviceGetCount(), 64)):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            name = pynvml.nvmlDeviceGetName(h)
-            name = name.decode() if isinstance(name, bytes) else str(name)
-            gpus.append(Gpu(name=name[:MAX_NAME], memory_bytes=int(pynvml.nvmlDeviceGetMemoryInfo(h).total)))
+    gpus: list[Gpu] = nvml_gpus(live=False)  # NVML is optional: only on hosts with NVIDIA GPUs
+    device, gpu_index = native_compute_device()
     return Hardware(
+        compute_device=device,
+        compute_gpu=gpu_index,
         hostname=socket.gethostname()[:MAX_NAME],
         platform=platform.platform()[:MAX_URL],
         python=platform.python_version(),
@@ -291,6 +287,8 @@ class ControlAgent:
     def telemetry(self) -> Telemetry:
         import psutil
 
+        from agent.node.gpu import nvml_gpus
+
         st = self.host.stats()
         served = _count(st.get("tokens_out"))
         now = time.monotonic()
@@ -308,6 +306,7 @@ class ControlAgent:
             mem_used_bytes=_count(vm.total - vm.available),
             free_memory_bytes=_count(vm.available),
             shards=len(st.get("shards", [])),
+            gpus=nvml_gpus(),
         )
 
     async def _heartbeats(self) -> None:

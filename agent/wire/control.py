@@ -93,10 +93,16 @@ class ShardRef(_Wire):
 
 
 class Gpu(_Wire):
-    """One GPU of a node (NVML)."""
+    """One GPU of a node (NVML): its size in `hello`, also its live use in heartbeats (agent/node/gpu.py)."""
 
     name: ShortStr = ""
     memory_bytes: Count = 0
+    index: Count | None = None  # NVML index
+    memory_used_bytes: Count | None = None
+    memory_free_bytes: Count | None = None
+    utilization_percent: Annotated[float, Field(ge=0.0, le=100.0)] | None = None
+    temperature_c: NonNegative | None = None
+    power_w: NonNegative | None = None
 
 
 class Hardware(_Wire):
@@ -109,6 +115,10 @@ class Hardware(_Wire):
     cpu_physical: Count | None = None  # psutil cannot always tell
     memory_bytes: Count = 0
     gpus: Annotated[list[Gpu], Field(max_length=64)] = []
+    # the ggml device the native backend runs on ("CPU", "CUDA0"; "" without it) and, for a GPU, its
+    # NVML index: placement then budgets shards by that GPU's free memory
+    compute_device: ShortStr = ""
+    compute_gpu: Count | None = None
 
 
 # --- agent -> control plane ---------------------------------------------------------------------------
@@ -150,6 +160,7 @@ class Telemetry(_Wire):
     mem_used_bytes: Count = 0
     free_memory_bytes: Count = 0
     shards: Count = 0
+    gpus: Annotated[list[Gpu], Field(max_length=64)] = []  # live NVML figures, when the host has them
 
     @property
     def raw(self) -> dict[str, Any]:

@@ -20,8 +20,9 @@ result. Rationale for the choices:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from agent.artifacts.manifest import Manifest
 from agent.wire.ids import NodeId
@@ -115,6 +116,28 @@ class Plan:
 
     def for_node(self, node_id: NodeId) -> list[Placement]:
         return [p for p in self.placements if p.node_id == node_id]
+
+
+def device_free_bytes(
+    host_free_bytes: int,
+    hardware: Mapping[str, Any],
+    telemetry: Mapping[str, Any],
+    backends: Sequence[str] = (),
+) -> int:
+    """Memory a node's shards may fill: the free memory of the GPU its native backend runs on, when it
+    runs on one (`hardware.compute_gpu` from hello; the GPU's free memory from the latest heartbeat,
+    else its size from hello), else the host's free memory. Weights and KV live on that device, so host
+    RAM says nothing about what fits there (and a GPU's free memory says nothing about host RAM)."""
+    index = hardware.get("compute_gpu")
+    if "native" not in backends or not isinstance(index, int) or isinstance(index, bool):
+        return host_free_bytes
+    for source, key in ((telemetry, "memory_free_bytes"), (hardware, "memory_bytes")):
+        for gpu in source.get("gpus") or []:
+            if isinstance(gpu, Mapping) and gpu.get("index", -1) == index:
+                free = gpu.get(key)
+                if isinstance(free, int) and not isinstance(free, bool) and free >= 0:
+                    return free
+    return host_free_bytes  # the GPU is not reported (NVML missing): the host's figure is all we know
 
 
 def _max_end(shape: ModelShape, start: int, capacity: int) -> int:

@@ -28,6 +28,7 @@ from webapp.fleet.placement import (
     Placement,
     PlacementError,
     PlannerNode,
+    device_free_bytes,
     plan_placement,
     replan_lost,
     shape_from_manifest,
@@ -75,7 +76,8 @@ def _planner_nodes(exclude: set[str] | None = None) -> list[PlannerNode]:
         pending = 0
         for a in ShardAssignment.objects.select_related("artifact").filter(node=n, state__in=PENDING):
             pending += shape_from_manifest(a.artifact.parsed_manifest).bytes_for(a.layer_start, a.layer_end)
-        cap = n.free_memory_bytes - settings.KV_RESERVE_BYTES - pending
+        free = device_free_bytes(n.free_memory_bytes, n.hardware or {}, n.telemetry or {}, n.backends or [])
+        cap = free - settings.KV_RESERVE_BYTES - pending
         out.append(PlannerNode(NodeId(n.id), max(cap, 0), n.speed))
     return out
 
