@@ -58,6 +58,7 @@ INSTALLED_APPS = [
     "webapp.api",
     "webapp.telemetry",
     "webapp.tracker",
+    "webapp.releases",
 ]
 
 MIDDLEWARE = [
@@ -146,6 +147,7 @@ CELERY_BEAT_SCHEDULE = {
     },
     "prune-telemetry": {"task": "webapp.telemetry.tasks.prune_samples", "schedule": timedelta(minutes=10)},
     "gc-route-sessions": {"task": "webapp.routing.tasks.gc_sessions", "schedule": timedelta(minutes=1)},
+    "advance-rollouts": {"task": "webapp.releases.tasks.advance_rollouts", "schedule": timedelta(seconds=5)},
 }
 
 # --- swarm behaviour ------------------------------------------------------------------------------
@@ -164,10 +166,44 @@ DEFAULT_BACKEND = envstr("DEFAULT_BACKEND", defaults.DEFAULT_BACKEND)
 # Ed25519 key that signs route tokens: ROUTE_KEY_PEM(_FILE), else generated into the data dir (0600).
 ROUTE_KEY_PEM = envstr("ROUTE_KEY_PEM")
 ROUTE_KEY_PATH = DATA_DIR / "route_key.pem"
+# Agent releases (webapp/releases, docs/security.md): the base64 Ed25519 public key nodes pin at
+# enrollment, and optionally a 0600 PEM private key so the web host signs uploads itself (less safe).
+RELEASE_PUBLIC_KEY = envstr("RELEASE_PUBLIC_KEY")
+RELEASE_SIGNING_KEY_FILE = envstr("RELEASE_SIGNING_KEY_FILE")
+RELEASE_DIR = DATA_DIR / "releases"
+# A node told to update must report the new version (or its refusal) within this long.
+RELEASE_NODE_TIMEOUT_S = envint("RELEASE_NODE_TIMEOUT_S", 300, minimum=10)
 ARTIFACT_DIR = DATA_DIR / "artifacts"
 MAX_UPLOAD_BYTES = envint("MAX_UPLOAD_BYTES", 64 << 30, minimum=1)
 DATA_UPLOAD_MAX_MEMORY_SIZE = 10 << 20
 FILE_UPLOAD_MAX_MEMORY_SIZE = 10 << 20
+
+# --- issue 17: defences of the control plane (docs/security.md) ------------------------------------
+# Path registrations may only name files under this directory (symlinks resolved, must stay inside).
+MODELS_DIR = Path(envstr("SWARM_MODELS_DIR", str(DATA_DIR / "models"))).resolve()
+# Every request body is refused past this (declared or counted while it arrives), except uploads to
+# /models/register, which may carry MAX_UPLOAD_BYTES (webapp.core.bodylimit).
+MAX_REQUEST_BYTES = envint("MAX_REQUEST_BYTES", 32 << 20, minimum=1 << 20)
+# Login lockout (webapp.core.throttle): failures per (username, address) and per username, in a window.
+LOGIN_FAILURE_LIMIT = envint("LOGIN_FAILURE_LIMIT", 10, minimum=1)
+LOGIN_FAILURE_LIMIT_PER_USER = envint("LOGIN_FAILURE_LIMIT_PER_USER", 100, minimum=1)
+LOGIN_LOCKOUT_S = envint("LOGIN_LOCKOUT_S", 900, minimum=1)
+AUTHENTICATION_BACKENDS = [
+    "webapp.core.throttle.ThrottleBackend",
+    "django.contrib.auth.backends.ModelBackend",
+]
+# A node's data-plane host must be its control socket's peer address (loopback counts as one) unless
+# listed here (host names or addresses; "*" allows any, e.g. behind NAT): docs/security.md.
+DATAPLANE_ALLOWED_HOSTS = envlist("DATAPLANE_ALLOWED_HOSTS", [])
+DATAPLANE_PROBE_TIMEOUT_S = envint("DATAPLANE_PROBE_TIMEOUT_S", 3, minimum=1)
+if REDIS_URL:  # lockout counters shared by every web process
+    CACHES = {
+        "default": {
+            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "LOCATION": REDIS_URL,
+            "KEY_PREFIX": envstr("CHANNELS_PREFIX", "swarm") + ":cache",
+        }
+    }
 
 # --- auth, i18n, static ---------------------------------------------------------------------------
 AUTH_PASSWORD_VALIDATORS = [
@@ -194,7 +230,9 @@ LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    # Secrets (passkeys, tokens, keys, passwords) are redacted before any handler writes (issue 17).
+    "filters": {"secrets": {"()": "agent.logsafe.RedactSecrets"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain", "filters": ["secrets"]}},
     "root": {"handlers": ["console"], "level": envstr("LOG_LEVEL", "INFO")},
     "loggers": {"django.channels.server": {"level": "WARNING"}, "daphne": {"level": "WARNING"}},
 }

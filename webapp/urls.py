@@ -7,11 +7,12 @@ from django.contrib.auth import views as auth_views
 from django.urls import include, path
 
 from webapp.core import views as core_views
+from webapp.core.login import ThrottledLoginView
 
 urlpatterns = [
     path("", core_views.home, name="home"),
     path("healthz", core_views.healthz, name="healthz"),
-    path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
+    path("accounts/login/", ThrottledLoginView.as_view(), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/", admin.site.urls),
     path("", include("webapp.catalog.urls")),
@@ -20,4 +21,5 @@ urlpatterns = [
     path("", include("webapp.api.urls")),
     path("", include("webapp.routing.urls")),
     path("", include("webapp.tracker.urls")),
+    path("", include("webapp.releases.urls")),
 ]

@@ -25,6 +25,8 @@ class NodeConfig:
     public_key: str  # base64 raw Ed25519 key that verifies route tokens
     name: str = ""
     version: int = CONFIG_VERSION
+    # base64 Ed25519 key pinned at enrollment; only releases it signed are installed ("": none are).
+    release_public_key: str = ""
 
     def authorization(self) -> str:
         return f"Node {self.node_id}:{self.secret}"

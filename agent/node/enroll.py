@@ -50,6 +50,7 @@ def enroll(server: str, token: str, name: str, timeout_s: float = defaults.ENROL
         secret=data["secret"],
         public_key=data["public_key"],
         name=name,
+        release_public_key=str(data.get("release_public_key") or ""),
     )
 
 
@@ -69,6 +70,7 @@ def cmd_enroll(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from agent.node.control import AgentRejected, ControlAgent, default_data_dir
     from agent.node.dataplane import DataPlane, start_dataplane
+    from agent.node.update import EXIT_RESTART, Updater
     from agent.wire.routetoken import TokenError, load_public_key
 
     path = Path(args.config) if args.config else default_config_path()
@@ -95,6 +97,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
         if args.speed:
             agent.speed = args.speed
+        agent.updater = Updater(
+            data_dir,
+            cfg.release_public_key,
+            cfg.server,
+            {"Authorization": cfg.authorization()},
+            dp,
+            agent.request_restart,
+        )
         print(f"node {cfg.node_id}: data plane on {url}, control plane {cfg.server}", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -107,7 +117,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             return 3
         finally:
             await runner.cleanup()
-        return 0
+        return EXIT_RESTART if agent.restart_requested else 0
 
     return asyncio.run(main())
 
@@ -146,6 +156,10 @@ def add_control_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser
         "--speed", type=float, default=0.0, help="report this compute speed instead of measuring it (tests)"
     )
     s.set_defaults(func=cmd_run)
+
+    from agent.node.update import add_update_commands
+
+    add_update_commands(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,9 +41,11 @@ ShortStr = Annotated[str, Field(max_length=MAX_NAME)]
 Text = Annotated[str, Field(max_length=MAX_STR)]
 PlanePath = Annotated[str, Field(max_length=MAX_URL, pattern=r"^/")]  # a path on the control plane
 Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
-Count = Annotated[int, Field(ge=0)]
+MAX_COUNT = 1 << 62  # fits a signed 64-bit column with room to add
+MAX_SPEED = 1e7  # GFLOP/s; more is a lie (issue 17: speed 1e300 once attracted every route)
+Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
 Layer = Annotated[int, Field(ge=0, le=MAX_LAYER)]
-NonNegative = Annotated[float, Field(ge=0.0)]
+NonNegative = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]  # finite: no inf, no NaN
 Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
 AssignmentId = Annotated[int, Field(ge=0)]
 
@@ -133,7 +135,7 @@ class Hello(_Wire):
     hardware: Hardware = Hardware()
     backends: Annotated[list[ShortStr], Field(max_length=20)] = []
     dataplane_url: Annotated[str, Field(max_length=MAX_URL)] = ""
-    speed: NonNegative = 1.0  # measured GFLOP/s, relative speed for placement
+    speed: Annotated[float, Field(ge=0.0, le=MAX_SPEED, allow_inf_nan=False)] = 1.0  # GFLOP/s, placement only
     free_memory_bytes: Count = 0
     shards: Annotated[list[ShardRef], Field(max_length=MAX_SHARDS)] = []
 
@@ -203,6 +205,22 @@ class Progress(_Wire):
     progress: Fraction = 0.0
     error: Text = ""
     transfer: Transfer | None = None
+
+
+UpdateState = Literal[
+    "downloading", "installing", "draining", "restarting", "updated", "refused", "failed", "rolled_back"
+]
+Version = Annotated[str, Field(pattern=r"^[0-9][0-9A-Za-z.+!_-]{0,39}$")]
+
+
+class UpdateStatus(_Wire):
+    """An agent's report on one `update` (agent/node/update.py): its steps, a refusal or a rollback."""
+
+    type: Literal["update_status"] = "update_status"
+    rollout_id: Annotated[int, Field(ge=0)]
+    version: Version
+    state: UpdateState
+    error: Text = ""
 
 
 class ErrorMessage(_Wire):
@@ -293,14 +311,31 @@ class Resync(_Wire):
     type: Literal["resync"] = "resync"
 
 
+class Update(_Wire):
+    """Install a signed release (a wheel of the agent) and restart into it; see docs/control-plane.md.
+
+    The agent checks `sha256` and `signature` (agent.wire.release) against the release key it pinned
+    at enrollment before installing anything.
+    """
+
+    type: Literal["update"] = "update"
+    rollout_id: Annotated[int, Field(ge=0)]
+    version: Version
+    filename: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.+!-]{1,150}\.whl$")]
+    wheel_url: PlanePath
+    sha256: Sha256
+    size: Annotated[int, Field(gt=0, le=2 << 30)]
+    signature: Annotated[str, Field(max_length=120)]
+
+
 class Removed(_Wire):
     """An admin removed this node; the socket closes with CLOSE_REMOVED next."""
 
     type: Literal["removed"] = "removed"
 
 
-AgentMessage = Hello | Heartbeat | Progress | ErrorMessage
-ServerMessage = Welcome | Load | Unload | Drain | Resync | Removed | ErrorMessage
+AgentMessage = Hello | Heartbeat | Progress | UpdateStatus | ErrorMessage
+ServerMessage = Welcome | Load | Unload | Drain | Resync | Update | Removed | ErrorMessage
 
 
 class _AgentRoot(RootModel[Annotated[AgentMessage, Field(discriminator="type")]]):

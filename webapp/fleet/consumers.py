@@ -28,6 +28,7 @@ from agent.wire.control import (
     Resync,
     ServerMessage,
     Telemetry,
+    UpdateStatus,
     Welcome,
     parse_agent_message,
 )
@@ -36,15 +37,19 @@ from webapp.core.consumers import BadMessage, SafeJsonConsumer
 from webapp.core.nodeauth import authorization_from_scope_headers, parse_node_authorization
 from webapp.fleet import services
 from webapp.fleet.models import Node, ShardAssignment
+from webapp.fleet.probe import check_dataplane
 from webapp.fleet.protocol import reconcile
+from webapp.fleet.signals import node_hello, update_reported
 from webapp.fleet.tasks import assignment_view, sweep_offline_nodes
 
 log = logging.getLogger(__name__)
 _last_sweep = 0.0
 
 
-def _hello_sync(node_id: str, hello: Hello) -> list[ServerMessage]:
-    services.apply_hello(node_id, hello)
+def _hello_sync(
+    node_id: str, hello: Hello, dataplane_problem: str = "", rtt_ms: float | None = None
+) -> list[ServerMessage]:
+    services.apply_hello(node_id, hello, dataplane_problem, rtt_ms)
     rows = list(ShardAssignment.objects.select_related("artifact").filter(node_id=node_id))
     ready, commands = reconcile([assignment_view(a) for a in rows], hello.shards)
     ShardAssignment.objects.filter(pk__in=ready).exclude(state=ShardAssignment.State.DRAINING).update(
@@ -54,6 +59,7 @@ def _hello_sync(node_id: str, hello: Hello) -> list[ServerMessage]:
         state=ShardAssignment.State.ASSIGNED, progress=0.0
     )
     notify_fleet(node_id)
+    node_hello.send(sender=Node, node_id=node_id, version=hello.version)
     return list(commands)
 
 
@@ -76,6 +82,12 @@ def _progress_sync(node_id: str, p: Progress) -> bool:
     if changed:
         notify_fleet(node_id, kind="placement")
     return changed
+
+
+def _update_status_sync(node_id: str, status: UpdateStatus) -> None:
+    log.info("agent %s update to %s: %s %s", node_id, status.version, status.state, status.error)
+    update_reported.send(sender=Node, node_id=node_id, status=status)
+    notify_fleet(node_id)
 
 
 def _disconnect_sync(node_id: str, connected_at: datetime | None) -> None:
@@ -133,11 +145,27 @@ class AgentConsumer(SafeJsonConsumer):
         if isinstance(msg, ErrorMessage):
             log.warning("agent %s refused a message: %s", self.node_id, msg.error)
         elif isinstance(msg, Hello):
-            for command in await database_sync_to_async(_hello_sync)(self.node_id, msg):
+            # The reported data-plane URL is checked (shape, host = this socket's peer, health probe)
+            # before it can be routed to; a node that fails stays connected but unroutable.
+            client = self.scope.get("client")
+            problem, rtt_ms = await check_dataplane(
+                msg.dataplane_url,
+                self.node_id,
+                str(client[0]) if client else None,
+                settings.DATAPLANE_ALLOWED_HOSTS,
+                settings.DATAPLANE_PROBE_TIMEOUT_S,
+            )
+            if problem:
+                log.warning(
+                    "agent %s: data plane %s not routable: %s", self.node_id, msg.dataplane_url, problem
+                )
+            for command in await database_sync_to_async(_hello_sync)(self.node_id, msg, problem, rtt_ms):
                 await self.send_message(command)
         elif isinstance(msg, Heartbeat):
             if await database_sync_to_async(_heartbeat_sync)(self.node_id, msg.telemetry):
                 await self.send_message(Resync())
+        elif isinstance(msg, UpdateStatus):
+            await database_sync_to_async(_update_status_sync)(self.node_id, msg)
         elif isinstance(msg, Progress) and not await database_sync_to_async(_progress_sync)(
             self.node_id, msg
         ):

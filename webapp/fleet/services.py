@@ -18,8 +18,12 @@ from django.utils import timezone
 from agent.wire import routetoken
 from agent.wire.control import Hello, Telemetry
 from agent.wire.ids import NodeId
-from webapp.core.keys import route_signing_key
+from webapp.core.keys import release_public_key, route_signing_key
 from webapp.fleet.models import EnrollmentToken, Node, NodeCredential, ShardAssignment, hash_secret
+
+# What a node may claim its speed is (GFLOP/s), whatever it sends; placement reads the clamped value.
+MIN_REPORTED_SPEED = 0.01
+MAX_REPORTED_SPEED = 1e6
 
 LOADED_OR_LOADING = [
     ShardAssignment.State.FETCHING,
@@ -39,6 +43,7 @@ class Enrollment:
     node_id: NodeId
     secret: str
     public_key: str
+    release_public_key: str = ""
 
 
 def create_enrollment_token(
@@ -75,7 +80,7 @@ def redeem_enrollment_token(plain: str, name: str) -> Enrollment:
         secret = "sec_" + secrets.token_urlsafe(32)
         NodeCredential.objects.create(node=node, secret_hash=hash_secret(secret))
     public = routetoken.public_key_b64(route_signing_key().public_key())
-    return Enrollment(NodeId(node.id), secret, public)
+    return Enrollment(NodeId(node.id), secret, public, release_public_key())
 
 
 def authenticate_node(node_id: str, secret: str) -> Node | None:
@@ -113,13 +118,20 @@ def mark_disconnected(node_id: str, connected_at: datetime | None = None) -> boo
     return bool(qs.update(state=Node.State.OFFLINE))
 
 
-def apply_hello(node_id: str, hello: Hello) -> None:
+def apply_hello(
+    node_id: str, hello: Hello, dataplane_problem: str = "", dataplane_rtt_ms: float | None = None
+) -> None:
+    """Record what the node says about itself. Its speed is clamped and used for placement only: routes
+    are chosen on what the control plane measures (webapp.routing.services), and the data-plane URL is
+    routed to only if `dataplane_problem` is empty (webapp.fleet.probe checked it)."""
     Node.objects.filter(pk=node_id).update(
         hardware=hello.hardware.to_wire(),
         backends=hello.backends,
         version=hello.version,
         dataplane_url=hello.dataplane_url,
-        speed=hello.speed,
+        dataplane_problem=dataplane_problem[:300],
+        dataplane_rtt_ms=dataplane_rtt_ms,
+        speed=min(max(hello.speed, MIN_REPORTED_SPEED), MAX_REPORTED_SPEED),
         free_memory_bytes=hello.free_memory_bytes,
         last_seen=timezone.now(),
     )

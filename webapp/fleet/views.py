@@ -128,7 +128,15 @@ def enroll_api(request: HttpRequest) -> JsonResponse:
         e = services.redeem_enrollment_token(token, name)
     except services.EnrollmentError as err:
         return JsonResponse({"error": str(err)}, status=403)
-    return JsonResponse({"node_id": e.node_id, "secret": e.secret, "public_key": e.public_key}, status=201)
+    return JsonResponse(
+        {
+            "node_id": e.node_id,
+            "secret": e.secret,
+            "public_key": e.public_key,
+            "release_public_key": e.release_public_key,
+        },
+        status=201,
+    )
 
 
 @require_GET

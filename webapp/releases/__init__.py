@@ -1,0 +1,1 @@
+"""Agent releases (signed wheels) and their rollouts across the fleet."""
