@@ -351,6 +351,7 @@ class Launcher:
     run_args: list[str]
     confirm_timeout_s: float = CONFIRM_TIMEOUT_S
     poll_s: float = 0.2
+    base_python: str = sys.executable  # the interpreter of the installed agent (the launcher's own)
     child: subprocess.Popen[bytes] | None = None
     stopping: bool = False
 
@@ -366,7 +367,7 @@ class Launcher:
         env.pop(ENV_TRIAL, None)
         args = ["-m", "agent", "run", *self.run_args]
         if entry is None or not Path(entry["python"]).exists():
-            return [sys.executable, *args], env, None  # the environment the launcher itself runs in
+            return [self.base_python, *args], env, None  # the environment the launcher itself runs in
         # A release runs from its own venv only: no source tree on the path, not even the cwd's.
         env.pop("PYTHONPATH", None)
         if trial:
