@@ -65,7 +65,7 @@ out="$build/libggswarm.so"
 tmp="$build/libggswarm.so.tmp.$$"
 "$CXX" -std=c++17 -O3 -DNDEBUG -fPIC -shared -fvisibility=hidden -Wall -Wextra -Wno-unused-parameter \
     -I"$here/include" -I"$here/src" -I"$inc" \
-    "$here"/src/*.cpp \
+    "$here"/src/*.cpp "$here"/src/archs/*.cpp \
     -L"$libdir" -l:libggml.so -l:libggml-base.so -l:libggml-cpu.so \
     -Wl,-rpath,"$libdir" -Wl,--no-undefined \
     -o "$tmp" || { rm -f "$tmp"; die "compilation failed"; }

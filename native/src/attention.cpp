@@ -285,21 +285,20 @@ bool decode_attention_supported(int64_t head_dim) {
 }
 
 ggml_tensor * flash_attention(ggml_context * c, ggml_tensor * q, ggml_tensor * kc, ggml_tensor * vc, ggml_tensor * mask,
-                              int32_t n, int32_t n_kv) {
+                              int32_t n, int32_t n_kv, float kq_scale) {
     const int64_t hd = q->ne[0], nh = q->ne[1], nkv = kc->ne[0] / hd;
     const size_t head = hd * sizeof(ggml_fp16_t);
     ggml_tensor * k = ggml_view_3d(c, kc, hd, n_kv, nkv, kc->nb[1], head, 0);  // [hd, n_kv, nkv]
     ggml_tensor * v = ggml_view_3d(c, vc, hd, n_kv, nkv, vc->nb[1], head, 0);
     ggml_tensor * qp = ggml_permute(c, q, 0, 2, 1, 3);  // [hd, n, nh]
-    ggml_tensor * o = ggml_flash_attn_ext(c, qp, k, v, mask, 1.0f / sqrtf((float)hd), 0.0f, 0.0f);  // [hd, nh, n]
+    ggml_tensor * o = ggml_flash_attn_ext(c, qp, k, v, mask, kq_scale, 0.0f, 0.0f);  // [hd, nh, n]
     ggml_prec_set_acc(o, GGML_PREC_F32);
     return ggml_reshape_2d(c, o, hd * nh, n);
 }
 
 ggml_tensor * ops_attention(ggml_context * c, ggml_tensor * q, ggml_tensor * kc, ggml_tensor * vc, ggml_tensor * mask,
-                            int32_t n, int32_t n_kv, ggml_tensor ** scores) {
+                            int32_t n, int32_t n_kv, float kq_scale, ggml_tensor ** scores) {
     const int64_t hd = q->ne[0], nh = q->ne[1], nkv = kc->ne[0] / hd;
-    const float kq_scale = 1.0f / sqrtf((float)hd);
     ggml_tensor * kall = ggml_view_3d(c, kc, hd, n_kv, nkv, kc->nb[1], hd * sizeof(ggml_fp16_t), 0);
     ggml_tensor * vall = ggml_view_3d(c, vc, n_kv, hd, nkv, vc->nb[1], vc->nb[1] * hd, 0);
     ggml_tensor * qp = ggml_permute(c, q, 0, 2, 1, 3);  // [hd, n, nh]
@@ -330,11 +329,11 @@ ggml_tensor * decode_values(ggml_context * c, ggml_tensor * p, ggml_tensor * vt,
 
 ggml_tensor * kernel_attention(ggml_context * c, ggml_tensor * q, ggml_tensor * kc, ggml_tensor * vc,
                                ggml_tensor * pos, int32_t n_kv, ggml_tensor * k_put, ggml_tensor * v_put,
-                               ggml_tensor ** scores) {
+                               float kq_scale, ggml_tensor ** scores) {
     const int64_t hd = q->ne[0], nh = q->ne[1];
     ggml_tensor * kq = decode_scores(c, q, kc, pos, n_kv, k_put);
     if (scores) *scores = kq;
-    kq = ggml_soft_max_ext(c, kq, nullptr, 1.0f / sqrtf((float)hd), 0.0f);
+    kq = ggml_soft_max_ext(c, kq, nullptr, kq_scale, 0.0f);
     return ggml_reshape_2d(c, decode_values(c, kq, vc, pos, hd, v_put), hd * nh, 1);
 }
 
@@ -376,9 +375,9 @@ bool decode_attention_self_check(ggml_backend_t cpu, int64_t hd, int64_t nh, int
     ggml_tensor * pos = ggml_new_tensor_1d(c, GGML_TYPE_I32, 1);
     ggml_tensor * mask = ggml_new_tensor_2d(c, GGML_TYPE_F32, kCap, nh);
     ggml_tensor *ref_kq = nullptr, *got_kq = nullptr;
-    ggml_tensor * ref = ops_attention(c, q, kc, vc, mask, 1, kCap, &ref_kq);
+    ggml_tensor * ref = ops_attention(c, q, kc, vc, mask, 1, kCap, 1.0f / sqrtf((float)hd), &ref_kq);
     // no write to order before the reads here: the caches themselves stand in for k_put / v_put
-    ggml_tensor * got = kernel_attention(c, q, kc, vc, pos, kKernelSpan, kc, vc, &got_kq);
+    ggml_tensor * got = kernel_attention(c, q, kc, vc, pos, kKernelSpan, kc, vc, 1.0f / sqrtf((float)hd), &got_kq);
     ggml_cgraph * gf = ggml_new_graph_custom(c, kNodes, false);
     ggml_build_forward_expand(gf, ref);
     ggml_build_forward_expand(gf, got);

@@ -18,12 +18,12 @@ namespace ggswarm {
 inline bool decode_rows(int32_t n) { return n == 1; }
 
 // Attention of n new positions (already in the cache) over the first n_kv cached ones with ggml's ops:
-// mul_mat(K, q) -> soft_max_ext(mask, 1/sqrt(head_dim)) -> mul_mat(V^T, p); returns [hd * nh, n].
+// mul_mat(K, q) -> soft_max_ext(mask, kq_scale) -> mul_mat(V^T, p); returns [hd * nh, n].
 // q: [hd, nh, n] f32; kc: K cache [hd * nkv, cap] f16; vc: transposed V cache [cap, hd * nkv] f16;
 // mask: [n_kv, n], or [n_kv, nh] when decode_rows(n). scores (optional) gets the unscaled K.q
 // product [n_kv, n, nh] that feeds the softmax.
 ggml_tensor * ops_attention(ggml_context * c, ggml_tensor * q, ggml_tensor * kc, ggml_tensor * vc, ggml_tensor * mask,
-                            int32_t n, int32_t n_kv, ggml_tensor ** scores = nullptr);
+                            int32_t n, int32_t n_kv, float kq_scale, ggml_tensor ** scores = nullptr);
 
 // True when this CPU has AVX-512 and the loaded ggml CPU backend was built with AVX-512 (so its f16
 // dot product has the reduction order the kernels follow).
@@ -37,7 +37,7 @@ bool decode_attention_supported(int64_t head_dim);
 // builds it with flash attention on: [hd * nh, n]. vc: the V cache NOT transposed, [hd * nkv, cap]
 // f16 like kc; mask: f16 [n_kv, n].
 ggml_tensor * flash_attention(ggml_context * c, ggml_tensor * q, ggml_tensor * kc, ggml_tensor * vc, ggml_tensor * mask,
-                              int32_t n, int32_t n_kv);
+                              int32_t n, int32_t n_kv, float kq_scale);
 
 
 // Scores of one new position against the cache, unscaled: out[j, h] = K[j, group(h)] . q[h] for
@@ -55,13 +55,13 @@ ggml_tensor * decode_scores(ggml_context * c, ggml_tensor * q, ggml_tensor * k, 
 ggml_tensor * decode_values(ggml_context * c, ggml_tensor * p, ggml_tensor * vt, ggml_tensor * pos, int64_t head_dim,
                             ggml_tensor * after);
 
-// A whole decode step with the custom ops: decode_scores -> soft_max_ext(no mask) -> decode_values,
+// A whole decode step with the custom ops: decode_scores -> soft_max_ext(no mask, kq_scale) -> decode_values,
 // [hd * nh, 1], the same bits as ops_attention(n = 1) over any span that covers pos. k_put / v_put:
 // the ops writing this step's K and V (ordered before the reads). scores (optional) gets
 // decode_scores' output.
 ggml_tensor * kernel_attention(ggml_context * c, ggml_tensor * q, ggml_tensor * kc, ggml_tensor * vc,
                                ggml_tensor * pos, int32_t n_kv, ggml_tensor * k_put, ggml_tensor * v_put,
-                               ggml_tensor ** scores = nullptr);
+                               float kq_scale, ggml_tensor ** scores = nullptr);
 
 // Runs kernel_attention and ops_attention once on random data of this head shape (a span crossing a
 // 64-position step, stale rows past it) on the given CPU backend and compares every bit of their

@@ -1,4 +1,4 @@
-// libggswarm compute: the window's ggml graph (llama family), built once per shape (batch size, span,
+// libggswarm compute: the window's ggml graph (the architecture's layers, arch.h), built once per shape (batch size, span,
 // KV capacity) and reused by every session of that shape, micro-batched forward, and sampling on the
 // last window (docs/native.md, "Graph").
 
@@ -8,36 +8,30 @@
 #include <unordered_set>
 
 #include "attention.h"
-#include "model.h"
+#include "arch.h"
 
 namespace ggswarm {
 namespace {
 
-ggml_tensor * rms(ggml_context * c, ggml_tensor * x, ggml_tensor * w, float eps) {
-    return ggml_mul(c, ggml_rms_norm(c, x, eps), w);
-}
-
-ggml_tensor * linear(ggml_context * c, ggml_tensor * w, ggml_tensor * b, ggml_tensor * x) {
-    ggml_tensor * y = ggml_mul_mat(c, w, x);
-    return b ? ggml_add(c, y, b) : y;
-}
-
-// Build the window's graph for n new positions over a cache of cap positions, attending n_kv of them.
-// last_only: on the last window, keep only the final position after the last attention (sampling needs
-// nothing else). The cache leaves are the graph's own (Graph::k, Graph::v), bound by bind_kv.
+// Build the window's graph for n new positions over a session of cap positions, attending n_kv of
+// them: the inputs, the embedding on the first window, the architecture's layers (arch.h), the output
+// norm and head on the last. last_only: on the last window, keep only the final position after the
+// last attention (sampling needs nothing else). The state leaves are the graph's own (Graph::state),
+// bound by bind_state.
 void build_graph(ggswarm_model * m, Graph & g, int32_t n, int32_t n_kv, int32_t cap, bool last_only) {
     g.meta.resize(ggml_tensor_overhead() * m->graph_size + ggml_graph_overhead_custom(m->graph_size, false));
     ggml_init_params ip = {g.meta.size(), g.meta.data(), true};
     g.ctx = ggml_init(ip);
     ggml_context * c = g.ctx;
     g.gf = ggml_new_graph_custom(c, m->graph_size, false);
-    const int64_t hd = m->head_dim, nh = m->n_head, nkv = m->n_head_kv, dkv = m->d_kv();
+    const int64_t nh = m->n_head;
 
     ggml_tensor * x;
     if (m->is_first()) {
         g.inp_tokens = ggml_new_tensor_1d(c, GGML_TYPE_I32, n);
         ggml_set_input(g.inp_tokens);
         x = ggml_get_rows(c, m->tok_embd, g.inp_tokens);
+        if (m->embd_scale != 0.0f) x = ggml_scale(c, x, m->embd_scale);
     } else {
         g.inp_hidden = ggml_new_tensor_2d(c, GGML_TYPE_F32, m->d_model, n);
         ggml_set_input(g.inp_hidden);
@@ -45,78 +39,46 @@ void build_graph(ggswarm_model * m, Graph & g, int32_t n, int32_t n_kv, int32_t 
     }
     g.inp_pos = ggml_new_tensor_1d(c, GGML_TYPE_I32, n);
     ggml_set_input(g.inp_pos);
-    // one mask row per softmax row: per position, or per head on a decode step (see decode_rows);
-    // flash attention takes one f16 row per position
-    if (m->flash()) {
-        g.inp_mask = ggml_new_tensor_2d(c, GGML_TYPE_F16, n_kv, n);
-        ggml_set_input(g.inp_mask);
-    } else if (!kernel_step(m, n)) {
-        g.inp_mask = ggml_new_tensor_2d(c, GGML_TYPE_F32, n_kv, decode_rows(n) ? nh : n);
-        ggml_set_input(g.inp_mask);
+    bool any_kv = false, any_swa = false;
+    for (int32_t il = m->layer_start; il < m->layer_end; ++il) {
+        any_kv = any_kv || m->lhp[il].state == StateKind::KV;
+        any_swa = any_swa || (m->lhp[il].state == StateKind::KV && m->lhp[il].swa && m->n_swa > 0);
     }
-    g.inp_kidx = ggml_new_tensor_1d(c, GGML_TYPE_I64, n);
-    ggml_set_input(g.inp_kidx);
-    if (!m->flash()) {
-        g.inp_vidx = ggml_new_tensor_1d(c, GGML_TYPE_I64, (int64_t)n * m->d_kv());
-        ggml_set_input(g.inp_vidx);
-    }
-
-    const int32_t nl = m->layer_end - m->layer_start;
-    for (int32_t i = 0; i < nl; ++i) {
-        g.k.push_back(ggml_new_tensor_2d(c, GGML_TYPE_F16, dkv, cap));
-        g.v.push_back(m->flash() ? ggml_new_tensor_2d(c, GGML_TYPE_F16, dkv, cap)
-                                 : ggml_new_tensor_2d(c, GGML_TYPE_F16, cap, dkv));
-    }
-    for (int32_t i = 0; i < nl; ++i) {
-        const Layer & L = m->layers[i];
-        ggml_tensor * cur = rms(c, x, L.attn_norm, m->eps);
-        ggml_tensor * q = linear(c, L.wq, L.bq, cur);
-        ggml_tensor * k = linear(c, L.wk, L.bk, cur);
-        ggml_tensor * v = linear(c, L.wv, L.bv, cur);
-        q = ggml_reshape_3d(c, q, hd, nh, n);
-        k = ggml_reshape_3d(c, k, hd, nkv, n);
-        q = ggml_rope_ext(c, q, g.inp_pos, m->rope_freqs, m->n_rot, m->rope_mode, m->n_ctx_train, m->rope_base,
-                          m->rope_freq_scale, 0.0f, 1.0f, 32.0f, 1.0f);
-        k = ggml_rope_ext(c, k, g.inp_pos, m->rope_freqs, m->n_rot, m->rope_mode, m->n_ctx_train, m->rope_base,
-                          m->rope_freq_scale, 0.0f, 1.0f, 32.0f, 1.0f);
-        // append the new positions to the bound session's cache (K rows; V transposed, or V rows for
-        // flash attention)
-        ggml_tensor * kc = g.k[i];
-        ggml_tensor * vc = g.v[i];
-        // (index inputs instead of view offsets keep the graph independent of the position)
-        ggml_tensor * k_put = ggml_set_rows(c, kc, ggml_reshape_2d(c, k, dkv, n), g.inp_kidx);
-        ggml_build_forward_expand(g.gf, k_put);
-        ggml_tensor * v_put;
-        if (m->flash()) {
-            v_put = ggml_set_rows(c, vc, ggml_reshape_2d(c, v, dkv, n), g.inp_kidx);
-        } else {
-            ggml_tensor * v_elems = ggml_reshape_2d(c, vc, 1, ggml_nelements(vc));
-            v_put = ggml_set_rows(c, v_elems, ggml_reshape_2d(c, v, 1, (int64_t)n * dkv), g.inp_vidx);
+    if (any_kv) {
+        // one mask row per softmax row: per position, or per head on a decode step (see decode_rows);
+        // flash attention takes one f16 row per position. Kernel decode steps need no causal mask, but
+        // sliding-window layers still take theirs.
+        const ggml_type mt = m->flash() ? GGML_TYPE_F16 : GGML_TYPE_F32;
+        const int64_t rows = !m->flash() && decode_rows(n) ? nh : n;
+        if (!kernel_step(m, n)) {
+            g.inp_mask = ggml_new_tensor_2d(c, mt, n_kv, rows);
+            ggml_set_input(g.inp_mask);
         }
-        ggml_build_forward_expand(g.gf, v_put);
-        if (m->flash()) {
-            cur = flash_attention(c, q, kc, vc, g.inp_mask, n, n_kv);
-        } else if (kernel_step(m, n)) {
-            // the same bits as ggml's ops (checked when the model was opened)
-            cur = kernel_attention(c, q, kc, vc, g.inp_pos, n_kv, k_put, v_put);
-        } else {
-            cur = ops_attention(c, q, kc, vc, g.inp_mask, n, n_kv);
+        if (any_swa) {
+            g.inp_mask_swa = ggml_new_tensor_2d(c, mt, n_kv, rows);
+            ggml_set_input(g.inp_mask_swa);
         }
-        cur = linear(c, L.wo, L.bo, cur);
-        if (last_only && i == nl - 1 && n > 1) {
-            cur = ggml_view_2d(c, cur, m->d_model, 1, cur->nb[1], (size_t)(n - 1) * cur->nb[1]);
-            x = ggml_view_2d(c, x, m->d_model, 1, x->nb[1], (size_t)(n - 1) * x->nb[1]);
+        g.inp_kidx = ggml_new_tensor_1d(c, GGML_TYPE_I64, n);
+        ggml_set_input(g.inp_kidx);
+        if (!m->flash()) {
+            g.inp_vidx = ggml_new_tensor_1d(c, GGML_TYPE_I64, (int64_t)n * m->d_kv());
+            ggml_set_input(g.inp_vidx);
         }
-        ggml_tensor * h = ggml_add(c, cur, x);
-        cur = rms(c, h, L.ffn_norm, m->eps);
-        ggml_tensor * gate = ggml_mul_mat(c, L.w_gate, cur);
-        ggml_tensor * up = ggml_mul_mat(c, L.w_up, cur);
-        cur = ggml_mul_mat(c, L.w_down, ggml_swiglu_split(c, gate, up));
-        x = ggml_add(c, cur, h);
     }
+    for (int32_t il = m->layer_start; il < m->layer_end; ++il) {
+        g.state.emplace_back();
+        state_ops(m->lhp[il].state)->plan(m, il, cap, c, g.state.back());
+    }
+    Build b{m, g, c, n, n_kv, cap, last_only};
+    x = m->archp->build_window(b, x);
     if (m->is_last()) {
         x = rms(c, x, m->output_norm, m->eps);
         x = ggml_mul_mat(c, m->output, x);
+        if (m->logit_softcap != 0.0f) {
+            x = ggml_scale(c, x, 1.0f / m->logit_softcap);
+            x = ggml_tanh(c, x);
+            x = ggml_scale(c, x, m->logit_softcap);
+        }
     }
     g.out = x;
     ggml_set_output(g.out);
@@ -131,20 +93,19 @@ void build_graph(ggswarm_model * m, Graph & g, int32_t n, int32_t n_kv, int32_t 
     }
 }
 
-// Point one cache leaf of the graph at a session's tensor of the same shape.
+// Point one state leaf of the graph at a session's tensor of the same shape.
 void bind_leaf(ggml_tensor * leaf, const ggml_tensor * kv) {
     leaf->buffer = nullptr;
     leaf->data = nullptr;
     ggml_backend_tensor_alloc(kv->buffer, leaf, kv->data);
 }
 
-// Bind the graph's cache to session s: its leaves, then every allocated view of them (set_rows
+// Bind the graph's state to session s: its leaves, then every allocated view of them (set_rows
 // results, attention's K/V views), which ggml resolved from the leaves' addresses at allocation and
 // resolves again here the same way (ggml_backend_view_init).
-void bind_kv(Graph & g, const Session & s) {
-    for (size_t i = 0; i < g.k.size(); ++i) {
-        bind_leaf(g.k[i], s.k[i]);
-        bind_leaf(g.v[i], s.v[i]);
+void bind_state(Graph & g, const Session & s) {
+    for (size_t i = 0; i < g.state.size(); ++i) {
+        for (size_t j = 0; j < g.state[i].size(); ++j) bind_leaf(g.state[i][j], s.state[i][j]);
     }
     for (ggml_tensor * t : g.kv_views) {
         t->buffer = nullptr;
@@ -152,11 +113,11 @@ void bind_kv(Graph & g, const Session & s) {
     }
 }
 
-// After allocation: remember the graph tensors that view the cache leaves (a view's view_src is
+// After allocation: remember the graph tensors that view the state leaves (a view's view_src is
 // always the leaf itself, ggml flattens chains of views).
 void collect_kv_views(Graph & g) {
-    std::unordered_set<const ggml_tensor *> leaves(g.k.begin(), g.k.end());
-    leaves.insert(g.v.begin(), g.v.end());
+    std::unordered_set<const ggml_tensor *> leaves;
+    for (const auto & l : g.state) leaves.insert(l.begin(), l.end());
     g.kv_views.clear();
     for (ggml_tensor * t = ggml_get_first_tensor(g.ctx); t; t = ggml_get_next_tensor(g.ctx, t)) {
         if (t->view_src && t->buffer && leaves.count(t->view_src)) g.kv_views.push_back(t);
@@ -207,7 +168,7 @@ ggswarm_status graph_for(ggswarm_model * m, const GraphKey & key, const Session 
     m->graph_builds++;
     g->sched = new_sched(m);
     if (!g->sched) return fail(m, GGSWARM_E_NO_MEMORY, "cannot create a ggml scheduler");
-    bind_kv(*g, s);
+    bind_state(*g, s);
     if (!ggml_backend_sched_alloc_graph(g->sched, g->gf)) {
         return fail(m, GGSWARM_E_COMPUTE, "ggml could not allocate the compute graph (%d tokens)", key.n);
     }
@@ -217,6 +178,30 @@ ggswarm_status graph_for(ggswarm_model * m, const GraphKey & key, const Session 
     return GGSWARM_OK;
 }
 
+// Fill a mask input for new positions [pos, pos + nc) over n_kv cached ones: 0 where a position may
+// attend (causal; within the last `window` positions when window > 0, as llama.cpp's standard sliding
+// window: p - j < window), -inf elsewhere. Decode steps repeat the row once per head (decode_rows).
+void set_mask(ggswarm_model * m, ggml_tensor * mask, int32_t pos, int32_t nc, int32_t n_kv, int32_t window) {
+    const int32_t mask_rows = (int32_t)mask->ne[1];
+    m->mask_host.resize((size_t)mask_rows * n_kv);
+    for (int32_t i = 0; i < (decode_rows(nc) ? 1 : mask_rows); ++i) {
+        float * row = m->mask_host.data() + (size_t)i * n_kv;
+        const int32_t lim = pos + i;
+        for (int32_t j = 0; j < n_kv; ++j) {
+            row[j] = j <= lim && (window <= 0 || lim - j < window) ? 0.0f : -INFINITY;
+        }
+    }
+    for (int32_t i = 1; decode_rows(nc) && i < mask_rows; ++i) {
+        memcpy(m->mask_host.data() + (size_t)i * n_kv, m->mask_host.data(), sizeof(float) * n_kv);
+    }
+    if (mask->type == GGML_TYPE_F16) {
+        m->mask_f16.resize(m->mask_host.size());
+        ggml_fp32_to_fp16_row(m->mask_host.data(), m->mask_f16.data(), (int64_t)m->mask_host.size());
+        ggml_backend_tensor_set(mask, m->mask_f16.data(), 0, sizeof(ggml_fp16_t) * m->mask_f16.size());
+    } else {
+        ggml_backend_tensor_set(mask, m->mask_host.data(), 0, sizeof(float) * m->mask_host.size());
+    }
+}
 
 // One micro-batch: positions [b->pos_start + off, + nc). On the last window *last points at the logits
 // of the chunk's final position afterwards.
@@ -237,10 +222,12 @@ ggswarm_status forward_chunk(ggswarm_model * m, Session & s, const ggswarm_batch
     Graph & g = *gp;
     g.last_use = ++m->graph_clock;
     m->graph = gp;
-    bind_kv(g, s);
-    m->kidx_host.resize(nc);
-    for (int32_t t = 0; t < nc; ++t) m->kidx_host[t] = pos + t;
-    ggml_backend_tensor_set(g.inp_kidx, m->kidx_host.data(), 0, sizeof(int64_t) * m->kidx_host.size());
+    bind_state(g, s);
+    if (g.inp_kidx) {
+        m->kidx_host.resize(nc);
+        for (int32_t t = 0; t < nc; ++t) m->kidx_host[t] = pos + t;
+        ggml_backend_tensor_set(g.inp_kidx, m->kidx_host.data(), 0, sizeof(int64_t) * m->kidx_host.size());
+    }
     if (g.inp_vidx) {  // transposed V: one element index per (position, channel)
         m->vidx_host.resize((size_t)nc * m->d_kv());
         for (int32_t t = 0; t < nc; ++t) {
@@ -252,25 +239,8 @@ ggswarm_status forward_chunk(ggswarm_model * m, Session & s, const ggswarm_batch
     m->pos_host.resize(nc);
     for (int32_t i = 0; i < nc; ++i) m->pos_host[i] = pos + i;
     ggml_backend_tensor_set(g.inp_pos, m->pos_host.data(), 0, sizeof(int32_t) * nc);
-    if (g.inp_mask) {
-        const int32_t mask_rows = (int32_t)g.inp_mask->ne[1];
-        m->mask_host.resize((size_t)mask_rows * n_kv);
-        for (int32_t i = 0; i < (decode_rows(nc) ? 1 : mask_rows); ++i) {
-            float * row = m->mask_host.data() + (size_t)i * n_kv;
-            const int32_t lim = pos + i;
-            for (int32_t j = 0; j < n_kv; ++j) row[j] = j <= lim ? 0.0f : -INFINITY;
-        }
-        for (int32_t i = 1; decode_rows(nc) && i < mask_rows; ++i) {
-            memcpy(m->mask_host.data() + (size_t)i * n_kv, m->mask_host.data(), sizeof(float) * n_kv);
-        }
-        if (g.inp_mask->type == GGML_TYPE_F16) {
-            m->mask_f16.resize(m->mask_host.size());
-            ggml_fp32_to_fp16_row(m->mask_host.data(), m->mask_f16.data(), (int64_t)m->mask_host.size());
-            ggml_backend_tensor_set(g.inp_mask, m->mask_f16.data(), 0, sizeof(ggml_fp16_t) * m->mask_f16.size());
-        } else {
-            ggml_backend_tensor_set(g.inp_mask, m->mask_host.data(), 0, sizeof(float) * m->mask_host.size());
-        }
-    }
+    if (g.inp_mask) set_mask(m, g.inp_mask, pos, nc, n_kv, 0);
+    if (g.inp_mask_swa) set_mask(m, g.inp_mask_swa, pos, nc, n_kv, m->n_swa);
     const int64_t n_hidden = (int64_t)nc * d;
     if (g.inp_tokens) {
         ggml_backend_tensor_set(g.inp_tokens, b->token_ids + off, 0, sizeof(int32_t) * nc);

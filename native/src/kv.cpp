@@ -1,11 +1,12 @@
-// libggswarm sessions: the node's KV budget, per-session KV buffers (growth within the budget,
-// truncate) and the KV snapshot format (docs/native.md, "KV cache" and "Snapshot format").
+// libggswarm sessions: the node's KV budget, per-session state buffers (growth within the budget,
+// truncate; per layer as its state kind says, arch.h StateOps), the KV state kind, and the snapshot
+// format (docs/native.md, "KV cache" and "Snapshot format").
 
 #include <algorithm>
 #include <cstring>
 #include <new>
 
-#include "model.h"
+#include "arch.h"
 
 namespace ggswarm {
 namespace {
@@ -88,22 +89,109 @@ void budget_usage(const ggswarm_budget * b, uint64_t * total, uint64_t * used) {
     *used = b->used;
 }
 
-// The KV tensors (not yet allocated) of a cache of `cap` positions; n.bytes: exactly what
-// ggml_backend_alloc_ctx_tensors_from_buft will allocate for them (alignment included).
-ggswarm_status plan_kv(const ggswarm_model * m, int64_t cap, Session & n) {
-    const int32_t nl = m->layer_end - m->layer_start;
-    ggml_init_params ip = {ggml_tensor_overhead() * (size_t)(2 * nl + 2), nullptr, true};
+// The state tensors (not yet allocated) of a session of `cap` positions, per layer as its kind plans
+// them; n.bytes: exactly what ggml_backend_alloc_ctx_tensors_from_buft will allocate (alignment
+// included).
+ggswarm_status plan_state(const ggswarm_model * m, int64_t cap, Session & n) {
+    size_t tensors = 2;
+    for (int32_t il = m->layer_start; il < m->layer_end; ++il) {
+        const StateOps * ops = state_ops(m->lhp[il].state);
+        if (!ops) return fail(m, GGSWARM_E_UNSUPPORTED, "layer %d: no state kind %d in this build", il, (int)m->lhp[il].state);
+        tensors += ops->max_tensors;
+    }
+    ggml_init_params ip = {ggml_tensor_overhead() * tensors, nullptr, true};
     n.ctx = ggml_init(ip);
-    if (!n.ctx) return fail(m, GGSWARM_E_NO_MEMORY, "cannot create a KV context");
-    for (int32_t i = 0; i < nl; ++i) {
-        n.k.push_back(ggml_new_tensor_2d(n.ctx, GGML_TYPE_F16, m->d_kv(), cap));
-        n.v.push_back(m->flash() ? ggml_new_tensor_2d(n.ctx, GGML_TYPE_F16, m->d_kv(), cap)
-                                 : ggml_new_tensor_2d(n.ctx, GGML_TYPE_F16, cap, m->d_kv()));
+    if (!n.ctx) return fail(m, GGSWARM_E_NO_MEMORY, "cannot create a session state context");
+    for (int32_t il = m->layer_start; il < m->layer_end; ++il) {
+        n.state.emplace_back();
+        state_ops(m->lhp[il].state)->plan(m, il, cap, n.ctx, n.state.back());
     }
     n.cap = (int32_t)cap;
     n.bytes = ggml_backend_alloc_ctx_tensors_from_buft_size(n.ctx, m->buft);
     return GGSWARM_OK;
 }
+
+// Snapshot payload bytes of the window's state at len positions.
+uint64_t payload_bytes(const ggswarm_model * m, int32_t len) {
+    uint64_t b = 0;
+    for (int32_t il = m->layer_start; il < m->layer_end; ++il) b += state_ops(m->lhp[il].state)->snapshot_bytes(m, il, len);
+    return b;
+}
+
+// --- the KV state kind: K [d_kv, cap] and V^T [cap, d_kv] f16 (V [d_kv, cap] in flash mode) ----------------
+
+void kv_plan(const ggswarm_model * m, int32_t il, int64_t cap, ggml_context * ctx, std::vector<ggml_tensor *> & out) {
+    out.push_back(ggml_new_tensor_2d(ctx, GGML_TYPE_F16, m->d_kv(), cap));
+    out.push_back(m->flash() ? ggml_new_tensor_2d(ctx, GGML_TYPE_F16, m->d_kv(), cap)
+                             : ggml_new_tensor_2d(ctx, GGML_TYPE_F16, cap, m->d_kv()));
+}
+
+void kv_carry(const ggswarm_model * m, int32_t il, const std::vector<ggml_tensor *> & from,
+              const std::vector<ggml_tensor *> & to, int32_t len) {
+    const size_t row = (size_t)m->d_kv() * sizeof(ggml_fp16_t);
+    std::vector<uint8_t> tmp((size_t)len * row);
+    ggml_backend_tensor_get(from[0], tmp.data(), 0, (size_t)len * row);
+    ggml_backend_tensor_set(to[0], tmp.data(), 0, (size_t)len * row);
+    if (m->flash()) {  // V rows per position, like K
+        ggml_backend_tensor_get(from[1], tmp.data(), 0, (size_t)len * row);
+        ggml_backend_tensor_set(to[1], tmp.data(), 0, (size_t)len * row);
+        return;
+    }
+    const size_t vrow = (size_t)len * sizeof(ggml_fp16_t);
+    for (int32_t r = 0; r < m->d_kv(); ++r) {
+        ggml_backend_tensor_get(from[1], tmp.data(), (size_t)r * from[1]->nb[1], vrow);
+        ggml_backend_tensor_set(to[1], tmp.data(), (size_t)r * to[1]->nb[1], vrow);
+    }
+}
+
+uint64_t kv_per_token(const ggswarm_model * m, int32_t il) { return 2ULL * (uint64_t)m->d_kv() * sizeof(ggml_fp16_t); }
+
+uint64_t kv_snapshot_bytes(const ggswarm_model * m, int32_t il, int32_t len) { return (uint64_t)len * kv_per_token(m, il); }
+
+// The payload holds K rows then V transposed in every attention mode, so a snapshot restores anywhere.
+void kv_save(const ggswarm_model * m, int32_t il, const std::vector<ggml_tensor *> & t, int32_t len, uint8_t * p) {
+    const size_t krow = (size_t)m->d_kv() * sizeof(ggml_fp16_t);
+    const size_t vrow = (size_t)len * sizeof(ggml_fp16_t);
+    ggml_backend_tensor_get(t[0], p, 0, (size_t)len * krow);
+    p += (size_t)len * krow;
+    if (m->flash()) {
+        std::vector<ggml_fp16_t> rows((size_t)len * m->d_kv());
+        ggml_backend_tensor_get(t[1], rows.data(), 0, (size_t)len * krow);
+        auto * out = reinterpret_cast<ggml_fp16_t *>(p);
+        for (int32_t r = 0; r < m->d_kv(); ++r) {
+            for (int32_t j = 0; j < len; ++j) out[(size_t)r * len + j] = rows[(size_t)j * m->d_kv() + r];
+        }
+        return;
+    }
+    for (int32_t r = 0; r < m->d_kv(); ++r) {
+        ggml_backend_tensor_get(t[1], p, (size_t)r * t[1]->nb[1], vrow);
+        p += vrow;
+    }
+}
+
+void kv_load(const ggswarm_model * m, int32_t il, const std::vector<ggml_tensor *> & t, int32_t len,
+             const uint8_t * p) {
+    const size_t krow = (size_t)m->d_kv() * sizeof(ggml_fp16_t);
+    const size_t vrow = (size_t)len * sizeof(ggml_fp16_t);
+    ggml_backend_tensor_set(t[0], p, 0, (size_t)len * krow);
+    p += (size_t)len * krow;
+    if (m->flash()) {
+        std::vector<ggml_fp16_t> rows((size_t)len * m->d_kv());
+        const auto * in = reinterpret_cast<const ggml_fp16_t *>(p);
+        for (int32_t r = 0; r < m->d_kv(); ++r) {
+            for (int32_t j = 0; j < len; ++j) rows[(size_t)j * m->d_kv() + r] = in[(size_t)r * len + j];
+        }
+        ggml_backend_tensor_set(t[1], rows.data(), 0, (size_t)len * krow);
+        return;
+    }
+    for (int32_t r = 0; r < m->d_kv(); ++r) {
+        ggml_backend_tensor_set(t[1], p, (size_t)r * t[1]->nb[1], vrow);
+        p += vrow;
+    }
+}
+
+const StateOps kKvState = {StateKind::KV, "kv", 2, kv_plan, kv_carry, kv_per_token, kv_snapshot_bytes, kv_save, kv_load};
+StateRegistration reg_kv(&kKvState);
 
 // Capacity that holds `need` positions: a multiple of kKvPad, so the attention always spans whole
 // padded blocks, and no more than the session's max_tokens need.
@@ -136,11 +224,11 @@ ggswarm_status ensure_capacity(ggswarm_model * m, Session & s, int32_t need) {
     const int64_t exact_cap = min_capacity(s, need);
     const int64_t doubled_cap = std::max<int64_t>(exact_cap, std::min<int64_t>(2LL * s.cap, pad_kv(s.max_tokens)));
     Session n;
-    ggswarm_status st = plan_kv(m, doubled_cap, n);
+    ggswarm_status st = plan_state(m, doubled_cap, n);
     if (st) return st;
     if (!budget_charge(m->budget, n.bytes - s.bytes)) {
         n.release();
-        if ((st = plan_kv(m, exact_cap, n))) return st;
+        if ((st = plan_state(m, exact_cap, n))) return st;
         if (!budget_charge(m->budget, n.bytes - s.bytes)) {
             uint64_t total = 0, used = 0;
             budget_usage(m->budget, &total, &used);
@@ -165,22 +253,9 @@ ggswarm_status ensure_capacity(ggswarm_model * m, Session & s, int32_t need) {
     n.max_tokens = s.max_tokens;
     n.len = s.len;
     if (s.len > 0) {
-        const int32_t nl = m->layer_end - m->layer_start;
-        const size_t row = (size_t)m->d_kv() * sizeof(ggml_fp16_t);
-        std::vector<uint8_t> tmp((size_t)s.len * row);
-        for (int32_t i = 0; i < nl; ++i) {
-            ggml_backend_tensor_get(s.k[i], tmp.data(), 0, (size_t)s.len * row);
-            ggml_backend_tensor_set(n.k[i], tmp.data(), 0, (size_t)s.len * row);
-            if (m->flash()) {  // V rows per position, like K
-                ggml_backend_tensor_get(s.v[i], tmp.data(), 0, (size_t)s.len * row);
-                ggml_backend_tensor_set(n.v[i], tmp.data(), 0, (size_t)s.len * row);
-                continue;
-            }
-            const size_t vrow = (size_t)s.len * sizeof(ggml_fp16_t);
-            for (int32_t r = 0; r < m->d_kv(); ++r) {
-                ggml_backend_tensor_get(s.v[i], tmp.data(), (size_t)r * s.v[i]->nb[1], vrow);
-                ggml_backend_tensor_set(n.v[i], tmp.data(), (size_t)r * n.v[i]->nb[1], vrow);
-            }
+        for (int32_t il = m->layer_start; il < m->layer_end; ++il) {
+            const size_t i = (size_t)(il - m->layer_start);
+            state_ops(m->lhp[il].state)->carry(m, il, s.state[i], n.state[i], s.len);
         }
     }
     s.release();  // its bytes now belong to n: the charge above was the difference
@@ -191,6 +266,15 @@ ggswarm_status ensure_capacity(ggswarm_model * m, Session & s, int32_t need) {
 }  // namespace ggswarm
 
 using namespace ggswarm;
+
+uint64_t ggswarm_model::kv_bytes_per_token() const {
+    uint64_t b = 0;
+    for (int32_t il = layer_start; il < layer_end; ++il) {
+        const StateOps * ops = state_ops(lhp[il].state);
+        if (ops) b += ops->bytes_per_token(this, il);
+    }
+    return b;
+}
 
 extern "C" {
 
@@ -264,7 +348,7 @@ ggswarm_status ggswarm_session_growth_bytes(const ggswarm_model * m, int64_t sid
         return ok(m);
     }
     Session n;
-    ggswarm_status st = plan_kv(m, min_capacity(*s, n_positions), n);
+    ggswarm_status st = plan_state(m, min_capacity(*s, n_positions), n);
     if (st) return st;
     *out_bytes = n.bytes - s->bytes;
     n.release();
@@ -275,7 +359,7 @@ ggswarm_status ggswarm_session_snapshot_size(const ggswarm_model * m, int64_t si
     if (!m || !out_size) return fail(m, GGSWARM_E_INVALID_ARG, "model or out_size is NULL");
     Session * s = find_session(m, sid);
     if (!s) return no_session(m, sid);
-    *out_size = sizeof(SnapHeader) + (uint64_t)s->len * m->kv_bytes_per_token();
+    *out_size = sizeof(SnapHeader) + payload_bytes(m, s->len);
     return ok(m);
 }
 
@@ -284,7 +368,7 @@ ggswarm_status ggswarm_session_snapshot(const ggswarm_model * m, int64_t sid, vo
     if (!m || !buf) return fail(m, GGSWARM_E_INVALID_ARG, "model or buf is NULL");
     Session * s = find_session(m, sid);
     if (!s) return no_session(m, sid);
-    const uint64_t payload = (uint64_t)s->len * m->kv_bytes_per_token();
+    const uint64_t payload = payload_bytes(m, s->len);
     const uint64_t total = sizeof(SnapHeader) + payload;
     if (capacity < total) {
         return fail(m, GGSWARM_E_INVALID_ARG, "snapshot needs %llu bytes, buffer holds %llu",
@@ -306,28 +390,11 @@ ggswarm_status ggswarm_session_snapshot(const ggswarm_model * m, int64_t sid, vo
     h.n_pos = s->len;
     h.payload_bytes = payload;
     uint8_t * p = static_cast<uint8_t *>(buf) + sizeof(SnapHeader);
-    const size_t krow = (size_t)m->d_kv() * sizeof(ggml_fp16_t);
-    const size_t vrow = (size_t)s->len * sizeof(ggml_fp16_t);
-    std::vector<ggml_fp16_t> rows;
     if (s->len > 0) {
-        for (size_t i = 0; i < s->k.size(); ++i) {
-            ggml_backend_tensor_get(s->k[i], p, 0, (size_t)s->len * krow);
-            p += (size_t)s->len * krow;
-            if (m->flash()) {
-                // the payload holds V transposed in every attention mode, so a snapshot restores anywhere
-                rows.resize((size_t)s->len * m->d_kv());
-                ggml_backend_tensor_get(s->v[i], rows.data(), 0, (size_t)s->len * krow);
-                auto * out = reinterpret_cast<ggml_fp16_t *>(p);
-                for (int32_t r = 0; r < m->d_kv(); ++r) {
-                    for (int32_t j = 0; j < s->len; ++j) out[(size_t)r * s->len + j] = rows[(size_t)j * m->d_kv() + r];
-                }
-                p += (size_t)s->len * krow;
-                continue;
-            }
-            for (int32_t r = 0; r < m->d_kv(); ++r) {
-                ggml_backend_tensor_get(s->v[i], p, (size_t)r * s->v[i]->nb[1], vrow);
-                p += vrow;
-            }
+        for (int32_t il = m->layer_start; il < m->layer_end; ++il) {
+            const StateOps * ops = state_ops(m->lhp[il].state);
+            ops->save(m, il, s->state[(size_t)(il - m->layer_start)], s->len, p);
+            p += ops->snapshot_bytes(m, il, s->len);
         }
     }
     h.payload_fnv1a = fnv1a(static_cast<uint8_t *>(buf) + sizeof(SnapHeader), payload);
@@ -368,7 +435,7 @@ ggswarm_status ggswarm_session_restore(ggswarm_model * m, int64_t sid, const voi
     if (h.n_pos < 0 || h.n_pos > sp->max_tokens) {
         return fail(m, GGSWARM_E_RANGE, "snapshot holds %d positions; the session cap is %d", h.n_pos, sp->max_tokens);
     }
-    const uint64_t payload = (uint64_t)h.n_pos * m->kv_bytes_per_token();
+    const uint64_t payload = payload_bytes(m, h.n_pos);
     if (h.payload_bytes != payload || size != sizeof(SnapHeader) + payload) {
         return fail(m, GGSWARM_E_FORMAT, "snapshot is truncated or padded: %llu bytes, expected %llu",
                     (unsigned long long)size, (unsigned long long)(sizeof(SnapHeader) + payload));
@@ -378,27 +445,11 @@ ggswarm_status ggswarm_session_restore(ggswarm_model * m, int64_t sid, const voi
     Session & s = *sp;
     ggswarm_status st = ensure_capacity(m, s, std::max(h.n_pos, 1));
     if (st) return st;
-    const size_t krow = (size_t)m->d_kv() * sizeof(ggml_fp16_t);
-    const size_t vrow = (size_t)h.n_pos * sizeof(ggml_fp16_t);
-    std::vector<ggml_fp16_t> rows;
     if (h.n_pos > 0) {
-        for (size_t i = 0; i < s.k.size(); ++i) {
-            ggml_backend_tensor_set(s.k[i], p, 0, (size_t)h.n_pos * krow);
-            p += (size_t)h.n_pos * krow;
-            if (m->flash()) {
-                rows.resize((size_t)h.n_pos * m->d_kv());
-                const auto * in = reinterpret_cast<const ggml_fp16_t *>(p);
-                for (int32_t r = 0; r < m->d_kv(); ++r) {
-                    for (int32_t j = 0; j < h.n_pos; ++j) rows[(size_t)j * m->d_kv() + r] = in[(size_t)r * h.n_pos + j];
-                }
-                ggml_backend_tensor_set(s.v[i], rows.data(), 0, (size_t)h.n_pos * krow);
-                p += (size_t)h.n_pos * krow;
-                continue;
-            }
-            for (int32_t r = 0; r < m->d_kv(); ++r) {
-                ggml_backend_tensor_set(s.v[i], p, (size_t)r * s.v[i]->nb[1], vrow);
-                p += vrow;
-            }
+        for (int32_t il = m->layer_start; il < m->layer_end; ++il) {
+            const StateOps * ops = state_ops(m->lhp[il].state);
+            ops->load(m, il, s.state[(size_t)(il - m->layer_start)], h.n_pos, p);
+            p += ops->snapshot_bytes(m, il, h.n_pos);
         }
     }
     s.len = h.n_pos;

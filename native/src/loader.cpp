@@ -6,7 +6,7 @@
 #include <cstdio>
 #include <cstring>
 
-#include "model.h"
+#include "arch.h"
 
 namespace ggswarm {
 namespace {
@@ -51,152 +51,193 @@ bool get_str(const gguf_context * g, const std::string & key, std::string * out)
     return true;
 }
 
-const char * kSupportedArchs[] = {"llama", "mistral", "qwen2"};
-
-bool arch_supported(const std::string & a) {
-    for (const char * s : kSupportedArchs) {
-        if (a == s) return true;
-    }
-    return false;
-}
-
-// Read hyper-parameters and validate them; fills m.
 }  // namespace
 
+bool Hp::has(const char * key) const { return gguf_find_key(g, (prefix + key).c_str()) >= 0; }
+
+bool Hp::is_array(const char * key) const {
+    int64_t id = gguf_find_key(g, (prefix + key).c_str());
+    return id >= 0 && gguf_get_kv_type(g, id) == GGUF_TYPE_ARRAY;
+}
+
+ggswarm_status Hp::need_int(const char * key, int64_t lo, int64_t hi, int32_t * dst) const {
+    const std::string k = prefix + key;
+    if (is_array(key)) return fail(m, GGSWARM_E_UNSUPPORTED, "%s: per-layer values are not supported", k.c_str());
+    int64_t v = 0;
+    if (!get_int(g, k, &v)) return fail(m, GGSWARM_E_FORMAT, "%s is missing", k.c_str());
+    if (v < lo || v > hi) {
+        return fail(m, GGSWARM_E_FORMAT, "%s = %lld is out of range [%lld, %lld]", k.c_str(), (long long)v,
+                    (long long)lo, (long long)hi);
+    }
+    *dst = (int32_t)v;
+    return GGSWARM_OK;
+}
+
+bool Hp::opt_int(const char * key, int64_t * out) const { return get_int(g, prefix + key, out); }
+bool Hp::opt_float(const char * key, double * out) const { return get_float(g, prefix + key, out); }
+bool Hp::opt_str(const char * key, std::string * out) const { return get_str(g, prefix + key, out); }
+
+bool Hp::per_layer(const char * key, int32_t n, std::vector<int64_t> * out) const {
+    const std::string k = prefix + key;
+    int64_t id = gguf_find_key(g, k.c_str());
+    if (id < 0) return false;
+    out->assign(n, 0);
+    if (gguf_get_kv_type(g, id) != GGUF_TYPE_ARRAY) {
+        int64_t v = 0;
+        if (!get_int(g, k, &v)) {
+            if (gguf_get_kv_type(g, id) != GGUF_TYPE_BOOL) return false;
+            v = gguf_get_val_bool(g, id);
+        }
+        out->assign(n, v);
+        return true;
+    }
+    const enum gguf_type at = gguf_get_arr_type(g, id);
+    const size_t cnt = gguf_get_arr_n(g, id);
+    if ((int64_t)cnt < n) return false;
+    const void * data = gguf_get_arr_data(g, id);
+    for (int32_t i = 0; i < n; ++i) {
+        switch (at) {
+            case GGUF_TYPE_BOOL: case GGUF_TYPE_INT8: (*out)[i] = static_cast<const int8_t *>(data)[i]; break;
+            case GGUF_TYPE_UINT8: (*out)[i] = static_cast<const uint8_t *>(data)[i]; break;
+            case GGUF_TYPE_INT32: (*out)[i] = static_cast<const int32_t *>(data)[i]; break;
+            case GGUF_TYPE_UINT32: (*out)[i] = static_cast<const uint32_t *>(data)[i]; break;
+            case GGUF_TYPE_INT64: (*out)[i] = static_cast<const int64_t *>(data)[i]; break;
+            case GGUF_TYPE_UINT64: (*out)[i] = (int64_t) static_cast<const uint64_t *>(data)[i]; break;
+            default: return false;
+        }
+    }
+    return true;
+}
+
+// general.architecture, its table entry, the block count and width, then the architecture's own reader.
 ggswarm_status read_hparams(ggswarm_model * m, const Meta & meta) {
     const gguf_context * g = meta.g;
     if (!get_str(g, "general.architecture", &m->arch)) {
         return fail(m, GGSWARM_E_FORMAT, "general.architecture is missing");
     }
-    if (!arch_supported(m->arch)) {
-        return fail(m, GGSWARM_E_UNSUPPORTED,
-                    "architecture '%s' is not supported by the native backend (supported: llama, mistral, qwen2)",
-                    m->arch.c_str());
+    m->archp = find_arch(m->arch);
+    if (!m->archp) {
+        return fail(m, GGSWARM_E_UNSUPPORTED, "architecture '%s' is not supported by the native backend (supported: %s)",
+                    m->arch.c_str(), arch_names().c_str());
     }
-    const std::string a = m->arch + ".";
-    int64_t v = 0;
-    auto need_int = [&](const char * key, int64_t lo, int64_t hi, int32_t * dst) -> ggswarm_status {
-        std::string k = a + key;
-        int64_t id = gguf_find_key(g, k.c_str());
-        if (id >= 0 && gguf_get_kv_type(g, id) == GGUF_TYPE_ARRAY) {
-            return fail(m, GGSWARM_E_UNSUPPORTED, "%s: per-layer values are not supported", k.c_str());
-        }
-        if (!get_int(g, k, &v)) return fail(m, GGSWARM_E_FORMAT, "%s is missing", k.c_str());
-        if (v < lo || v > hi) {
-            return fail(m, GGSWARM_E_FORMAT, "%s = %lld is out of range [%lld, %lld]", k.c_str(), (long long)v,
-                        (long long)lo, (long long)hi);
-        }
-        *dst = (int32_t)v;
-        return GGSWARM_OK;
-    };
+    Hp hp{m, g, m->arch + "."};
     ggswarm_status st;
-    if ((st = need_int("block_count", 1, 4096, &m->n_layers_total))) return st;
-    if ((st = need_int("embedding_length", 1, 1 << 20, &m->d_model))) return st;
-    if ((st = need_int("feed_forward_length", 1, 1 << 22, &m->n_ff))) return st;
-    if ((st = need_int("attention.head_count", 1, 4096, &m->n_head))) return st;
+    if ((st = hp.need_int("block_count", 1, 4096, &m->n_layers_total))) return st;
+    if ((st = hp.need_int("embedding_length", 1, 1 << 20, &m->d_model))) return st;
+    m->lhp.assign(m->n_layers_total, LayerHp{});
+    m->n_ctx_train = 4096;
+    int64_t v = 0;
+    if (hp.opt_int("context_length", &v) && v > 0) m->n_ctx_train = (int32_t)std::min<int64_t>(v, INT32_MAX);
+    m->n_ctx_max = std::min(m->n_ctx_train, (int32_t)GGSWARM_MAX_CONTEXT);
+    return m->archp->read_hparams(m, hp);
+}
+
+ggswarm_status read_attention_hparams(ggswarm_model * m, const Hp & hp) {
+    const char * a = hp.prefix.c_str();
+    ggswarm_status st;
+    int64_t v = 0;
+    if (hp.opt_int("expert_count", &v) && v > 0) {
+        return fail(m, GGSWARM_E_UNSUPPORTED, "%s with %lld experts (MoE) is not supported by the native backend",
+                    m->arch.c_str(), (long long)v);
+    }
+    if ((st = hp.need_int("feed_forward_length", 1, 1 << 22, &m->n_ff))) return st;
+    if ((st = hp.need_int("attention.head_count", 1, 4096, &m->n_head))) return st;
     m->n_head_kv = m->n_head;
-    if (gguf_find_key(g, (a + "attention.head_count_kv").c_str()) >= 0) {
-        if ((st = need_int("attention.head_count_kv", 1, 4096, &m->n_head_kv))) return st;
+    if (hp.has("attention.head_count_kv")) {
+        if ((st = hp.need_int("attention.head_count_kv", 1, 4096, &m->n_head_kv))) return st;
     }
     if (m->n_head % m->n_head_kv != 0) {
         return fail(m, GGSWARM_E_FORMAT, "head_count %d is not a multiple of head_count_kv %d", m->n_head,
                     m->n_head_kv);
     }
-    if (get_int(g, a + "expert_count", &v) && v > 0) {
-        return fail(m, GGSWARM_E_UNSUPPORTED, "%s with %lld experts (MoE) is not supported by the native backend",
-                    m->arch.c_str(), (long long)v);
-    }
     m->head_dim = m->d_model / m->n_head;
-    if (get_int(g, a + "attention.key_length", &v)) m->head_dim = (int32_t)v;
+    if (hp.opt_int("attention.key_length", &v)) m->head_dim = (int32_t)v;
     int64_t vlen = m->head_dim;
-    if (get_int(g, a + "attention.value_length", &vlen) && vlen != m->head_dim) {
+    if (hp.opt_int("attention.value_length", &vlen) && vlen != m->head_dim) {
         return fail(m, GGSWARM_E_UNSUPPORTED, "key_length %d != value_length %lld", m->head_dim, (long long)vlen);
     }
     if (m->head_dim <= 0 || m->head_dim % 2 != 0 || m->head_dim > 1024) {
         return fail(m, GGSWARM_E_FORMAT, "head dimension %d is invalid", m->head_dim);
     }
     m->n_rot = m->head_dim;
-    if (get_int(g, a + "rope.dimension_count", &v)) m->n_rot = (int32_t)v;
+    if (hp.opt_int("rope.dimension_count", &v)) m->n_rot = (int32_t)v;
     if (m->n_rot != m->head_dim) {
         return fail(m, GGSWARM_E_UNSUPPORTED, "partial rotary embedding (%d of %d dims) is not supported", m->n_rot,
                     m->head_dim);
     }
     double f = 0;
-    if (!get_float(g, a + "attention.layer_norm_rms_epsilon", &f)) {
-        return fail(m, GGSWARM_E_FORMAT, "%sattention.layer_norm_rms_epsilon is missing", a.c_str());
+    if (!hp.opt_float("attention.layer_norm_rms_epsilon", &f)) {
+        return fail(m, GGSWARM_E_FORMAT, "%sattention.layer_norm_rms_epsilon is missing", a);
     }
     m->eps = (float)f;
-    m->rope_base = get_float(g, a + "rope.freq_base", &f) ? (float)f : 10000.0f;
+    m->rope_base = hp.opt_float("rope.freq_base", &f) ? (float)f : 10000.0f;
     std::string scaling = "none";
-    get_str(g, a + "rope.scaling.type", &scaling);
+    hp.opt_str("rope.scaling.type", &scaling);
     if (scaling == "linear") {
-        if (get_float(g, a + "rope.scaling.factor", &f) && f > 0) m->rope_freq_scale = (float)(1.0 / f);
+        if (hp.opt_float("rope.scaling.factor", &f) && f > 0) m->rope_freq_scale = (float)(1.0 / f);
     } else if (scaling != "none" && !scaling.empty()) {
         return fail(m, GGSWARM_E_UNSUPPORTED, "rope scaling '%s' is not supported by the native backend",
                     scaling.c_str());
     }
-    if (get_float(g, a + "rope.scale_linear", &f) && f > 0) m->rope_freq_scale = (float)(1.0 / f);
-    m->rope_mode = m->arch == "qwen2" ? GGML_ROPE_TYPE_NEOX : GGML_ROPE_TYPE_NORMAL;
-    m->n_ctx_train = 4096;
-    if (get_int(g, a + "context_length", &v) && v > 0) m->n_ctx_train = (int32_t)std::min<int64_t>(v, INT32_MAX);
-    m->n_ctx_max = std::min(m->n_ctx_train, (int32_t)GGSWARM_MAX_CONTEXT);
+    if (hp.opt_float("rope.scale_linear", &f) && f > 0) m->rope_freq_scale = (float)(1.0 / f);
+    for (LayerHp & l : m->lhp) {
+        l.state = StateKind::KV;
+        l.rope_base = m->rope_base;
+        l.rope_scale = m->rope_freq_scale;
+    }
     return GGSWARM_OK;
 }
 
 // --- weights -------------------------------------------------------------------------------------------
 
-namespace {
+void want_attention(const ggswarm_model * m, int32_t il, Layer & L, Wants & w) {
+    const int64_t d = m->d_model, dq = (int64_t)m->n_head * m->head_dim, dkv = m->d_kv();
+    w.need(blk(il, "attn_norm.weight"), {d}, &L.attn_norm);
+    w.need(blk(il, "attn_q.weight"), {d, dq}, &L.wq);
+    w.need(blk(il, "attn_k.weight"), {d, dkv}, &L.wk);
+    w.need(blk(il, "attn_v.weight"), {d, dkv}, &L.wv);
+    w.opt(blk(il, "attn_q.bias"), {dq}, &L.bq);
+    w.opt(blk(il, "attn_k.bias"), {dkv}, &L.bk);
+    w.opt(blk(il, "attn_v.bias"), {dkv}, &L.bv);
+    w.need(blk(il, "attn_output.weight"), {dq, d}, &L.wo);
+    w.opt(blk(il, "attn_output.bias"), {d}, &L.bo);
+}
 
-struct Wanted {
-    std::string name;
-    std::vector<int64_t> shape;
-    bool optional;
-    ggml_tensor ** dst;
-};
-
-}  // namespace
+void want_ffn(const ggswarm_model * m, int32_t il, Layer & L, Wants & w) {
+    const int64_t d = m->d_model;
+    w.need(blk(il, "ffn_norm.weight"), {d}, &L.ffn_norm);
+    w.need(blk(il, "ffn_gate.weight"), {d, m->n_ff}, &L.w_gate);
+    w.need(blk(il, "ffn_up.weight"), {d, m->n_ff}, &L.w_up);
+    w.need(blk(il, "ffn_down.weight"), {m->n_ff, d}, &L.w_down);
+}
 
 ggswarm_status load_weights(ggswarm_model * m, const Meta & meta, const char * path, uint64_t file_size) {
-    std::vector<Wanted> want;
-    const int64_t d = m->d_model, dq = (int64_t)m->n_head * m->head_dim, dkv = m->d_kv();
-    if (m->is_first()) want.push_back({"token_embd.weight", {d, m->n_vocab}, false, &m->tok_embd});
+    Wants wants;
+    wants.g = meta.g;
+    const int64_t d = m->d_model;
+    if (m->is_first()) wants.need("token_embd.weight", {d, m->n_vocab}, &m->tok_embd);
     if (m->is_last()) {
-        want.push_back({"output_norm.weight", {d}, false, &m->output_norm});
-        if (gguf_find_tensor(meta.g, "output.weight") >= 0) {
-            want.push_back({"output.weight", {d, m->n_vocab}, false, &m->output});
+        wants.need("output_norm.weight", {d}, &m->output_norm);
+        if (wants.in_file("output.weight")) {
+            wants.need("output.weight", {d, m->n_vocab}, &m->output);
         } else if (!m->is_first()) {
-            want.push_back({"token_embd.weight", {d, m->n_vocab}, false, &m->tok_embd});
+            wants.need("token_embd.weight", {d, m->n_vocab}, &m->tok_embd);
         }
     }
-    if (gguf_find_tensor(meta.g, "rope_freqs.weight") >= 0) {
-        want.push_back({"rope_freqs.weight", {m->n_rot / 2}, false, &m->rope_freqs});
-    }
+    if (wants.in_file("rope_freqs.weight")) wants.need("rope_freqs.weight", {m->n_rot / 2}, &m->rope_freqs);
     m->layers.resize(m->layer_end - m->layer_start);
     for (int32_t il = m->layer_start; il < m->layer_end; ++il) {
-        Layer & L = m->layers[il - m->layer_start];
-        auto n = [il](const char * s) { return "blk." + std::to_string(il) + "." + s; };
-        want.push_back({n("attn_norm.weight"), {d}, false, &L.attn_norm});
-        want.push_back({n("attn_q.weight"), {d, dq}, false, &L.wq});
-        want.push_back({n("attn_k.weight"), {d, dkv}, false, &L.wk});
-        want.push_back({n("attn_v.weight"), {d, dkv}, false, &L.wv});
-        want.push_back({n("attn_q.bias"), {dq}, true, &L.bq});
-        want.push_back({n("attn_k.bias"), {dkv}, true, &L.bk});
-        want.push_back({n("attn_v.bias"), {dkv}, true, &L.bv});
-        want.push_back({n("attn_output.weight"), {dq, d}, false, &L.wo});
-        want.push_back({n("attn_output.bias"), {d}, true, &L.bo});
-        want.push_back({n("ffn_norm.weight"), {d}, false, &L.ffn_norm});
-        want.push_back({n("ffn_gate.weight"), {d, m->n_ff}, false, &L.w_gate});
-        want.push_back({n("ffn_up.weight"), {d, m->n_ff}, false, &L.w_up});
-        want.push_back({n("ffn_down.weight"), {m->n_ff, d}, false, &L.w_down});
-        if (gguf_find_tensor(meta.g, n("attn_qkv.weight").c_str()) >= 0) {
+        if (wants.in_file(blk(il, "attn_qkv.weight"))) {
             return fail(m, GGSWARM_E_UNSUPPORTED, "fused attn_qkv tensors are not supported (layer %d)", il);
         }
+        m->archp->want_layer(m, il, m->layers[il - m->layer_start], wants);
     }
+    const std::vector<Wants::Item> & want = wants.items;
     ggml_init_params ip = {ggml_tensor_overhead() * (want.size() + 4), nullptr, true};
     m->wctx = ggml_init(ip);
     if (!m->wctx) return fail(m, GGSWARM_E_NO_MEMORY, "cannot create the weights context");
     std::vector<std::pair<ggml_tensor *, int64_t>> to_read;  // tensor, gguf id
-    for (const Wanted & w : want) {
+    for (const Wants::Item & w : want) {
         int64_t tid = gguf_find_tensor(meta.g, w.name.c_str());
         if (tid < 0) {
             if (w.optional) continue;
@@ -327,7 +368,7 @@ ggswarm_status init_backends(ggswarm_model * m) {
 // Size the window graph; every cached graph gets a scheduler of its own (new_sched), made with it.
 ggswarm_status init_sched(ggswarm_model * m) {
     const int32_t nl = m->layer_end - m->layer_start;
-    m->graph_size = (size_t)std::max(2048, 48 * nl + 256);
+    m->graph_size = (size_t)std::max(4096, 128 * nl + 512);  // room for norms, gates and experts per layer
     return GGSWARM_OK;
 }
 

@@ -1,6 +1,6 @@
 // Internal types of libggswarm shared by its translation units: the node's KV budget, the model handle
-// (weights, device, sessions, cached graphs), sessions' KV, and the functions one unit offers the
-// others.
+// (weights, device, sessions, cached graphs), sessions' state, and the functions one unit offers the
+// others. arch.h adds the architecture table and the pieces window graphs are built from.
 #pragma once
 
 #include <cstdint>
@@ -19,7 +19,11 @@
 
 namespace ggswarm {
 
-// One transformer layer's weights in the backend buffer (biases only where the GGUF has them: qwen2).
+struct Arch;
+
+// One transformer layer's weights in the backend buffer; an architecture loads the ones it uses
+// (biases only where the GGUF has them: qwen2). Tensors only one architecture has go in `extra`,
+// by their GGUF name without the "blk.N." prefix.
 struct Layer {
     ggml_tensor * attn_norm = nullptr;
     ggml_tensor * wq = nullptr;
@@ -34,17 +38,44 @@ struct Layer {
     ggml_tensor * w_gate = nullptr;
     ggml_tensor * w_up = nullptr;
     ggml_tensor * w_down = nullptr;
+    ggml_tensor * q_norm = nullptr;          // per-head RMS norms of q and k (qwen3, gemma3)
+    ggml_tensor * k_norm = nullptr;
+    ggml_tensor * attn_post_norm = nullptr;  // norms of the attention and FFN outputs (gemma3)
+    ggml_tensor * ffn_post_norm = nullptr;
+    ggml_tensor * ffn_gate_inp = nullptr;    // mixture of experts: router, stacked experts, shared expert
+    ggml_tensor * ffn_gate_exps = nullptr;
+    ggml_tensor * ffn_up_exps = nullptr;
+    ggml_tensor * ffn_down_exps = nullptr;
+    ggml_tensor * ffn_gate_inp_shexp = nullptr;
+    ggml_tensor * ffn_gate_shexp = nullptr;
+    ggml_tensor * ffn_up_shexp = nullptr;
+    ggml_tensor * ffn_down_shexp = nullptr;
+    std::map<std::string, ggml_tensor *> extra;
 };
 
-// One session's KV cache on the model's device: per layer K [d_kv, cap] and V^T [cap, d_kv], f16.
+// What one layer keeps per session (arch.h's StateOps says how each kind is stored).
+enum class StateKind : int32_t {
+    KV = 0,         // K and V rows of every position (attention)
+    Recurrent = 1,  // a fixed-size state updated by every position (gated delta-net: conv + f32 state)
+};
+
+// Per-layer hyper-parameters, for every layer of the model (not only the window's).
+struct LayerHp {
+    StateKind state = StateKind::KV;
+    bool swa = false;  // attends only the last n_swa positions (ggswarm_model::n_swa)
+    float rope_base = 10000.0f;
+    float rope_scale = 1.0f;
+};
+
+// One session's state on the model's device: per layer of the window, the tensors of its state kind
+// (KV: K [d_kv, cap] and V^T [cap, d_kv], f16, or V rows [d_kv, cap] in flash mode).
 struct Session {
     int32_t max_tokens = 0;
     int32_t len = 0;
     int32_t cap = 0;
     ggml_context * ctx = nullptr;
     ggml_backend_buffer_t buf = nullptr;
-    std::vector<ggml_tensor *> k;
-    std::vector<ggml_tensor *> v;
+    std::vector<std::vector<ggml_tensor *>> state;
     uint64_t bytes = 0;
 
     void release() {
@@ -52,8 +83,7 @@ struct Session {
         if (ctx) ggml_free(ctx);
         buf = nullptr;
         ctx = nullptr;
-        k.clear();
-        v.clear();
+        state.clear();
         bytes = 0;
         cap = 0;
     }
@@ -73,9 +103,9 @@ struct GraphKey {
 // A built and allocated window graph, cached by its key and reused by whichever session calls with
 // that shape (a decode loop, or sessions taking turns, rebuild nothing: only the inputs and the KV
 // binding change). It owns its metadata arena and its scheduler (so its allocation survives while
-// other graphs run). The graph reads and writes the cache through its own K/V leaf tensors of shape
-// [d_kv, cap] and [cap, d_kv]; bind_kv points them, and every view of them, at the calling session's
-// cache before each compute.
+// other graphs run). The graph reads and writes the session state through its own leaf tensors of
+// the session's shapes (per layer, as its state kind plans them); bind_state points them, and every
+// view of them, at the calling session's tensors before each compute.
 struct Graph {
     std::vector<uint8_t> meta;
     ggml_backend_sched_t sched = nullptr;
@@ -85,12 +115,13 @@ struct Graph {
     ggml_tensor * inp_hidden = nullptr;
     ggml_tensor * inp_pos = nullptr;
     ggml_tensor * inp_mask = nullptr;
+    ggml_tensor * inp_mask_swa = nullptr;  // sliding-window layers' mask (also on kernel decode steps)
     ggml_tensor * inp_kidx = nullptr;  // row of each new position in K
     ggml_tensor * inp_vidx = nullptr;  // element index of each new (channel, position) in transposed V
     ggml_tensor * out = nullptr;
     ggml_tensor * out_prob = nullptr;  // last window: softmax of the final position's logits
-    std::vector<ggml_tensor *> k, v;     // per layer: the cache leaves bound to a session's s.k / s.v
-    std::vector<ggml_tensor *> kv_views; // graph tensors viewing k or v (rebound with them)
+    std::vector<std::vector<ggml_tensor *>> state;  // per layer: leaves bound to a session's s.state
+    std::vector<ggml_tensor *> kv_views;             // graph tensors viewing a state leaf (rebound with it)
     GraphKey key;
     uint64_t last_use = 0;
 
@@ -129,6 +160,7 @@ struct ggswarm_model {
     mutable std::string error;
 
     std::string arch;
+    const ggswarm::Arch * archp = nullptr;  // its entry in the architecture table (arch.h)
     std::string model_id;
     std::string device_name;
     int32_t n_layers_total = 0, layer_start = 0, layer_end = 0;
@@ -136,6 +168,10 @@ struct ggswarm_model {
     int32_t n_ctx_train = 0, n_ctx_max = 0, n_threads = 1;
     float eps = 1e-5f, rope_base = 10000.0f, rope_freq_scale = 1.0f;
     int rope_mode = GGML_ROPE_TYPE_NORMAL;
+    int32_t n_swa = 0;           // sliding window of the layers whose LayerHp::swa is set
+    float embd_scale = 0.0f;     // first window: token embeddings times this (0: not scaled; gemma3)
+    float logit_softcap = 0.0f;  // last window: logits = c * tanh(logits / c) (0: none)
+    std::vector<ggswarm::LayerHp> lhp;  // one per layer of the whole model
     // How attention runs (ggswarm_model_info.decode_kernels, chosen at open): 1: CPU decode steps use
     // attention.cpp's kernels (see kernel_step); 0: ggml's ops; -1: ggml's ops, the kernels failed the
     // self-check at open; -2: ggml_flash_attn_ext on every step, with the V cache not transposed
@@ -178,9 +214,7 @@ struct ggswarm_model {
     bool is_last() const { return layer_end == n_layers_total; }
     int32_t d_kv() const { return head_dim * n_head_kv; }
     bool flash() const { return decode_kernels == -2; }  // V rows per position; f16 mask
-    uint64_t kv_bytes_per_token() const {
-        return 2ULL * (uint64_t)(layer_end - layer_start) * (uint64_t)d_kv() * sizeof(ggml_fp16_t);
-    }
+    uint64_t kv_bytes_per_token() const;  // kv.cpp: over the window's layers, every state kind
     uint64_t kv_total() const {
         uint64_t t = 0;
         for (const auto & kv : sessions) t += kv.second.bytes;
@@ -215,7 +249,7 @@ ggswarm_status init_backends(ggswarm_model * m);
 ggswarm_status init_sched(ggswarm_model * m);
 ggml_backend_sched_t new_sched(const ggswarm_model * m);
 
-// KV (kv.cpp)
+// session state (kv.cpp)
 void budget_release(ggswarm_budget * b);
 void free_kv(ggswarm_model * m, Session & s);  // release the session's KV and credit the budget
 Session * find_session(const ggswarm_model * m, int64_t sid);

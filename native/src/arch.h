@@ -1,0 +1,190 @@
+// The architecture layer of libggswarm: a table from GGUF general.architecture to what differs per
+// architecture (hyper-parameters, each layer's tensors and session state, the graph of a window of
+// layers), and the pieces every architecture builds from (norms, RoPE, attention over the session's
+// cache, gated FFNs, a mixture of experts). docs/native.md, "Architectures", says how to add one.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "model.h"
+
+namespace ggswarm {
+
+// --- GGUF hyper-parameters ------------------------------------------------------------------------------
+
+// Typed reads of "<arch>.<key>" from a GGUF header, each failing with a message that names the key.
+struct Hp {
+    const ggswarm_model * m;
+    const gguf_context * g;
+    std::string prefix;  // "<arch>."
+
+    bool has(const char * key) const;
+    bool is_array(const char * key) const;
+    // an integer in [lo, hi]; E_FORMAT when missing or out of range, E_UNSUPPORTED when per-layer
+    ggswarm_status need_int(const char * key, int64_t lo, int64_t hi, int32_t * dst) const;
+    bool opt_int(const char * key, int64_t * out) const;      // false when absent (or not an integer)
+    bool opt_float(const char * key, double * out) const;     // false when absent
+    bool opt_str(const char * key, std::string * out) const;  // false when absent
+    // a per-layer array of integers or bools (n values) or one value for every layer; false when absent
+    bool per_layer(const char * key, int32_t n, std::vector<int64_t> * out) const;
+};
+
+// The attention hyper-parameters most decoder architectures share: feed_forward_length, head counts,
+// head_dim (key_length = value_length), rope dimension (whole head), rms epsilon, rope base and linear
+// scaling, context length. Fills m and every m->lhp[il] with KV state and the model's rope base.
+ggswarm_status read_attention_hparams(ggswarm_model * m, const Hp & hp);
+
+// --- tensors ----------------------------------------------------------------------------------------------
+
+// The tensors a window reads from the file, with their expected shapes.
+struct Wants {
+    struct Item {
+        std::string name;
+        std::vector<int64_t> shape;
+        bool optional;
+        ggml_tensor ** dst;
+    };
+    std::vector<Item> items;
+    const gguf_context * g = nullptr;
+
+    void need(const std::string & name, std::vector<int64_t> shape, ggml_tensor ** dst) {
+        items.push_back({name, std::move(shape), false, dst});
+    }
+    void opt(const std::string & name, std::vector<int64_t> shape, ggml_tensor ** dst) {
+        items.push_back({name, std::move(shape), true, dst});
+    }
+    bool in_file(const std::string & name) const { return gguf_find_tensor(g, name.c_str()) >= 0; }
+};
+
+inline std::string blk(int32_t il, const char * name) { return "blk." + std::to_string(il) + "." + name; }
+
+// The attention tensors of layer il (attn_norm, q/k/v with optional biases, output): llama's set.
+void want_attention(const ggswarm_model * m, int32_t il, Layer & L, Wants & w);
+// ffn_norm, ffn_gate, ffn_up, ffn_down of layer il at m->n_ff.
+void want_ffn(const ggswarm_model * m, int32_t il, Layer & L, Wants & w);
+
+// --- graph building ---------------------------------------------------------------------------------------
+
+// Everything a window builder needs: the model, the graph under construction and its shape.
+struct Build {
+    ggswarm_model * m;
+    Graph & g;
+    ggml_context * c;
+    int32_t n;       // new positions
+    int32_t n_kv;    // attended span
+    int32_t cap;     // cache capacity of the bound session
+    bool last_only;  // last window: keep only the final position after the last layer's attention
+
+    int32_t local(int32_t il) const { return il - m->layer_start; }
+    const Layer & layer(int32_t il) const { return m->layers[local(il)]; }
+    const LayerHp & hp(int32_t il) const { return m->lhp[il]; }
+    std::vector<ggml_tensor *> & state(int32_t il) { return g.state[local(il)]; }
+};
+
+ggml_tensor * rms(ggml_context * c, ggml_tensor * x, ggml_tensor * w, float eps);
+ggml_tensor * linear(ggml_context * c, ggml_tensor * w, ggml_tensor * b, ggml_tensor * x);
+
+// RoPE of x [hd, heads, n] at the graph's positions with layer il's base and scale (m->rope_mode).
+ggml_tensor * rope(Build & b, int32_t il, ggml_tensor * x);
+
+// q, k, v of layer il from the normed input: q [hd, n_head, n], k [hd, n_head_kv, n], v [hd * n_head_kv, n].
+struct Qkv {
+    ggml_tensor * q, * k, * v;
+};
+Qkv qkv(Build & b, int32_t il, ggml_tensor * cur);
+
+// Attention of the window's new positions for layer il (KV state): appends k [hd, nkv, n] and v
+// [hd * nkv, n] to the session's cache and attends q [hd, nh, n] over the first n_kv positions
+// (the layer's sliding window when hp.swa), softmax(kq_scale * K.q + mask). Runs in the model's
+// attention mode (ggml's ops, the decode kernels, or flash attention). Returns [hd * nh, n], before
+// the output projection.
+ggml_tensor * attention(Build & b, int32_t il, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, float kq_scale);
+
+// On the last window's last layer, keep only the final position of cur and of the residual x (the
+// sampler reads nothing else); otherwise unchanged.
+void keep_last(Build & b, int32_t il, ggml_tensor ** cur, ggml_tensor ** x);
+
+enum class Act { Silu, Gelu };
+
+// down(act(gate(x)) * up(x)): SwiGLU or GeGLU.
+ggml_tensor * glu_ffn(ggml_context * c, ggml_tensor * x, ggml_tensor * gate, ggml_tensor * up, ggml_tensor * down,
+                      Act act);
+
+enum class Gating { Softmax, Sigmoid };
+
+// A mixture of experts on x [d, n]: router logits gate_inp.x, probabilities by `gating`, the top
+// n_used experts per position (weights renormalised to sum 1 when norm_w, then times w_scale), each a
+// gated FFN from the stacked expert tensors ([d, ff, n_expert], down [ff, d, n_expert]); with a shared
+// expert (sh_gate/sh_up/sh_down, may be null) added, scaled by sigmoid(sh_gate_inp.x) when sh_gate_inp
+// is set. Returns [d, n].
+struct Moe {
+    ggml_tensor * gate_inp = nullptr;
+    ggml_tensor * gate_exps = nullptr;
+    ggml_tensor * up_exps = nullptr;
+    ggml_tensor * down_exps = nullptr;
+    ggml_tensor * sh_gate_inp = nullptr;
+    ggml_tensor * sh_gate = nullptr;
+    ggml_tensor * sh_up = nullptr;
+    ggml_tensor * sh_down = nullptr;
+    int32_t n_expert = 0;
+    int32_t n_used = 0;
+    Gating gating = Gating::Softmax;
+    bool norm_w = true;
+    float w_scale = 1.0f;
+    Act act = Act::Silu;
+};
+ggml_tensor * moe_ffn(ggml_context * c, ggml_tensor * x, const Moe & p);
+
+// --- the table ----------------------------------------------------------------------------------------------
+
+// One architecture. read_hparams fills m (and m->lhp, one entry per layer of the whole model: state
+// kind, sliding window, rope base); want_layer lists layer il's tensors; build_window builds layers
+// [m->layer_start, m->layer_end) on x [d_model, n] (already embedded and scaled on the first window)
+// and returns the hidden state after the last of them.
+struct Arch {
+    const char * name;
+    ggswarm_status (*read_hparams)(ggswarm_model * m, const Hp & hp);
+    void (*want_layer)(const ggswarm_model * m, int32_t il, Layer & L, Wants & w);
+    ggml_tensor * (*build_window)(Build & b, ggml_tensor * x);
+};
+
+// Architectures register themselves from their own unit: `static ArchRegistration reg(&kMyArch);`.
+void register_arch(const Arch * a);
+struct ArchRegistration {
+    explicit ArchRegistration(const Arch * a) { register_arch(a); }
+};
+const Arch * find_arch(const std::string & name);
+std::string arch_names();  // "gemma3, llama, ..." for messages
+
+// --- state kinds -----------------------------------------------------------------------------------------
+
+// How one kind of per-layer session state is laid out, grown, measured and serialised. The session
+// holds, per layer of the window, the tensors `plan` creates; a graph holds leaves of the same shapes,
+// bound to the calling session's tensors before each compute. Registered like architectures.
+struct StateOps {
+    StateKind kind;
+    const char * name;
+    size_t max_tensors;  // tensors plan creates per layer
+    // layer il's state tensors for a session of cap positions, created in ctx (no data)
+    void (*plan)(const ggswarm_model * m, int32_t il, int64_t cap, ggml_context * ctx,
+                 std::vector<ggml_tensor *> & out);
+    // after growth: copy the state of the first len positions from the old tensors into the new ones
+    void (*carry)(const ggswarm_model * m, int32_t il, const std::vector<ggml_tensor *> & from,
+                  const std::vector<ggml_tensor *> & to, int32_t len);
+    // bytes a position costs (caches that grow), and the bytes of the fixed part (recurrent states)
+    uint64_t (*bytes_per_token)(const ggswarm_model * m, int32_t il);
+    // snapshot payload of this layer at len positions, and writing / reading it
+    uint64_t (*snapshot_bytes)(const ggswarm_model * m, int32_t il, int32_t len);
+    void (*save)(const ggswarm_model * m, int32_t il, const std::vector<ggml_tensor *> & t, int32_t len, uint8_t * p);
+    void (*load)(const ggswarm_model * m, int32_t il, const std::vector<ggml_tensor *> & t, int32_t len,
+                 const uint8_t * p);
+};
+void register_state_kind(const StateOps * ops);
+struct StateRegistration {
+    explicit StateRegistration(const StateOps * ops) { register_state_kind(ops); }
+};
+const StateOps * state_ops(StateKind k);  // nullptr when no unit implements the kind
+
+}  // namespace ggswarm

@@ -1,0 +1,151 @@
+// The pieces every architecture's window graph is built from (norms, RoPE, attention over the session's
+// cache in the model's attention mode, gated FFNs, mixture of experts), and the architecture table.
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+
+#include "arch.h"
+#include "attention.h"
+
+namespace ggswarm {
+
+ggml_tensor * rms(ggml_context * c, ggml_tensor * x, ggml_tensor * w, float eps) {
+    return ggml_mul(c, ggml_rms_norm(c, x, eps), w);
+}
+
+ggml_tensor * linear(ggml_context * c, ggml_tensor * w, ggml_tensor * b, ggml_tensor * x) {
+    ggml_tensor * y = ggml_mul_mat(c, w, x);
+    return b ? ggml_add(c, y, b) : y;
+}
+
+ggml_tensor * rope(Build & b, int32_t il, ggml_tensor * x) {
+    const ggswarm_model * m = b.m;
+    const LayerHp & h = b.hp(il);
+    return ggml_rope_ext(b.c, x, b.g.inp_pos, m->rope_freqs, m->n_rot, m->rope_mode, m->n_ctx_train, h.rope_base,
+                         h.rope_scale, 0.0f, 1.0f, 32.0f, 1.0f);
+}
+
+Qkv qkv(Build & b, int32_t il, ggml_tensor * cur) {
+    const Layer & L = b.layer(il);
+    const ggswarm_model * m = b.m;
+    Qkv r;
+    r.q = ggml_reshape_3d(b.c, linear(b.c, L.wq, L.bq, cur), m->head_dim, m->n_head, b.n);
+    r.k = ggml_reshape_3d(b.c, linear(b.c, L.wk, L.bk, cur), m->head_dim, m->n_head_kv, b.n);
+    r.v = linear(b.c, L.wv, L.bv, cur);
+    return r;
+}
+
+ggml_tensor * attention(Build & b, int32_t il, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, float kq_scale) {
+    ggswarm_model * m = b.m;
+    Graph & g = b.g;
+    ggml_context * c = b.c;
+    const int32_t n = b.n;
+    const int64_t dkv = m->d_kv();
+    // append the new positions to the bound session's cache (K rows; V transposed, or V rows for flash
+    // attention); index inputs instead of view offsets keep the graph independent of the position
+    ggml_tensor * kc = b.state(il)[0];
+    ggml_tensor * vc = b.state(il)[1];
+    ggml_tensor * k_put = ggml_set_rows(c, kc, ggml_reshape_2d(c, k, dkv, n), g.inp_kidx);
+    ggml_build_forward_expand(g.gf, k_put);
+    ggml_tensor * v_put;
+    if (m->flash()) {
+        v_put = ggml_set_rows(c, vc, ggml_reshape_2d(c, v, dkv, n), g.inp_kidx);
+    } else {
+        ggml_tensor * v_elems = ggml_reshape_2d(c, vc, 1, ggml_nelements(vc));
+        v_put = ggml_set_rows(c, v_elems, ggml_reshape_2d(c, v, 1, (int64_t)n * dkv), g.inp_vidx);
+    }
+    ggml_build_forward_expand(g.gf, v_put);
+    const bool swa = b.hp(il).swa && m->n_swa > 0;
+    ggml_tensor * mask = swa ? g.inp_mask_swa : g.inp_mask;
+    if (m->flash()) return flash_attention(c, q, kc, vc, mask, n, b.n_kv, kq_scale);
+    // the kernels attend every position up to the new one: a sliding-window layer takes ggml's ops and
+    // its mask instead (the same numbers as the kernels wherever the window covers the whole span)
+    if (kernel_step(m, n) && !swa) return kernel_attention(c, q, kc, vc, g.inp_pos, b.n_kv, k_put, v_put, kq_scale);
+    return ops_attention(c, q, kc, vc, mask, n, b.n_kv, kq_scale);
+}
+
+void keep_last(Build & b, int32_t il, ggml_tensor ** cur, ggml_tensor ** x) {
+    if (!b.last_only || il != b.m->layer_end - 1 || b.n <= 1) return;
+    ggml_tensor * t = *cur;
+    *cur = ggml_view_2d(b.c, t, t->ne[0], 1, t->nb[1], (size_t)(b.n - 1) * t->nb[1]);
+    t = *x;
+    *x = ggml_view_2d(b.c, t, t->ne[0], 1, t->nb[1], (size_t)(b.n - 1) * t->nb[1]);
+}
+
+ggml_tensor * glu_ffn(ggml_context * c, ggml_tensor * x, ggml_tensor * gate, ggml_tensor * up, ggml_tensor * down,
+                      Act act) {
+    ggml_tensor * g = ggml_mul_mat(c, gate, x);
+    ggml_tensor * u = ggml_mul_mat(c, up, x);
+    ggml_tensor * h = act == Act::Gelu ? ggml_geglu_split(c, g, u) : ggml_swiglu_split(c, g, u);
+    return ggml_mul_mat(c, down, h);
+}
+
+ggml_tensor * moe_ffn(ggml_context * c, ggml_tensor * x, const Moe & p) {
+    const int64_t d = x->ne[0], n = x->ne[1];
+    ggml_tensor * logits = ggml_mul_mat(c, p.gate_inp, x);  // [n_expert, n]
+    ggml_tensor * probs = p.gating == Gating::Sigmoid ? ggml_sigmoid(c, logits) : ggml_soft_max(c, logits);
+    ggml_tensor * sel = ggml_argsort_top_k(c, probs, p.n_used);  // [n_used, n] expert ids
+    ggml_tensor * w = ggml_get_rows(c, ggml_reshape_3d(c, probs, 1, p.n_expert, n), sel);  // [1, n_used, n]
+    if (p.norm_w) {
+        ggml_tensor * w2 = ggml_reshape_2d(c, w, p.n_used, n);
+        w2 = ggml_div(c, w2, ggml_sum_rows(c, w2));
+        w = ggml_reshape_3d(c, w2, 1, p.n_used, n);
+    }
+    if (p.w_scale != 1.0f) w = ggml_scale(c, w, p.w_scale);
+    ggml_tensor * x3 = ggml_reshape_3d(c, x, d, 1, n);
+    ggml_tensor * up = ggml_mul_mat_id(c, p.up_exps, x3, sel);     // [ff, n_used, n]
+    ggml_tensor * gate = ggml_mul_mat_id(c, p.gate_exps, x3, sel);
+    ggml_tensor * h = p.act == Act::Gelu ? ggml_geglu_split(c, gate, up) : ggml_swiglu_split(c, gate, up);
+    ggml_tensor * out = ggml_mul_mat_id(c, p.down_exps, h, sel);  // [d, n_used, n]
+    out = ggml_mul(c, out, w);
+    ggml_tensor * sum = ggml_view_2d(c, out, d, n, out->nb[2], 0);
+    for (int32_t i = 1; i < p.n_used; ++i) {
+        sum = ggml_add(c, sum, ggml_view_2d(c, out, d, n, out->nb[2], (size_t)i * out->nb[1]));
+    }
+    if (p.n_used == 1) sum = ggml_cont(c, sum);
+    if (p.sh_up) {
+        ggml_tensor * sh = glu_ffn(c, x, p.sh_gate, p.sh_up, p.sh_down, p.act);
+        if (p.sh_gate_inp) sh = ggml_mul(c, sh, ggml_sigmoid(c, ggml_mul_mat(c, p.sh_gate_inp, x)));
+        sum = ggml_add(c, sum, sh);
+    }
+    return sum;
+}
+
+// --- the tables ------------------------------------------------------------------------------------------
+
+namespace {
+
+std::map<std::string, const Arch *> & arch_table() {
+    static std::map<std::string, const Arch *> t;
+    return t;
+}
+
+std::map<int32_t, const StateOps *> & state_table() {
+    static std::map<int32_t, const StateOps *> t;
+    return t;
+}
+
+}  // namespace
+
+void register_arch(const Arch * a) { arch_table()[a->name] = a; }
+
+const Arch * find_arch(const std::string & name) {
+    auto it = arch_table().find(name);
+    return it == arch_table().end() ? nullptr : it->second;
+}
+
+std::string arch_names() {
+    std::string s;
+    for (const auto & kv : arch_table()) s += (s.empty() ? "" : ", ") + kv.first;
+    return s;
+}
+
+void register_state_kind(const StateOps * ops) { state_table()[(int32_t)ops->kind] = ops; }
+
+const StateOps * state_ops(StateKind k) {
+    auto it = state_table().find((int32_t)k);
+    return it == state_table().end() ? nullptr : it->second;
+}
+
+}  // namespace ggswarm
