@@ -16,6 +16,7 @@ from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E40
 from django.conf import settings  # noqa: E402
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
 
+from webapp.core.bodylimit import BodyLimit  # noqa: E402
 from webapp.ws_urls import agent_websocket_urlpatterns, browser_websocket_urlpatterns  # noqa: E402
 
 if TYPE_CHECKING:
@@ -40,7 +41,7 @@ class _WebsocketRouter:
 
 application = ProtocolTypeRouter(
     {
-        "http": ASGIStaticFilesHandler(django_http) if settings.SERVE_STATIC else django_http,
+        "http": BodyLimit(ASGIStaticFilesHandler(django_http) if settings.SERVE_STATIC else django_http),
         "websocket": _WebsocketRouter(),
     }
 )

@@ -73,20 +73,21 @@ def test_registering_the_packaged_model_builds_its_manifest(
     assert ti.piece_length() == 256 * 1024 and ti.priv()
 
 
-def test_registering_a_missing_path_says_so(staff_client: Any) -> None:
-    r = staff_client.post("/models/register", {"kind": "path", "path": "/nope/x.gguf"})
+def test_registering_a_missing_path_says_so(staff_client: Any, settings: Any, tmp_path: Path) -> None:
+    settings.MODELS_DIR = tmp_path
+    r = staff_client.post("/models/register", {"kind": "path", "path": str(tmp_path / "x.gguf")})
     assert r.status_code == 400 and b"no such file" in r.content
 
 
-def test_registering_a_file_that_is_not_gguf_fails_with_the_reason(
-    staff_client: Any, tmp_path: Path, django_capture_on_commit_callbacks: Any
+def test_registering_a_file_that_is_not_gguf_is_refused_with_the_reason(
+    staff_client: Any, tmp_path: Path, settings: Any
 ) -> None:
+    settings.MODELS_DIR = tmp_path
     p = tmp_path / "x.gguf"
     p.write_bytes(b"not a gguf at all, no sir" * 10)
-    with django_capture_on_commit_callbacks(execute=True):
-        staff_client.post("/models/register", {"kind": "path", "path": str(p)})
-    a = ModelArtifact.objects.get()
-    assert a.state == ModelArtifact.State.FAILED and "not a GGUF" in a.error
+    r = staff_client.post("/models/register", {"kind": "path", "path": str(p)})
+    assert r.status_code == 400 and b"not a GGUF" in r.content and b"no sir" not in r.content
+    assert not ModelArtifact.objects.exists()
 
 
 def test_uploading_a_gguf_registers_it(

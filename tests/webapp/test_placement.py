@@ -263,12 +263,14 @@ def test_registering_a_model_the_agent_cannot_serve_marks_it_failed_with_the_rea
     tiny,
     tmp_path: Path,
     django_capture_on_commit_callbacks,  # noqa: ANN001
+    settings,  # noqa: ANN001
 ) -> None:
     from agent.artifacts.tiny import write_tiny_gguf
     from webapp.catalog.models import ModelArtifact
     from webapp.fleet.tasks import place_model
 
     path = write_tiny_gguf("qwen35moe", tmp_path / "qwen35moe.gguf")
+    settings.MODELS_DIR = tmp_path  # path registrations only name files in the models directory
     with django_capture_on_commit_callbacks(execute=True):
         staff_client.post("/models/register", {"kind": "path", "path": str(path)})
     a = ModelArtifact.objects.get()

@@ -38,19 +38,56 @@ def build_torrent(path: str, manifest: Manifest) -> tuple[bytes | None, str]:
     return create_torrent(path, smallest_layer_bytes=smallest)
 
 
-def register_path(
-    path: str, user: Any, name: str = "", source: str = ModelArtifact.Source.PATH
-) -> ModelArtifact:
-    p = Path(path).expanduser()
-    if not p.is_absolute():
-        raise RegistrationError(f"{path}: give an absolute path on the control plane host")
-    if not p.is_file():
-        raise RegistrationError(f"{p}: no such file")
+GGUF_MAGIC = b"GGUF"
+
+
+def _check_gguf_magic(p: Path) -> None:
+    """Refuse anything that does not start with the GGUF magic, without ever quoting its bytes (a
+    message that echoed them leaked the first bytes of /etc/shadow)."""
+    try:
+        with p.open("rb") as f:
+            head = f.read(len(GGUF_MAGIC))
+    except OSError as e:
+        raise RegistrationError(f"{p}: cannot be read by the control plane ({e.strerror})") from None
+    if head != GGUF_MAGIC:
+        raise RegistrationError(f"{p}: not a GGUF file (it does not start with the GGUF magic)")
+
+
+def models_dir() -> Path:
+    """SWARM_MODELS_DIR, resolved (symlinks followed): the only place a path registration may name."""
+    return Path(settings.MODELS_DIR).resolve()
+
+
+def resolve_in_models_dir(path: str) -> Path:
+    """The real path of `path` (absolute, or relative to the models directory), which must be a regular
+    file inside the models directory once every symlink is resolved; RegistrationError otherwise."""
+    root = models_dir()
+    raw = Path(path)
+    if not path.strip():
+        raise RegistrationError(f"give a file under the models directory {root}")
+    real = (raw if raw.is_absolute() else root / raw).resolve()
+    if not real.is_relative_to(root):
+        raise RegistrationError(
+            f"{path}: only files under the models directory {root} (SWARM_MODELS_DIR) can be registered"
+        )
+    if not real.exists():
+        raise RegistrationError(f"{path}: no such file")
+    if not real.is_file():
+        raise RegistrationError(f"{path}: not a regular file")
+    return real
+
+
+def register_path(path: str, user: Any, name: str = "") -> ModelArtifact:
+    """Register a file from the models directory (what the web form's "path" kind does)."""
+    real = resolve_in_models_dir(path)
+    return _register_file(real, user, name, ModelArtifact.Source.PATH)
+
+
+def _register_file(p: Path, user: Any, name: str, source: str) -> ModelArtifact:
     if not os.access(p, os.R_OK):
         raise RegistrationError(f"{p}: not readable by the control plane")
-    return ModelArtifact.objects.create(
-        name=name or p.stem, source=source, path=str(p.resolve()), created_by=user
-    )
+    _check_gguf_magic(p)
+    return ModelArtifact.objects.create(name=name or p.stem, source=source, path=str(p), created_by=user)
 
 
 def register_package(name: str, user: Any) -> ModelArtifact:
@@ -58,20 +95,33 @@ def register_package(name: str, user: Any) -> ModelArtifact:
         path = packaged_model_path(name)
     except ModelNotFound as e:
         raise RegistrationError(str(e)) from None
-    return register_path(str(path), user, name=path.stem, source=ModelArtifact.Source.PACKAGE)
+    # A file of an installed package: its path comes from the package, never from the request.
+    return _register_file(path.resolve(), user, path.stem, ModelArtifact.Source.PACKAGE)
 
 
 def register_upload(f: UploadedFile, user: Any, name: str = "") -> ModelArtifact:
-    if f.size is not None and f.size > settings.MAX_UPLOAD_BYTES:
-        raise RegistrationError(f"upload is {f.size} bytes; the limit is {settings.MAX_UPLOAD_BYTES}")
+    """Copy an upload into the artifact directory, counting bytes as they arrive: past MAX_UPLOAD_BYTES
+    (or on any other failure) the partial file is removed and nothing is registered."""
+    limit = settings.MAX_UPLOAD_BYTES
+    if f.size is not None and f.size > limit:
+        raise RegistrationError(f"upload is {f.size} bytes; the limit is {limit}")
     settings.ARTIFACT_DIR.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix="upload-", suffix=".gguf", dir=settings.ARTIFACT_DIR)
-    with os.fdopen(fd, "wb") as out:
-        for chunk in f.chunks():
-            out.write(chunk)
-    return ModelArtifact.objects.create(
-        name=name or Path(f.name or "upload").stem,
-        source=ModelArtifact.Source.UPLOAD,
-        path=tmp,
-        created_by=user,
-    )
+    try:
+        with os.fdopen(fd, "wb") as out:
+            seen = 0
+            for chunk in f.chunks():
+                seen += len(chunk)
+                if seen > limit:
+                    raise RegistrationError(f"upload is larger than the limit of {limit} bytes")
+                out.write(chunk)
+        _check_gguf_magic(Path(tmp))
+        return ModelArtifact.objects.create(
+            name=name or Path(f.name or "upload").stem,
+            source=ModelArtifact.Source.UPLOAD,
+            path=tmp,
+            created_by=user,
+        )
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

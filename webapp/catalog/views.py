@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from django.http import HttpResponse
 from django.shortcuts import render
+from django.views.decorators.csrf import csrf_exempt, csrf_protect
 from django.views.decorators.http import require_GET, require_POST
 
 from webapp.catalog import services, tasks
 from webapp.catalog.models import ModelArtifact
+from webapp.catalog.uploads import LimitedUploadHandler
 from webapp.core.auth import HtmxHttpRequest, staff_required
 
 
@@ -24,9 +26,17 @@ def index(request: HtmxHttpRequest) -> HttpResponse:
     return render(request, template, _models_context())
 
 
+@csrf_exempt  # only so the upload handler goes in before the body is parsed; CSRF is checked below
 @require_POST
 @staff_required
 def register(request: HtmxHttpRequest) -> HttpResponse:
+    limited = LimitedUploadHandler(request)
+    request.upload_handlers = [limited]
+    return _register(request, limited)
+
+
+@csrf_protect
+def _register(request: HtmxHttpRequest, limited: LimitedUploadHandler) -> HttpResponse:
     kind = request.POST.get("kind", "")
     name = request.POST.get("name", "").strip()[:200]
     try:
@@ -36,6 +46,10 @@ def register(request: HtmxHttpRequest) -> HttpResponse:
             artifact = services.register_package(request.POST.get("package", "smollm2").strip(), request.user)
         elif kind == "upload":
             f = request.FILES.get("file")
+            if limited.too_large:
+                raise services.RegistrationError(
+                    f"upload is larger than the limit of {limited.limit} bytes (MAX_UPLOAD_BYTES)"
+                )
             if f is None:
                 raise services.RegistrationError("choose a .gguf file to upload")
             artifact = services.register_upload(f, request.user, name)

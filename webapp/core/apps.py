@@ -11,3 +11,11 @@ class CoreConfig(AppConfig):
     name = "webapp.core"
     label = "core"
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from django.contrib import admin
+
+        from webapp.core import throttle  # noqa: F401  (connects the login-failure signal receivers)
+        from webapp.core.login import ThrottledAdminAuthenticationForm
+
+        admin.site.login_form = ThrottledAdminAuthenticationForm

@@ -3,16 +3,35 @@
 from __future__ import annotations
 
 from django.contrib import admin
+from django.db.models import QuerySet
+from django.http import HttpRequest
 
 from webapp.fleet.models import EnrollmentToken, Node, NodeCredential, ShardAssignment
+from webapp.fleet.passkeys import rotate_passkey
 
 
 @admin.register(Node)
 class NodeAdmin(admin.ModelAdmin):
-    """Nodes."""
+    """Nodes; what a node reports about itself is shown, never edited here."""
 
-    list_display = ("name", "id", "state", "last_seen", "dataplane_url", "version")
+    list_display = ("name", "id", "state", "last_seen", "dataplane_url", "dataplane_problem", "version")
     list_filter = ("state",)
+    readonly_fields = (
+        "dataplane_url",
+        "dataplane_problem",
+        "dataplane_rtt_ms",
+        "speed",
+        "telemetry",
+        "hardware",
+        "passkey_generation",
+    )
+    actions = ("rotate_tracker_passkeys",)
+
+    @admin.action(description="Rotate tracker passkeys (every earlier passkey URL is refused)")
+    def rotate_tracker_passkeys(self, request: HttpRequest, queryset: QuerySet[Node]) -> None:
+        for node in queryset:
+            rotate_passkey(node.id)
+        self.message_user(request, f"rotated the tracker passkey of {queryset.count()} node(s)")
 
 
 @admin.register(ShardAssignment)

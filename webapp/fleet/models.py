@@ -42,6 +42,16 @@ class Node(models.Model):
     free_memory_bytes = models.BigIntegerField(default=0)
     speed = models.FloatField(default=1.0, help_text="measured relative compute speed (GFLOP/s)")
     telemetry = models.JSONField(default=dict, blank=True)
+    passkey_generation = models.PositiveIntegerField(
+        default=0, help_text="bumped to rotate the tracker passkey (every earlier one is refused)"
+    )
+    dataplane_problem = models.CharField(
+        max_length=300,
+        blank=True,
+        default="",
+        help_text="why the reported data-plane URL is not routed to (empty: it passed the checks)",
+    )
+    dataplane_rtt_ms = models.FloatField(null=True, blank=True, help_text="health probe round trip at hello")
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

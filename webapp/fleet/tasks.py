@@ -23,7 +23,7 @@ from webapp.catalog.models import ModelArtifact
 from webapp.core.channels import group_send, node_group, notify_fleet
 from webapp.fleet import services
 from webapp.fleet.models import Node, ShardAssignment
-from webapp.fleet.passkeys import tracker_paths
+from webapp.fleet.passkeys import rotate_passkey, tracker_paths
 from webapp.fleet.placement import (
     Placement,
     PlacementError,
@@ -176,6 +176,7 @@ def remove_node(node_id: str) -> bool:
         ):
             return False
         Node.objects.get(pk=node_id).credentials.filter(revoked_at=None).update(revoked_at=timezone.now())
+        rotate_passkey(node_id)  # its tracker passkey dies with it, even if the node is restored later
 
         def close_socket() -> None:
             group_send(node_group(node_id), {"type": "node.close"})

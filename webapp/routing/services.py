@@ -16,6 +16,7 @@ from webapp.catalog.models import ModelArtifact
 from webapp.core.keys import route_signing_key
 from webapp.fleet.models import Node, ShardAssignment
 from webapp.routing.chooser import ShardCandidate, choose_route
+from webapp.routing.measure import assigned_sessions, observed_layer_ms
 from webapp.routing.models import RouteSession
 
 
@@ -31,23 +32,30 @@ class HopGrant:
 
 
 def ready_candidates(artifact_id: int) -> list[ShardCandidate]:
-    rows = (
+    """Ready shards on online nodes whose data plane passed its checks, priced with the control plane's
+    own load and step-time figures (never the node's `sessions` or `speed` reports: issue 17)."""
+    rows = list(
         ShardAssignment.objects.select_related("node")
         .filter(
             artifact_id=artifact_id,
             state=ShardAssignment.State.READY,
             node__state=Node.State.ONLINE,
+            node__dataplane_problem="",
         )
         .exclude(node__dataplane_url="")
     )
+    node_ids = {r.node_id for r in rows}
+    load = assigned_sessions(node_ids)
+    layer_ms = observed_layer_ms(node_ids)
     return [
         ShardCandidate(
             NodeId(r.node_id),
             r.node.dataplane_url,
             r.layer_start,
             r.layer_end,
-            r.node.speed,
-            int(r.node.telemetry.get("sessions", 0) or 0),
+            1.0,
+            load.get(r.node_id, 0),
+            layer_ms.get(r.node_id),
         )
         for r in rows
     ]
@@ -90,9 +98,14 @@ def open_route(artifact_id: int, user: Any) -> tuple[RouteSession, list[HopGrant
     return session, mint_hops(artifact, session.id, route)
 
 
+MAX_POSITIONS = 2**31 - 1  # the column is a 32-bit integer; no context is anywhere near it
+
+
 def touch_session(session_id: uuid.UUID, n_positions: int) -> None:
     RouteSession.objects.filter(pk=session_id).update(
-        last_used=timezone.now(), n_positions=n_positions, n_turns=F("n_turns") + 1
+        last_used=timezone.now(),
+        n_positions=min(max(0, int(n_positions)), MAX_POSITIONS),
+        n_turns=F("n_turns") + 1,
     )
 
 

@@ -46,9 +46,12 @@ def maybe_store_sample(node_id: str, t: Telemetry, now: datetime) -> bool:
 def record_generation(
     session_id: Any, artifact_id: int, user: Any, telemetry: dict[str, Any], error: str = ""
 ) -> GenerationRecord:
-    def num(key: str) -> float:
+    def num(key: str, hi: float = 1e12) -> float:
+        """A figure from the telemetry, finite and within the columns' range (never a 500 on insert)."""
         v = telemetry.get(key, 0)
-        return float(v) if isinstance(v, int | float) else 0.0
+        if not isinstance(v, int | float) or isinstance(v, bool) or v != v:
+            return 0.0
+        return min(max(float(v), 0.0), hi)
 
     hops = telemetry.get("hops", [])
     record = GenerationRecord.objects.create(
@@ -57,9 +60,9 @@ def record_generation(
         user=user if getattr(user, "is_authenticated", False) else None,
         ttft_ms=num("ttft_ms"),
         tok_s=num("tok_s"),
-        n_prompt=int(num("n_prompt")),
-        n_generated=int(num("n_generated")),
-        wire_bytes=int(num("wire_bytes")),
+        n_prompt=int(num("n_prompt", 2**31 - 1)),
+        n_generated=int(num("n_generated", 2**31 - 1)),
+        wire_bytes=int(num("wire_bytes", 2**62)),
         hops=hops if isinstance(hops, list) else [],
         error=error[:2000],
     )

@@ -117,6 +117,8 @@ DEFAULT_NUMWANT = 50
 MAX_NUMWANT = 200
 DEFAULT_INTERVAL_S = 1800
 MIN_INTERVAL_S = 60
+MAX_INT_DIGITS = 19  # every counter below 10**19
+MAX_SCRAPE_HASHES = 64  # one scrape asks about at most this many torrents (each is a lookup)
 
 
 class AnnounceError(ValueError):
@@ -165,7 +167,14 @@ def parse_query(raw_query: str | bytes) -> dict[str, bytes]:
 
 
 def parse_query_multi(raw_query: str | bytes) -> list[tuple[str, bytes]]:
-    q = raw_query.encode("latin-1") if isinstance(raw_query, str) else raw_query
+    if isinstance(raw_query, str):
+        # WSGI hands QUERY_STRING over as latin-1 text, Django's ASGI request as UTF-8 text: take either.
+        try:
+            q = raw_query.encode("latin-1")
+        except UnicodeEncodeError:
+            q = raw_query.encode("utf-8", "replace")
+    else:
+        q = raw_query
     pairs: list[tuple[str, bytes]] = []
     for part in q.split(b"&"):
         if not part:
@@ -184,10 +193,14 @@ def _int_param(
         if default is None:
             raise AnnounceError(f"missing {name}")
         return default
-    try:
-        v = int(raw.decode("ascii"))
-    except (UnicodeDecodeError, ValueError):
-        raise AnnounceError(f"invalid {name}: not an integer") from None
+    # Plain decimal digits only (an optional minus), at most 19 of them: int() would also take "+1",
+    # "1_000" or spaces, and spend quadratic time on (or refuse oddly) thousands of digits.
+    digits = raw[1:] if raw[:1] == b"-" else raw
+    if not digits.isdigit() or not digits.isascii():
+        raise AnnounceError(f"invalid {name}: not an integer")
+    if len(digits) > MAX_INT_DIGITS:
+        raise AnnounceError(f"invalid {name}: more than {MAX_INT_DIGITS} digits")
+    v = int(raw)
     if not lo <= v <= hi:
         raise AnnounceError(f"invalid {name}: {v} is outside {lo}..{hi}")
     return v
@@ -213,7 +226,7 @@ def parse_announce(raw_query: str | bytes, remote_ip: str) -> Announce:
     port = _int_param(q, "port", lo=1, hi=65535)
     event = q.get("event", b"").decode("latin-1")
     if event not in EVENTS:
-        raise AnnounceError(f"invalid event {event!r}")
+        raise AnnounceError(f"invalid event {event[:20]!r}")
     try:
         ipaddress.ip_address(remote_ip)
     except ValueError:
@@ -389,6 +402,8 @@ def scrape(
     hashes = [v for k, v in parse_query_multi(raw_query) if k == "info_hash"]
     if not hashes:
         return failure("missing info_hash (a full scrape is not offered)")
+    if len(hashes) > MAX_SCRAPE_HASHES:
+        return failure(f"too many info_hash values (at most {MAX_SCRAPE_HASHES} per scrape)")
     if any(len(h) != 20 for h in hashes):
         return failure("invalid info_hash: expected 20 bytes")
     t = time.time() if now is None else now

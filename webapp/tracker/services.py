@@ -1,7 +1,7 @@
 """Tracker decisions that touch settings or the database: whose passkey this is, known torrents, the store.
 
 Passkeys are derived per node (`webapp.fleet.passkeys`), so nothing extra is stored; one is refused
-once its node is removed or has no live credential.
+once its node is removed, has no live credential, or its passkey was rotated since.
 """
 
 from __future__ import annotations
@@ -18,12 +18,14 @@ from webapp.tracker.logic import MemoryPeerStore, PeerStore
 
 def passkey_node(passkey: str) -> str | None:
     """The enrolled, not removed node this passkey belongs to, else None."""
-    node_id = passkey_claims(settings.SECRET_KEY, passkey)
-    if node_id is None:
+    claim = passkey_claims(settings.SECRET_KEY, passkey)
+    if claim is None:
         return None
-    live = NodeCredential.objects.filter(node_id=node_id, revoked_at=None).exclude(
-        node__state=Node.State.REMOVED
-    )
+    node_id, generation = claim
+    # Only the node's current generation: a rotation voids every earlier passkey.
+    live = NodeCredential.objects.filter(
+        node_id=node_id, revoked_at=None, node__passkey_generation=generation
+    ).exclude(node__state=Node.State.REMOVED)
     return node_id if live.exists() else None
 
 

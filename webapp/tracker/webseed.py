@@ -9,6 +9,12 @@ from pathlib import Path
 
 _RANGE_RE = re.compile(r"^\s*(\d*)\s*-\s*(\d*)\s*$")
 MAX_CHUNK = 1 << 20
+MAX_RANGE_DIGITS = 19  # every offset below 10**19 bytes; longer numbers are refused before int() (issue 17)
+MAX_HEADER_ECHO = 80  # refusals quote at most this much of the header
+
+
+def _quote(text: str) -> str:
+    return repr(text[:MAX_HEADER_ECHO] + ("..." if len(text) > MAX_HEADER_ECHO else ""))
 
 
 class RangeNotSatisfiable(ValueError):
@@ -44,21 +50,28 @@ def plan_range(range_header: str | None, size: int) -> ServePlan:
         return ServePlan(200, 0, size, {**base, "Content-Length": str(size)})
     unit, sep, spec = range_header.strip().partition("=")
     if not sep or unit.strip().lower() != "bytes":
-        raise RangeNotSatisfiable(f"unsupported range unit in {range_header!r}; use bytes=start-end", size)
+        raise RangeNotSatisfiable(
+            f"unsupported range unit in {_quote(range_header)}; use bytes=start-end", size
+        )
     if "," in spec:
         raise RangeNotSatisfiable("multiple ranges are not supported; request one range at a time", size)
     m = _RANGE_RE.match(spec)
     if not m or (not m.group(1) and not m.group(2)):
-        raise RangeNotSatisfiable(f"malformed range {spec!r}; expected start-end, start- or -suffix", size)
+        raise RangeNotSatisfiable(
+            f"malformed range {_quote(spec)}; expected start-end, start- or -suffix", size
+        )
     first, last = m.group(1), m.group(2)
+    if len(first) > MAX_RANGE_DIGITS or len(last) > MAX_RANGE_DIGITS:
+        raise RangeNotSatisfiable(f"range offsets longer than {MAX_RANGE_DIGITS} digits are refused", size)
+    spec = spec.strip()
     if first:
         start = int(first)
         end = size if not last else int(last) + 1
         if last and int(last) < start:
-            raise RangeNotSatisfiable(f"range {spec!r} ends before it starts", size)
+            raise RangeNotSatisfiable(f"range {_quote(spec)} ends before it starts", size)
         if start >= size:
             raise RangeNotSatisfiable(
-                f"range {spec!r} starts at or past the end of the {size}-byte file", size
+                f"range {_quote(spec)} starts at or past the end of the {size}-byte file", size
             )
         end = min(end, size)
     else:

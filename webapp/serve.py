@@ -1,0 +1,25 @@
+"""`python -m webapp.serve [daphne arguments]`: daphne with secrets redacted from everything it prints.
+
+Daphne writes its access log (request paths, so tracker passkeys) straight to stdout, outside logging;
+stdout and stderr are wrapped in `agent.logsafe.RedactingStream` before daphne starts, so the access
+log, Django's logging (whose handlers also carry the filter, see settings.LOGGING) and any stray print
+are redacted alike. `make up` and the integration harness start the web server this way.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from agent.logsafe import RedactingStream
+
+
+def main() -> None:
+    sys.stdout = RedactingStream(sys.stdout)  # type: ignore[assignment]  # a TextIO stand-in
+    sys.stderr = RedactingStream(sys.stderr)  # type: ignore[assignment]  # a TextIO stand-in
+    from daphne.cli import CommandLineInterface
+
+    CommandLineInterface.entrypoint()
+
+
+if __name__ == "__main__":
+    main()
