@@ -137,9 +137,21 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def base_site_packages() -> list[str]:
-    """The site-packages of the running environment: the new version borrows its dependencies."""
-    paths = [*site.getsitepackages(), site.getusersitepackages()]
-    return [p for p in dict.fromkeys(paths) if Path(p).is_dir()]
+    """Where the running agent finds its dependencies: the new version borrows them.
+
+    Every site-packages on sys.path (a release's venv reaches its base environment through our .pth,
+    so this follows the chain) except the one holding the running `agent`, whose code is replaced.
+    """
+    own = Path(__file__).resolve().parents[2]
+    paths = [*sys.path, *site.getsitepackages(), site.getusersitepackages()]
+    return [
+        p
+        for p in dict.fromkeys(paths)
+        if p
+        and Path(p).name in ("site-packages", "dist-packages")
+        and Path(p).is_dir()
+        and Path(p).resolve() != own
+    ]
 
 
 def install_wheel(wheel: Path, dest: Path, expect_version: str, timeout_s: float = 300.0) -> Path:

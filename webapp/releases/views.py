@@ -110,6 +110,10 @@ def status_json(request: HttpRequest) -> JsonResponse:
     ctx = _context()
     return JsonResponse(
         {
+            "nodes": [
+                {"id": n.pk, "name": n.name, "state": n.state, "version": n.version}
+                for n in ctx["nodes"]  # type: ignore[attr-defined]  # a queryset of Node
+            ],
             "releases": [
                 {"id": r.pk, "version": r.version, "filename": r.filename, "sha256": r.sha256}
                 for r in Release.objects.all()
