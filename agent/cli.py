@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from agent import __version__, defaults
+from agent import __version__, defaults, logsafe
 from agent.wire import frames
 from agent.wire.ids import SessionId
 
@@ -274,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    logsafe.install()  # no passkey, token or secret reaches the agent's log (issue 17)
     t0 = time.perf_counter()
     rc = int(args.func(args))
     logging.getLogger("agent.cli").debug("%s took %.2fs", args.cmd, time.perf_counter() - t0)

@@ -13,7 +13,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from agent import defaults
+from agent import defaults, logsafe
 from agent.node.config import ConfigError, NodeConfig, default_config_path, load_config, save_config
 
 log = logging.getLogger("agent.cli")
@@ -173,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    logsafe.install()  # no passkey, token or secret reaches the agent's log (issue 17)
     return int(args.func(args))
 
 

@@ -23,17 +23,42 @@ from webapp.core.adminclient import AdminClient
 ADMIN_USER = "admin"
 
 
-def admin_password() -> str:
-    """SWARM_ADMIN_PASSWORD, else one generated once and kept (0600) in the data dir."""
+def admin_password_path() -> Path:
+    return settings.DATA_DIR / "admin_password"
+
+
+def admin_password() -> tuple[str, bool]:
+    """(password, generated now): SWARM_ADMIN_PASSWORD, else one generated once and kept (0600) in the
+    data dir."""
     env = os.environ.get("SWARM_ADMIN_PASSWORD")
     if env:
-        return env
-    path = settings.DATA_DIR / "admin_password"
-    if not path.exists():
+        return env, False
+    path = admin_password_path()
+    fresh = not path.exists()
+    if fresh:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_urlsafe(12))
-    return path.read_text().strip()
+    return path.read_text().strip(), fresh
+
+
+def password_notice(password: str, fresh: bool, to_terminal: bool) -> str:
+    """How `make up` tells the admin their password: the password itself only when it was just
+    generated and the output is a terminal (shown once, never written into a log that captures the
+    output); otherwise where to find it (issue 17)."""
+    if fresh and to_terminal:
+        return f"  log in as {ADMIN_USER} / {password}   (shown once; also in {admin_password_path()}, 0600)"
+    if os.environ.get("SWARM_ADMIN_PASSWORD"):
+        return f"  log in as {ADMIN_USER} with the password in SWARM_ADMIN_PASSWORD"
+    return f"  log in as {ADMIN_USER}; the password is in {admin_password_path()} (0600)"
+
+
+def private_log(path: Path) -> Path:
+    """Create (or keep) a log file readable by its owner only: logs may hold node and route details."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.close(fd)
+    os.chmod(path, 0o600)
+    return path
 
 
 async def playground_answer(base: str, admin: AdminClient, model_id: int, message: str) -> str:
@@ -71,7 +96,8 @@ class Command(BaseCommand):
         self.procs: list[procs.Process] = []
         self.agents: list[procs.Process] = []
         logs = settings.DATA_DIR / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
+        logs.mkdir(mode=0o700, parents=True, exist_ok=True)
+        logs.chmod(0o700)
         base = f"http://{opts['host']}:{opts['port']}"
         try:
             admin, model = self._up(opts, base, logs)
@@ -106,7 +132,7 @@ class Command(BaseCommand):
             time.sleep(0.5)
 
     def _spawn(self, cmd: list[str], log: Path) -> procs.Process:
-        p = procs.spawn(cmd, log, cwd=settings.BASE_DIR, append=True)
+        p = procs.spawn(cmd, private_log(log), cwd=settings.BASE_DIR, append=True)
         self.procs.append(p)
         return p
 
@@ -117,7 +143,7 @@ class Command(BaseCommand):
         say = self.stdout.write
         call_command("migrate", interactive=False, verbosity=0)
         self._forget_connections()
-        password = admin_password()
+        password, fresh = admin_password()
         user, _ = get_user_model().objects.get_or_create(username=ADMIN_USER, defaults={"is_staff": True})
         user.is_staff = user.is_superuser = True
         user.set_password(password)
@@ -125,8 +151,17 @@ class Command(BaseCommand):
 
         py = sys.executable
         say(f"web server on {base} (logs in {logs})")
-        self._spawn(
-            [py, "-m", "daphne", "-b", opts["host"], "-p", str(opts["port"]), "webapp.asgi:application"],
+        self._spawn(  # daphne behind webapp.serve: secrets are redacted from its access log
+            [
+                py,
+                "-m",
+                "webapp.serve",
+                "-b",
+                opts["host"],
+                "-p",
+                str(opts["port"]),
+                "webapp.asgi:application",
+            ],
             logs / "web.log",
         )
         if not settings.CELERY_TASK_ALWAYS_EAGER:
@@ -174,7 +209,7 @@ class Command(BaseCommand):
         self._place(admin, model, node_ids)
         say("")
         say(self.style.SUCCESS(f"GGUF Swarm is up: {base}/"))
-        say(f"  log in as {ADMIN_USER} / {password}")
+        say(password_notice(password, fresh, self.stdout.isatty()))
         say(f"  playground: {base}/playground/   fleet: {base}/fleet/")
         return admin, model
 
