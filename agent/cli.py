@@ -1,4 +1,5 @@
-"""Command line of the node agent: inspect, tiny, keygen, serve, chat (and enroll/run when present)."""
+"""Command line of the node agent: inspect, tiny, keygen, serve, chat, doctor, install-service (and
+enroll/run when present)."""
 
 from __future__ import annotations
 
@@ -265,6 +266,11 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_control_commands(sub)
+    from agent.node.doctor import add_doctor_command
+    from agent.node.service import add_service_command
+
+    add_doctor_command(sub)
+    add_service_command(sub)
     return p
 
 
