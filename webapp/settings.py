@@ -39,6 +39,8 @@ SECRET_KEY = _secret_key()
 ALLOWED_HOSTS = envlist("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]", "testserver"])
 CSRF_TRUSTED_ORIGINS = envlist("CSRF_TRUSTED_ORIGINS", [])
 SITE_URL = envstr("SITE_URL", f"http://127.0.0.1:{defaults.WEB_PORT}").rstrip("/")
+# GET /metrics (webapp/metrics.py) asks for `Authorization: Bearer <token>` when this is set.
+METRICS_TOKEN = envstr("SWARM_METRICS_TOKEN")
 
 INSTALLED_APPS = [
     "daphne",
@@ -70,6 +72,7 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
+    "webapp.metrics.ErrorCodeMiddleware",  # 4xx/5xx responses by code on /metrics
 ]
 
 ROOT_URLCONF = "webapp.urls"

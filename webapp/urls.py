@@ -7,11 +7,13 @@ from django.contrib.auth import views as auth_views
 from django.urls import include, path
 
 from webapp.core import views as core_views
+from webapp.metrics import metrics_view
 from webapp.core.login import ThrottledLoginView
 
 urlpatterns = [
     path("", core_views.home, name="home"),
     path("healthz", core_views.healthz, name="healthz"),
+    path("metrics", metrics_view, name="metrics"),
     path("accounts/login/", ThrottledLoginView.as_view(), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/", admin.site.urls),
