@@ -7,8 +7,8 @@ from django.contrib.auth import views as auth_views
 from django.urls import include, path
 
 from webapp.core import views as core_views
-from webapp.metrics import metrics_view
 from webapp.core.login import ThrottledLoginView
+from webapp.metrics import metrics_view
 
 urlpatterns = [
     path("", core_views.home, name="home"),
