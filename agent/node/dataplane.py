@@ -21,6 +21,7 @@ from agent import __version__, defaults
 from agent.artifacts.manifest import Manifest
 from agent.backends import load_backend
 from agent.backends.base import AdmissionError, Backend, BackendError, ForwardResult, ShardSpec
+from agent.node.handoff import register_handoff
 from agent.node.metrics import NodeMetrics
 from agent.node.sessions import SessionState, SessionTable, ShardKey
 from agent.wire.frames import (
@@ -108,7 +109,10 @@ class DataPlane:
         self._per_ip: dict[str, int] = {}
         self._per_token: dict[bytes, int] = {}
         self._inflight_bytes = 0
+        self.public_key = public_key  # also verifies hand-off tokens (agent/node/handoff.py)
         self.verifier = TokenVerifier(public_key)
+        # set by a drain in move mode: existing sessions answer 503 draining so clients move them
+        self.move_sessions = False
         self.sessions = SessionTable(kv_budget_bytes, session_ttl_s)
         self.shards: dict[ShardKey, Shard] = {}
         self.counters = {
@@ -334,6 +338,8 @@ class DataPlane:
 
     async def _forward(self, req: Request, body: bytes, shard: Shard, s: SessionState) -> bytes:
         t_start = time.perf_counter()
+        if shard.draining and self.move_sessions:
+            raise DataPlaneError(503, "draining", "this node is draining: move the session to a replica")
         digest = hashlib.blake2b(body, digest_size=16).digest()
         if req.step <= s.last_step:
             retry = req.step == s.last_step and digest == s.last_digest
@@ -589,6 +595,7 @@ class DataPlane:
         app.router.add_post("/v1/frame", self._frame_view)
         app.router.add_get("/v1/health", self._health_view)
         app.router.add_get("/metrics", self.metrics.view)
+        register_handoff(app, self)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app

@@ -1,0 +1,151 @@
+"""Route recovery: what a route client asks for when a hop fails, how long it waits, where replicas come from.
+
+`RouteClient` (agent/client/route.py) recovers inside itself, so every caller gets it: on a connection
+error, a 5xx, a lost session, or a step slower than that hop's own deadline, it calls the caller's
+`ReplacementProvider` for a hop covering the same layers, moves the session's KV there (a snapshot
+hand-off when the old hop still answers, else a re-prefill of what the old hop held) and goes on.
+The webapp's provider asks the routing services; the command line's is `ReplicaProvider` over a list
+of node URLs and a local signing key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+from aiohttp import ClientError, ClientSession, ClientTimeout
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from agent.wire.handofftoken import mint_handoff
+from agent.wire.routetoken import TokenError, decode_unverified, mint
+
+
+@dataclass(frozen=True)
+class Hop:
+    """One hop of a route: the node's data-plane URL, its layer range and its route token."""
+
+    url: str
+    layer_start: int
+    layer_end: int
+    token: bytes
+
+
+@dataclass(frozen=True)
+class Replacement:
+    """A hop taking over a failed hop's layers, and (optionally) the grant to move the KV to it."""
+
+    hop: Hop
+    # A hand-off token naming the old node and the new one (agent/wire/handofftoken.py): when the old
+    # hop still answers, it exports the session's snapshot to the new one instead of a re-prefill.
+    handoff_token: bytes = b""
+
+
+# (hop index, the failing hop, why) -> a replacement for the same layers, or None when there is none.
+ReplacementProvider = Callable[[int, Hop, str], Awaitable[Replacement | None]]
+
+
+@dataclass(frozen=True)
+class RecoveryPolicy:
+    """How a route client notices a failed hop and how long it tries before it gives up.
+
+    A step of up to `small_step_tokens` tokens (a decode step) is late after
+    max(deadline_floor_s, deadline_factor x the hop's p95 step time over its last steps) once the hop
+    has `deadline_samples` measured steps; larger steps and the first few wait `timeout_s` of the
+    client. A step fails for good after `attempts` replacements in a row or `give_up_s` seconds,
+    whichever comes first, with a RouteFailed naming every failure.
+    """
+
+    attempts: int = 3
+    deadline_floor_s: float = 2.0
+    deadline_factor: float = 10.0
+    deadline_samples: int = 4
+    small_step_tokens: int = 16
+    give_up_s: float = 60.0
+    # An export from a hop that answered but failed (draining, overloaded) gets this long.
+    handoff_timeout_s: float = 10.0
+    # Chain mode cannot tell which hop failed: each is asked for its health this fast.
+    probe_timeout_s: float = 1.0
+    # The client keeps every seam's inputs (what it sent each hop) so one hop re-prefills alone;
+    # past this many bytes it drops them and a recovery re-prefills the whole route instead.
+    seam_cache_bytes: int = 512 << 20
+
+
+class ReplicaProvider:
+    """Replacement hops from a fixed list of node URLs (the CLI's `--replicas`): each is asked what it
+    holds (GET /v1/health), and a route token (and a hand-off token) is minted with a local key."""
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        signing_key: Ed25519PrivateKey,
+        session: bytes,
+        ttl_s: int = 3600,
+        probe_timeout_s: float = 2.0,
+    ) -> None:
+        self.urls = [u.rstrip("/") for u in urls]
+        self.key = signing_key
+        self.session = session
+        self.ttl_s = ttl_s
+        self.probe_timeout_s = probe_timeout_s
+        self.failed: set[str] = set()
+
+    async def _health(self, http: ClientSession, url: str) -> dict[str, object] | None:
+        try:
+            async with http.get(url + "/v1/health") as r:
+                if r.status != 200:
+                    return None
+                info: dict[str, object] = await r.json()
+                return info
+        except (ClientError, OSError, TimeoutError, ValueError):
+            return None
+
+    async def __call__(self, index: int, hop: Hop, reason: str) -> Replacement | None:  # noqa: ARG002
+        try:
+            claims = decode_unverified(hop.token)
+        except TokenError:
+            return None
+        self.failed.add(hop.url.rstrip("/"))
+        # the failing URL last: a node that restarted and lost the session may still serve the range
+        order = [u for u in self.urls if u not in self.failed] + [u for u in self.urls if u in self.failed]
+        async with ClientSession(timeout=ClientTimeout(total=self.probe_timeout_s)) as http:
+            infos = await asyncio.gather(*(self._health(http, u) for u in order))
+        for url, info in zip(order, infos, strict=True):
+            if info is None:
+                continue
+            shards = info.get("shards")
+            node = str(info.get("node_id", ""))
+            if not isinstance(shards, list) or not node:
+                continue
+            if not any(
+                isinstance(s, dict)
+                and s.get("model_sha256") == claims.model_sha256
+                and s.get("layer_start") == hop.layer_start
+                and s.get("layer_end") == hop.layer_end
+                and not s.get("draining")
+                for s in shards
+            ):
+                continue
+            token = mint(
+                self.key,
+                claims.session,
+                claims.model_sha256,
+                hop.layer_start,
+                hop.layer_end,
+                node,
+                self.ttl_s,
+            )
+            handoff = b""
+            if node != claims.node:
+                handoff = mint_handoff(
+                    self.key,
+                    claims.session,
+                    claims.model_sha256,
+                    hop.layer_start,
+                    hop.layer_end,
+                    claims.node,
+                    node,
+                )
+            self.failed.discard(url)
+            return Replacement(Hop(url, hop.layer_start, hop.layer_end, token), handoff)
+        return None

@@ -1,0 +1,279 @@
+"""KV hand-off between nodes holding the same layer range: export a session's snapshot, import it, drain.
+
+A route client recovering from a hop that still answers (draining, or failing in a way that left it
+up) asks that hop to export the session to a replacement (`POST /v1/handoff/export`); the hop
+snapshots the session's KV under its shard lock and pushes it to the replacement
+(`POST /v1/handoff/import`), which opens the session from it. Both sides verify one hand-off token
+naming both nodes (agent/wire/handofftoken.py). The import body is size-checked against what the
+range can hold at the declared length before any of it is read, and hashed (sha256) before use.
+
+`POST /v1/drain` (loopback only) marks every shard draining in "move" mode: new sessions are refused
+and existing ones answer their next step with 503 `draining`, so their clients move them here, and the
+node stops (if asked to) once no session is left or the deadline passes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hashlib
+import ipaddress
+import json
+import logging
+import os
+import signal
+import struct
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from aiohttp import ClientError, ClientTimeout, web
+
+from agent.backends.base import AdmissionError, BackendError
+from agent.node.sessions import SessionState
+from agent.wire.handofftoken import HandoffClaims, HandoffTokenError, verify_handoff
+from agent.wire.ids import SessionId
+
+if TYPE_CHECKING:
+    from agent.node.dataplane import DataPlane, Shard
+
+log = logging.getLogger("agent.node.handoff")
+
+TOKEN_HEADER = "X-Handoff-Token"
+# magic, max_tokens, n_history, snapshot bytes, sha256 of the snapshot
+IMPORT_HEAD = struct.Struct("<4sIIQ32s")
+IMPORT_MAGIC = b"GSKV"
+# Room for a snapshot's own header above the KV rows the range holds (native: 168 bytes).
+SNAPSHOT_HEADER_SLACK = 4096
+EXPORT_TIMEOUT_S = 30.0
+
+
+class HandoffError(Exception):
+    """A hand-off refused or failed; `status` and `code` go back to the caller as JSON."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
+
+
+def snapshot_bound(shard: Shard, n_positions: int) -> int:
+    """Most bytes a snapshot of `n_positions` of this range can take: its layers' f16 state plus a header."""
+    layers = shard.spec.manifest.layers[shard.spec.layer_start : shard.spec.layer_end]
+    return SNAPSHOT_HEADER_SLACK + sum(layer.state_bytes(n_positions) for layer in layers)
+
+
+def encode_import(max_tokens: int, history: list[int], snapshot: bytes) -> bytes:
+    digest = hashlib.sha256(snapshot).digest()
+    hist = np.asarray(history, dtype="<i4").tobytes()
+    return IMPORT_HEAD.pack(IMPORT_MAGIC, max_tokens, len(history), len(snapshot), digest) + hist + snapshot
+
+
+class Handoff:
+    """The hand-off and drain endpoints of one data plane."""
+
+    def __init__(self, dp: DataPlane) -> None:
+        self.dp = dp
+        self.exported = 0
+        self.imported = 0
+        self._drain_task: asyncio.Task[None] | None = None
+
+    def _claims(self, token_b64: str) -> HandoffClaims:
+        try:
+            token = base64.b64decode(token_b64, validate=True)
+        except ValueError:
+            raise HandoffError(401, "bad_token", "hand-off token is not base64") from None
+        try:
+            return verify_handoff(self.dp.public_key, token)
+        except HandoffTokenError as e:
+            raise HandoffError(401, "bad_token", str(e)) from None
+
+    def _shard(self, c: HandoffClaims) -> Shard:
+        shard = self.dp.shards.get((c.model_sha256, c.layer_start, c.layer_end))
+        if shard is None:
+            raise HandoffError(
+                403,
+                "wrong_range",
+                f"this node holds no shard {c.model_sha256[:12]} {c.layer_start}:{c.layer_end}",
+            )
+        return shard
+
+    # -- export: this node gives a session away -----------------------------------------------------
+    async def export(self, token_b64: str, target: str) -> dict[str, Any]:
+        c = self._claims(token_b64)
+        if c.src != self.dp.node_id:
+            raise HandoffError(403, "wrong_node", f"hand-off token is from node {c.src!r}, not this node")
+        if not target.startswith(("http://", "https://")) or len(target) > 512:
+            raise HandoffError(400, "bad_target", "target must be an http(s) URL")
+        shard = self._shard(c)
+        key = (SessionId(c.session), shard.key)
+        t0 = time.perf_counter()
+        async with shard.lock:  # no step of this session (or any other on the shard) runs meanwhile
+            s = self.dp.sessions.get(key)
+            if s is None:
+                raise HandoffError(404, "unknown_session", "unknown session (expired, evicted or moved)")
+            try:
+                snap = shard.backend.snapshot(s.sid)
+            except BackendError as e:
+                raise HandoffError(409, "no_snapshot", str(e)) from None
+            body = encode_import(s.max_tokens, list(s.history), snap)
+        http = await self.dp._http()
+        url = target.rstrip("/") + "/v1/handoff/import"
+        try:
+            async with http.post(
+                url,
+                data=body,
+                headers={TOKEN_HEADER: token_b64},
+                timeout=ClientTimeout(total=EXPORT_TIMEOUT_S),
+            ) as r:
+                data = await r.read()
+        except (ClientError, OSError, TimeoutError) as e:
+            raise HandoffError(502, "target_unreachable", f"{url} unreachable: {e}") from None
+        if r.status != 200:
+            raise HandoffError(
+                502, "target_refused", f"{url} answered {r.status}: {data[:300].decode('utf-8', 'replace')}"
+            )
+        # The replacement holds it now: free ours (its client no longer steps here).
+        async with shard.lock:
+            self.dp.sessions.close(key)
+        self.exported += 1
+        out: dict[str, Any] = json.loads(data)
+        out["export_ms"] = round((time.perf_counter() - t0) * 1e3, 2)
+        return out
+
+    # -- import: this node takes a session ------------------------------------------------------------
+    async def import_(self, request: web.Request) -> dict[str, Any]:
+        c = self._claims(request.headers.get(TOKEN_HEADER, ""))
+        if c.dst != self.dp.node_id:
+            raise HandoffError(403, "wrong_node", f"hand-off token is for node {c.dst!r}, not this node")
+        shard = self._shard(c)
+        if shard.draining:
+            raise HandoffError(503, "draining", "this shard is draining")
+        try:
+            head = await request.content.readexactly(IMPORT_HEAD.size)
+        except asyncio.IncompleteReadError:
+            raise HandoffError(400, "bad_frame", "hand-off body shorter than its header") from None
+        magic, max_tokens, n_hist, snap_len, digest = IMPORT_HEAD.unpack(head)
+        if magic != IMPORT_MAGIC:
+            raise HandoffError(400, "bad_frame", "not a hand-off body")
+        cap = shard.max_positions
+        if not (0 < max_tokens <= cap) or n_hist > max_tokens:
+            raise HandoffError(400, "context_cap", f"max_tokens {max_tokens} / history {n_hist} beyond {cap}")
+        bound = snapshot_bound(shard, max_tokens)
+        if snap_len > bound:
+            raise HandoffError(413, "too_large", f"snapshot of {snap_len} bytes exceeds this range's {bound}")
+        expected = IMPORT_HEAD.size + 4 * n_hist + snap_len
+        if request.content_length is not None and request.content_length != expected:
+            raise HandoffError(
+                400, "bad_frame", f"body is {request.content_length} bytes, header says {expected}"
+            )
+        sid = SessionId(c.session)
+        key = (sid, shard.key)
+        if key in self.dp.sessions:
+            raise HandoffError(409, "session_exists", "this node already holds the session")
+        state = SessionState(sid=sid, shard_key=shard.key, backend=shard.backend, max_tokens=max_tokens)
+        # Room is made (or refused) before the snapshot is read into memory.
+        try:
+            self.dp.sessions.admit(state, snap_len, lambda v: self.dp._evictable(v, shard))
+        except AdmissionError as e:
+            raise HandoffError(503, "kv_budget", str(e)) from None
+        try:
+            hist_raw = await request.content.readexactly(4 * n_hist)
+            snap = await request.content.readexactly(snap_len)
+        except asyncio.IncompleteReadError:
+            raise HandoffError(400, "bad_frame", "hand-off body truncated") from None
+        if hashlib.sha256(snap).digest() != digest:
+            raise HandoffError(400, "bad_hash", "snapshot sha256 does not match")
+        async with shard.lock:
+            if key in self.dp.sessions:
+                raise HandoffError(409, "session_exists", "this node already holds the session")
+            try:
+                shard.backend.open_session(sid, max_tokens)
+            except AdmissionError as e:
+                raise HandoffError(503, "kv_budget", str(e)) from None
+            except BackendError as e:
+                raise HandoffError(400, "backend", str(e)) from None
+            try:
+                shard.backend.restore(sid, snap)
+                n = shard.backend.session_len(sid)
+            except BackendError as e:
+                shard.backend.close_session(sid)
+                status = 503 if isinstance(e, AdmissionError) else 400
+                raise HandoffError(status, "restore", str(e)) from None
+            state.history = np.frombuffer(hist_raw, dtype="<i4").tolist()
+            self.dp.sessions.add(state)
+        self.imported += 1
+        return {"session_len": n, "bytes": snap_len}
+
+    # -- drain: move every session away, then stop ---------------------------------------------------
+    async def drain(self, deadline_s: float, exit_when_empty: bool) -> dict[str, Any]:
+        self.dp.drain()
+        self.dp.move_sessions = True
+        log.info("draining: %d sessions to move within %.0f s", len(self.dp.sessions), deadline_s)
+        if exit_when_empty:
+            self._drain_task = asyncio.get_running_loop().create_task(self._stop_when_empty(deadline_s))
+        return {"sessions": len(self.dp.sessions), "deadline_s": deadline_s}
+
+    async def _stop_when_empty(self, deadline_s: float) -> None:
+        end = time.monotonic() + deadline_s
+        while len(self.dp.sessions) and time.monotonic() < end:
+            await asyncio.sleep(0.1)
+        log.info("drained (%d sessions left): stopping", len(self.dp.sessions))
+        os.kill(os.getpid(), signal.SIGTERM)  # `serve` stops on SIGTERM like on Ctrl-C
+
+    # -- aiohttp wiring --------------------------------------------------------------------------------
+    async def _export_view(self, request: web.Request) -> web.Response:
+        if request.content_length is None or request.content_length > 4096:
+            return _error(413, "too_large", "export request must be a small JSON object")
+        try:
+            body = json.loads(await request.read())
+            token, target = str(body["token"]), str(body["target"])
+        except (ValueError, KeyError, TypeError):
+            return _error(400, "bad_request", 'expected {"token": base64, "target": url}')
+        return await self._answer(self.export(token, target))
+
+    async def _import_view(self, request: web.Request) -> web.Response:
+        return await self._answer(self.import_(request))
+
+    async def _drain_view(self, request: web.Request) -> web.Response:
+        if not _loopback(request.remote):
+            return _error(403, "forbidden", "drain is only accepted from this machine")
+        try:
+            body = json.loads(await request.read() or b"{}")
+            deadline_s = float(body.get("deadline_s", 60.0))
+            exit_when_empty = bool(body.get("exit", False))
+        except (ValueError, TypeError, AttributeError):
+            return _error(400, "bad_request", 'expected {"deadline_s": seconds, "exit": bool}')
+        return await self._answer(self.drain(deadline_s, exit_when_empty))
+
+    async def _answer(self, work: Any) -> web.Response:
+        try:
+            out = await work
+        except HandoffError as e:
+            log.info("hand-off refused: %s %s", e.code, e.message)
+            return _error(e.status, e.code, e.message)
+        return web.json_response(out)
+
+    def register(self, app: web.Application) -> None:
+        app.router.add_post("/v1/handoff/export", self._export_view)
+        app.router.add_post("/v1/handoff/import", self._import_view)
+        app.router.add_post("/v1/drain", self._drain_view)
+
+
+def _loopback(remote: str | None) -> bool:
+    with contextlib.suppress(ValueError):
+        return remote is not None and ipaddress.ip_address(remote).is_loopback
+    return False
+
+
+def _error(status: int, code: str, message: str) -> web.Response:
+    return web.Response(
+        status=status, text=json.dumps({"error": code, "message": message}), content_type="application/json"
+    )
+
+
+def register_handoff(app: web.Application, dp: DataPlane) -> Handoff:
+    """Add the hand-off and drain routes of `dp` to its application."""
+    h = Handoff(dp)
+    h.register(app)
+    return h
