@@ -6,8 +6,8 @@ import asyncio
 import contextlib
 import hashlib
 import json
-import ipaddress
 import logging
+import os
 import ssl
 import time
 from dataclasses import dataclass
@@ -29,8 +29,10 @@ from agent.wire.frames import (
     MAX_FRAME_BYTES,
     MAX_LOGITS_BYTES,
     MAX_TAIL_BYTES,
-    REQ_HEADER,
+    MAX_TOKEN_BYTES,
     PROTOCOL_VERSION,
+    REQ_HEADER,
+    ChainHop,
     FrameError,
     HiddenDtype,
     Kind,
@@ -50,7 +52,7 @@ from agent.wire.frames import (
 )
 from agent.wire.ids import SessionId
 from agent.wire.routetoken import RouteClaims, TokenError, TokenVerifier, normalise_url
-from agent.wire.tls import peer_node_id
+from agent.wire.tls import is_loopback, peer_node_id
 
 log = logging.getLogger("agent.node.dataplane")
 _SWEEPER: web.AppKey[asyncio.Task[None]] = web.AppKey("sweeper", asyncio.Task)
@@ -61,7 +63,7 @@ RETRY_CACHE_MAX = 64 << 10
 _ERROR_BODY_MAX = 4096  # of a next hop's error answer, read to relay its code and message
 # Requests handled at once, per client address and per route token (429 beyond), and frame bytes
 # buffered at once on the whole node (503 beyond): a flood waits in nobody's memory.
-PER_IP_CONCURRENCY = 16
+PER_IP_CONCURRENCY = 64  # the control plane's route clients all come from one address
 PER_TOKEN_CONCURRENCY = 4
 INFLIGHT_BYTES = 256 << 20
 
@@ -351,6 +353,13 @@ class DataPlane:
                 # Its answer was too big to keep: roll the KV back to where the step began, apply again.
                 async with shard.lock:
                     s.backend.truncate(s.sid, req.pos_start)
+                    held = s.backend.session_len(s.sid)
+                if held != req.pos_start:  # recurrent state rolls back to a checkpoint, not a position
+                    raise DataPlaneError(
+                        409,
+                        "retry_unavailable",
+                        f"step {req.step} cannot be recomputed: re-prefill from {held}",
+                    )
                 del s.history[s.retry_history :]
                 s.last_step, s.last_digest, s.retry_pos = req.step - 1, b"", -1
         if req.step <= s.last_step:
@@ -524,18 +533,51 @@ class DataPlane:
         )
         handler_us = int((time.perf_counter() - t_start) * 1e6)
         client = await self._http()
+        # A valid answer is at most the next hop's hidden states or (capped) logits plus timings;
+        # anything longer is cut off at the limit, never buffered whole.
+        limit = response_limit(out.n_tokens, max(out.dim, 1), req.want_logits)
+        url = nxt.url.rstrip("/") + "/v1/frame"
         try:
-            async with client.post(nxt.url.rstrip("/") + "/v1/frame", data=encode_request(fwd)) as r:
-                data = await r.read()
+            async with client.post(url, data=encode_request(fwd), ssl=self._ssl_for(nxt.url)) as r:
+                if nxt.url.startswith("https://"):
+                    self._check_peer(r, nxt)
                 if r.status != 200:
-                    raise DataPlaneError(
-                        r.status,
-                        "downstream",
-                        f"next hop {nxt.url} answered {r.status}: {data[:300].decode('utf-8', 'replace')}",
-                    )
-        except (TimeoutError, OSError) as e:
+                    raise _downstream_error(r.status, await _read_bounded(r, _ERROR_BODY_MAX), nxt.url)
+                data = await _read_bounded(r, limit)
+        except (TimeoutError, OSError, ClientError, ValueError) as e:
+            # ValueError: a URL the HTTP library cannot dial (checked already, but never a 500)
             raise DataPlaneError(502, "downstream", f"next hop {nxt.url} unreachable: {e}") from None
-        return with_prepended_timing(data, Timing(compute_us, handler_us))
+        if data is None:
+            raise DataPlaneError(502, "downstream", f"next hop {nxt.url} answered more than {limit} bytes")
+        try:
+            resp = decode_response(data)
+        except FrameError as e:
+            raise DataPlaneError(502, "downstream", f"next hop {nxt.url} answered a bad frame: {e}") from None
+        if resp.step != req.step:
+            raise DataPlaneError(502, "downstream", f"next hop {nxt.url} answered step {resp.step}")
+        # Re-encoded, not relayed raw: only what the frame format says travels back up the route.
+        resp.timings.insert(0, Timing(compute_us, handler_us))
+        return encode_response(resp)
+
+    def _ssl_for(self, url: str) -> ssl.SSLContext | bool:
+        if url.startswith("https://"):
+            if self.client_ssl is None:
+                raise DataPlaneError(
+                    502, "downstream", "next hop speaks TLS but this node has no certificate"
+                )
+            return self.client_ssl
+        return True  # plain http: aiohttp ignores it
+
+    def _check_peer(self, r: Any, nxt: ChainHop) -> None:
+        """The next hop's certificate must name the node its route token was minted for: the swarm CA
+        signed it, and a token sniffed or replayed elsewhere cannot steer it to another node."""
+        want = self.verifier.verify(nxt.token).node  # verified when the chain arrived; cached
+        transport = r.connection.transport if r.connection is not None else None
+        got = peer_node_id(transport.get_extra_info("peercert") if transport is not None else None)
+        if got != want:
+            raise DataPlaneError(
+                502, "downstream", f"next hop {nxt.url} presented a certificate for {got!r}, not {want!r}"
+            )
 
     async def _http(self) -> ClientSession:
         if self._client is None or self._client.closed:
@@ -548,14 +590,77 @@ class DataPlane:
 
     # -- aiohttp wiring -----------------------------------------------------------------------------
     async def _frame_view(self, request: web.Request) -> web.StreamResponse:
-        if request.content_length is not None and request.content_length > MAX_FRAME_BYTES:
+        """Limits first: per-address and per-token concurrency, node-wide buffered bytes, the frame's
+        length and its route token, all checked before the body is read."""
+        ip = request.remote or "?"
+        if self._per_ip.get(ip, 0) >= PER_IP_CONCURRENCY:
+            self.counters["errors"] += 1
             return _error(
-                413, "too_large", f"frame of {request.content_length} bytes exceeds {MAX_FRAME_BYTES}"
+                429, "too_many_requests", f"more than {PER_IP_CONCURRENCY} frames at once from {ip}"
             )
+        self._per_ip[ip] = self._per_ip.get(ip, 0) + 1
+        token = b""
+        reserved = 0
         try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            return _error(413, "too_large", f"frame exceeds {MAX_FRAME_BYTES} bytes")
+            try:
+                token, reserved, head = await self._admit_frame(request)
+                body = head + await request.content.readexactly(reserved - len(head))
+            except DataPlaneError as e:
+                self.counters["errors"] += 1
+                return _error(e.status, e.code, e.message)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                self.counters["errors"] += 1
+                return _error(400, "bad_frame", "the frame ended before its Content-Length")
+            return await self._frame_response(body)
+        finally:
+            _release(self._per_ip, ip)
+            if token:
+                _release(self._per_token, token)
+            self._inflight_bytes -= reserved
+
+    async def _admit_frame(self, request: web.Request) -> tuple[bytes, int, bytes]:
+        """Check length, header and token from the frame's first bytes; reserve its buffer. Returns the
+        token (its concurrency slot taken), the frame length (reserved in inflight bytes) and the
+        bytes read so far."""
+        n = request.content_length
+        if n is None:
+            raise DataPlaneError(411, "length_required", "a frame needs a Content-Length")
+        if n > MAX_FRAME_BYTES:
+            raise DataPlaneError(413, "too_large", f"frame of {n} bytes exceeds {MAX_FRAME_BYTES}")
+        if n < REQ_HEADER.size:
+            raise DataPlaneError(
+                400, "bad_frame", f"truncated frame: {n} bytes, header needs {REQ_HEADER.size}"
+            )
+        head = await request.content.readexactly(REQ_HEADER.size)
+        fields = REQ_HEADER.unpack(head)
+        token_len, promised = fields[9], REQ_HEADER.size + fields[9] + fields[11]
+        if not promised <= n <= promised + MAX_TAIL_BYTES:
+            raise DataPlaneError(
+                400,
+                "bad_frame",
+                f"Content-Length {n} does not fit the {promised}-byte frame its header describes",
+            )
+        if token_len <= MAX_TOKEN_BYTES:
+            head += await request.content.readexactly(min(token_len, n - len(head)))
+        try:
+            session, token, _ = peek_request(head)
+        except FrameError as e:
+            raise DataPlaneError(e.status, "bad_frame", str(e)) from None
+        self.authorise_token(session, token)
+        if self._per_token.get(token, 0) >= PER_TOKEN_CONCURRENCY:
+            raise DataPlaneError(
+                429,
+                "too_many_requests",
+                f"more than {PER_TOKEN_CONCURRENCY} frames at once for one route token",
+            )
+        self._per_token[token] = self._per_token.get(token, 0) + 1
+        if self._inflight_bytes + n > INFLIGHT_BYTES:
+            _release(self._per_token, token)
+            raise DataPlaneError(503, "busy", "this node is receiving too many frames at once; retry shortly")
+        self._inflight_bytes += n
+        return token, n, head
+
+    async def _frame_response(self, body: bytes) -> web.StreamResponse:
         try:
             out = await self.handle(body)
         except DataPlaneError as e:
@@ -607,6 +712,38 @@ def _vocab_size(shard: Shard) -> int:
     return v if isinstance(v, int) and v > 0 else 1 << 17
 
 
+async def _read_bounded(r: Any, limit: int) -> bytes | None:
+    """A response body of at most `limit` bytes, or None: read in chunks, never more than limit + 64K."""
+    if r.content_length is not None and r.content_length > limit:
+        return None
+    buf = bytearray()
+    async for chunk in r.content.iter_chunked(1 << 16):
+        buf += chunk
+        if len(buf) > limit:
+            return None
+    return bytes(buf)
+
+
+def _downstream_error(status: int, body: bytes | None, url: str) -> DataPlaneError:
+    """A next hop's refusal, relayed as its code and message when it is one of ours, else a 502."""
+    try:
+        err = json.loads(body or b"")
+        code, message = str(err["error"])[:64], str(err["message"])[:400]
+    except (ValueError, TypeError, KeyError):
+        return DataPlaneError(502, "downstream", f"next hop {url} answered {status}")
+    if not 400 <= status <= 599 or status == 500:
+        status = 502
+    return DataPlaneError(status, code, f"next hop {url}: {message}")
+
+
+def _release(counts: dict[Any, int], key: object) -> None:
+    left = counts.get(key, 0) - 1
+    if left > 0:
+        counts[key] = left
+    else:
+        counts.pop(key, None)
+
+
 def _out_dtype(req: Request) -> HiddenDtype:
     return "f16" if req.f16_out else "f32"
 
@@ -617,9 +754,31 @@ def _error(status: int, code: str, message: str) -> web.Response:
     )
 
 
-async def start_dataplane(dp: DataPlane, host: str, port: int) -> web.AppRunner:
+INSECURE_ENV = "GGSWARM_INSECURE_PLAIN_HTTP"
+
+
+async def start_dataplane(
+    dp: DataPlane, host: str, port: int, ssl_context: ssl.SSLContext | None = None
+) -> web.AppRunner:
+    """Serve `dp` on host:port: mutual TLS with `ssl_context` (tls.server_context), or plain HTTP on
+    loopback only (development); plain HTTP elsewhere needs GGSWARM_INSECURE_PLAIN_HTTP=1."""
+    if ssl_context is None:
+        if not is_loopback(host) and os.environ.get(INSECURE_ENV) != "1":
+            raise DataPlaneError(
+                400,
+                "insecure",
+                f"refusing to serve the data plane as plain HTTP on {host}: prompts, hidden states and "
+                f"route tokens would cross the network in the clear. Enroll for a certificate, bind "
+                f"127.0.0.1, or set {INSECURE_ENV}=1 (development only)",
+            )
+        log.warning(
+            "DATA PLANE IS PLAIN HTTP on %s:%d (no TLS): development only; prompts, hidden states and "
+            "route tokens are readable by anyone who can see this traffic",
+            host,
+            port,
+        )
     runner = web.AppRunner(dp.make_app(), access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True)
+    site = web.TCPSite(runner, host, port, reuse_address=True, ssl_context=ssl_context)
     await site.start()
     return runner

@@ -28,7 +28,9 @@ class SessionState:
     max_tokens: int
     last_step: int = 0
     last_digest: bytes = b""
-    last_output: bytes = b""  # this hop's encoded response for `last_step` (replayed on retry)
+    last_output: bytes = b""  # this hop's response for `last_step` if small (replayed on retry)
+    retry_pos: int = -1  # where `last_step` began: a retry whose answer was not kept recomputes from here
+    retry_history: int = 0  # len(history) before `last_step`
     history: list[int] = field(default_factory=list)  # input ids, kept on the last shard for penalties
     sampling: SamplingParams | None = None  # sent once per change, not with every decode frame
     chain: list[ChainHop] | None = None  # next hops (chain mode), sent once per route, not per step
@@ -99,8 +101,16 @@ class SessionTable:
             s.backend.kv_bytes(s.sid) for s in self._sessions.values() if not s.backend.kv_in_node_budget
         )
 
+    def retry_bytes(self) -> int:
+        """Bytes of stored answers kept for retries (each at most dataplane.RETRY_CACHE_MAX)."""
+        return sum(len(s.last_output) for s in self._sessions.values())
+
     def remaining_bytes(self) -> int:
         return max(0, self.budget_bytes - self.used_bytes())
+
+    def free_bytes(self) -> int:
+        """What admission may still grant: the budget less KV and the stored retry answers."""
+        return max(0, self.budget_bytes - self.used_bytes() - self.retry_bytes())
 
     def admit(
         self,
@@ -111,21 +121,24 @@ class SessionTable:
         """Make room for `extra_bytes` more KV for `state`, evicting idle sessions least recently used
         first; else refuse with AdmissionError. `evictable` may veto a victim (its shard is computing).
         """
-        if extra_bytes <= 0 or self.remaining_bytes() >= extra_bytes:
+        if extra_bytes <= 0 or self.free_bytes() >= extra_bytes:
             return
         # never the session's own other shards: evicting half of a route to admit its other half
         # would only break the route
         victims = [k for k, v in self._sessions.items() if v.sid != state.sid and not v.busy and evictable(v)]
-        freeable = sum(self._sessions[k].backend.kv_bytes(self._sessions[k].sid) for k in victims)
-        if self.remaining_bytes() + freeable < extra_bytes:
+        freeable = sum(
+            self._sessions[k].backend.kv_bytes(self._sessions[k].sid) + len(self._sessions[k].last_output)
+            for k in victims
+        )
+        if self.free_bytes() + freeable < extra_bytes:
             # Even evicting every idle session would not make room: refuse, and evict nobody for nothing.
             raise AdmissionError(self._refusal(extra_bytes))
         for key in victims:
-            if self.remaining_bytes() >= extra_bytes:
+            if self.free_bytes() >= extra_bytes:
                 break
             self.close(key)
             self.evictions += 1
-        if self.remaining_bytes() < extra_bytes:
+        if self.free_bytes() < extra_bytes:
             raise AdmissionError(self._refusal(extra_bytes))
 
     def _refusal(self, extra_bytes: int) -> str:
