@@ -30,6 +30,7 @@ from agent.wire.frames import (
     CONTEXT_CAP,
     DEFAULT_HIDDEN_DTYPE,
     ChainHop,
+    FrameError,
     HiddenDtype,
     Kind,
     Op,
@@ -205,7 +206,10 @@ class RouteClient:
             )
         self.hop_stats[i].bytes_out += len(body)
         self.hop_stats[i].bytes_in += len(data)
-        return decode_response(data)
+        try:
+            return decode_response(data)
+        except FrameError as e:  # a hop answering garbage is as broken as one not answering
+            raise RouteError(f"hop {i} ({hop.url}) answered a bad frame: {e}", 502, "bad_frame", i) from None
 
     def _frame(self, i: int, op: Op, **fields: Any) -> bytes:
         """Hop `i`'s request frame: `fields` are Request's other keyword fields."""
