@@ -90,6 +90,13 @@ class Backend(ABC):
     def truncate(self, sid: SessionId, n_tokens: int) -> None:
         """Drop KV positions >= n_tokens."""
 
+    def truncate_to(self, sid: SessionId, n_tokens: int) -> tuple[int, str]:
+        """Go back to at most `n_tokens` positions; returns (length now held, how). KV-only backends
+        go back exactly ("exact"); one holding recurrent state goes back to its newest checkpoint at or
+        before `n_tokens` ("checkpoint") or to 0 ("from_zero"), and the caller re-prefills the rest."""
+        self.truncate(sid, n_tokens)
+        return n_tokens, "exact"
+
     @abstractmethod
     def forward(
         self,

@@ -12,7 +12,7 @@ import numpy as np
 
 from agent.wire.frames import HiddenDtype, numpy_dtype
 
-GGSWARM_API_VERSION = 3
+GGSWARM_API_VERSION = 4
 
 GGSWARM_OK = 0
 GGSWARM_E_INVALID_ARG = -1
@@ -61,6 +61,10 @@ DEFAULT_LIB = Path(__file__).resolve().parents[2] / "native" / "build" / "libggs
 PACKAGED_LIB = Path(__file__).resolve().parents[1] / "_native" / "libggswarm.so"
 # llama-cpp-python's ggml, in dependency order; libggswarm links them by soname.
 GGML_LIBS = ("libggml-base.so.0", "libggml-cpu.so.0", "libggml.so.0")
+
+
+# ggswarm_session_truncate_to's out_kind (GGSWARM_TRUNCATE_*)
+TRUNCATE_KINDS = {0: "exact", 1: "checkpoint", 2: "from_zero"}
 
 
 class NativeError(Exception):
@@ -251,6 +255,33 @@ def _bind(lib: ctypes.CDLL) -> None:
     # ggswarm_status ggswarm_session_truncate(ggswarm_model * model, int64_t sid, int32_t n_tokens);
     lib.ggswarm_session_truncate.argtypes = [ggswarm_model_p, ctypes.c_int64, ctypes.c_int32]
     lib.ggswarm_session_truncate.restype = c_status
+
+    # ggswarm_status ggswarm_session_truncate_to(ggswarm_model * model, int64_t sid, int32_t n_tokens,
+    #     int32_t * out_len, int32_t * out_kind);
+    lib.ggswarm_session_truncate_to.argtypes = [
+        ggswarm_model_p,
+        ctypes.c_int64,
+        ctypes.c_int32,
+        ctypes.POINTER(ctypes.c_int32),
+        ctypes.POINTER(ctypes.c_int32),
+    ]
+    lib.ggswarm_session_truncate_to.restype = c_status
+
+    # ggswarm_status ggswarm_set_checkpoints(ggswarm_model * model, int32_t every_n_tokens,
+    #     int32_t max_per_session);
+    lib.ggswarm_set_checkpoints.argtypes = [ggswarm_model_p, ctypes.c_int32, ctypes.c_int32]
+    lib.ggswarm_set_checkpoints.restype = c_status
+
+    # ggswarm_status ggswarm_session_checkpoints(const ggswarm_model * model, int64_t sid,
+    #     int32_t * positions, int32_t capacity, int32_t * out_count);
+    lib.ggswarm_session_checkpoints.argtypes = [
+        ggswarm_model_p,
+        ctypes.c_int64,
+        ctypes.POINTER(ctypes.c_int32),
+        ctypes.c_int32,
+        ctypes.POINTER(ctypes.c_int32),
+    ]
+    lib.ggswarm_session_checkpoints.restype = c_status
 
     # ggswarm_status ggswarm_kv_bytes(const ggswarm_model * model, int64_t sid, uint64_t * out_bytes);
     lib.ggswarm_kv_bytes.argtypes = [ggswarm_model_p, ctypes.c_int64, u64p]
@@ -518,6 +549,29 @@ class NativeModel:
 
     def truncate(self, sid: int, n_tokens: int) -> None:
         self._call(self._lib.ggswarm_session_truncate, sid, int(n_tokens))
+
+    def truncate_to(self, sid: int, n_tokens: int) -> tuple[int, str]:
+        """Go back to at most `n_tokens` positions; (length now held, how): "exact" (no recurrent
+        layer), "checkpoint" (recurrent state restored at the length returned) or "from_zero" (no
+        checkpoint: re-prefill everything). The caller re-prefills [length, n_tokens)."""
+        n, kind = ctypes.c_int32(), ctypes.c_int32()
+        self._call(
+            self._lib.ggswarm_session_truncate_to, sid, int(n_tokens), ctypes.byref(n), ctypes.byref(kind)
+        )
+        return n.value, TRUNCATE_KINDS.get(kind.value, f"kind {kind.value}")
+
+    def set_checkpoints(self, every_n_tokens: int, max_per_session: int) -> None:
+        """Recurrent windows: a checkpoint every `every_n_tokens` positions (0: only at the ends of
+        multi-token forward calls), at most `max_per_session` per session."""
+        self._call(self._lib.ggswarm_set_checkpoints, int(every_n_tokens), int(max_per_session))
+
+    def checkpoints(self, sid: int) -> list[int]:
+        """Positions of the session's recurrent-state checkpoints, ascending."""
+        count = ctypes.c_int32()
+        self._call(self._lib.ggswarm_session_checkpoints, sid, None, 0, ctypes.byref(count))
+        buf = (ctypes.c_int32 * max(1, count.value))()
+        self._call(self._lib.ggswarm_session_checkpoints, sid, buf, count.value, ctypes.byref(count))
+        return list(buf[: count.value])
 
     def kv_bytes(self, sid: int = -1) -> int:
         n = ctypes.c_uint64()

@@ -95,6 +95,12 @@ class NativeBackend(Backend):
         except NativeError as e:
             raise _error(e) from None
 
+    def truncate_to(self, sid: SessionId, n_tokens: int) -> tuple[int, str]:
+        try:
+            return self.model.truncate_to(self._sid(sid), int(n_tokens))
+        except NativeError as e:
+            raise _error(e) from None
+
     def kv_bytes(self, sid: SessionId | None = None) -> int:
         return self.model.kv_bytes(-1 if sid is None else self._sid(sid))
 

@@ -25,6 +25,9 @@
  *   3 - one KV budget per node: ggswarm_budget_new/free/get, shared by the handles opened with it
  *       (ggswarm_model_open takes a budget instead of kv_budget_bytes; ggswarm_model_info loses
  *       kv_budget_bytes); ggswarm_session_growth_bytes; ggswarm_model_info.graph_builds.
+ *   4 - recurrent state (qwen35, qwen35moe): checkpoints; ggswarm_session_truncate_to (rewind to the
+ *       nearest checkpoint, report where and how), ggswarm_set_checkpoints, ggswarm_session_checkpoints;
+ *       ggswarm_session_truncate refuses a position a recurrent window cannot go back to exactly.
  */
 #ifndef GGSWARM_H
 #define GGSWARM_H
@@ -36,7 +39,7 @@
 extern "C" {
 #endif
 
-#define GGSWARM_API_VERSION 3
+#define GGSWARM_API_VERSION 4
 
 #if defined(_WIN32)
 #define GGSWARM_API __declspec(dllexport)
@@ -180,7 +183,34 @@ GGSWARM_API ggswarm_status ggswarm_session_len(const ggswarm_model * model, int6
 /* Drop positions >= n_tokens (n_tokens <= length). */
 GGSWARM_API ggswarm_status ggswarm_session_truncate(ggswarm_model * model, int64_t sid, int32_t n_tokens);
 
-/* KV bytes held by one session, or by all sessions of this handle when sid < 0. */
+/* ggswarm_session_truncate_to's *out_kind */
+#define GGSWARM_TRUNCATE_EXACT 0       /* no recurrent layer in the window: positions >= n_tokens dropped */
+#define GGSWARM_TRUNCATE_CHECKPOINT 1  /* recurrent state restored from a checkpoint at *out_len <= n_tokens */
+#define GGSWARM_TRUNCATE_FROM_ZERO 2   /* no checkpoint at or before n_tokens: state reset, *out_len = 0 */
+
+/* Truncate a session that may keep recurrent state (v4). A recurrent state cannot be cut back to an
+ * arbitrary position, so the session goes back to the newest checkpoint at or before n_tokens (exact
+ * when one is there; KV-only windows: exactly n_tokens). *out_len gets the length it now holds: the
+ * caller re-prefills positions [*out_len, n_tokens). *out_kind gets a GGSWARM_TRUNCATE_* value.
+ * Checkpoints are taken at the start and end of every forward call of more than one position, and
+ * every ggswarm_set_checkpoints interval (default 256) positions; they count against the budget. */
+GGSWARM_API ggswarm_status ggswarm_session_truncate_to(ggswarm_model * model, int64_t sid, int32_t n_tokens,
+                                                       int32_t * out_len, int32_t * out_kind);
+
+/* Checkpoint policy of this handle's sessions (v4): one every every_n_tokens positions (0: only at the
+ * ends of multi-token forward calls), at most max_per_session per session (0: none; the oldest dropped
+ * first). A no-op for windows without recurrent layers. */
+GGSWARM_API ggswarm_status ggswarm_set_checkpoints(ggswarm_model * model, int32_t every_n_tokens,
+                                                   int32_t max_per_session);
+
+/* The positions of the session's checkpoints, ascending: up to capacity of them into positions (may be
+ * NULL when capacity is 0); *out_count gets how many there are. */
+GGSWARM_API ggswarm_status ggswarm_session_checkpoints(const ggswarm_model * model, int64_t sid,
+                                                       int32_t * positions, int32_t capacity,
+                                                       int32_t * out_count);
+
+/* KV bytes held by one session, or by all sessions of this handle when sid < 0 (v4: recurrent state
+ * and checkpoints included). */
 GGSWARM_API ggswarm_status ggswarm_kv_bytes(const ggswarm_model * model, int64_t sid, uint64_t * out_bytes);
 
 /* Extra KV bytes the budget must have free for the session to hold n_positions (1 .. its max_tokens):

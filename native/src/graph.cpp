@@ -9,6 +9,7 @@
 
 #include "attention.h"
 #include "arch.h"
+#include "recurrent.h"
 
 namespace ggswarm {
 namespace {
@@ -37,12 +38,16 @@ void build_graph(ggswarm_model * m, Graph & g, int32_t n, int32_t n_kv, int32_t 
         ggml_set_input(g.inp_hidden);
         x = g.inp_hidden;
     }
-    g.inp_pos = ggml_new_tensor_1d(c, GGML_TYPE_I32, n);
+    g.inp_pos = ggml_new_tensor_1d(c, GGML_TYPE_I32, (int64_t)n * m->n_pos_per_token);
     ggml_set_input(g.inp_pos);
-    bool any_kv = false, any_swa = false;
+    // which masks the window's attention layers read (an input no layer reads is never allocated)
+    bool any_kv = false, any_full = false, any_swa = false;
     for (int32_t il = m->layer_start; il < m->layer_end; ++il) {
-        any_kv = any_kv || m->lhp[il].state == StateKind::KV;
-        any_swa = any_swa || (m->lhp[il].state == StateKind::KV && m->lhp[il].swa && m->n_swa > 0);
+        if (m->lhp[il].state != StateKind::KV) continue;
+        any_kv = true;
+        const bool swa = m->lhp[il].swa && m->n_swa > 0;
+        any_swa = any_swa || swa;
+        any_full = any_full || !swa;
     }
     if (any_kv) {
         // one mask row per softmax row: per position, or per head on a decode step (see decode_rows);
@@ -50,7 +55,7 @@ void build_graph(ggswarm_model * m, Graph & g, int32_t n, int32_t n_kv, int32_t 
         // sliding-window layers still take theirs.
         const ggml_type mt = m->flash() ? GGML_TYPE_F16 : GGML_TYPE_F32;
         const int64_t rows = !m->flash() && decode_rows(n) ? nh : n;
-        if (!kernel_step(m, n)) {
+        if (any_full && !kernel_step(m, n)) {
             g.inp_mask = ggml_new_tensor_2d(c, mt, n_kv, rows);
             ggml_set_input(g.inp_mask);
         }
@@ -236,9 +241,12 @@ ggswarm_status forward_chunk(ggswarm_model * m, Session & s, const ggswarm_batch
         }
         ggml_backend_tensor_set(g.inp_vidx, m->vidx_host.data(), 0, sizeof(int64_t) * m->vidx_host.size());
     }
-    m->pos_host.resize(nc);
-    for (int32_t i = 0; i < nc; ++i) m->pos_host[i] = pos + i;
-    ggml_backend_tensor_set(g.inp_pos, m->pos_host.data(), 0, sizeof(int32_t) * nc);
+    // multi-section RoPE: the text position in the first three sections, 0 in the fourth
+    m->pos_host.assign((size_t)nc * m->n_pos_per_token, 0);
+    for (int32_t sec = 0; sec < std::min(m->n_pos_per_token, 3); ++sec) {
+        for (int32_t i = 0; i < nc; ++i) m->pos_host[(size_t)sec * nc + i] = pos + i;
+    }
+    ggml_backend_tensor_set(g.inp_pos, m->pos_host.data(), 0, sizeof(int32_t) * m->pos_host.size());
     if (g.inp_mask) set_mask(m, g.inp_mask, pos, nc, n_kv, 0);
     if (g.inp_mask_swa) set_mask(m, g.inp_mask_swa, pos, nc, n_kv, m->n_swa);
     const int64_t n_hidden = (int64_t)nc * d;
@@ -353,16 +361,25 @@ ggswarm_status ggswarm_forward(ggswarm_model * m, int64_t sid, const ggswarm_bat
     if (st) return st;
 
     // run in micro-batches of at most kUBatch positions (bounded compute memory, like llama.cpp's n_ubatch)
+    // recurrent windows keep checkpoints (recurrent.h): where a turn starts and ends (the ends of a
+    // multi-token call) and every ckpt_every positions, where micro-batches are made to end
+    if (n > 1) take_checkpoint(m, s);
     const float * last = nullptr;
-    for (int32_t off = 0; off < n; off += kUBatch) {
-        const int32_t nc = std::min(kUBatch, n - off);
+    for (int32_t off = 0; off < n;) {
+        const int32_t nc = checkpoint_chunk(m, b->pos_start + off, std::min(kUBatch, n - off));
         const bool final_chunk = off + nc == n;
         if ((st = forward_chunk(m, s, b, off, nc, final_chunk, &last))) {
-            // a failed call leaves the session at its previous length; rows written beyond it are ignored
-            s.len = b->pos_start;
+            // a failed call leaves the session at its previous length; rows written beyond it are
+            // ignored. Recurrent state already moved on: back to the newest checkpoint before it.
+            int32_t kind = 0;
+            s.len = std::max(s.len, b->pos_start);
+            rewind(m, s, b->pos_start, &kind);
             return st;
         }
+        checkpoint_after_chunk(m, s);
+        off += nc;
     }
+    if (n > 1) take_checkpoint(m, s);
     if (m->is_last()) {
         ggswarm_sampling greedy = {0.0, 0, 64, 1.0, 0.0, 1.0, 0};
         const ggswarm_sampling & p = b->sampling ? *b->sampling : greedy;

@@ -7,6 +7,7 @@
 #include <new>
 
 #include "arch.h"
+#include "recurrent.h"
 
 namespace ggswarm {
 namespace {
@@ -68,6 +69,8 @@ int64_t kernel_span(int64_t n) { return round_up(n, kKernelPad); }
 
 namespace {
 
+}  // namespace
+
 // Take `bytes` from the budget; false (nothing taken) when it cannot hold them. No budget: always.
 bool budget_charge(ggswarm_budget * b, uint64_t bytes) {
     if (!b || bytes == 0) return true;
@@ -82,6 +85,8 @@ void budget_credit(ggswarm_budget * b, uint64_t bytes) {
     std::lock_guard<std::mutex> lock(b->mu);
     b->used -= std::min(bytes, b->used);
 }
+
+namespace {
 
 void budget_usage(const ggswarm_budget * b, uint64_t * total, uint64_t * used) {
     std::lock_guard<std::mutex> lock(b->mu);
@@ -212,6 +217,7 @@ void budget_release(ggswarm_budget * b) {
 }
 
 void free_kv(ggswarm_model * m, Session & s) {
+    drop_checkpoints(m, s);
     budget_credit(m->budget, s.bytes);
     s.release();
 }
@@ -258,6 +264,7 @@ ggswarm_status ensure_capacity(ggswarm_model * m, Session & s, int32_t need) {
             state_ops(m->lhp[il].state)->carry(m, il, s.state[i], n.state[i], s.len);
         }
     }
+    n.ckpts = s.ckpts;
     s.release();  // its bytes now belong to n: the charge above was the difference
     s = n;
     return GGSWARM_OK;
@@ -316,6 +323,21 @@ ggswarm_status ggswarm_session_truncate(ggswarm_model * m, int64_t sid, int32_t 
     if (n_tokens < 0 || n_tokens > s->len) {
         return fail(m, GGSWARM_E_RANGE, "cannot truncate to %d positions: the session holds %d", n_tokens, s->len);
     }
+    if (has_recurrent(m) && n_tokens != s->len) {
+        // recurrent state goes back only to a checkpoint: exact here, or ggswarm_session_truncate_to
+        const Checkpoints * c = s->ckpts.get();
+        bool exact = n_tokens == 0;
+        for (size_t i = 0; c && i < c->list.size(); ++i) exact = exact || c->list[i].pos == n_tokens;
+        if (!exact) {
+            return fail(m, GGSWARM_E_RANGE,
+                        "cannot truncate to %d positions: this window keeps recurrent state and has no checkpoint "
+                        "there (ggswarm_session_truncate_to restores the nearest one before it)",
+                        n_tokens);
+        }
+        int32_t kind = 0;
+        rewind(m, *s, n_tokens, &kind);
+        return ok(m);
+    }
     s->len = n_tokens;
     return ok(m);
 }
@@ -324,13 +346,13 @@ ggswarm_status ggswarm_kv_bytes(const ggswarm_model * m, int64_t sid, uint64_t *
     if (!m || !out_bytes) return fail(m, GGSWARM_E_INVALID_ARG, "model or out_bytes is NULL");
     if (sid < 0) {
         uint64_t t = 0;
-        for (const auto & kv : m->sessions) t += kv.second.bytes;
+        for (const auto & kv : m->sessions) t += kv.second.bytes + checkpoint_bytes(kv.second);
         *out_bytes = t;
         return ok(m);
     }
     Session * s = find_session(m, sid);
     if (!s) return no_session(m, sid);
-    *out_bytes = s->bytes;
+    *out_bytes = s->bytes + checkpoint_bytes(*s);
     return ok(m);
 }
 
@@ -452,6 +474,7 @@ ggswarm_status ggswarm_session_restore(ggswarm_model * m, int64_t sid, const voi
             p += ops->snapshot_bytes(m, il, h.n_pos);
         }
     }
+    drop_checkpoints(m, s);
     s.len = h.n_pos;
     return ok(m);
 }

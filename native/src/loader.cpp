@@ -227,7 +227,7 @@ ggswarm_status load_weights(ggswarm_model * m, const Meta & meta, const char * p
     if (wants.in_file("rope_freqs.weight")) wants.need("rope_freqs.weight", {m->n_rot / 2}, &m->rope_freqs);
     m->layers.resize(m->layer_end - m->layer_start);
     for (int32_t il = m->layer_start; il < m->layer_end; ++il) {
-        if (wants.in_file(blk(il, "attn_qkv.weight"))) {
+        if (m->lhp[il].state == StateKind::KV && wants.in_file(blk(il, "attn_qkv.weight"))) {
             return fail(m, GGSWARM_E_UNSUPPORTED, "fused attn_qkv tensors are not supported (layer %d)", il);
         }
         m->archp->want_layer(m, il, m->layers[il - m->layer_start], wants);

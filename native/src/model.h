@@ -20,6 +20,12 @@
 namespace ggswarm {
 
 struct Arch;
+struct Checkpoints;  // recurrent.h: a session's checkpoints of its recurrent states
+
+// What an architecture keeps beyond the common fields of ggswarm_model (archs/qwen35.h: Hybrid).
+struct ArchData {
+    virtual ~ArchData() = default;
+};
 
 // One transformer layer's weights in the backend buffer; an architecture loads the ones it uses
 // (biases only where the GGUF has them: qwen2). Tensors only one architecture has go in `extra`,
@@ -77,6 +83,7 @@ struct Session {
     ggml_backend_buffer_t buf = nullptr;
     std::vector<std::vector<ggml_tensor *>> state;
     uint64_t bytes = 0;
+    std::shared_ptr<Checkpoints> ckpts;  // windows with recurrent layers (recurrent.h); kept across growth
 
     void release() {
         if (buf) ggml_backend_buffer_free(buf);
@@ -172,6 +179,8 @@ struct ggswarm_model {
     float embd_scale = 0.0f;     // first window: token embeddings times this (0: not scaled; gemma3)
     float logit_softcap = 0.0f;  // last window: logits = c * tanh(logits / c) (0: none)
     std::vector<ggswarm::LayerHp> lhp;  // one per layer of the whole model
+    std::shared_ptr<ggswarm::ArchData> arch_data;  // the architecture's own parameters, if any
+    int32_t n_pos_per_token = 1;  // 4 for multi-section RoPE (positions of the t, h, w sections, then 0)
     // How attention runs (ggswarm_model_info.decode_kernels, chosen at open): 1: CPU decode steps use
     // attention.cpp's kernels (see kernel_step); 0: ggml's ops; -1: ggml's ops, the kernels failed the
     // self-check at open; -2: ggml_flash_attn_ext on every step, with the V cache not transposed
@@ -251,6 +260,8 @@ ggml_backend_sched_t new_sched(const ggswarm_model * m);
 
 // session state (kv.cpp)
 void budget_release(ggswarm_budget * b);
+bool budget_charge(ggswarm_budget * b, uint64_t bytes);  // false (nothing taken) when it cannot hold them
+void budget_credit(ggswarm_budget * b, uint64_t bytes);
 void free_kv(ggswarm_model * m, Session & s);  // release the session's KV and credit the budget
 Session * find_session(const ggswarm_model * m, int64_t sid);
 ggswarm_status no_session(const ggswarm_model * m, int64_t sid);

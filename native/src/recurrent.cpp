@@ -1,0 +1,218 @@
+// libggswarm recurrent state: the Recurrent state kind (a delta-net layer's conv state and f32
+// recurrent state), checkpoints of it, the truncate that rewinds to a checkpoint, and the checkpoint
+// settings (docs/native.md, "Recurrent state, checkpoints and MoE").
+
+#include "recurrent.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "arch.h"
+#include "archs/qwen35.h"
+
+namespace ggswarm {
+namespace {
+
+// --- the state kind: per layer a conv state [(d_conv - 1) * channels] and a recurrent state
+// [d_state * d_state * n_v_heads], both f32 and zero for an empty history -------------------------------
+
+void rec_plan(const ggswarm_model * m, int32_t il, int64_t cap, ggml_context * ctx, std::vector<ggml_tensor *> & out) {
+    const Hybrid & h = *hybrid_of(m);
+    out.push_back(ggml_new_tensor_1d(ctx, GGML_TYPE_F32, h.conv_elems()));
+    out.push_back(ggml_new_tensor_1d(ctx, GGML_TYPE_F32, h.ssm_elems()));
+}
+
+void copy_tensor(const ggml_tensor * from, ggml_tensor * to) {
+    std::vector<uint8_t> tmp(ggml_nbytes(from));
+    ggml_backend_tensor_get(from, tmp.data(), 0, tmp.size());
+    ggml_backend_tensor_set(to, tmp.data(), 0, tmp.size());
+}
+
+void rec_carry(const ggswarm_model * m, int32_t il, const std::vector<ggml_tensor *> & from,
+               const std::vector<ggml_tensor *> & to, int32_t len) {
+    copy_tensor(from[0], to[0]);
+    copy_tensor(from[1], to[1]);
+}
+
+uint64_t rec_per_token(const ggswarm_model * m, int32_t il) { return 0; }
+
+// An empty session's snapshot carries no state (it restores to zeros); otherwise the whole state.
+uint64_t rec_snapshot_bytes(const ggswarm_model * m, int32_t il, int32_t len) {
+    return len > 0 ? hybrid_of(m)->layer_state_bytes() : 0;
+}
+
+void rec_save(const ggswarm_model * m, int32_t il, const std::vector<ggml_tensor *> & t, int32_t len, uint8_t * p) {
+    ggml_backend_tensor_get(t[0], p, 0, ggml_nbytes(t[0]));
+    ggml_backend_tensor_get(t[1], p + ggml_nbytes(t[0]), 0, ggml_nbytes(t[1]));
+}
+
+void rec_load(const ggswarm_model * m, int32_t il, const std::vector<ggml_tensor *> & t, int32_t len,
+              const uint8_t * p) {
+    ggml_backend_tensor_set(t[0], p, 0, ggml_nbytes(t[0]));
+    ggml_backend_tensor_set(t[1], p + ggml_nbytes(t[0]), 0, ggml_nbytes(t[1]));
+}
+
+const StateOps kRecurrentState = {StateKind::Recurrent, "recurrent", 2, rec_plan, rec_carry, rec_per_token,
+                                  rec_snapshot_bytes, rec_save, rec_load};
+StateRegistration reg_recurrent(&kRecurrentState);
+
+// --- checkpoints ------------------------------------------------------------------------------------------
+
+uint64_t window_state_bytes(const ggswarm_model * m) {
+    uint64_t b = 0;
+    for (int32_t il = m->layer_start; il < m->layer_end; ++il) {
+        if (m->lhp[il].state == StateKind::Recurrent) b += hybrid_of(m)->layer_state_bytes();
+    }
+    return b;
+}
+
+// Copy the window's recurrent states to p (save) or from p (load).
+void states_io(const ggswarm_model * m, Session & s, uint8_t * p, bool save) {
+    for (int32_t il = m->layer_start; il < m->layer_end; ++il) {
+        if (m->lhp[il].state != StateKind::Recurrent) continue;
+        const std::vector<ggml_tensor *> & t = s.state[(size_t)(il - m->layer_start)];
+        if (save) rec_save(m, il, t, 1, p);
+        else rec_load(m, il, t, 1, p);
+        p += hybrid_of(m)->layer_state_bytes();
+    }
+}
+
+void drop_at(ggswarm_model * m, Checkpoints & c, size_t i) {
+    const uint64_t b = c.list[i].data.size();
+    budget_credit(m->budget, b);
+    c.bytes -= b;
+    c.list.erase(c.list.begin() + (ptrdiff_t)i);
+}
+
+// Zero the window's recurrent states (the state of an empty history).
+void reset_states(const ggswarm_model * m, Session & s) {
+    for (int32_t il = m->layer_start; il < m->layer_end; ++il) {
+        if (m->lhp[il].state != StateKind::Recurrent || s.state.empty()) continue;
+        for (ggml_tensor * t : s.state[(size_t)(il - m->layer_start)]) {
+            std::vector<uint8_t> zero(ggml_nbytes(t), 0);
+            ggml_backend_tensor_set(t, zero.data(), 0, zero.size());
+        }
+    }
+}
+
+}  // namespace
+
+bool has_recurrent(const ggswarm_model * m) {
+    for (int32_t il = m->layer_start; il < m->layer_end; ++il) {
+        if (m->lhp[il].state == StateKind::Recurrent) return true;
+    }
+    return false;
+}
+
+uint64_t checkpoint_bytes(const Session & s) { return s.ckpts ? s.ckpts->bytes : 0; }
+
+void drop_checkpoints(ggswarm_model * m, Session & s) {
+    if (!s.ckpts) return;
+    budget_credit(m->budget, s.ckpts->bytes);
+    s.ckpts.reset();
+}
+
+void take_checkpoint(ggswarm_model * m, Session & s) {
+    const Hybrid * h = hybrid_of(m);
+    if (!h || h->ckpt_max <= 0 || !has_recurrent(m) || s.state.empty() || s.len <= 0) return;
+    if (!s.ckpts) s.ckpts = std::make_shared<Checkpoints>();
+    Checkpoints & c = *s.ckpts;
+    while (!c.list.empty() && c.list.back().pos > s.len) drop_at(m, c, c.list.size() - 1);
+    if (!c.list.empty() && c.list.back().pos == s.len) return;
+    const uint64_t need = window_state_bytes(m);
+    while ((int32_t)c.list.size() >= h->ckpt_max) drop_at(m, c, 0);
+    while (!budget_charge(m->budget, need)) {
+        if (c.list.empty()) return;  // no room: this position has no checkpoint
+        drop_at(m, c, 0);
+    }
+    Checkpoint k;
+    k.pos = s.len;
+    k.data.resize(need);
+    states_io(m, s, k.data.data(), true);
+    c.list.push_back(std::move(k));
+    c.bytes += need;
+}
+
+int32_t checkpoint_chunk(const ggswarm_model * m, int32_t pos, int32_t nc) {
+    const Hybrid * h = hybrid_of(m);
+    if (!h || h->ckpt_every <= 0 || !has_recurrent(m)) return nc;
+    const int32_t next = (pos / h->ckpt_every + 1) * h->ckpt_every;
+    return std::min(nc, next - pos);
+}
+
+void checkpoint_after_chunk(ggswarm_model * m, Session & s) {
+    const Hybrid * h = hybrid_of(m);
+    if (h && h->ckpt_every > 0 && s.len % h->ckpt_every == 0) take_checkpoint(m, s);
+}
+
+void rewind(ggswarm_model * m, Session & s, int32_t target, int32_t * kind) {
+    if (!has_recurrent(m)) {
+        s.len = target;
+        *kind = kTruncExact;
+        return;
+    }
+    *kind = kTruncCheckpoint;
+    if (target == s.len) return;  // the live state is the state at target
+    Checkpoints * c = s.ckpts.get();
+    while (c && !c->list.empty() && c->list.back().pos > target) drop_at(m, *c, c->list.size() - 1);
+    if (c && !c->list.empty()) {
+        states_io(m, s, c->list.back().data.data(), false);
+        s.len = c->list.back().pos;
+        return;
+    }
+    reset_states(m, s);
+    s.len = 0;
+    if (target > 0) *kind = kTruncFromZero;
+}
+
+}  // namespace ggswarm
+
+using namespace ggswarm;
+
+extern "C" {
+
+ggswarm_status ggswarm_session_truncate_to(ggswarm_model * m, int64_t sid, int32_t n_tokens, int32_t * out_len,
+                                           int32_t * out_kind) {
+    if (!m) return fail(nullptr, GGSWARM_E_INVALID_ARG, "model is NULL");
+    Session * s = find_session(m, sid);
+    if (!s) return no_session(m, sid);
+    if (n_tokens < 0 || n_tokens > s->len) {
+        return fail(m, GGSWARM_E_RANGE, "cannot truncate to %d positions: the session holds %d", n_tokens, s->len);
+    }
+    int32_t kind = kTruncExact;
+    rewind(m, *s, n_tokens, &kind);
+    if (out_len) *out_len = s->len;
+    if (out_kind) *out_kind = kind;
+    return ok(m);
+}
+
+ggswarm_status ggswarm_set_checkpoints(ggswarm_model * m, int32_t every_n_tokens, int32_t max_per_session) {
+    if (!m) return fail(nullptr, GGSWARM_E_INVALID_ARG, "model is NULL");
+    if (every_n_tokens < 0 || max_per_session < 0 || max_per_session > 1024) {
+        return fail(m, GGSWARM_E_INVALID_ARG, "checkpoint interval %d or count %d is out of range (>= 0; count <= 1024)",
+                    every_n_tokens, max_per_session);
+    }
+    Hybrid * h = hybrid_of(m);
+    if (!h) return ok(m);  // no recurrent layers: nothing to checkpoint
+    h->ckpt_every = every_n_tokens;
+    h->ckpt_max = max_per_session;
+    for (auto & kv : m->sessions) {
+        Checkpoints * c = kv.second.ckpts.get();
+        while (c && (int32_t)c->list.size() > max_per_session) drop_at(m, *c, 0);
+    }
+    return ok(m);
+}
+
+ggswarm_status ggswarm_session_checkpoints(const ggswarm_model * m, int64_t sid, int32_t * positions,
+                                           int32_t capacity, int32_t * out_count) {
+    if (!m || !out_count) return fail(m, GGSWARM_E_INVALID_ARG, "model or out_count is NULL");
+    if (capacity < 0 || (capacity > 0 && !positions)) return fail(m, GGSWARM_E_INVALID_ARG, "positions buffer invalid");
+    Session * s = find_session(m, sid);
+    if (!s) return no_session(m, sid);
+    const int32_t n = s->ckpts ? (int32_t)s->ckpts->list.size() : 0;
+    *out_count = n;
+    for (int32_t i = 0; i < std::min(n, capacity); ++i) positions[i] = s->ckpts->list[(size_t)i].pos;
+    return ok(m);
+}
+
+}  // extern "C"

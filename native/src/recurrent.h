@@ -1,0 +1,48 @@
+// Per-layer recurrent session state (StateKind::Recurrent: a delta-net layer's conv state and f32
+// recurrent state, fixed size whatever the length) and the checkpoints that make a truncate possible:
+// a recurrent state cannot be cut back to an arbitrary position, so a session keeps host copies of its
+// recurrent states at chosen positions (charged to the node's budget) and a truncate restores the
+// newest at or before the target; the caller re-prefills the rest (docs/native.md, "Recurrent state,
+// checkpoints and MoE").
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "model.h"
+
+namespace ggswarm {
+
+struct Checkpoint {
+    int32_t pos = 0;
+    std::vector<uint8_t> data;  // the window's recurrent layers in order: conv state, then recurrent state
+};
+
+struct Checkpoints {
+    std::vector<Checkpoint> list;  // ascending positions
+    uint64_t bytes = 0;            // charged to the budget
+};
+
+// ggswarm_session_truncate_to's *out_kind (GGSWARM_TRUNCATE_*)
+constexpr int32_t kTruncExact = 0;
+constexpr int32_t kTruncCheckpoint = 1;
+constexpr int32_t kTruncFromZero = 2;
+
+// True when the window has a recurrent layer (its sessions keep checkpoints).
+bool has_recurrent(const ggswarm_model * m);
+// Checkpoint bytes the session holds (already in the budget).
+uint64_t checkpoint_bytes(const Session & s);
+// Credit the budget with the session's checkpoints and drop them (free_kv, restore).
+void drop_checkpoints(ggswarm_model * m, Session & s);
+// A checkpoint of the recurrent state at s.len, unless one is there; the oldest go first when the
+// session holds the maximum or the budget is short (without room, none is taken).
+void take_checkpoint(ggswarm_model * m, Session & s);
+// The length of the next micro-batch from pos (at most nc) so that checkpoint positions end one.
+int32_t checkpoint_chunk(const ggswarm_model * m, int32_t pos, int32_t nc);
+// After a micro-batch that ended at s.len: a checkpoint when s.len is a multiple of the interval.
+void checkpoint_after_chunk(ggswarm_model * m, Session & s);
+// Bring the session back to at most `target` positions: KV-only windows exactly; windows with recurrent
+// layers to the newest checkpoint at or before target (or 0). Sets s.len; *kind as above.
+void rewind(ggswarm_model * m, Session & s, int32_t target, int32_t * kind);
+
+}  // namespace ggswarm

@@ -1,0 +1,279 @@
+"""The Qwen3.5 hybrid (qwen35, qwen35moe: gated delta-net layers with recurrent state, gated full
+attention every 4th layer, routed experts with a shared expert) split into 3 native hops agrees with
+llama-cpp-python's full model on tiny random-weight files; checkpoints serve an edited turn, and a
+snapshot continues in another process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from agent.artifacts.tiny import write_tiny_gguf
+from agent.backends.libggswarm import NativeBudget, NativeError, NativeModel
+
+REPO = Path(__file__).resolve().parents[2]
+TEXT = REPO / "tests" / "data" / "teacher_forcing_en.txt"
+# full attention at layers 3 and 7 of 8: the first seam sits right before one, the second right after
+SPLITS = [(0, 3), (3, 4), (4, 8)]
+# f32 weights, the same ggml ops in the same order as llama.cpp: the logits come out equal (0.0 in
+# every run so far); the bound leaves room for a ggml build that reorders a reduction
+MAX_LOGIT_DIFF = 1e-3
+ARCHS = ["qwen35", "qwen35moe"]
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def arch(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(scope="module")
+def gguf(arch: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(write_tiny_gguf(arch, tmp_path_factory.mktemp(arch) / f"{arch}.gguf"))
+
+
+@pytest.fixture(scope="module")
+def hops(native_lib: None, gguf: str) -> Iterator[list[NativeModel]]:
+    models = [NativeModel(gguf, a, b, n_threads=2) for a, b in SPLITS]
+    yield models
+    for m in models:
+        m.close()
+
+
+@pytest.fixture(scope="module")
+def llama(gguf: str, hops: list[NativeModel]):  # noqa: ANN201
+    llama_cpp = pytest.importorskip("llama_cpp")
+    flash = hops[0].info.decode_kernels == -2  # flash-attention mode reproduces llama.cpp's flash path
+    llm = llama_cpp.Llama(
+        model_path=gguf, logits_all=True, n_ctx=1024, n_threads=2, flash_attn=flash, verbose=False
+    )
+    yield llm
+    llm.close()
+
+
+@pytest.fixture(scope="module")
+def text_ids(llama) -> list[int]:  # noqa: ANN001
+    ids = llama.tokenize(TEXT.read_bytes(), add_bos=False)
+    assert len(ids) >= 256
+    return list(ids)
+
+
+@pytest.fixture(scope="module")
+def reference(llama, text_ids: list[int]) -> np.ndarray:  # noqa: ANN001
+    llama.reset()
+    llama.eval(text_ids)
+    return np.array(llama.scores[: len(text_ids)], dtype=np.float32)
+
+
+def _open(hops: list[NativeModel]) -> list[int]:
+    return [h.open_session(1024) for h in hops]
+
+
+def _close(hops: list[NativeModel], sids: list[int]) -> None:
+    for h, s in zip(hops, sids, strict=True):
+        h.close_session(s)
+
+
+def _forward(hops: list[NativeModel], sids: list[int], pos: int, ids: list[int], logits: bool = True) -> dict:
+    x = None
+    r: dict = {}
+    for h, sid in zip(hops, sids, strict=True):
+        tok = np.asarray(ids, dtype=np.int32) if h.is_first else None
+        r = h.forward(sid, pos, token_ids=tok, hidden=x, want_logits=logits and h.is_last)
+        x = r.get("hidden")
+    return r
+
+
+def _logits(r: dict, n: int) -> np.ndarray:
+    return np.asarray(r["logits"], dtype=np.float32).reshape(n, -1)
+
+
+def test_three_hops_agree_with_llama_cpp_when_teacher_forced(
+    arch: str, hops: list[NativeModel], text_ids: list[int], reference: np.ndarray
+) -> None:
+    sids = _open(hops)
+    try:
+        got = _logits(_forward(hops, sids, 0, text_ids), len(text_ids))
+    finally:
+        _close(hops, sids)
+    agree = float((got.argmax(1) == reference.argmax(1)).mean())
+    diff = float(np.abs(got - reference).max())
+    print(f"{arch}: {len(text_ids)} positions, top-1 agreement {agree:.4f}, max |logit diff| {diff:.3g}")
+    assert agree >= 0.995
+    assert diff <= MAX_LOGIT_DIFF
+
+
+def test_thirty_two_greedy_tokens_equal_llama_cpp(
+    hops: list[NativeModel],
+    llama,
+    text_ids: list[int],  # noqa: ANN001
+) -> None:
+    prompt = text_ids[:40]
+    llama.reset()
+    llama.eval(prompt)
+    want: list[int] = []
+    for _ in range(32):
+        want.append(int(np.argmax(llama.scores[llama.n_tokens - 1])))
+        llama.eval([want[-1]])
+    sids = _open(hops)
+    try:
+        got = [int(_forward(hops, sids, 0, prompt, logits=False)["token"])]
+        while len(got) < 32:
+            got.append(
+                int(_forward(hops, sids, len(prompt) + len(got) - 1, [got[-1]], logits=False)["token"])
+            )
+    finally:
+        _close(hops, sids)
+    assert got == want
+
+
+def test_prefill_in_chunks_equals_one_shot_prefill(hops: list[NativeModel], text_ids: list[int]) -> None:
+    ids = text_ids[:300]
+    sids = _open(hops)
+    try:
+        whole = _logits(_forward(hops, sids, 0, ids), len(ids))
+    finally:
+        _close(hops, sids)
+    sids = _open(hops)
+    parts = []
+    try:
+        pos = 0
+        for n in (100, 57, 1, 142):  # crosses the 256-position checkpoint inside the last chunk
+            parts.append(_logits(_forward(hops, sids, pos, ids[pos : pos + n]), n))
+            pos += n
+    finally:
+        _close(hops, sids)
+    assert float(np.abs(np.concatenate(parts) - whole).max()) <= MAX_LOGIT_DIFF
+
+
+def _truncate_route(hops: list[NativeModel], sids: list[int], n: int) -> tuple[int, list[str]]:
+    """What the route client does: every hop goes back to at most n, then all to the smallest."""
+    target, kinds = n, []
+    while True:
+        res = [h.truncate_to(s, target) for h, s in zip(hops, sids, strict=True)]
+        kinds = kinds or [k for _, k in res]  # what each hop did with the requested position
+        held = min(p for p, _ in res)
+        if held == target:
+            return held, kinds
+        target = held
+
+
+def test_an_edited_turn_restores_a_checkpoint_and_continues_like_a_fresh_prefill(
+    hops: list[NativeModel], text_ids: list[int]
+) -> None:
+    turn1, turn2 = text_ids[:150], text_ids[150:230]
+    edited = text_ids[150:180] + text_ids[240:290]  # the second turn rewritten after its 30th token
+    sids = _open(hops)
+    try:
+        _forward(hops, sids, 0, turn1, logits=False)
+        _forward(hops, sids, 150, turn2, logits=False)
+        assert hops[0].checkpoints(sids[0]) == [150, 230]  # the turn boundaries
+        assert hops[1].checkpoints(sids[1]) == []  # a window of full attention only keeps none
+        held, kinds = _truncate_route(hops, sids, 180)
+        assert held == 150
+        assert kinds == ["checkpoint", "exact", "checkpoint"]
+        history = turn1 + edited
+        got = _logits(_forward(hops, sids, held, history[held:]), len(history) - held)
+    finally:
+        _close(hops, sids)
+    sids = _open(hops)
+    try:
+        fresh = _logits(_forward(hops, sids, 0, history), len(history))[held:]
+    finally:
+        _close(hops, sids)
+    assert float(np.abs(got - fresh).max()) <= MAX_LOGIT_DIFF
+
+
+def test_without_a_checkpoint_the_route_reprefills_from_zero(
+    hops: list[NativeModel], text_ids: list[int]
+) -> None:
+    sids = _open(hops)
+    try:
+        for h in hops:
+            h.set_checkpoints(0, 0)
+        _forward(hops, sids, 0, text_ids[:100], logits=False)
+        assert hops[0].checkpoints(sids[0]) == []
+        held, kinds = _truncate_route(hops, sids, 60)
+        assert (held, kinds[0]) == (0, "from_zero")
+        _forward(hops, sids, 0, text_ids[:10], logits=False)
+        with pytest.raises(NativeError, match="no checkpoint"):
+            hops[0].truncate(sids[0], 5)  # the plain truncate refuses what it cannot do exactly
+    finally:
+        for h in hops:
+            h.set_checkpoints(256, 8)
+        _close(hops, sids)
+
+
+def test_state_and_checkpoints_are_charged_to_the_node_budget(gguf: str, text_ids: list[int]) -> None:
+    budget = NativeBudget(64 << 20)
+    hop = NativeModel(gguf, 0, 3, n_threads=2, budget=budget)  # delta-net layers only
+    try:
+        sid = hop.open_session(1024)
+        hop.forward(sid, 0, token_ids=np.asarray(text_ids[:10], dtype=np.int32))
+        state = hop.kv_bytes(sid)
+        assert state > 0 and budget.used == state
+        assert len(hop.snapshot(sid)) > state // 2  # the recurrent state travels in snapshots
+        hop.forward(sid, 10, token_ids=np.asarray(text_ids[10:20], dtype=np.int32))  # two checkpoints
+        assert hop.checkpoints(sid) == [10, 20]
+        assert budget.used == hop.kv_bytes(sid) > state
+        hop.close_session(sid)
+        assert budget.used == 0
+    finally:
+        hop.close()
+        budget.close()
+
+
+_CHILD = """
+import json, sys
+import numpy as np
+from agent.backends.libggswarm import NativeModel
+path, splits, files, start, n = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+hops = [NativeModel(path, a, b, n_threads=2) for a, b in splits]
+sids = [h.open_session(1024) for h in hops]
+for h, s, f in zip(hops, sids, files):
+    h.restore(s, open(f, "rb").read())
+tok, pos, out = int(sys.argv[6]), start, []
+for _ in range(n):
+    x = None
+    for h, s in zip(hops, sids):
+        r = h.forward(s, pos, token_ids=np.asarray([tok], dtype=np.int32) if h.is_first else None, hidden=x, want_logits=h.is_last)
+        x = r.get("hidden")
+    out.append([int(r["token"]), np.asarray(r["logits"], dtype=np.float32).ravel().tolist()[:64]])
+    tok, pos = out[-1][0], pos + 1
+print(json.dumps(out))
+"""
+
+
+def test_a_snapshot_restored_in_another_process_continues_identically(
+    gguf: str, hops: list[NativeModel], text_ids: list[int], tmp_path: Path
+) -> None:
+    prompt = text_ids[:120]
+    sids = _open(hops)
+    try:
+        tok = int(_forward(hops, sids, 0, prompt, logits=False)["token"])
+        files = []
+        for i, (h, s) in enumerate(zip(hops, sids, strict=True)):
+            f = tmp_path / f"hop{i}.snap"
+            f.write_bytes(h.snapshot(s))
+            files.append(str(f))
+        here, t, pos = [], tok, len(prompt)
+        for _ in range(8):
+            r = _forward(hops, sids, pos, [t])
+            here.append([int(r["token"]), _logits(r, 1)[0, :64].tolist()])
+            t, pos = here[-1][0], pos + 1
+    finally:
+        _close(hops, sids)
+    args = [gguf, json.dumps(SPLITS), json.dumps(files), str(len(prompt)), "8", str(tok)]
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, *args], capture_output=True, text=True, cwd=REPO, check=True
+    )
+    there = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [t for t, _ in there] == [t for t, _ in here]
+    assert np.array_equal(np.asarray([lg for _, lg in there]), np.asarray([lg for _, lg in here]))
