@@ -14,9 +14,9 @@ from agent.logsafe import RedactingStream
 
 
 def main() -> None:
-    sys.stdout = RedactingStream(sys.stdout)  # type: ignore[assignment]  # a TextIO stand-in
-    sys.stderr = RedactingStream(sys.stderr)  # type: ignore[assignment]  # a TextIO stand-in
-    from daphne.cli import CommandLineInterface
+    sys.stdout = RedactingStream(sys.stdout)
+    sys.stderr = RedactingStream(sys.stderr)
+    from daphne.cli import CommandLineInterface  # type: ignore[import-untyped]  # daphne ships no types
 
     CommandLineInterface.entrypoint()
 

@@ -30,7 +30,7 @@ class _Throttled:
         if isinstance(username, str) and locked_out(username, self.request):
             self.locked = True
             raise ValidationError(_lockout_message(), code="locked_out")
-        return super().clean()  # type: ignore[misc,no-any-return]  # the form class it is mixed into
+        return super().clean()  # type: ignore[misc]  # the form class it is mixed into
 
 
 class ThrottledAuthenticationForm(_Throttled, AuthenticationForm):
