@@ -265,37 +265,62 @@ def uncovered_ranges(n_layers: int, placements: Sequence[Placement]) -> list[tup
     return out
 
 
-def replan_lost(
-    nodes: Sequence[PlannerNode], shape: ModelShape, current: Sequence[Placement], lost: NodeId
-) -> list[Placement]:
-    """New placements for the layers only `lost` held; `nodes[i].capacity_bytes` is what is still free.
+def below_target(n_layers: int, placements: Sequence[Placement], target: int) -> list[tuple[int, int]]:
+    """Maximal layer ranges held by fewer than `target` placements (uncovered ones included)."""
+    count = [0] * n_layers
+    for p in placements:
+        for i in range(p.layer_start, p.layer_end):
+            count[i] += 1
+    short = [Placement(NodeId(""), i, i + 1) for i in range(n_layers) if count[i] >= max(target, 1)]
+    return uncovered_ranges(n_layers, short)
 
-    Each missing range goes to the fastest single node that can hold it; otherwise it is split over the
-    survivors. Raises PlacementError when the survivors cannot hold it.
+
+def replan_lost(
+    nodes: Sequence[PlannerNode],
+    shape: ModelShape,
+    current: Sequence[Placement],
+    lost: NodeId,
+    target: int = 1,
+) -> list[Placement]:
+    """New placements for the layers that fall below `target` copies without `lost` (with the default 1:
+    the layers only `lost` held); `nodes[i].capacity_bytes` is what is still free.
+
+    Each missing range goes to the fastest single node that can hold it and holds none of it already
+    (a second copy on the same node survives nothing); otherwise it is split over the survivors. Raises
+    PlacementError when the survivors cannot hold a range no survivor covers at all; a range that is
+    only short of its replica count is skipped when nothing can take it (routes still work).
     """
     if shape.refusal:
         raise PlacementError(shape.refusal)
     survivors = [p for p in current if p.node_id != lost]
-    holes = uncovered_ranges(shape.n_layers, survivors)
+    uncovered = set(uncovered_ranges(shape.n_layers, survivors))
+    holes = below_target(shape.n_layers, survivors, target)
     free = {n.node_id: n.capacity_bytes for n in nodes if n.node_id != lost}
     speed = {n.node_id: n.speed for n in nodes}
     chain = max((p.chain for p in current), default=0)
     out: list[Placement] = []
     for a, b in holes:
         need = shape.bytes_for(a, b)
-        single = [nid for nid, cap in free.items() if cap >= need]
+        holders = {p.node_id for p in survivors if p.layer_start < b and a < p.layer_end}
+        single = [nid for nid, cap in free.items() if cap >= need and nid not in holders]
         if single:
             best = max(single, key=lambda nid: (speed[nid], free[nid], nid))
             out.append(Placement(best, a, b, chain))
             free[best] -= need
             continue
         pool = sorted(
-            (PlannerNode(nid, cap, speed[nid]) for nid, cap in free.items() if cap > 0),
+            (
+                PlannerNode(nid, cap, speed[nid])
+                for nid, cap in free.items()
+                if cap > 0 and nid not in holders
+            ),
             key=lambda n: (-n.speed, n.node_id),
         )
         try:
             parts = split_chain(shape, pool, a, b, chain)
         except PlacementError as e:
+            if not any(u < b and a < v for u, v in uncovered):
+                continue  # still served by a surviving copy: one replica short is not an outage
             raise PlacementError(f"cannot replace lost node {lost}: {e}") from None
         for p in parts:
             free[p.node_id] -= shape.bytes_for(p.layer_start, p.layer_end)

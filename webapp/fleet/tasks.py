@@ -14,7 +14,6 @@ from typing import Any
 from celery import shared_task
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Q
 from django.utils import timezone
 
 from agent.wire.control import Drain, ServerMessage
@@ -216,6 +215,7 @@ def replace_lost_node(node_id: str, mark: str = ShardAssignment.State.FAILED) ->
                     shape_from_manifest(artifact.parsed_manifest),
                     current,
                     NodeId(node_id),
+                    target=artifact.desired_replicas,  # ranges below their replica count, not only holes
                 )
             except PlacementError as e:
                 log.warning("artifact %s: %s", artifact.pk, e)
@@ -228,18 +228,34 @@ def replace_lost_node(node_id: str, mark: str = ShardAssignment.State.FAILED) ->
     return out
 
 
+def dataplane_gone(node_id: str, url: str) -> bool:
+    """Whether an offline node's data plane is gone too (its health check fails): then its shards are
+    lost now, not after a grace. A node whose control socket dropped (a web restart, a network blip)
+    but whose data plane still answers keeps serving routes, so it gets the grace."""
+    if not url:
+        return False  # never said where it serves: nothing to check, wait for the grace
+    from asgiref.sync import async_to_sync
+
+    from webapp.fleet.probe import probe_health
+
+    problem, _ = async_to_sync(probe_health)(url, node_id, float(settings.DATAPLANE_PROBE_TIMEOUT_S))
+    return bool(problem)
+
+
 @shared_task
 def sweep_offline_nodes() -> list[str]:
-    """Mark silent nodes offline; replace nodes offline for longer than settings.NODE_LOST_AFTER_S."""
+    """Mark silent nodes offline; replace the shards of offline nodes whose data plane is gone at once,
+    and of the others once they have been offline longer than settings.NODE_LOST_AFTER_S."""
     flipped = [nid for nid in services.stale_online_nodes() if services.mark_offline_if_stale(nid)]
     for nid in flipped:
         notify_fleet(nid)
     lost_cutoff = timezone.now() - timedelta(seconds=settings.NODE_LOST_AFTER_S)
-    lost = (
-        Node.objects.filter(Q(state=Node.State.OFFLINE, last_seen__lt=lost_cutoff), shards__state__in=ACTIVE)
-        .values_list("id", flat=True)
+    offline = (
+        Node.objects.filter(state=Node.State.OFFLINE, shards__state__in=ACTIVE)
+        .values_list("id", "last_seen", "dataplane_url")
         .distinct()
     )
-    for nid in list(lost):
-        replace_lost_node.delay(nid)
+    for nid, last_seen, url in list(offline):
+        if (last_seen is not None and last_seen < lost_cutoff) or dataplane_gone(nid, url):
+            replace_lost_node.delay(nid)
     return flipped

@@ -1,0 +1,116 @@
+"""Replicas: a lost node's ranges go back up to their replica count (on a node not already holding them),
+and an offline node whose data plane is gone too is replaced at once, not after the grace."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from datetime import timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+from django.utils import timezone
+
+from agent.wire.ids import NodeId
+from tests.webapp.test_placement import node, shape
+from webapp.fleet.models import Node, ShardAssignment
+from webapp.fleet.placement import Placement, below_target, replan_lost
+from webapp.fleet.tasks import place_model, sweep_offline_nodes
+
+GB = 1 << 30
+
+
+def test_ranges_below_their_replica_count_are_found() -> None:
+    ps = [Placement(NodeId("a"), 0, 30), Placement(NodeId("b"), 0, 10)]
+    assert below_target(30, ps, 2) == [(10, 30)]
+    assert below_target(30, ps, 1) == []
+
+
+def test_a_lost_replica_is_placed_again_on_a_node_that_does_not_hold_the_range() -> None:
+    current = [Placement(NodeId("a"), 0, 30, 0), Placement(NodeId("b"), 0, 30, 1)]
+    # a has room too, but a second copy on a survives nothing
+    new = replan_lost([node("a", 1000, 9.0), node("c", 1000)], shape(), current, NodeId("b"), target=2)
+    assert new == [Placement(NodeId("c"), 0, 30, 1)]
+
+
+def test_a_replica_short_of_its_count_with_no_room_left_is_not_an_error() -> None:
+    current = [Placement(NodeId("a"), 0, 30, 0), Placement(NodeId("b"), 0, 30, 1)]
+    assert replan_lost([node("a", 1000), node("c", 1)], shape(), current, NodeId("b"), target=2) == []
+
+
+class _Health(BaseHTTPRequestHandler):
+    node_id = ""
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        body = json.dumps({"status": "ok", "node_id": self.server.node_id}).encode()  # type: ignore[attr-defined]
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def live_dataplane() -> Iterator[ThreadingHTTPServer]:
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Health)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    yield srv
+    srv.shutdown()
+
+
+def _fleet(artifact: Any, names: list[str]) -> list[Node]:
+    nodes = [
+        Node.objects.create(
+            name=n,
+            state=Node.State.ONLINE,
+            dataplane_url="http://127.0.0.1:9",  # nothing listens on the discard port
+            free_memory_bytes=4 * GB,
+            backends=["torch"],
+            last_seen=timezone.now(),
+        )
+        for n in names
+    ]
+    assert place_model(artifact.pk, replicas=1)["ok"]
+    return nodes
+
+
+@pytest.mark.django_db
+def test_an_offline_node_whose_data_plane_is_gone_is_replaced_at_once(artifact: Any, settings: Any) -> None:
+    settings.KV_RESERVE_BYTES = 0
+    settings.DATAPLANE_PROBE_TIMEOUT_S = 1
+    a, b = _fleet(artifact, ["a", "b"])
+    held = ShardAssignment.objects.filter(state=ShardAssignment.State.ASSIGNED).first()
+    assert held is not None
+    Node.objects.filter(pk=held.node_id).update(state=Node.State.OFFLINE, last_seen=timezone.now())
+    sweep_offline_nodes()  # well inside NODE_LOST_AFTER_S
+    held.refresh_from_db()
+    assert held.state == ShardAssignment.State.FAILED
+    assert (
+        ShardAssignment.objects.exclude(node_id=held.node_id)
+        .filter(state=ShardAssignment.State.ASSIGNED, layer_start=held.layer_start)
+        .exists()
+    )
+
+
+@pytest.mark.django_db
+def test_an_offline_node_whose_data_plane_still_answers_keeps_its_shards_for_the_grace(
+    artifact: Any, settings: Any, live_dataplane: ThreadingHTTPServer
+) -> None:
+    settings.KV_RESERVE_BYTES = 0
+    (a,) = _fleet(artifact, ["a"])
+    live_dataplane.node_id = a.pk  # type: ignore[attr-defined]
+    url = f"http://127.0.0.1:{live_dataplane.server_address[1]}"
+    Node.objects.filter(pk=a.pk).update(state=Node.State.OFFLINE, last_seen=timezone.now(), dataplane_url=url)
+    sweep_offline_nodes()
+    assert not ShardAssignment.objects.filter(state=ShardAssignment.State.FAILED).exists()
+    Node.objects.filter(pk=a.pk).update(
+        last_seen=timezone.now() - timedelta(seconds=settings.NODE_LOST_AFTER_S + 1)
+    )
+    sweep_offline_nodes()
+    assert ShardAssignment.objects.filter(state=ShardAssignment.State.FAILED).exists()
