@@ -4,25 +4,31 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('fleet', '0003_shard_backend_default_native'),
+        ("fleet", "0003_shard_backend_default_native"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='node',
-            name='dataplane_problem',
-            field=models.CharField(blank=True, default='', help_text='why the reported data-plane URL is not routed to (empty: it passed the checks)', max_length=300),
+            model_name="node",
+            name="dataplane_problem",
+            field=models.CharField(
+                blank=True,
+                default="",
+                help_text="why the reported data-plane URL is not routed to (empty: it passed the checks)",
+                max_length=300,
+            ),
         ),
         migrations.AddField(
-            model_name='node',
-            name='dataplane_rtt_ms',
-            field=models.FloatField(blank=True, help_text='health probe round trip at hello', null=True),
+            model_name="node",
+            name="dataplane_rtt_ms",
+            field=models.FloatField(blank=True, help_text="health probe round trip at hello", null=True),
         ),
         migrations.AddField(
-            model_name='node',
-            name='passkey_generation',
-            field=models.PositiveIntegerField(default=0, help_text='bumped to rotate the tracker passkey (every earlier one is refused)'),
+            model_name="node",
+            name="passkey_generation",
+            field=models.PositiveIntegerField(
+                default=0, help_text="bumped to rotate the tracker passkey (every earlier one is refused)"
+            ),
         ),
     ]
