@@ -44,7 +44,7 @@ TOKEN_HEADER = "X-Handoff-Token"
 # magic, max_tokens, n_history, snapshot bytes, sha256 of the snapshot
 IMPORT_HEAD = struct.Struct("<4sIIQ32s")
 IMPORT_MAGIC = b"GSKV"
-# Room for a snapshot's own header above the KV rows the range holds (native: 168 bytes).
+# Room for a snapshot's own header above the KV rows the range holds (native: 184 bytes).
 SNAPSHOT_HEADER_SLACK = 4096
 EXPORT_TIMEOUT_S = 30.0
 

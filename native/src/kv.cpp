@@ -13,7 +13,7 @@ namespace ggswarm {
 namespace {
 
 constexpr char kSnapMagic[8] = {'G', 'G', 'S', 'W', 'K', 'V', 'S', 'N'};
-constexpr uint32_t kSnapVersion = 1;
+constexpr uint32_t kSnapVersion = 2;  // 2: the window's state kinds (recurrent layers' state in the payload)
 
 // Snapshot header (little-endian, packed by construction: every field is naturally aligned).
 struct SnapHeader {
@@ -32,8 +32,23 @@ struct SnapHeader {
     int32_t reserved;
     uint64_t payload_bytes;
     uint64_t payload_fnv1a;
+    int32_t n_kv_layers;         // layers of the window per state kind (v2)
+    int32_t n_recurrent_layers;
+    uint64_t state_kinds_fnv1a;  // FNV-1a 64 of the window's per-layer StateKind values (int32 each)
 };
-static_assert(sizeof(SnapHeader) == 168, "snapshot header layout changed: bump kSnapVersion");
+static_assert(sizeof(SnapHeader) == 184, "snapshot header layout changed: bump kSnapVersion");
+
+// The window's state kinds as a snapshot records them: a count per kind and a hash of the sequence.
+void state_kinds(const ggswarm_model * m, int32_t * n_kv, int32_t * n_rec, uint64_t * hash) {
+    *n_kv = *n_rec = 0;
+    std::vector<int32_t> kinds;
+    for (int32_t il = m->layer_start; il < m->layer_end; ++il) {
+        kinds.push_back((int32_t)m->lhp[il].state);
+        if (m->lhp[il].state == StateKind::KV) ++*n_kv;
+        if (m->lhp[il].state == StateKind::Recurrent) ++*n_rec;
+    }
+    *hash = fnv1a(reinterpret_cast<const uint8_t *>(kinds.data()), kinds.size() * sizeof(int32_t));
+}
 
 }  // namespace
 
@@ -401,6 +416,7 @@ ggswarm_status ggswarm_session_snapshot(const ggswarm_model * m, int64_t sid, vo
     memcpy(h.magic, kSnapMagic, sizeof(h.magic));
     h.format_version = kSnapVersion;
     h.header_size = sizeof(SnapHeader);
+    state_kinds(m, &h.n_kv_layers, &h.n_recurrent_layers, &h.state_kinds_fnv1a);
     snprintf(h.model_id, sizeof(h.model_id), "%s", m->model_id.c_str());
     snprintf(h.architecture, sizeof(h.architecture), "%s", m->arch.c_str());
     h.layer_start = m->layer_start;
@@ -449,6 +465,17 @@ ggswarm_status ggswarm_session_restore(ggswarm_model * m, int64_t sid, const voi
     if (h.layer_start != m->layer_start || h.layer_end != m->layer_end || h.n_layers_total != m->n_layers_total) {
         return fail(m, GGSWARM_E_MISMATCH, "snapshot layer range %d:%d of %d does not match this window %d:%d of %d",
                     h.layer_start, h.layer_end, h.n_layers_total, m->layer_start, m->layer_end, m->n_layers_total);
+    }
+    {
+        int32_t n_kv = 0, n_rec = 0;
+        uint64_t kinds = 0;
+        state_kinds(m, &n_kv, &n_rec, &kinds);
+        if (h.n_kv_layers != n_kv || h.n_recurrent_layers != n_rec || h.state_kinds_fnv1a != kinds) {
+            return fail(m, GGSWARM_E_MISMATCH,
+                        "snapshot state kinds (%d KV, %d recurrent layers) do not match this window's (%d KV, %d "
+                        "recurrent)",
+                        h.n_kv_layers, h.n_recurrent_layers, n_kv, n_rec);
+        }
     }
     if (h.n_head_kv != m->n_head_kv || h.head_dim != m->head_dim || h.kv_type != GGML_TYPE_F16) {
         return fail(m, GGSWARM_E_MISMATCH, "snapshot KV shape (%d heads x %d, type %d) does not match (%d x %d, f16)",
