@@ -42,9 +42,15 @@ class FakeRouteClient:
     step_s = 0.0
 
     def __init__(
-        self, hops: list[Any], tokenizer: Any, session_id: bytes | None = None, max_context: int = 8192
+        self,
+        hops: list[Any],
+        tokenizer: Any,
+        session_id: bytes | None = None,
+        max_context: int = 8192,
+        **options: Any,
     ) -> None:
         self.hops, self.session_id, self.max_context = hops, session_id, max_context
+        self.options = options  # replacements: the failover provider the consumer passes
         self.calls: list[list[dict[str, str]]] = []
         self.closed, self.in_flight, self.generator_closed = False, False, False
         self.hop_stats = [HopStats() for _ in hops]
@@ -405,7 +411,7 @@ async def test_a_model_that_is_not_placed_gets_a_clear_error_and_the_turn_is_for
 
 
 class DyingRouteClient(FakeRouteClient):
-    """The first route dies after one delta; later routes answer normally."""
+    """The first route dies after one delta (its own recovery gave up); later routes answer normally."""
 
     async def chat(
         self, messages: list[dict[str, str]], sampling: Any, max_tokens: int
@@ -418,7 +424,7 @@ class DyingRouteClient(FakeRouteClient):
             yield ev
 
 
-async def test_a_route_dying_mid_answer_fails_over_once_and_the_user_sees_one_seamless_answer(
+async def test_a_route_whose_recovery_gives_up_ends_the_turn_with_a_clear_error_at_once(
     member: Any, placed: Any, fake_client: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import agent.client.route
@@ -428,12 +434,12 @@ async def test_a_route_dying_mid_answer_fails_over_once_and_the_user_sees_one_se
     await ws.connect()
     await ws.send_json_to({"model": placed.pk, "message": "hi"})
     events, done = await answer(ws)
-    assert [e["text"] for e in events if e["type"] == "delta"] == ["Hel", "lo"]
-    assert done["type"] == "done" and done["text"] == "Hello"
-    first, second = FakeRouteClient.instances
-    assert first.closed and second.calls[0] == [{"role": "user", "content": "hi"}]
+    assert [e["text"] for e in events if e["type"] == "delta"] == ["Hel"]
+    assert done["type"] == "error" and "could not be recovered" in done["error"]
+    (first,) = FakeRouteClient.instances  # failover is the client's: the consumer does not retry
+    assert first.closed and callable(first.options["replacements"])
     states = await db(lambda: sorted(RouteSession.objects.values_list("state", flat=True)))
-    assert states == ["broken", "open"]
+    assert states == ["broken"]
     await ws.disconnect()
 
 

@@ -114,3 +114,50 @@ def test_an_offline_node_whose_data_plane_still_answers_keeps_its_shards_for_the
     )
     sweep_offline_nodes()
     assert ShardAssignment.objects.filter(state=ShardAssignment.State.FAILED).exists()
+
+
+def _two_replicas(artifact: Any) -> list[Node]:
+    nodes = []
+    for name in ("x", "y"):
+        n = Node.objects.create(
+            name=name,
+            state=Node.State.ONLINE,
+            dataplane_url=f"http://{name}.test:7070",
+            free_memory_bytes=4 * GB,
+            backends=["torch"],
+            last_seen=timezone.now(),
+        )
+        ShardAssignment.objects.create(
+            node=n, artifact=artifact, layer_start=0, layer_end=30, state=ShardAssignment.State.READY
+        )
+        nodes.append(n)
+    return nodes
+
+
+@pytest.mark.django_db
+def test_sessions_spread_over_replicas_and_a_failed_hop_gets_the_other_replica_with_a_handoff_grant(
+    artifact: Any,
+) -> None:
+    from agent.wire.handofftoken import verify_handoff
+    from agent.wire.routetoken import TokenVerifier
+    from webapp.core.keys import route_signing_key
+    from webapp.routing.models import RouteSession
+    from webapp.routing.services import open_route, replace_hop
+
+    x, y = _two_replicas(artifact)
+    s1, g1 = open_route(artifact.pk, None)
+    s2, g2 = open_route(artifact.pk, None)
+    assert {g1[0].node_id, g2[0].node_id} == {x.pk, y.pk}  # the second session goes to the idle replica
+
+    rep = replace_hop(s1.id, 0, 30, g1[0].url)
+    assert rep is not None and rep.grant.node_id != g1[0].node_id
+    key = route_signing_key().public_key()
+    claims = TokenVerifier(key).verify(rep.grant.token)
+    assert (claims.node, claims.session) == (rep.grant.node_id, s1.id.bytes)
+    h = verify_handoff(key, rep.handoff_token)
+    assert (h.src, h.dst, h.layer_start, h.layer_end) == (g1[0].node_id, rep.grant.node_id, 0, 30)
+    assert RouteSession.objects.get(pk=s1.id).hops[0]["node"] == rep.grant.node_id
+    # never the hop that failed (here the other replica comes back), and a range nobody else holds has none
+    again = replace_hop(s1.id, 0, 30, rep.grant.url)
+    assert again is not None and again.grant.node_id == g1[0].node_id
+    assert replace_hop(s1.id, 0, 10, g1[0].url) is None

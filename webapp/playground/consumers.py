@@ -156,7 +156,14 @@ class ChatConsumer(SafeJsonConsumer):
             user = self.scope["user"]
             _, session, grants, tokenizer = await database_sync_to_async(_open)(req.model_id, user)
             hops = [Hop(g.url, g.layer_start, g.layer_end, g.token) for g in grants]
-            client = RouteClient(hops, tokenizer, session_id=session.id.bytes, max_context=turn.context)
+            client = RouteClient(
+                hops,
+                tokenizer,
+                session_id=session.id.bytes,
+                max_context=turn.context,
+                # a failed hop is replaced inside the client (snapshot hand-off or re-prefill): issue 14
+                replacements=routing.replacement_provider(session.id),
+            )
             live = LiveRoute(cid, req.model_id, session.id, client, session.hops, turn.context)
         self.live = live
         return live
@@ -237,8 +244,9 @@ class ChatConsumer(SafeJsonConsumer):
         await self.send_json({**base, "type": "error", "error": text})
 
     async def _answer(self, req: ChatRequest, turn_no: int) -> None:
-        """Answer one turn; if the route fails mid-answer, re-open a route once and re-prefill the history
-        (greedy or seeded sampling continues identically, so the user sees one seamless answer)."""
+        """Answer one turn. A hop failing mid-answer is replaced inside the route client (greedy or seeded
+        sampling continues identically, so the user sees one seamless answer); when that recovery gives
+        up, the turn ends with an error at once."""
         base: dict[str, Any] = {"turn": turn_no}
         user = self.scope["user"]
         try:
@@ -251,7 +259,7 @@ class ChatConsumer(SafeJsonConsumer):
         shown, started, text, stopped = [""], False, "", False
         telemetry: dict[str, Any] = {}
         try:
-            for attempt in (1, 2):
+            while True:
                 try:
                     live = await self._ensure_live(req, turn)
                 except (NoRoute, ModelArtifact.DoesNotExist) as e:
@@ -286,21 +294,17 @@ class ChatConsumer(SafeJsonConsumer):
                     text, stopped, telemetry = shown[0], True, {"stopped": True, "route_closed": True}
                     await self._leave_live()
                     break
-                except Exception as e:  # noqa: BLE001 - the route failed: fail over once, then tell the user
-                    log.warning(
-                        "generation failed on session %s (attempt %d)",
-                        live.session_id,
-                        attempt,
-                        exc_info=True,
-                    )
+                except Exception as e:  # noqa: BLE001 - the client's own recovery gave up: tell the user
+                    log.warning("generation failed on session %s", live.session_id, exc_info=True)
                     await self._leave_live(RouteSession.State.BROKEN)
                     await database_sync_to_async(record_generation)(
                         live.session_id, req.model_id, user, {}, error=str(e)
                     )
-                    if attempt == 2:
-                        await self._abandon(turn)
-                        await self._turn_error(base, f"the route failed twice, so this answer is lost: {e}")
-                        return
+                    await self._abandon(turn)
+                    await self._turn_error(
+                        base, f"the route failed and could not be recovered, so this answer is lost: {e}"
+                    )
+                    return
         except asyncio.CancelledError:  # the socket went: keep what the user saw of the answer
             if shown[0]:
                 await asyncio.shield(

@@ -15,7 +15,7 @@ from agent.wire.ids import NodeId, SessionId
 from webapp.catalog.models import ModelArtifact
 from webapp.core.keys import route_signing_key
 from webapp.fleet.models import Node, ShardAssignment
-from webapp.routing.chooser import ShardCandidate, choose_route
+from webapp.routing.chooser import ShardCandidate, choose_route, hop_cost_ms
 from webapp.routing.measure import assigned_sessions, observed_layer_ms
 from webapp.routing.models import RouteSession
 
@@ -111,3 +111,88 @@ def touch_session(session_id: uuid.UUID, n_positions: int) -> None:
 
 def close_session(session_id: uuid.UUID, state: str = RouteSession.State.CLOSED) -> None:
     RouteSession.objects.filter(pk=session_id, state=RouteSession.State.OPEN).update(state=state)
+
+
+# --- failover (issue 14) ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Replacement:
+    """A hop taking over a failed hop's layers, and the hand-off grant from the old node to it."""
+
+    grant: HopGrant
+    handoff_token: bytes
+
+
+def replace_hop(
+    session_id: uuid.UUID, layer_start: int, layer_end: int, failed_url: str
+) -> Replacement | None:
+    """A ready shard of exactly [layer_start, layer_end) on another node for an open session's failed hop
+    (the cheapest, so sessions spread over replicas), with its route token and a hand-off token naming
+    the old node and the new one; the session's recorded route is updated. None when there is none."""
+    from agent.wire.handofftoken import mint_handoff
+
+    session = RouteSession.objects.select_related("artifact").filter(pk=session_id).first()
+    if session is None or session.state != RouteSession.State.OPEN:
+        return None
+    hops: list[dict[str, Any]] = [h for h in session.hops if isinstance(h, dict)]
+    index = next(
+        (
+            i
+            for i, h in enumerate(hops)
+            if (h.get("layer_start"), h.get("layer_end")) == (layer_start, layer_end)
+        ),
+        None,
+    )
+    if index is None:
+        return None
+    old_node = str(hops[index].get("node", ""))
+    failed = routetoken.normalise_url(failed_url)
+    candidates = [
+        c
+        for c in ready_candidates(session.artifact_id)
+        if (c.layer_start, c.layer_end) == (layer_start, layer_end)
+        and c.node_id != old_node
+        and routetoken.normalise_url(c.url) != failed
+    ]
+    if not candidates:
+        return None
+    best = min(candidates, key=lambda c: (hop_cost_ms(c), c.node_id))
+    nxt = hops[index + 1] if index + 1 < len(hops) else None
+    key = route_signing_key()
+    token = routetoken.mint(
+        key,
+        SessionId(session.id.bytes),
+        session.artifact.sha256,
+        layer_start,
+        layer_end,
+        best.node_id,
+        settings.ROUTE_TOKEN_TTL_S,
+        str(nxt.get("node", "")) if nxt else "",
+        str(nxt.get("url", "")) if nxt else "",
+    )
+    handoff = (
+        mint_handoff(
+            key, session.id.bytes, session.artifact.sha256, layer_start, layer_end, old_node, best.node_id
+        )
+        if old_node
+        else b""
+    )
+    hops[index] = {"node": best.node_id, "url": best.url, "layer_start": layer_start, "layer_end": layer_end}
+    RouteSession.objects.filter(pk=session.pk).update(hops=hops)
+    return Replacement(HopGrant(best.node_id, best.url, layer_start, layer_end, token), handoff)
+
+
+def replacement_provider(session_id: uuid.UUID) -> Any:
+    """The route client's ReplacementProvider for a session the control plane opened (playground, API)."""
+    from channels.db import database_sync_to_async
+
+    from agent.client.recovery import Hop
+    from agent.client.recovery import Replacement as ClientReplacement
+
+    async def provide(index: int, hop: Hop, reason: str) -> ClientReplacement | None:  # noqa: ARG001
+        rep = await database_sync_to_async(replace_hop)(session_id, hop.layer_start, hop.layer_end, hop.url)
+        if rep is None:
+            return None
+        g = rep.grant
+        return ClientReplacement(Hop(g.url, g.layer_start, g.layer_end, g.token), rep.handoff_token)
+
+    return provide
