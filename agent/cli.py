@@ -182,6 +182,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
         hops = await _discover_hops(
             args.route.split(","), args.signing_key, session, defaults.ROUTE_TOKEN_TTL_S
         )
+        provider = None
+        if args.replicas:  # failover: a failed hop's layers move to one of these (issue 14)
+            from agent.client.recovery import ReplicaProvider
+            from agent.wire.routetoken import load_private_key
+
+            urls = args.route.split(",") + args.replicas.split(",")
+            provider = ReplicaProvider(urls, load_private_key(args.signing_key), session)
         client = RouteClient(
             hops,
             tok,
@@ -189,6 +196,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             mode=args.mode,
             hidden_dtype=args.hidden_dtype,
             max_context=args.max_context,
+            replacements=provider,
         )
         try:
             async for ev in client.chat(
@@ -245,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("chat", help="chat through a route of serving hops")
     s.add_argument("prompt")
     s.add_argument("--route", required=True, help="comma-separated hop URLs in layer order")
+    s.add_argument("--replicas", default="", help="comma-separated URLs of nodes that can replace a failed hop")
     s.add_argument("--model", default="pkg:smollm2", help="GGUF path for the tokenizer, or pkg:NAME")
     s.add_argument("--signing-key", required=True, help="route-token private key (PEM) from keygen")
     s.add_argument("--mode", choices=["star", "chain"], default="star")
