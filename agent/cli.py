@@ -253,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("chat", help="chat through a route of serving hops")
     s.add_argument("prompt")
     s.add_argument("--route", required=True, help="comma-separated hop URLs in layer order")
-    s.add_argument("--replicas", default="", help="comma-separated URLs of nodes that can replace a failed hop")
+    s.add_argument("--replicas", default="", help="node URLs that may replace a failed hop")
     s.add_argument("--model", default="pkg:smollm2", help="GGUF path for the tokenizer, or pkg:NAME")
     s.add_argument("--signing-key", required=True, help="route-token private key (PEM) from keygen")
     s.add_argument("--mode", choices=["star", "chain"], default="star")
