@@ -9,16 +9,20 @@ import json
 from typing import Any
 
 import pytest
+from channels.db import database_sync_to_async
+from channels.testing import WebsocketCommunicator
 from django.test import Client
 from django.utils import timezone
 
 from agent.wire import release as signing
-from agent.wire.control import UpdateStatus
+from agent.wire.control import Update, UpdateStatus, parse_server_message
+from webapp.asgi import application
 from webapp.fleet.models import Node
 from webapp.fleet.services import create_enrollment_token
 from webapp.releases import rollout, services
-from webapp.releases.models import RolloutNode
+from webapp.releases.models import Rollout, RolloutNode
 from webapp.releases.rollout import NodeRow, step
+from webapp.releases.tasks import advance_rollout
 
 WHEEL = "gguf_swarm_agent-2.0.0-py3-none-any.whl"
 
@@ -207,3 +211,57 @@ def test_the_wheel_needs_node_credentials_and_the_releases_page_shows_it(
     assert got.status_code == 200 and b"".join(got.streaming_content) == b"wheel-bytes"
     page = staff_client.get("/releases/")
     assert page.status_code == 200 and r.version in page.content.decode()
+
+
+# --- over the agent websocket ----------------------------------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("clear_channel_layer")
+async def test_an_update_reaches_the_node_s_socket_and_its_refusal_stops_the_rollout(
+    node_with_secret: Any, release_key: Any
+) -> None:
+    node, secret = node_with_secret
+    ws = WebsocketCommunicator(
+        application, "/ws/agent/", headers=[(b"authorization", f"Node {node.id}:{secret}".encode())]
+    )
+    assert (await ws.connect())[0]
+    assert (await ws.receive_json_from())["type"] == "welcome"
+    await database_sync_to_async(Node.objects.filter(pk=node.id).update)(
+        state=Node.State.ONLINE, dataplane_url="http://127.0.0.1:1", version="1.0.0"
+    )
+    r = await database_sync_to_async(publish)(release_key)
+    ro = await database_sync_to_async(services.start)(r.pk, [node.id], None)
+    assert await database_sync_to_async(advance_rollout)(ro.pk)
+    cmd = parse_server_message(await ws.receive_json_from())
+    assert isinstance(cmd, Update) and cmd.rollout_id == ro.pk and cmd.signature == r.signature
+    await ws.send_json_to(
+        {
+            "type": "update_status",
+            "rollout_id": ro.pk,
+            "version": "2.0.0",
+            "state": "refused",
+            "error": "forged",
+        }
+    )
+    await ws.send_to(text_data="{")  # the error reply proves the report was handled first
+    assert (await ws.receive_json_from())["type"] == "error"
+    ro = await database_sync_to_async(Rollout.objects.get)(pk=ro.pk)
+    assert ro.state == "failed" and node.id in ro.error
+    await ws.disconnect()
+
+
+@pytest.mark.django_db
+def test_the_fleet_page_shows_the_rollout_panel_with_each_node_s_step(
+    staff_client: Any, release_key: Any
+) -> None:
+    r = publish(release_key)
+    n = node("gpu-1")
+    ro = services.start(r.pk, None, None)
+    services.advance(ro.pk)
+    services.apply_report(n.pk, UpdateStatus(rollout_id=ro.pk, version="2.0.0", state="installing"))
+    assert 'hx-get="/releases/"' in staff_client.get("/fleet/").content.decode()
+    panel = staff_client.get("/releases/", HTTP_HX_REQUEST="true").content.decode()
+    assert "gpu-1" in panel and "sent</span> installing" in panel and "1.0.0 → 2.0.0" in panel
+    assert staff_client.post(f"/rollouts/{ro.pk}/pause").status_code == 200
+    assert staff_client.post(f"/rollouts/{ro.pk}/pause").status_code == 409
