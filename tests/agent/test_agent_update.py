@@ -211,3 +211,26 @@ def test_the_launcher_passes_the_run_options_and_marks_the_child_supervised(tmp_
     assert launcher(tmp_path, base).run() == 4  # any other exit is the launcher's exit
     assert out.read_text().split() == ["1", "-m", "agent", "run", "--config", "x"]
     assert os.environ.get("GGUF_SWARM_LAUNCHER") is None and sys.executable
+
+
+async def test_an_agent_without_an_updater_answers_update_with_a_refusal(tmp_path: Path) -> None:
+    from agent.node.config import NodeConfig
+    from agent.node.control import ControlAgent
+
+    sent: list[dict[str, object]] = []
+    agent = ControlAgent(NodeConfig("http://cp", "node-1", "s", "k"), _Host(), "http://n", tmp_path)
+
+    async def send(msg: object) -> None:
+        sent.append(msg.to_wire())
+
+    agent._send = send
+    await agent._execute(Update.model_validate(update()))
+    assert sent == [
+        {
+            "type": "update_status",
+            "rollout_id": 1,
+            "version": "2.0.0",
+            "state": "refused",
+            "error": "this agent does not take updates",
+        }
+    ]
