@@ -88,7 +88,8 @@ class Backend(ABC):
 
     @abstractmethod
     def truncate(self, sid: SessionId, n_tokens: int) -> None:
-        """Drop KV positions >= n_tokens."""
+        """Drop KV positions >= n_tokens (a backend keeping recurrent state goes back to its newest
+        checkpoint at or before n_tokens: session_len says where; truncate_to reports it)."""
 
     def truncate_to(self, sid: SessionId, n_tokens: int) -> tuple[int, str]:
         """Go back to at most `n_tokens` positions; returns (length now held, how). KV-only backends

@@ -332,11 +332,16 @@ class DataPlane:
             raise DataPlaneError(
                 409, "bad_position", f"cannot truncate to {req.pos_start}: session holds {cur}"
             )
-        s.backend.truncate(s.sid, req.pos_start)
-        del s.history[req.pos_start :]
+        # a backend keeping recurrent state goes back to its newest checkpoint at or before the
+        # position (or to 0): session_len says where, and the route re-prefills from there
+        held, how = s.backend.truncate_to(s.sid, req.pos_start)
+        if how != "exact":
+            self.counters[f"truncate_{how}"] = self.counters.get(f"truncate_{how}", 0) + 1
+            log.info("truncate to %d: %s, session holds %d", req.pos_start, how, held)
+        del s.history[held:]
         s.last_step = max(s.last_step, req.step)
         s.last_digest, s.last_output = b"", b""
-        return encode_response(Response(step=req.step, kind=Kind.NONE, session_len=req.pos_start))
+        return encode_response(Response(step=req.step, kind=Kind.NONE, session_len=held))
 
     async def _forward(self, req: Request, body: bytes, shard: Shard, s: SessionState) -> bytes:
         t_start = time.perf_counter()

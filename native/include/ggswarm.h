@@ -27,7 +27,7 @@
  *       kv_budget_bytes); ggswarm_session_growth_bytes; ggswarm_model_info.graph_builds.
  *   4 - recurrent state (qwen35, qwen35moe): checkpoints; ggswarm_session_truncate_to (rewind to the
  *       nearest checkpoint, report where and how), ggswarm_set_checkpoints, ggswarm_session_checkpoints;
- *       ggswarm_session_truncate refuses a position a recurrent window cannot go back to exactly.
+ *       on a window with recurrent layers ggswarm_session_truncate goes back to that checkpoint too.
  */
 #ifndef GGSWARM_H
 #define GGSWARM_H
@@ -180,7 +180,9 @@ GGSWARM_API ggswarm_status ggswarm_session_close(ggswarm_model * model, int64_t 
 
 GGSWARM_API ggswarm_status ggswarm_session_len(const ggswarm_model * model, int64_t sid, int32_t * out_len);
 
-/* Drop positions >= n_tokens (n_tokens <= length). */
+/* Drop positions >= n_tokens (n_tokens <= length). A window with recurrent layers (v4) goes back to its
+ * newest checkpoint at or before n_tokens, so the session may hold fewer (see ggswarm_session_len, or
+ * ggswarm_session_truncate_to which reports it). */
 GGSWARM_API ggswarm_status ggswarm_session_truncate(ggswarm_model * model, int64_t sid, int32_t n_tokens);
 
 /* ggswarm_session_truncate_to's *out_kind */

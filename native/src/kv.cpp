@@ -338,22 +338,9 @@ ggswarm_status ggswarm_session_truncate(ggswarm_model * m, int64_t sid, int32_t 
     if (n_tokens < 0 || n_tokens > s->len) {
         return fail(m, GGSWARM_E_RANGE, "cannot truncate to %d positions: the session holds %d", n_tokens, s->len);
     }
-    if (has_recurrent(m) && n_tokens != s->len) {
-        // recurrent state goes back only to a checkpoint: exact here, or ggswarm_session_truncate_to
-        const Checkpoints * c = s->ckpts.get();
-        bool exact = n_tokens == 0;
-        for (size_t i = 0; c && i < c->list.size(); ++i) exact = exact || c->list[i].pos == n_tokens;
-        if (!exact) {
-            return fail(m, GGSWARM_E_RANGE,
-                        "cannot truncate to %d positions: this window keeps recurrent state and has no checkpoint "
-                        "there (ggswarm_session_truncate_to restores the nearest one before it)",
-                        n_tokens);
-        }
-        int32_t kind = 0;
-        rewind(m, *s, n_tokens, &kind);
-        return ok(m);
-    }
-    s->len = n_tokens;
+    // recurrent state goes back only to a checkpoint: the session may end shorter (ggswarm_session_len)
+    int32_t kind = 0;
+    rewind(m, *s, n_tokens, &kind);
     return ok(m);
 }
 
