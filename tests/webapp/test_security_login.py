@@ -16,7 +16,11 @@ pytestmark = pytest.mark.django_db
 
 
 @pytest.fixture(autouse=True)
-def _fresh_counters() -> Iterator[None]:
+def _fresh_counters(settings: Any) -> Iterator[None]:
+    """Counters in a cache of this test's own (clearing a shared Redis would hit other runs)."""
+    settings.CACHES = {
+        "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache", "LOCATION": "lockout-tests"}
+    }
     cache.clear()
     yield
     cache.clear()
