@@ -52,7 +52,16 @@ class Swarm:
     def start_web(self, port: int) -> None:
         self.web = self.spawn(
             "web",
-            [sys.executable, "-m", "webapp.serve", "-b", "127.0.0.1", "-p", str(port), "webapp.asgi:application"],
+            [
+                sys.executable,
+                "-m",
+                "webapp.serve",
+                "-b",
+                "127.0.0.1",
+                "-p",
+                str(port),
+                "webapp.asgi:application",
+            ],
         )
         wait_http(self.base + "/healthz", 60, procs=[self.web])
 
