@@ -14,7 +14,7 @@ from typing import Any
 
 # What the native executor runs today. Extend it (with the C loader's kSupportedArchs) when an
 # architecture's layer windows are proved against llama.cpp.
-SERVABLE_ARCHITECTURES: frozenset[str] = frozenset({"llama", "mistral", "qwen2"})
+SERVABLE_ARCHITECTURES: frozenset[str] = frozenset({"llama", "mistral", "qwen2", "qwen35", "qwen35moe"})
 
 STATE_KINDS = ("kv", "recurrent", "latent_kv", "compressed_kv")
 # Gated delta-net hybrids: recurrent layers with full attention every N-th layer.

@@ -250,6 +250,6 @@ def test_a_version_1_manifest_is_upgraded_from_its_hparams(tiny_manifest) -> Non
 
 def test_unsupported_architectures_are_named_not_servable(tiny_manifest, manifest: Manifest) -> None:  # noqa: ANN001
     assert manifest.servable_problem == ""
-    problem = tiny_manifest("qwen35moe").servable_problem
-    assert problem.startswith("not servable by this agent: architecture 'qwen35moe'")
+    problem = tiny_manifest("deepseek4").servable_problem
+    assert problem.startswith("not servable by this agent: architecture 'deepseek4'")
     assert "llama" in problem

@@ -269,12 +269,12 @@ def test_registering_a_model_the_agent_cannot_serve_marks_it_failed_with_the_rea
     from webapp.catalog.models import ModelArtifact
     from webapp.fleet.tasks import place_model
 
-    path = write_tiny_gguf("qwen35moe", tmp_path / "qwen35moe.gguf")
+    path = write_tiny_gguf("deepseek4", tmp_path / "deepseek4.gguf")
     settings.MODELS_DIR = tmp_path  # path registrations only name files in the models directory
     with django_capture_on_commit_callbacks(execute=True):
         staff_client.post("/models/register", {"kind": "path", "path": str(path)})
     a = ModelArtifact.objects.get()
     assert a.state == ModelArtifact.State.FAILED
-    assert a.error.startswith("not servable by this agent: architecture 'qwen35moe'")
-    assert (a.architecture, a.n_layers, a.sha256) == ("qwen35moe", 8, "")
+    assert a.error.startswith("not servable by this agent: architecture 'deepseek4'")
+    assert (a.architecture, a.n_layers, a.sha256) == ("deepseek4", 6, "")
     assert place_model(a.pk) == {"ok": False, "error": "model is failed, not ready"}
