@@ -203,3 +203,54 @@ async def test_uploads_get_the_upload_limit_and_other_paths_the_request_limit(se
     # Under the upload limit, the request reaches Django (which wants a login first: a redirect).
     status, _ = await _post("/models/register", two_mb, [b"x" * (2 << 20)])
     assert status in (302, 403)
+
+
+# --- staff and enrollment forms -------------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    "form",
+    [
+        {"kind": "path", "path": "x\x00.gguf"},
+        {"kind": "path", "path": "/" + "a" * 5000},
+        {"kind": "package", "package": "\x00" * 10},
+        {"kind": "k" * 5000},
+        {"kind": "upload"},
+    ],
+)
+def test_bad_registration_forms_are_400s(
+    staff_client: Any, settings: Any, tmp_path: Path, form: dict[str, str]
+) -> None:
+    settings.MODELS_DIR = tmp_path
+    r = staff_client.post("/models/register", form)
+    assert r.status_code == 400 and len(r.content) < 20_000
+
+
+@pytest.mark.django_db
+def test_a_name_with_a_nul_byte_is_cleaned_not_a_500(
+    staff_client: Any, settings: Any, tmp_path: Path
+) -> None:
+    settings.MODELS_DIR = tmp_path
+    (tmp_path / "m.gguf").write_bytes(b"GGUF" + b"\0" * 60)
+    r = staff_client.post("/models/register", {"kind": "path", "path": "m.gguf", "name": "bad\x00name"})
+    assert r.status_code == 200 and ModelArtifact.objects.get().name == "badname"
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("replicas", ["\u00b2", "9" * 5000, "0", "65", "-1", "1.5"])
+def test_placing_with_a_bad_replica_count_is_a_400(
+    staff_client: Any, artifact_file: ModelArtifact, replicas: str
+) -> None:
+    r = staff_client.post(f"/models/{artifact_file.pk}/place", {"replicas": replicas})
+    assert r.status_code == 400
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    "body",
+    [b'{"token": "enr_x", "name": "a\\u0000b"}', b'{"token": "' + b"x" * 5000 + b'"}', b"[1]", b"\xff\xfe"],
+)
+def test_bad_enrollment_requests_are_400s(client: Any, body: bytes) -> None:
+    r = client.post("/api/agent/enroll", body, content_type="application/json")
+    assert r.status_code == 400

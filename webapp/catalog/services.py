@@ -62,6 +62,8 @@ def resolve_in_models_dir(path: str) -> Path:
     """The real path of `path` (absolute, or relative to the models directory), which must be a regular
     file inside the models directory once every symlink is resolved; RegistrationError otherwise."""
     root = models_dir()
+    if "\x00" in path:
+        raise RegistrationError("a path cannot contain a NUL byte")
     raw = Path(path)
     if not path.strip():
         raise RegistrationError(f"give a file under the models directory {root}")

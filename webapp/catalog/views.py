@@ -38,7 +38,8 @@ def register(request: HtmxHttpRequest) -> HttpResponse:
 @csrf_protect
 def _register(request: HtmxHttpRequest, limited: LimitedUploadHandler) -> HttpResponse:
     kind = request.POST.get("kind", "")
-    name = request.POST.get("name", "").strip()[:200]
+    # Names are shown on every page: printable text only (a NUL would also be refused by PostgreSQL).
+    name = "".join(c for c in request.POST.get("name", "") if c.isprintable()).strip()[:200]
     try:
         if kind == "path":
             artifact = services.register_path(request.POST.get("path", "").strip(), request.user, name)
@@ -54,7 +55,7 @@ def _register(request: HtmxHttpRequest, limited: LimitedUploadHandler) -> HttpRe
                 raise services.RegistrationError("choose a .gguf file to upload")
             artifact = services.register_upload(f, request.user, name)
         else:
-            raise services.RegistrationError(f"unknown registration kind {kind!r}")
+            raise services.RegistrationError(f"unknown registration kind {kind[:40]!r}")
     except services.RegistrationError as e:
         return render(
             request, "catalog/htmx/models_table.html", {**_models_context(), "error": str(e)}, status=400

@@ -75,12 +75,19 @@ def remove(request: HtmxHttpRequest, node_id: str) -> HttpResponse:
     return HttpResponse("")
 
 
+MAX_REPLICAS = 64
+
+
 @require_POST
 @staff_required
 def place(request: HtmxHttpRequest, artifact_id: int) -> HttpResponse:
     artifact = get_object_or_404(ModelArtifact, pk=artifact_id)
-    replicas = request.POST.get("replicas", "")
-    result = place_model.delay(artifact.pk, int(replicas) if replicas.isdigit() else None)
+    raw = request.POST.get("replicas", "").strip()
+    # ASCII digits only: "²".isdigit() is true but int() refuses it, and 5,000 digits must not reach int().
+    replicas = int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 3 else None
+    if (raw and replicas is None) or (replicas is not None and not 1 <= replicas <= MAX_REPLICAS):
+        return HttpResponse(f"replicas must be a whole number from 1 to {MAX_REPLICAS}", status=400)
+    result = place_model.delay(artifact.pk, replicas)
     # Eager mode answers at once; with a worker there is no result backend, so report it queued.
     outcome: dict[str, Any] = {"ok": True, "queued": True}
     if isinstance(result, EagerResult) and isinstance(result.result, dict):
@@ -122,6 +129,8 @@ def enroll_api(request: HttpRequest) -> JsonResponse:
         token, name = body["token"], body.get("name", "")
         if not isinstance(token, str) or not isinstance(name, str):
             raise TypeError
+        if not name.isprintable() or len(token) > 200:  # NUL and other controls: never a name (or a 500)
+            raise ValueError
     except (ValueError, KeyError, TypeError):
         return JsonResponse({"error": 'send JSON {"token": "...", "name": "..."}'}, status=400)
     try:
