@@ -35,4 +35,4 @@ VOLUME ["/data"]
 EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=5s --start-period=30s --retries=5 \
     CMD curl -fsS http://127.0.0.1:8000/healthz || exit 1
-CMD ["python", "-m", "daphne", "-b", "0.0.0.0", "-p", "8000", "webapp.asgi:application"]
+CMD ["python", "-m", "webapp.serve", "-b", "0.0.0.0", "-p", "8000", "webapp.asgi:application"]
