@@ -95,6 +95,8 @@ ggswarm_model::~ggswarm_model() {
     budget_release(budget);
     if (wbuf) ggml_backend_buffer_free(wbuf);
     if (wctx) ggml_free(wctx);
+    if (wbuf_extra) ggml_backend_buffer_free(wbuf_extra);
+    if (wctx_extra) ggml_free(wctx_extra);
     if (backend_cpu && backend_cpu != backend) ggml_backend_free(backend_cpu);
     if (backend) ggml_backend_free(backend);
 }

@@ -211,6 +211,45 @@ void want_ffn(const ggswarm_model * m, int32_t il, Layer & L, Wants & w) {
     w.need(blk(il, "ffn_down.weight"), {m->n_ff, d}, &L.w_down);
 }
 
+namespace {
+
+// The CPU's repacked-weights buffer type (ggml's CPU_REPACK: interleaved quant blocks for its SIMD
+// matmul kernels), which llama.cpp puts every weight matrix it supports in; nullptr on other devices,
+// when the ggml build has none, or with GGSWARM_REPACK=0.
+ggml_backend_buffer_type_t repack_buft(const ggswarm_model * m) {
+    const char * env = getenv("GGSWARM_REPACK");
+    if (env && strcmp(env, "0") == 0) return nullptr;
+    if (ggml_backend_dev_type(m->dev) != GGML_BACKEND_DEVICE_TYPE_CPU) return nullptr;
+    ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(m->dev);
+    auto get = reg ? (ggml_backend_dev_get_extra_bufts_t)ggml_backend_reg_get_proc_address(
+                         reg, "ggml_backend_dev_get_extra_bufts")
+                   : nullptr;
+    if (!get) return nullptr;
+    for (ggml_backend_buffer_type_t * b = get(m->dev); b && *b; ++b) {
+        if (strcmp(ggml_backend_buft_name(*b), "CPU_REPACK") == 0) return *b;
+    }
+    return nullptr;
+}
+
+// Whether the device multiplies a weight like src held in buft (llama.cpp's test: a 512-column
+// product, the weight in a dummy buffer of that type).
+bool matmul_ok(const ggswarm_model * m, const ggml_tensor * src, ggml_backend_buffer_type_t buft) {
+    ggml_init_params ip = {ggml_tensor_overhead() * 8, nullptr, true};
+    ggml_context * ctx = ggml_init(ip);
+    if (!ctx) return false;
+    ggml_tensor * w = ggml_new_tensor(ctx, src->type, GGML_MAX_DIMS, src->ne);
+    ggml_tensor * x = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, w->ne[0], 512, w->ne[2], w->ne[3]);
+    ggml_tensor * op = ggml_mul_mat(ctx, w, x);
+    w->buffer = ggml_backend_buft_alloc_buffer(buft, 0);
+    const bool ok = w->buffer && ggml_backend_dev_supports_op(m->dev, op);
+    if (w->buffer) ggml_backend_buffer_free(w->buffer);
+    w->buffer = nullptr;
+    ggml_free(ctx);
+    return ok;
+}
+
+}  // namespace
+
 ggswarm_status load_weights(ggswarm_model * m, const Meta & meta, const char * path, uint64_t file_size) {
     Wants wants;
     wants.g = meta.g;
@@ -235,7 +274,9 @@ ggswarm_status load_weights(ggswarm_model * m, const Meta & meta, const char * p
     const std::vector<Wants::Item> & want = wants.items;
     ggml_init_params ip = {ggml_tensor_overhead() * (want.size() + 4), nullptr, true};
     m->wctx = ggml_init(ip);
-    if (!m->wctx) return fail(m, GGSWARM_E_NO_MEMORY, "cannot create the weights context");
+    m->wctx_extra = ggml_init(ip);
+    if (!m->wctx || !m->wctx_extra) return fail(m, GGSWARM_E_NO_MEMORY, "cannot create the weights context");
+    ggml_backend_buffer_type_t extra = repack_buft(m);
     std::vector<std::pair<ggml_tensor *, int64_t>> to_read;  // tensor, gguf id
     for (const Wants::Item & w : want) {
         int64_t tid = gguf_find_tensor(meta.g, w.name.c_str());
@@ -258,7 +299,10 @@ ggswarm_status load_weights(ggswarm_model * m, const Meta & meta, const char * p
             return fail(m, GGSWARM_E_UNSUPPORTED, "tensor %s has type %s; norms and biases must be f32", w.name.c_str(),
                         ggml_type_name(src->type));
         }
-        ggml_tensor * t = ggml_new_tensor(m->wctx, src->type, (int)w.shape.size(), src->ne);
+        // matrices the CPU's repacked layout can multiply go there, as llama.cpp places them (the same
+        // kernels, so the same numbers, and faster); token_embd stays (get_rows reads it)
+        const bool repack = extra && w.shape.size() >= 2 && w.name != "token_embd.weight" && matmul_ok(m, src, extra);
+        ggml_tensor * t = ggml_new_tensor(repack ? m->wctx_extra : m->wctx, src->type, (int)w.shape.size(), src->ne);
         ggml_set_name(t, w.name.c_str());
         *w.dst = t;
         to_read.push_back({t, tid});
@@ -267,7 +311,11 @@ ggswarm_status load_weights(ggswarm_model * m, const Meta & meta, const char * p
     m->wbuf = ggml_backend_alloc_ctx_tensors_from_buft(m->wctx, m->buft);
     if (!m->wbuf) return fail(m, GGSWARM_E_NO_MEMORY, "cannot allocate %s weights buffer", m->device_name.c_str());
     ggml_backend_buffer_set_usage(m->wbuf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
-    const bool host = ggml_backend_buffer_is_host(m->wbuf);
+    if (ggml_get_first_tensor(m->wctx_extra)) {
+        m->wbuf_extra = ggml_backend_alloc_ctx_tensors_from_buft(m->wctx_extra, extra);
+        if (!m->wbuf_extra) return fail(m, GGSWARM_E_NO_MEMORY, "cannot allocate the repacked weights buffer");
+        ggml_backend_buffer_set_usage(m->wbuf_extra, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    }
 
     FILE * fp = fopen(path, "rb");
     if (!fp) return fail(m, GGSWARM_E_IO, "cannot open %s: %s", path, strerror(errno));
@@ -282,6 +330,7 @@ ggswarm_status load_weights(ggswarm_model * m, const Meta & meta, const char * p
                       ggml_get_name(t), (unsigned long long)(off + nbytes), (unsigned long long)file_size);
             break;
         }
+        const bool host = ggml_backend_buffer_is_host(t->buffer) && t->buffer != m->wbuf_extra;
         void * dst = t->data;
         if (!host) {
             m->staging.resize(nbytes);

@@ -195,6 +195,8 @@ struct ggswarm_model {
     ggml_backend_buffer_type_t buft = nullptr;
     ggml_context * wctx = nullptr;
     ggml_backend_buffer_t wbuf = nullptr;
+    ggml_context * wctx_extra = nullptr;          // weights in the CPU's repacked layout (loader.cpp)
+    ggml_backend_buffer_t wbuf_extra = nullptr;
 
     ggml_tensor * tok_embd = nullptr;
     ggml_tensor * output_norm = nullptr;
