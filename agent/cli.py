@@ -132,10 +132,10 @@ async def _discover_hops(urls: list[str], key_path: str, session: SessionId, ttl
     from aiohttp import ClientSession
 
     from agent.client.route import Hop
-    from agent.wire.routetoken import load_private_key, mint
+    from agent.wire.routetoken import RouteHop, load_private_key, mint_route
 
     key = load_private_key(key_path)
-    hops: list[Hop] = []
+    plan: list[RouteHop] = []
     model_sha: str | None = None
     async with ClientSession() as http:
         for url in urls:
@@ -146,18 +146,19 @@ async def _discover_hops(urls: list[str], key_path: str, session: SessionId, ttl
                     s
                     for s in info["shards"]
                     if model_sha in (None, s["model_sha256"])
-                    and s["layer_start"] == (hops[-1].layer_end if hops else 0)
+                    and s["layer_start"] == (plan[-1].layer_end if plan else 0)
                 ),
                 None,
             )
             if shard is None:
                 raise RuntimeError(f"{url} holds no shard continuing the route")
             model_sha = shard["model_sha256"]
-            tok = mint(
-                key, session, model_sha, shard["layer_start"], shard["layer_end"], info["node_id"], ttl_s
-            )
-            hops.append(Hop(url, shard["layer_start"], shard["layer_end"], tok))
-    return hops
+            plan.append(RouteHop(info["node_id"], url, shard["layer_start"], shard["layer_end"]))
+    if model_sha is None:
+        raise RuntimeError("a route needs at least one hop")
+    # each token names the next hop: chain mode forwards only there
+    tokens = mint_route(key, session, model_sha, plan, ttl_s)
+    return [Hop(h.url, h.layer_start, h.layer_end, t) for h, t in zip(plan, tokens, strict=True)]
 
 
 def cmd_chat(args: argparse.Namespace) -> int:

@@ -28,11 +28,18 @@ from agent.backends.base import ShardSpec  # noqa: E402
 from agent.client.route import Hop, RouteClient  # noqa: E402
 from agent.procs import stop  # noqa: E402
 from agent.wire.ids import SessionId  # noqa: E402
-from agent.wire.routetoken import generate_key, mint, public_key_b64  # noqa: E402
+from agent.wire.routetoken import RouteHop, generate_key, mint_route, public_key_b64  # noqa: E402
 from agent.wire.sampling import SamplingParams  # noqa: E402
 from bench._common import health, start_serve  # noqa: E402
 
 PROMPT_TEXT = "Write a long story about a lighthouse keeper who kept a log of every ship."
+
+
+def bound_hops(key, session: bytes, sha256: str, hops: list[tuple[str, int, int, str]]) -> list[Hop]:  # noqa: ANN001
+    """One token per hop, each naming the next (chain mode forwards only there)."""
+    plan = [RouteHop(n, u, a, b) for u, a, b, n in hops]
+    tokens = mint_route(key, session, sha256, plan)
+    return [Hop(h.url, h.layer_start, h.layer_end, t) for h, t in zip(plan, tokens, strict=True)]
 
 
 def decode_tok_s(backend, prompt: list[int], n: int) -> float:  # noqa: ANN001
@@ -133,7 +140,7 @@ def main() -> None:
             hops.append((url, a, b, node))
 
         def hops_for(session: bytes) -> list[Hop]:
-            return [Hop(u, a, b, mint(key, session, manifest.sha256, a, b, n)) for u, a, b, n in hops]
+            return bound_hops(key, session, manifest.sha256, hops)
 
         # The same route on the native (ggml) backend, when built: the P1 figure of the brief.
         native_hops: list[tuple[str, int, int, str]] = []
@@ -146,7 +153,7 @@ def main() -> None:
                 native_hops.append((url, a, b, node))
 
         def native_hops_for(session: bytes) -> list[Hop]:
-            return [Hop(u, a, b, mint(key, session, manifest.sha256, a, b, n)) for u, a, b, n in native_hops]
+            return bound_hops(key, session, manifest.sha256, native_hops)
 
         async def run() -> None:
             decode_tok_s(llama, prompt, 8)  # warm-ups

@@ -29,7 +29,6 @@ from agent.wire.frames import (
     MAX_FRAME_BYTES,
     MAX_LOGITS_BYTES,
     MAX_TAIL_BYTES,
-    MAX_TOKEN_BYTES,
     PROTOCOL_VERSION,
     REQ_HEADER,
     ChainHop,
@@ -40,6 +39,7 @@ from agent.wire.frames import (
     Request,
     Response,
     Timing,
+    check_request_header,
     decode_request,
     decode_response,
     encode_request,
@@ -637,16 +637,17 @@ class DataPlane:
                 400, "bad_frame", f"truncated frame: {n} bytes, header needs {REQ_HEADER.size}"
             )
         head = await request.content.readexactly(REQ_HEADER.size)
-        fields = REQ_HEADER.unpack(head)
-        token_len, promised = fields[9], REQ_HEADER.size + fields[9] + fields[11]
+        try:
+            token_len, promised = check_request_header(head)
+        except FrameError as e:
+            raise DataPlaneError(e.status, "bad_frame", str(e)) from None
         if not promised <= n <= promised + MAX_TAIL_BYTES:
             raise DataPlaneError(
                 400,
                 "bad_frame",
                 f"Content-Length {n} does not fit the {promised}-byte frame its header describes",
             )
-        if token_len <= MAX_TOKEN_BYTES:
-            head += await request.content.readexactly(min(token_len, n - len(head)))
+        head += await request.content.readexactly(token_len)
         try:
             session, token, _ = peek_request(head)
         except FrameError as e:

@@ -230,27 +230,37 @@ class _Reader:
         return st.unpack(self.take(st.size, what))
 
 
-def peek_request(data: bytes | memoryview) -> tuple[bytes, bytes, int]:
-    """(session, route token, total frame length the header promises at least) from the first
-    REQ_HEADER.size + token bytes: lets a hop check the token before it buffers a body."""
+def check_request_header(data: bytes | memoryview) -> tuple[int, int]:
+    """(route token length, frame length without its optional blocks) from a request header alone,
+    with every limit the header can break checked: lets a hop refuse a frame before reading its body."""
     buf = memoryview(data)
     if len(buf) < REQ_HEADER.size:
         raise FrameError(f"truncated frame: {len(buf)} bytes, header needs {REQ_HEADER.size}")
-    magic, version, _op, _flags, session, _step, _pos, n, kind, token_len, dim, payload_len = (
+    magic, version, _op, _flags, _session, _step, _pos, n, _kind, token_len, dim, payload_len = (
         REQ_HEADER.unpack_from(buf, 0)
     )
     if magic != REQ_MAGIC:
         raise FrameError(f"bad magic {bytes(magic)!r}, expected {REQ_MAGIC!r}")
     if version != PROTOCOL_VERSION:
         raise FrameError(f"protocol version {version} is not supported (this node speaks {PROTOCOL_VERSION})")
+    if n > MAX_TOKENS_PER_FRAME:
+        raise FrameError(f"n_tokens {n} exceeds the per-frame limit of {MAX_TOKENS_PER_FRAME}", 413)
+    if dim > MAX_BOUNDARY_DIM:
+        raise FrameError(f"dim {dim} exceeds the limit of {MAX_BOUNDARY_DIM}", 413)
     if token_len > MAX_TOKEN_BYTES:
         raise FrameError(f"route token of {token_len} bytes exceeds {MAX_TOKEN_BYTES}")
-    if n > MAX_TOKENS_PER_FRAME or dim > MAX_BOUNDARY_DIM:
-        raise FrameError("n_tokens or dim exceeds the per-frame limit", 413)
+    return token_len, REQ_HEADER.size + token_len + payload_len
+
+
+def peek_request(data: bytes | memoryview) -> tuple[bytes, bytes, int]:
+    """(session, route token, frame length without its optional blocks) from the first
+    REQ_HEADER.size + token bytes: lets a hop check the token before it buffers a body."""
+    token_len, promised = check_request_header(data)
+    buf = memoryview(data)
     if len(buf) < REQ_HEADER.size + token_len:
         raise FrameError("truncated frame: route token")
-    token = bytes(buf[REQ_HEADER.size : REQ_HEADER.size + token_len])
-    return bytes(session), token, REQ_HEADER.size + token_len + payload_len
+    session = bytes(buf[8:24])
+    return session, bytes(buf[REQ_HEADER.size : REQ_HEADER.size + token_len]), promised
 
 
 MAX_TAIL_BYTES = (

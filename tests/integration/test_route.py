@@ -17,7 +17,7 @@ from agent.backends.torch_llama import TorchLlamaBackend
 from agent.client.route import ContextLimitError, Hop, RouteClient
 from agent.client.tokenizer import ChatTokenizer
 from agent.wire.frames import MAX_TOKENS_PER_FRAME, REQ_HEADER, Kind, Op, Request, encode_request
-from agent.wire.routetoken import mint
+from agent.wire.routetoken import RouteHop, mint, mint_route
 from agent.wire.sampling import SamplingParams
 from tests.helpers import greedy_through
 
@@ -38,10 +38,10 @@ def tokenizer(model_path: str) -> ChatTokenizer:
 
 def make_hops(route, signing_key, manifest, session: bytes, ttl_s: int = 600) -> list[Hop]:  # noqa: ANN001
     ranges = [(0, 10), (10, 20), (20, 30)]
-    return [
-        Hop(s.url, a, b, mint(signing_key, session, manifest.sha256, a, b, s.node_id, ttl_s))
-        for s, (a, b) in zip(route, ranges, strict=True)
-    ]
+    # each token names the next hop: chain mode forwards only there (issue 17)
+    plan = [RouteHop(s.node_id, s.url, a, b) for s, (a, b) in zip(route, ranges, strict=True)]
+    tokens = mint_route(signing_key, session, manifest.sha256, plan, ttl_s)
+    return [Hop(h.url, h.layer_start, h.layer_end, t) for h, t in zip(plan, tokens, strict=True)]
 
 
 def reference_greedy(model_path: str, manifest, prompt: list[int], n: int) -> list[int]:  # noqa: ANN001

@@ -11,7 +11,7 @@ from agent.backends import load_backend
 from agent.backends.base import ShardSpec
 from agent.client.route import Hop, RouteClient
 from agent.client.tokenizer import ChatTokenizer
-from agent.wire.routetoken import mint
+from agent.wire.routetoken import RouteHop, mint_route
 from agent.wire.sampling import SamplingParams
 from tests.helpers import greedy_through
 
@@ -41,10 +41,10 @@ def one_hop_greedy(model_path: str, manifest, prompt: list[int], n: int) -> list
 
 def client_for(route, signing_key, manifest, dtype: str, mode: str = "star") -> RouteClient:  # noqa: ANN001
     session = os.urandom(16)
-    hops = [
-        Hop(s.url, a, b, mint(signing_key, session, manifest.sha256, a, b, s.node_id))
-        for s, (a, b) in zip(route, RANGES, strict=True)
-    ]
+    # each token names the next hop: chain mode forwards only there (issue 17)
+    plan = [RouteHop(s.node_id, s.url, a, b) for s, (a, b) in zip(route, RANGES, strict=True)]
+    tokens = mint_route(signing_key, session, manifest.sha256, plan)
+    hops = [Hop(h.url, h.layer_start, h.layer_end, t) for h, t in zip(plan, tokens, strict=True)]
     return RouteClient(hops, session_id=session, hidden_dtype=dtype, mode=mode)
 
 

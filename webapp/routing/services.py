@@ -62,24 +62,17 @@ def ready_candidates(artifact_id: int) -> list[ShardCandidate]:
 
 
 def mint_hops(artifact: ModelArtifact, session_id: uuid.UUID, route: list[ShardCandidate]) -> list[HopGrant]:
-    key = route_signing_key()
+    # Each hop's token names the hop after it: in chain mode a hop forwards only there (issue 17).
+    tokens = routetoken.mint_route(
+        route_signing_key(),
+        SessionId(session_id.bytes),
+        artifact.sha256,
+        [routetoken.RouteHop(s.node_id, s.url, s.layer_start, s.layer_end) for s in route],
+        settings.ROUTE_TOKEN_TTL_S,
+    )
     return [
-        HopGrant(
-            s.node_id,
-            s.url,
-            s.layer_start,
-            s.layer_end,
-            routetoken.mint(
-                key,
-                SessionId(session_id.bytes),
-                artifact.sha256,
-                s.layer_start,
-                s.layer_end,
-                s.node_id,
-                settings.ROUTE_TOKEN_TTL_S,
-            ),
-        )
-        for s in route
+        HopGrant(s.node_id, s.url, s.layer_start, s.layer_end, token)
+        for s, token in zip(route, tokens, strict=True)
     ]
 
 
