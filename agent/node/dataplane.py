@@ -600,6 +600,7 @@ class DataPlane:
         ip = request.remote or "?"
         if self._per_ip.get(ip, 0) >= PER_IP_CONCURRENCY:
             self.counters["errors"] += 1
+            self.metrics.error("too_many_requests")
             return _error(
                 429, "too_many_requests", f"more than {PER_IP_CONCURRENCY} frames at once from {ip}"
             )
@@ -612,9 +613,11 @@ class DataPlane:
                 body = head + await request.content.readexactly(reserved - len(head))
             except DataPlaneError as e:
                 self.counters["errors"] += 1
+                self.metrics.error(e.code)
                 return _error(e.status, e.code, e.message)
             except (asyncio.IncompleteReadError, ConnectionError):
                 self.counters["errors"] += 1
+                self.metrics.error("bad_frame")
                 return _error(400, "bad_frame", "the frame ended before its Content-Length")
             return await self._frame_response(body)
         finally:
