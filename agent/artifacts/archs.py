@@ -12,9 +12,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-# What the native executor runs today. Extend it (with the C loader's kSupportedArchs) when an
-# architecture's layer windows are proved against llama.cpp.
-SERVABLE_ARCHITECTURES: frozenset[str] = frozenset({"llama", "mistral", "qwen2", "qwen35", "qwen35moe"})
+# What the native executor runs today. Extend it (with the C architecture table, native/src/archs/)
+# when an architecture's layer windows are proved against llama.cpp (tests/native/test_archs.py).
+SERVABLE_ARCHITECTURES: frozenset[str] = frozenset(
+    {"llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen35", "qwen35moe"}
+)
 
 STATE_KINDS = ("kv", "recurrent", "latent_kv", "compressed_kv")
 # Gated delta-net hybrids: recurrent layers with full attention every N-th layer.
