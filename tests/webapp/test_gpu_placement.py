@@ -104,3 +104,14 @@ def test_a_gpu_too_full_for_the_model_refuses_it_whatever_the_host_ram(artifact:
     gpu_node("gpu-host", host_free=64 * GB, gpu_free=10 * MB, backends=["native"])
     result = place_model(artifact.pk)
     assert not result["ok"] and "cannot hold the model" in result["error"]
+
+
+@pytest.mark.django_db
+def test_a_gpu_node_whose_shards_will_run_on_torch_is_budgeted_by_host_ram(
+    artifact: Any, settings: Any
+) -> None:
+    settings.KV_RESERVE_BYTES = 0
+    settings.DEFAULT_BACKEND = "torch"  # the planner's task assigns torch: the GPU is not where it runs
+    gpu_node("gpu-host", host_free=10 * MB, gpu_free=4 * GB, backends=["native", "torch"])
+    result = place_model(artifact.pk)
+    assert not result["ok"] and "cannot hold the model" in result["error"]

@@ -124,10 +124,10 @@ def device_free_bytes(
     telemetry: Mapping[str, Any],
     backends: Sequence[str] = (),
 ) -> int:
-    """Memory a node's shards may fill: the free memory of the GPU its native backend runs on, when it
-    runs on one (`hardware.compute_gpu` from hello; the GPU's free memory from the latest heartbeat,
-    else its size from hello), else the host's free memory. Weights and KV live on that device, so host
-    RAM says nothing about what fits there (and a GPU's free memory says nothing about host RAM)."""
+    """Memory a node's shards may fill: when they run on `native` (in `backends`) and that runs on a
+    GPU (`hardware.compute_gpu` from hello), that GPU's free memory from the latest heartbeat (else its
+    size from hello); otherwise the host's free memory. Weights and KV live on that device, so host RAM
+    says nothing about what fits there (and a GPU's free memory says nothing about host RAM)."""
     index = hardware.get("compute_gpu")
     if "native" not in backends or not isinstance(index, int) or isinstance(index, bool):
         return host_free_bytes

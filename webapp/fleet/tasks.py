@@ -75,7 +75,9 @@ def _planner_nodes(exclude: set[str] | None = None) -> list[PlannerNode]:
         pending = 0
         for a in ShardAssignment.objects.select_related("artifact").filter(node=n, state__in=PENDING):
             pending += shape_from_manifest(a.artifact.parsed_manifest).bytes_for(a.layer_start, a.layer_end)
-        free = device_free_bytes(n.free_memory_bytes, n.hardware or {}, n.telemetry or {}, n.backends or [])
+        # the backend its shards will run on decides which memory counts (a GPU only for native)
+        backend = choose_backend(n.backends or [], False, settings.DEFAULT_BACKEND)
+        free = device_free_bytes(n.free_memory_bytes, n.hardware or {}, n.telemetry or {}, [backend])
         cap = free - settings.KV_RESERVE_BYTES - pending
         out.append(PlannerNode(NodeId(n.id), max(cap, 0), n.speed))
     return out
