@@ -30,7 +30,7 @@ COPY --from=assets /src/static/vendor static/vendor
 RUN useradd --system --uid 10001 --home-dir /data --shell /usr/sbin/nologin swarm \
     && mkdir -p /data && chown swarm:swarm /data
 USER swarm
-ENV SWARM_DATA_DIR=/data DJANGO_SETTINGS_MODULE=webapp.settings
+ENV SWARM_DATA_DIR=/data DJANGO_SETTINGS_MODULE=webapp.settings PYTHONPATH=/app
 VOLUME ["/data"]
 EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=5s --start-period=30s --retries=5 \
