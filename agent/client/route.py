@@ -13,6 +13,7 @@ import base64
 import contextlib
 import json
 import os
+import ssl
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -134,6 +135,7 @@ class RouteClient:
         timeout_s: float = 120.0,
         replacements: ReplacementProvider | None = None,
         recovery: RecoveryPolicy | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         if not hops:
             raise RouteError("a route needs at least one hop")
@@ -176,7 +178,8 @@ class RouteClient:
         self._resend_sampling = [False] * n
         self._pending_ids: list[int] = []  # the ids of the step in flight (not yet in history)
         self._http = ClientSession(
-            connector=TCPConnector(limit=16),
+            # https hops: mutual TLS with the swarm CA only (agent.wire.tls.client_context)
+            connector=TCPConnector(limit=16, ssl=ssl_context if ssl_context is not None else True),
             timeout=ClientTimeout(total=timeout_s),
             skip_auto_headers=("User-Agent",),
         )

@@ -31,7 +31,6 @@ from agent.wire.frames import (
     MAX_TAIL_BYTES,
     PROTOCOL_VERSION,
     REQ_HEADER,
-    ChainHop,
     FrameError,
     HiddenDtype,
     Kind,
@@ -52,7 +51,7 @@ from agent.wire.frames import (
 )
 from agent.wire.ids import SessionId
 from agent.wire.routetoken import RouteClaims, TokenError, TokenVerifier, normalise_url
-from agent.wire.tls import is_loopback, peer_node_id
+from agent.wire.tls import is_loopback, node_dns_name
 
 log = logging.getLogger("agent.node.dataplane")
 _SWEEPER: web.AppKey[asyncio.Task[None]] = web.AppKey("sweeper", asyncio.Task)
@@ -543,9 +542,16 @@ class DataPlane:
         limit = response_limit(out.n_tokens, max(out.dim, 1), req.want_logits)
         url = nxt.url.rstrip("/") + "/v1/frame"
         try:
-            async with client.post(url, data=encode_request(fwd), ssl=self._ssl_for(nxt.url)) as r:
-                if nxt.url.startswith("https://"):
-                    self._check_peer(r, nxt)
+            # Pinned: the swarm CA only, and the certificate must name the node the next token is for
+            # (its node id as a host name; a token sniffed or replayed elsewhere cannot redirect it).
+            tls_name = (
+                node_dns_name(self.verifier.verify(nxt.token).node)
+                if nxt.url.startswith("https://")
+                else None
+            )
+            async with client.post(
+                url, data=encode_request(fwd), ssl=self._ssl_for(nxt.url), server_hostname=tls_name
+            ) as r:
                 if r.status != 200:
                     raise _downstream_error(r.status, await _read_bounded(r, _ERROR_BODY_MAX), nxt.url)
                 data = await _read_bounded(r, limit)
@@ -572,17 +578,6 @@ class DataPlane:
                 )
             return self.client_ssl
         return True  # plain http: aiohttp ignores it
-
-    def _check_peer(self, r: Any, nxt: ChainHop) -> None:
-        """The next hop's certificate must name the node its route token was minted for: the swarm CA
-        signed it, and a token sniffed or replayed elsewhere cannot steer it to another node."""
-        want = self.verifier.verify(nxt.token).node  # verified when the chain arrived; cached
-        transport = r.connection.transport if r.connection is not None else None
-        got = peer_node_id(transport.get_extra_info("peercert") if transport is not None else None)
-        if got != want:
-            raise DataPlaneError(
-                502, "downstream", f"next hop {nxt.url} presented a certificate for {got!r}, not {want!r}"
-            )
 
     async def _http(self) -> ClientSession:
         if self._client is None or self._client.closed:

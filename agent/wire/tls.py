@@ -9,6 +9,7 @@ route token sniffed or stolen elsewhere is useless without a swarm certificate (
 from __future__ import annotations
 
 import datetime
+import hashlib
 import ipaddress
 import os
 import ssl
@@ -124,6 +125,8 @@ def issue_cert(
         raise TLSError("the CSR's key must be an EC key (P-256)")
     now = datetime.datetime.now(datetime.UTC)
     names: list[x509.GeneralName] = [x509.UniformResourceIdentifier(identity)]
+    if identity.startswith(NODE_URI_PREFIX):
+        names.append(x509.DNSName(node_dns_name(identity[len(NODE_URI_PREFIX) :])))
     names += [_san_for_host(h) for h in hosts]
     cert = (
         x509.CertificateBuilder()
@@ -178,6 +181,12 @@ def peer_node_id(peercert: dict[str, Any] | None) -> str:
     """The node id a verified peer certificate names, or "" (none, or not a node's certificate)."""
     uri = peer_identity(peercert)
     return uri[len(NODE_URI_PREFIX) :] if uri.startswith(NODE_URI_PREFIX) else ""
+
+
+def node_dns_name(node_id: str) -> str:
+    """The name a node's certificate carries for its node id, as a host name TLS can check: a hop
+    dials the next hop's URL with this as server_hostname, so only that node's certificate passes."""
+    return "n-" + hashlib.sha256(node_id.encode()).hexdigest()[:40] + ".node.ggswarm"
 
 
 def node_identity(node_id: str) -> str:
