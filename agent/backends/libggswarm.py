@@ -551,8 +551,8 @@ class NativeModel:
         self._call(self._lib.ggswarm_session_truncate, sid, int(n_tokens))
 
     def truncate_to(self, sid: int, n_tokens: int) -> tuple[int, str]:
-        """Go back to at most `n_tokens` positions; (length now held, how): "exact" (no recurrent
-        layer), "checkpoint" (recurrent state restored at the length returned) or "from_zero" (no
+        """Go back to at most `n_tokens` positions; (length now held, how): "exact" (it holds
+        n_tokens: no recurrent layer, or nothing to undo), "checkpoint" (recurrent state restored at the length returned) or "from_zero" (no
         checkpoint: re-prefill everything). The caller re-prefills [length, n_tokens)."""
         n, kind = ctypes.c_int32(), ctypes.c_int32()
         self._call(

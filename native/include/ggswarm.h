@@ -186,7 +186,7 @@ GGSWARM_API ggswarm_status ggswarm_session_len(const ggswarm_model * model, int6
 GGSWARM_API ggswarm_status ggswarm_session_truncate(ggswarm_model * model, int64_t sid, int32_t n_tokens);
 
 /* ggswarm_session_truncate_to's *out_kind */
-#define GGSWARM_TRUNCATE_EXACT 0       /* no recurrent layer in the window: positions >= n_tokens dropped */
+#define GGSWARM_TRUNCATE_EXACT 0       /* the session holds exactly n_tokens (KV-only window, or nothing to undo) */
 #define GGSWARM_TRUNCATE_CHECKPOINT 1  /* recurrent state restored from a checkpoint at *out_len <= n_tokens */
 #define GGSWARM_TRUNCATE_FROM_ZERO 2   /* no checkpoint at or before n_tokens: state reset, *out_len = 0 */
 

@@ -151,8 +151,9 @@ void rewind(ggswarm_model * m, Session & s, int32_t target, int32_t * kind) {
         *kind = kTruncExact;
         return;
     }
-    *kind = kTruncCheckpoint;
+    *kind = kTruncExact;
     if (target == s.len) return;  // the live state is the state at target
+    *kind = kTruncCheckpoint;
     Checkpoints * c = s.ckpts.get();
     while (c && !c->list.empty() && c->list.back().pos > target) drop_at(m, *c, c->list.size() - 1);
     if (c && !c->list.empty()) {
@@ -162,7 +163,7 @@ void rewind(ggswarm_model * m, Session & s, int32_t target, int32_t * kind) {
     }
     reset_states(m, s);
     s.len = 0;
-    if (target > 0) *kind = kTruncFromZero;
+    *kind = target > 0 ? kTruncFromZero : kTruncExact;
 }
 
 }  // namespace ggswarm
