@@ -81,10 +81,25 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _fail(str(e))
     data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
     data_dir.mkdir(parents=True, exist_ok=True)
-    dp = DataPlane(cfg.node_id, public_key, kv_budget_bytes=int(args.kv_budget_mb * (1 << 20)))
+    node_tls = None
+    if (args.advertise_url or "").startswith("https://"):  # mutual TLS with a certificate from the CA
+        from agent.node.certs import obtain_certificate
+
+        try:
+            node_tls = obtain_certificate(cfg, path, args.advertise_url)
+        except ConfigError as e:
+            return _fail(str(e))
+    dp = DataPlane(
+        cfg.node_id,
+        public_key,
+        kv_budget_bytes=int(args.kv_budget_mb * (1 << 20)),
+        client_ssl=node_tls.client() if node_tls else None,
+    )
 
     async def main() -> int:
-        runner = await start_dataplane(dp, args.host, args.port)
+        runner = await start_dataplane(
+            dp, args.host, args.port, ssl_context=node_tls.server() if node_tls else None
+        )
         port = args.port or next(iter(runner.addresses))[1]
         url = args.advertise_url or f"http://{args.host}:{port}"
         agent = ControlAgent(

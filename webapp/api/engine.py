@@ -25,6 +25,7 @@ from webapp.api import keys
 from webapp.api.cache import Entry, PrefixCache
 from webapp.api.params import ApiError, GenRequest
 from webapp.catalog.models import ModelArtifact
+from webapp.core import dataplane_tls
 from webapp.routing import services as routing
 from webapp.routing.chooser import NoRoute
 from webapp.routing.models import RouteSession
@@ -233,7 +234,13 @@ class Generation:
                 404, f"The model '{self.target.name}' is not ready", param="model", code="model_not_found"
             ) from None
         hops = [Hop(g.url, g.layer_start, g.layer_end, g.token) for g in grants]
-        client = RouteClient(hops, self.tok, session_id=session.id.bytes, max_context=self.target.max_context)
+        client = RouteClient(
+            hops,
+            self.tok,
+            session_id=session.id.bytes,
+            max_context=self.target.max_context,
+            ssl_context=dataplane_tls.context_for([h.url for h in hops]),  # https hops: mutual TLS
+        )
         entry = Entry(self.key.pk, self.target.artifact_id, session.id, client, session.hops)
         close_later(cache.add_busy(entry))
         return entry

@@ -17,4 +17,5 @@ urlpatterns = [
     path("models/<int:artifact_id>/unplace", views.unplace, name="unplace"),
     path("fleet/status.json", views.status_json, name="status"),
     path("api/agent/enroll", views.enroll_api, name="enroll_api"),
+    path("api/agent/certificate", views.certificate_api, name="certificate_api"),
 ]

@@ -16,7 +16,9 @@ from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
 
 from webapp.catalog.models import ModelArtifact
+from webapp.core import dataplane_tls
 from webapp.core.auth import HtmxHttpRequest, staff_required
+from webapp.core.nodeauth import parse_node_authorization
 from webapp.fleet import services
 from webapp.fleet.models import Node, ShardAssignment
 from webapp.fleet.presenters import placement_bars
@@ -193,3 +195,28 @@ def status_json(request: HttpRequest) -> JsonResponse:
             ],
         }
     )
+
+
+@csrf_exempt  # authenticated by the node's credentials (Authorization: Node <id>:<secret>), not a session
+@require_POST
+def certificate_api(request: HttpRequest) -> JsonResponse:
+    """POST {"csr", "dataplane_url"} -> {"certificate", "ca"}: the node's data-plane TLS certificate,
+    naming its node id and the URL's host, for the key it keeps (webapp/core/dataplane_tls.py)."""
+    creds = parse_node_authorization(request.headers.get("Authorization"))
+    node = services.authenticate_node(*creds) if creds is not None else None
+    if node is None:
+        return JsonResponse({"error": "invalid or missing node credentials"}, status=401)
+    try:
+        body = json.loads(request.body or b"{}")
+        csr, url = body["csr"], body["dataplane_url"]
+        if not isinstance(csr, str) or not isinstance(url, str) or len(csr) > 8192 or len(url) > 512:
+            raise TypeError
+    except (ValueError, KeyError, TypeError):
+        return JsonResponse(
+            {"error": 'send JSON {"csr": "<PEM>", "dataplane_url": "https://..."}'}, status=400
+        )
+    try:
+        cert = dataplane_tls.issue_node_certificate(node.pk, csr, url)
+    except dataplane_tls.CertificateRequestError as e:
+        return JsonResponse({"error": str(e)}, status=400)
+    return JsonResponse({"certificate": cert, "ca": dataplane_tls.ca_pem()}, status=201)

@@ -18,6 +18,7 @@ from channels.db import database_sync_to_async
 
 from agent.wire.control import CLOSE_UNAUTHORIZED
 from webapp.catalog.models import ModelArtifact
+from webapp.core import dataplane_tls
 from webapp.core.consumers import BadMessage, SafeJsonConsumer
 from webapp.playground import store
 from webapp.playground.chat import ChatRequest, ChatRequestError, bars_json, parse_chat_request
@@ -163,6 +164,7 @@ class ChatConsumer(SafeJsonConsumer):
                 max_context=turn.context,
                 # a failed hop is replaced inside the client (snapshot hand-off or re-prefill): issue 14
                 replacements=routing.replacement_provider(session.id),
+                ssl_context=dataplane_tls.context_for([h.url for h in hops]),  # https hops: mutual TLS
             )
             live = LiveRoute(cid, req.model_id, session.id, client, session.hops, turn.context)
         self.live = live

@@ -1,0 +1,81 @@
+"""The node's data-plane certificate: its own key (0600, never sent), a CSR to the control plane, and
+the TLS contexts `run` serves and forwards with (docs/security.md)."""
+
+from __future__ import annotations
+
+import json
+import ssl
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from agent.node.config import ConfigError, NodeConfig
+from agent.wire import tls
+
+
+@dataclass(frozen=True)
+class NodeTLS:
+    """Paths of the node's key, its certificate and the swarm CA, in the config directory."""
+
+    key: Path
+    cert: Path
+    ca: Path
+
+    def server(self) -> ssl.SSLContext:
+        return tls.server_context(self.cert, self.key, self.ca)
+
+    def client(self) -> ssl.SSLContext:
+        return tls.client_context(self.cert, self.key, self.ca)
+
+
+def tls_paths(config_path: Path) -> NodeTLS:
+    d = config_path.parent
+    return NodeTLS(d / "node.key", d / "node.crt", d / "ca.crt")
+
+
+def obtain_certificate(
+    cfg: NodeConfig, config_path: Path, dataplane_url: str, timeout_s: float = 30.0
+) -> NodeTLS:
+    """Ask the control plane to certify this node's key for `dataplane_url` (a fresh certificate at
+    every start: the URL may have changed). The key is made once and stays in the config directory."""
+    paths = tls_paths(config_path)
+    if not paths.key.exists():
+        tls.write_private(paths.key, tls.key_pem(tls.make_key()))
+    try:
+        key = serialization.load_pem_private_key(paths.key.read_bytes(), password=None)
+        if not isinstance(key, ec.EllipticCurvePrivateKey):
+            raise ValueError("not an EC key")
+    except ValueError as e:
+        raise ConfigError(f"{paths.key}: unusable node key ({e}); delete it to make a new one") from None
+    body = json.dumps(
+        {"csr": tls.make_csr(key, cfg.node_id).decode(), "dataplane_url": dataplane_url}
+    ).encode()
+    req = urllib.request.Request(
+        cfg.server.rstrip("/") + "/api/agent/certificate",
+        data=body,
+        method="POST",
+        headers={"Content-Type": "application/json", "Authorization": cfg.authorization()},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            data = json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        try:
+            reason = json.loads(e.read()).get("error", e.reason)
+        except ValueError:
+            reason = e.reason
+        raise ConfigError(
+            f"the control plane refused a data-plane certificate (HTTP {e.code}): {reason}"
+        ) from None
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise ConfigError(f"cannot get a data-plane certificate from {cfg.server}: {e}") from None
+    cert, ca = data.get("certificate"), data.get("ca")
+    if not isinstance(cert, str) or not isinstance(ca, str):
+        raise ConfigError("the control plane's certificate answer has no certificate or CA")
+    paths.cert.write_text(cert)
+    paths.ca.write_text(ca)
+    return paths
