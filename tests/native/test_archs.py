@@ -1,0 +1,186 @@
+"""Every architecture of the native table, split into 3 hops at uneven boundaries, agrees with
+llama-cpp-python's full model: llama (SmolLM2), gemma3 (the real 270M Q4_K_M, and a tiny file whose
+32-position sliding window the text outruns), qwen3 (tiny). The hybrid qwen35 family has its own file
+(test_qwen35.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from agent.artifacts.manifest import build_manifest
+from agent.artifacts.packaged import ModelNotFound, packaged_model_path
+from agent.artifacts.tiny import write_tiny_gguf
+from agent.backends.base import Backend, ShardSpec
+from agent.wire.ids import SessionId
+from tests.native.routes import generate, route_forward
+
+REPO = Path(__file__).resolve().parents[2]
+TEXT = REPO / "tests" / "data" / "teacher_forcing_en.txt"
+# Same ggml ops in the same order as llama.cpp, weights in the same buffer types (repacked where
+# llama.cpp repacks them): the logits come out equal (max |diff| 0.0 in every run so far); the bound
+# leaves room for a ggml build that reorders a reduction.
+MAX_LOGIT_DIFF = 1e-3
+
+pytestmark = pytest.mark.slow
+
+
+def _packaged(name: str) -> Callable[[Path], str]:
+    def get(_: Path) -> str:
+        try:
+            return str(packaged_model_path(name))
+        except ModelNotFound as e:
+            pytest.skip(str(e))
+
+    return get
+
+
+def _tiny(arch: str) -> Callable[[Path], str]:
+    return lambda d: str(write_tiny_gguf(arch, d / f"{arch}.gguf"))
+
+
+@dataclass(frozen=True)
+class Case:
+    """One architecture's model and its 3-hop split."""
+
+    name: str
+    arch: str
+    model: Callable[[Path], str]
+    splits: tuple[tuple[int, int], ...]
+
+
+CASES = [
+    Case("llama", "llama", _packaged("smollm2"), ((0, 7), (7, 19), (19, 30))),
+    # global layers at 5, 11 and 17: the seams sit right before one (5) and right after one (12)
+    Case("gemma3", "gemma3", _packaged("gemma3"), ((0, 5), (5, 12), (12, 18))),
+    # tiny: global layer 5 of 6, sliding window 32 (the text and the greedy run go past it)
+    Case("gemma3-tiny", "gemma3", _tiny("gemma3"), ((0, 2), (2, 5), (5, 6))),
+    Case("qwen3", "qwen3", _tiny("qwen3"), ((0, 1), (1, 3), (3, 4))),
+]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[c.name for c in CASES])
+def case(request: pytest.FixtureRequest) -> Case:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def gguf(case: Case, tmp_path_factory: pytest.TempPathFactory) -> str:
+    return case.model(tmp_path_factory.mktemp(case.name))
+
+
+@pytest.fixture(scope="module")
+def hops(native_lib: None, case: Case, gguf: str) -> Iterator[list[Backend]]:
+    from agent.backends.native import NativeBackend
+
+    manifest = build_manifest(gguf, hash_tensors=False)
+    models: list[Backend] = [
+        NativeBackend(ShardSpec(gguf, a, b, manifest, n_threads=2)) for a, b in case.splits
+    ]
+    yield models
+    for m in models:
+        m.close()
+
+
+@pytest.fixture(scope="module")
+def llama(gguf: str, hops: list):  # noqa: ANN201
+    llama_cpp = pytest.importorskip("llama_cpp")
+    # the hops' attention mode decides llama.cpp's: flash attention (decode_kernels -2) or its default
+    flash = hops[0].model.info.decode_kernels == -2
+    llm = llama_cpp.Llama(
+        model_path=gguf, logits_all=True, n_ctx=512, n_threads=2, flash_attn=flash, verbose=False
+    )
+    yield llm
+    llm.close()
+
+
+@pytest.fixture(scope="module")
+def text_ids(llama) -> list[int]:  # noqa: ANN001
+    ids = list(llama.tokenize(TEXT.read_bytes(), add_bos=True))[:320]
+    assert len(ids) >= 256
+    return ids
+
+
+def _sid(n: int) -> SessionId:
+    return SessionId(n.to_bytes(16, "little"))
+
+
+def _open(hops: list[Backend], sid: SessionId) -> None:
+    for h in hops:
+        h.open_session(sid, 512)
+
+
+def _close(hops: list[Backend], sid: SessionId) -> None:
+    for h in hops:
+        h.close_session(sid)
+
+
+def test_three_hops_agree_with_llama_cpp_when_teacher_forced(
+    case: Case,
+    hops: list[Backend],
+    llama,  # noqa: ANN001
+    text_ids: list[int],
+) -> None:
+    llama.reset()
+    llama.eval(text_ids)
+    ref = np.asarray(llama.scores[: len(text_ids)], dtype=np.float32)
+    sid = _sid(1)
+    _open(hops, sid)
+    try:
+        got = route_forward(hops, sid, 0, text_ids, want_logits=True).logits
+    finally:
+        _close(hops, sid)
+    agree = float((got.argmax(1) == ref.argmax(1)).mean())
+    diff = float(np.abs(got - ref).max())
+    print(
+        f"\n{case.name}: {len(text_ids)} positions, top-1 agreement {agree:.4f}, max |logit diff| {diff:.3g}"
+    )
+    assert agree >= 0.995
+    assert diff <= MAX_LOGIT_DIFF
+
+
+def test_thirty_two_greedy_tokens_equal_llama_cpp_greedy(
+    hops: list[Backend],
+    llama,  # noqa: ANN001
+    text_ids: list[int],
+) -> None:
+    prompt = text_ids[:40]
+    llama.reset()
+    llama.eval(prompt)
+    ref: list[int] = []
+    for _ in range(32):
+        ref.append(int(np.argmax(llama.scores[llama.n_tokens - 1])))
+        llama.eval([ref[-1]])
+    sid = _sid(2)
+    _open(hops, sid)
+    try:
+        got = generate(hops, sid, prompt, 32)
+    finally:
+        _close(hops, sid)
+    assert got == ref
+
+
+def test_prefill_in_chunks_equals_one_shot_prefill(hops: list[Backend], text_ids: list[int]) -> None:
+    ids = text_ids[:300]
+    sid = _sid(3)
+    _open(hops, sid)
+    try:
+        whole = route_forward(hops, sid, 0, ids, want_logits=True).logits
+    finally:
+        _close(hops, sid)
+    parts = []
+    _open(hops, sid)
+    try:
+        pos = 0
+        for n in (100, 57, 1, 142):  # the last chunk crosses the 256-position padding of the span
+            parts.append(route_forward(hops, sid, pos, ids[pos : pos + n], want_logits=True).logits)
+            pos += n
+    finally:
+        _close(hops, sid)
+    got = np.concatenate(parts)
+    assert (got.argmax(1) == whole.argmax(1)).all()
+    assert float(np.abs(got - whole).max()) <= MAX_LOGIT_DIFF
