@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 
 import numpy as np
@@ -25,6 +26,7 @@ from agent.wire.frames import (
     decode_response,
     encode_request,
     encode_response,
+    peek_request,
     with_prepended_timing,
 )
 from agent.wire.sampling import SamplingParams
@@ -149,3 +151,44 @@ def test_responses_round_trip_and_chain_timings_prepend() -> None:
     assert (out.token, out.session_len, out.step) == (42, 10, 4)
     assert out.logprob == pytest.approx(-0.5)
     assert [(t.compute_us, t.handler_us) for t in out.timings] == [(7, 9), (100, 120)]
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://" + "a" * 64 + ".x/",
+        "http://h:99999/",
+        "http://u:p@h/",
+        "http://h/?q=1",
+        "http://[::1/",
+        "http://h_h/",
+    ],
+)
+def test_malformed_chain_urls_are_frame_errors_not_library_exceptions(url: str) -> None:
+    with pytest.raises(FrameError) as e:
+        decode_request(encode_request(hidden_frame(chain=[ChainHop(url, b"")])))
+    assert e.value.status == 400
+
+
+def test_a_step_past_2_62_is_refused() -> None:
+    with pytest.raises(FrameError, match="step"):
+        decode_request(encode_request(dataclasses.replace(hidden_frame(), step=2**64 - 1)))
+
+
+def test_the_header_alone_names_the_token_and_the_frame_length() -> None:
+    frame = encode_request(hidden_frame())
+    session, token, promised = peek_request(frame[: REQ_HEADER.size + 160])
+    assert (session, token) == (SID, b"t" * 160) and promised == len(frame)
+    with pytest.raises(FrameError):
+        peek_request(frame[: REQ_HEADER.size + 10])
+
+
+def test_responses_with_an_unknown_kind_too_many_timings_or_trailing_bytes_are_refused() -> None:
+    good = encode_response(Response(step=1, kind=Kind.TOKEN, token=3))
+    bad_kind = bytearray(good)
+    bad_kind[7] = 99
+    many = bytearray(good)
+    many[RESP_HEADER.size - 1] = 200
+    for raw in (bytes(bad_kind), bytes(many) + b"\0" * 1600, good + b"x"):
+        with pytest.raises(FrameError):
+            decode_response(raw)

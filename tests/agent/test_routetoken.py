@@ -7,12 +7,14 @@ import time
 import pytest
 
 from agent.wire.routetoken import (
+    RouteHop,
     TokenError,
     TokenVerifier,
     decode_unverified,
     generate_key,
     load_public_key,
     mint,
+    mint_route,
     public_key_b64,
 )
 
@@ -64,3 +66,24 @@ def test_malformed_tokens_are_refused(raw: bytes) -> None:
 def test_decoding_reads_the_claims_without_the_key() -> None:
     tok = mint(generate_key(), b"q" * 16, SHA, 3, 4, "node-ü")
     assert decode_unverified(tok).node == "node-ü"
+
+
+def test_a_minted_route_binds_each_hop_to_the_next_and_the_last_to_none() -> None:
+    key = generate_key()
+    hops = [RouteHop("node-a", "http://a:1/", 0, 10), RouteHop("node-b", "https://b:2", 10, 20)]
+    first, last = (TokenVerifier(key.public_key()).verify(t) for t in mint_route(key, b"s" * 16, SHA, hops))
+    assert (first.node, first.next_node, first.next_url) == ("node-a", "node-b", "https://b:2")
+    assert (last.node, last.next_node, last.next_url) == ("node-b", "", "")
+    # the URL is signed without its trailing slash, as a hop compares it
+    assert decode_unverified(mint_route(key, b"s" * 16, SHA, hops[::-1])[0]).next_url == "http://a:1"
+
+
+def test_a_tampered_next_hop_breaks_the_signature_and_an_overlong_one_is_refused() -> None:
+    key = generate_key()
+    tok = bytearray(mint(key, b"s" * 16, SHA, 0, 10, "n", next_node="m", next_url="http://good:1"))
+    i = tok.index(b"good")
+    tok[i : i + 4] = b"evil"
+    with pytest.raises(TokenError, match="signature"):
+        TokenVerifier(key.public_key()).verify(bytes(tok))
+    with pytest.raises(TokenError, match="255"):
+        mint(key, b"s" * 16, SHA, 0, 10, "n", next_node="m", next_url="http://" + "a" * 300)
