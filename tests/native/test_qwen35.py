@@ -110,6 +110,27 @@ def test_three_hops_agree_with_llama_cpp_when_teacher_forced(
     assert diff <= MAX_LOGIT_DIFF
 
 
+def test_quantized_weights_agree_with_llama_cpp_too(native_lib: None, tmp_path: Path) -> None:
+    llama_cpp = pytest.importorskip("llama_cpp")
+    path = str(write_tiny_gguf("qwen35moe", tmp_path / "q8.gguf", dtype="q8_0"))
+    hops = [NativeModel(path, a, b, n_threads=2) for a, b in SPLITS]
+    flash = hops[0].info.decode_kernels == -2
+    llm = llama_cpp.Llama(
+        model_path=path, logits_all=True, n_ctx=512, n_threads=2, flash_attn=flash, verbose=False
+    )
+    try:
+        ids = llm.tokenize(TEXT.read_bytes(), add_bos=False)[:200]
+        llm.eval(ids)
+        want = np.array(llm.scores[: len(ids)], dtype=np.float32)
+        sids = _open(hops)
+        got = _logits(_forward(hops, sids, 0, ids), len(ids))
+    finally:
+        llm.close()
+        for h in hops:
+            h.close()
+    assert float(np.abs(got - want).max()) <= MAX_LOGIT_DIFF
+
+
 def test_thirty_two_greedy_tokens_equal_llama_cpp(
     hops: list[NativeModel],
     llama,

@@ -107,6 +107,12 @@ ggswarm_status read(ggswarm_model * m, const Hp & hp) {
         return fail(m, GGSWARM_E_UNSUPPORTED, "rope scaling '%s' is not supported for %s", scaling.c_str(), m->arch.c_str());
     }
     for (int32_t i = 0; i < m->n_layers_total; ++i) {
+        // ggml's conv over the state takes an f32 kernel (llama.cpp's converter keeps it f32)
+        const int64_t tid = gguf_find_tensor(hp.g, blk(i, "ssm_conv1d.weight").c_str());
+        if (rec[i] && tid >= 0 && gguf_get_tensor_type(hp.g, tid) != GGML_TYPE_F32) {
+            return fail(m, GGSWARM_E_UNSUPPORTED, "%s has type %s; the delta-net conv kernel must be f32",
+                        blk(i, "ssm_conv1d.weight").c_str(), ggml_type_name(gguf_get_tensor_type(hp.g, tid)));
+        }
         m->lhp[i].state = rec[i] ? StateKind::Recurrent : StateKind::KV;
         m->lhp[i].rope_base = m->rope_base;
         m->lhp[i].rope_scale = 1.0f;
