@@ -10,9 +10,6 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-
 from agent.node.config import ConfigError, NodeConfig
 from agent.wire import tls
 
@@ -46,11 +43,9 @@ def obtain_certificate(
     if not paths.key.exists():
         tls.write_private(paths.key, tls.key_pem(tls.make_key()))
     try:
-        key = serialization.load_pem_private_key(paths.key.read_bytes(), password=None)
-        if not isinstance(key, ec.EllipticCurvePrivateKey):
-            raise ValueError("not an EC key")
-    except ValueError as e:
-        raise ConfigError(f"{paths.key}: unusable node key ({e}); delete it to make a new one") from None
+        key = tls.load_private_key(paths.key)
+    except tls.TLSError as e:
+        raise ConfigError(f"{e}; delete it to make a new one") from None
     body = json.dumps(
         {"csr": tls.make_csr(key, cfg.node_id).decode(), "dataplane_url": dataplane_url}
     ).encode()

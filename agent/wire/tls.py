@@ -65,6 +65,16 @@ def make_ca(name: str = "gguf-swarm data plane CA") -> tuple[ec.EllipticCurvePri
     return key, cert
 
 
+def load_private_key(path: Path) -> ec.EllipticCurvePrivateKey:
+    try:
+        key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+    except (OSError, ValueError) as e:
+        raise TLSError(f"{path}: cannot read the private key ({e})") from None
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise TLSError(f"{path}: not an EC private key")
+    return key
+
+
 def load_or_create_ca(directory: Path) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
     """The CA in `directory` (ca.key 0600, ca.crt), created on first use."""
     key_path, cert_path = directory / "ca.key", directory / "ca.crt"
@@ -73,10 +83,7 @@ def load_or_create_ca(directory: Path) -> tuple[ec.EllipticCurvePrivateKey, x509
         key, cert = make_ca()
         write_private(key_path, key_pem(key))
         cert_path.write_bytes(cert_pem(cert))
-    loaded = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
-    if not isinstance(loaded, ec.EllipticCurvePrivateKey):
-        raise TLSError(f"{key_path}: not an EC private key")
-    return loaded, x509.load_pem_x509_certificate(cert_path.read_bytes())
+    return load_private_key(key_path), x509.load_pem_x509_certificate(cert_path.read_bytes())
 
 
 def write_private(path: Path, data: bytes) -> None:

@@ -102,3 +102,41 @@ def test_certificate_requests_without_credentials_or_with_bad_input_are_refused(
         body = {**body, "csr": tls.make_csr(tls.make_key(), "n").decode()}  # a good CSR, a plain-http URL
     r = _ask(client, auth if auth is not None else f"Node {node_id}:{secret}", body)
     assert r.status_code == status and r.json()["error"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_node_fetches_its_certificate_over_http_and_keeps_its_key_to_itself(
+    live_server: Any, tmp_path: Path
+) -> None:
+    from agent.node.certs import obtain_certificate
+    from agent.node.config import NodeConfig
+
+    node_id, secret = _enrolled()
+    cfg = NodeConfig(server=live_server.url, node_id=node_id, secret=secret, public_key="unused")
+    config_path = tmp_path / "cfg" / "node.json"
+    port = free_port()
+    paths = obtain_certificate(cfg, config_path, f"https://127.0.0.1:{port}")
+    assert paths.key.parent == config_path.parent and paths.key.stat().st_mode & 0o777 == 0o600
+    cert = x509.load_pem_x509_certificate(paths.cert.read_bytes())
+    assert cert.public_key().public_numbers() == tls.load_private_key(paths.key).public_key().public_numbers()  # type: ignore[union-attr]
+    # the same key again at the next start, a fresh certificate for it
+    again = obtain_certificate(cfg, config_path, f"https://127.0.0.1:{port}")
+    assert again.key.read_bytes() == paths.key.read_bytes()
+
+    async def health() -> int:
+        dp = DataPlane(node_id, generate_key().public_key(), client_ssl=paths.client())
+        runner = await start_dataplane(dp, "127.0.0.1", port, ssl_context=paths.server())
+        try:
+            ctx = dataplane_tls.client_context()
+            async with (
+                ClientSession(connector=TCPConnector(ssl=ctx)) as http,
+                http.get(f"https://127.0.0.1:{port}/v1/health") as resp,
+            ):
+                return resp.status
+        finally:
+            await runner.cleanup()
+
+    assert asyncio.run(health()) == 200
+    bad = NodeConfig(server=live_server.url, node_id=node_id, secret="sec_wrong", public_key="unused")
+    with pytest.raises(Exception, match="401"):
+        obtain_certificate(bad, config_path, f"https://127.0.0.1:{port}")
