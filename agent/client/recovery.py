@@ -42,7 +42,10 @@ class Replacement:
 
 
 # (hop index, the failing hop, why) -> a replacement for the same layers, or None when there is none.
+# With why == STANDBY the hop is healthy: the client wants a warm spare to copy its KV to, and the
+# route itself does not change.
 ReplacementProvider = Callable[[int, Hop, str], Awaitable[Replacement | None]]
+STANDBY = "standby"
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,14 @@ class RecoveryPolicy:
     handoff_timeout_s: float = 10.0
     # Chain mode cannot tell which hop failed: each is asked for its health this fast.
     probe_timeout_s: float = 1.0
+    # Every this many new positions on a hop, its KV is copied to a spare in the background (a
+    # hand-off that keeps the session where it is); a hop that dies then costs a re-prefill of only the
+    # steps after the copy. 0: never (a dead hop is re-prefilled from position 0).
+    checkpoint_tokens: int = 256
+    # A re-prefill takes the recorded steps exactly as they were taken (bit-identical KV, one step per
+    # decoded token), or (False) merged into batches of up to 512 positions: much faster after a long
+    # answer, and the KV can differ from the original in the last bits.
+    exact_replay: bool = True
     # The client keeps every seam's inputs (what it sent each hop) so one hop re-prefills alone;
     # past this many bytes it drops them and a recovery re-prefills the whole route instead.
     seam_cache_bytes: int = 512 << 20
@@ -100,14 +111,17 @@ class ReplicaProvider:
         except (ClientError, OSError, TimeoutError, ValueError):
             return None
 
-    async def __call__(self, index: int, hop: Hop, reason: str) -> Replacement | None:  # noqa: ARG002
+    async def __call__(self, index: int, hop: Hop, reason: str) -> Replacement | None:
         try:
             claims = decode_unverified(hop.token)
         except TokenError:
             return None
-        self.failed.add(hop.url.rstrip("/"))
+        if reason != STANDBY:
+            self.failed.add(hop.url.rstrip("/"))
         # the failing URL last: a node that restarted and lost the session may still serve the range
         order = [u for u in self.urls if u not in self.failed] + [u for u in self.urls if u in self.failed]
+        if reason == STANDBY:
+            order = [u for u in order if u not in self.failed and u != hop.url.rstrip("/")]
         async with ClientSession(timeout=ClientTimeout(total=self.probe_timeout_s)) as http:
             infos = await asyncio.gather(*(self._health(http, u) for u in order))
         for url, info in zip(order, infos, strict=True):
@@ -146,6 +160,7 @@ class ReplicaProvider:
                     claims.node,
                     node,
                 )
-            self.failed.discard(url)
+            if reason != STANDBY:
+                self.failed.discard(url)
             return Replacement(Hop(url, hop.layer_start, hop.layer_end, token), handoff)
         return None

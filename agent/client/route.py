@@ -25,7 +25,7 @@ import numpy as np
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector
 
 from agent import defaults
-from agent.client.recovery import Hop, RecoveryPolicy, Replacement, ReplacementProvider
+from agent.client.recovery import STANDBY, Hop, RecoveryPolicy, Replacement, ReplacementProvider
 from agent.client.tokenizer import ChatTokenizer, StreamDecoder
 from agent.wire.frames import (
     CONTEXT_CAP,
@@ -177,6 +177,10 @@ class RouteClient:
         self._rtt: list[deque[float]] = [deque(maxlen=64) for _ in range(n)]
         self._resend_sampling = [False] * n
         self._pending_ids: list[int] = []  # the ids of the step in flight (not yet in history)
+        # warm spares: a copy of hop i's KV at some positions on another node (RecoveryPolicy.checkpoint_tokens)
+        self._standby: list[tuple[Hop, int] | None] = [None] * n
+        self._checkpointing: dict[int, asyncio.Task[None]] = {}
+        self.checkpoints = 0
         self._http = ClientSession(
             # https hops: mutual TLS with the swarm CA only (agent.wire.tls.client_context)
             connector=TCPConnector(limit=16, ssl=ssl_context if ssl_context is not None else True),
@@ -280,9 +284,20 @@ class RouteClient:
             bad, alive = [err.hop if err.hop >= 0 else 0], err.status != 0
         methods: list[str] = []
         replay = False
+        provider_s = 0.0
         for i in bad:
             old = self.hops[i]
-            rep = await self.replacements(i, old, str(err))
+            t1 = time.perf_counter()
+            sb, self._standby[i] = self._standby[i], None
+            task = self._checkpointing.pop(i, None)
+            if task is not None:
+                task.cancel()
+            rep: Replacement | None
+            if sb is not None and sb[0].url != old.url and not (alive and err.code == "draining"):
+                rep, standby_n = Replacement(sb[0]), sb[1]
+            else:
+                rep, standby_n = await self.replacements(i, old, str(err)), -1
+            provider_s += time.perf_counter() - t1
             if rep is None:
                 raise RouteFailed(
                     f"no replacement for layers {old.layer_start}:{old.layer_end} after: {err}",
@@ -301,7 +316,7 @@ class RouteClient:
             self._rtt[i].clear()
             self._resend_sampling[i] = True
             self._chain_sent = False
-            method = await self._restore(i, old, rep, alive)
+            method = await self._restore(i, old, rep, alive, standby_n)
             replay = replay or method == "reprefill_route"
             methods.append(method)
         if replay:
@@ -319,6 +334,7 @@ class RouteClient:
                 "positions": len(self.history),
                 "started": started,  # time.monotonic() when the failure was noticed
                 "ms": round((time.perf_counter() - t0) * 1e3, 2),
+                "provider_ms": round(provider_s * 1e3, 2),  # asking for the replacement, of "ms"
             }
         )
 
@@ -341,8 +357,9 @@ class RouteClient:
         named = [j for j, h in enumerate(self.hops) if j > 0 and h.url.rstrip("/") in str(err)]
         return named[-1:] or [max(err.hop, 0)], err.status != 0
 
-    async def _restore(self, i: int, old: Hop, rep: Replacement, alive: bool) -> str:
-        """Bring the new hop `i` to the positions the old one held: snapshot, else re-prefill."""
+    async def _restore(self, i: int, old: Hop, rep: Replacement, alive: bool, standby_n: int = -1) -> str:
+        """Bring the new hop `i` to the positions the old one held: snapshot hand-off, else the warm
+        spare's copy plus a re-prefill of the steps after it (`standby_n` positions), else re-prefill."""
         want = self._len[i]
         if not self.opened:
             return "none"
@@ -356,23 +373,50 @@ class RouteClient:
                 with contextlib.suppress(RouteError):
                     await self._post(i, self._frame(i, Op.CLOSE), self.timeout_s)
         resp = await self._post(i, self._frame(i, Op.OPEN, pos_start=self.max_context), self.timeout_s)
-        if resp.session_len:  # a node that still had the session (it was late, not dead): start over
+        replayable = not (self.mode == "chain" and len(self.hops) > 1) and (i == 0 or self._seams_kept)
+        keep = 0  # positions the new hop already holds and keeps
+        on_boundary = not any(st.pos < standby_n < st.pos + st.n for st in self._steps[i])
+        if replayable and on_boundary and 0 < standby_n <= min(want, resp.session_len):
+            keep = standby_n
+        if resp.session_len > keep:  # a spare's copy past what is ours, or a node that was late: cut it
             self.step += 1
-            await self._post(i, self._frame(i, Op.TRUNCATE, step=self.step, pos_start=0), self.timeout_s)
+            await self._post(i, self._frame(i, Op.TRUNCATE, step=self.step, pos_start=keep), self.timeout_s)
         if not want:
             return "none"
-        if (self.mode == "chain" and len(self.hops) > 1) or (i > 0 and not self._seams_kept):
+        if not replayable:
             return "reprefill_route"  # _replay_route brings every hop back from position 0
-        steps, self._steps[i], self._len[i] = self._steps[i], [], 0
+        kept = [st for st in self._steps[i] if st.pos + st.n <= keep]
+        steps = [st for st in self._steps[i] if st.pos >= keep]
+        self._steps[i], self._len[i] = kept, keep
         if i > 0:
             self._seam_bytes -= sum(len(st.payload) for st in steps)
-        for st in steps:
+        for st in self._batches(steps):
             await self._give(i, st, self.timeout_s)
-        return "reprefill"
+        return "standby" if keep else "reprefill"
 
-    async def _handoff(self, old: Hop, rep: Replacement) -> int | None:
-        """Ask the old hop to export the session to the new one; the positions moved, or None."""
-        body = {"token": base64.b64encode(rep.handoff_token).decode(), "target": rep.hop.url}
+    def _batches(self, steps: list[_Step]) -> list[_Step]:
+        """The steps to replay: as they were taken (RecoveryPolicy.exact_replay), else consecutive ones
+        merged up to PREFILL_CHUNK positions (one batch instead of one step per decoded token)."""
+        if self.policy.exact_replay:
+            return steps
+        out: list[_Step] = []
+        for st in steps:
+            last = out[-1] if out else None
+            if (
+                last is not None
+                and (last.kind, last.dim) == (st.kind, st.dim)
+                and last.pos + last.n == st.pos
+                and last.n + st.n <= PREFILL_CHUNK
+            ):
+                out[-1] = _Step(last.pos, last.n + st.n, st.kind, st.dim, last.payload + st.payload)
+            else:
+                out.append(st)
+        return out
+
+    async def _handoff(self, old: Hop, rep: Replacement, keep: bool = False) -> int | None:
+        """Ask the old hop to export the session to the new one (`keep`: a copy, the old hop keeps
+        serving it); the positions moved, or None."""
+        body = {"token": base64.b64encode(rep.handoff_token).decode(), "target": rep.hop.url, "keep": keep}
         try:
             async with self._http.post(
                 old.url.rstrip("/") + "/v1/handoff/export",
@@ -406,6 +450,9 @@ class RouteClient:
             )
         self._steps[i] = kept
         self._len[i] = min(self._len[i], n)
+        sb = self._standby[i]
+        if sb is not None and sb[1] > n:  # the spare's positions past the cut are no longer ours
+            self._standby[i] = (sb[0], n)
 
     def _ids(self, pos: int, n: int) -> list[int]:
         known = self.history + self._pending_ids
@@ -454,7 +501,7 @@ class RouteClient:
         want = list(self._len)
         if self.mode == "chain":
             want = [len(self.history)] * len(self.hops)
-        steps0 = [st for st in self._steps[0] if st.pos + st.n <= want[0]]
+        steps0 = self._batches([st for st in self._steps[0] if st.pos + st.n <= want[0]])
         for j in range(len(self.hops)):
             if self._len[j]:
                 await self._truncate_hop(j, 0)
@@ -481,8 +528,21 @@ class RouteClient:
         return self._frame(i, op, step=self.step, pos_start=pos)
 
     async def close(self) -> None:
-        """Free the session's KV on every hop, then the HTTP connections."""
+        """Free the session's KV on every hop (and its warm spares), then the HTTP connections."""
+        for task in self._checkpointing.values():
+            task.cancel()
+        await asyncio.gather(*self._checkpointing.values(), return_exceptions=True)
         try:
+            for sb in self._standby:
+                if sb is not None:
+                    body = encode_request(Request(op=Op.CLOSE, session=self.session, token=sb[0].token))
+                    with contextlib.suppress(ClientError, OSError, TimeoutError):
+                        async with self._http.post(
+                            sb[0].url.rstrip("/") + "/v1/frame",
+                            data=body,
+                            timeout=ClientTimeout(total=self.policy.deadline_floor_s * 2),
+                        ) as r:
+                            await r.read()
             if self.opened:
                 for i in range(len(self.hops)):
                     with contextlib.suppress(RouteError):  # a dead hop frees its KV by TTL
@@ -598,7 +658,39 @@ class RouteClient:
         self._pending_ids = []
         self._sent_sampling = sampling
         self._chain_sent = self.mode == "chain"
+        self._maybe_checkpoint(len(ids))
         return resp
+
+    # -- warm spares ------------------------------------------------------------------------------------
+    def _maybe_checkpoint(self, n_tokens: int) -> None:
+        """Copy a hop's KV to a spare (in the background) once it has grown by checkpoint_tokens since
+        the last copy: a hop that dies later then costs a re-prefill of only the steps after it. Only
+        after a decode step, so a long prompt is copied once, when all of it is in."""
+        every = self.policy.checkpoint_tokens
+        if not every or self.replacements is None or (self.mode == "chain" and len(self.hops) > 1):
+            return
+        if n_tokens > self.policy.small_step_tokens:
+            return
+        for i in range(len(self.hops)):
+            sb = self._standby[i]
+            if i not in self._checkpointing and self._len[i] - (sb[1] if sb else 0) >= every:
+                self._checkpointing[i] = asyncio.get_running_loop().create_task(self._checkpoint(i))
+
+    async def _checkpoint(self, i: int) -> None:
+        assert self.replacements is not None
+        hop = self.hops[i]
+        try:
+            rep = await self.replacements(i, hop, STANDBY)
+            if rep is None or not rep.handoff_token or rep.hop.url == hop.url:
+                return
+            n = await self._handoff(hop, rep, keep=True)
+            if n is not None and self.hops[i] is hop:
+                self._standby[i] = (rep.hop, min(n, self._len[i]))
+                self.checkpoints += 1
+        except (RouteError, ClientError, OSError, TimeoutError):
+            pass  # a spare is an optimisation: recovery falls back to a re-prefill
+        finally:
+            self._checkpointing.pop(i, None)
 
     def _account(self, i: int, resp: Response, t0: float) -> None:
         rtt_ms = (time.perf_counter() - t0) * 1e3

@@ -99,7 +99,9 @@ class Handoff:
         return shard
 
     # -- export: this node gives a session away -----------------------------------------------------
-    async def export(self, token_b64: str, target: str) -> dict[str, Any]:
+    async def export(self, token_b64: str, target: str, keep: bool = False) -> dict[str, Any]:
+        """Push the session's snapshot to `target`; then free it here, unless `keep` (a warm copy for
+        the route client's recovery, this node goes on serving the session)."""
         c = self._claims(token_b64)
         if c.src != self.dp.node_id:
             raise HandoffError(403, "wrong_node", f"hand-off token is from node {c.src!r}, not this node")
@@ -133,9 +135,9 @@ class Handoff:
             raise HandoffError(
                 502, "target_refused", f"{url} answered {r.status}: {data[:300].decode('utf-8', 'replace')}"
             )
-        # The replacement holds it now: free ours (its client no longer steps here).
-        async with shard.lock:
-            self.dp.sessions.close(key)
+        if not keep:  # the replacement holds it now: free ours (its client no longer steps here)
+            async with shard.lock:
+                self.dp.sessions.close(key)
         self.exported += 1
         out: dict[str, Any] = json.loads(data)
         out["export_ms"] = round((time.perf_counter() - t0) * 1e3, 2)
@@ -169,8 +171,6 @@ class Handoff:
             )
         sid = SessionId(c.session)
         key = (sid, shard.key)
-        if key in self.dp.sessions:
-            raise HandoffError(409, "session_exists", "this node already holds the session")
         state = SessionState(sid=sid, shard_key=shard.key, backend=shard.backend, max_tokens=max_tokens)
         # Room is made (or refused) before the snapshot is read into memory.
         try:
@@ -185,8 +185,11 @@ class Handoff:
         if hashlib.sha256(snap).digest() != digest:
             raise HandoffError(400, "bad_hash", "snapshot sha256 does not match")
         async with shard.lock:
-            if key in self.dp.sessions:
-                raise HandoffError(409, "session_exists", "this node already holds the session")
+            held = self.dp.sessions.get(key)
+            if held is not None:
+                if held.busy:
+                    raise HandoffError(409, "session_busy", "this node is running a step of the session")
+                self.dp.sessions.close(key)  # an older copy (a warm spare's): the newer one replaces it
             try:
                 shard.backend.open_session(sid, max_tokens)
             except AdmissionError as e:
@@ -227,10 +230,10 @@ class Handoff:
             return _error(413, "too_large", "export request must be a small JSON object")
         try:
             body = json.loads(await request.read())
-            token, target = str(body["token"]), str(body["target"])
-        except (ValueError, KeyError, TypeError):
-            return _error(400, "bad_request", 'expected {"token": base64, "target": url}')
-        return await self._answer(self.export(token, target))
+            token, target, keep = str(body["token"]), str(body["target"]), bool(body.get("keep", False))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return _error(400, "bad_request", 'expected {"token": base64, "target": url, "keep": bool}')
+        return await self._answer(self.export(token, target, keep))
 
     async def _import_view(self, request: web.Request) -> web.Response:
         return await self._answer(self.import_(request))

@@ -12,6 +12,7 @@ import os
 import signal
 import time
 import urllib.request
+from dataclasses import replace
 
 import pytest
 
@@ -152,13 +153,27 @@ async def test_a_draining_node_hands_its_sessions_off_by_snapshot_and_stops(
     assert victim.proc.wait(30) == 0  # drained, then stopped by itself
 
 
+async def test_a_hop_killed_after_its_kv_was_copied_to_a_warm_spare_re_prefills_only_the_steps_since(
+    nodes, signing_key, manifest, prompt, reference, serve_factory
+) -> None:  # noqa: ANN001
+    nodes[RANGES[1]].append(serve_factory("10:20", backend="native"))  # a spare for the range again
+    client = make_client(nodes, signing_key, manifest)
+    client.policy = replace(POLICY, checkpoint_tokens=16)
+    victim = _hop_process(client, nodes, 1)
+    got = await answer(client, prompt, at=60, disturb=lambda: os.kill(victim.proc.pid, signal.SIGKILL))
+    victim.proc.wait(10)
+    assert got == reference
+    assert client.checkpoints >= 3  # every hop copied at least once
+    assert [r["methods"] for r in client.recoveries] == [["standby"]]
+
+
 async def test_no_replacement_ends_the_answer_with_a_clear_error_in_bounded_time(
     nodes, signing_key, manifest, prompt
 ) -> None:  # noqa: ANN001
     from agent.client.route import RouteFailed
 
     client = make_client(nodes, signing_key, manifest)
-    # every node of range 1 gone: the spare was used by the kill test, the primary is killed here
+    # every other node of range 1 is gone (killed by the tests above): this one is killed here
     victim = _hop_process(client, nodes, 1)
     t0 = time.monotonic()
     with pytest.raises(RouteFailed, match="no replacement for layers 10:20"):
