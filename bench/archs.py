@@ -1,0 +1,195 @@
+"""Per-architecture benchmark of the native backend against llama-cpp-python, same model, threads and run.
+
+For every architecture in ARCHS: teacher-forced top-1 agreement and max |logit diff| of the model split
+into 3 native hops against llama-cpp-python's full model, and greedy decode speed of those 3 hops
+relative to llama-cpp-python (interleaved rounds, best of each). Prints human-readable lines, then one
+JSON object as the last line with `<arch>_top1_agreement`, `<arch>_max_abs_logit_diff`,
+`<arch>_decode_ratio_3hop_vs_llamacpp` (and the tok/s behind the ratio) per architecture. Usage:
+
+    .venv/bin/python bench/archs.py [--threads 2] [--decode-tokens 64] [--rounds 2] [--archs llama,gemma3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from agent.artifacts.manifest import build_manifest  # noqa: E402
+from agent.artifacts.packaged import packaged_model_path  # noqa: E402
+from agent.artifacts.tiny import write_tiny_gguf  # noqa: E402
+from agent.backends.base import ShardSpec  # noqa: E402
+from agent.wire.ids import SessionId  # noqa: E402
+from tests.native.routes import route_forward  # noqa: E402
+
+TEXT = REPO / "tests" / "data" / "teacher_forcing_en.txt"
+N_TEACHER = 256
+N_PROMPT = 40
+
+
+@dataclass(frozen=True)
+class BenchArch:
+    """One row of the table: the JSON key prefix, where its GGUF comes from, and its 3-hop split."""
+
+    key: str
+    model: Callable[[Path], Path]
+    splits: tuple[tuple[int, int], ...]
+
+
+def _packaged(name: str) -> Callable[[Path], Path]:
+    return lambda _: packaged_model_path(name)
+
+
+def _tiny(arch: str) -> Callable[[Path], Path]:
+    return lambda d: write_tiny_gguf(arch, d / f"{arch}.gguf")
+
+
+# Real weights where a package ships them, else a tiny random-weight file (llama.cpp is the oracle
+# either way; tiny files' speed says little). Add a row per architecture.
+ARCHS = [
+    BenchArch("llama", _packaged("smollm2"), ((0, 7), (7, 19), (19, 30))),
+    BenchArch("gemma3", _packaged("gemma3"), ((0, 5), (5, 12), (12, 18))),
+    BenchArch("qwen3", _tiny("qwen3"), ((0, 1), (1, 3), (3, 4))),
+]
+
+
+def _sid(n: int) -> SessionId:
+    return SessionId(n.to_bytes(16, "little"))
+
+
+def llama_decode(llm, prompt: list[int], n: int) -> tuple[float, list[int]]:  # noqa: ANN001
+    """Greedy decode n steps after prompt on llama-cpp-python; (seconds, tokens)."""
+    import llama_cpp
+
+    def argmax_last() -> int:
+        ptr = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
+        return int(np.argmax(np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),))))
+
+    llm.reset()
+    llm.eval(prompt)
+    tok = argmax_last()
+    toks = [tok]
+    t0 = time.perf_counter()
+    for _ in range(n):
+        llm.eval([tok])
+        tok = argmax_last()
+        toks.append(tok)
+    return time.perf_counter() - t0, toks
+
+
+def native_decode(hops: list, prompt: list[int], n: int, sid: SessionId) -> tuple[float, list[int]]:
+    """Prefill then greedy decode n steps through the hops (sampling on the last hop); (seconds, tokens)."""
+    for h in hops:
+        h.open_session(sid, len(prompt) + n + 8)
+    try:
+        tok = int(route_forward(hops, sid, 0, prompt).token)
+        toks = [tok]
+        t0 = time.perf_counter()
+        for i in range(n):
+            tok = int(route_forward(hops, sid, len(prompt) + i, [tok]).token)
+            toks.append(tok)
+        return time.perf_counter() - t0, toks
+    finally:
+        for h in hops:
+            h.close_session(sid)
+
+
+def bench_arch(row: BenchArch, workdir: Path, threads: int, n_decode: int, rounds: int) -> dict[str, float]:
+    import llama_cpp
+
+    from agent.backends.native import NativeBackend
+
+    path = str(row.model(workdir))
+    manifest = build_manifest(path, hash_tensors=False)
+    hops = [NativeBackend(ShardSpec(path, a, b, manifest, n_threads=threads)) for a, b in row.splits]
+    flash = hops[0].model.info.decode_kernels == -2
+    out: dict[str, float] = {}
+    try:
+        ref = llama_cpp.Llama(
+            model_path=path, logits_all=True, n_ctx=512, n_threads=threads, flash_attn=flash, verbose=False
+        )
+        ids = list(ref.tokenize(TEXT.read_bytes(), add_bos=True))[:N_TEACHER]
+        ref.reset()
+        ref.eval(ids)
+        want = np.asarray(ref.scores[: len(ids)], dtype=np.float32)
+        ref.close()
+        sid = _sid(1)
+        for h in hops:
+            h.open_session(sid, 512)
+        got = route_forward(hops, sid, 0, ids, want_logits=True).logits
+        for h in hops:
+            h.close_session(sid)
+        out["top1_agreement"] = float((got.argmax(1) == want.argmax(1)).mean())
+        out["max_abs_logit_diff"] = float(np.abs(got - want).max())
+        del got, want
+
+        llm = llama_cpp.Llama(
+            model_path=path,
+            n_ctx=512,
+            n_threads=threads,
+            n_threads_batch=threads,
+            flash_attn=flash,
+            verbose=False,
+        )
+        prompt = ids[:N_PROMPT]
+        best_ref = best_nat = 0.0
+        same = True
+        for r in range(rounds):  # interleaved, so both see the same machine load
+            secs, ref_toks = llama_decode(llm, prompt, n_decode)
+            best_ref = max(best_ref, n_decode / secs)
+            secs, nat_toks = native_decode(hops, prompt, n_decode, _sid(2 + r))
+            best_nat = max(best_nat, n_decode / secs)
+            same = same and ref_toks == nat_toks
+        llm.close()
+        out["decode_tok_s_llamacpp"] = best_ref
+        out["decode_tok_s_native_3hop"] = best_nat
+        out["decode_ratio_3hop_vs_llamacpp"] = best_nat / best_ref
+        out["greedy_equal"] = float(same)
+        out["decode_kernels"] = float(hops[0].model.info.decode_kernels)
+    finally:
+        for h in hops:
+            h.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--archs", default="", help="comma-separated keys of ARCHS (default: all)")
+    args = ap.parse_args()
+    keys = [k for k in args.archs.split(",") if k]
+    unknown = set(keys) - {r.key for r in ARCHS}
+    if unknown:
+        ap.error(f"unknown architectures {sorted(unknown)}; known: {[r.key for r in ARCHS]}")
+    result: dict[str, float | int] = {"threads": args.threads, "decode_tokens": args.decode_tokens}
+    with tempfile.TemporaryDirectory() as tmp:
+        for row in ARCHS:
+            if keys and row.key not in keys:
+                continue
+            r = bench_arch(row, Path(tmp), args.threads, args.decode_tokens, args.rounds)
+            print(
+                f"{row.key}: top-1 {r['top1_agreement']:.4f}, max |logit diff| {r['max_abs_logit_diff']:.3g}, "
+                f"decode 3 hops {r['decode_tok_s_native_3hop']:.1f} tok/s vs llama-cpp-python "
+                f"{r['decode_tok_s_llamacpp']:.1f} (ratio {r['decode_ratio_3hop_vs_llamacpp']:.3f}), "
+                f"greedy equal {bool(r['greedy_equal'])}",
+                flush=True,
+            )
+            for k, v in r.items():
+                result[f"{row.key}_{k}"] = round(v, 6) if k != "greedy_equal" else int(v)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
