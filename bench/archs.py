@@ -60,6 +60,9 @@ ARCHS = [
     BenchArch("llama", _packaged("smollm2"), ((0, 7), (7, 19), (19, 30))),
     BenchArch("gemma3", _packaged("gemma3"), ((0, 5), (5, 12), (12, 18))),
     BenchArch("qwen3", _tiny("qwen3"), ((0, 1), (1, 3), (3, 4))),
+    # seams right before and right after the full-attention layer 3 of 8 (delta-net layers elsewhere)
+    BenchArch("qwen35", _tiny("qwen35"), ((0, 3), (3, 4), (4, 8))),
+    BenchArch("qwen35moe", _tiny("qwen35moe"), ((0, 3), (3, 4), (4, 8))),
 ]
 
 
