@@ -158,6 +158,8 @@ HEARTBEAT_INTERVAL_S = envint("HEARTBEAT_INTERVAL_S", defaults.HEARTBEAT_INTERVA
 NODE_OFFLINE_AFTER_S = envint("NODE_OFFLINE_AFTER_S", 7, minimum=2)
 # An offline node's shards are re-placed on the survivors after this long (a quick restart keeps them).
 NODE_LOST_AFTER_S = envint("NODE_LOST_AFTER_S", 30, minimum=0)
+# ... unless its data plane stopped answering too: then after this long (a restart comes back sooner).
+NODE_DEAD_AFTER_S = envint("NODE_DEAD_AFTER_S", 5, minimum=0)
 ENROLLMENT_TOKEN_TTL_S = envint("ENROLLMENT_TOKEN_TTL_S", 3600, minimum=60)
 ROUTE_TOKEN_TTL_S = envint("ROUTE_TOKEN_TTL_S", defaults.ROUTE_TOKEN_TTL_S, minimum=60)
 ROUTE_SESSION_IDLE_S = envint("ROUTE_SESSION_IDLE_S", 1800, minimum=60)

@@ -246,18 +246,21 @@ def dataplane_gone(node_id: str, url: str) -> bool:
 
 @shared_task
 def sweep_offline_nodes() -> list[str]:
-    """Mark silent nodes offline; replace the shards of offline nodes whose data plane is gone at once,
-    and of the others once they have been offline longer than settings.NODE_LOST_AFTER_S."""
+    """Mark silent nodes offline; replace the shards of offline nodes whose data plane is gone too once
+    they have been silent for settings.NODE_DEAD_AFTER_S (5 s), of the others after NODE_LOST_AFTER_S."""
     flipped = [nid for nid in services.stale_online_nodes() if services.mark_offline_if_stale(nid)]
     for nid in flipped:
         notify_fleet(nid)
     lost_cutoff = timezone.now() - timedelta(seconds=settings.NODE_LOST_AFTER_S)
+    dead_cutoff = timezone.now() - timedelta(seconds=settings.NODE_DEAD_AFTER_S)
     offline = (
         Node.objects.filter(state=Node.State.OFFLINE, shards__state__in=ACTIVE)
         .values_list("id", "last_seen", "dataplane_url")
         .distinct()
     )
     for nid, last_seen, url in list(offline):
-        if (last_seen is not None and last_seen < lost_cutoff) or dataplane_gone(nid, url):
+        if last_seen is None:
+            continue
+        if last_seen < lost_cutoff or (last_seen < dead_cutoff and dataplane_gone(nid, url)):
             replace_lost_node.delay(nid)
     return flipped
