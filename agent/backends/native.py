@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -35,8 +36,11 @@ class NativeBackend(Backend):
 
     def __init__(self, spec: ShardSpec, **options: object) -> None:
         """Options: kv_budget (a NativeBudget: the node's, shared by all its native shards; default
-        none, no limit), model_id (identity written into KV snapshots; default the manifest's sha256).
-        Options other backends take (kv_budget_bytes, n_batch, ...) are ignored."""
+        none, no limit), model_id (identity written into KV snapshots; default the manifest's sha256),
+        checkpoint_every / checkpoints_max (windows with recurrent layers: a recurrent-state checkpoint
+        every N positions, at most M per session; default GGSWARM_CHECKPOINT_EVERY /
+        GGSWARM_CHECKPOINTS_MAX, else the library's 256 / 8). Options other backends take
+        (kv_budget_bytes, n_batch, ...) are ignored."""
         budget = options.get("kv_budget")
         if budget is not None and not isinstance(budget, NativeBudget):
             raise BackendError(f"kv_budget must be a NativeBudget, not {type(budget).__name__}")
@@ -66,6 +70,16 @@ class NativeBackend(Backend):
                 f"model d_model {self.model.d_model} != manifest boundary_dim {spec.manifest.boundary_dim}"
             )
         self.sessions: dict[SessionId, int] = {}
+        every = options.get("checkpoint_every", os.environ.get("GGSWARM_CHECKPOINT_EVERY"))
+        most = options.get("checkpoints_max", os.environ.get("GGSWARM_CHECKPOINTS_MAX"))
+        if every is not None or most is not None:
+            try:
+                self.model.set_checkpoints(
+                    256 if every is None else int(str(every)), 8 if most is None else int(str(most))
+                )
+            except (NativeError, ValueError) as e:
+                self.model.close()
+                raise BackendError(f"bad checkpoint settings {every!r} / {most!r}: {e}") from None
 
     def _sid(self, sid: SessionId) -> int:
         try:
