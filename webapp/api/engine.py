@@ -240,6 +240,7 @@ class Generation:
             session_id=session.id.bytes,
             max_context=self.target.max_context,
             ssl_context=dataplane_tls.context_for([h.url for h in hops]),  # https hops: mutual TLS
+            replacements=routing.replacement_provider(session.id),  # a failed hop is replaced mid-answer
         )
         entry = Entry(self.key.pk, self.target.artifact_id, session.id, client, session.hops)
         close_later(cache.add_busy(entry))
