@@ -19,6 +19,7 @@ from agent.procs import free_port
 from agent.wire import tls
 from agent.wire.routetoken import generate_key
 from webapp.core import dataplane_tls
+from webapp.fleet import probe
 from webapp.fleet.services import create_enrollment_token, redeem_enrollment_token
 
 pytestmark = pytest.mark.django_db
@@ -61,7 +62,7 @@ def test_an_enrolled_node_gets_a_certificate_for_its_own_key_and_https_host(
     paths.cert.write_text(r.json()["certificate"])
     paths.ca.write_text(r.json()["ca"])
 
-    async def roundtrip() -> tuple[int, bool]:
+    async def roundtrip() -> tuple[int, bool, str, str]:
         dp = DataPlane(node_id, generate_key().public_key(), client_ssl=paths.client())
         port = free_port()
         runner = await start_dataplane(dp, "127.0.0.1", port, ssl_context=paths.server())
@@ -77,11 +78,16 @@ def test_an_enrolled_node_gets_a_certificate_for_its_own_key_and_https_host(
                     await resp.read()
             except (ClientError, OSError):
                 refused = True
-            return status, refused
+            # the control plane's probe of a reported https URL: mutual TLS, pinned to the node id
+            ok, _ = await probe.probe_health(f"https://127.0.0.1:{port}", node_id, 5.0)
+            other, _ = await probe.probe_health(f"https://127.0.0.1:{port}", "node-other", 5.0)
+            return status, refused, ok, other
         finally:
             await runner.cleanup()
 
-    assert asyncio.run(roundtrip()) == (200, True)
+    status, refused, ok, other = asyncio.run(roundtrip())
+    assert (status, refused, ok) == (200, True, "")
+    assert "did not answer its health check" in other
 
 
 @pytest.mark.parametrize(
@@ -140,3 +146,14 @@ def test_a_node_fetches_its_certificate_over_http_and_keeps_its_key_to_itself(
     bad = NodeConfig(server=live_server.url, node_id=node_id, secret="sec_wrong", public_key="unused")
     with pytest.raises(Exception, match="401"):
         obtain_certificate(bad, config_path, f"https://127.0.0.1:{port}")
+
+
+def test_a_certificate_names_only_the_host_the_node_connects_from_unless_an_admin_allows_it(
+    client: Any, settings: Any
+) -> None:
+    node_id, secret = _enrolled()
+    body = {"csr": tls.make_csr(tls.make_key(), "n").decode(), "dataplane_url": "https://10.9.8.7:7001"}
+    r = _ask(client, f"Node {node_id}:{secret}", body)  # the test client connects from 127.0.0.1
+    assert r.status_code == 400 and "10.9.8.7" in r.json()["error"]
+    settings.DATAPLANE_ALLOWED_HOSTS = ["10.9.8.7"]
+    assert _ask(client, f"Node {node_id}:{secret}", body).status_code == 201

@@ -76,13 +76,25 @@ async def host_problem(url: str, peer: str | None, allowed: Iterable[str]) -> st
 
 async def probe_health(url: str, node_id: str, timeout_s: float) -> tuple[str, float | None]:
     """GET <url>/v1/health: ("" and the round trip in ms) when it answers 200 with this node's id."""
-    from aiohttp import ClientError, ClientSession, ClientTimeout
+    from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector
 
+    from agent.wire.tls import node_dns_name
+    from webapp.core import dataplane_tls
+
+    # An https data plane: mutual TLS with the web's certificate, and the node's certificate must
+    # name this node id (docs/security.md, "Data plane: TLS").
+    tls_ctx = dataplane_tls.context_for([url])
     t0 = time.perf_counter()
     try:
         async with (
-            ClientSession(timeout=ClientTimeout(total=timeout_s)) as http,
-            http.get(url.rstrip("/") + "/v1/health", allow_redirects=False) as r,
+            ClientSession(
+                timeout=ClientTimeout(total=timeout_s), connector=TCPConnector(ssl=tls_ctx or True)
+            ) as http,
+            http.get(
+                url.rstrip("/") + "/v1/health",
+                allow_redirects=False,
+                server_hostname=node_dns_name(node_id) if tls_ctx is not None else None,
+            ) as r,
         ):
             body = await r.content.read(MAX_HEALTH_BYTES + 1)
             status = r.status

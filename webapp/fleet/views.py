@@ -7,6 +7,7 @@ import json
 from datetime import timedelta
 from typing import Any
 
+from asgiref.sync import async_to_sync
 from celery.result import EagerResult
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse
@@ -19,7 +20,7 @@ from webapp.catalog.models import ModelArtifact
 from webapp.core import dataplane_tls
 from webapp.core.auth import HtmxHttpRequest, staff_required
 from webapp.core.nodeauth import parse_node_authorization
-from webapp.fleet import services
+from webapp.fleet import probe, services
 from webapp.fleet.models import Node, ShardAssignment
 from webapp.fleet.presenters import placement_bars
 from webapp.fleet.tasks import drain_node, place_model, remove_node, unplace_model
@@ -215,6 +216,12 @@ def certificate_api(request: HttpRequest) -> JsonResponse:
         return JsonResponse(
             {"error": 'send JSON {"csr": "<PEM>", "dataplane_url": "https://..."}'}, status=400
         )
+    # the host must be where the node connects from (or allowed), as for its reported URL (probe.py)
+    problem = probe.url_problem(url) or async_to_sync(probe.host_problem)(
+        url, request.META.get("REMOTE_ADDR"), settings.DATAPLANE_ALLOWED_HOSTS
+    )
+    if problem:
+        return JsonResponse({"error": problem}, status=400)
     try:
         cert = dataplane_tls.issue_node_certificate(node.pk, csr, url)
     except dataplane_tls.CertificateRequestError as e:
