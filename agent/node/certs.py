@@ -3,14 +3,11 @@ the TLS contexts `run` serves and forwards with (docs/security.md)."""
 
 from __future__ import annotations
 
-import json
 import ssl
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.node.config import ConfigError, NodeConfig
+from agent.node.config import ConfigError, NodeConfig, post_json
 from agent.wire import tls
 
 
@@ -46,28 +43,13 @@ def obtain_certificate(
         key = tls.load_private_key(paths.key)
     except tls.TLSError as e:
         raise ConfigError(f"{e}; delete it to make a new one") from None
-    body = json.dumps(
-        {"csr": tls.make_csr(key, cfg.node_id).decode(), "dataplane_url": dataplane_url}
-    ).encode()
-    req = urllib.request.Request(
+    data = post_json(
         cfg.server.rstrip("/") + "/api/agent/certificate",
-        data=body,
-        method="POST",
-        headers={"Content-Type": "application/json", "Authorization": cfg.authorization()},
+        {"csr": tls.make_csr(key, cfg.node_id).decode(), "dataplane_url": dataplane_url},
+        "the control plane refused a data-plane certificate",
+        timeout_s,
+        authorization=cfg.authorization(),
     )
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            data = json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        try:
-            reason = json.loads(e.read()).get("error", e.reason)
-        except ValueError:
-            reason = e.reason
-        raise ConfigError(
-            f"the control plane refused a data-plane certificate (HTTP {e.code}): {reason}"
-        ) from None
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        raise ConfigError(f"cannot get a data-plane certificate from {cfg.server}: {e}") from None
     cert, ca = data.get("certificate"), data.get("ca")
     if not isinstance(cert, str) or not isinstance(ca, str):
         raise ConfigError("the control plane's certificate answer has no certificate or CA")

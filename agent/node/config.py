@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 import os
 import stat
+import urllib.error
+import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 CONFIG_VERSION = 1
 
@@ -77,3 +80,31 @@ def load_config(path: Path) -> NodeConfig:
         if not isinstance(getattr(cfg, field), str) or not getattr(cfg, field):
             raise ConfigError(f"{path}: {field!r} is missing")
     return cfg
+
+
+def post_json(
+    url: str, body: dict[str, Any], refused: str, timeout_s: float, authorization: str | None = None
+) -> dict[str, Any]:
+    """POST `body` to the control plane and return its JSON object answer; ConfigError otherwise.
+
+    `refused` opens the message when the control plane answers with an error status (its own `error`
+    field follows); an unreachable server or a malformed answer says so with the server's address.
+    """
+    headers = {"Content-Type": "application/json"}
+    if authorization:
+        headers["Authorization"] = authorization
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST", headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            data = json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        try:
+            reason = json.loads(e.read()).get("error", e.reason)
+        except (ValueError, AttributeError):
+            reason = e.reason
+        raise ConfigError(f"{refused} (HTTP {e.code}): {reason}") from None
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise ConfigError(f"cannot reach {url}: {getattr(e, 'reason', e)}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{url} answered something other than a JSON object")
+    return data

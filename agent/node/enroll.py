@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import signal
 import socket
 import sys
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 from agent import defaults, logsafe
-from agent.node.config import ConfigError, NodeConfig, default_config_path, load_config, save_config
+from agent.node.config import (
+    ConfigError,
+    NodeConfig,
+    default_config_path,
+    load_config,
+    post_json,
+    save_config,
+)
 
 log = logging.getLogger("agent.cli")
 
@@ -29,21 +33,9 @@ def enroll(server: str, token: str, name: str, timeout_s: float = defaults.ENROL
     server = server.rstrip("/")
     if not server.startswith(("http://", "https://")):
         raise ConfigError(f"--server must be an http(s) URL, not {server!r}")
-    body = json.dumps({"token": token, "name": name}).encode()
-    req = urllib.request.Request(
-        server + "/api/agent/enroll", data=body, method="POST", headers={"Content-Type": "application/json"}
+    data = post_json(
+        server + "/api/agent/enroll", {"token": token, "name": name}, "enrollment refused", timeout_s
     )
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            data = json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        try:
-            reason = json.loads(e.read()).get("error", e.reason)
-        except ValueError:
-            reason = e.reason
-        raise ConfigError(f"enrollment refused (HTTP {e.code}): {reason}") from None
-    except (urllib.error.URLError, OSError) as e:
-        raise ConfigError(f"cannot reach {server}: {getattr(e, 'reason', e)}") from None
     return NodeConfig(
         server=server,
         node_id=data["node_id"],
