@@ -15,6 +15,13 @@ result. Rationale for the choices:
   holds the output head and any multi-token-prediction block (the manifest's "last" role).
 * A boundary never falls inside an unsplittable layer group (glm-dsa: a shared-indexer layer needs
   the top-k indices of its group's full-indexer layer, which the seam does not carry).
+* Leading dense layers (GLM's first 3, a MoE model's dense prefix) stay with the first shard together
+  with at least the first MoE layer: no boundary sits at or before `leading_dense`. They are a few
+  per cent of the model's bytes, so a shard of only dense layers would cost a whole network hop for
+  almost no memory relief, and the shard holding the embedding has room for them.
+* A layer's bytes can include the per-session state it keeps (`shape_from_manifest(context_tokens=,
+  sessions=)`): each state kind at that context (KV and compressed caches grow with it, recurrent and
+  compressor states are fixed), times the sessions the shard is expected to hold at once.
 * An architecture this agent cannot serve is refused before any planning, with the manifest's reason.
 """
 
@@ -54,6 +61,7 @@ class ModelShape:
     always: frozenset[str] = frozenset()
     groups: tuple[tuple[int, int], ...] = ()  # [start, end) layer ranges a boundary may not split
     refusal: str = ""  # non-empty: the model cannot be served, and this says why
+    leading_dense: int = 0  # dense layers before the first MoE layer: kept with the first shard
 
     @property
     def n_layers(self) -> int:
@@ -61,6 +69,8 @@ class ModelShape:
 
     def cut_ok(self, layer: int) -> bool:
         """May a shard boundary sit right before `layer`?"""
+        if 0 < layer <= min(self.leading_dense, self.n_layers - 1):
+            return False
         return not any(s < layer < e for s, e in self.groups)
 
     def bytes_for(self, start: int, end: int) -> int:
@@ -77,14 +87,19 @@ class ModelShape:
         return self.bytes_for(0, self.n_layers)
 
 
-def shape_from_manifest(m: Manifest, context_tokens: int = 0, kv_bytes: float = 2.0) -> ModelShape:
-    """The planner's view of a manifest; with `context_tokens`, each layer also counts the state one
-    session of that many tokens keeps there (KV of `kv_bytes` per element, recurrent state in f32)."""
+def shape_from_manifest(
+    m: Manifest, context_tokens: int = 0, kv_bytes: float = 2.0, sessions: int = 1
+) -> ModelShape:
+    """The planner's view of a manifest; with `context_tokens`, each layer also counts the state
+    `sessions` sessions of that many tokens keep there (KV of `kv_bytes` per element, recurrent and
+    compressor state in f32)."""
+    if sessions < 1:
+        raise PlacementError(f"expected sessions must be at least 1, not {sessions}")
     roles = {k: frozenset(v) for k, v in m.roles.items()}
     needed = roles.get("first", frozenset()) | roles.get("last", frozenset()) | roles.get("all", frozenset())
     return ModelShape(
         layer_bytes=tuple(
-            layer.nbytes + (layer.state_bytes(context_tokens, kv_bytes) if context_tokens else 0)
+            layer.nbytes + (sessions * layer.state_bytes(context_tokens, kv_bytes) if context_tokens else 0)
             for layer in m.layers
         ),
         tensor_bytes={t.name: t.nbytes for t in m.tensors if t.name in needed},
@@ -93,6 +108,7 @@ def shape_from_manifest(m: Manifest, context_tokens: int = 0, kv_bytes: float = 
         always=roles.get("all", frozenset()),
         groups=tuple(m.layer_groups),
         refusal=m.servable_problem,
+        leading_dense=m.leading_dense_layers,
     )
 
 
@@ -172,6 +188,7 @@ def split_chain(
         shape.last if stop == shape.n_layers else frozenset(),
         shape.always,
         tuple((s, min(e, stop)) for s, e in shape.groups if s < stop),
+        leading_dense=shape.leading_dense,
     )
     if not _fits(sub, start, nodes):
         need = sub.bytes_for(start, stop)
@@ -181,6 +198,12 @@ def split_chain(
             f"layers {start}:{stop} need {need / 1e6:.1f} MB but {len(nodes)} node(s) can hold only "
             f"{have / 1e6:.1f} MB in contiguous ranges"
             + (f" (layer groups {', '.join(groups)} are never split)" if groups else "")
+            + (
+                f" (the {sub.leading_dense} leading dense layers stay with the first shard and its first "
+                "MoE layer)"
+                if start == 0 and sub.leading_dense
+                else ""
+            )
             + "; add nodes or free memory"
         )
     floor = max((n.speed for n in nodes), default=1.0) / MAX_SPEED_RATIO
