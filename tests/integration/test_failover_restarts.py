@@ -3,7 +3,8 @@
 The data plane does not depend on any of them, so the answer completes token for token; afterwards the
 agents are online again with their shards (none loaded twice, none downloaded again) and what the
 control plane had recorded is still there. Needs PostgreSQL and Redis (DATABASE_URL, REDIS_URL: CI and
-scripts/test.sh set them). Redis and PostgreSQL are shared with other tests on the machine: each is
+scripts/test.sh set them); the control plane gets a Redis of its own (redis-server on a free port), so
+restarting it disturbs nothing else. PostgreSQL is the machine's, shared with other tests: it is
 restarted once, last, and is down for about a second.
 """
 
@@ -19,35 +20,67 @@ from pathlib import Path
 import pytest
 
 from agent.client.route import Hop, RouteClient
-from agent.procs import stop, wait_until
+from agent.procs import Process, free_port, spawn, stop, wait_until
 from agent.wire.routetoken import load_private_key, mint
 from agent.wire.sampling import SamplingParams
 from tests.integration.swarm import PASSWORD, QUESTION, Swarm, control_plane
 
 pytestmark = pytest.mark.slow
 N_TOKENS = 64
-REDIS_ARGS = [
-    "--daemonize",
-    "yes",
-    "--bind",
-    "127.0.0.1",
-    "--port",
-    "6379",
-    "--save",
-    "",
-    "--appendonly",
-    "no",
-]
+
+
+class PrivateRedis:
+    """A redis-server of the test's own on a free port (no persistence), restartable on that port."""
+
+    def __init__(self, logdir: Path) -> None:
+        self.port, self.logdir = free_port(), logdir
+        self.proc = self._start()
+
+    def _ping(self) -> bool | None:
+        cmd = ["redis-cli", "-h", "127.0.0.1", "-p", str(self.port), "ping"]
+        return subprocess.run(cmd, capture_output=True).returncode == 0 or None
+
+    def _start(self) -> Process:
+        cmd = [
+            "redis-server",
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ]
+        proc = spawn(cmd, self.logdir / "redis.log", append=True)
+        wait_until("redis to answer", self._ping, 30, procs=[proc])
+        return proc
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def restart(self) -> None:
+        stop([self.proc])
+        self.proc = self._start()
 
 
 @pytest.fixture(scope="module")
-def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: str) -> Iterator[Swarm]:
+def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateRedis]:
     if not (os.environ.get("DATABASE_URL") and os.environ.get("REDIS_URL")):
         pytest.skip("restart tests need PostgreSQL and Redis (DATABASE_URL, REDIS_URL)")
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not on this machine")
+    r = PrivateRedis(tmp_path_factory.mktemp("redis"))
+    yield r
+    stop([r.proc])
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: str, redis: PrivateRedis) -> Iterator[Swarm]:
     # NODE_DEAD_AFTER_S: the restarted agent must come back before its shards would be placed elsewhere
-    with control_plane(
-        tmp_path_factory.mktemp("restarts"), DEFAULT_BACKEND="native", NODE_DEAD_AFTER_S="300"
-    ) as s:
+    tmp = tmp_path_factory.mktemp("restarts")
+    with control_plane(tmp, DEFAULT_BACKEND="native", NODE_DEAD_AFTER_S="300", REDIS_URL=redis.url) as s:
         for i in (1, 2):
             config, _ = s.enroll(f"agent-{i}")
             s.run_agent(f"agent-{i}", config, "--speed", "1.0")
@@ -151,19 +184,6 @@ def _restart_worker(s: Swarm) -> None:
     )
 
 
-def _restart_redis() -> None:
-    subprocess.run(["redis-cli", "-h", "127.0.0.1", "-p", "6379", "shutdown", "nosave"], check=False)
-    subprocess.run(["redis-server", *REDIS_ARGS, "--dir", "/var/lib/redis"], check=True)
-    wait_until(
-        "redis to answer",
-        lambda: (
-            subprocess.run(["redis-cli", "-h", "127.0.0.1", "ping"], capture_output=True).returncode == 0
-            or None
-        ),
-        30,
-    )
-
-
 def _restart_postgres() -> None:
     version = sorted(os.listdir("/etc/postgresql"))[0]
     subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", version, "main", "restart"], check=True)
@@ -214,13 +234,20 @@ def test_a_restarted_agent_serves_again_from_its_shards_on_disk_without_download
     assert t["downloaded_bytes"] == 0, "the shard on disk was checked by its hashes, not downloaded again"
 
 
-async def test_an_answer_completes_while_redis_restarts(
-    swarm: Swarm, prompt: list[int], reference: list[int]
+async def test_an_answer_completes_while_redis_restarts_and_the_agents_go_on_heartbeating(
+    swarm: Swarm, prompt: list[int], reference: list[int], redis: PrivateRedis
 ) -> None:
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not on this machine")
-    assert await _answer(swarm, prompt, _restart_redis) == reference
-    swarm.online(list(swarm.agents))
+    loads = _loads(swarm)
+    assert await _answer(swarm, prompt, redis.restart) == reference
+    _back(swarm, loads)
+    seen = {n["id"]: n["last_seen"] for n in swarm.admin.status()["nodes"]}
+    swarm.admin.wait_for(  # a reconnected socket that stopped heartbeating would stay behind
+        "every agent to heartbeat again",
+        lambda st: (
+            all(n["state"] == "online" and n["last_seen"] > seen[n["id"]] for n in st["nodes"]) or None
+        ),
+        30,
+    )
 
 
 async def test_an_answer_completes_while_postgresql_restarts_and_nothing_recorded_is_lost(
