@@ -158,6 +158,8 @@ def test_sessions_spread_over_replicas_and_a_failed_hop_gets_the_other_replica_w
     s2, g2 = open_route(artifact.pk, None)
     assert {g1[0].node_id, g2[0].node_id} == {x.pk, y.pk}  # the second session goes to the idle replica
 
+    spare = replace_hop(s1.id, 0, 30, g1[0].url, record=False)  # a warm spare: the route stays
+    assert spare is not None and RouteSession.objects.get(pk=s1.id).hops[0]["node"] == g1[0].node_id
     rep = replace_hop(s1.id, 0, 30, g1[0].url)
     assert rep is not None and rep.grant.node_id != g1[0].node_id
     key = route_signing_key().public_key()

@@ -116,11 +116,12 @@ class Replacement:
 
 
 def replace_hop(
-    session_id: uuid.UUID, layer_start: int, layer_end: int, failed_url: str
+    session_id: uuid.UUID, layer_start: int, layer_end: int, failed_url: str, record: bool = True
 ) -> Replacement | None:
     """A ready shard of exactly [layer_start, layer_end) on another node for an open session's failed hop
     (the cheapest, so sessions spread over replicas), with its route token and a hand-off token naming
-    the old node and the new one; the session's recorded route is updated. None when there is none."""
+    the old node and the new one; with `record` the session's recorded route is updated (not for a
+    warm spare, which only holds a copy). None when there is none."""
     from agent.wire.handofftoken import mint_handoff
 
     session = RouteSession.objects.select_related("artifact").filter(pk=session_id).first()
@@ -169,8 +170,14 @@ def replace_hop(
         if old_node
         else b""
     )
-    hops[index] = {"node": best.node_id, "url": best.url, "layer_start": layer_start, "layer_end": layer_end}
-    RouteSession.objects.filter(pk=session.pk).update(hops=hops)
+    if record:
+        hops[index] = {
+            "node": best.node_id,
+            "url": best.url,
+            "layer_start": layer_start,
+            "layer_end": layer_end,
+        }
+        RouteSession.objects.filter(pk=session.pk).update(hops=hops)
     return Replacement(HopGrant(best.node_id, best.url, layer_start, layer_end, token), handoff)
 
 
@@ -178,11 +185,13 @@ def replacement_provider(session_id: uuid.UUID) -> Any:
     """The route client's ReplacementProvider for a session the control plane opened (playground, API)."""
     from channels.db import database_sync_to_async
 
-    from agent.client.recovery import Hop
+    from agent.client.recovery import STANDBY, Hop
     from agent.client.recovery import Replacement as ClientReplacement
 
     async def provide(index: int, hop: Hop, reason: str) -> ClientReplacement | None:  # noqa: ARG001
-        rep = await database_sync_to_async(replace_hop)(session_id, hop.layer_start, hop.layer_end, hop.url)
+        rep = await database_sync_to_async(replace_hop)(
+            session_id, hop.layer_start, hop.layer_end, hop.url, reason != STANDBY
+        )
         if rep is None:
             return None
         g = rep.grant
