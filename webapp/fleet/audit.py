@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from agent.artifacts.archs import servable_problem
 from webapp.fleet.simulate import Fleet, ModelSpec, simulate, spec_from_dict
 
 QUANTS = ("Q4_K_M", "Q8_0")
@@ -73,6 +74,12 @@ def render_audit(d: dict[str, Any], fleets: Sequence[Fleet], spec_path: str) -> 
         "## llama.cpp support",
         "",
         d.get("llama_cpp", ""),
+        "",
+        "This agent (agent/artifacts/archs.py, when the page was generated): "
+        + (
+            servable_problem(d["architecture"])
+            or f"serves `{d['architecture']}` layer windows (native executor)."
+        ),
         "",
         "## Layers and layer kinds",
         "",
