@@ -145,7 +145,7 @@ class Failover:
             if sb is not None and sb[0].url != old.url and not (alive and err.code == "draining"):
                 rep, standby_n = Replacement(sb[0]), sb[1]
             else:
-                rep, standby_n = await self.replacements(i, old, str(err)), -1
+                rep, standby_n = await self.replacements(i, list(self.hops), str(err)), -1
             provider_s += time.perf_counter() - t1
             if rep is None:
                 raise RouteFailed(
@@ -162,6 +162,9 @@ class Failover:
                     hop=i,
                 )
             self.hops[i] = rep.hop
+            if rep.previous_token and i > 0:  # chain mode: the hop before forwards to the new one
+                prev = self.hops[i - 1]
+                self.hops[i - 1] = Hop(prev.url, prev.layer_start, prev.layer_end, rep.previous_token)
             self._rtt[i].clear()
             self._resend_sampling[i] = True
             self._chain_sent = False
@@ -383,7 +386,7 @@ class Failover:
         assert self.replacements is not None
         hop = self.hops[i]
         try:
-            rep = await self.replacements(i, hop, STANDBY)
+            rep = await self.replacements(i, list(self.hops), STANDBY)
             if rep is None or not rep.handoff_token or rep.hop.url == hop.url:
                 return
             n = await self._handoff(hop, rep, keep=True)

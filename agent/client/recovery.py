@@ -39,12 +39,15 @@ class Replacement:
     # A hand-off token naming the old node and the new one (agent/wire/handofftoken.py): when the old
     # hop still answers, it exports the session's snapshot to the new one instead of a re-prefill.
     handoff_token: bytes = b""
+    # The previous hop's token minted again to name the new hop as its next one: chain mode forwards
+    # only to the node and URL a token names (issue 17). b"": keep the old token (star mode, hop 0).
+    previous_token: bytes = b""
 
 
-# (hop index, the failing hop, why) -> a replacement for the same layers, or None when there is none.
-# With why == STANDBY the hop is healthy: the client wants a warm spare to copy its KV to, and the
-# route itself does not change.
-ReplacementProvider = Callable[[int, Hop, str], Awaitable[Replacement | None]]
+# (hop index, the route as the client holds it, why) -> a replacement for route[index]'s layers, or
+# None when there is none. With why == STANDBY the hop is healthy: the client wants a warm spare to
+# copy its KV to, and the route itself does not change.
+ReplacementProvider = Callable[[int, list[Hop], str], Awaitable[Replacement | None]]
 STANDBY = "standby"
 
 
@@ -111,9 +114,12 @@ class ReplicaProvider:
         except (ClientError, OSError, TimeoutError, ValueError):
             return None
 
-    async def __call__(self, index: int, hop: Hop, reason: str) -> Replacement | None:
+    async def __call__(self, index: int, route: list[Hop], reason: str) -> Replacement | None:
+        hop = route[index]
         try:
             claims = decode_unverified(hop.token)
+            before = decode_unverified(route[index - 1].token) if index > 0 else None
+            after = decode_unverified(route[index + 1].token) if index + 1 < len(route) else None
         except TokenError:
             return None
         if reason != STANDBY:
@@ -140,6 +146,8 @@ class ReplicaProvider:
                 for s in shards
             ):
                 continue
+            # each token names the hop after it (chain mode forwards only there)
+            nxt = (after.node, route[index + 1].url) if after is not None else ("", "")
             token = mint(
                 self.key,
                 claims.session,
@@ -148,7 +156,22 @@ class ReplicaProvider:
                 hop.layer_end,
                 node,
                 self.ttl_s,
+                *nxt,
             )
+            previous = b""
+            if before is not None and reason != STANDBY:
+                prev = route[index - 1]
+                previous = mint(
+                    self.key,
+                    claims.session,
+                    claims.model_sha256,
+                    prev.layer_start,
+                    prev.layer_end,
+                    before.node,
+                    self.ttl_s,
+                    node,
+                    url,
+                )
             handoff = b""
             if node != claims.node:
                 handoff = mint_handoff(
@@ -162,5 +185,5 @@ class ReplicaProvider:
                 )
             if reason != STANDBY:
                 self.failed.discard(url)
-            return Replacement(Hop(url, hop.layer_start, hop.layer_end, token), handoff)
+            return Replacement(Hop(url, hop.layer_start, hop.layer_end, token), handoff, previous)
         return None

@@ -113,6 +113,7 @@ class Replacement:
 
     grant: HopGrant
     handoff_token: bytes
+    previous_token: bytes = b""  # the hop before, minted again to name the new hop as its next one
 
 
 def replace_hop(
@@ -170,6 +171,22 @@ def replace_hop(
         if old_node
         else b""
     )
+    prev = hops[index - 1] if index > 0 and record else None
+    previous = (
+        routetoken.mint(
+            key,
+            SessionId(session.id.bytes),
+            session.artifact.sha256,
+            int(prev.get("layer_start", 0)),
+            int(prev.get("layer_end", 0)),
+            str(prev.get("node", "")),
+            settings.ROUTE_TOKEN_TTL_S,
+            best.node_id,
+            best.url,
+        )
+        if prev is not None
+        else b""
+    )
     if record:
         hops[index] = {
             "node": best.node_id,
@@ -178,7 +195,7 @@ def replace_hop(
             "layer_end": layer_end,
         }
         RouteSession.objects.filter(pk=session.pk).update(hops=hops)
-    return Replacement(HopGrant(best.node_id, best.url, layer_start, layer_end, token), handoff)
+    return Replacement(HopGrant(best.node_id, best.url, layer_start, layer_end, token), handoff, previous)
 
 
 def replacement_provider(session_id: uuid.UUID) -> Any:
@@ -188,13 +205,16 @@ def replacement_provider(session_id: uuid.UUID) -> Any:
     from agent.client.recovery import STANDBY, Hop
     from agent.client.recovery import Replacement as ClientReplacement
 
-    async def provide(index: int, hop: Hop, reason: str) -> ClientReplacement | None:  # noqa: ARG001
+    async def provide(index: int, route: list[Hop], reason: str) -> ClientReplacement | None:
+        hop = route[index]
         rep = await database_sync_to_async(replace_hop)(
             session_id, hop.layer_start, hop.layer_end, hop.url, reason != STANDBY
         )
         if rep is None:
             return None
         g = rep.grant
-        return ClientReplacement(Hop(g.url, g.layer_start, g.layer_end, g.token), rep.handoff_token)
+        return ClientReplacement(
+            Hop(g.url, g.layer_start, g.layer_end, g.token), rep.handoff_token, rep.previous_token
+        )
 
     return provide
