@@ -63,6 +63,12 @@ ARCHS = [
     # seams right before and right after the full-attention layer 3 of 8 (delta-net layers elsewhere)
     BenchArch("qwen35", _tiny("qwen35"), ((0, 3), (3, 4), (4, 8))),
     BenchArch("qwen35moe", _tiny("qwen35moe"), ((0, 3), (3, 4), (4, 8))),
+    # 9 layers, full indexers at 0, 3 and 6: every seam sits right before one (the planner's rule)
+    BenchArch(
+        "glm_dsa",
+        lambda d: write_tiny_gguf("glm-dsa", d / "glm-dsa.gguf", n_layers=9),
+        ((0, 3), (3, 6), (6, 9)),
+    ),
 ]
 
 
