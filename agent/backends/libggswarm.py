@@ -12,7 +12,7 @@ import numpy as np
 
 from agent.wire.frames import HiddenDtype, numpy_dtype
 
-GGSWARM_API_VERSION = 4
+GGSWARM_API_VERSION = 5
 
 GGSWARM_OK = 0
 GGSWARM_E_INVALID_ARG = -1
@@ -637,6 +637,8 @@ class NativeModel:
             b.hidden_in = h.ctypes.data
             b.hidden_in_count = h.size
             b.hidden_in_type = GGSWARM_TYPE_F16 if h.dtype == np.float16 else GGSWARM_TYPE_F32
+            if token_ids is not None and int(np.asarray(token_ids).size) != n:
+                raise ValueError(f"{np.asarray(token_ids).size} token ids for {n} hidden rows")
         else:
             b.hidden_in = None
             b.hidden_in_count = 0

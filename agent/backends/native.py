@@ -169,7 +169,10 @@ class NativeBackend(Backend):
                 raise BackendError(
                     f"hidden size mismatch: got shape {tuple(hidden.shape)}, expected (n, {self.boundary_dim})"
                 )
-            token_ids = None
+            # token ids travel with the hidden rows to windows with token-routed layers (deepseek4's
+            # hash layers); the library reads them only there
+            if token_ids is not None and len(token_ids) != hidden.shape[0]:
+                raise BackendError(f"{len(token_ids)} token ids for {hidden.shape[0]} hidden rows")
         params = None
         if self.spec.is_last:
             p = sampling or SamplingParams()

@@ -103,6 +103,7 @@ class RouteClient(Failover):
         replacements: ReplacementProvider | None = None,
         recovery: RecoveryPolicy | None = None,
         ssl_context: ssl.SSLContext | None = None,
+        token_id_layers: int = 0,
     ) -> None:
         if not hops:
             raise RouteError("a route needs at least one hop")
@@ -117,6 +118,9 @@ class RouteClient(Failover):
         if mode not in ("chain", "star"):
             raise RouteError(f"mode must be 'chain' or 'star', not {mode!r}")
         self.hops = list(hops)
+        # layers [0, token_id_layers) route experts by token id (the manifest's hash layers, deepseek4):
+        # in star mode a later hop holding one gets the ids with the hidden states
+        self.token_id_layers = token_id_layers
         self.tokenizer = tokenizer
         self.session = SessionId(session_id or os.urandom(16))
         self.mode = mode
@@ -292,6 +296,9 @@ class RouteClient(Failover):
             sampling=sampling if last and (send or self._resend_sampling[i]) else None,
             history=list(ids) if last else None,
             want_logits=want_logits and last,
+            token_ids=np.asarray(ids, dtype="<i4")
+            if inp.kind != Kind.IDS and self.hops[i].layer_start < self.token_id_layers
+            else None,
             payload=inp.payload,
         )
 

@@ -404,6 +404,14 @@ class DataPlane:
                     f"hidden size {req.dim} does not match this model's {shard.backend.boundary_dim}",
                 )
             hidden = req.hidden()  # f16 or f32 as the frame carries it: backends read either
+            if _needs_ids(spec.manifest, spec.layer_start, spec.layer_end):
+                if req.token_ids is None:
+                    raise DataPlaneError(
+                        400,
+                        "bad_frame",
+                        "this shard's layers route by token id: send the ids with the hidden states",
+                    )
+                ids = req.token_ids
         if req.want_logits and spec.is_last:
             vocab = _vocab_size(shard)
             if req.n_tokens * vocab * 4 > MAX_LOGITS_BYTES:
@@ -528,6 +536,10 @@ class DataPlane:
             token=nxt.token,
             sampling=req.sampling,
             history=req.ids().tolist() if req.kind == Kind.IDS else req.history,
+            # layers further down that route by token id get the ids with the hidden states
+            token_ids=_ids_for_next(req, self.shards.get(s.shard_key))
+            if out.kind in (Kind.F16, Kind.F32)
+            else None,
             want_logits=req.want_logits,
             f16_out=req.f16_out,
             # The full chain travels once per route; later steps only say "as before".
@@ -707,6 +719,20 @@ class DataPlane:
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
+
+
+def _needs_ids(manifest: Manifest, start: int, end: int) -> bool:
+    """Whether layers [start, end) read the token ids (deepseek4's hash-routed experts)."""
+    return any(layer.needs_token_ids for layer in manifest.layers[start:end])
+
+
+def _ids_for_next(req: Request, shard: Shard | None) -> np.ndarray | None:
+    """The ids a chain hop passes on with its hidden states: only when a later layer reads them."""
+    if shard is None or not _needs_ids(
+        shard.spec.manifest, shard.spec.layer_end, shard.spec.manifest.n_layers
+    ):
+        return None
+    return req.ids() if req.kind == Kind.IDS else req.token_ids
 
 
 def _vocab_size(shard: Shard) -> int:

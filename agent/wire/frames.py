@@ -17,7 +17,9 @@ import numpy as np
 from agent.wire.sampling import SamplingParams
 
 # Version 1: first release (open/forward/truncate/close, ids or f16/f32 hidden, chain forwarding).
-PROTOCOL_VERSION = 1
+# Version 2: a hidden-state frame may carry the positions' token ids (Flag.TOKEN_IDS), for windows whose
+#   layers route experts by token id (deepseek4's hash layers); version-1 frames are refused.
+PROTOCOL_VERSION = 2
 REQ_MAGIC = b"GSWP"
 RESP_MAGIC = b"GSWR"
 
@@ -57,6 +59,7 @@ class Flag(IntFlag):
     CHAIN = 8  # next hops follow: this hop forwards its output itself
     F16_OUT = 16  # hidden output as float16
     CHAIN_CACHED = 32  # forward along the next hops this session's earlier CHAIN frame named
+    TOKEN_IDS = 64  # n_tokens int32 token ids follow the optional blocks, before a hidden payload
 
 
 class Kind(IntEnum):
@@ -115,6 +118,7 @@ class Request:
     f16_out: bool = False
     chain: list[ChainHop] = field(default_factory=list)
     chain_cached: bool = False
+    token_ids: np.ndarray | None = None  # with a hidden payload: the positions' ids (Flag.TOKEN_IDS)
     payload: bytes | memoryview = b""
 
     def ids(self) -> np.ndarray:
@@ -197,6 +201,12 @@ def encode_request(r: Request) -> bytes:
             u = hop.url.encode()
             parts.append(struct.pack("<H", len(u)) + u + struct.pack("<H", len(hop.token)) + hop.token)
         tail.append(b"".join(parts))
+    if r.token_ids is not None:
+        ids = np.asarray(r.token_ids, dtype="<i4").ravel()
+        if r.kind not in (Kind.F32, Kind.F16) or len(ids) != r.n_tokens:
+            raise FrameError("token ids travel only with hidden states, one per position")
+        flags |= Flag.TOKEN_IDS
+        tail.append(ids.tobytes())
     payload = bytes(r.payload)
     head = REQ_HEADER.pack(
         REQ_MAGIC,
@@ -264,7 +274,12 @@ def peek_request(data: bytes | memoryview) -> tuple[bytes, bytes, int]:
 
 
 MAX_TAIL_BYTES = (
-    SAMPLING.size + 4 + 4 * MAX_HISTORY + 1 + MAX_CHAIN_HOPS * (4 + MAX_URL_LEN + MAX_TOKEN_BYTES)
+    SAMPLING.size
+    + 4
+    + 4 * MAX_HISTORY
+    + 1
+    + MAX_CHAIN_HOPS * (4 + MAX_URL_LEN + MAX_TOKEN_BYTES)
+    + 4 * MAX_TOKENS_PER_FRAME
 )
 
 
@@ -333,6 +348,11 @@ def decode_request(data: bytes | memoryview) -> Request:
             if tl > MAX_TOKEN_BYTES:
                 raise FrameError("chain token too long")
             req.chain.append(ChainHop(url, bytes(rd.take(tl, "chain token"))))
+    if flags_e & Flag.TOKEN_IDS:
+        if kind_e not in (Kind.F32, Kind.F16):
+            raise FrameError("token ids travel only with hidden states")
+        # n was checked against MAX_TOKENS_PER_FRAME above: at most 32 KiB, and only a view of the frame
+        req.token_ids = np.frombuffer(rd.take(4 * n, "token ids"), dtype="<i4")
     req.payload = rd.take(payload_len, "payload")
     if rd.off != len(buf):
         raise FrameError(f"{len(buf) - rd.off} unexpected trailing bytes")

@@ -28,6 +28,9 @@
  *   4 - recurrent state (qwen35, qwen35moe): checkpoints; ggswarm_session_truncate_to (rewind to the
  *       nearest checkpoint, report where and how), ggswarm_set_checkpoints, ggswarm_session_checkpoints;
  *       on a window with recurrent layers ggswarm_session_truncate goes back to that checkpoint too.
+ *   5 - deepseek4: ggswarm_batch.token_ids also with hidden_in, required on a window whose layers route
+ *       experts by token id (hash layers); ggswarm_model_info.d_model is the boundary row (d_model x
+ *       the hyper-connection streams: 4 x d_model for deepseek4).
  */
 #ifndef GGSWARM_H
 #define GGSWARM_H
@@ -39,7 +42,7 @@
 extern "C" {
 #endif
 
-#define GGSWARM_API_VERSION 4
+#define GGSWARM_API_VERSION 5
 
 #if defined(_WIN32)
 #define GGSWARM_API __declspec(dllexport)
@@ -117,7 +120,7 @@ typedef struct ggswarm_sampling {
 typedef struct ggswarm_batch {
     int32_t n_tokens;             /* 1 .. GGSWARM_MAX_BATCH */
     int32_t pos_start;            /* must equal the session length (append only; truncate first) */
-    const int32_t * token_ids;    /* first window: n_tokens ids; otherwise NULL */
+    const int32_t * token_ids;    /* first window, or a window with token-routed layers: n_tokens ids; else NULL */
     const void * hidden_in;       /* other windows: n_tokens x d_model of hidden_in_type; else NULL */
     int64_t hidden_in_count;      /* elements in hidden_in; must equal n_tokens * d_model */
     int32_t hidden_in_type;       /* GGSWARM_TYPE_F32 or GGSWARM_TYPE_F16 */

@@ -148,6 +148,8 @@ struct Arch {
     ggswarm_status (*read_hparams)(ggswarm_model * m, const Hp & hp);
     void (*want_layer)(const ggswarm_model * m, int32_t il, Layer & L, Wants & w);
     ggml_tensor * (*build_window)(Build & b, ggml_tensor * x);
+    // optional: fill the inputs build_window added to g.arch_in for positions [pos, pos + nc)
+    void (*set_inputs)(ggswarm_model * m, Graph & g, int32_t pos, int32_t nc) = nullptr;
 };
 
 // Architectures register themselves from their own unit: `static ArchRegistration reg(&kMyArch);`.

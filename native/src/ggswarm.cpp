@@ -190,7 +190,7 @@ ggswarm_status ggswarm_model_info_get(const ggswarm_model * m, ggswarm_model_inf
     out->layer_end = m->layer_end;
     out->is_first = m->is_first();
     out->is_last = m->is_last();
-    out->d_model = m->d_model;
+    out->d_model = (int32_t)m->d_io();  // the boundary row: d_model x streams
     out->n_vocab = m->n_vocab;
     out->n_head = m->n_head;
     out->n_head_kv = m->n_head_kv;

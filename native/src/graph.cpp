@@ -34,7 +34,7 @@ void build_graph(ggswarm_model * m, Graph & g, int32_t n, int32_t n_kv, int32_t 
         x = ggml_get_rows(c, m->tok_embd, g.inp_tokens);
         if (m->embd_scale != 0.0f) x = ggml_scale(c, x, m->embd_scale);
     } else {
-        g.inp_hidden = ggml_new_tensor_2d(c, GGML_TYPE_F32, m->d_model, n);
+        g.inp_hidden = ggml_new_tensor_2d(c, GGML_TYPE_F32, m->d_io(), n);
         ggml_set_input(g.inp_hidden);
         x = g.inp_hidden;
     }
@@ -213,7 +213,7 @@ void set_mask(ggswarm_model * m, ggml_tensor * mask, int32_t pos, int32_t nc, in
 ggswarm_status forward_chunk(ggswarm_model * m, Session & s, const ggswarm_batch * b, int32_t off, int32_t nc,
                              bool final_chunk, const float ** last) {
     const int32_t pos = b->pos_start + off;
-    const int64_t d = m->d_model;
+    const int64_t d = m->d_io();
     const bool last_only = m->is_last() && !b->logits_out;
     const int64_t span = kernel_step(m, nc) ? kernel_span(pos + nc) : pad_kv(pos + nc);
     const int32_t n_kv = (int32_t)std::min<int64_t>(span, s.cap);
@@ -249,13 +249,15 @@ ggswarm_status forward_chunk(ggswarm_model * m, Session & s, const ggswarm_batch
     ggml_backend_tensor_set(g.inp_pos, m->pos_host.data(), 0, sizeof(int32_t) * m->pos_host.size());
     if (g.inp_mask) set_mask(m, g.inp_mask, pos, nc, n_kv, 0);
     if (g.inp_mask_swa) set_mask(m, g.inp_mask_swa, pos, nc, n_kv, m->n_swa);
+    if (m->archp->set_inputs) m->archp->set_inputs(m, g, pos, nc);
     const int64_t n_hidden = (int64_t)nc * d;
     if (g.inp_tokens) {
         ggml_backend_tensor_set(g.inp_tokens, b->token_ids + off, 0, sizeof(int32_t) * nc);
-    } else if (b->hidden_in_type == GGSWARM_TYPE_F32) {
+    }
+    if (g.inp_hidden && b->hidden_in_type == GGSWARM_TYPE_F32) {
         const float * src = static_cast<const float *>(b->hidden_in) + (int64_t)off * d;
         ggml_backend_tensor_set(g.inp_hidden, src, 0, sizeof(float) * n_hidden);
-    } else {
+    } else if (g.inp_hidden) {
         const ggml_fp16_t * src = static_cast<const ggml_fp16_t *>(b->hidden_in) + (int64_t)off * d;
         m->hidden_host.resize(n_hidden);
         ggml_fp16_to_fp32_row(src, m->hidden_host.data(), n_hidden);
@@ -315,24 +317,28 @@ ggswarm_status ggswarm_forward(ggswarm_model * m, int64_t sid, const ggswarm_bat
         return fail(m, GGSWARM_E_RANGE, "positions up to %lld exceed the session cap of %d tokens",
                     (long long)b->pos_start + n, s.max_tokens);
     }
-    const int64_t n_hidden = (int64_t)n * m->d_model;
-    if (m->is_first()) {
-        if (!b->token_ids) return fail(m, GGSWARM_E_INVALID_ARG, "the first window takes token_ids");
+    const int64_t n_hidden = (int64_t)n * m->d_io();
+    if (m->is_first() || m->needs_ids()) {
+        if (!b->token_ids) {
+            return fail(m, GGSWARM_E_INVALID_ARG, m->is_first() ? "the first window takes token_ids"
+                                                                : "this window's layers route by token id: pass token_ids with hidden_in");
+        }
         for (int32_t i = 0; i < n; ++i) {
             if (b->token_ids[i] < 0 || b->token_ids[i] >= m->n_vocab) {
                 return fail(m, GGSWARM_E_INVALID_ARG, "token id %d at index %d is outside 0..%d", b->token_ids[i], i,
                             m->n_vocab - 1);
             }
         }
-    } else {
+    }
+    if (!m->is_first()) {
         if (!b->hidden_in) return fail(m, GGSWARM_E_INVALID_ARG, "a window after the first takes hidden_in");
         if (b->hidden_in_type != GGSWARM_TYPE_F32 && b->hidden_in_type != GGSWARM_TYPE_F16) {
             return fail(m, GGSWARM_E_INVALID_ARG, "hidden_in_type %d is not f32 (0) or f16 (1)", b->hidden_in_type);
         }
         if (b->hidden_in_count != n_hidden) {
             return fail(m, GGSWARM_E_INVALID_ARG,
-                        "hidden size mismatch: got %lld elements, expected n_tokens %d x d_model %d = %lld",
-                        (long long)b->hidden_in_count, n, m->d_model, (long long)n_hidden);
+                        "hidden size mismatch: got %lld elements, expected n_tokens %d x %lld = %lld",
+                        (long long)b->hidden_in_count, n, (long long)m->d_io(), (long long)n_hidden);
         }
     }
     if (m->is_last()) {

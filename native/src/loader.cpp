@@ -417,7 +417,7 @@ ggswarm_status init_backends(ggswarm_model * m) {
 // Size the window graph; every cached graph gets a scheduler of its own (new_sched), made with it.
 ggswarm_status init_sched(ggswarm_model * m) {
     const int32_t nl = m->layer_end - m->layer_start;
-    m->graph_size = (size_t)std::max(4096, 128 * nl + 512);  // room for norms, gates and experts per layer
+    m->graph_size = (size_t)std::max(4096, m->nodes_per_layer * nl + 512);  // room for norms, gates and experts per layer
     return GGSWARM_OK;
 }
 

@@ -63,6 +63,7 @@ struct Layer {
 enum class StateKind : int32_t {
     KV = 0,         // K and V rows of every position (attention)
     Recurrent = 1,  // a fixed-size state updated by every position (gated delta-net: conv + f32 state)
+    Dsv4 = 3,       // deepseek4: raw K window, compressed K (+ indexer K) and per-position compressor rows
 };
 
 // Per-layer hyper-parameters, for every layer of the model (not only the window's).
@@ -129,6 +130,7 @@ struct Graph {
     ggml_tensor * out_prob = nullptr;  // last window: softmax of the final position's logits
     std::vector<std::vector<ggml_tensor *>> state;  // per layer: leaves bound to a session's s.state
     std::vector<ggml_tensor *> kv_views;             // graph tensors viewing a state leaf (rebound with it)
+    std::vector<ggml_tensor *> arch_in;              // the architecture's own inputs (Arch::set_inputs fills them)
     GraphKey key;
     uint64_t last_use = 0;
 
@@ -181,6 +183,11 @@ struct ggswarm_model {
     std::vector<ggswarm::LayerHp> lhp;  // one per layer of the whole model
     std::shared_ptr<ggswarm::ArchData> arch_data;  // the architecture's own parameters, if any
     int32_t n_pos_per_token = 1;  // 4 for multi-section RoPE (positions of the t, h, w sections, then 0)
+    int32_t n_streams = 1;   // boundary rows per token are d_model x n_streams (deepseek4's hyper-connections: 4)
+    int32_t ids_layers = 0;  // layers [0, ids_layers) read the token ids (deepseek4's hash-routed experts)
+    int32_t nodes_per_layer = 128;  // graph capacity per window layer (deepseek4's hyper-connections need more)
+    int64_t d_io() const { return (int64_t)d_model * n_streams; }
+    bool needs_ids() const { return layer_start < ids_layers; }
     // How attention runs (ggswarm_model_info.decode_kernels, chosen at open): 1: CPU decode steps use
     // attention.cpp's kernels (see kernel_step); 0: ggml's ops; -1: ggml's ops, the kernels failed the
     // self-check at open; -2: ggml_flash_attn_ext on every step, with the V cache not transposed

@@ -19,6 +19,7 @@ from agent.node import dataplane as dp_mod
 from agent.node.dataplane import DataPlane, start_dataplane
 from agent.wire.frames import (
     MAX_LOGITS_BYTES,
+    PROTOCOL_VERSION,
     REQ_HEADER,
     ChainHop,
     Kind,
@@ -337,7 +338,18 @@ async def test_a_pre_auth_flood_of_60_mb_posts_is_refused_before_buffering(nodes
     # A header promising a 60 MB payload (n_tokens x dim f32), with a forged token.
     n_tok, dim = 7680, 2048
     head = REQ_HEADER.pack(
-        b"GSWP", 1, int(Op.FORWARD), 0, session, 1, 0, n_tok, int(Kind.F32), len(forged), dim, 4 * n_tok * dim
+        b"GSWP",
+        PROTOCOL_VERSION,
+        int(Op.FORWARD),
+        0,
+        session,
+        1,
+        0,
+        n_tok,
+        int(Kind.F32),
+        len(forged),
+        dim,
+        4 * n_tok * dim,
     ) + bytes(forged)
     total = len(head) + 4 * n_tok * dim
     rss0 = psutil.Process().memory_info().rss

@@ -52,7 +52,7 @@ def hidden_frame(n: int = 1, dim: int = 576, **kw: object) -> Request:
 
 def test_layout_sizes_are_pinned_to_the_protocol_version() -> None:
     # Changing a struct without bumping PROTOCOL_VERSION breaks every deployed node: this test must fail.
-    assert PROTOCOL_VERSION == 1
+    assert PROTOCOL_VERSION == 2
     assert (REQ_HEADER.size, RESP_HEADER.size, SAMPLING.size) == (52, 41, 32)
 
 
@@ -107,7 +107,7 @@ def test_wrong_magic_and_version_are_named() -> None:
 def test_oversized_token_count_is_refused_before_reading_the_payload() -> None:
     head = REQ_HEADER.pack(
         b"GSWP",
-        1,
+        PROTOCOL_VERSION,
         int(Op.FORWARD),
         0,
         SID,

@@ -16,7 +16,15 @@ from agent.backends.base import ShardSpec
 from agent.backends.torch_llama import TorchLlamaBackend
 from agent.client.route import ContextLimitError, Hop, RouteClient
 from agent.client.tokenizer import ChatTokenizer
-from agent.wire.frames import MAX_TOKENS_PER_FRAME, REQ_HEADER, Kind, Op, Request, encode_request
+from agent.wire.frames import (
+    MAX_TOKENS_PER_FRAME,
+    PROTOCOL_VERSION,
+    REQ_HEADER,
+    Kind,
+    Op,
+    Request,
+    encode_request,
+)
 from agent.wire.routetoken import RouteHop, mint, mint_route
 from agent.wire.sampling import SamplingParams
 from tests.helpers import greedy_through
@@ -190,10 +198,10 @@ async def test_bad_frames_get_clear_4xx_while_another_session_keeps_decoding(
         assert ok == 200
         good_frame = frame(step=2, pos_start=1)
         v2 = bytearray(good_frame)
-        v2[4:6] = struct.pack("<H", 2)
+        v2[4:6] = struct.pack("<H", PROTOCOL_VERSION + 1)
         huge = REQ_HEADER.pack(
             b"GSWP",
-            1,
+            PROTOCOL_VERSION,
             int(Op.FORWARD),
             0,
             bad_sid,

@@ -1,0 +1,269 @@
+"""DeepSeek-V4 (deepseek4: 4 hyper-connection streams across the seam, a raw sliding-window K cache on
+every layer, ratio-4 compressed K with a lightning indexer's top-k and ratio-128 compressed K, hash-routed
+experts) split into native hops agrees with llama-cpp-python's full model on a tiny random-weight file,
+at contexts where the window slides, every compression ratio fires and the indexer chooses."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from agent.artifacts.tiny import deepseek4_compress_ratios, write_tiny_gguf
+from agent.backends.libggswarm import NativeError, NativeModel
+
+REPO = Path(__file__).resolve().parents[2]
+TEXT = REPO / "tests" / "data" / "teacher_forcing_en.txt"
+# ratios per layer: 0, 4, 128, 0, 4, 128. The seams sit after a ratio-4 layer and after a ratio-0
+# layer, so each hop holds a different mix of the three state kinds (the first also the hash layer).
+SPLITS = [(0, 2), (2, 4), (4, 6)]
+# llama.cpp with f32 caches (type_k = type_v = 0), as libggswarm keeps deepseek4's: the logits agree
+# to ~3e-5 (f32 rounding of a different op order); with llama.cpp's default f16 caches one position in
+# 300 flips an expert or top-k choice
+MAX_LOGIT_DIFF = 1e-3
+N_POSITIONS = 300  # > 128: ratio-128 blocks complete; the 16-position window slides; top-8 of > 8 entries
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def gguf(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(write_tiny_gguf("deepseek4", tmp_path_factory.mktemp("deepseek4") / "deepseek4.gguf"))
+
+
+@pytest.fixture(scope="module")
+def hops(native_lib: None, gguf: str) -> Iterator[list[NativeModel]]:
+    models = [NativeModel(gguf, a, b, n_threads=2) for a, b in SPLITS]
+    yield models
+    for m in models:
+        m.close()
+
+
+@pytest.fixture(scope="module")
+def llama(gguf: str):  # noqa: ANN201
+    llama_cpp = pytest.importorskip("llama_cpp")
+    llm = llama_cpp.Llama(
+        model_path=gguf,
+        logits_all=True,
+        n_ctx=1024,
+        n_threads=2,
+        flash_attn=False,
+        type_k=0,
+        type_v=0,
+        verbose=False,
+    )
+    yield llm
+    llm.close()
+
+
+@pytest.fixture(scope="module")
+def text_ids(llama) -> list[int]:  # noqa: ANN001
+    ids = llama.tokenize(TEXT.read_bytes(), add_bos=False)
+    assert len(ids) >= N_POSITIONS
+    return list(ids[:N_POSITIONS])
+
+
+@pytest.fixture(scope="module")
+def reference(llama, text_ids: list[int]) -> np.ndarray:  # noqa: ANN001
+    llama.reset()
+    llama.eval(text_ids)
+    return np.array(llama.scores[: len(text_ids)], dtype=np.float32)
+
+
+def _open(hops: list[NativeModel]) -> list[int]:
+    return [h.open_session(1024) for h in hops]
+
+
+def _close(hops: list[NativeModel], sids: list[int]) -> None:
+    for h, s in zip(hops, sids, strict=True):
+        h.close_session(s)
+
+
+def _forward(hops: list[NativeModel], sids: list[int], pos: int, ids: list[int], logits: bool = True) -> dict:
+    """The route: token ids go to every hop with the hidden rows (hash-routed layers read them)."""
+    x = None
+    r: dict = {}
+    tok = np.asarray(ids, dtype=np.int32)
+    for h, sid in zip(hops, sids, strict=True):
+        r = h.forward(sid, pos, token_ids=tok, hidden=x, want_logits=logits and h.is_last)
+        x = r.get("hidden")
+    return r
+
+
+def _logits(r: dict, n: int) -> np.ndarray:
+    return np.asarray(r["logits"], dtype=np.float32).reshape(n, -1)
+
+
+def test_the_tiny_model_has_every_compression_ratio_across_the_seams() -> None:
+    ratios = deepseek4_compress_ratios(6)
+    assert [ratios[a:b] for a, b in SPLITS] == [[0, 4], [128, 0], [4, 128]]
+
+
+def test_the_boundary_carries_four_streams_of_d_model(hops: list[NativeModel]) -> None:
+    assert all(h.d_model == 4 * 64 for h in hops)
+
+
+def test_one_hop_agrees_with_llama_cpp_when_teacher_forced(
+    gguf: str, text_ids: list[int], reference: np.ndarray
+) -> None:
+    with NativeModel(gguf, 0, 6, n_threads=2) as whole:
+        sid = whole.open_session(1024)
+        got = _logits(_forward([whole], [sid], 0, text_ids), len(text_ids))
+    agree = float((got.argmax(1) == reference.argmax(1)).mean())
+    diff = float(np.abs(got - reference).max())
+    print(
+        f"deepseek4 1 hop: {len(text_ids)} positions, top-1 agreement {agree:.4f}, max |logit diff| {diff:.3g}"
+    )
+    assert agree >= 0.995
+    assert diff <= MAX_LOGIT_DIFF
+
+
+def test_three_hops_agree_with_llama_cpp_when_teacher_forced(
+    hops: list[NativeModel], text_ids: list[int], reference: np.ndarray
+) -> None:
+    sids = _open(hops)
+    try:
+        got = _logits(_forward(hops, sids, 0, text_ids), len(text_ids))
+    finally:
+        _close(hops, sids)
+    agree = float((got.argmax(1) == reference.argmax(1)).mean())
+    diff = float(np.abs(got - reference).max())
+    print(
+        f"deepseek4 3 hops: {len(text_ids)} positions, top-1 agreement {agree:.4f}, max |logit diff| {diff:.3g}"
+    )
+    assert agree >= 0.995
+    assert diff <= MAX_LOGIT_DIFF
+
+
+def test_thirty_two_greedy_tokens_equal_llama_cpp(
+    hops: list[NativeModel],
+    llama,  # noqa: ANN001
+    text_ids: list[int],
+) -> None:
+    prompt = text_ids[:120]  # the decode steps cross position 127, where the first ratio-128 block completes
+    llama.reset()
+    llama.eval(prompt)
+    want: list[int] = []
+    for _ in range(32):
+        want.append(int(np.argmax(llama.scores[llama.n_tokens - 1])))
+        llama.eval([want[-1]])
+    sids = _open(hops)
+    try:
+        got = [int(_forward(hops, sids, 0, prompt, logits=False)["token"])]
+        while len(got) < 32:
+            got.append(
+                int(_forward(hops, sids, len(prompt) + len(got) - 1, [got[-1]], logits=False)["token"])
+            )
+    finally:
+        _close(hops, sids)
+    assert got == want
+
+
+def test_prefill_in_chunks_equals_one_shot_prefill(hops: list[NativeModel], text_ids: list[int]) -> None:
+    ids = text_ids
+    sids = _open(hops)
+    try:
+        whole = _logits(_forward(hops, sids, 0, ids), len(ids))
+    finally:
+        _close(hops, sids)
+    sids = _open(hops)
+    parts = []
+    try:
+        pos = 0
+        for n in (99, 30, 1, 2, 168):  # chunk ends inside ratio-4 and ratio-128 blocks
+            parts.append(_logits(_forward(hops, sids, pos, ids[pos : pos + n]), n))
+            pos += n
+    finally:
+        _close(hops, sids)
+    assert float(np.abs(np.concatenate(parts) - whole).max()) <= MAX_LOGIT_DIFF
+
+
+def test_an_edited_history_continues_with_the_logits_of_a_fresh_prefill(
+    hops: list[NativeModel], text_ids: list[int]
+) -> None:
+    # every state is kept per position or per block, so a truncate is exact on every hop: cut inside a
+    # ratio-4 block and inside the second ratio-128 block
+    first, edited_from = text_ids[:270], 201
+    history = text_ids[:edited_from] + text_ids[20:80]
+    sids = _open(hops)
+    try:
+        _forward(hops, sids, 0, first, logits=False)
+        for h, s in zip(hops, sids, strict=True):
+            assert h.truncate_to(s, edited_from) == (edited_from, "exact")
+        got = _logits(_forward(hops, sids, edited_from, history[edited_from:]), len(history) - edited_from)
+    finally:
+        _close(hops, sids)
+    sids = _open(hops)
+    try:
+        fresh = _logits(_forward(hops, sids, 0, history), len(history))[edited_from:]
+    finally:
+        _close(hops, sids)
+    assert float(np.abs(got - fresh).max()) <= MAX_LOGIT_DIFF
+
+
+def test_a_window_without_the_hash_layer_takes_no_token_ids(
+    hops: list[NativeModel], text_ids: list[int]
+) -> None:
+    # the tiny model routes only layer 0 by token id: later hops run on the hidden rows alone
+    sids = _open(hops)
+    try:
+        x = hops[0].forward(sids[0], 0, token_ids=np.asarray(text_ids[:10], dtype=np.int32))["hidden"]
+        hops[1].forward(sids[1], 0, hidden=x)
+        with pytest.raises(NativeError, match="hidden size mismatch"):
+            hops[2].forward(sids[2], 0, hidden=np.zeros((10, 64), dtype=np.float32))
+    finally:
+        _close(hops, sids)
+
+
+_CHILD = """
+import json, sys
+import numpy as np
+from agent.backends.libggswarm import NativeModel
+path, splits, files, start, n = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+hops = [NativeModel(path, a, b, n_threads=2) for a, b in splits]
+sids = [h.open_session(1024) for h in hops]
+for h, s, f in zip(hops, sids, files):
+    h.restore(s, open(f, "rb").read())
+tok, pos, out = int(sys.argv[6]), start, []
+for _ in range(n):
+    x = None
+    for h, s in zip(hops, sids):
+        r = h.forward(s, pos, token_ids=np.asarray([tok], dtype=np.int32), hidden=x, want_logits=h.is_last)
+        x = r.get("hidden")
+    out.append([int(r["token"]), np.asarray(r["logits"], dtype=np.float32).ravel().tolist()[:64]])
+    tok, pos = out[-1][0], pos + 1
+print(json.dumps(out))
+"""
+
+
+def test_a_snapshot_restored_in_another_process_continues_identically(
+    gguf: str, hops: list[NativeModel], text_ids: list[int], tmp_path: Path
+) -> None:
+    prompt = text_ids[:130]  # past the first ratio-128 block, mid ratio-4 block
+    sids = _open(hops)
+    try:
+        tok = int(_forward(hops, sids, 0, prompt, logits=False)["token"])
+        files = []
+        for i, (h, s) in enumerate(zip(hops, sids, strict=True)):
+            f = tmp_path / f"hop{i}.snap"
+            f.write_bytes(h.snapshot(s))
+            files.append(str(f))
+        here, t, pos = [], tok, len(prompt)
+        for _ in range(8):
+            r = _forward(hops, sids, pos, [t])
+            here.append([int(r["token"]), _logits(r, 1)[0, :64].tolist()])
+            t, pos = here[-1][0], pos + 1
+    finally:
+        _close(hops, sids)
+    args = [gguf, json.dumps(SPLITS), json.dumps(files), str(len(prompt)), "8", str(tok)]
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, *args], capture_output=True, text=True, cwd=REPO, check=True
+    )
+    there = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [t for t, _ in there] == [t for t, _ in here]
+    assert np.array_equal(np.asarray([lg for _, lg in there]), np.asarray([lg for _, lg in here]))
