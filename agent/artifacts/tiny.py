@@ -247,12 +247,11 @@ def deepseek4_compress_ratios(n_layers: int) -> list[int]:
     return [(0, 4, 128)[i % 3] for i in range(n_layers)]
 
 
-def _deepseek4(b: _Builder, n_layers: int, vocab: int, mtp: bool) -> None:
+def _deepseek4(b: _Builder, n_layers: int, vocab: int, mtp: bool, hash_layers: int = 1) -> None:
     """DeepSeek-V4: 4 hyper-connection streams, K = V single-head raw window + compressed caches."""
     head, n_head, n_rot, q_lora, o_groups, o_lora = 64, 4, 16, 32, 2, 16
     n_expert, n_used, n_ff_exp, hc = 4, 2, 32, 4
     idx_heads, idx_len = 2, 64  # the indexer key length must be a multiple of 64
-    hash_layers = 1
     n_all = n_layers + (1 if mtp else 0)
     _common(b, n_all, n_head, 1, n_ff_exp)
     b.u32("attention.key_length", head)
@@ -482,12 +481,14 @@ def write_tiny_gguf(
     dtype: str = "f32",
     mtp: bool = False,
     tokenizer_from: str | os.PathLike[str] | None = None,
+    hash_layers: int | None = None,
 ) -> Path:
     """Write a tiny random-weight GGUF of `arch` to `path`; the same arguments give the same bytes.
 
     `mtp` adds one multi-token-prediction block after the trunk (`nextn_predict_layers` = 1), for the
     architectures that have one. The tokenizer is copied from SmolLM2's packaged GGUF unless
-    `tokenizer_from` names another file.
+    `tokenizer_from` names another file. `hash_layers` (deepseek4 only, default 1): how many leading
+    layers route their experts by token id.
     """
     from gguf import GGUFValueType, GGUFWriter
 
@@ -512,7 +513,12 @@ def write_tiny_gguf(
     vocab = len(next(v for k, v, *_ in tok if k == "tokenizer.ggml.tokens"))
 
     b = _Builder(arch)
-    _BUILDERS[arch](b, layers, vocab, mtp)
+    if hash_layers is not None:
+        if arch != "deepseek4" or not 0 <= hash_layers <= layers:
+            raise TinyModelError(f"hash_layers applies to deepseek4 only, 0..{layers}")
+        _deepseek4(b, layers, vocab, mtp, hash_layers)
+    else:
+        _BUILDERS[arch](b, layers, vocab, mtp)
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     w = GGUFWriter(str(out), arch)

@@ -267,3 +267,37 @@ def test_a_snapshot_restored_in_another_process_continues_identically(
     there = json.loads(out.stdout.strip().splitlines()[-1])
     assert [t for t, _ in there] == [t for t, _ in here]
     assert np.array_equal(np.asarray([lg for _, lg in there]), np.asarray([lg for _, lg in here]))
+
+
+def test_hash_routed_layers_after_the_first_hop_agree_with_llama_cpp_when_given_the_ids(
+    native_lib: None, tmp_path: Path, text_ids: list[int]
+) -> None:
+    llama_cpp = pytest.importorskip("llama_cpp")
+    path = str(write_tiny_gguf("deepseek4", tmp_path / "hash3.gguf", hash_layers=3))  # layers 0, 1, 2
+    ids = text_ids[:150]
+    llm = llama_cpp.Llama(
+        model_path=path,
+        logits_all=True,
+        n_ctx=512,
+        n_threads=2,
+        flash_attn=False,
+        type_k=0,
+        type_v=0,
+        verbose=False,
+    )
+    try:
+        llm.eval(ids)
+        want = np.array(llm.scores[: len(ids)], dtype=np.float32)
+    finally:
+        llm.close()
+    hops = [NativeModel(path, a, b, n_threads=2) for a, b in SPLITS]
+    try:
+        sids = _open(hops)
+        got = _logits(_forward(hops, sids, 0, ids), len(ids))
+        with pytest.raises(NativeError, match="route by token id"):
+            hops[1].forward(hops[1].open_session(64), 0, hidden=np.zeros((2, 4 * 64), dtype=np.float32))
+    finally:
+        for h in hops:
+            h.close()
+    assert float((got.argmax(1) == want.argmax(1)).mean()) >= 0.995
+    assert float(np.abs(got - want).max()) <= MAX_LOGIT_DIFF
