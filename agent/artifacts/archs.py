@@ -15,7 +15,7 @@ from typing import Any
 # What the native executor runs today. Extend it (with the C architecture table, native/src/archs/)
 # when an architecture's layer windows are proved against llama.cpp (tests/native/test_archs.py).
 SERVABLE_ARCHITECTURES: frozenset[str] = frozenset(
-    {"llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen35", "qwen35moe", "glm-dsa"}
+    {"llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen35", "qwen35moe", "glm-dsa", "deepseek4"}
 )
 
 STATE_KINDS = ("kv", "recurrent", "latent_kv", "compressed_kv")

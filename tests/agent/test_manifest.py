@@ -248,8 +248,16 @@ def test_a_version_1_manifest_is_upgraded_from_its_hparams(tiny_manifest) -> Non
     assert Manifest.from_json(m.to_json()) == m
 
 
-def test_unsupported_architectures_are_named_not_servable(tiny_manifest, manifest: Manifest) -> None:  # noqa: ANN001
+def test_unsupported_architectures_are_named_not_servable(
+    tiny_manifest,  # noqa: ANN001
+    manifest: Manifest,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from agent.artifacts import archs
+
     assert manifest.servable_problem == ""
+    # every tiny architecture is servable now: take one away to see the refusal
+    monkeypatch.setattr(archs, "SERVABLE_ARCHITECTURES", archs.SERVABLE_ARCHITECTURES - {"deepseek4"})
     problem = tiny_manifest("deepseek4").servable_problem
     assert problem.startswith("not servable by this agent: architecture 'deepseek4'")
     assert "llama" in problem

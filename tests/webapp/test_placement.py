@@ -264,11 +264,15 @@ def test_registering_a_model_the_agent_cannot_serve_marks_it_failed_with_the_rea
     tmp_path: Path,
     django_capture_on_commit_callbacks,  # noqa: ANN001
     settings,  # noqa: ANN001
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from agent.artifacts import archs
     from agent.artifacts.tiny import write_tiny_gguf
     from webapp.catalog.models import ModelArtifact
     from webapp.fleet.tasks import place_model
 
+    # every tiny architecture is servable now: take one away to see the refusal
+    monkeypatch.setattr(archs, "SERVABLE_ARCHITECTURES", archs.SERVABLE_ARCHITECTURES - {"deepseek4"})
     path = write_tiny_gguf("deepseek4", tmp_path / "deepseek4.gguf")
     settings.MODELS_DIR = tmp_path  # path registrations only name files in the models directory
     with django_capture_on_commit_callbacks(execute=True):
