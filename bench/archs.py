@@ -44,6 +44,7 @@ class BenchArch:
     key: str
     model: Callable[[Path], Path]
     splits: tuple[tuple[int, int], ...]
+    f32_cache: bool = False  # llama.cpp keeps f32 K/V, as libggswarm keeps this architecture's state
 
 
 def _packaged(name: str) -> Callable[[Path], Path]:
@@ -69,6 +70,8 @@ ARCHS = [
         lambda d: write_tiny_gguf("glm-dsa", d / "glm-dsa.gguf", n_layers=9),
         ((0, 3), (3, 6), (6, 9)),
     ),
+    # ratios 0, 4, 128, 0, 4, 128: each hop holds a different mix of raw, compressed and indexer state
+    BenchArch("deepseek4", _tiny("deepseek4"), ((0, 2), (2, 4), (4, 6)), f32_cache=True),
 ]
 
 
@@ -122,10 +125,17 @@ def bench_arch(row: BenchArch, workdir: Path, threads: int, n_decode: int, round
     manifest = build_manifest(path, hash_tensors=False)
     hops = [NativeBackend(ShardSpec(path, a, b, manifest, n_threads=threads)) for a, b in row.splits]
     flash = hops[0].model.info.decode_kernels == -2
+    cache = {"type_k": 0, "type_v": 0} if row.f32_cache else {}
     out: dict[str, float] = {}
     try:
         ref = llama_cpp.Llama(
-            model_path=path, logits_all=True, n_ctx=512, n_threads=threads, flash_attn=flash, verbose=False
+            model_path=path,
+            logits_all=True,
+            n_ctx=512,
+            n_threads=threads,
+            flash_attn=flash,
+            verbose=False,
+            **cache,
         )
         ids = list(ref.tokenize(TEXT.read_bytes(), add_bos=True))[:N_TEACHER]
         ref.reset()
@@ -149,6 +159,7 @@ def bench_arch(row: BenchArch, workdir: Path, threads: int, n_decode: int, round
             n_threads_batch=threads,
             flash_attn=flash,
             verbose=False,
+            **cache,
         )
         prompt = ids[:N_PROMPT]
         best_ref = best_nat = 0.0
