@@ -51,12 +51,15 @@ class Case:
     arch: str
     model: Callable[[Path], str]
     splits: tuple[tuple[int, int], ...]
+    # whether a prompt's chunking leaves the logits unchanged: not with repacked weights (gemma3's
+    # Q4_K: ggml multiplies row groups of 4 with one kernel and the rest with another)
+    chunk_exact: bool = True
 
 
 CASES = [
     Case("llama", "llama", _packaged("smollm2"), ((0, 7), (7, 19), (19, 30))),
     # global layers at 5, 11 and 17: the seams sit right before one (5) and right after one (12)
-    Case("gemma3", "gemma3", _packaged("gemma3"), ((0, 5), (5, 12), (12, 18))),
+    Case("gemma3", "gemma3", _packaged("gemma3"), ((0, 5), (5, 12), (12, 18)), chunk_exact=False),
     # tiny: global layer 5 of 6, sliding window 32 (the text and the greedy run go past it)
     Case("gemma3-tiny", "gemma3", _tiny("gemma3"), ((0, 2), (2, 5), (5, 6))),
     Case("qwen3", "qwen3", _tiny("qwen3"), ((0, 1), (1, 3), (3, 4))),
@@ -164,8 +167,16 @@ def test_thirty_two_greedy_tokens_equal_llama_cpp_greedy(
     assert got == ref
 
 
-def test_prefill_in_chunks_equals_one_shot_prefill(hops: list[Backend], text_ids: list[int]) -> None:
-    ids = text_ids[:300]
+CHUNKS = (100, 57, 1, 142)  # the last chunk crosses the 256-position padding of the span
+
+
+def test_prefill_in_chunks_equals_one_shot_prefill_and_llama_cpp_in_the_same_chunks(
+    case: Case,
+    hops: list[Backend],
+    llama,  # noqa: ANN001
+    text_ids: list[int],
+) -> None:
+    ids = text_ids[: sum(CHUNKS)]
     sid = _sid(3)
     _open(hops, sid)
     try:
@@ -176,11 +187,32 @@ def test_prefill_in_chunks_equals_one_shot_prefill(hops: list[Backend], text_ids
     _open(hops, sid)
     try:
         pos = 0
-        for n in (100, 57, 1, 142):  # the last chunk crosses the 256-position padding of the span
+        for n in CHUNKS:
             parts.append(route_forward(hops, sid, pos, ids[pos : pos + n], want_logits=True).logits)
             pos += n
     finally:
         _close(hops, sid)
     got = np.concatenate(parts)
-    assert (got.argmax(1) == whole.argmax(1)).all()
-    assert float(np.abs(got - whole).max()) <= MAX_LOGIT_DIFF
+    llama.reset()
+    pos = 0
+    for n in CHUNKS:
+        llama.eval(ids[pos : pos + n])
+        pos += n
+    ref = np.asarray(llama.scores[: len(ids)], dtype=np.float32)
+    agree = float((got.argmax(1) == whole.argmax(1)).mean())
+    diff = float(np.abs(got - whole).max())
+    ref_diff = float(np.abs(got - ref).max())
+    print(
+        f"\n{case.name}: chunked vs one-shot prefill: top-1 agreement {agree:.4f}, max |logit diff| {diff:.3g};"
+        f" vs llama.cpp in the same chunks: max |logit diff| {ref_diff:.3g}"
+    )
+    assert ref_diff <= MAX_LOGIT_DIFF
+    # ggml's CPU flash attention runs a tiled kernel (f32 accumulation) for batches of many queries and
+    # another (f16 value accumulation) for few, so there how a prompt is chunked changes the numbers, in
+    # llama.cpp exactly as here (SmolLM2: top-1 0.97, max diff 1.2; gemma3 0.96, 1.98); so do repacked
+    # weights (gemma3 with ggml's ops: 0.987, 0.93)
+    if case.chunk_exact and hops[0].model.info.decode_kernels != -2:
+        assert agree == 1.0
+        assert diff <= MAX_LOGIT_DIFF
+    else:
+        assert agree >= 0.95
