@@ -15,4 +15,4 @@ export REDIS_URL=${REDIS_URL:-redis://127.0.0.1:6379/0}
 
 bash scripts/lint.sh
 .venv/bin/python manage.py makemigrations --check --dry-run >/dev/null
-exec .venv/bin/python -m pytest -q -p no:cacheprovider --timeout=900 "$@"
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --timeout=900 --durations=25 "$@"
