@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from agent.backends.base import (
-    Backend,
-    BackendError,
-    ForwardResult,
-    ShardSpec,
-)
+from typing import TYPE_CHECKING
 
-__all__ = ["Backend", "BackendError", "ForwardResult", "ShardSpec", "load_backend"]
+if TYPE_CHECKING:  # the package stays light: the ctypes binding alone must not pull in gguf and the manifest
+    from agent.backends.base import Backend, ShardSpec
+
+__all__ = ["available_backends", "load_backend"]
 
 
 def available_backends() -> list[str]:
@@ -51,4 +49,6 @@ def load_backend(name: str, spec: ShardSpec, **options: object) -> Backend:
         from agent.backends.native import NativeBackend
 
         return NativeBackend(spec, **options)
+    from agent.backends.base import BackendError
+
     raise BackendError(f"unknown backend {name!r}; available: {', '.join(available_backends()) or 'none'}")
