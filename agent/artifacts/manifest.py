@@ -120,6 +120,12 @@ class Manifest:
         return servable_problem(self.architecture)
 
     @property
+    def token_id_layers(self) -> int:
+        """Layers [0, n) route experts by token id (deepseek4's hash layers): a hop starting below n needs
+        the ids with the boundary state (RouteClient(token_id_layers=n)); 0 when no layer does."""
+        return max((layer.index + 1 for layer in self.layers if layer.needs_token_ids), default=0)
+
+    @property
     def expert_bytes(self) -> int:
         return sum(layer.expert_bytes for layer in self.layers)
 

@@ -204,6 +204,8 @@ def test_deepseek4_seam_is_four_streams_wide_and_layers_follow_their_compress_ra
     assert m.boundary_dim == 4 * 64
     assert [layer.state_kind for layer in m.layers] == ["kv", "compressed_kv", "compressed_kv"] * 2
     assert [layer.needs_token_ids for layer in m.layers] == [True] + [False] * 5  # hash-routed layer 0
+    assert m.token_id_layers == 1  # what the control plane hands the route client
+    assert tiny_manifest("qwen3").token_id_layers == 0
     names = [[p.name for p in layer.state] for layer in m.layers[:3]]
     assert names[0] == ["raw_k"]
     assert names[1] == ["raw_k", "compressed_k", "indexer_k", "compressor", "indexer_compressor"]

@@ -52,6 +52,7 @@ class Target:
     name: str
     path: str
     max_context: int
+    token_id_layers: int = 0  # hops starting below this need the token ids too (deepseek4 hash layers)
 
 
 def _context_of(a: ModelArtifact) -> int:
@@ -65,7 +66,8 @@ def ready_models() -> list[ModelArtifact]:
 
 def resolve_model(name: str) -> Target:
     a = find_model(name)
-    return Target(a.pk, a.name, a.path, _context_of(a))
+    ids = a.parsed_manifest.token_id_layers if a.manifest else 0
+    return Target(a.pk, a.name, a.path, _context_of(a), ids)
 
 
 def find_model(name: str) -> ModelArtifact:
@@ -239,6 +241,7 @@ class Generation:
             self.tok,
             session_id=session.id.bytes,
             max_context=self.target.max_context,
+            token_id_layers=self.target.token_id_layers,
             ssl_context=dataplane_tls.context_for([h.url for h in hops]),  # https hops: mutual TLS
             replacements=routing.replacement_provider(session.id),  # a failed hop is replaced mid-answer
         )

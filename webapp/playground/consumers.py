@@ -155,13 +155,14 @@ class ChatConsumer(SafeJsonConsumer):
             from agent.client.route import Hop, RouteClient
 
             user = self.scope["user"]
-            _, session, grants, tokenizer = await database_sync_to_async(_open)(req.model_id, user)
+            artifact, session, grants, tokenizer = await database_sync_to_async(_open)(req.model_id, user)
             hops = [Hop(g.url, g.layer_start, g.layer_end, g.token) for g in grants]
             client = RouteClient(
                 hops,
                 tokenizer,
                 session_id=session.id.bytes,
                 max_context=turn.context,
+                token_id_layers=artifact.parsed_manifest.token_id_layers,  # deepseek4 hash layers
                 # a failed hop is replaced inside the client (snapshot hand-off or re-prefill): issue 14
                 replacements=routing.replacement_provider(session.id),
                 ssl_context=dataplane_tls.context_for([h.url for h in hops]),  # https hops: mutual TLS
