@@ -35,10 +35,10 @@ def test_swarm_up_brings_up_two_agents_places_smollm2_and_streams_an_answer(
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"GGUF Swarm is up: http://127.0.0.1:{port}/" in out.stdout
-    assert "log in as admin / " in out.stdout
     assert out.stdout.count(" ready") >= 2
     answer = out.stdout.split("playground check: ", 1)[1].strip()
     assert len(answer) > 2
     password = (tmp_path / "data" / "admin_password").read_text().strip()
-    assert f"admin / {password}" in out.stdout
+    # not a terminal: the generated password is only pointed at (0600 file), never printed (docs/security.md)
+    assert "the password is in" in out.stdout and password not in out.stdout
     assert oct((tmp_path / "data" / "admin_password").stat().st_mode & 0o777) == "0o600"
