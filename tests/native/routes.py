@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 from agent.backends.base import Backend
 from agent.wire.ids import SessionId
 from agent.wire.sampling import SamplingParams
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def route_forward(
@@ -53,3 +57,57 @@ def generate(
         pos += 1
         out.append(int(res.token))
     return out
+
+
+_CONTINUE_CHILD = """
+import json, sys
+import numpy as np
+from agent.backends.libggswarm import NativeModel
+path, splits, files = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+start, n, tok, ids_everywhere = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), sys.argv[7] == "1"
+hops = [NativeModel(path, a, b, n_threads=2) for a, b in splits]
+sids = [h.open_session(1024) for h in hops]
+for h, s, f in zip(hops, sids, files):
+    h.restore(s, open(f, "rb").read())
+pos, out = start, []
+for _ in range(n):
+    x = None
+    for h, s in zip(hops, sids):
+        ids = np.asarray([tok], dtype=np.int32) if h.is_first or ids_everywhere else None
+        r = h.forward(s, pos, token_ids=ids, hidden=x, want_logits=h.is_last)
+        x = r.get("hidden")
+    out.append([int(r["token"]), np.asarray(r["logits"], dtype=np.float32).ravel().tolist()[:64]])
+    tok, pos = out[-1][0], pos + 1
+print(json.dumps(out))
+"""
+
+
+def continue_in_another_process(
+    gguf: str,
+    splits: list[tuple[int, int]],
+    files: list[str],
+    start: int,
+    n: int,
+    tok: int,
+    ids_everywhere: bool = False,
+) -> list[list[object]]:
+    """Restore each hop's snapshot file in a fresh process and decode `n` greedy steps from `tok` at
+    `start`: [[token, first 64 logits], ...]. ids_everywhere: every hop also takes the token ids
+    (deepseek4's hash-routed layers)."""
+    import json
+    import subprocess
+    import sys
+
+    args = [
+        gguf,
+        json.dumps(splits),
+        json.dumps(files),
+        str(start),
+        str(n),
+        str(tok),
+        "1" if ids_everywhere else "0",
+    ]
+    out = subprocess.run(
+        [sys.executable, "-c", _CONTINUE_CHILD, *args], capture_output=True, text=True, cwd=REPO, check=True
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])

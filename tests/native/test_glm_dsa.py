@@ -6,9 +6,6 @@ and a snapshot in another process continue exactly."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +14,7 @@ import pytest
 
 from agent.artifacts.tiny import glm_dsa_indexer_types, write_tiny_gguf
 from agent.backends.libggswarm import NativeError, NativeModel
+from tests.native.routes import continue_in_another_process
 
 REPO = Path(__file__).resolve().parents[2]
 TEXT = REPO / "tests" / "data" / "teacher_forcing_en.txt"
@@ -190,27 +188,6 @@ def test_an_edited_history_continues_like_a_fresh_prefill(
     assert float(np.abs(got - fresh).max()) <= MAX_LOGIT_DIFF
 
 
-_CHILD = """
-import json, sys
-import numpy as np
-from agent.backends.libggswarm import NativeModel
-path, splits, files, start, n = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-hops = [NativeModel(path, a, b, n_threads=2) for a, b in splits]
-sids = [h.open_session(1024) for h in hops]
-for h, s, f in zip(hops, sids, files):
-    h.restore(s, open(f, "rb").read())
-tok, pos, out = int(sys.argv[6]), start, []
-for _ in range(n):
-    x = None
-    for h, s in zip(hops, sids):
-        r = h.forward(s, pos, token_ids=np.asarray([tok], dtype=np.int32) if h.is_first else None, hidden=x, want_logits=h.is_last)
-        x = r.get("hidden")
-    out.append([int(r["token"]), np.asarray(r["logits"], dtype=np.float32).ravel().tolist()[:64]])
-    tok, pos = out[-1][0], pos + 1
-print(json.dumps(out))
-"""
-
-
 def test_a_snapshot_restored_in_another_process_continues_identically(
     gguf: str, hops: list[NativeModel], text_ids: list[int], tmp_path: Path
 ) -> None:
@@ -230,11 +207,7 @@ def test_a_snapshot_restored_in_another_process_continues_identically(
             t, pos = here[-1][0], pos + 1
     finally:
         _close(hops, sids)
-    args = [gguf, json.dumps(SPLITS), json.dumps(files), str(len(prompt)), "8", str(tok)]
-    out = subprocess.run(
-        [sys.executable, "-c", _CHILD, *args], capture_output=True, text=True, cwd=REPO, check=True
-    )
-    there = json.loads(out.stdout.strip().splitlines()[-1])
+    there = continue_in_another_process(gguf, SPLITS, files, len(prompt), 8, tok)
     assert [t for t, _ in there] == [t for t, _ in here]
     assert np.array_equal(np.asarray([lg for _, lg in there]), np.asarray([lg for _, lg in here]))
 
