@@ -377,6 +377,21 @@ class RouteClient(Failover):
         self.hop_stats[i].network_ms += rtt_ms - (t.handler_us / 1e3 if t else 0.0)
 
     # -- generation ---------------------------------------------------------------------------------
+    def _sampled(self, resp: Response) -> tuple[int, float]:
+        """The token the last hop sampled; a route that stops short of the model's last layer answers
+        hidden states instead, and feeding those on as a token would only fail later, less clearly."""
+        if resp.kind not in (Kind.TOKEN, Kind.LOGITS) or resp.token < 0:
+            last = self.hops[-1]
+            raise RouteError(
+                f"the last hop ({last.url}, layers {last.layer_start}:{last.layer_end}) answered "
+                f"{resp.kind.name} rather than a sampled token: the route does not end at the model's "
+                "last layer",
+                status=502,
+                code="no_token",
+                hop=len(self.hops) - 1,
+            )
+        return resp.token, resp.logprob
+
     async def generate(
         self,
         prompt_ids: list[int],
@@ -405,7 +420,7 @@ class RouteClient(Failover):
             chunks[-1:] = [chunks[-1][:-1], chunks[-1][-1:]]
         for i, chunk in enumerate(chunks):
             resp = await self.forward(chunk, sampling, want_logits=want_logits and i == len(chunks) - 1)
-        token, logprob = resp.token, resp.logprob
+        token, logprob = self._sampled(resp)
         for n in range(max_tokens):
             self.last_response = resp
             yield token, logprob
@@ -414,7 +429,7 @@ class RouteClient(Failover):
             if len(self.history) + 1 > self.max_context:
                 raise ContextLimitError(f"context limit of {self.max_context} tokens reached")
             resp = await self.forward([token], sampling, want_logits=want_logits)
-            token, logprob = resp.token, resp.logprob
+            token, logprob = self._sampled(resp)
 
     async def chat(
         self, messages: list[dict[str, str]], sampling: SamplingParams | None = None, max_tokens: int = 256

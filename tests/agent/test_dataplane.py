@@ -85,3 +85,27 @@ async def test_a_full_kv_budget_evicts_the_idle_session_and_refuses_one_that_can
         for c in (a, b, big):
             await c.close()
         await runner.cleanup()
+
+
+async def test_a_route_that_stops_short_of_the_last_layer_says_so_instead_of_sending_a_bogus_token(
+    model_path, manifest, signing_key
+) -> None:  # noqa: ANN001
+    import pytest
+
+    from agent.client.route import RouteError
+
+    dp = DataPlane("node-z", signing_key.public_key())
+    dp.load_shard(model_path, manifest, 0, 15, backend="torch", n_threads=2)
+    port = free_port()
+    runner = await start_dataplane(dp, "127.0.0.1", port)
+    url = f"http://127.0.0.1:{port}"
+    session = os.urandom(16)
+    client = RouteClient([Hop(url, 0, 15, mint(signing_key, session, manifest.sha256, 0, 15, "node-z"))], session_id=session)
+    try:
+        with pytest.raises(RouteError, match=r"layers 0:15\) answered F\d+ rather than a sampled token") as e:
+            [t async for t, _ in client.generate(PROMPT, SamplingParams(), 4)]
+        assert e.value.code == "no_token"
+        assert dp.stats()["tokens_in"] == len(PROMPT)  # the prompt went in; no bogus decode step followed
+    finally:
+        await client.close()
+        await runner.cleanup()

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -96,12 +97,23 @@ def _client(s: Swarm) -> RouteClient:
     """A route over the placed shards, tokens minted with the control plane's key (as routing does)."""
     key = load_private_key(s.data_dir / "route_key.pem")
     session = os.urandom(16)
-    shards = sorted(
-        (sh["layer_start"], sh["layer_end"], n["dataplane_url"], n["id"])
-        for n in s.admin.status()["nodes"]
-        for sh in n["shards"]
-        if sh["state"] == "ready"
-    )
+    n_layers = s.model["n_layers"]
+
+    def cover(st: dict[str, Any]) -> list[tuple[int, int, str, str]] | None:
+        # a shard whose agent is still re-reporting after a restart is briefly not "ready": wait until
+        # the ready shards of online nodes cover 0..n_layers end to end, else the route would stop short
+        shards = sorted(
+            (sh["layer_start"], sh["layer_end"], n["dataplane_url"], n["id"])
+            for n in st["nodes"]
+            if n["state"] == "online"
+            for sh in n["shards"]
+            if sh["state"] == "ready"
+        )
+        ends = [0] + [b for _, b, _, _ in shards]
+        ok = shards and all(a == ends[k] for k, (a, *_rest) in enumerate(shards)) and ends[-1] == n_layers
+        return shards if ok else None
+
+    shards = s.admin.wait_for("ready shards covering every layer", cover, 120, every_s=0.25)
     hops = [
         Hop(url, a, b, mint(key, session, s.model["sha256"], a, b, node, 600)) for a, b, url, node in shards
     ]
