@@ -61,6 +61,20 @@ class ForwardResult:
     compute_s: float = 0.0
 
 
+@dataclass
+class StepInput:
+    """One session's step inside a batch (Backend.forward_batch): forward()'s arguments, as data."""
+
+    sid: SessionId
+    pos_start: int
+    token_ids: np.ndarray | None = None
+    hidden: np.ndarray | None = None
+    sampling: SamplingParams | None = None
+    history: list[int] | None = None
+    want_logits: bool = False
+    hidden_dtype: HiddenDtype = "f32"
+
+
 class Backend(ABC):
     """A loaded layer range. Thread-compatible, not thread-safe: the data plane serialises calls."""
 
@@ -116,6 +130,35 @@ class Backend(ABC):
         carried them). `history` is the token ids the session has seen (for the repetition penalty on
         the last shard). A non-last shard returns its hidden rows in `hidden_dtype` (f32: unrounded).
         """
+
+    # True when forward_batch runs the steps of several sessions as one computation (continuous
+    # batching); False: it runs them one after another, and the data plane gains nothing by batching.
+    batches_sessions: bool = False
+
+    def forward_batch(self, steps: list[StepInput]) -> list[ForwardResult | BackendError]:
+        """Run one step of each of several distinct sessions; results in order. A step that fails
+        gets its BackendError in its slot and leaves the others' results (and KV) as if run alone.
+        This default runs them one after another; a batching backend overrides it."""
+        out: list[ForwardResult | BackendError] = []
+        for st in steps:
+            try:
+                out.append(
+                    self.forward(
+                        st.sid,
+                        st.pos_start,
+                        token_ids=st.token_ids,
+                        hidden=st.hidden,
+                        sampling=st.sampling,
+                        history=st.history,
+                        want_logits=st.want_logits,
+                        hidden_dtype=st.hidden_dtype,
+                    )
+                )
+            except AdmissionError:
+                raise
+            except BackendError as e:
+                out.append(e)
+        return out
 
     @abstractmethod
     def kv_bytes(self, sid: SessionId | None = None) -> int:
