@@ -145,7 +145,7 @@ async def test_placement_pushes_load_commands_to_both_agents_and_progress_reache
         await ws.send_to(text_data="{")
         await ws.receive_json_from()
 
-    result = await database_sync_to_async(place_model)(artifact.pk)
+    result = await database_sync_to_async(place_model)(artifact.pk, 1)  # one copy split over both agents
     assert result["ok"], result
     la, lb = await receive_command(wa), await receive_command(wb)
     assert la["type"] == lb["type"] == "load"

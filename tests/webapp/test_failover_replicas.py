@@ -1,5 +1,7 @@
-"""Replicas: a lost node's ranges go back up to their replica count (on a node not already holding them),
-and an offline node whose data plane is gone too is replaced within seconds, not after the 30 s grace."""
+"""Replicas: a model keeps two copies of each layer range by default when the fleet's memory allows (one,
+with a note, when it does not; the count is the model's own, set on the models page or by placing with
+a number), a lost node's ranges go back up to that count (on a node not already holding them), and an
+offline node whose data plane is gone too is replaced within seconds, not after the 30 s grace."""
 
 from __future__ import annotations
 
@@ -11,13 +13,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
+from django.test import Client
 from django.utils import timezone
 
 from agent.wire.ids import NodeId
 from tests.webapp.test_placement import node, shape
+from webapp.catalog.models import ModelArtifact
 from webapp.fleet.models import Node, ShardAssignment
-from webapp.fleet.placement import Placement, below_target, replan_lost
-from webapp.fleet.tasks import place_model, sweep_offline_nodes
+from webapp.fleet.placement import Placement, below_target, replan_lost, shape_from_manifest
+from webapp.fleet.tasks import place_model, replace_lost_node, sweep_offline_nodes
 
 GB = 1 << 30
 
@@ -38,6 +42,103 @@ def test_a_lost_replica_is_placed_again_on_a_node_that_does_not_hold_the_range()
 def test_a_replica_short_of_its_count_with_no_room_left_is_not_an_error() -> None:
     current = [Placement(NodeId("a"), 0, 30, 0), Placement(NodeId("b"), 0, 30, 1)]
     assert replan_lost([node("a", 1000), node("c", 1)], shape(), current, NodeId("b"), target=2) == []
+
+
+def _online(name: str, free: int = 4 * GB) -> Node:
+    return Node.objects.create(
+        name=name,
+        state=Node.State.ONLINE,
+        dataplane_url=f"http://{name}.test:7070",
+        free_memory_bytes=free,
+        backends=["torch"],
+        last_seen=timezone.now(),
+    )
+
+
+def _copies(artifact: Any) -> dict[tuple[int, int], set[str]]:
+    """Each placed range and the nodes holding it."""
+    out: dict[tuple[int, int], set[str]] = {}
+    for a in ShardAssignment.objects.filter(artifact=artifact, state=ShardAssignment.State.ASSIGNED):
+        out.setdefault((a.layer_start, a.layer_end), set()).add(a.node_id)
+    return out
+
+
+@pytest.mark.django_db
+def test_a_model_keeps_two_copies_of_each_layer_range_by_default_when_memory_allows(
+    artifact: Any, settings: Any
+) -> None:
+    settings.KV_RESERVE_BYTES = 0
+    assert artifact.desired_replicas == 2
+    _online("a"), _online("b")
+    result = place_model(artifact.pk)
+    assert result["ok"] and result["replicas"] == 2 and result["notes"] == []
+    copies = _copies(artifact)
+    placements = [Placement(NodeId(n), a, b) for (a, b), ns in copies.items() for n in ns]
+    assert below_target(artifact.n_layers, placements, 2) == []
+    # SmolLM2 fits on either node: each holds a whole copy, so a route is one hop and survives the other
+    assert copies == {(0, artifact.n_layers): {n.pk for n in Node.objects.all()}}
+
+
+@pytest.mark.django_db
+def test_one_copy_with_a_note_when_the_fleet_s_memory_holds_only_one(artifact: Any, settings: Any) -> None:
+    settings.KV_RESERVE_BYTES = 0
+    total = shape_from_manifest(artifact.parsed_manifest).total_bytes
+    _online("a", free=total * 3 // 4), _online("b", free=total * 3 // 4)  # one copy, split
+    result = place_model(artifact.pk)
+    assert result["ok"] and result["replicas"] == 1
+    assert result["notes"] == ["only 1 of 2 requested replicas fit in the fleet's memory"]
+    spans = sorted(_copies(artifact))
+    assert spans[0][0] == 0 and spans[0][1] == spans[1][0] and spans[1][1] == artifact.n_layers
+    assert ModelArtifact.objects.get(pk=artifact.pk).desired_replicas == 2, "the target stays"
+
+
+@pytest.mark.django_db
+def test_the_replica_count_is_set_per_model_on_the_models_page_and_placement_respects_it(
+    artifact: Any, staff_client: Any, member: Any, settings: Any
+) -> None:
+    settings.KV_RESERVE_BYTES = 0
+    url = f"/models/{artifact.pk}/replicas"
+    assert f'hx-post="{url}"' in staff_client.get("/models/").content.decode()
+    outsider = Client()
+    outsider.force_login(member)
+    assert outsider.post(url, {"replicas": "1"}).status_code == 403
+    for bad in ("0", "65", "", "1.5", "\u00b2", "9" * 5000):
+        r = staff_client.post(url, {"replicas": bad})
+        assert r.status_code == 400 and b"from 1 to 64" in r.content, bad
+    r = staff_client.post(url, {"replicas": "1"}, HTTP_HX_REQUEST="true")
+    assert r.status_code == 200 and b"Keeps 1 copy of each layer range" in r.content
+    assert ModelArtifact.objects.get(pk=artifact.pk).desired_replicas == 1
+    a, b = _online("a"), _online("b")
+    result = place_model(artifact.pk)
+    assert result["ok"] and result["replicas"] == 1
+    copies = _copies(artifact)
+    assert len(copies) == 2 and all(len(ns) == 1 for ns in copies.values()), "one copy, split over both"
+    # with one copy wanted, a lost node's ranges go to the survivor; nothing more is added
+    lost = ShardAssignment.objects.filter(node=b).get()
+    Node.objects.filter(pk=b.pk).update(state=Node.State.OFFLINE)
+    ids = replace_lost_node(b.pk)[artifact.sha256]
+    assert [(s.node_id, s.layer_start, s.layer_end) for s in ShardAssignment.objects.filter(pk__in=ids)] == [
+        (a.pk, lost.layer_start, lost.layer_end)
+    ]
+
+
+@pytest.mark.django_db
+def test_placing_with_a_number_records_it_and_a_lost_copy_is_placed_again_up_to_it(
+    artifact: Any, settings: Any
+) -> None:
+    settings.KV_RESERVE_BYTES = 0
+    artifact.desired_replicas = 1
+    artifact.save()
+    a, b = _online("a"), _online("b")
+    assert place_model(artifact.pk, replicas=2)["replicas"] == 2
+    assert ModelArtifact.objects.get(pk=artifact.pk).desired_replicas == 2
+    c = _online("c")
+    Node.objects.filter(pk=b.pk).update(state=Node.State.OFFLINE)
+    ids = replace_lost_node(b.pk)[artifact.sha256]
+    # a still serves every layer; the second copy b held goes to c, the node that holds none of them
+    new = [(s.node_id, s.layer_start, s.layer_end) for s in ShardAssignment.objects.filter(pk__in=ids)]
+    assert new == [(c.pk, 0, artifact.n_layers)]
+    assert _copies(artifact) == {(0, artifact.n_layers): {a.pk, c.pk}}
 
 
 class _Health(BaseHTTPRequestHandler):

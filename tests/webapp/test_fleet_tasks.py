@@ -53,7 +53,7 @@ def test_placing_twice_is_refused_until_unplaced(artifact: Any) -> None:
 @pytest.mark.django_db
 def test_a_lost_node_s_layers_are_placed_on_a_survivor(artifact: Any) -> None:
     a, b = online("a", speed=1.0), online("b", speed=1.0)
-    assert place_model(artifact.pk)["ok"]
+    assert place_model(artifact.pk, replicas=1)["ok"]  # one copy split over both: b's layers only on b
     lost = ShardAssignment.objects.get(node=b)
     Node.objects.filter(pk=b.pk).update(state=Node.State.OFFLINE)
     result = replace_lost_node(b.pk)
@@ -68,7 +68,7 @@ def test_a_lost_node_s_layers_are_placed_on_a_survivor(artifact: Any) -> None:
 @pytest.mark.django_db
 def test_draining_a_node_stops_routing_to_it_and_moves_its_layers(artifact: Any) -> None:
     a, b = online("a"), online("b")
-    place_model(artifact.pk)
+    place_model(artifact.pk, replicas=1)  # one copy split over both: b's layers must move to a
     assert drain_node(b.pk)
     assert Node.objects.get(pk=b.pk).state == Node.State.DRAINING
     assert set(ShardAssignment.objects.filter(node=b).values_list("state", flat=True)) == {"draining"}

@@ -13,6 +13,7 @@ from webapp.fleet.placement import (
     Placement,
     PlacementError,
     PlannerNode,
+    below_target,
     plan_placement,
     replan_lost,
     shape_from_manifest,
@@ -87,6 +88,42 @@ def test_replicas_are_disjoint_chains_each_covering_every_layer() -> None:
     for ch in chains.values():
         assert covers(ch, 30)
     assert not ({p.node_id for p in chains[0]} & {p.node_id for p in chains[1]})
+
+
+def test_replica_chains_take_the_first_chain_s_ranges_so_every_hop_has_an_exact_spare() -> None:
+    # speeds differ, so each chain split on its own would cut elsewhere (24 and 18): no hop would have
+    # a copy of exactly its layers for the route client to move to
+    nodes = [node(f"n{i}", 400, 1.0 + i) for i in range(4)]
+    plan = plan_placement(nodes, shape(), replicas=2)
+    spans = {c: sorted((p.layer_start, p.layer_end) for p in plan.placements if p.chain == c) for c in (0, 1)}
+    assert spans[0] == spans[1] == [(0, 24), (24, 30)]
+    assert below_target(30, list(plan.placements), 2) == [] and plan.notes == ()
+    for a, b in spans[0]:
+        assert len({p.node_id for p in plan.placements if (p.layer_start, p.layer_end) == (a, b)}) == 2
+    # the larger range goes to the faster node of the second chain
+    assert {(p.node_id, p.layer_start) for p in plan.placements if p.chain == 1} == {("n2", 0), ("n1", 24)}
+
+
+def test_two_nodes_that_each_hold_the_model_get_a_whole_copy_each() -> None:
+    plan = plan_placement([node("a", 1000), node("b", 1000)], shape(), replicas=2)
+    assert plan.replicas == 2 and plan.notes == ()
+    assert sorted((p.node_id, p.layer_start, p.layer_end) for p in plan.placements) == [
+        ("a", 0, 30),
+        ("b", 0, 30),
+    ]
+
+
+def test_replicas_that_cannot_share_boundaries_say_so() -> None:
+    # three nodes, two chains: one node alone holds a whole copy, the other two split theirs
+    plan = plan_placement([node("a", 1000, 3.0), node("b", 1000, 2.0), node("c", 1000, 1.0)], shape(), 2)
+    assert plan.replicas == 2
+    assert any("do not share their layer boundaries" in n for n in plan.notes)
+
+
+def test_two_replicas_requested_but_memory_for_one_gives_one_with_a_note() -> None:
+    plan = plan_placement([node("a", 200), node("b", 200)], shape(), replicas=2)  # the model needs 320 MB
+    assert plan.replicas == 1 and covers(list(plan.placements), 30)
+    assert plan.notes == ("only 1 of 2 requested replicas fit in the fleet's memory",)
 
 
 def test_fewer_replicas_than_requested_when_memory_is_short_with_a_note() -> None:

@@ -5,10 +5,14 @@ from __future__ import annotations
 from functools import cached_property
 
 from django.conf import settings
+from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django.db.models import Q
 
 from agent.artifacts.manifest import Manifest
+
+DEFAULT_REPLICAS = 2
+MAX_REPLICAS = 64
 
 
 class ModelArtifact(models.Model):
@@ -39,7 +43,13 @@ class ModelArtifact(models.Model):
         null=True, blank=True, editable=False, help_text="bencoded v1 .torrent (empty without libtorrent)"
     )
     infohash = models.CharField(max_length=40, blank=True, default="", db_index=True, help_text="v1, hex")
-    desired_replicas = models.PositiveSmallIntegerField(default=1)
+    # Copies of each layer range placement keeps (as many as the fleet's memory allows, at least one);
+    # two, so a hop that dies has a spare holding exactly its layers (docs/failover.md).
+    desired_replicas = models.PositiveSmallIntegerField(
+        default=DEFAULT_REPLICAS,
+        validators=[MinValueValidator(1), MaxValueValidator(MAX_REPLICAS)],
+        help_text="copies of each layer range placement keeps when the fleet's memory allows",
+    )
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)

@@ -1,4 +1,4 @@
-"""Catalog URLs: the models page and registration."""
+"""Catalog URLs: the models page, registration and a model's replica count."""
 
 from __future__ import annotations
 
@@ -10,4 +10,5 @@ app_name = "catalog"
 urlpatterns = [
     path("models/", views.index, name="index"),
     path("models/register", views.register, name="register"),
+    path("models/<int:artifact_id>/replicas", views.set_replicas, name="replicas"),
 ]

@@ -1,14 +1,15 @@
-"""Catalog views: the models page and registration (path, upload, PyPI package)."""
+"""Catalog views: the models page, registration (path, upload, PyPI package) and each model's replica
+count."""
 
 from __future__ import annotations
 
 from django.http import HttpResponse
-from django.shortcuts import render
+from django.shortcuts import get_object_or_404, render
 from django.views.decorators.csrf import csrf_exempt, csrf_protect
 from django.views.decorators.http import require_GET, require_POST
 
 from webapp.catalog import services, tasks
-from webapp.catalog.models import ModelArtifact
+from webapp.catalog.models import MAX_REPLICAS, ModelArtifact
 from webapp.catalog.uploads import LimitedUploadHandler
 from webapp.core.auth import HtmxHttpRequest, staff_required
 
@@ -62,3 +63,19 @@ def _register(request: HtmxHttpRequest, limited: LimitedUploadHandler) -> HttpRe
         )
     tasks.enqueue_build(artifact.pk)
     return render(request, "catalog/htmx/models_table.html", _models_context())
+
+
+@require_POST
+@staff_required
+def set_replicas(request: HtmxHttpRequest, artifact_id: int) -> HttpResponse:
+    """Set how many copies of each layer range the model keeps (the target of the next placement and of
+    re-placement after a node is lost); shards already placed stay where they are."""
+    artifact = get_object_or_404(ModelArtifact, pk=artifact_id)
+    raw = request.POST.get("replicas", "").strip()
+    # ASCII digits only: "²".isdigit() is true but int() refuses it, and 5,000 digits must not reach int().
+    replicas = int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 3 else 0
+    if not 1 <= replicas <= MAX_REPLICAS:
+        return HttpResponse(f"replicas must be a whole number from 1 to {MAX_REPLICAS}", status=400)
+    ModelArtifact.objects.filter(pk=artifact.pk).update(desired_replicas=replicas)
+    artifact.desired_replicas = replicas
+    return render(request, "catalog/htmx/replicas_saved.html", {"artifact": artifact})

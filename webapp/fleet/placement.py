@@ -8,7 +8,9 @@ result. Rationale for the choices:
   are noisy, so within a chain no node counts as more than MAX_SPEED_RATIO times slower than the fastest.
 * A chain is a set of nodes that together cover [0, n_layers). Replicas are disjoint chains; a model gets
   as many as the fleet can hold, up to the requested number, and never fewer than one (else the error
-  says how much memory is missing).
+  says how much memory is missing). A replica chain with as many nodes as the first takes the first's
+  ranges when they fit (its fastest node the largest): the route client replaces a failed hop only
+  with a shard of exactly the same layers, so a replica with other boundaries is no spare for it.
 * A lost node is replaced by planning only the layers no surviving shard covers, onto the memory still
   free, so routes keep their existing boundaries.
 * Bytes per layer are the manifest's real ones (a MoE layer's experts included); the last shard also
@@ -241,8 +243,28 @@ def _deal(nodes: Sequence[PlannerNode], groups: int) -> list[list[PlannerNode]]:
     return out
 
 
+def _aligned(
+    shape: ModelShape, first: Sequence[Placement], group: Sequence[PlannerNode], chain: int
+) -> list[Placement] | None:
+    """The first chain's ranges on `group`'s nodes, one range a node, the largest range on the fastest
+    node that can hold it; None when the group has another number of nodes or a range fits nowhere."""
+    if len(group) != len(first):
+        return None
+    free = sorted(group, key=lambda n: (-n.speed, -n.capacity_bytes, n.node_id))
+    out: list[Placement] = []
+    for p in sorted(first, key=lambda p: (-(p.layer_end - p.layer_start), p.layer_start)):
+        need = shape.bytes_for(p.layer_start, p.layer_end)
+        n = next((n for n in free if n.capacity_bytes >= need), None)
+        if n is None:
+            return None
+        free.remove(n)
+        out.append(Placement(n.node_id, p.layer_start, p.layer_end, chain))
+    return sorted(out, key=lambda p: p.layer_start)
+
+
 def plan_placement(nodes: Sequence[PlannerNode], shape: ModelShape, replicas: int = 1) -> Plan:
-    """Place the whole model: up to `replicas` disjoint chains, as many as memory allows (at least one)."""
+    """Place the whole model: up to `replicas` disjoint chains, as many as memory allows (at least one);
+    replica chains share the first chain's boundaries where their nodes can hold its ranges."""
     if shape.refusal:
         raise PlacementError(shape.refusal)
     if shape.n_layers == 0:
@@ -253,13 +275,22 @@ def plan_placement(nodes: Sequence[PlannerNode], shape: ModelShape, replicas: in
     notes: list[str] = []
     last_error: PlacementError | None = None
     for r in range(min(max(replicas, 1), len(usable)), 0, -1):
+        groups = _deal(usable, r)
         try:
-            chains = [split_chain(shape, group, chain=c) for c, group in enumerate(_deal(usable, r))]
+            chains = [split_chain(shape, groups[0], chain=0)]
+            for c, group in enumerate(groups[1:], 1):
+                chains.append(_aligned(shape, chains[0], group, c) or split_chain(shape, group, chain=c))
         except PlacementError as e:
             last_error = e
             continue
         if r < replicas:
             notes.append(f"only {r} of {replicas} requested replicas fit in the fleet's memory")
+        first = {(p.layer_start, p.layer_end) for p in chains[0]}
+        if any({(p.layer_start, p.layer_end) for p in ch} != first for ch in chains[1:]):
+            notes.append(
+                "the replicas do not share their layer boundaries (the fleet's nodes differ in number or "
+                "memory): a failed hop is recovered on another copy only where the ranges match"
+            )
         return Plan(tuple(p for ch in chains for p in ch), r, tuple(notes))
     free = sum(n.capacity_bytes for n in usable)
     raise PlacementError(

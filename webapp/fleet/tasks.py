@@ -101,7 +101,10 @@ def _create(artifact: ModelArtifact, placements: list[Placement]) -> list[int]:
 
 @shared_task
 def place_model(artifact_id: int, replicas: int | None = None) -> dict[str, Any]:
-    """Plan and record shards for an artifact that has none active, then tell the agents."""
+    """Plan and record shards for an artifact that has none active, then tell the agents.
+
+    `replicas` (the place form's number) becomes the model's desired_replicas, the count re-placement
+    keeps after a node is lost; without it the model's own setting is used (2 by default)."""
     with transaction.atomic():
         artifact = ModelArtifact.objects.select_for_update().get(pk=artifact_id)
         if artifact.state != ModelArtifact.State.READY:
@@ -116,6 +119,9 @@ def place_model(artifact_id: int, replicas: int | None = None) -> dict[str, Any]
             )
         except PlacementError as e:
             return {"ok": False, "error": str(e)}
+        if replicas and replicas != artifact.desired_replicas:
+            artifact.desired_replicas = replicas
+            artifact.save(update_fields=["desired_replicas", "updated_at"])
         ids = _create(artifact, list(plan.placements))
         transaction.on_commit(lambda: push_loads(ids))
     return {"ok": True, "assignments": ids, "replicas": plan.replicas, "notes": list(plan.notes)}

@@ -315,6 +315,8 @@ class Command(BaseCommand):
         stale.update(state=Node.State.REMOVED)
         active = ShardAssignment.objects.filter(artifact_id=model["id"]).exclude(state="failed").exists()
         if not active:
+            # One replica: the demo is a route over both agents. SmolLM2 fits on one, so the default two
+            # copies would give each agent a whole model and every route one hop (docs/failover.md).
             code, body = admin.post(f"/models/{model['id']}/place", {"replicas": "1"})
             if code != 200:
                 raise CommandError(f"placement failed (HTTP {code}): {body[:300]}")
