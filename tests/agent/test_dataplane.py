@@ -100,7 +100,9 @@ async def test_a_route_that_stops_short_of_the_last_layer_says_so_instead_of_sen
     runner = await start_dataplane(dp, "127.0.0.1", port)
     url = f"http://127.0.0.1:{port}"
     session = os.urandom(16)
-    client = RouteClient([Hop(url, 0, 15, mint(signing_key, session, manifest.sha256, 0, 15, "node-z"))], session_id=session)
+    client = RouteClient(
+        [Hop(url, 0, 15, mint(signing_key, session, manifest.sha256, 0, 15, "node-z"))], session_id=session
+    )
     try:
         with pytest.raises(RouteError, match=r"layers 0:15\) answered F\d+ rather than a sampled token") as e:
             [t async for t, _ in client.generate(PROMPT, SamplingParams(), 4)]
