@@ -136,6 +136,16 @@ def _count(v: Any) -> int:
     return max(0, int(v or 0))
 
 
+def _batch_figures(b: Any) -> tuple[float, float, float]:
+    """Steps per batch, queue wait (ms) and compute per batch (ms) from DataPlane.stats()["batching"]."""
+    d: dict[str, Any] = b if isinstance(b, dict) else {}
+
+    def fig(key: str) -> float:
+        return max(0.0, float(d.get(key) or 0.0))
+
+    return fig("avg_steps"), fig("avg_queue_wait_ms"), fig("avg_compute_ms")
+
+
 def ws_url(server: str) -> str:
     base = server.rstrip("/")
     if base.startswith("https://"):
@@ -296,6 +306,7 @@ class ControlAgent:
         tok_s = (served - n_prev) / (now - t_prev) if t_prev and now > t_prev else 0.0
         self._last_tokens = (now, served)
         vm = psutil.virtual_memory()
+        batch_steps, queue_wait_ms, batch_compute_ms = _batch_figures(st.get("batching"))
         return Telemetry(
             sessions=_count(st.get("sessions")),
             kv_bytes=_count(st.get("kv_bytes")),
@@ -307,6 +318,9 @@ class ControlAgent:
             free_memory_bytes=_count(vm.available),
             shards=len(st.get("shards", [])),
             gpus=nvml_gpus(),
+            batch_steps=batch_steps,
+            queue_wait_ms=queue_wait_ms,
+            batch_compute_ms=batch_compute_ms,
         )
 
     async def _heartbeats(self) -> None:

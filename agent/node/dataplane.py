@@ -20,10 +20,12 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from agent import __version__, defaults
 from agent.artifacts.manifest import Manifest
 from agent.backends import load_backend
-from agent.backends.base import AdmissionError, Backend, BackendError, ForwardResult, ShardSpec
+from agent.backends.base import AdmissionError, Backend, BackendError, ShardSpec, StepInput
 from agent.node.handoff import register_handoff
 from agent.node.metrics import NodeMetrics
+from agent.node.scheduler import CHUNK_TOKENS, MAX_BATCH_TOKENS, SessionBusy, ShardScheduler, StepDropped
 from agent.node.sessions import SessionState, SessionTable, ShardKey
+from agent.node.stream import register_stream
 from agent.wire.frames import (
     CONTEXT_CAP,
     MAX_FRAME_BYTES,
@@ -51,11 +53,11 @@ from agent.wire.frames import (
 )
 from agent.wire.ids import SessionId
 from agent.wire.routetoken import RouteClaims, TokenError, TokenVerifier, decode_unverified, normalise_url
+from agent.wire.stream import FrameStreams
 from agent.wire.tls import is_loopback, node_dns_name
 
 log = logging.getLogger("agent.node.dataplane")
 _SWEEPER: web.AppKey[asyncio.Task[None]] = web.AppKey("sweeper", asyncio.Task)
-_INLINE_TOKENS = 16  # batches up to this size run on the event loop; bigger ones in a worker thread
 # A retried step is answered from its stored response only when that is small (a token, one decode
 # step's hidden states); a bigger one (a prefill's hidden states, logits) is recomputed instead.
 RETRY_CACHE_MAX = 64 << 10
@@ -69,12 +71,13 @@ INFLIGHT_BYTES = 256 << 20
 
 @dataclass
 class Shard:
-    """A loaded layer range and the lock that serialises calls into its backend."""
+    """A loaded layer range, the lock that serialises calls into its backend, and its step scheduler."""
 
     spec: ShardSpec
     backend_name: str
     backend: Backend
     lock: asyncio.Lock
+    scheduler: ShardScheduler
     draining: bool = False
 
     @property
@@ -103,8 +106,13 @@ class DataPlane:
         kv_budget_bytes: int = defaults.KV_BUDGET_BYTES,
         session_ttl_s: float = defaults.SESSION_TTL_S,
         client_ssl: ssl.SSLContext | None = None,
+        batching: bool | None = None,
+        max_batch_tokens: int = MAX_BATCH_TOKENS,
+        chunk_tokens: int = CHUNK_TOKENS,
     ) -> None:
         self.node_id = node_id
+        # per-shard step batching (agent/node/scheduler.py): None = where the backend batches sessions
+        self.batching, self.max_batch_tokens, self.chunk_tokens = batching, max_batch_tokens, chunk_tokens
         # mutual TLS towards next hops (chain mode): the swarm CA only, and the node id the token names
         self.client_ssl = client_ssl
         self._per_ip: dict[str, int] = {}
@@ -125,6 +133,7 @@ class DataPlane:
             "bytes_out": 0,
         }
         self._client: ClientSession | None = None
+        self._streams: FrameStreams | None = None  # chain mode: pooled streams to next hops
         self.started = time.time()
         self.metrics = NodeMetrics(self.stats)  # GET /metrics (agent/node/metrics.py)
 
@@ -154,15 +163,34 @@ class DataPlane:
             except OSError as e:  # the library is not built or has another API version
                 raise BackendError(f"native backend unavailable: {e}") from None
         be = load_backend(backend, spec, **budget)
-        shard = Shard(spec, backend, be, asyncio.Lock())
+        lock = asyncio.Lock()
+        shard = Shard(spec, backend, be, lock, self._scheduler(be, lock))
         self.shards[shard.key] = shard
         log.info("loaded %s layers %d:%d with %s", manifest.sha256[:12], layer_start, layer_end, backend)
         return shard
+
+    def _scheduler(self, backend: Backend, lock: asyncio.Lock) -> ShardScheduler:
+        def admit(s: SessionState, extra: int) -> None:
+            self.sessions.admit(s, extra, lambda v: self._evictable(v, shard_of(s)))
+
+        def shard_of(s: SessionState) -> Shard | None:
+            return self.shards.get(s.shard_key)
+
+        return ShardScheduler(
+            backend,
+            lock,
+            admit=admit,
+            observer=self.metrics,
+            batching=self.batching,
+            max_batch_tokens=self.max_batch_tokens,
+            chunk_tokens=self.chunk_tokens,
+        )
 
     def unload_shard(self, model_sha256: str, layer_start: int, layer_end: int) -> bool:
         shard = self.shards.pop((model_sha256, layer_start, layer_end), None)
         if shard is None:
             return False
+        shard.scheduler.drop_all("the shard was unloaded while the step was queued")
         for key in self.sessions.for_shard(shard.key):
             self.sessions.close(key)
         shard.backend.close()
@@ -187,6 +215,8 @@ class DataPlane:
             "inflight_bytes": self._inflight_bytes,
             "evictions": self.sessions.evictions,
             "expirations": self.sessions.expirations,
+            # batch size, queue wait and compute per backend call over the last minute (metrics.py)
+            "batching": self.metrics.batch_stats(),
             "shards": [
                 {
                     "model_sha256": s.spec.manifest.sha256,
@@ -197,6 +227,8 @@ class DataPlane:
                     "boundary_dim": s.spec.manifest.boundary_dim,
                     "draining": s.draining,
                     "sessions": len(self.sessions.for_shard(s.key)),
+                    "batching": s.scheduler.batching,
+                    "queued": s.scheduler.pending(),
                 }
                 for s in self.shards.values()
             ],
@@ -278,8 +310,10 @@ class DataPlane:
             async with shard.lock:
                 return self._open(req, shard)
         if req.op == Op.CLOSE:
-            async with shard.lock:
-                self.sessions.close((SessionId(req.session), shard.key))
+            async with shard.lock:  # between batches: none of the session's steps is running
+                key = (SessionId(req.session), shard.key)
+                shard.scheduler.drop_session(key, "the session was closed while its step was queued")
+                self.sessions.close(key)
             return encode_response(Response(step=req.step, kind=Kind.NONE))
         s = self._session(req, shard)
         if req.op == Op.TRUNCATE:
@@ -346,6 +380,9 @@ class DataPlane:
         t_start = time.perf_counter()
         if shard.draining and self.move_sessions:
             raise DataPlaneError(503, "draining", "this node is draining: move the session to a replica")
+        if s.busy:
+            # one step per session at a time: a retry racing its original asks again once it is done
+            raise DataPlaneError(409, "step_in_progress", "this session's previous step is still running")
         digest = hashlib.blake2b(body, digest_size=16).digest()
         if req.step <= s.last_step:
             retry = req.step == s.last_step and digest == s.last_digest
@@ -430,21 +467,32 @@ class DataPlane:
             history = s.history
         if req.sampling is not None:
             s.sampling = req.sampling
+        step = StepInput(
+            s.sid,
+            req.pos_start,
+            token_ids=ids,
+            hidden=hidden,
+            sampling=s.sampling,
+            history=history,
+            want_logits=req.want_logits,
+            hidden_dtype=_out_dtype(req),
+        )
         s.busy = True
-        t_queued = time.perf_counter()
         try:
-            async with shard.lock:
-                self.metrics.queue_wait(time.perf_counter() - t_queued)
-                # exact bytes from the backend (native: libggswarm), asked while no step runs on it
-                grow = shard.backend.kv_growth_bytes(s.sid, end)
-                self.sessions.admit(s, grow, lambda v: self._evictable(v, shard))
-                if req.n_tokens <= _INLINE_TOKENS:
-                    res = self._call(shard, s, req, ids, hidden, history)
-                else:
-                    res = await asyncio.to_thread(self._call, shard, s, req, ids, hidden, history)
+            # queued with other sessions' steps when the backend batches (agent/node/scheduler.py)
+            res = await shard.scheduler.submit(s.key, s, step)
         except AdmissionError as e:
             del s.history[history_len:]
             raise DataPlaneError(503, "kv_budget", str(e)) from None
+        except BackendError as e:
+            del s.history[history_len:]
+            raise DataPlaneError(400, "backend", str(e)) from None
+        except StepDropped as e:
+            del s.history[history_len:]
+            raise DataPlaneError(404, "unknown_session", str(e)) from None
+        except SessionBusy as e:
+            del s.history[history_len:]
+            raise DataPlaneError(409, "step_in_progress", str(e)) from None
         except BaseException:
             del s.history[history_len:]
             raise
@@ -489,31 +537,6 @@ class DataPlane:
         s.retry_pos, s.retry_history = req.pos_start, history_len
         self.metrics.step(req.n_tokens, time.perf_counter() - t_start)
         return await self._continue_chain(req, s, local, t_start, int(res.compute_s * 1e6))
-
-    def _call(
-        self,
-        shard: Shard,
-        s: SessionState,
-        req: Request,
-        ids: np.ndarray | None,
-        hidden: np.ndarray | None,
-        history: list[int] | None,
-    ) -> ForwardResult:
-        try:
-            return shard.backend.forward(
-                s.sid,
-                req.pos_start,
-                token_ids=ids,
-                hidden=hidden,
-                sampling=s.sampling,
-                history=history,
-                want_logits=req.want_logits,
-                hidden_dtype=_out_dtype(req),
-            )
-        except AdmissionError:
-            raise
-        except BackendError as e:
-            raise DataPlaneError(400, "backend", str(e)) from None
 
     async def _continue_chain(
         self, req: Request, s: SessionState, local: bytes, t_start: float, compute_us: int
@@ -560,12 +583,22 @@ class DataPlane:
             tls_name = (
                 node_dns_name(decode_unverified(nxt.token).node) if nxt.url.startswith("https://") else None
             )
-            async with client.post(
-                url, data=encode_request(fwd), ssl=self._ssl_for(nxt.url), server_hostname=tls_name
-            ) as r:
-                if r.status != 200:
-                    raise _downstream_error(r.status, await _read_bounded(r, _ERROR_BODY_MAX), nxt.url)
-                data = await _read_bounded(r, limit)
+            body = encode_request(fwd)
+            ssl_ctx = self._ssl_for(nxt.url)
+            if self._streams is None:
+                self._streams = FrameStreams(client)
+            got = await self._streams.exchange(nxt.url, body, 300.0, ssl_ctx, tls_name)
+            data: bytes | None
+            if got is not None:  # over the pooled stream (agent/wire/stream.py)
+                status, answer = got
+                if status != 200:
+                    raise _downstream_error(status, answer[:_ERROR_BODY_MAX], nxt.url)
+                data = answer if len(answer) <= limit else None
+            else:
+                async with client.post(url, data=body, ssl=ssl_ctx, server_hostname=tls_name) as r:
+                    if r.status != 200:
+                        raise _downstream_error(r.status, await _read_bounded(r, _ERROR_BODY_MAX), nxt.url)
+                    data = await _read_bounded(r, limit)
         except (TimeoutError, OSError, ClientError, ValueError, TokenError) as e:
             # ValueError: a URL the HTTP library cannot dial (checked already, but never a 500)
             raise DataPlaneError(502, "downstream", f"next hop {nxt.url} unreachable: {e}") from None
@@ -675,18 +708,24 @@ class DataPlane:
         self._inflight_bytes += n
         return token, n, head
 
+    async def answer_frame(self, body: bytes) -> bytes:
+        """The response frame to a request frame whose limits were checked (POST and stream alike);
+        DataPlaneError otherwise, a 500 for anything unexpected."""
+        try:
+            return await self.handle(body)
+        except DataPlaneError:
+            raise
+        except Exception:  # noqa: BLE001 - one bad request must never take the node down
+            log.exception("unexpected error handling a frame")
+            raise DataPlaneError(500, "internal", "internal error while handling the frame") from None
+
     async def _frame_response(self, body: bytes) -> web.StreamResponse:
         try:
-            out = await self.handle(body)
+            out = await self.answer_frame(body)
         except DataPlaneError as e:
             self.counters["errors"] += 1
             self.metrics.error(e.code)
             return _error(e.status, e.code, e.message)
-        except Exception:  # noqa: BLE001 - one bad request must never take the node down
-            self.counters["errors"] += 1
-            self.metrics.error("internal")
-            log.exception("unexpected error handling a frame")
-            return _error(500, "internal", "internal error while handling the frame")
         self.counters["bytes_out"] += len(out)
         return web.Response(body=out, content_type="application/octet-stream")
 
@@ -707,6 +746,8 @@ class DataPlane:
         app[_SWEEPER].cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await app[_SWEEPER]
+        if self._streams is not None:
+            await self._streams.close()
         if self._client is not None:
             await self._client.close()
 
@@ -715,6 +756,7 @@ class DataPlane:
         app.router.add_post("/v1/frame", self._frame_view)
         app.router.add_get("/v1/health", self._health_view)
         app.router.add_get("/metrics", self.metrics.view)
+        register_stream(app, self)  # the same frames over a WebSocket (agent/node/stream.py)
         register_handoff(app, self)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)

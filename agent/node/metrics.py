@@ -1,15 +1,20 @@
-"""The data plane's Prometheus metrics (`GET /metrics`): tokens, step latency, queue wait, KV, downloads.
+"""The data plane's Prometheus metrics (`GET /metrics`): tokens, step latency, queue wait, batches, KV,
+downloads.
 
 One `CollectorRegistry` per `DataPlane` (tests run several nodes in one process), never the global
 one. Counters that the data plane already keeps (`DataPlane.counters`, the session table) are read at
 scrape time by a collector, so the hot path pays nothing for them; only what has no other home is
 recorded as it happens: the per-hop step latency and queue-wait histograms (two `observe` calls per
-frame), errors by code, and download bytes and rate (reported by the control client's transfers).
+frame), the batch histograms (steps, tokens and compute seconds per backend call, agent/node/scheduler.py),
+errors by code, and download bytes and rate (reported by the control client's transfers). The recent
+batches are also summed over a short window for the stats the agent reports (batch_stats).
 Names start with `gguf_swarm_agent_`; docs/agent-install.md lists them.
 """
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,6 +31,10 @@ PREFIX = "gguf_swarm_agent"
 # Step latency: a SmolLM2 decode hop takes ~1-10 ms on a CPU, a 512-token prefill ~0.1-1 s.
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 WAIT_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
+BATCH_STEP_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128)
+BATCH_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+WINDOW_S = 60.0  # batch_stats() averages over the batches of the last minute
+_RECENT_MAX = 8192  # entries kept for that window, whatever the rate
 
 # DataPlane.stats() keys exposed as counters / gauges: (key, metric name, help)
 _COUNTERS = (
@@ -49,6 +58,10 @@ class _StatsCollector(Collector):
 
     def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
         self._stats = stats
+
+    def describe(self) -> Iterator[Metric]:
+        # nothing read at registration: the data plane's stats include this object's own figures
+        return iter(())
 
     def collect(self) -> Iterator[Metric]:
         st = self._stats()
@@ -78,6 +91,24 @@ class NodeMetrics:
             buckets=WAIT_BUCKETS,
             registry=r,
         )
+        self.batch_steps = Histogram(
+            f"{PREFIX}_batch_steps",
+            "Steps (of distinct sessions) run together in one backend call on this hop",
+            buckets=BATCH_STEP_BUCKETS,
+            registry=r,
+        )
+        self.batch_tokens = Histogram(
+            f"{PREFIX}_batch_tokens",
+            "Token positions in one backend call (decodes plus prefill chunks)",
+            buckets=BATCH_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.batch_seconds = Histogram(
+            f"{PREFIX}_batch_compute_seconds",
+            "Compute time of one backend call (one batch)",
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
         self.errors = Counter(
             f"{PREFIX}_errors", "Frames refused or failed, by error code", ["code"], registry=r
         )
@@ -95,6 +126,10 @@ class NodeMetrics:
         )
         r.register(_StatsCollector(stats))
         self._downloaded: dict[int, int] = {}
+        # (monotonic time, steps, tokens, compute seconds) of recent batches; (time, seconds) of waits
+        self._batches: deque[tuple[float, int, int, float]] = deque(maxlen=_RECENT_MAX)
+        self._waits: deque[tuple[float, float]] = deque(maxlen=_RECENT_MAX)
+        self.batches_total = 0
 
     # -- hooks (the data plane and the control client call these) ------------------------------------
     def step(self, n_tokens: int, seconds: float) -> None:
@@ -102,6 +137,34 @@ class NodeMetrics:
 
     def queue_wait(self, seconds: float) -> None:
         self.queue_wait_seconds.observe(seconds)
+        self._waits.append((time.monotonic(), seconds))
+
+    def batch(self, steps: int, tokens: int, seconds: float) -> None:
+        """One backend call of `steps` sessions' steps, `tokens` positions in all, computing `seconds`."""
+        self.batch_steps.observe(steps)
+        self.batch_tokens.observe(tokens)
+        self.batch_seconds.observe(seconds)
+        self._batches.append((time.monotonic(), steps, tokens, seconds))
+        self.batches_total += 1
+
+    def batch_stats(self, window_s: float = WINDOW_S) -> dict[str, float | int]:
+        """Averages over the batches (and queue waits) of the last `window_s` seconds: what the agent
+        reports in its heartbeats and /v1/health (0 when the hop was idle)."""
+        since = time.monotonic() - window_s
+        recent = [b for b in self._batches if b[0] >= since]
+        waits = [w for t, w in self._waits if t >= since]
+        n = len(recent)
+        return {
+            "window_s": window_s,
+            "batches": n,
+            "batches_total": self.batches_total,
+            "avg_steps": round(sum(b[1] for b in recent) / n, 3) if n else 0.0,
+            "max_steps": max((b[1] for b in recent), default=0),
+            "avg_tokens": round(sum(b[2] for b in recent) / n, 3) if n else 0.0,
+            "avg_compute_ms": round(1e3 * sum(b[3] for b in recent) / n, 3) if n else 0.0,
+            "avg_queue_wait_ms": round(1e3 * sum(waits) / len(waits), 3) if waits else 0.0,
+            "max_queue_wait_ms": round(1e3 * max(waits, default=0.0), 3),
+        }
 
     def error(self, code: str) -> None:
         self.errors.labels(code[:40]).inc()

@@ -163,6 +163,11 @@ class Telemetry(_Wire):
     free_memory_bytes: Count = 0
     shards: Count = 0
     gpus: Annotated[list[Gpu], Field(max_length=64)] = []  # live NVML figures, when the host has them
+    # per-hop batching over the last minute (agent/node/scheduler.py): steps per backend call, the
+    # wait for a batch, and compute per call; 0 when idle
+    batch_steps: NonNegative = 0.0
+    queue_wait_ms: NonNegative = 0.0
+    batch_compute_ms: NonNegative = 0.0
 
     @property
     def raw(self) -> dict[str, Any]:

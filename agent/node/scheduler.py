@@ -1,0 +1,356 @@
+"""Per-shard step scheduler: runs the steps of different sessions that arrive together as one batch.
+
+Owns the order in which a shard's backend runs forward steps (docs/protocol.md, "Batching"). The data
+plane validates a frame, then hands its step here and awaits the result; the KV bytes stay the
+session table's, reached through the `admit` callback, and retries stay the data plane's.
+
+A backend that really batches (`Backend.batches_sessions`) gets one worker task per shard. Each round
+it takes at most one pending step per session and fills a token budget:
+
+- short steps (decodes, at most SMALL_STEP_TOKENS) first, oldest first, up to `max_batch_tokens`;
+- then prefills, one chunk of at most `chunk_tokens` each, oldest first; the oldest always gets its
+  chunk, the others while they fit. A chunked prefill goes to the back of the line after each chunk,
+  so a long prompt never holds the decodes of other sessions for more than one chunk, and two long
+  prompts take turns.
+
+`chunk_tokens` defaults to the native executor's micro-batch (native/src/graph.cpp kUBatch = 512): an
+unchunked call is computed in pieces of exactly that size from its first position, so a chunked
+prefill runs the very same pieces and leaves the same KV position for position.
+
+A backend that does not batch runs one step at a time under the shard lock, as it always has: small
+steps inline on the event loop, bigger ones in a worker thread, nothing added to their latency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+import numpy as np
+
+from agent.backends.base import Backend, BackendError, ForwardResult, StepInput
+
+SMALL_STEP_TOKENS = 16  # a step this short (a decode, a draft check) is never cut and goes first
+INLINE_TOKENS = 16  # a lone step this short runs on the event loop; anything bigger in a thread
+MAX_BATCH_TOKENS = 512  # short steps per batch, and the budget later prefill chunks must fit in
+CHUNK_TOKENS = 512  # = native kUBatch: chunk boundaries are the micro-batch boundaries of one call
+
+Admit = Callable[[Any, int], None]  # (the step's owner, KV bytes the batch adds so far) -> or raises
+
+
+class BatchObserver(Protocol):
+    """Where the scheduler reports its figures (agent/node/metrics.py NodeMetrics)."""
+
+    def queue_wait(self, seconds: float) -> None: ...
+
+    def batch(self, steps: int, tokens: int, seconds: float) -> None: ...
+
+
+class StepDropped(Exception):
+    """The step was taken off the queue before it completed (its session closed, its shard unloaded)."""
+
+
+class SessionBusy(Exception):
+    """The session already has a step queued or running here (one step per session at a time)."""
+
+
+@dataclass(eq=False)
+class _Pending:
+    """A submitted step, maybe part-run (chunked prefill): what is done so far and who waits on it."""
+
+    key: Hashable
+    owner: Any
+    step: StepInput
+    n_tokens: int
+    future: asyncio.Future[ForwardResult]
+    enqueued: float
+    ready: float  # place in line: when it arrived, or when its latest chunk finished
+    done: int = 0
+    parts: list[ForwardResult] = field(default_factory=list)
+    running: bool = False
+    closed: bool = False  # its session is closed: drop it, the session's KV is gone anyway
+
+    @property
+    def cancelled(self) -> bool:
+        """Its handler is gone: drop it, and give back the chunks it ran."""
+        return self.future.cancelled()
+
+    @property
+    def remaining(self) -> int:
+        return self.n_tokens - self.done
+
+
+def step_tokens(step: StepInput) -> int:
+    """Positions a step adds: its ids, or its hidden rows."""
+    if step.hidden is not None:
+        return int(step.hidden.shape[0])
+    return 0 if step.token_ids is None else int(len(step.token_ids))
+
+
+class ShardScheduler:
+    """The queue and worker of one shard: batches steps of distinct sessions, chunks long prefills."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        lock: asyncio.Lock,
+        admit: Admit | None = None,
+        observer: BatchObserver | None = None,
+        batching: bool | None = None,
+        max_batch_tokens: int = MAX_BATCH_TOKENS,
+        chunk_tokens: int = CHUNK_TOKENS,
+    ) -> None:
+        self.backend = backend
+        # held around every call into the backend (and by OPEN, CLOSE, TRUNCATE, hand-offs): a backend
+        # handle must not be used from two threads at once
+        self.lock = lock
+        self._admit = admit
+        self._observer = observer
+        self.batching = backend.batches_sessions if batching is None else batching
+        self.max_batch_tokens = max(1, max_batch_tokens)
+        self.chunk_tokens = max(1, chunk_tokens)
+        self._queue: dict[Hashable, _Pending] = {}  # by session, in arrival order
+        self._worker: asyncio.Task[None] | None = None
+
+    def pending(self) -> int:
+        return len(self._queue)
+
+    async def submit(self, key: Hashable, owner: Any, step: StepInput) -> ForwardResult:
+        """Run `step` of session `key` and return its result. Raises the step's BackendError
+        (AdmissionError when the KV budget refused it), StepDropped or SessionBusy."""
+        if not self.batching:
+            return await self._run_alone(owner, step)
+        now = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        p = _Pending(key, owner, step, step_tokens(step), loop.create_future(), now, now)
+        if p.n_tokens == 0:
+            raise BackendError("a step with no positions")
+        if key in self._queue:
+            # steps of one session are sequential; a second one now (a retry racing its original)
+            # could only fail on its position, and its rollback would undo the first
+            raise SessionBusy("this session already has a step in progress on this shard")
+        self._queue[key] = p
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.create_task(self._work())
+        # a handler cancelled meanwhile cancels the future: the worker drops the step (and gives back
+        # the chunks it ran) instead of resolving it
+        return await p.future
+
+    def drop_session(self, key: Hashable, reason: str) -> int:
+        """Fail every queued step of `key` (its session is being closed); call with the lock held, so
+        none of them is running. Returns how many were dropped."""
+        p = self._queue.pop(key, None)
+        if p is None:
+            return 0
+        p.closed = True
+        _fail(p, StepDropped(reason))
+        return 1
+
+    def drop_all(self, reason: str) -> None:
+        """Fail every queued step (the shard is being unloaded)."""
+        for key in list(self._queue):
+            self.drop_session(key, reason)
+
+    # -- the serial path (a backend that does not batch) ----------------------------------------------
+    async def _run_alone(self, owner: Any, step: StepInput) -> ForwardResult:
+        n = step_tokens(step)
+        t_queued = time.perf_counter()
+        async with self.lock:
+            t_start = time.perf_counter()
+            if self._observer is not None:
+                self._observer.queue_wait(t_start - t_queued)
+            # exact bytes from the backend (native: libggswarm), asked while no step runs on it
+            grow = self.backend.kv_growth_bytes(step.sid, step.pos_start + n)
+            if self._admit is not None:
+                self._admit(owner, grow)
+            if n <= INLINE_TOKENS:
+                res = _forward_one(self.backend, step)
+            else:
+                res = await asyncio.to_thread(_forward_one, self.backend, step)
+            if self._observer is not None:
+                self._observer.batch(1, n, time.perf_counter() - t_start)
+        return res
+
+    # -- the batching worker ----------------------------------------------------------------------
+    async def _work(self) -> None:
+        while self._queue:
+            async with self.lock:
+                batch = self._take()
+                if batch:
+                    try:
+                        await self._run(batch)
+                    except Exception as e:  # noqa: BLE001 - the worker must outlive any one batch
+                        for p, _ in batch:
+                            self._rollback(p)
+                            self._finish(p, BackendError(f"batch failed: {type(e).__name__}: {e}"))
+            # let the handlers just answered run first: a session's next step (or a CLOSE) that is
+            # ready now joins the next batch instead of missing it
+            await asyncio.sleep(0)
+
+    def _take(self) -> list[tuple[_Pending, int]]:
+        """The next batch: (step, positions to run now) for at most one step per session."""
+        for p in [p for p in self._queue.values() if p.cancelled]:
+            self._rollback(p)  # its handler is gone: give back what it ran, drop it
+            self._remove(p)
+        heads = sorted(self._queue.values(), key=lambda p: p.ready)
+        batch: list[tuple[_Pending, int]] = []
+        tokens = 0
+        left_out: _Pending | None = None  # the oldest short step the budget had no room for
+        for p in heads:  # short steps first, oldest first, until the budget is spent
+            if p.remaining > SMALL_STEP_TOKENS:
+                continue
+            n = min(p.remaining, self.chunk_tokens)
+            if batch and tokens + n > self.max_batch_tokens:
+                left_out = p
+                break
+            batch.append((p, n))
+            tokens += n
+        first = True
+        for p in heads:  # then one chunk per prefill: the oldest always, the others while they fit
+            if p.remaining <= SMALL_STEP_TOKENS:
+                continue
+            if left_out is not None and left_out.ready < p.ready:
+                break  # never ahead of an older step that had to wait
+            n = min(p.remaining, self.chunk_tokens)
+            if not first and tokens + n > self.max_batch_tokens:
+                break
+            batch.append((p, n))
+            tokens += n
+            first = False
+        return batch
+
+    async def _run(self, batch: list[tuple[_Pending, int]]) -> None:
+        t0 = time.perf_counter()
+        runs: list[tuple[_Pending, int]] = []
+        inputs: list[StepInput] = []
+        extra = 0
+        for p, n in batch:
+            if p.done == 0 and self._observer is not None:
+                self._observer.queue_wait(t0 - p.enqueued)
+            start = p.step.pos_start + p.done
+            try:
+                # the KV this batch adds, counted together: every step's growth must fit at once
+                grow = self.backend.kv_growth_bytes(p.step.sid, start + n)
+                if self._admit is not None:
+                    self._admit(p.owner, extra + grow)
+            except BackendError as e:
+                self._rollback(p)
+                self._finish(p, e)
+                continue
+            extra += grow
+            runs.append((p, n))
+            inputs.append(_piece(p, n))
+        if not runs:
+            return
+        tokens = sum(n for _, n in runs)
+        for p, _ in runs:
+            p.running = True
+        t1 = time.perf_counter()
+        try:
+            if len(inputs) == 1 and tokens <= INLINE_TOKENS:
+                results = self.backend.forward_batch(inputs)
+            else:
+                results = await asyncio.to_thread(self.backend.forward_batch, inputs)
+        finally:
+            for p, _ in runs:
+                p.running = False
+        if self._observer is not None:
+            self._observer.batch(len(runs), tokens, time.perf_counter() - t1)
+        if len(results) != len(runs):
+            raise BackendError(f"forward_batch answered {len(results)} results for {len(runs)} steps")
+        now = time.perf_counter()
+        for (p, n), r in zip(runs, results, strict=True):
+            if p.closed:
+                continue  # dropped while it ran; its session's KV is freed with the session
+            if isinstance(r, BaseException):
+                self._rollback(p)
+                self._finish(p, r)
+                continue
+            p.parts.append(r)
+            p.done += n
+            if p.cancelled:
+                self._rollback(p)
+                self._remove(p)
+            elif p.done >= p.n_tokens:
+                self._finish(p, _assemble(p.parts))
+            else:
+                p.ready = now  # to the back of the line: the others' steps go before its next chunk
+
+    def _rollback(self, p: _Pending) -> None:
+        """Give back the positions a failed or abandoned step ran (its earlier chunks, or all of a
+        batch that raised): an unchunked step that fails leaves the session where it was, and so does
+        a chunked one. (Only this step of its session can be in flight: nothing else is undone.)"""
+        if p.closed:
+            return
+        with contextlib.suppress(BackendError):
+            if self.backend.session_len(p.step.sid) > p.step.pos_start:
+                self.backend.truncate_to(p.step.sid, p.step.pos_start)
+        p.done, p.parts = 0, []
+
+    def _finish(self, p: _Pending, outcome: ForwardResult | BaseException) -> None:
+        self._remove(p)
+        if isinstance(outcome, BaseException):
+            _fail(p, outcome)
+        elif not p.future.done():
+            p.future.set_result(outcome)
+
+    def _remove(self, p: _Pending) -> None:
+        if self._queue.get(p.key) is p:
+            del self._queue[p.key]
+
+
+def _fail(p: _Pending, e: BaseException) -> None:
+    if not p.future.done():
+        p.future.set_exception(e)
+        # nobody may be awaiting any more (a cancelled handler): do not log "never retrieved"
+        p.future.exception()
+
+
+def _piece(p: _Pending, n: int) -> StepInput:
+    """The next `n` positions of a step, as a step of their own."""
+    if p.done == 0 and n == p.n_tokens:
+        return p.step
+    a, b = p.done, p.done + n
+    st = p.step
+    return replace(
+        st,
+        pos_start=st.pos_start + a,
+        token_ids=None if st.token_ids is None else st.token_ids[a:b],
+        hidden=None if st.hidden is None else st.hidden[a:b],
+    )
+
+
+def _assemble(parts: list[ForwardResult]) -> ForwardResult:
+    """One step's result from its chunks: rows in order, the token of the last position."""
+    if len(parts) == 1:
+        return parts[0]
+    last = parts[-1]
+    hidden = logits = None
+    if last.hidden is not None:
+        hidden = np.concatenate([r.hidden for r in parts if r.hidden is not None])
+    if last.logits is not None:
+        logits = np.concatenate([r.logits for r in parts if r.logits is not None])
+    return ForwardResult(
+        hidden=hidden,
+        token=last.token,
+        logprob=last.logprob,
+        logits=logits,
+        compute_s=sum(r.compute_s for r in parts),
+    )
+
+
+def _forward_one(backend: Backend, st: StepInput) -> ForwardResult:
+    return backend.forward(
+        st.sid,
+        st.pos_start,
+        token_ids=st.token_ids,
+        hidden=st.hidden,
+        sampling=st.sampling,
+        history=st.history,
+        want_logits=st.want_logits,
+        hidden_dtype=st.hidden_dtype,
+    )
