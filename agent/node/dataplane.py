@@ -20,21 +20,21 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from agent import __version__, defaults
 from agent.artifacts.manifest import Manifest
 from agent.backends import load_backend
-from agent.backends.base import AdmissionError, Backend, BackendError, ShardSpec, StepInput
+from agent.backends.base import AdmissionError, Backend, BackendError, ShardSpec
 from agent.node.handoff import register_handoff
 from agent.node.metrics import NodeMetrics
-from agent.node.scheduler import CHUNK_TOKENS, MAX_BATCH_TOKENS, SessionBusy, ShardScheduler, StepDropped
+from agent.node.scheduler import CHUNK_TOKENS, MAX_BATCH_TOKENS, ShardScheduler
 from agent.node.sessions import SessionState, SessionTable, ShardKey
+from agent.node.steps import DataPlaneError as DataPlaneError  # where handlers and stream.py take it
+from agent.node.steps import frame_step, local_answer, needs_ids, run_step
 from agent.node.stream import register_stream
 from agent.wire.frames import (
     CONTEXT_CAP,
     MAX_FRAME_BYTES,
-    MAX_LOGITS_BYTES,
     MAX_TAIL_BYTES,
     PROTOCOL_VERSION,
     REQ_HEADER,
     FrameError,
-    HiddenDtype,
     Kind,
     Op,
     Request,
@@ -45,8 +45,6 @@ from agent.wire.frames import (
     decode_response,
     encode_request,
     encode_response,
-    hidden_kind,
-    numpy_dtype,
     peek_request,
     response_limit,
     with_prepended_timing,
@@ -88,12 +86,6 @@ class Shard:
     def max_positions(self) -> int:
         model_ctx = self.spec.manifest.context_length or CONTEXT_CAP
         return min(CONTEXT_CAP, model_ctx)
-
-
-class DataPlaneError(Exception):
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message = status, code, message
 
 
 class DataPlane:
@@ -413,124 +405,14 @@ class DataPlane:
             raise DataPlaneError(
                 409, "no_chain", "cached-chain frame but this session never received a chain"
             )
-        cur = s.backend.session_len(s.sid)
-        if req.n_tokens == 0:
-            raise DataPlaneError(400, "bad_frame", "forward frame with no tokens")
-        if req.pos_start != cur:
-            raise DataPlaneError(
-                409, "bad_position", f"position {req.pos_start} does not follow the session's {cur} positions"
-            )
-        end = req.pos_start + req.n_tokens
-        if end > s.max_tokens:
-            raise DataPlaneError(
-                400, "context_cap", f"position {end} is beyond the session's context cap of {s.max_tokens}"
-            )
-        spec = shard.spec
-        ids = hidden = None
-        if spec.is_first:
-            if req.kind != Kind.IDS:
-                raise DataPlaneError(400, "bad_frame", "the first shard takes token ids")
-            ids = req.ids()
-        else:
-            if req.kind not in (Kind.F16, Kind.F32):
-                raise DataPlaneError(400, "bad_frame", "this shard takes hidden states")
-            if req.dim != shard.backend.boundary_dim:
-                raise DataPlaneError(
-                    400,
-                    "hidden_size",
-                    f"hidden size {req.dim} does not match this model's {shard.backend.boundary_dim}",
-                )
-            hidden = req.hidden()  # f16 or f32 as the frame carries it: backends read either
-            if _needs_ids(spec.manifest, spec.layer_start, spec.layer_end):
-                if req.token_ids is None:
-                    raise DataPlaneError(
-                        400,
-                        "bad_frame",
-                        "this shard's layers route by token id: send the ids with the hidden states",
-                    )
-                ids = req.token_ids
-        if req.want_logits and spec.is_last:
-            vocab = _vocab_size(shard)
-            if req.n_tokens * vocab * 4 > MAX_LOGITS_BYTES:
-                raise DataPlaneError(
-                    413,
-                    "logits_too_large",
-                    f"logits of {req.n_tokens} positions x {vocab} vocabulary exceed {MAX_LOGITS_BYTES} "
-                    f"bytes: ask for at most {MAX_LOGITS_BYTES // (4 * vocab)} positions per step",
-                )
-        # The last shard's token history grows in place (a copy per step would be O(context) on the
-        # decode path) and is cut back if the step fails.
         history_len = len(s.history)
-        history = None
-        if spec.is_last:
-            s.history.extend(ids.tolist() if ids is not None else (req.history or []))
-            history = s.history
-        if req.sampling is not None:
-            s.sampling = req.sampling
-        step = StepInput(
-            s.sid,
-            req.pos_start,
-            token_ids=ids,
-            hidden=hidden,
-            sampling=s.sampling,
-            history=history,
-            want_logits=req.want_logits,
-            hidden_dtype=_out_dtype(req),
-        )
-        s.busy = True
-        try:
-            # queued with other sessions' steps when the backend batches (agent/node/scheduler.py)
-            res = await shard.scheduler.submit(s.key, s, step)
-        except AdmissionError as e:
-            del s.history[history_len:]
-            raise DataPlaneError(503, "kv_budget", str(e)) from None
-        except BackendError as e:
-            del s.history[history_len:]
-            raise DataPlaneError(400, "backend", str(e)) from None
-        except StepDropped as e:
-            del s.history[history_len:]
-            raise DataPlaneError(404, "unknown_session", str(e)) from None
-        except SessionBusy as e:
-            del s.history[history_len:]
-            raise DataPlaneError(409, "step_in_progress", str(e)) from None
-        except BaseException:
-            del s.history[history_len:]
-            raise
-        finally:
-            s.busy = False
+        step = frame_step(req, shard.spec, shard.backend.boundary_dim, s)
+        # queued with other sessions' steps when the backend batches (agent/node/scheduler.py)
+        res = await run_step(shard.scheduler, s, step, history_len)
         self.counters["tokens_in"] += req.n_tokens
         if res.token is not None:
             self.counters["tokens_out"] += 1
-            kind, n, dim, payload = Kind.TOKEN, 0, 0, b""
-            if req.want_logits and res.logits is not None:
-                kind, n, dim = Kind.LOGITS, res.logits.shape[0], res.logits.shape[1]
-                payload = np.ascontiguousarray(res.logits, dtype=np.float32).tobytes()
-            local = encode_response(
-                Response(
-                    step=req.step,
-                    kind=kind,
-                    session_len=end,
-                    n_tokens=n,
-                    dim=dim,
-                    token=res.token,
-                    logprob=res.logprob or 0.0,
-                    payload=payload,
-                )
-            )
-        else:
-            assert res.hidden is not None
-            dtype = _out_dtype(req)
-            arr = res.hidden.astype(numpy_dtype(dtype), copy=False)  # no copy: the backend wrote it so
-            local = encode_response(
-                Response(
-                    step=req.step,
-                    kind=hidden_kind(dtype),
-                    session_len=end,
-                    n_tokens=arr.shape[0],
-                    dim=arr.shape[1],
-                    payload=arr.tobytes(),
-                )
-            )
+        local = local_answer(req, res, req.pos_start + req.n_tokens)
         # The stored answer is bounded (and counted in held_bytes); a bigger one is recomputed on retry.
         s.last_step, s.last_digest = req.step, digest
         s.last_output = local if len(local) <= RETRY_CACHE_MAX else b""
@@ -763,24 +645,13 @@ class DataPlane:
         return app
 
 
-def _needs_ids(manifest: Manifest, start: int, end: int) -> bool:
-    """Whether layers [start, end) read the token ids (deepseek4's hash-routed experts)."""
-    return any(layer.needs_token_ids for layer in manifest.layers[start:end])
-
-
 def _ids_for_next(req: Request, shard: Shard | None) -> np.ndarray | None:
     """The ids a chain hop passes on with its hidden states: only when a later layer reads them."""
-    if shard is None or not _needs_ids(
+    if shard is None or not needs_ids(
         shard.spec.manifest, shard.spec.layer_end, shard.spec.manifest.n_layers
     ):
         return None
     return req.ids() if req.kind == Kind.IDS else req.token_ids
-
-
-def _vocab_size(shard: Shard) -> int:
-    """Logits per position; an unknown vocabulary counts as 128K, the largest a served model has."""
-    v = shard.spec.manifest.hparams.get("vocab_size")
-    return v if isinstance(v, int) and v > 0 else 1 << 17
 
 
 async def _read_bounded(r: Any, limit: int) -> bytes | None:
@@ -813,10 +684,6 @@ def _release(counts: dict[Any, int], key: object) -> None:
         counts[key] = left
     else:
         counts.pop(key, None)
-
-
-def _out_dtype(req: Request) -> HiddenDtype:
-    return "f16" if req.f16_out else "f32"
 
 
 def _error(status: int, code: str, message: str) -> web.Response:
