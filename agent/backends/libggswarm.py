@@ -12,7 +12,7 @@ import numpy as np
 
 from agent.wire.frames import HiddenDtype, numpy_dtype
 
-GGSWARM_API_VERSION = 5
+GGSWARM_API_VERSION = 6
 
 GGSWARM_OK = 0
 GGSWARM_E_INVALID_ARG = -1
@@ -43,6 +43,7 @@ GGSWARM_TYPE_F32 = 0
 GGSWARM_TYPE_F16 = 1
 GGSWARM_MAX_CONTEXT = 131072
 GGSWARM_MAX_BATCH = 4096
+GGSWARM_MAX_STEPS = 256  # steps (sessions) per ggswarm_forward_many call
 # ggml's attention spans the cached positions rounded up to this (kKvPad in native/src/kv.cpp, as in
 # llama.cpp); the CPU decode kernels read them rounded up to KERNEL_PAD only. For the work a step does
 # (bench/native.py); KV bytes are the library's to say (NativeModel.growth_bytes, NativeBudget).
@@ -103,6 +104,7 @@ class ggswarm_model_info(ctypes.Structure):  # noqa: N801 - mirrors the C name
         ("model_id", ctypes.c_char * 72),
         ("decode_kernels", ctypes.c_int32),
         ("graph_builds", ctypes.c_uint64),
+        ("batches_sessions", ctypes.c_int32),
     ]
 
 
@@ -295,6 +297,21 @@ def _bind(lib: ctypes.CDLL) -> None:
     # ggswarm_status ggswarm_forward(ggswarm_model * model, int64_t sid, const ggswarm_batch * batch);
     lib.ggswarm_forward.argtypes = [ggswarm_model_p, ctypes.c_int64, ctypes.POINTER(ggswarm_batch)]
     lib.ggswarm_forward.restype = c_status
+
+    # ggswarm_status ggswarm_forward_many(ggswarm_model * model, int32_t n, const int64_t * sids,
+    #     const ggswarm_batch * batches, ggswarm_status * statuses);
+    lib.ggswarm_forward_many.argtypes = [
+        ggswarm_model_p,
+        ctypes.c_int32,
+        ctypes.POINTER(ctypes.c_int64),
+        ctypes.POINTER(ggswarm_batch),
+        ctypes.POINTER(c_status),
+    ]
+    lib.ggswarm_forward_many.restype = c_status
+
+    # const char * ggswarm_forward_many_error(const ggswarm_model * model, int32_t i);
+    lib.ggswarm_forward_many_error.argtypes = [ggswarm_model_p, ctypes.c_int32]
+    lib.ggswarm_forward_many_error.restype = ctypes.c_char_p
 
     # ggswarm_status ggswarm_session_snapshot_size(const ggswarm_model * model, int64_t sid,
     #     uint64_t * out_size);
@@ -502,6 +519,8 @@ class NativeModel:
         self.decode_kernels = info.decode_kernels == 1
         self.n_ctx_max = info.n_ctx_max
         self.kv_bytes_per_token = info.kv_bytes_per_token
+        # forward_many runs several sessions' steps in one graph (else one after another, in the library)
+        self.batches_sessions = bool(info.batches_sessions)
         # reusable per-call buffers (a decode step allocates nothing on the C side)
         self._batch = ggswarm_batch()
         self._tok = ctypes.c_int32()
@@ -618,8 +637,94 @@ class NativeModel:
         `hidden` goes in as it is when f16 or f32 (the library reads either); the returned hidden rows
         are written by the library in `hidden_dtype`.
         """
-        b = self._batch
         keep: list[Any] = []  # arrays that must outlive the call
+        out = self._fill(
+            self._batch, keep, pos_start, token_ids, hidden, sampling, history, want_logits, hidden_dtype
+        )
+        b = self._batch
+        b.compute_s_out = ctypes.pointer(self._secs)
+        if self.is_last:
+            b.token_out = ctypes.pointer(self._tok)
+            b.logprob_out = ctypes.pointer(self._lp)
+        self._call(self._lib.ggswarm_forward, sid, ctypes.byref(b))
+        if self.is_last:
+            out["token"] = self._tok.value
+            out["logprob"] = self._lp.value
+        out["compute_s"] = self._secs.value
+        del keep
+        return out
+
+    def forward_many(self, steps: list[dict[str, Any]]) -> list[dict[str, Any] | NativeError]:
+        """One step of each of several distinct sessions in one call (ggswarm_forward_many): each step
+        a dict of forward()'s arguments ("sid", "pos_start", optional "token_ids", "hidden", "sampling",
+        "history", "want_logits", "hidden_dtype"). Returns, in order, forward()'s dict for each step
+        that ran, or the NativeError of a step that failed (the others are unaffected)."""
+        n = len(steps)
+        if not 1 <= n <= GGSWARM_MAX_STEPS:
+            raise NativeError(GGSWARM_E_INVALID_ARG, f"{n} steps: forward_many takes 1..{GGSWARM_MAX_STEPS}")
+        if not self._h:
+            raise NativeError(GGSWARM_E_INVALID_ARG, "model is closed")
+        batches = (ggswarm_batch * n)()
+        sids = (ctypes.c_int64 * n)(*[int(st["sid"]) for st in steps])
+        statuses = (ctypes.c_int32 * n)()
+        toks = (ctypes.c_int32 * n)()
+        lps = (ctypes.c_double * n)()
+        secs = (ctypes.c_double * n)()
+        keep: list[Any] = []
+        outs: list[dict[str, Any]] = []
+        for i, st in enumerate(steps):
+            outs.append(
+                self._fill(
+                    batches[i],
+                    keep,
+                    int(st["pos_start"]),
+                    st.get("token_ids"),
+                    st.get("hidden"),
+                    st.get("sampling"),
+                    st.get("history"),
+                    bool(st.get("want_logits", False)),
+                    st.get("hidden_dtype", "f32"),
+                )
+            )
+            batches[i].compute_s_out = ctypes.cast(
+                ctypes.addressof(secs) + 8 * i, ctypes.POINTER(ctypes.c_double)
+            )
+            if self.is_last:
+                batches[i].token_out = ctypes.cast(
+                    ctypes.addressof(toks) + 4 * i, ctypes.POINTER(ctypes.c_int32)
+                )
+                batches[i].logprob_out = ctypes.cast(
+                    ctypes.addressof(lps) + 8 * i, ctypes.POINTER(ctypes.c_double)
+                )
+        self._lib.ggswarm_forward_many(self._h, n, sids, batches, statuses)
+        res: list[dict[str, Any] | NativeError] = []
+        for i, out in enumerate(outs):
+            if statuses[i] != GGSWARM_OK:
+                msg = (self._lib.ggswarm_forward_many_error(self._h, i) or b"").decode("utf-8", "replace")
+                res.append(NativeError(statuses[i], msg or f"libggswarm status {statuses[i]}"))
+                continue
+            if self.is_last:
+                out["token"] = toks[i]
+                out["logprob"] = lps[i]
+            out["compute_s"] = secs[i]
+            res.append(out)
+        del keep
+        return res
+
+    def _fill(
+        self,
+        b: ggswarm_batch,
+        keep: list[Any],
+        pos_start: int,
+        token_ids: np.ndarray | None,
+        hidden: np.ndarray | None,
+        sampling: ggswarm_sampling | None,
+        history: np.ndarray | None,
+        want_logits: bool,
+        hidden_dtype: HiddenDtype,
+    ) -> dict[str, Any]:
+        """Fill one ggswarm_batch (not its token/logprob/seconds outputs); arrays it points at go in
+        `keep`; returns the step's output dict holding the arrays the library writes."""
         if token_ids is not None:
             ids, ids_p = _i32_array(token_ids)
             keep.append(ids)
@@ -656,7 +761,7 @@ class NativeModel:
         b.n_history = 0
         b.token_out = None
         b.logprob_out = None
-        b.compute_s_out = ctypes.pointer(self._secs)
+        b.compute_s_out = None
         if not self.is_last:
             hout = np.empty((max(n, 0), self.d_model), dtype=numpy_dtype(hidden_dtype))
             b.hidden_out = hout.ctypes.data
@@ -677,12 +782,4 @@ class NativeModel:
                 keep.append(hist)
                 b.history = hist_p
                 b.n_history = hist.size
-            b.token_out = ctypes.pointer(self._tok)
-            b.logprob_out = ctypes.pointer(self._lp)
-        self._call(self._lib.ggswarm_forward, sid, ctypes.byref(b))
-        if self.is_last:
-            out["token"] = self._tok.value
-            out["logprob"] = self._lp.value
-        out["compute_s"] = self._secs.value
-        del keep
         return out

@@ -13,9 +13,11 @@ from agent.backends.base import (
     BackendError,
     ForwardResult,
     ShardSpec,
+    StepInput,
 )
 from agent.backends.libggswarm import (
     GGSWARM_E_BUDGET,
+    GGSWARM_MAX_STEPS,
     NativeBudget,
     NativeError,
     NativeModel,
@@ -70,6 +72,8 @@ class NativeBackend(Backend):
                 f"model d_model {self.model.d_model} != manifest boundary_dim {spec.manifest.boundary_dim}"
             )
         self.sessions: dict[SessionId, int] = {}
+        # plain-attention architectures run a batch of sessions' steps as one graph (forward_batch)
+        self.batches_sessions = self.model.batches_sessions
         every = options.get("checkpoint_every", os.environ.get("GGSWARM_CHECKPOINT_EVERY"))
         most = options.get("checkpoints_max", os.environ.get("GGSWARM_CHECKPOINTS_MAX"))
         if every is not None or most is not None:
@@ -144,18 +148,18 @@ class NativeBackend(Backend):
         except NativeError as e:
             raise _error(e) from None
 
-    def forward(
+    def _step(
         self,
         sid: SessionId,
         pos_start: int,
-        token_ids: np.ndarray | None = None,
-        hidden: np.ndarray | None = None,
-        sampling: SamplingParams | None = None,
-        history: list[int] | None = None,
-        want_logits: bool = False,
-        hidden_dtype: HiddenDtype = "f32",
-    ) -> ForwardResult:
-        t0 = time.perf_counter()
+        token_ids: np.ndarray | None,
+        hidden: np.ndarray | None,
+        sampling: SamplingParams | None,
+        history: list[int] | None,
+        want_logits: bool,
+        hidden_dtype: HiddenDtype,
+    ) -> dict[str, object]:
+        """forward()'s arguments checked and converted for NativeModel.forward / forward_many."""
         native_sid = self._sid(sid)
         if self.spec.is_first:
             if token_ids is None:
@@ -179,27 +183,93 @@ class NativeBackend(Backend):
             params = sampling_struct(
                 p.temperature, p.top_k, p.top_p, p.min_p, p.repeat_penalty, p.repeat_last_n, p.seed
             )
+        return {
+            "sid": native_sid,
+            "pos_start": pos_start,
+            "token_ids": token_ids,
+            "hidden": hidden,
+            "sampling": params,
+            "history": np.asarray(history, dtype=np.int32) if history else None,
+            "want_logits": want_logits,
+            "hidden_dtype": hidden_dtype,
+        }
+
+    @staticmethod
+    def _result(out: dict[str, object], want_logits: bool) -> ForwardResult:
+        return ForwardResult(
+            hidden=out.get("hidden"),  # type: ignore[arg-type]
+            token=out.get("token"),  # type: ignore[arg-type]
+            logprob=out.get("logprob"),  # type: ignore[arg-type]
+            logits=out.get("logits") if want_logits else None,  # type: ignore[arg-type]
+        )
+
+    def forward(
+        self,
+        sid: SessionId,
+        pos_start: int,
+        token_ids: np.ndarray | None = None,
+        hidden: np.ndarray | None = None,
+        sampling: SamplingParams | None = None,
+        history: list[int] | None = None,
+        want_logits: bool = False,
+        hidden_dtype: HiddenDtype = "f32",
+    ) -> ForwardResult:
+        t0 = time.perf_counter()
+        args = self._step(sid, pos_start, token_ids, hidden, sampling, history, want_logits, hidden_dtype)
         try:
-            out = self.model.forward(
-                native_sid,
-                pos_start,
-                token_ids=token_ids,
-                hidden=hidden,
-                sampling=params,
-                history=np.asarray(history, dtype=np.int32) if history else None,
-                want_logits=want_logits,
-                hidden_dtype=hidden_dtype,
-            )
+            out = self.model.forward(**args)  # type: ignore[arg-type]
         except NativeError as e:
             raise _error(e) from None
-        res = ForwardResult(
-            hidden=out.get("hidden"),
-            token=out.get("token"),
-            logprob=out.get("logprob"),
-            logits=out.get("logits") if want_logits else None,
-        )
+        res = self._result(out, want_logits)
         res.compute_s = time.perf_counter() - t0
         return res
+
+    def forward_batch(self, steps: list[StepInput]) -> list[ForwardResult | BackendError]:
+        """One step of each of several distinct sessions through ggswarm_forward_many: one graph for
+        all their rows where the architecture batches (batches_sessions), else one after another in
+        the library. A failing step (bad input, unknown or repeated session, KV budget: AdmissionError)
+        gets its error in its slot; the others run as if alone. compute_s: the whole call's time."""
+        t0 = time.perf_counter()
+        results: list[ForwardResult | BackendError | None] = [None] * len(steps)
+        calls: list[dict[str, object]] = []
+        where: list[int] = []
+        for i, st in enumerate(steps):
+            try:
+                calls.append(
+                    self._step(
+                        st.sid,
+                        st.pos_start,
+                        st.token_ids,
+                        st.hidden,
+                        st.sampling,
+                        st.history,
+                        st.want_logits,
+                        st.hidden_dtype,
+                    )
+                )
+                where.append(i)
+            except BackendError as e:
+                results[i] = e
+        for lo in range(0, len(calls), GGSWARM_MAX_STEPS):
+            chunk = calls[lo : lo + GGSWARM_MAX_STEPS]
+            try:
+                outs = self.model.forward_many(chunk)
+            except (NativeError, ValueError) as e:
+                err = _error(e) if isinstance(e, NativeError) else BackendError(str(e))
+                outs = [NativeError(-1, str(err))] * len(chunk)
+            for i, out in zip(where[lo : lo + GGSWARM_MAX_STEPS], outs, strict=True):
+                if isinstance(out, NativeError):
+                    results[i] = _error(out)
+                else:
+                    results[i] = self._result(out, steps[i].want_logits)
+        secs = time.perf_counter() - t0
+        final: list[ForwardResult | BackendError] = []
+        for r in results:
+            assert r is not None  # every slot is filled above
+            if isinstance(r, ForwardResult):
+                r.compute_s = secs
+            final.append(r)
+        return final
 
     def close(self) -> None:
         if getattr(self, "model", None) is not None:

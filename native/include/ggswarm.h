@@ -31,6 +31,8 @@
  *   5 - deepseek4: ggswarm_batch.token_ids also with hidden_in, required on a window whose layers route
  *       experts by token id (hash layers); ggswarm_model_info.d_model is the boundary row (d_model x
  *       the hyper-connection streams: 4 x d_model for deepseek4).
+ *   6 - continuous batching: ggswarm_forward_many (one step of each of several sessions in one graph),
+ *       ggswarm_forward_many_error, GGSWARM_MAX_STEPS; ggswarm_model_info.batches_sessions.
  */
 #ifndef GGSWARM_H
 #define GGSWARM_H
@@ -42,7 +44,7 @@
 extern "C" {
 #endif
 
-#define GGSWARM_API_VERSION 5
+#define GGSWARM_API_VERSION 6
 
 #if defined(_WIN32)
 #define GGSWARM_API __declspec(dllexport)
@@ -72,6 +74,8 @@ typedef int32_t ggswarm_status;
 #define GGSWARM_MAX_CONTEXT 131072
 /* largest batch accepted by one forward call */
 #define GGSWARM_MAX_BATCH 4096
+/* most steps (sessions) accepted by one ggswarm_forward_many call */
+#define GGSWARM_MAX_STEPS 256
 
 typedef struct ggswarm_model ggswarm_model;
 typedef struct ggswarm_budget ggswarm_budget;
@@ -105,6 +109,9 @@ typedef struct ggswarm_model_info {
                                    AVX-512, GGSWARM_ATTENTION=flash; V cache not transposed) */
     uint64_t graph_builds;      /* window graphs built so far: one per new shape (batch size, attended
                                    span, KV capacity, last-only); sessions of one shape share it */
+    int32_t batches_sessions;   /* v6: 1 when ggswarm_forward_many runs several sessions' steps in one
+                                   graph (llama, mistral, qwen2, qwen3, gemma3); 0: it runs them one
+                                   after another (recurrent or token-routed architectures) */
 } ggswarm_model_info;
 
 typedef struct ggswarm_sampling {
@@ -226,6 +233,25 @@ GGSWARM_API ggswarm_status ggswarm_session_growth_bytes(const ggswarm_model * mo
 
 /* Run the window on positions [pos_start, pos_start + n_tokens) of session sid, appending to its KV. */
 GGSWARM_API ggswarm_status ggswarm_forward(ggswarm_model * model, int64_t sid, const ggswarm_batch * batch);
+
+/* v6: run one step of each of n DISTINCT sessions (sids[i] with batches[i], each as ggswarm_forward
+ * would take it) together. On an architecture that batches (ggswarm_model_info.batches_sessions) the
+ * steps' rows run through one graph: embedding, norms, projections, FFN and output head over all rows
+ * at once, attention and KV writes per session over its own cache; steps of more than GGSWARM_MAX_BATCH
+ * / 8 (512) positions, or a step left alone in its group, run as ggswarm_forward runs them. Elsewhere
+ * the steps run one after another inside the call. Each step gets its outputs (hidden rows, or sampled
+ * token, logprob and optional logits) as ggswarm_forward gives them, and its own status in
+ * statuses[i]: a step that fails validation (or a duplicate sid, or the budget) fails alone and leaves
+ * its session untouched; a compute failure fails the steps computed with it. *compute_s_out, when
+ * set, is the time of the graph the step ran in. Returns GGSWARM_OK when every step ran, else the
+ * first failing step's status (its message, prefixed with the step index, as the last error); each
+ * step's own message: ggswarm_forward_many_error. 1 <= n <= GGSWARM_MAX_STEPS. */
+GGSWARM_API ggswarm_status ggswarm_forward_many(ggswarm_model * model, int32_t n, const int64_t * sids,
+                                                const ggswarm_batch * batches, ggswarm_status * statuses);
+
+/* Message of step i of the last ggswarm_forward_many call on this handle ("" when it ran, or i is out
+ * of range). Valid until the next call on the handle. */
+GGSWARM_API const char * ggswarm_forward_many_error(const ggswarm_model * model, int32_t i);
 
 /* Bytes ggswarm_session_snapshot will write for the session's current length. */
 GGSWARM_API ggswarm_status ggswarm_session_snapshot_size(const ggswarm_model * model, int64_t sid,

@@ -102,8 +102,13 @@ Qkv qkv(Build & b, int32_t il, ggml_tensor * cur);
 // the output projection.
 ggml_tensor * attention(Build & b, int32_t il, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, float kq_scale);
 
+// attention() on a graph of several sessions (batch.cpp): per member, its rows of q, k and v appended to
+// its own cache and attended with its own inputs, the results concatenated in member order.
+ggml_tensor * attention_many(Build & b, int32_t il, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, float kq_scale);
+
 // On the last window's last layer, keep only the final position of cur and of the residual x (the
-// sampler reads nothing else); otherwise unchanged.
+// sampler reads nothing else; on a graph of several sessions, each member's final position); otherwise
+// unchanged.
 void keep_last(Build & b, int32_t il, ggml_tensor ** cur, ggml_tensor ** x);
 
 enum class Act { Silu, Gelu };
@@ -150,6 +155,9 @@ struct Arch {
     ggml_tensor * (*build_window)(Build & b, ggml_tensor * x);
     // optional: fill the inputs build_window added to g.arch_in for positions [pos, pos + nc)
     void (*set_inputs)(ggswarm_model * m, Graph & g, int32_t pos, int32_t nc) = nullptr;
+    // true when build_window uses only row-wise ops and attention()/keep_last() per layer (no set_inputs,
+    // one position per token), so ggswarm_forward_many may run several sessions' rows in one graph
+    bool batches = false;
 };
 
 // Architectures register themselves from their own unit: `static ArchRegistration reg(&kMyArch);`.

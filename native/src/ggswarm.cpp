@@ -20,6 +20,7 @@
 #include <new>
 #include <string>
 
+#include "arch.h"
 #include "attention.h"
 #include "model.h"
 
@@ -203,6 +204,7 @@ ggswarm_status ggswarm_model_info_get(const ggswarm_model * m, ggswarm_model_inf
     out->weight_bytes = m->weight_bytes;
     out->kv_bytes_per_token = m->kv_bytes_per_token();
     out->graph_builds = m->graph_builds;
+    out->batches_sessions = m->archp && m->archp->batches ? 1 : 0;
     return ok(m);
 }
 

@@ -76,15 +76,7 @@ void build_graph(ggswarm_model * m, Graph & g, int32_t n, int32_t n_kv, int32_t 
     }
     Build b{m, g, c, n, n_kv, cap, last_only};
     x = m->archp->build_window(b, x);
-    if (m->is_last()) {
-        x = rms(c, x, m->output_norm, m->eps);
-        x = ggml_mul_mat(c, m->output, x);
-        if (m->logit_softcap != 0.0f) {
-            x = ggml_scale(c, x, 1.0f / m->logit_softcap);
-            x = ggml_tanh(c, x);
-            x = ggml_scale(c, x, m->logit_softcap);
-        }
-    }
+    if (m->is_last()) x = output_head(m, c, x);
     g.out = x;
     ggml_set_output(g.out);
     ggml_build_forward_expand(g.gf, g.out);
@@ -98,12 +90,27 @@ void build_graph(ggswarm_model * m, Graph & g, int32_t n, int32_t n_kv, int32_t 
     }
 }
 
+}  // namespace
+
+ggml_tensor * output_head(ggswarm_model * m, ggml_context * c, ggml_tensor * x) {
+    x = rms(c, x, m->output_norm, m->eps);
+    x = ggml_mul_mat(c, m->output, x);
+    if (m->logit_softcap != 0.0f) {
+        x = ggml_scale(c, x, 1.0f / m->logit_softcap);
+        x = ggml_tanh(c, x);
+        x = ggml_scale(c, x, m->logit_softcap);
+    }
+    return x;
+}
+
 // Point one state leaf of the graph at a session's tensor of the same shape.
 void bind_leaf(ggml_tensor * leaf, const ggml_tensor * kv) {
     leaf->buffer = nullptr;
     leaf->data = nullptr;
     ggml_backend_tensor_alloc(kv->buffer, leaf, kv->data);
 }
+
+namespace {
 
 // Bind the graph's state to session s: its leaves, then every allocated view of them (set_rows
 // results, attention's K/V views), which ggml resolved from the leaves' addresses at allocation and
@@ -118,18 +125,21 @@ void bind_state(Graph & g, const Session & s) {
     }
 }
 
+}  // namespace
+
 // After allocation: remember the graph tensors that view the state leaves (a view's view_src is
 // always the leaf itself, ggml flattens chains of views).
 void collect_kv_views(Graph & g) {
     std::unordered_set<const ggml_tensor *> leaves;
     for (const auto & l : g.state) leaves.insert(l.begin(), l.end());
+    for (const auto & mb : g.members) {
+        for (const auto & l : mb.state) leaves.insert(l.begin(), l.end());
+    }
     g.kv_views.clear();
     for (ggml_tensor * t = ggml_get_first_tensor(g.ctx); t; t = ggml_get_next_tensor(g.ctx, t)) {
         if (t->view_src && t->buffer && leaves.count(t->view_src)) g.kv_views.push_back(t);
     }
 }
-
-constexpr int32_t kUBatch = 512;
 
 // Graphs kept per model, by kind. Decode-step graphs are small (one position's activations) and many
 // shapes recur (one per attended span and cache size); batch graphs' compute buffers grow with the
@@ -148,6 +158,8 @@ void drop_graph(ggswarm_model * m, const Graph * g) {
     }
 }
 
+namespace {
+
 // The cached graph of this shape, or a new one built, allocated and cached, evicting the least
 // recently used graph of its kind when the cache holds as many as it keeps. Bound to s before
 // allocation, so the allocator sees the cache as already placed.
@@ -162,7 +174,7 @@ ggswarm_status graph_for(ggswarm_model * m, const GraphKey & key, const Session 
     size_t same_kind = 0;
     const Graph * oldest = nullptr;
     for (auto & g : m->graphs) {
-        if ((g->key.n > 1) != batch) continue;
+        if (!g->key.members.empty() || (g->key.n > 1) != batch) continue;  // graphs of several sessions: batch.cpp
         ++same_kind;
         if (!oldest || g->last_use < oldest->last_use) oldest = g.get();
     }
@@ -182,6 +194,8 @@ ggswarm_status graph_for(ggswarm_model * m, const GraphKey & key, const Session 
     m->graphs.push_back(std::move(g));
     return GGSWARM_OK;
 }
+
+}  // namespace
 
 // Fill a mask input for new positions [pos, pos + nc) over n_kv cached ones: 0 where a position may
 // attend (causal; within the last `window` positions when window > 0, as llama.cpp's standard sliding
@@ -207,6 +221,16 @@ void set_mask(ggswarm_model * m, ggml_tensor * mask, int32_t pos, int32_t nc, in
         ggml_backend_tensor_set(mask, m->mask_host.data(), 0, sizeof(float) * m->mask_host.size());
     }
 }
+
+// The log-probability of token in row `row` of the graph's softmax output prob (the float softmax is
+// exact to ~1e-7; tiny probabilities fall back to the double log-softmax of the logits).
+double final_logprob(ggswarm_model * m, ggml_tensor * prob, int64_t row, const float * logits, int32_t token) {
+    float p = 0.0f;
+    ggml_backend_tensor_get(prob, &p, (size_t)row * prob->nb[1] + sizeof(float) * (size_t)token, sizeof(float));
+    return p > 1e-30f ? std::log((double)p) : log_softmax_at(logits, m->n_vocab, token);
+}
+
+namespace {
 
 // One micro-batch: positions [b->pos_start + off, + nc). On the last window *last points at the logits
 // of the chunk's final position afterwards.
@@ -293,18 +317,10 @@ ggswarm_status forward_chunk(ggswarm_model * m, Session & s, const ggswarm_batch
 }
 
 }  // namespace
-}  // namespace ggswarm
 
-using namespace ggswarm;
-
-extern "C" {
-
-ggswarm_status ggswarm_forward(ggswarm_model * m, int64_t sid, const ggswarm_batch * b) {
-    if (!m || !b) return fail(m, GGSWARM_E_INVALID_ARG, "model or batch is NULL");
-    const auto t0 = std::chrono::steady_clock::now();
-    Session * sp = find_session(m, sid);
-    if (!sp) return no_session(m, sid);
-    Session & s = *sp;
+// The checks ggswarm_forward makes on a step before touching the session (also ggswarm_forward_many's,
+// per step): GGSWARM_OK, or the failure with its message set.
+ggswarm_status validate_step(ggswarm_model * m, const Session & s, const ggswarm_batch * b) {
     const int32_t n = b->n_tokens;
     if (n <= 0 || n > GGSWARM_MAX_BATCH) {
         return fail(m, GGSWARM_E_INVALID_ARG, "n_tokens %d is outside 1..%d", n, GGSWARM_MAX_BATCH);
@@ -363,6 +379,23 @@ ggswarm_status ggswarm_forward(ggswarm_model * m, int64_t sid, const ggswarm_bat
                         (long long)b->hidden_out_count, (long long)n_hidden);
         }
     }
+    return GGSWARM_OK;
+}
+
+}  // namespace ggswarm
+
+using namespace ggswarm;
+
+extern "C" {
+
+ggswarm_status ggswarm_forward(ggswarm_model * m, int64_t sid, const ggswarm_batch * b) {
+    if (!m || !b) return fail(m, GGSWARM_E_INVALID_ARG, "model or batch is NULL");
+    const auto t0 = std::chrono::steady_clock::now();
+    Session * sp = find_session(m, sid);
+    if (!sp) return no_session(m, sid);
+    Session & s = *sp;
+    const int32_t n = b->n_tokens;
+    if (ggswarm_status st = validate_step(m, s, b)) return st;
     ggswarm_status st = ensure_capacity(m, s, b->pos_start + n);
     if (st) return st;
 
@@ -392,12 +425,7 @@ ggswarm_status ggswarm_forward(ggswarm_model * m, int64_t sid, const ggswarm_bat
         ggswarm::SampleResult r = ggswarm::sample(last, m->n_vocab, p, (int64_t)b->pos_start + n - 1, b->history,
                                                   b->history ? b->n_history : 0, m->scratch, false);
         *b->token_out = r.token;
-        if (b->logprob_out) {
-            float prob = 0.0f;
-            ggml_backend_tensor_get(m->graph->out_prob, &prob, sizeof(float) * (size_t)r.token, sizeof(float));
-            // float softmax is exact to ~1e-7; tiny probabilities fall back to the double log-softmax
-            *b->logprob_out = prob > 1e-30f ? std::log((double)prob) : ggswarm::log_softmax_at(last, m->n_vocab, r.token);
-        }
+        if (b->logprob_out) *b->logprob_out = final_logprob(m, m->graph->out_prob, 0, last, r.token);
     }
     if (b->compute_s_out) {
         *b->compute_s_out = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

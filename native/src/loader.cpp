@@ -421,11 +421,12 @@ ggswarm_status init_sched(ggswarm_model * m) {
     return GGSWARM_OK;
 }
 
-// A scheduler over the model's device (and the CPU as fallback); NULL when ggml cannot make one.
-ggml_backend_sched_t new_sched(const ggswarm_model * m) {
+// A scheduler over the model's device (and the CPU as fallback) for graphs of up to graph_size nodes
+// (0: the window graph's m->graph_size); NULL when ggml cannot make one.
+ggml_backend_sched_t new_sched(const ggswarm_model * m, size_t graph_size) {
     ggml_backend_t bs[2] = {m->backend, m->backend_cpu};
     int n = m->backend_cpu == m->backend ? 1 : 2;
-    return ggml_backend_sched_new(bs, nullptr, n, m->graph_size, false, false);
+    return ggml_backend_sched_new(bs, nullptr, n, graph_size ? graph_size : m->graph_size, false, false);
 }
 
 }  // namespace ggswarm

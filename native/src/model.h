@@ -103,9 +103,22 @@ struct GraphKey {
     int32_t n_kv = 0;    // attended span
     int32_t cap = 0;     // KV capacity of the bound session (the cache tensors' shape)
     bool last_only = false;
+    std::vector<int32_t> members;  // a graph of several sessions (batch.cpp): (n, n_kv, cap) per member; else empty
     bool operator==(const GraphKey & o) const {
-        return n == o.n && n_kv == o.n_kv && cap == o.cap && last_only == o.last_only;
+        return n == o.n && n_kv == o.n_kv && cap == o.cap && last_only == o.last_only && members == o.members;
     }
+};
+
+// One session's rows in a graph of several sessions (batch.cpp): rows [off, off + n) of the concatenated
+// inputs, its own attention inputs (null where the graph's mode reads none) and its own state leaves.
+struct GraphMember {
+    int32_t off = 0, n = 0, n_kv = 0, cap = 0;
+    ggml_tensor * mask = nullptr;
+    ggml_tensor * mask_swa = nullptr;
+    ggml_tensor * kidx = nullptr;
+    ggml_tensor * vidx = nullptr;
+    ggml_tensor * pos = nullptr;  // a view of the graph's inp_pos at its first row (the decode kernels read it)
+    std::vector<std::vector<ggml_tensor *>> state;
 };
 
 // A built and allocated window graph, cached by its key and reused by whichever session calls with
@@ -131,6 +144,8 @@ struct Graph {
     std::vector<std::vector<ggml_tensor *>> state;  // per layer: leaves bound to a session's s.state
     std::vector<ggml_tensor *> kv_views;             // graph tensors viewing a state leaf (rebound with it)
     std::vector<ggml_tensor *> arch_in;              // the architecture's own inputs (Arch::set_inputs fills them)
+    std::vector<GraphMember> members;                // a graph of several sessions (batch.cpp); else empty
+    ggml_tensor * inp_last = nullptr;                // several sessions, last window: each member's final row
     GraphKey key;
     uint64_t last_use = 0;
 
@@ -226,6 +241,7 @@ struct ggswarm_model {
     std::vector<float> hidden_host;
     std::vector<float> logits_host;
     std::vector<uint8_t> staging;
+    std::vector<std::string> step_errors;  // ggswarm_forward_many: each step's message ("" when it ran)
     ggswarm::SamplerScratch scratch;
 
     bool is_first() const { return layer_start == 0; }
@@ -265,7 +281,7 @@ std::string fingerprint(const char * path, uint64_t data_off, uint64_t file_size
 ggswarm_status apply_threads(ggswarm_model * m, int32_t n);
 ggswarm_status init_backends(ggswarm_model * m);
 ggswarm_status init_sched(ggswarm_model * m);
-ggml_backend_sched_t new_sched(const ggswarm_model * m);
+ggml_backend_sched_t new_sched(const ggswarm_model * m, size_t graph_size = 0);
 
 // session state (kv.cpp)
 void budget_release(ggswarm_budget * b);
@@ -278,5 +294,15 @@ int64_t pad_kv(int64_t n);
 bool kernel_step(const ggswarm_model * m, int32_t n);
 int64_t kernel_span(int64_t n);
 ggswarm_status ensure_capacity(ggswarm_model * m, Session & s, int32_t need);
+
+// compute (graph.cpp), shared with batch.cpp
+constexpr int32_t kUBatch = 512;  // positions per micro-batch (bounded compute memory, like llama.cpp's n_ubatch)
+ggswarm_status validate_step(ggswarm_model * m, const Session & s, const ggswarm_batch * b);
+void set_mask(ggswarm_model * m, ggml_tensor * mask, int32_t pos, int32_t nc, int32_t n_kv, int32_t window);
+ggml_tensor * output_head(ggswarm_model * m, ggml_context * c, ggml_tensor * x);  // last window: norm, head, softcap
+void bind_leaf(ggml_tensor * leaf, const ggml_tensor * kv);
+void collect_kv_views(Graph & g);
+void drop_graph(ggswarm_model * m, const Graph * g);
+double final_logprob(ggswarm_model * m, ggml_tensor * prob, int64_t row, const float * logits, int32_t token);
 
 }  // namespace ggswarm

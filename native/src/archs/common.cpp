@@ -37,6 +37,7 @@ Qkv qkv(Build & b, int32_t il, ggml_tensor * cur) {
 }
 
 ggml_tensor * attention(Build & b, int32_t il, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, float kq_scale) {
+    if (!b.g.members.empty()) return attention_many(b, il, q, k, v, kq_scale);
     ggswarm_model * m = b.m;
     Graph & g = b.g;
     ggml_context * c = b.c;
@@ -66,6 +67,12 @@ ggml_tensor * attention(Build & b, int32_t il, ggml_tensor * q, ggml_tensor * k,
 }
 
 void keep_last(Build & b, int32_t il, ggml_tensor ** cur, ggml_tensor ** x) {
+    if (!b.g.members.empty()) {  // several sessions: their final rows, by index (inp_last)
+        if (!b.last_only || il != b.m->layer_end - 1 || !b.g.inp_last) return;
+        *cur = ggml_get_rows(b.c, *cur, b.g.inp_last);
+        *x = ggml_get_rows(b.c, *x, b.g.inp_last);
+        return;
+    }
     if (!b.last_only || il != b.m->layer_end - 1 || b.n <= 1) return;
     ggml_tensor * t = *cur;
     *cur = ggml_view_2d(b.c, t, t->ne[0], 1, t->nb[1], (size_t)(b.n - 1) * t->nb[1]);
