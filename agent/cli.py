@@ -79,6 +79,24 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
 
 # -- serve ------------------------------------------------------------------------------------------
+# Commands that compute for a route. libgomp (OpenMP: llama-cpp-python's ggml is built with it, and
+# torch) keeps a finished graph's worker threads spinning for ~3 ms (its default GOMP_SPINCOUNT of
+# 300,000) before they sleep. A hop that has just answered would spin on the core the route's next hop
+# needs (3 hops x 2 threads on 2 cores ran at half speed), so serving processes let idle workers sleep
+# at once (docs/benchmarks.md, "Served route"). An operator's own setting wins.
+SERVING_COMMANDS = ("serve", "run", "launch")
+IDLE_THREADS_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def sleep_idle_threads(env: dict[str, str] | os._Environ[str] = os.environ) -> dict[str, str]:
+    """Set IDLE_THREADS_ENV in `env` unless the wait policy or spin count is set already; returns what
+    was set. libgomp reads these once, when it loads: call this before any backend library."""
+    if any(k in env for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")):
+        return {}
+    env.update(IDLE_THREADS_ENV)
+    return dict(IDLE_THREADS_ENV)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from agent.artifacts.manifest import ManifestError, build_manifest
     from agent.artifacts.packaged import ModelNotFound, packaged_model_path
@@ -286,6 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.cmd in SERVING_COMMANDS:
+        sleep_idle_threads()  # before the backend's libraries load (nothing above loads them)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

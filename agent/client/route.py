@@ -51,6 +51,7 @@ from agent.wire.frames import (
 )
 from agent.wire.ids import SessionId
 from agent.wire.sampling import SamplingParams
+from agent.wire.stream import FrameStreams
 
 __all__ = [
     "ChatEvent",
@@ -158,14 +159,20 @@ class RouteClient(Failover):
             timeout=ClientTimeout(total=timeout_s),
             skip_auto_headers=("User-Agent",),
         )
+        self._streams = FrameStreams(self._http)
 
     # -- low level ----------------------------------------------------------------------------------
     async def _post(self, i: int, body: bytes, timeout_s: float | None = None) -> Response:
         hop = self.hops[i]
-        t = ClientTimeout(total=timeout_s) if timeout_s is not None else None
         try:
-            async with self._http.post(hop.url.rstrip("/") + "/v1/frame", data=body, timeout=t) as r:
-                data = await r.read()
+            # a pooled WebSocket per hop (agent/wire/stream.py); POST for big frames and older hops
+            got = await self._streams.exchange(hop.url, body, timeout_s or self.timeout_s)
+            if got is not None:
+                status, data = got
+            else:
+                t = ClientTimeout(total=timeout_s) if timeout_s is not None else None
+                async with self._http.post(hop.url.rstrip("/") + "/v1/frame", data=body, timeout=t) as r:
+                    status, data = r.status, await r.read()
         except TimeoutError:
             late = f"{timeout_s:.2f} s" if timeout_s is not None else f"{self.timeout_s:.0f} s"
             raise RouteError(
@@ -173,14 +180,14 @@ class RouteClient(Failover):
             ) from None
         except (ClientError, OSError) as e:
             raise RouteError(f"hop {i} ({hop.url}) unreachable: {e}", hop=i) from None
-        if r.status != 200:
+        if status != 200:
             try:
                 err = json.loads(data)
                 code, msg = err.get("error", ""), err.get("message", "")
             except ValueError:
                 code, msg = "", data[:200].decode("utf-8", "replace")
             raise RouteError(
-                f"hop {i} ({hop.url}) answered {r.status} {code}: {msg}", status=r.status, code=code, hop=i
+                f"hop {i} ({hop.url}) answered {status} {code}: {msg}", status=status, code=code, hop=i
             )
         self.hop_stats[i].bytes_out += len(body)
         self.hop_stats[i].bytes_in += len(data)
@@ -255,6 +262,7 @@ class RouteClient(Failover):
                         await self._post(i, self._frame(i, Op.CLOSE), self.policy.deadline_floor_s * 2)
                 self.opened = False
         finally:
+            await self._streams.close()
             await self._http.close()
 
     async def truncate(self, n: int) -> int:

@@ -1,0 +1,124 @@
+"""`GET /v1/stream`: request frames over one WebSocket per client (docs/protocol.md, "Transport").
+
+The same frames, limits and answers as `POST /v1/frame` (agent/node/dataplane.py), without an HTTP
+request per frame: on this machine an aiohttp POST round trip costs ~650 us, a WebSocket message
+~90 us (bench/transport.py), and a decode step pays one per hop. A message is at most
+STREAM_MAX_FRAME bytes (bigger frames go over POST, which checks the token before reading the body);
+its header, length and route token are checked before anything is decoded, and the per-address,
+per-token and node-wide buffered-bytes limits count it exactly as they count a POST. Messages on one
+socket are answered one at a time, in order.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from aiohttp import WSCloseCode, WSMsgType, web
+
+from agent.wire.frames import REQ_HEADER, FrameError, check_request_header, peek_request
+from agent.wire.stream import STREAM_MAX_FRAME, STREAM_PATH, error_message
+
+if TYPE_CHECKING:
+    from agent.node.dataplane import DataPlane, DataPlaneError
+
+log = logging.getLogger("agent.node.stream")
+# Open streams per client address: each buffers at most one STREAM_MAX_FRAME message, so this bounds
+# what one address can make a node hold (the control plane's route clients share one address).
+MAX_STREAMS_PER_IP = 256
+
+
+def register_stream(app: web.Application, dp: DataPlane) -> None:
+    app.router.add_get(STREAM_PATH, StreamView(dp).view)
+
+
+class StreamView:
+    """The WebSocket endpoint of one data plane."""
+
+    def __init__(self, dp: DataPlane) -> None:
+        self.dp = dp
+        self.streams: dict[str, int] = {}
+
+    async def view(self, request: web.Request) -> web.StreamResponse:
+        from agent.node.dataplane import _error, _release
+
+        ip = request.remote or "?"
+        if self.streams.get(ip, 0) >= MAX_STREAMS_PER_IP:
+            return _error(429, "too_many_requests", f"more than {MAX_STREAMS_PER_IP} streams from {ip}")
+        ws = web.WebSocketResponse(max_msg_size=STREAM_MAX_FRAME, compress=False, autoping=True)
+        await ws.prepare(request)
+        self.streams[ip] = self.streams.get(ip, 0) + 1
+        try:
+            async for msg in ws:
+                if msg.type != WSMsgType.BINARY:
+                    await ws.close(code=WSCloseCode.UNSUPPORTED_DATA, message=b"binary frames only")
+                    break
+                status, answer = await self.answer(ip, msg.data)
+                if status == 200:
+                    await ws.send_bytes(answer)
+                else:
+                    await ws.send_str(answer.decode())
+        finally:
+            _release(self.streams, ip)
+        return ws
+
+    async def answer(self, ip: str, body: bytes) -> tuple[int, bytes]:
+        """(200, response frame) or (status, error JSON) for one message, limits first."""
+        from agent.node.dataplane import PER_IP_CONCURRENCY, DataPlaneError, _release
+
+        dp = self.dp
+        if dp._per_ip.get(ip, 0) >= PER_IP_CONCURRENCY:
+            return self._refuse(
+                DataPlaneError(
+                    429, "too_many_requests", f"more than {PER_IP_CONCURRENCY} frames at once from {ip}"
+                )
+            )
+        dp._per_ip[ip] = dp._per_ip.get(ip, 0) + 1
+        token = b""
+        reserved = 0
+        try:
+            try:
+                token = self._admit(body)
+                reserved = len(body)
+                out = await dp.answer_frame(body)
+            except DataPlaneError as e:
+                return self._refuse(e)
+            dp.counters["bytes_out"] += len(out)
+            return 200, out
+        finally:
+            _release(dp._per_ip, ip)
+            if token:
+                _release(dp._per_token, token)
+            dp._inflight_bytes -= reserved
+
+    def _admit(self, body: bytes) -> bytes:
+        """Header, length and route token of a whole message, then its concurrency slot and bytes."""
+        from agent.node.dataplane import INFLIGHT_BYTES, PER_TOKEN_CONCURRENCY, DataPlaneError, _release
+
+        dp = self.dp
+        n = len(body)
+        try:
+            token_len, promised = check_request_header(body[: REQ_HEADER.size])
+            if n < promised:
+                raise FrameError(f"truncated frame: {n} bytes, its header promises {promised}")
+            session, token, _ = peek_request(body[: REQ_HEADER.size + token_len])
+        except FrameError as e:
+            raise DataPlaneError(e.status, "bad_frame", str(e)) from None
+        dp.authorise_token(session, token)
+        if dp._per_token.get(token, 0) >= PER_TOKEN_CONCURRENCY:
+            raise DataPlaneError(
+                429,
+                "too_many_requests",
+                f"more than {PER_TOKEN_CONCURRENCY} frames at once for one route token",
+            )
+        dp._per_token[token] = dp._per_token.get(token, 0) + 1
+        if dp._inflight_bytes + n > INFLIGHT_BYTES:
+            _release(dp._per_token, token)
+            raise DataPlaneError(503, "busy", "this node is receiving too many frames at once; retry shortly")
+        dp._inflight_bytes += n
+        return token
+
+    def _refuse(self, e: DataPlaneError) -> tuple[int, bytes]:
+        self.dp.counters["errors"] += 1
+        self.dp.metrics.error(e.code)
+        return e.status, error_message(e.status, e.code, e.message).encode()

@@ -1,0 +1,530 @@
+"""The served route against one llama.cpp process, measured in one run on one machine (prints JSON last).
+
+    python bench/served.py [--threads 2] [--tokens 48] [--rounds 2] [--mode MODE] [--no-playground]
+                           [--serve-env K=V ...]
+
+llama-cpp-python runs in this process (one `Llama`, `--threads` threads; the batched figure drives 8
+sequences through its low-level batch API). The served route is 3 real `agent serve` processes on
+127.0.0.1 (native backend, layers 0:10 / 10:20 / 20:30, `--threads` each) driven by
+`agent.client.route.RouteClient` with the arguments the control plane gives it (its default mode and
+seam dtype). Decode figures are medians of interleaved rounds (the machine is shared: compare ratios).
+
+Keys (issue 13): decode_tok_s_llamacpp, decode_tok_s_served_3hop, ratio_served_vs_llamacpp,
+per_hop_overhead_ms (step wall time minus the hops' own compute, per hop), aggregate_tok_s_8_sessions_served,
+ratio_8_vs_1_served, decode_tok_s_llamacpp_batched_8, ratio_served8_vs_llamacpp8,
+itl_p50_ms_idle / itl_p95_ms_while_prefill / itl_ratio (4 sessions decoding while a 2,000-token prompt
+arrives), playground_tok_s / route_client_tok_s_playground_route / ratio_playground_vs_route_client (an
+answer over the playground websocket of a live control plane vs the route client on the same hops), and
+default_seam_top1_agreement (bench/seam.py's figure, when that script exists).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import inspect
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from agent.artifacts.manifest import build_manifest  # noqa: E402
+from agent.artifacts.packaged import packaged_model_path  # noqa: E402
+from agent.cli import sleep_idle_threads  # noqa: E402
+from agent.client.route import Hop, RouteClient  # noqa: E402
+from agent.client.tokenizer import ChatTokenizer  # noqa: E402
+from agent.procs import stop  # noqa: E402
+from agent.wire.routetoken import RouteHop, generate_key, mint_route, public_key_b64  # noqa: E402
+from agent.wire.sampling import SamplingParams  # noqa: E402
+from bench._common import start_serve  # noqa: E402
+
+RANGES = [(0, 10), (10, 20), (20, 30)]
+STORY = [
+    {"role": "user", "content": "Write a long story about a lighthouse keeper who kept a log of every ship."}
+]
+BATCH = 8
+ITL_SESSIONS = 4
+LONG_PROMPT = 2000
+GREEDY = SamplingParams()
+DEFAULT_MODE = str(inspect.signature(RouteClient).parameters["mode"].default)
+
+
+# -- llama.cpp, one process -----------------------------------------------------------------------------
+class LlamaCpp:
+    """llama-cpp-python in this process: a Python decode loop, and 8 sequences through llama_batch."""
+
+    def __init__(self, model: str, threads: int) -> None:
+        import llama_cpp
+
+        self.lc = llama_cpp
+        self.llm = llama_cpp.Llama(
+            model_path=model,
+            n_ctx=2048,
+            n_batch=512,
+            n_threads=threads,
+            n_threads_batch=threads,
+            verbose=False,
+        )
+        self.n_vocab = self.llm.n_vocab()
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = BATCH * 512
+        params.n_batch = 512
+        params.n_ubatch = 512
+        params.n_seq_max = BATCH
+        params.n_threads = threads
+        params.n_threads_batch = threads
+        self.bctx = llama_cpp.llama_init_from_model(self.llm.model, params)
+        if not self.bctx:
+            raise RuntimeError("llama.cpp could not create the 8-sequence context")
+        self.batch = llama_cpp.llama_batch_init(512, 0, BATCH)
+
+    def _argmax(self, ctx: Any, i: int) -> int:
+        ptr = self.lc.llama_get_logits_ith(ctx, i)
+        return int(np.argmax(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))))
+
+    def decode_tok_s(self, prompt: list[int], n: int) -> float:
+        llm = self.llm
+        llm.reset()
+        llm.eval(prompt)
+        tok = self._argmax(llm._ctx.ctx, -1)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            llm.eval([tok])
+            tok = self._argmax(llm._ctx.ctx, -1)
+        return n / (time.perf_counter() - t0)
+
+    def _fill(self, rows: list[tuple[int, int, int, bool]]) -> None:
+        b = self.batch
+        for i, (token, pos, seq, logits) in enumerate(rows):
+            b.token[i], b.pos[i], b.n_seq_id[i] = token, pos, 1
+            b.seq_id[i][0] = seq
+            b.logits[i] = logits
+        b.n_tokens = len(rows)
+        if self.lc.llama_decode(self.bctx, b) != 0:
+            raise RuntimeError("llama_decode failed")
+
+    def batched_tok_s(self, prompt: list[int], n: int) -> float:
+        """8 sequences, each prefilled with `prompt`, then decoded one token each per llama_decode."""
+        lc = self.lc
+        lc.llama_memory_clear(lc.llama_get_memory(self.bctx), True)
+        toks = []
+        for s in range(BATCH):
+            self._fill([(t, p, s, p == len(prompt) - 1) for p, t in enumerate(prompt)])
+            toks.append(self._argmax(self.bctx, len(prompt) - 1))
+        pos = len(prompt)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            self._fill([(toks[s], pos, s, True) for s in range(BATCH)])
+            toks = [self._argmax(self.bctx, s) for s in range(BATCH)]
+            pos += 1
+        return BATCH * n / (time.perf_counter() - t0)
+
+    def close(self) -> None:
+        self.lc.llama_batch_free(self.batch)
+        self.lc.llama_free(self.bctx)
+        self.llm.close()
+
+
+# -- the served route -----------------------------------------------------------------------------------
+class Route:
+    """Three serve processes and a factory of route clients over them (fresh session each)."""
+
+    def __init__(
+        self, key: Any, sha256: str, hops: list[tuple[str, int, int, str]], mode: str, http_only: bool = False
+    ) -> None:
+        self.key, self.sha256, self.hops, self.mode = key, sha256, hops, mode
+        self.http_only = http_only  # the client posts every frame (no streams): the transport before
+
+    def client(self, max_context: int = 4096) -> RouteClient:
+        session = os.urandom(16)
+        plan = [RouteHop(n, u, a, b) for u, a, b, n in self.hops]
+        tokens = mint_route(self.key, session, self.sha256, plan)
+        hops = [Hop(h.url, h.layer_start, h.layer_end, t) for h, t in zip(plan, tokens, strict=True)]
+        c = RouteClient(hops, session_id=session, mode=self.mode, max_context=max_context)
+        if self.http_only:
+            c._streams.enabled = False
+        return c
+
+
+async def decode_once(route: Route, prompt: list[int], n: int) -> tuple[float, float]:
+    """(tok/s, per-hop overhead ms) of one session decoding `n` tokens after `prompt`."""
+    c = route.client()
+    try:
+        tok = (await c.forward(prompt, GREEDY)).token
+        for st in c.hop_stats:
+            st.compute_ms = 0.0
+        t0 = time.perf_counter()
+        for _ in range(n):
+            tok = (await c.forward([tok], GREEDY)).token
+        wall_ms = (time.perf_counter() - t0) * 1e3
+        compute_ms = sum(st.compute_ms for st in c.hop_stats)
+    finally:
+        await c.close()
+    return n / (wall_ms / 1e3), (wall_ms - compute_ms) / n / len(c.hops)
+
+
+async def decode_sessions(route: Route, prompt: list[int], n: int, k: int) -> float:
+    """Aggregate tok/s of `k` sessions decoding `n` tokens each at once (prefills not timed)."""
+    clients = [route.client() for _ in range(k)]
+    try:
+        first = await asyncio.gather(*(c.forward(prompt, GREEDY) for c in clients))
+        ready = asyncio.Event()
+
+        async def run(c: RouteClient, tok: int) -> None:
+            await ready.wait()
+            for _ in range(n):
+                tok = (await c.forward([tok], GREEDY)).token
+
+        tasks = [asyncio.ensure_future(run(c, r.token)) for c, r in zip(clients, first, strict=True)]
+        t0 = time.perf_counter()
+        ready.set()
+        await asyncio.gather(*tasks)
+        return k * n / (time.perf_counter() - t0)
+    finally:
+        for c in clients:
+            await c.close()
+
+
+async def itl_under_prefill(route: Route, prompt: list[int], n: int) -> dict[str, float]:
+    """Inter-token latency of 4 decoding sessions: idle (p50), then while a 2,000-token prompt is
+    prefilled on the same hops (p95 of the gaps that overlap the prefill)."""
+    rng = np.random.default_rng(0)
+    long_ids = rng.integers(100, 40000, size=LONG_PROMPT).tolist()
+    clients = [route.client() for _ in range(ITL_SESSIONS)]
+    big = route.client(max_context=LONG_PROMPT + 64)
+    try:
+        toks = [r.token for r in await asyncio.gather(*(c.forward(prompt, GREEDY) for c in clients))]
+        await big.open()
+
+        async def decode(i: int, stop_evt: asyncio.Event, gaps: list[tuple[float, float]]) -> None:
+            last = time.perf_counter()
+            count = 0
+            while not stop_evt.is_set() or count < 4:
+                toks[i] = (await clients[i].forward([toks[i]], GREEDY)).token
+                now = time.perf_counter()
+                gaps.append((last, now))
+                last, count = now, count + 1
+
+        async def window(with_prefill: bool) -> tuple[list[tuple[float, float]], tuple[float, float]]:
+            stop_evt = asyncio.Event()
+            gaps: list[tuple[float, float]] = []
+            tasks = [asyncio.ensure_future(decode(i, stop_evt, gaps)) for i in range(ITL_SESSIONS)]
+            await asyncio.sleep(0)
+            t0 = time.perf_counter()
+            if with_prefill:
+                await big.forward(long_ids, GREEDY)
+            else:
+                while len(gaps) < ITL_SESSIONS * n:
+                    await asyncio.sleep(0.005)
+            t1 = time.perf_counter()
+            stop_evt.set()
+            await asyncio.gather(*tasks)
+            return gaps, (t0, t1)
+
+        idle, _ = await window(False)
+        busy, (t0, t1) = await window(True)
+    finally:
+        for c in [*clients, big]:
+            await c.close()
+    idle_ms = [(b - a) * 1e3 for a, b in idle]
+    # the gaps that overlap the prefill's time on the route
+    during = [(b - a) * 1e3 for a, b in busy if b > t0 and a < t1]
+    p50 = float(np.percentile(idle_ms, 50))
+    p95 = float(np.percentile(during, 95)) if during else float("nan")
+    return {
+        "itl_p50_ms_idle": round(p50, 2),
+        "itl_p95_ms_while_prefill": round(p95, 2),
+        "itl_ratio": round(p95 / p50, 2),
+        "prefill_ms_2000_while_decoding": round((t1 - t0) * 1e3, 1),
+        "itl_gaps_during_prefill": len(during),
+    }
+
+
+# -- the playground, as the browser gets it ----------------------------------------------------------------
+def playground(args: argparse.Namespace, tok: ChatTokenizer) -> dict[str, Any]:
+    """tok/s of an answer over the playground websocket of a live control plane (3 agents), vs the route
+    client's own tok/s on the same hops, interleaved, greedy, same messages."""
+    from aiohttp import ClientSession
+
+    from agent.wire.routetoken import load_private_key, mint
+    from tests.integration.swarm import control_plane
+
+    async def ws_answer(s: Any, n: int) -> tuple[float, int, list[dict[str, Any]]]:
+        headers = {"Origin": s.base, "Cookie": f"sessionid={s.admin.cookie('sessionid')}"}
+        first = last = 0.0
+        route: list[dict[str, Any]] = []
+        count = 0
+        async with (
+            ClientSession() as http,
+            http.ws_connect(s.base + "/ws/chat/?format=json", headers=headers) as ws,
+        ):
+            msg = {"type": "chat", "model": s.model["id"], "message": STORY[0]["content"], "max_tokens": n}
+            await ws.send_json({**msg, "temperature": 0})
+            while True:
+                ev = await ws.receive_json(timeout=300)
+                if ev["type"] == "start":
+                    route = ev["route"]
+                elif ev["type"] == "delta":
+                    last = time.perf_counter()
+                    first = first or last
+                elif ev["type"] == "error":
+                    raise RuntimeError(ev["error"])
+                elif ev["type"] == "done":
+                    count = int(ev["telemetry"]["n_generated"])
+                    break
+        return ((count - 1) / (last - first) if last > first else 0.0), count, route
+
+    async def route_answer(s: Any, route: list[dict[str, Any]], n: int) -> float:
+        key = load_private_key(s.data_dir / "route_key.pem")
+        session = os.urandom(16)
+        hops = [
+            Hop(
+                h["url"],
+                h["layer_start"],
+                h["layer_end"],
+                mint(key, session, s.model["sha256"], h["layer_start"], h["layer_end"], h["node"], 600),
+            )
+            for h in route
+        ]
+        c = RouteClient(hops, tok, session_id=session)
+        first = last = 0.0
+        count = 0
+        try:
+            async for ev in c.chat(STORY, GREEDY, n):
+                if ev.text:
+                    last = time.perf_counter()
+                    first = first or last
+                if ev.done:
+                    count = int(ev.telemetry["n_generated"])
+        finally:
+            await c.close()
+        return (count - 1) / (last - first) if last > first else 0.0
+
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-served-") as tmp,
+        control_plane(Path(tmp), DEFAULT_BACKEND="native") as s,
+    ):
+        for i in (1, 2, 3):
+            config, _ = s.enroll(f"agent-{i}")
+            s.run_agent(f"agent-{i}", config)
+        s.online(list(s.agents))
+        s.register_smollm2()
+        code, body = s.admin.post(f"/models/{s.model['id']}/place", {"replicas": "1"})
+        if code != 200:
+            raise RuntimeError(body)
+        s.shards_ready()
+        _, _, route = asyncio.run(ws_answer(s, 4))  # warm-up, and the route the playground uses
+        if any("node" not in h for h in route):
+            raise RuntimeError(f"the playground's start event names no node per hop: {route}")
+        pg, rc, n_pg = [], [], 0
+        for _ in range(args.rounds):
+            rate, n_pg, route = asyncio.run(ws_answer(s, args.tokens))
+            pg.append(rate)
+            rc.append(asyncio.run(route_answer(s, route, args.tokens)))
+    p, r = statistics.median(pg), statistics.median(rc)
+    return {
+        "playground_hops": len(route),
+        "playground_tokens": n_pg,
+        "playground_tok_s": round(p, 2),
+        "route_client_tok_s_playground_route": round(r, 2),
+        "ratio_playground_vs_route_client": round(p / r, 3) if r else None,
+        "playground_tok_s_rounds": [round(x, 2) for x in pg],
+        "route_client_tok_s_playground_route_rounds": [round(x, 2) for x in rc],
+    }
+
+
+def seam_agreement() -> tuple[float | None, str | None]:
+    """bench/seam.py's default_seam_top1_agreement, run as a subprocess, when the script exists."""
+    script = REPO / "bench" / "seam.py"
+    if not script.is_file():
+        return None, "bench/seam.py does not exist yet"
+    r = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=1800)
+    try:
+        value = json.loads(r.stdout.strip().splitlines()[-1])["default_seam_top1_agreement"]
+    except (IndexError, ValueError, KeyError, TypeError):
+        return None, f"bench/seam.py exited {r.returncode} without the key: {r.stderr.strip()[-300:]}"
+    return (None if value is None else float(value)), None
+
+
+def _median_rounds(samples: dict[str, list[float]], out: dict[str, Any], digits: int = 2) -> None:
+    for name, xs in samples.items():
+        if xs:
+            out[name] = round(float(statistics.median(xs)), digits)
+            out[name + "_rounds"] = [round(x, digits) for x in xs]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=2, help="compute threads of llama.cpp and of every hop")
+    ap.add_argument("--tokens", type=int, default=48, help="decode tokens per measurement")
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds (medians reported)")
+    ap.add_argument("--mode", default=DEFAULT_MODE, choices=["star", "chain"], help="route mode measured")
+    ap.add_argument(
+        "--compare-modes", action="store_true", help="also time the other mode (1-session decode)"
+    )
+    ap.add_argument("--no-playground", action="store_true", help="skip the control plane (saves ~1 min)")
+    ap.add_argument("--decode-only", action="store_true", help="1-session decode only (quick A/B runs)")
+    ap.add_argument("--no-seam", action="store_true", help="do not run bench/seam.py")
+    ap.add_argument("--serve-env", action="append", default=[], metavar="K=V", help="extra env of the hops")
+    ap.add_argument(
+        "--ab-serve-env",
+        action="append",
+        metavar="K=V",
+        help="also start a second route of 3 hops with this env; its 1-session decode is timed in the same "
+        "rounds (keys ending _b): before/after in one run",
+    )
+    ap.add_argument("--ab-http", action="store_true", help="route B's client posts every frame (no streams)")
+    args = ap.parse_args()
+    serve_env = dict(item.split("=", 1) for item in args.serve_env)
+    # llama.cpp in this process gets the idle-thread policy the hops get (agent serve's default, or
+    # what --serve-env says): the same OpenMP settings on both sides
+    omp = {k: v for k, v in serve_env.items() if k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    if omp:
+        os.environ.update(omp)
+    else:
+        sleep_idle_threads()
+    ab_env = dict(item.split("=", 1) for item in args.ab_serve_env) if args.ab_serve_env is not None else None
+
+    path = str(packaged_model_path())
+    manifest = build_manifest(path, hash_tensors=False)
+    tok = ChatTokenizer(path)
+    prompt = tok.encode_chat(STORY)
+    out: dict[str, Any] = {
+        "model": manifest.name,
+        "threads": args.threads,
+        "tokens": args.tokens,
+        "rounds": args.rounds,
+        "mode": args.mode,
+        "route_mode_default": DEFAULT_MODE,
+        "serve_env": serve_env,
+        "bench_omp_env": {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ},
+        "load_avg_1m_at_start": round(os.getloadavg()[0], 2),
+    }
+    t_start = time.perf_counter()
+    llama = LlamaCpp(path, args.threads)
+    key = generate_key()
+    logdir = Path(tempfile.mkdtemp(prefix="bench-served-"))
+    procs, hops = [], []
+    route_b = None
+    samples: dict[str, list[float]] = {
+        "decode_tok_s_llamacpp": [],
+        "decode_tok_s_served_3hop": [],
+        "per_hop_overhead_ms": [],
+        "aggregate_tok_s_8_sessions_served": [],
+        "decode_tok_s_llamacpp_batched_8": [],
+    }
+    other = "chain" if args.mode == "star" else "star"
+    if args.compare_modes:
+        samples[f"decode_tok_s_served_3hop_{other}"] = []
+        samples[f"per_hop_overhead_ms_{other}"] = []
+    if ab_env is not None or args.ab_http:
+        samples["decode_tok_s_served_3hop_b"] = []
+        samples["per_hop_overhead_ms_b"] = []
+        out["ab_serve_env"], out["ab_http"] = ab_env or {}, args.ab_http
+    try:
+        for a, b in RANGES:
+            proc, url, node = start_serve(
+                path, f"{a}:{b}", "native", public_key_b64(key.public_key()), args.threads, logdir, serve_env
+            )
+            procs.append(proc)
+            hops.append((url, a, b, node))
+        route = Route(key, manifest.sha256, hops, args.mode)
+        route_other = Route(key, manifest.sha256, hops, other)
+        if ab_env is not None or args.ab_http:
+            hops_b = hops
+            if ab_env is not None:
+                hops_b = []
+                for a, b in RANGES:
+                    proc, url, node = start_serve(
+                        path,
+                        f"{a}:{b}",
+                        "native",
+                        public_key_b64(key.public_key()),
+                        args.threads,
+                        logdir,
+                        {**serve_env, **ab_env},
+                    )
+                    procs.append(proc)
+                    hops_b.append((url, a, b, node))
+            route_b = Route(key, manifest.sha256, hops_b, args.mode, http_only=args.ab_http)
+
+        async def served_rounds() -> dict[str, float]:
+            await decode_once(route, prompt, 4)  # warm-up: graphs built, connections open
+            if route_b is not None:
+                await decode_once(route_b, prompt, 4)
+            await decode_sessions(route, prompt, 2, BATCH)
+            for _ in range(args.rounds):
+                samples["decode_tok_s_llamacpp"].append(llama.decode_tok_s(prompt, args.tokens))
+                tps, over = await decode_once(route, prompt, args.tokens)
+                samples["decode_tok_s_served_3hop"].append(tps)
+                samples["per_hop_overhead_ms"].append(over)
+                if route_b is not None:
+                    tps, over = await decode_once(route_b, prompt, args.tokens)
+                    samples["decode_tok_s_served_3hop_b"].append(tps)
+                    samples["per_hop_overhead_ms_b"].append(over)
+                if args.compare_modes:
+                    tps, over = await decode_once(route_other, prompt, args.tokens)
+                    samples[f"decode_tok_s_served_3hop_{other}"].append(tps)
+                    samples[f"per_hop_overhead_ms_{other}"].append(over)
+                if args.decode_only:
+                    continue
+                samples["decode_tok_s_llamacpp_batched_8"].append(
+                    llama.batched_tok_s(prompt, args.tokens // 2)
+                )
+                samples["aggregate_tok_s_8_sessions_served"].append(
+                    await decode_sessions(route, prompt, args.tokens // 2, BATCH)
+                )
+            return {} if args.decode_only else await itl_under_prefill(route, prompt, args.tokens // 2)
+
+        out.update(asyncio.run(served_rounds()))
+    finally:
+        stop(procs)
+        with contextlib.suppress(Exception):
+            llama.close()
+    _median_rounds(samples, out)
+    out["ratio_served_vs_llamacpp"] = round(out["decode_tok_s_served_3hop"] / out["decode_tok_s_llamacpp"], 3)
+    if not args.decode_only:
+        out["ratio_8_vs_1_served"] = round(
+            out["aggregate_tok_s_8_sessions_served"] / out["decode_tok_s_served_3hop"], 3
+        )
+        out["ratio_served8_vs_llamacpp8"] = round(
+            out["aggregate_tok_s_8_sessions_served"] / out["decode_tok_s_llamacpp_batched_8"], 3
+        )
+    if route_b is not None:
+        out["ratio_served_vs_llamacpp_b"] = round(
+            out["decode_tok_s_served_3hop_b"] / out["decode_tok_s_llamacpp"], 3
+        )
+    if args.compare_modes:
+        out[f"ratio_served_vs_llamacpp_{other}"] = round(
+            out[f"decode_tok_s_served_3hop_{other}"] / out["decode_tok_s_llamacpp"], 3
+        )
+    if args.no_playground:
+        out["playground_tok_s"] = None
+        out["playground_reason"] = "skipped (--no-playground)"
+    else:
+        out.update(playground(args, tok))
+    if args.no_seam:
+        out["default_seam_top1_agreement"], out["default_seam_reason"] = None, "skipped (--no-seam)"
+    else:
+        value, reason = seam_agreement()
+        out["default_seam_top1_agreement"] = value
+        if reason:
+            out["default_seam_reason"] = reason
+    out["load_avg_1m_at_end"] = round(os.getloadavg()[0], 2)
+    out["wall_s"] = round(time.perf_counter() - t_start, 1)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
