@@ -72,11 +72,14 @@ class Kind(IntEnum):
 
 
 # The element type of hidden states at a seam, spelled as frames, the command line and the backends
-# spell it. A route sends f16 unless told otherwise: half the bytes per hop, and greedy tokens agree
-# with f32 seams (docs/benchmarks.md).
+# spell it. A route sends f32 unless told otherwise: only unrounded seams keep the route equal to one
+# process. Any rounding at all (f16, bf16, f24, even one mantissa bit of f32) changes the top-1 token at
+# 2-4% of SmolLM2's teacher-forced positions on the native backend; f32 changes none (bench/seam.py,
+# docs/benchmarks.md "Default seam"). f16 stays available (half the bytes per hop) for routes that
+# prefer bandwidth over exactness.
 HiddenDtype = Literal["f16", "f32"]
 HIDDEN_DTYPES: tuple[HiddenDtype, ...] = ("f16", "f32")
-DEFAULT_HIDDEN_DTYPE: HiddenDtype = "f16"
+DEFAULT_HIDDEN_DTYPE: HiddenDtype = "f32"
 
 
 def hidden_kind(dtype: HiddenDtype) -> Kind:
