@@ -5,13 +5,11 @@ plane validates a frame, then hands its step here and awaits the result; the KV 
 session table's, reached through the `admit` callback, and retries stay the data plane's.
 
 A backend that really batches (`Backend.batches_sessions`) gets one worker task per shard. Each round
-it takes at most one pending step per session and fills a token budget:
-
-- short steps (decodes, at most SMALL_STEP_TOKENS) first, oldest first, up to `max_batch_tokens`;
-- then prefills, one chunk of at most `chunk_tokens` each, oldest first; the oldest always gets its
-  chunk, the others while they fit. A chunked prefill goes to the back of the line after each chunk,
-  so a long prompt never holds the decodes of other sessions for more than one chunk, and two long
-  prompts take turns.
+it takes at most one pending step per session, in line order (when the step arrived, or when its
+latest chunk ended), while they fit in `max_batch_tokens` positions. A prefill longer than
+`chunk_tokens` runs one chunk per round and then goes to the back of the line: a long prompt holds the
+decodes of other sessions for one chunk, never for the whole prompt, and two long prompts take turns.
+No step is ever passed by a newer one.
 
 `chunk_tokens` defaults to the native executor's micro-batch (native/src/graph.cpp kUBatch = 512): an
 unchunked call is computed in pieces of exactly that size from its first position, so a chunked
@@ -34,9 +32,8 @@ import numpy as np
 
 from agent.backends.base import Backend, BackendError, ForwardResult, StepInput
 
-SMALL_STEP_TOKENS = 16  # a step this short (a decode, a draft check) is never cut and goes first
 INLINE_TOKENS = 16  # a lone step this short runs on the event loop; anything bigger in a thread
-MAX_BATCH_TOKENS = 512  # short steps per batch, and the budget later prefill chunks must fit in
+MAX_BATCH_TOKENS = 512  # positions per batch (one step alone may have up to CHUNK_TOKENS)
 CHUNK_TOKENS = 512  # = native kUBatch: chunk boundaries are the micro-batch boundaries of one call
 
 Admit = Callable[[Any, int], None]  # (the step's owner, KV bytes the batch adds so far) -> or raises
@@ -196,31 +193,17 @@ class ShardScheduler:
         for p in [p for p in self._queue.values() if p.cancelled]:
             self._rollback(p)  # its handler is gone: give back what it ran, drop it
             self._remove(p)
-        heads = sorted(self._queue.values(), key=lambda p: p.ready)
         batch: list[tuple[_Pending, int]] = []
         tokens = 0
-        left_out: _Pending | None = None  # the oldest short step the budget had no room for
-        for p in heads:  # short steps first, oldest first, until the budget is spent
-            if p.remaining > SMALL_STEP_TOKENS:
-                continue
+        # strictly in line order (arrival, or the end of a step's latest chunk), while the budget
+        # lasts: nobody is passed by a newer step, and a prefill's chunk too big to join the decodes
+        # before it runs in the next batch, alone or with what fits after it
+        for p in sorted(self._queue.values(), key=lambda p: p.ready):
             n = min(p.remaining, self.chunk_tokens)
             if batch and tokens + n > self.max_batch_tokens:
-                left_out = p
                 break
             batch.append((p, n))
             tokens += n
-        first = True
-        for p in heads:  # then one chunk per prefill: the oldest always, the others while they fit
-            if p.remaining <= SMALL_STEP_TOKENS:
-                continue
-            if left_out is not None and left_out.ready < p.ready:
-                break  # never ahead of an older step that had to wait
-            n = min(p.remaining, self.chunk_tokens)
-            if not first and tokens + n > self.max_batch_tokens:
-                break
-            batch.append((p, n))
-            tokens += n
-            first = False
         return batch
 
     async def _run(self, batch: list[tuple[_Pending, int]]) -> None:

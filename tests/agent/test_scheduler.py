@@ -154,12 +154,12 @@ async def test_a_2000_token_prefill_is_chunked_and_the_decodes_of_others_interle
     # the answer is assembled from the chunks: every row in order, the token after the last position
     assert res.hidden is not None and res.hidden[:, 0].astype(int).tolist() == prompt
     assert res.token == sum(prompt) and be.kv[sid(0)] == prompt
-    # every batch that ran a chunk after the first also ran a decode step of each other session
-    for b in be.batches:
-        if any(s == sid(0) and pos > 0 for s, pos, _ in b):
-            assert {s for s, _, _ in b} == {sid(i) for i in range(8)}
+    # between two chunks, every other session decoded: none waits for more than one chunk
+    at = [k for k, b in enumerate(be.batches) if any(s == sid(0) for s, _, _ in b)]
+    for k0, k1 in zip(at, at[1:], strict=False):
+        assert {s for b in be.batches[k0 + 1 : k1 + 1] for s, _, _ in b} >= {sid(i) for i in range(1, 8)}
     assert all(n >= 4 for n in steps)  # decoding went on during the prefill
-    assert max(waited) == 0  # no decode step waited for a batch it was not in
+    assert max(waited) <= 1  # a decode step waits at most for the batch running (or taken) before it
 
 
 async def test_a_session_never_waits_more_than_one_batch_behind_a_newer_one() -> None:
@@ -190,7 +190,8 @@ async def test_a_session_never_waits_more_than_one_batch_behind_a_newer_one() ->
     assert sum(n > 1 for _, _, n in who) >= 3  # some steps were prefills, run in chunks of 4
     for a in range(len(who)):
         for b in range(a + 1, len(who)):
-            assert ran[a] <= ran[b] + 1, f"step {a} ran in batch {ran[a]}, after {b} (newer) ran in {ran[b]}"
+            # no step is passed by a newer one: it runs in the same batch or before
+            assert ran[a] <= ran[b], f"step {a} ran in batch {ran[a]}, after {b} (newer) ran in {ran[b]}"
 
 
 async def test_an_error_in_one_step_leaves_the_others_of_its_batch() -> None:
