@@ -68,7 +68,6 @@ class _Pending:
     ready: float  # place in line: when it arrived, or when its latest chunk finished
     done: int = 0
     parts: list[ForwardResult] = field(default_factory=list)
-    running: bool = False
     closed: bool = False  # its session is closed: drop it, the session's KV is gone anyway
 
     @property
@@ -181,9 +180,11 @@ class ShardScheduler:
                     try:
                         await self._run(batch)
                     except Exception as e:  # noqa: BLE001 - the worker must outlive any one batch
+                        # (an AdmissionError stays one: the steps are answered 503 kv_budget)
+                        err = e if isinstance(e, BackendError) else BackendError(f"batch failed: {e!r}")
                         for p, _ in batch:
                             self._rollback(p)
-                            self._finish(p, BackendError(f"batch failed: {type(e).__name__}: {e}"))
+                            self._finish(p, err)
             # let the handlers just answered run first: a session's next step (or a CLOSE) that is
             # ready now joins the next batch instead of missing it
             await asyncio.sleep(0)
@@ -230,17 +231,11 @@ class ShardScheduler:
         if not runs:
             return
         tokens = sum(n for _, n in runs)
-        for p, _ in runs:
-            p.running = True
         t1 = time.perf_counter()
-        try:
-            if len(inputs) == 1 and tokens <= INLINE_TOKENS:
-                results = self.backend.forward_batch(inputs)
-            else:
-                results = await asyncio.to_thread(self.backend.forward_batch, inputs)
-        finally:
-            for p, _ in runs:
-                p.running = False
+        if len(inputs) == 1 and tokens <= INLINE_TOKENS:
+            results = self.backend.forward_batch(inputs)
+        else:
+            results = await asyncio.to_thread(self.backend.forward_batch, inputs)
         if self._observer is not None:
             self._observer.batch(len(runs), tokens, time.perf_counter() - t1)
         if len(results) != len(runs):

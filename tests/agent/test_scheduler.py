@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from agent.backends.base import Backend, BackendError, ForwardResult, StepInput
+from agent.backends.base import AdmissionError, Backend, BackendError, ForwardResult, StepInput
 from agent.node.scheduler import SessionBusy, ShardScheduler, StepDropped
 from agent.wire.ids import SessionId
 
@@ -26,6 +26,7 @@ class RecordingBackend(Backend):
         self.kv: dict[SessionId, list[int]] = {}
         self.batches: list[list[tuple[SessionId, int, int]]] = []  # (session, pos_start, n) per step
         self.gate: threading.Event | None = None  # when set up, the next batch waits for it
+        self.budget_after: int | None = None  # when set, forward_batch raises after that many steps
 
     def open_session(self, sid: SessionId, max_tokens: int) -> None:
         self.kv[sid] = []
@@ -66,6 +67,10 @@ class RecordingBackend(Backend):
         if self.gate is not None:
             gate, self.gate = self.gate, None
             assert gate.wait(10)
+        if self.budget_after is not None:
+            for st in steps[: self.budget_after]:
+                self.forward(st.sid, st.pos_start, token_ids=st.token_ids)
+            raise AdmissionError("KV budget exhausted inside the backend")
         return super().forward_batch(steps)
 
 
@@ -260,3 +265,38 @@ async def test_a_second_step_of_a_session_while_its_first_is_queued_is_refused()
     with pytest.raises(SessionBusy):
         await sched.submit(0, None, step(sid(0), 1, [2]))
     assert (await first).token == 1
+
+
+async def test_a_batch_the_backend_gives_up_on_fails_each_step_and_gives_back_what_ran() -> None:
+    sched, be, _ = make()
+    for i in range(3):
+        be.open_session(sid(i), 64)
+    be.budget_after = 2  # two steps ran, then the backend refused the batch
+    outcome = await asyncio.gather(
+        *(sched.submit(i, None, step(sid(i), 0, [i + 1])) for i in range(3)), return_exceptions=True
+    )
+    assert all(isinstance(o, AdmissionError) for o in outcome)  # 503 kv_budget, not a 400
+    assert all(be.kv[sid(i)] == [] for i in range(3))
+    be.budget_after = None
+    assert (await sched.submit(0, None, step(sid(0), 0, [4]))).token == 4  # the shard goes on
+
+
+async def test_a_step_whose_handler_is_gone_is_dropped_before_it_runs() -> None:
+    sched, be, _ = make()
+    for i in range(2):
+        be.open_session(sid(i), 64)
+    gate = threading.Event()
+    be.gate = gate
+    first = asyncio.ensure_future(sched.submit(0, None, step(sid(0), 0, [1] * 20)))
+    while not be.batches:
+        await asyncio.sleep(0.001)
+    gone = asyncio.ensure_future(sched.submit(1, None, step(sid(1), 0, [2])))
+    await asyncio.sleep(0)
+    gone.cancel()
+    gate.set()
+    assert (await first).token == 20
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert len(be.batches) == 1 and be.kv[sid(1)] == [] and sched.pending() == 0
