@@ -145,6 +145,17 @@ class Route:
     ) -> None:
         self.key, self.sha256, self.hops, self.mode = key, sha256, hops, mode
         self.http_only = http_only  # the client posts every frame (no streams): the transport before
+        self.pids: list[int] = []  # the hops' processes, for their CPU time
+
+    def cpu_s(self) -> float:
+        """CPU seconds the hops' processes have used (all their threads), from /proc."""
+        tick = os.sysconf("SC_CLK_TCK")
+        total = 0
+        for pid in self.pids:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+        return total / tick
 
     def client(self, max_context: int = 4096) -> RouteClient:
         session = os.urandom(16)
@@ -157,21 +168,24 @@ class Route:
         return c
 
 
-async def decode_once(route: Route, prompt: list[int], n: int) -> tuple[float, float]:
-    """(tok/s, per-hop overhead ms) of one session decoding `n` tokens after `prompt`."""
+async def decode_once(route: Route, prompt: list[int], n: int) -> tuple[float, float, float, float]:
+    """(tok/s, per-hop overhead ms, mean hop compute ms per step, the hops' CPU ms per step) of one
+    session decoding `n` tokens after `prompt`."""
     c = route.client()
     try:
         tok = (await c.forward(prompt, GREEDY)).token
         for st in c.hop_stats:
             st.compute_ms = 0.0
+        cpu0 = route.cpu_s()
         t0 = time.perf_counter()
         for _ in range(n):
             tok = (await c.forward([tok], GREEDY)).token
         wall_ms = (time.perf_counter() - t0) * 1e3
+        cpu_ms = (route.cpu_s() - cpu0) * 1e3 / n
         compute_ms = sum(st.compute_ms for st in c.hop_stats)
     finally:
         await c.close()
-    return n / (wall_ms / 1e3), (wall_ms - compute_ms) / n / len(c.hops)
+    return n / (wall_ms / 1e3), (wall_ms - compute_ms) / n / len(c.hops), compute_ms / n / len(c.hops), cpu_ms
 
 
 async def decode_sessions(route: Route, prompt: list[int], n: int, k: int) -> float:
@@ -421,6 +435,8 @@ def main() -> None:
         "decode_tok_s_llamacpp": [],
         "decode_tok_s_served_3hop": [],
         "per_hop_overhead_ms": [],
+        "hop_compute_ms": [],
+        "hops_cpu_ms_per_step": [],
         "aggregate_tok_s_8_sessions_served": [],
         "decode_tok_s_llamacpp_batched_8": [],
     }
@@ -428,9 +444,12 @@ def main() -> None:
     if args.compare_modes:
         samples[f"decode_tok_s_served_3hop_{other}"] = []
         samples[f"per_hop_overhead_ms_{other}"] = []
+        samples[f"hop_compute_ms_{other}"] = []
     if ab_env is not None or args.ab_http:
         samples["decode_tok_s_served_3hop_b"] = []
         samples["per_hop_overhead_ms_b"] = []
+        samples["hop_compute_ms_b"] = []
+        samples["hops_cpu_ms_per_step_b"] = []
         out["ab_serve_env"], out["ab_http"] = ab_env or {}, args.ab_http
     try:
         for a, b in RANGES:
@@ -440,10 +459,12 @@ def main() -> None:
             procs.append(proc)
             hops.append((url, a, b, node))
         route = Route(key, manifest.sha256, hops, args.mode)
+        route.pids = [p.pid for p in procs]
         route_other = Route(key, manifest.sha256, hops, other)
         if ab_env is not None or args.ab_http:
-            hops_b = hops
+            hops_b, pids_b = hops, [p.pid for p in procs]
             if ab_env is not None:
+                pids_b = []
                 hops_b = []
                 for a, b in RANGES:
                     proc, url, node = start_serve(
@@ -456,8 +477,10 @@ def main() -> None:
                         {**serve_env, **ab_env},
                     )
                     procs.append(proc)
+                    pids_b.append(proc.pid)
                     hops_b.append((url, a, b, node))
             route_b = Route(key, manifest.sha256, hops_b, args.mode, http_only=args.ab_http)
+            route_b.pids = pids_b
 
         async def served_rounds() -> dict[str, float]:
             await decode_once(route, prompt, 4)  # warm-up: graphs built, connections open
@@ -466,17 +489,22 @@ def main() -> None:
             await decode_sessions(route, prompt, 2, BATCH)
             for _ in range(args.rounds):
                 samples["decode_tok_s_llamacpp"].append(llama.decode_tok_s(prompt, args.tokens))
-                tps, over = await decode_once(route, prompt, args.tokens)
+                tps, over, comp, cpu = await decode_once(route, prompt, args.tokens)
+                samples["hops_cpu_ms_per_step"].append(cpu)
                 samples["decode_tok_s_served_3hop"].append(tps)
                 samples["per_hop_overhead_ms"].append(over)
+                samples["hop_compute_ms"].append(comp)
                 if route_b is not None:
-                    tps, over = await decode_once(route_b, prompt, args.tokens)
+                    tps, over, comp, cpu = await decode_once(route_b, prompt, args.tokens)
+                    samples["hops_cpu_ms_per_step_b"].append(cpu)
                     samples["decode_tok_s_served_3hop_b"].append(tps)
                     samples["per_hop_overhead_ms_b"].append(over)
+                    samples["hop_compute_ms_b"].append(comp)
                 if args.compare_modes:
-                    tps, over = await decode_once(route_other, prompt, args.tokens)
+                    tps, over, comp, _ = await decode_once(route_other, prompt, args.tokens)
                     samples[f"decode_tok_s_served_3hop_{other}"].append(tps)
                     samples[f"per_hop_overhead_ms_{other}"].append(over)
+                    samples[f"hop_compute_ms_{other}"].append(comp)
                 if args.decode_only:
                     continue
                 samples["decode_tok_s_llamacpp_batched_8"].append(
