@@ -65,18 +65,22 @@ class FrameStreams:
         if not self.enabled or len(body) > STREAM_MAX_FRAME or base in self._no_stream:
             return None
         key = (base, server_hostname)
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s
         idle = self._idle.get(key)
         ws = idle.pop() if idle else None
         if ws is None or ws.closed:
             try:
-                ws = await self._http.ws_connect(
-                    base + STREAM_PATH,
-                    ssl=ssl_ctx,
-                    server_hostname=server_hostname,
-                    max_msg_size=STREAM_MAX_ANSWER,
-                    autoping=True,
-                    compress=0,
-                )
+                # the step's deadline covers the handshake too (a hung hop must not hold it longer)
+                async with asyncio.timeout_at(deadline):
+                    ws = await self._http.ws_connect(
+                        base + STREAM_PATH,
+                        ssl=ssl_ctx,
+                        server_hostname=server_hostname,
+                        max_msg_size=STREAM_MAX_ANSWER,
+                        autoping=True,
+                        compress=0,
+                    )
             except WSServerHandshakeError as e:
                 if e.status in (404, 405):
                     self._no_stream.add(base)
@@ -85,7 +89,7 @@ class FrameStreams:
         done = False
         try:
             await ws.send_bytes(body)
-            msg = await ws.receive(timeout=timeout_s)
+            msg = await ws.receive(timeout=None if deadline is None else max(0.001, deadline - loop.time()))
             if msg.type == WSMsgType.BINARY:
                 answer: tuple[int, bytes] = (200, msg.data)
             elif msg.type == WSMsgType.TEXT:
