@@ -177,9 +177,11 @@ def main() -> None:
                     await c.close()
                     samples["native_3hop_http"].append(tps)
             # Per-step wire bytes: decode 32 steps and divide each hop's received frame bytes by the steps.
-            for mode in ("star", "chain"):
+            # The budget keys (P4, wire_budget_bytes) are about f16 seams, so those frames are f16
+            # explicitly; the route's default seam (f32 since bench/seam.py) is measured beside them.
+            for mode, dtype in (("star", "f16"), ("chain", "f16"), ("star", "f32")):
                 session = os.urandom(16)
-                c = RouteClient(hops_for(session), session_id=session, mode=mode)
+                c = RouteClient(hops_for(session), session_id=session, mode=mode, hidden_dtype=dtype)
                 tok = (await c.forward(prompt, SamplingParams())).token
                 before = [health(u)["bytes_in"] for u, *_ in hops]
                 for _ in range(32):
@@ -188,6 +190,9 @@ def main() -> None:
                 await c.close()
                 per_hop = [(a - b) / 32 for a, b in zip(after, before, strict=True)]
                 # Hop 1 receives token ids; hops 2 and 3 receive the boundary state (the seam frames).
+                if dtype == "f32":
+                    out[f"wire_bytes_per_decode_step_per_hop_f32_{mode}"] = round(max(per_hop[1:]), 1)
+                    continue
                 out[f"wire_bytes_per_decode_step_per_hop_{mode}"] = round(max(per_hop[1:]), 1)
                 out[f"wire_bytes_per_decode_step_hop1_ids_{mode}"] = round(per_hop[0], 1)
             out["step_ms_ctx64"] = round(await step_ms_at(hops_for, 64), 2)

@@ -13,7 +13,10 @@ A candidate's agreement is the lower of the two (a prompt's seams shape every la
 default is the cheapest candidate whose agreement reaches --target. Prints one line per candidate,
 then one JSON object as the last line. Usage:
 
-    .venv/bin/python bench/seam.py [--threads 2] [--target 0.995]
+    .venv/bin/python bench/seam.py [--threads 2] [--target 0.995] [--backend native|torch]
+
+The default is about the native backend (what nodes run); --backend torch shows how much of the
+sensitivity is the backend's own (the torch oracle computes in f32 with dequantized weights).
 """
 
 from __future__ import annotations
@@ -33,8 +36,8 @@ sys.path.insert(0, str(REPO))
 
 from agent.artifacts.manifest import build_manifest  # noqa: E402
 from agent.artifacts.packaged import packaged_model_path  # noqa: E402
+from agent.backends import load_backend  # noqa: E402
 from agent.backends.base import Backend, ShardSpec  # noqa: E402
-from agent.backends.native import NativeBackend  # noqa: E402
 from agent.client.tokenizer import ChatTokenizer  # noqa: E402
 from agent.wire.frames import REQ_HEADER  # noqa: E402
 from agent.wire.ids import SessionId  # noqa: E402
@@ -217,12 +220,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--target", type=float, default=0.995)
+    ap.add_argument("--backend", choices=["native", "torch"], default="native")
     args = ap.parse_args()
     path = str(packaged_model_path("smollm2"))
     manifest = build_manifest(path)
     ids = ChatTokenizer(path).encode(TEXT.read_text(), add_bos=False)
-    one = [NativeBackend(ShardSpec(path, 0, manifest.n_layers, manifest, args.threads))]
-    three = [NativeBackend(ShardSpec(path, a, b, manifest, args.threads)) for a, b in SPLITS]
+    one = [load_backend(args.backend, ShardSpec(path, 0, manifest.n_layers, manifest, args.threads))]
+    three = [load_backend(args.backend, ShardSpec(path, a, b, manifest, args.threads)) for a, b in SPLITS]
     dim = manifest.boundary_dim
     refs = {k: run(one, ids, schedule(len(ids), k), None)[0] for k in ("prefill", "decode")}
     out: dict[str, object] = {
