@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from aiohttp import ClientError, ClientSession, ClientTimeout
 
 from agent.client.recovery import STANDBY, Hop, RecoveryPolicy, Replacement, ReplacementProvider
@@ -74,6 +75,7 @@ class Failover:
     kind: Kind
     max_context: int
     timeout_s: float
+    token_id_layers: int
     replacements: ReplacementProvider | None
     policy: RecoveryPolicy
     history: list[int]
@@ -315,6 +317,9 @@ class Failover:
         if st.kind != Kind.IDS and not st.payload:
             raise RouteFailed("the seam cache was dropped: cannot re-prefill one hop", hop=i)
         last = i == len(self.hops) - 1
+        # a hop holding layers that route experts by token id (deepseek4's hash layers) needs the ids
+        # with the hidden rows, on a replay as on the first pass (RouteClient._star_frame)
+        by_id = st.kind != Kind.IDS and self.hops[i].layer_start < self.token_id_layers
         self.step += 1
         resp = await self._post(
             i,
@@ -328,6 +333,7 @@ class Failover:
                 dim=st.dim,
                 f16_out=self.kind == Kind.F16,
                 history=self._ids(st.pos, st.n) if last else None,
+                token_ids=np.asarray(self._ids(st.pos, st.n), dtype="<i4") if by_id else None,
                 payload=st.payload,
             ),
             timeout_s,
