@@ -73,10 +73,15 @@ def native_decode(be: NativeBackend, prompts: list[list[int]], steps: int) -> tu
 class LlamaBatch:
     """llama.cpp's own multi-sequence decoding: one llama_batch per step, one token per sequence."""
 
-    def __init__(self, model: str, threads: int, n_seq: int, n_ctx_per_seq: int) -> None:
+    def __init__(self, model: str, threads: int, n_seq: int, n_ctx_per_seq: int, flash: int) -> None:
+        import ctypes
+
         import llama_cpp
 
         self.L = llama_cpp
+        # keep llama.cpp's loader and graph logging off the output (the callback must stay referenced)
+        self._quiet = llama_cpp.llama_log_callback(lambda level, text, data: None)
+        llama_cpp.llama_log_set(self._quiet, ctypes.c_void_p(0))
         llama_cpp.llama_backend_init()
         mp = llama_cpp.llama_model_default_params()
         self.model = llama_cpp.llama_model_load_from_file(model.encode(), mp)
@@ -87,6 +92,7 @@ class LlamaBatch:
         cp.n_seq_max = n_seq
         cp.n_threads = threads
         cp.n_threads_batch = threads
+        cp.flash_attn_type = flash  # -1 auto (llama.cpp's default: on for this CPU model), 0 off, 1 on
         self.ctx = llama_cpp.llama_init_from_model(self.model, cp)
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
@@ -134,11 +140,14 @@ def main() -> None:
     ap.add_argument("--sessions", type=int, default=8)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--llama-flash", type=int, default=-1, help="llama.cpp flash_attn_type: -1 auto, 0 off, 1 on"
+    )
     args = ap.parse_args()
     model = str(packaged_model_path("smollm2"))
     manifest = build_manifest(model)
     be = NativeBackend(ShardSpec(model, 0, manifest.n_layers, manifest, n_threads=args.threads))
-    llama = LlamaBatch(model, args.threads, args.sessions, PROMPT_LEN + args.steps + 8)
+    llama = LlamaBatch(model, args.threads, args.sessions, PROMPT_LEN + args.steps + 8, args.llama_flash)
     prompts = _prompts(args.sessions)
     best: dict[str, float] = {}
     same_tokens = True
@@ -162,6 +171,7 @@ def main() -> None:
     llama.close()
     res = {
         "threads": args.threads,
+        "llama_flash_attn_type": args.llama_flash,
         "sessions": args.sessions,
         "steps": args.steps,
         "prompt_len": PROMPT_LEN,
