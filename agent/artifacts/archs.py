@@ -22,8 +22,6 @@ STATE_KINDS = ("kv", "recurrent", "latent_kv", "compressed_kv")
 # Gated delta-net hybrids: recurrent layers with full attention every N-th layer.
 _DELTA_NET = ("qwen35", "qwen35moe", "qwen3next")
 _MLA = ("deepseek2", "deepseek32", "glm-dsa")
-# Gemma's alternating sliding-window pattern (every N-th layer global), llama.cpp's defaults.
-_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
 _DSV4_CSA, _DSV4_HCA = 4, 128
 
 
@@ -85,22 +83,12 @@ def _per_layer(hp: dict[str, Any], key: str, i: int, default: int) -> int:
     return int(v)
 
 
-def _kv_parts(hp: dict[str, Any], i: int, d_model: int, window: int = 0) -> list[StatePart]:
+def _kv_parts(hp: dict[str, Any], i: int, d_model: int) -> list[StatePart]:
     n_head = max(_per_layer(hp, "attention.head_count", i, 1), 1)
     n_kv = _per_layer(hp, "attention.head_count_kv", i, n_head)
     k_len = _int(hp, "attention.key_length", d_model // n_head)
     v_len = _int(hp, "attention.value_length", d_model // n_head)
-    return [StatePart("k", n_kv * k_len, window=window), StatePart("v", n_kv * v_len, window=window)]
-
-
-def _swa_layers(arch: str, hp: dict[str, Any], n_layers: int) -> list[bool]:
-    if arch not in _SWA_PATTERN or _int(hp, "attention.sliding_window") <= 0:
-        return [False] * n_layers
-    pattern = hp.get("attention.sliding_window_pattern", _SWA_PATTERN[arch])
-    if isinstance(pattern, list):
-        return [bool(pattern[i]) if i < len(pattern) else False for i in range(n_layers)]
-    n = int(pattern)
-    return [n == 0 or i % n < n - 1 for i in range(n_layers)]
+    return [StatePart("k", n_kv * k_len), StatePart("v", n_kv * v_len)]
 
 
 def _delta_net(hp: dict[str, Any], n_layers: int, d_model: int) -> list[LayerDescription]:
@@ -159,27 +147,30 @@ def _mla(
 
 
 def _deepseek4(hp: dict[str, Any], n_layers: int) -> list[LayerDescription]:
+    # As native/src/archs/deepseek4.cpp keeps it (parts()), not as llama.cpp does: every cache is f32
+    # and per position (no 128-token raw window, no compressor ring), so truncate is exact without
+    # checkpoints. Placement and the hand-off size bound must count these bytes, which the node budget
+    # is charged; a leaner layout there would shrink them here too.
     head = _int(hp, "attention.key_length")
     idx_len = _int(hp, "attention.indexer.key_length")
-    window = _int(hp, "attention.sliding_window")
     ratios = hp.get("attention.compress_ratios")
     hash_layers = _int(hp, "hash_layer_count")
     out = []
     for i in range(n_layers):
         ratio = int(ratios[i]) if isinstance(ratios, list) and i < len(ratios) else 0
-        parts = [StatePart("raw_k", head, window=window)]  # K = V: one cache serves both
+        parts = [StatePart("raw_k", head, f32=True)]  # K = V: one cache serves both
         if ratio == _DSV4_CSA:
-            rows = 2 * _DSV4_CSA  # overlapping compressor: two blocks of `ratio` rows, kv + score
             parts += [
-                StatePart("compressed_k", head, ratio=ratio),
-                StatePart("indexer_k", idx_len, ratio=ratio),
-                StatePart("compressor", 2 * rows * 2 * head, fixed=True, f32=True),
-                StatePart("indexer_compressor", 2 * rows * 2 * idx_len, fixed=True, f32=True),
+                StatePart("compressed_k", head, ratio=ratio, f32=True),
+                StatePart("indexer_k", idx_len, ratio=ratio, f32=True),
+                # the compressor's kv and score rows ([2 head] each) and the indexer's, per position
+                StatePart("compressor", 2 * 2 * head, f32=True),
+                StatePart("indexer_compressor", 2 * 2 * idx_len, f32=True),
             ]
         elif ratio == _DSV4_HCA:
             parts += [
-                StatePart("compressed_k", head, ratio=ratio),
-                StatePart("compressor", 2 * _DSV4_HCA * head, fixed=True, f32=True),
+                StatePart("compressed_k", head, ratio=ratio, f32=True),
+                StatePart("compressor", 2 * head, f32=True),
             ]
         out.append(
             LayerDescription("compressed_kv" if ratio else "kv", parts, needs_token_ids=i < hash_layers)
@@ -206,12 +197,9 @@ def describe(
         # hyper-connections: the residual travels as `count` streams of d_model between layers
         boundary_dim = d_model * _int(hp, "hyper_connection.count", 4)
     else:
-        swa = _swa_layers(arch, hp, n_layers)
-        window = _int(hp, "attention.sliding_window")
-        layers = [
-            LayerDescription("kv", _kv_parts(hp, i, d_model, window if swa[i] else 0))
-            for i in range(n_layers)
-        ]
+        # Sliding-window layers (gemma) are counted at the whole context: the native executor keeps
+        # every position (no ring cache yet, docs/native.md), and the node budget is charged for them.
+        layers = [LayerDescription("kv", _kv_parts(hp, i, d_model)) for i in range(n_layers)]
     return ArchDescription(
         n_layers=n_layers,
         mtp_layers=mtp,

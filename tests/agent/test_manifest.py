@@ -165,15 +165,17 @@ def tiny_manifest(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
     return get
 
 
-def test_attention_layers_keep_kv_and_gemma3_windows_all_but_every_sixth(tiny_manifest) -> None:  # noqa: ANN001
+def test_attention_layers_keep_kv_and_gemma3_sliding_layers_are_counted_at_every_position(
+    tiny_manifest,
+) -> None:  # noqa: ANN001
     llama = tiny_manifest("llama")
     assert [layer.state_kind for layer in llama.layers] == ["kv"] * 4
     assert [(p.name, p.elements, p.window) for p in llama.layers[0].state] == [("k", 32, 0), ("v", 32, 0)]
     gemma = tiny_manifest("gemma3")
-    assert [layer.state[0].window for layer in gemma.layers] == [32, 32, 32, 32, 32, 0]
-    # a sliding-window layer's cache stops growing at the window; the global one does not
-    assert gemma.layers[0].state_bytes(4096) == gemma.layers[0].state_bytes(32)
-    assert gemma.layers[5].state_bytes(4096) == 128 * gemma.layers[5].state_bytes(32)
+    # the native executor keeps every position of a sliding-window layer (no ring cache): counted so
+    assert [layer.state[0].window for layer in gemma.layers] == [0] * 6
+    assert gemma.layers[0].state_bytes(4096) == 128 * gemma.layers[0].state_bytes(32)
+    assert gemma.layers[0].state_bytes(4096) == gemma.layers[5].state_bytes(4096)
 
 
 def test_delta_net_layers_are_recurrent_with_fixed_conv_and_ssm_state(tiny_manifest) -> None:  # noqa: ANN001
@@ -210,6 +212,12 @@ def test_deepseek4_seam_is_four_streams_wide_and_layers_follow_their_compress_ra
     assert names[0] == ["raw_k"]
     assert names[1] == ["raw_k", "compressed_k", "indexer_k", "compressor", "indexer_compressor"]
     assert names[2] == ["raw_k", "compressed_k", "compressor"]
+    # f32 and per position, as native/src/archs/deepseek4.cpp keeps them (hd 64, indexer 64 here):
+    # raw K hd; ratio 4: hd / 4 + indexer 64 / 4 + rows 4 hd + 4 x 64; ratio 128: hd / 128 + rows 2 hd
+    n = 1024
+    assert m.layers[0].state_bytes(n) == 4 * 64 * n
+    assert m.layers[1].state_bytes(n) == 4 * (64 * n + 64 * n // 4 + 64 * n // 4 + 4 * 64 * n + 4 * 64 * n)
+    assert m.layers[2].state_bytes(n) == 4 * (64 * n + 64 * n // 128 + 2 * 64 * n)
     assert m.roles["last"][:2] == ["output_norm.weight", "output.weight"]
     assert {"output_hc_fn.weight", "output_hc_base.weight", "output_hc_scale.weight"} <= set(m.roles["last"])
 

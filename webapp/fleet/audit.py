@@ -106,7 +106,11 @@ def render_audit(d: dict[str, Any], fleets: Sequence[Fleet], spec_path: str) -> 
         )
     lines += [
         "",
-        "## Per-session state (f16 KV; recurrent and compressor state f32)",
+        "## Per-session state (as this agent's native executor keeps it)",
+        "",
+        "f16 KV; recurrent state, compressor rows and deepseek4's caches in f32; sliding-window and "
+        "deepseek4 raw caches keep every position (no ring cache yet), so these are upper figures next "
+        "to llama.cpp's layout.",
         "",
         "| kind | per layer at 8K | per layer at 128K | per token at 128K |",
         "|---|---|---|---|",

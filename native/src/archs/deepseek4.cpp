@@ -201,8 +201,8 @@ void want(const ggswarm_model * m, int32_t il, Layer & L, Wants & w) {
 }
 
 // --- the state kind --------------------------------------------------------------------------------------
-// Per layer: raw K [hd, cap] f16 (K = V). Ratio 4 adds compressed K [hd, n_comp] f16, compressor rows
-// kv and score [2 hd, cap] f32, indexer K [idx_len, n_comp] f16 and indexer rows [2 idx_len, cap] f32;
+// Per layer (caches in kCacheType, f32): raw K [hd, cap] (K = V). Ratio 4 adds compressed K [hd, n_comp],
+// compressor rows kv and score [2 hd, cap] f32, indexer K [idx_len, n_comp] and indexer rows [2 idx_len, cap] f32;
 // ratio 128 adds compressed K and compressor rows [hd, cap]. Rows and raw K are per position, compressed
 // entries per block of ratio positions: a prefix of len positions is len rows and len / ratio entries.
 

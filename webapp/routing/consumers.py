@@ -1,1 +1,0 @@
-"""Routing websockets (none: routes are opened by the playground consumer and, later, the API)."""
