@@ -109,9 +109,8 @@ class FrameStreams:
     async def close(self) -> None:
         socks = [ws for pool in self._idle.values() for ws in pool]
         self._idle.clear()
-        for ws in socks:
-            with contextlib.suppress(Exception):
-                await ws.close()
+        # at once and bounded: a hop that stopped answering must not hold the caller's close
+        await asyncio.gather(*(_close(ws) for ws in socks))
 
 
 def _status_of(text: str) -> int:
@@ -125,13 +124,14 @@ def _status_of(text: str) -> int:
 _closing: set[asyncio.Task[Any]] = set()
 
 
-def _close_later(ws: ClientWebSocketResponse) -> None:
-    async def close() -> None:
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(ws.close(), 2.0)
+async def _close(ws: ClientWebSocketResponse) -> None:
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(ws.close(), 2.0)
 
+
+def _close_later(ws: ClientWebSocketResponse) -> None:
     try:
-        task = asyncio.get_running_loop().create_task(close())
+        task = asyncio.get_running_loop().create_task(_close(ws))
     except RuntimeError:  # no loop running (interpreter shutdown): the socket dies with the process
         return
     _closing.add(task)
