@@ -3,9 +3,12 @@
 No database, no I/O. The Celery task in `webapp.fleet.tasks` feeds it plain values and applies the
 result. Rationale for the choices:
 
-* A node's share of a chain is proportional to its measured speed (so hops finish their layers in about
-  the same time), capped by its memory; the cap always leaves room for the nodes after it. Speed probes
-  are noisy, so within a chain no node counts as more than MAX_SPEED_RATIO times slower than the fastest.
+* A node's share of a chain is proportional to its speed (so hops finish their layers in about the same
+  time), capped by its memory; the cap always leaves room for the nodes after it. Speed probes are
+  noisy, so within a chain no node counts as more than MAX_SPEED_RATIO times slower than the fastest.
+* That speed is one the control plane can vouch for (`trusted_speeds`, issue 17): a node's own report
+  may lower its share, never raise it, since a node claiming speed 1e6 once got the largest share and
+  layer 0, which sees every prompt.
 * A chain is a set of nodes that together cover [0, n_layers). Replicas are disjoint chains; a model gets
   as many as the fleet can hold, up to the requested number, and never fewer than one (else the error
   says how much memory is missing). A replica chain with as many nodes as the first takes the first's
@@ -29,8 +32,10 @@ result. Rationale for the choices:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from statistics import median, median_low
 from typing import Any
 
 from agent.artifacts.manifest import Manifest
@@ -45,7 +50,7 @@ class PlacementError(Exception):
 
 @dataclass(frozen=True)
 class PlannerNode:
-    """A node as the planner sees it: memory it may fill and its measured speed."""
+    """A node as the planner sees it: memory it may fill and the speed the control plane trusts."""
 
     node_id: NodeId
     capacity_bytes: int
@@ -156,6 +161,34 @@ def device_free_bytes(
                 if isinstance(free, int) and not isinstance(free, bool) and free >= 0:
                     return free
     return host_free_bytes  # the GPU is not reported (NVML missing): the host's figure is all we know
+
+
+def trusted_speeds(claimed: Mapping[str, float], layer_ms: Mapping[str, float]) -> dict[str, float]:
+    """The speed placement may use for each node of `claimed` (its self-reported speed), given
+    `layer_ms`, the ms per layer per step the control plane observed on routes through it (none yet:
+    absent). Only ratios matter to the planner, so the scale is free.
+
+    A node that has served is measured: 1 / its observed layer time. One that has not gets the neutral
+    figure (the median measured speed, 1.0 when no node is measured), lowered, never raised, by its own
+    claim against the fleet's lower-median claim: an honest slow node gets a smaller share before it has
+    served, while a node claiming 1e6 gets exactly what an unmeasured node claiming the median does.
+    Shifting that reference up takes half the fleet lying together."""
+    measured = {
+        n: 1.0 / ms
+        for n, ms in layer_ms.items()
+        if n in claimed and isinstance(ms, int | float) and math.isfinite(ms) and ms > 0
+    }
+    neutral = median(measured.values()) if measured else 1.0
+    claims = [c for c in claimed.values() if math.isfinite(c) and c > 0]
+    reference = median_low(claims) if claims else 1.0
+    out: dict[str, float] = {}
+    for n, claim in claimed.items():
+        if n in measured:
+            out[n] = measured[n]
+        else:
+            relative = claim / reference if math.isfinite(claim) and claim > 0 else 1.0
+            out[n] = neutral * min(1.0, relative)
+    return out
 
 
 def _max_end(shape: ModelShape, start: int, capacity: int) -> int:

@@ -7,8 +7,11 @@ said hello) live in `webapp.fleet.protocol`, the messages in `agent.wire.control
 from __future__ import annotations
 
 import secrets
+from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from statistics import median
 from typing import Any
 
 from django.conf import settings
@@ -21,9 +24,12 @@ from agent.wire.ids import NodeId
 from webapp.core.keys import release_public_key, route_signing_key
 from webapp.fleet.models import EnrollmentToken, Node, NodeCredential, ShardAssignment, hash_secret
 
-# What a node may claim its speed is (GFLOP/s), whatever it sends; placement reads the clamped value.
+# What a node may claim its speed is (GFLOP/s), whatever it sends; placement may only lower a node's
+# share with it (webapp.fleet.placement.trusted_speeds).
 MIN_REPORTED_SPEED = 0.01
 MAX_REPORTED_SPEED = 1e6
+SPEED_WINDOW = timedelta(hours=1)  # answers older than this say nothing about a node's speed now
+SPEED_RECORDS = 500  # the most recent answers looked at
 
 LOADED_OR_LOADING = [
     ShardAssignment.State.FETCHING,
@@ -121,9 +127,10 @@ def mark_disconnected(node_id: str, connected_at: datetime | None = None) -> boo
 def apply_hello(
     node_id: str, hello: Hello, dataplane_problem: str = "", dataplane_rtt_ms: float | None = None
 ) -> None:
-    """Record what the node says about itself. Its speed is clamped and used for placement only: routes
-    are chosen on what the control plane measures (webapp.routing.services), and the data-plane URL is
-    routed to only if `dataplane_problem` is empty (webapp.fleet.probe checked it)."""
+    """Record what the node says about itself. Its speed is clamped, and placement lets it only lower
+    the node's share (webapp.fleet.placement.trusted_speeds); routes are chosen on what the control
+    plane measures (webapp.routing.services), and the data-plane URL is routed to only if
+    `dataplane_problem` is empty (webapp.fleet.probe checked it)."""
     Node.objects.filter(pk=node_id).update(
         hardware=hello.hardware.to_wire(),
         backends=hello.backends,
@@ -135,6 +142,34 @@ def apply_hello(
         free_memory_bytes=hello.free_memory_bytes,
         last_seen=timezone.now(),
     )
+
+
+def wall_layer_ms(node_ids: Iterable[str]) -> dict[str, float]:
+    """Median wall-clock ms per layer per decode step of recent answers whose route went through each
+    node (absent: none yet), for placement (issue 17). The step time is the web process's own clock
+    (`GenerationRecord.tok_s`) and the layers are those of the route it minted, so nothing a node
+    reports, not even its per-hop compute and handler times, can make it look faster than it served."""
+    from webapp.telemetry.models import GenerationRecord
+
+    wanted = set(node_ids)
+    rows = (
+        GenerationRecord.objects.filter(
+            created_at__gte=timezone.now() - SPEED_WINDOW, error="", session__isnull=False, tok_s__gt=0
+        )
+        .order_by("-created_at")
+        .values_list("tok_s", "session__hops")[:SPEED_RECORDS]
+    )
+    samples: defaultdict[str, list[float]] = defaultdict(list)
+    for tok_s, route in rows:
+        hops = [h for h in route if isinstance(h, dict)] if isinstance(route, list) else []
+        spans = [h.get("layer_end", 0) - h.get("layer_start", 0) for h in hops]
+        layers = sum(x for x in spans if isinstance(x, int) and x > 0)
+        if layers <= 0:
+            continue
+        per = 1e3 / tok_s / layers
+        for node in {str(h.get("node")) for h in hops} & wanted:
+            samples[node].append(per)
+    return {n: float(median(v)) for n, v in samples.items()}
 
 
 def apply_heartbeat(node_id: str, t: Telemetry) -> bool:

@@ -31,6 +31,7 @@ from webapp.fleet.placement import (
     plan_placement,
     replan_lost,
     shape_from_manifest,
+    trusted_speeds,
 )
 from webapp.fleet.protocol import AssignmentView, choose_backend, load_command, unload_command
 
@@ -66,12 +67,17 @@ def push_loads(assignment_ids: list[int]) -> None:
 
 def _planner_nodes(exclude: set[str] | None = None) -> list[PlannerNode]:
     """Online nodes with the memory they can still give: reported free memory minus the KV reserve and
-    minus shards assigned but not yet loaded (those are not reflected in the report yet)."""
-    nodes = Node.objects.filter(state=Node.State.ONLINE).exclude(dataplane_url="")
+    minus shards assigned but not yet loaded (those are not reflected in the report yet), and the speed
+    the control plane measured or can bound (never the node's word alone: issue 17)."""
+    nodes = [
+        n
+        for n in Node.objects.filter(state=Node.State.ONLINE).exclude(dataplane_url="")
+        if not (exclude and n.id in exclude)
+    ]
+    ids = [n.id for n in nodes]
+    speeds = trusted_speeds({n.id: n.speed for n in nodes}, services.wall_layer_ms(ids))
     out = []
     for n in nodes:
-        if exclude and n.id in exclude:
-            continue
         pending = 0
         for a in ShardAssignment.objects.select_related("artifact").filter(node=n, state__in=PENDING):
             pending += shape_from_manifest(a.artifact.parsed_manifest).bytes_for(a.layer_start, a.layer_end)
@@ -79,7 +85,7 @@ def _planner_nodes(exclude: set[str] | None = None) -> list[PlannerNode]:
         backend = choose_backend(n.backends or [], False, settings.DEFAULT_BACKEND)
         free = device_free_bytes(n.free_memory_bytes, n.hardware or {}, n.telemetry or {}, [backend])
         cap = free - settings.KV_RESERVE_BYTES - pending
-        out.append(PlannerNode(NodeId(n.id), max(cap, 0), n.speed))
+        out.append(PlannerNode(NodeId(n.id), max(cap, 0), speeds[n.id]))
     return out
 
 
