@@ -62,13 +62,13 @@ async def test_a_node_with_two_native_shards_refuses_a_session_that_would_take_i
         hops = [
             Hop(url, a, b, mint(signing_key, session, manifest.sha256, a, b, "node-b")) for a, b in SPLITS
         ]
-        return RouteClient(hops, session_id=session)
+        return RouteClient(hops, session_id=session, hidden_dtype="f16")
 
     small, big = client(), client()
     try:
         await small.forward(PROMPT, SamplingParams())
-        # the route's default f16 seam: the first shard's library writes f16 rows, and the frame's f16
-        # payload reaches the second shard's library as f16 (no f32 copy in between)
+        # an f16 seam (asked for: the default is f32): the first shard's library writes f16 rows, and
+        # the frame's f16 payload reaches the second shard's library as f16 (no f32 copy in between)
         assert seen == [("0:15", None, np.float16), ("15:30", np.float16, None)]
         health = await _health(url)
         total, used = budget.usage()
