@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -249,3 +250,64 @@ def test_gemma3_sessions_past_the_sliding_window_batched_track_the_same_steps_al
         assert diff <= GEMMA_LOGIT_TOL
     finally:
         be.close()
+
+
+# tiny random f32 models of every architecture: those that batch run one graph (f32 products over more
+# rows take ggml's tiled f32 kernel: observed max |diff| 1.6e-3 llama, 4.8e-3 qwen3, 2.4e-3 gemma3,
+# whose 40 steps pass its 32-position sliding window); the others run the steps one after another,
+# exactly as alone
+TINY_BATCHING = {
+    "llama": True,
+    "qwen3": True,
+    "gemma3": True,
+    "qwen35": False,
+    "deepseek4": False,
+    "glm-dsa": False,
+}
+TINY_LOGIT_TOL = 2e-2
+TINY_STEPS = 40
+
+
+@pytest.mark.parametrize("arch", sorted(TINY_BATCHING))
+def test_tiny_models_batched_teacher_forced_match_alone_and_say_whether_they_batch(
+    native_lib: None, arch: str, tmp_path: Path
+) -> None:
+    from agent.artifacts.tiny import DEFAULT_LAYERS, write_tiny_gguf
+    from agent.backends.libggswarm import NativeModel
+
+    path = write_tiny_gguf(arch, tmp_path / f"{arch}.gguf")
+    m = NativeModel(path, 0, DEFAULT_LAYERS[arch], n_threads=2)
+    try:
+        assert m.batches_sessions is TINY_BATCHING[arch]
+        prompts = [[(31 * i + 7 * k) % 90 + 3 for k in range(n)] for i, n in enumerate((5, 17, 9, 3))]
+        alone: list[Run] = []
+        for p in prompts:
+            sid, run, ids, pos = m.open_session(256), Run(), p, 0
+            for _ in range(TINY_STEPS):
+                out = m.forward(sid, pos, token_ids=np.asarray(ids), want_logits=True)
+                run.tokens.append(out["token"])
+                run.logits.append(out["logits"][-1].copy())
+                pos, ids = pos + len(ids), [out["token"]]
+            m.close_session(sid)
+            alone.append(run)
+        sids = [m.open_session(256) for _ in prompts]
+        pos = [0] * len(prompts)
+        diff, same = 0.0, True
+        for t in range(TINY_STEPS):
+            feed = [p if t == 0 else [alone[i].tokens[t - 1]] for i, p in enumerate(prompts)]
+            outs = m.forward_many(
+                [
+                    {"sid": sids[i], "pos_start": pos[i], "token_ids": np.asarray(f), "want_logits": True}
+                    for i, f in enumerate(feed)
+                ]
+            )
+            for i, o in enumerate(outs):
+                assert isinstance(o, dict), o
+                diff = max(diff, float(np.max(np.abs(o["logits"][-1] - alone[i].logits[t]))))
+                same = same and o["token"] == alone[i].tokens[t]
+                pos[i] += len(feed[i])
+        print(f"tiny {arch}: batched in one graph {m.batches_sessions}, max |logit diff| {diff:.3g}")
+        assert same
+        assert diff <= (TINY_LOGIT_TOL if TINY_BATCHING[arch] else 0.0)
+    finally:
+        m.close()
