@@ -68,8 +68,9 @@ __all__ = [
 
 @dataclass
 class HopStats:
-    compute_ms: float = 0.0
-    network_ms: float = 0.0
+    compute_ms: float = 0.0  # as the hop reports it
+    network_ms: float = 0.0  # round trip less the hop's reported handler time
+    wall_ms: float = 0.0  # the round trips as this client timed them: nothing the hop says changes it
     bytes_out: int = 0
     bytes_in: int = 0
 
@@ -357,6 +358,8 @@ class RouteClient(Failover):
             for st, t in zip(self.hop_stats, resp.timings, strict=False):
                 st.compute_ms += t.compute_us / 1e3
                 st.network_ms += net_ms / len(self.hops)  # chain mode cannot split wire time per hop
+            for st in self.hop_stats:
+                st.wall_ms += rtt_ms / len(self.hops)
             self._record(0, inp)
             for j in range(len(self.hops)):
                 self._len[j] = pos + inp.n
@@ -383,6 +386,22 @@ class RouteClient(Failover):
         t = resp.timings[0] if resp.timings else None
         self.hop_stats[i].compute_ms += t.compute_us / 1e3 if t else 0.0
         self.hop_stats[i].network_ms += rtt_ms - (t.handler_us / 1e3 if t else 0.0)
+        self.hop_stats[i].wall_ms += rtt_ms
+
+    def hop_telemetry(self) -> list[dict[str, Any]]:
+        """Per-hop figures of the answer so far, as the playground, the API and telemetry record them."""
+        return [
+            {
+                "url": h.url,
+                "layers": [h.layer_start, h.layer_end],
+                "compute_ms": round(s.compute_ms, 2),
+                "network_ms": round(s.network_ms, 2),
+                "wall_ms": round(s.wall_ms, 2),
+                "bytes_out": s.bytes_out,
+                "bytes_in": s.bytes_in,
+            }
+            for h, s in zip(self.hops, self.hop_stats, strict=True)
+        ]
 
     # -- generation ---------------------------------------------------------------------------------
     def _sampled(self, resp: Response) -> tuple[int, float]:
@@ -485,17 +504,7 @@ class RouteClient(Failover):
                 "n_generated": len(generated),
                 "total_ms": round(total * 1e3, 2),
                 "mode": self.mode,
-                "hops": [
-                    {
-                        "url": h.url,
-                        "layers": [h.layer_start, h.layer_end],
-                        "compute_ms": round(s.compute_ms, 2),
-                        "network_ms": round(s.network_ms, 2),
-                        "bytes_out": s.bytes_out,
-                        "bytes_in": s.bytes_in,
-                    }
-                    for h, s in zip(self.hops, self.hop_stats, strict=True)
-                ],
+                "hops": self.hop_telemetry(),
                 "wire_bytes": sum(s.bytes_out + s.bytes_in for s in self.hop_stats),
                 "recoveries": self.recoveries[n_recoveries:],
             },

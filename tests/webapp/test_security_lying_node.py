@@ -74,7 +74,17 @@ def test_routes_follow_observed_step_times_not_the_node_s_word() -> None:
             session=session,
             artifact=artifact,
             n_generated=10,
-            hops=[{"url": node.dataplane_url, "layers": [0, 4], "compute_ms": 0.0, "network_ms": ms}],
+            # the slow node claims it computed nothing and spent the round trip in its handler: only
+            # the client's own clock (wall_ms) counts
+            hops=[
+                {
+                    "url": node.dataplane_url,
+                    "layers": [0, 4],
+                    "compute_ms": 0.0,
+                    "network_ms": 0.0 if node is slow else ms,
+                    "wall_ms": ms,
+                }
+            ],
         )
         session.state = "closed"
         session.save(update_fields=["state"])

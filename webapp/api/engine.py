@@ -373,17 +373,7 @@ class Generation:
             "tokens_sent": len(c.history) - (len(self.prompt) - prefilled),
             "n_generated": n_out,
             "mode": c.mode,
-            "hops": [
-                {
-                    "url": h.url,
-                    "layers": [h.layer_start, h.layer_end],
-                    "compute_ms": round(s.compute_ms, 2),
-                    "network_ms": round(s.network_ms, 2),
-                    "bytes_out": s.bytes_out,
-                    "bytes_in": s.bytes_in,
-                }
-                for h, s in zip(c.hops, c.hop_stats, strict=True)
-            ],
+            "hops": c.hop_telemetry(),
             "wire_bytes": sum(s.bytes_out + s.bytes_in for s in c.hop_stats),
         }
 

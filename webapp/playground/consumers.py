@@ -61,6 +61,7 @@ def _hops(client: Any) -> list[dict[str, Any]]:
             "layers": [h.layer_start, h.layer_end],
             "compute_ms": round(s.compute_ms, 2),
             "network_ms": round(s.network_ms, 2),
+            "wall_ms": round(getattr(s, "wall_ms", 0.0), 2),
         }
         for h, s in zip(getattr(client, "hops", []), getattr(client, "hop_stats", []), strict=False)
     ]

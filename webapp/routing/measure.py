@@ -46,7 +46,10 @@ def assigned_sessions(node_ids: Iterable[str]) -> dict[str, int]:
 
 
 def route_layer_ms(hops: Any, n_generated: Any) -> float | None:
-    """ms per layer per step of one answer: its hops' observed wall time over layers and steps."""
+    """ms per layer per step of one answer: its hops' wall time as the route client timed it (each
+    round trip on this side's clock), over layers and steps. The hops' own compute and handler reports
+    are not used: a node answering "0 ms compute, all of the round trip was my handler" would
+    otherwise look free. Answers recorded without `wall_ms` count as not observed."""
     if not isinstance(hops, list):
         return None
     total_ms = 0.0
@@ -54,7 +57,9 @@ def route_layer_ms(hops: Any, n_generated: Any) -> float | None:
     for h in hops:
         if not isinstance(h, dict):
             continue
-        total_ms += max(0.0, _num(h.get("compute_ms"))) + max(0.0, _num(h.get("network_ms")))
+        if "wall_ms" not in h:
+            return None
+        total_ms += max(0.0, _num(h.get("wall_ms")))
         span = h.get("layers")
         if isinstance(span, list) and len(span) == 2 and all(isinstance(x, int) for x in span):
             layers += max(0, span[1] - span[0])
