@@ -54,8 +54,8 @@ def test_link_bandwidth_charges_the_seam_and_the_frame_bytes() -> None:
     fleet = Fleet("slow link", (node, replace(node, name="b")), hop_overhead_ms=0.0)
     spec = toy(dim=1000)
     hops, _, _ = predict_route(spec, fleet, [Placement(NodeId("a"), 0, 2), Placement(NodeId("b"), 2, 4)])
-    # hop a: 4 bytes of ids in, 2000 bytes of f16 seam out, two frame envelopes; 1 Mb/s
-    assert hops[0].network_ms == pytest.approx((4 + 2000 + 320) * 8 / 1e6 * 1e3)
+    # hop a: 4 bytes of ids in, 4000 bytes of f32 seam (the default) out, two frame envelopes; 1 Mb/s
+    assert hops[0].network_ms == pytest.approx((4 + 4000 + 320) * 8 / 1e6 * 1e3)
 
 
 def test_memory_bound_layer_time_counts_the_used_experts_and_the_state_at_the_context() -> None:
@@ -106,8 +106,8 @@ def test_glm_places_with_its_dense_prefix_and_groups_and_deepseek_carries_four_s
     assert not p.error and p.hops[0].layer_end >= 6
     assert all(glm.shape().cut_ok(h.layer_start) for h in p.hops)
     dsv4 = spec_from_dict(json.loads((SPECS / "models" / "deepseek-v4-flash.json").read_text()), "Q4_K_M")
-    assert dsv4.boundary_dim == 4 * 4096 and dsv4.seam_bytes_per_token(1) == 4 * 4096 * 2 + 4
-    assert dsv4.seam_bytes_per_token(10) == 4 * 4096 * 2  # no hash-routed layer downstream
+    assert dsv4.boundary_dim == 4 * 4096 and dsv4.seam_bytes_per_token(1) == 4 * 4096 * 4 + 4
+    assert dsv4.seam_bytes_per_token(10) == 4 * 4096 * 4  # no hash-routed layer downstream
 
 
 def test_a_fleet_too_small_is_reported_with_the_planners_reason() -> None:

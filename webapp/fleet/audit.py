@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from agent.artifacts.archs import servable_problem
-from webapp.fleet.simulate import Fleet, ModelSpec, simulate, spec_from_dict
+from webapp.fleet.simulate import SEAM_DTYPE_BYTES, Fleet, ModelSpec, simulate, spec_from_dict
 
 QUANTS = ("Q4_K_M", "Q8_0")
 CONTEXTS = (8192, 131072)
@@ -128,7 +128,8 @@ def render_audit(d: dict[str, Any], fleets: Sequence[Fleet], spec_path: str) -> 
         "",
         "## Seam",
         "",
-        f"- per token: {s4.boundary_dim} x 2 bytes (f16) = {s4.boundary_dim * 2} bytes"
+        f"- per token: {s4.boundary_dim} x {SEAM_DTYPE_BYTES} bytes (the default f32 seam; f16 halves it "
+        f"at a cost in exactness, docs/protocol.md) = {s4.boundary_dim * SEAM_DTYPE_BYTES} bytes"
         + (" (+ 4 bytes of token id for windows that start at or before a hash-routed layer)" if ids else ""),
         f"- a 512-token prompt crossing one seam: {_gb(512 * s4.seam_bytes_per_token(s4.n_layers - 1))}",
         *[f"- {s}" for s in d.get("seam_notes", [])],

@@ -33,7 +33,7 @@ GB = 1_000_000_000
 # Average bits per weight of a llama.cpp file type over a model's matmul weights. Q8_0 is exact (34 bytes
 # per 32 weights); Q4_K_M mixes Q4_K (4.5) with Q6_K (6.56) for some tensors: ~4.85 is an estimate.
 BITS_PER_WEIGHT = {"Q4_K_M": 4.85, "Q8_0": 8.5, "F16": 16.0}
-SEAM_DTYPE_BYTES = 2  # the route's default hidden dtype is f16 (agent.wire.frames.DEFAULT_HIDDEN_DTYPE)
+SEAM_DTYPE_BYTES = 4  # the route's default hidden dtype is f32 (agent.wire.frames.DEFAULT_HIDDEN_DTYPE)
 FRAME_OVERHEAD_BYTES = 160  # request/response headers of one frame and its HTTP envelope (measured ~150)
 SPECS = Path(__file__).resolve().parent / "specs"
 
