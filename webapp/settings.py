@@ -138,6 +138,9 @@ else:
     CELERY_BROKER_URL = "memory://"
 # Tracker peers live in Redis when it exists (several web processes answer announces), else in memory.
 TRACKER_REDIS_PREFIX = envstr("CHANNELS_PREFIX", "swarm") + ":tracker"
+# SSL torrents (docs/security.md "Swarm: SSL torrents"): new .torrents carry the data-plane CA as root,
+# so only enrolled nodes with an https data plane (a node certificate) exchange pieces, over TLS.
+SWARM_SSL_TORRENTS = envbool("SWARM_SSL_TORRENTS", False)
 CELERY_TASK_ALWAYS_EAGER = envbool("CELERY_TASK_ALWAYS_EAGER", not REDIS_URL)
 CELERY_TASK_EAGER_PROPAGATES = True
 CELERY_TASK_IGNORE_RESULT = True

@@ -19,6 +19,7 @@ from typing import BinaryIO
 from aiohttp import ClientSession
 
 from agent.artifacts.manifest import Manifest, TensorInfo, merge_ranges
+from agent.artifacts.swarm_tls import PlainTransportRefused, check_url
 
 CHUNK = 1 << 20
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
@@ -72,7 +73,15 @@ async def fetch_shard(
     dest: Path,
     progress: Progress | None = None,
 ) -> int:
-    """Bring `dest` up to date for [layer_start, layer_end); returns the bytes downloaded."""
+    """Bring `dest` up to date for [layer_start, layer_end); returns the bytes downloaded.
+
+    `file_url` over https is verified by `http` (aiohttp: the system store); plain http only to a
+    loopback control plane or with GGSWARM_INSECURE_PLAIN_HTTP=1, with a loud warning (FetchError else).
+    """
+    try:
+        check_url(file_url, "HTTP range fallback")
+    except PlainTransportRefused as e:
+        raise FetchError(str(e)) from None
     tensors = manifest.tensors_for_range(layer_start, layer_end)
     missing = await asyncio.to_thread(missing_tensors, dest, tensors)
     ranges = ranges_to_fetch(manifest, missing)

@@ -26,10 +26,20 @@ from agent.artifacts.pieces import (
     priorities,
     web_seed_needed,
 )
+from agent.artifacts.swarm_tls import (
+    FFDHE2048_PEM,
+    PeerCertificate,
+    PlainTransportRefused,
+    allow_plain,
+    check_url,
+    listen_interfaces,
+    split_listen,
+)
 
 __all__ = [
     "Download",
     "FetchError",
+    "PeerCertificate",
     "Progress",
     "SwarmClient",
     "TensorHashMismatch",
@@ -64,11 +74,15 @@ def create_torrent(
     *,
     smallest_layer_bytes: int | None = None,
     private: bool = True,
+    root_cert: str | None = None,
 ) -> tuple[bytes, str]:
     """Build a v1 single-file .torrent for `path`; returns (bencoded torrent, v1 infohash hex).
 
     v1 only: our tracker and web seed speak plain BEP 3/19 and a 20-byte infohash names the artifact.
     Private by default (BEP 27): peers come only from our passkey tracker, never DHT/PEX/LSD.
+    With `root_cert` (the swarm CA, PEM) it is an SSL torrent: peers talk TLS and must present a
+    certificate that CA signed (agent/artifacts/swarm_tls.py). The root is in the info dict, so it
+    changes the infohash.
     """
     p = Path(path)
     size = p.stat().st_size
@@ -81,6 +95,8 @@ def create_torrent(
     for tier, url in enumerate(tracker_urls):
         ct.add_tracker(url, tier)
     ct.set_priv(private)
+    if root_cert:
+        ct.set_root_cert(root_cert)
     ct.set_creator("gguf-swarm")
     lt.set_piece_hashes(ct, str(p.parent))
     torrent = lt.bencode(ct.generate())
@@ -203,14 +219,19 @@ class SwarmClient:
         peer_wait_s: float = 2.0,
         stall_s: float = 1.0,
         settings: lt.settings_pack | None = None,
+        peer_cert: PeerCertificate | None = None,
     ) -> None:
+        """`peer_cert` (the node's swarm certificate) lets this session join SSL torrents: an SSL
+        listen socket opens on the next port (any port for port 0) next to `listen`."""
         if web_seed_policy not in WEB_SEED_POLICIES:
             raise ValueError(f"unknown web seed policy {web_seed_policy!r}")
         self.web_seed_policy = web_seed_policy
         self.peer_wait_s = peer_wait_s
         self.stall_s = stall_s
+        self.peer_cert = peer_cert
+        self._listen_host = split_listen(listen)[0]
         pack: lt.settings_pack = {
-            "listen_interfaces": listen,
+            "listen_interfaces": listen_interfaces(listen, ssl=peer_cert is not None),
             "enable_dht": False,
             "enable_lsd": False,
             "enable_upnp": False,
@@ -249,6 +270,11 @@ class SwarmClient:
     @property
     def listen_port(self) -> int:
         return int(self._session.listen_port())
+
+    @property
+    def ssl_listen_port(self) -> int:
+        """The port SSL torrents' peers connect to (0 without a peer certificate)."""
+        return int(self._session.ssl_listen_port()) if self.peer_cert else 0
 
     def close(self) -> None:
         """Stop seeding and close the session (files stay on disk)."""
@@ -293,7 +319,13 @@ class SwarmClient:
             d = self._download_for(a)
             if d is None:
                 return
-            if isinstance(a, lt.block_finished_alert):
+            if isinstance(a, lt.torrent_need_cert_alert):
+                # an SSL torrent's context exists now: present our swarm certificate to its peers
+                if self.peer_cert is not None:
+                    a.handle.set_ssl_certificate_buffer(
+                        self.peer_cert.cert_pem, self.peer_cert.key_pem, FFDHE2048_PEM
+                    )
+            elif isinstance(a, lt.block_finished_alert):
                 start = a.piece_index * d.piece_length + a.block_index * BLOCK
                 piece_end = min((a.piece_index + 1) * d.piece_length, d.total_size)
                 n = max(0, min(BLOCK, piece_end - start))
@@ -345,6 +377,7 @@ class SwarmClient:
                 return d
         seeds = list(web_seeds) if web_seeds is not None else [w["url"] for w in ti.web_seeds()]
         tracker_urls = list(trackers) if trackers is not None else [t.url for t in ti.trackers()]
+        self._check_transport(ti, [*tracker_urls, *seeds])
         atp = lt.add_torrent_params()
         atp.ti = ti
         atp.save_path = str(Path(dest_dir))
@@ -379,6 +412,7 @@ class SwarmClient:
         atp.ti = ti
         atp.save_path = str(Path(path).parent)
         atp.trackers = list(trackers) if trackers is not None else [t.url for t in ti.trackers()]
+        self._check_transport(ti, atp.trackers)
         atp.url_seeds = []
         atp.flags = (
             atp.flags
@@ -401,6 +435,24 @@ class SwarmClient:
             self._downloads[ih] = d
             d.handle = self._session.add_torrent(atp)
         return d
+
+    def _check_transport(self, ti: lt.torrent_info, urls: Iterable[str]) -> None:
+        """SSL torrents need our certificate; plain ones, and http:// trackers and web seeds, are for
+        loopback (or GGSWARM_INSECURE_PLAIN_HTTP=1) only, with a loud warning."""
+        name = str(ti.info_hashes().v1)[:8]
+        try:
+            if ti.ssl_cert():
+                if self.peer_cert is None:
+                    raise FetchError(
+                        f"{name} is an SSL torrent (peers must show a swarm certificate) and this "
+                        "node's torrent session has none; enroll with an https data plane"
+                    )
+            else:
+                allow_plain(self._listen_host, f"torrent {name}: peer traffic")
+            for url in urls:
+                check_url(url, f"torrent {name}: tracker/web seed")
+        except PlainTransportRefused as e:
+            raise FetchError(str(e)) from None
 
     def get(self, infohash: str) -> Download | None:
         with self._lock:

@@ -1,5 +1,5 @@
 """The node's data-plane certificate: its own key (0600, never sent), a CSR to the control plane, and
-the TLS contexts `run` serves and forwards with (docs/security.md)."""
+the TLS contexts `run` serves and forwards with, and the torrent peer certificate (docs/security.md)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent.artifacts.swarm_tls import PeerCertificate
 from agent.node.config import ConfigError, NodeConfig, post_json
 from agent.wire import tls
 
@@ -24,6 +25,10 @@ class NodeTLS:
 
     def client(self) -> ssl.SSLContext:
         return tls.client_context(self.cert, self.key, self.ca)
+
+    def torrent_certificate(self) -> PeerCertificate:
+        """The same certificate for SSL torrents' peers (it carries the `*` torrent name)."""
+        return PeerCertificate.from_files(self.cert, self.key)
 
 
 def tls_paths(config_path: Path) -> NodeTLS:

@@ -27,6 +27,7 @@ import aiohttp
 from agent import defaults
 from agent.artifacts.fetch import FetchError, fetch_shard, shard_path
 from agent.artifacts.manifest import Manifest, ManifestError
+from agent.artifacts.swarm_tls import PeerCertificate
 from agent.node.config import NodeConfig
 from agent.wire.control import (
     FINAL_CLOSE_CODES,
@@ -173,6 +174,8 @@ class ControlAgent:
     speed: float = 0.0
     # None: never use the swarm (HTTP range requests only).
     torrent_listen: str | None = defaults.TORRENT_LISTEN
+    # the node's swarm certificate: joins SSL torrents (agent/artifacts/swarm_tls.py); None: plain only
+    torrent_cert: PeerCertificate | None = None
     fetch_timeout_s: float = defaults.FETCH_TIMEOUT_S
     connected: asyncio.Event = field(default_factory=asyncio.Event)
     _ws: aiohttp.ClientWebSocketResponse | None = None
@@ -410,9 +413,12 @@ class ControlAgent:
                 self._swarm_unavailable = str(e)
                 log.warning("libtorrent is not available (%s); fetching shards over HTTP", e)
                 return None
-            self._swarm = SwarmClient(self.torrent_listen)
+            self._swarm = SwarmClient(self.torrent_listen, peer_cert=self.torrent_cert)
             log.info(
-                "torrent session listening on %s (port %d)", self.torrent_listen, self._swarm.listen_port
+                "torrent session listening on %s (port %d, SSL torrents on port %s)",
+                self.torrent_listen,
+                self._swarm.listen_port,
+                self._swarm.ssl_listen_port or "none: no certificate",
             )
         return self._swarm
 

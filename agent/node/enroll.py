@@ -101,6 +101,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             data_dir,
             n_threads=args.threads,
             torrent_listen=None if args.no_torrent else args.torrent_listen,
+            torrent_cert=node_tls.torrent_certificate() if node_tls else None,
         )
         if args.speed:
             agent.speed = args.speed

@@ -24,6 +24,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 NODE_URI_PREFIX = "urn:ggswarm:node:"
 CLIENT_URI_PREFIX = "urn:ggswarm:client:"
 CERT_DAYS = 365
+SSL_TORRENT_WILDCARD = "*"
 
 
 class TLSError(Exception):
@@ -134,6 +135,9 @@ def issue_cert(
     names: list[x509.GeneralName] = [x509.UniformResourceIdentifier(identity)]
     if identity.startswith(NODE_URI_PREFIX):
         names.append(x509.DNSName(node_dns_name(identity[len(NODE_URI_PREFIX) :])))
+        # `*`: libtorrent lets a peer into an SSL torrent only with the torrent's name or `*` as a DNS
+        # name (agent/artifacts/swarm_tls.py); OpenSSL matches a bare `*` to no host name but "*".
+        names.append(x509.DNSName(SSL_TORRENT_WILDCARD))
     names += [_san_for_host(h) for h in hosts]
     cert = (
         x509.CertificateBuilder()

@@ -34,8 +34,10 @@ def build_torrent(path: str, manifest: Manifest) -> tuple[bytes | None, str]:
         from agent.artifacts.torrent import create_torrent
     except ImportError:
         return None, ""
+    from webapp.tracker.services import torrent_root_cert
+
     smallest = min((layer.nbytes for layer in manifest.layers if layer.nbytes), default=None)
-    return create_torrent(path, smallest_layer_bytes=smallest)
+    return create_torrent(path, smallest_layer_bytes=smallest, root_cert=torrent_root_cert())
 
 
 GGUF_MAGIC = b"GGUF"
