@@ -151,8 +151,9 @@ def main() -> None:
     prompts = _prompts(args.sessions)
     best: dict[str, float] = {}
     same_tokens = True
-    # rounds interleave the four runs so a busy machine slows them alike; the best round of each is kept
-    for _ in range(args.rounds):
+    # rounds interleave the four runs (in reverse order every other round) so a busy machine slows them
+    # alike; the best round of each is kept
+    for r in range(args.rounds):
         runs = {
             "native_1": lambda: native_decode(be, prompts[:1], args.steps),
             "native_n": lambda: native_decode(be, prompts, args.steps),
@@ -160,7 +161,8 @@ def main() -> None:
             "llama_n": lambda: llama.decode(prompts, args.steps),
         }
         got: dict[str, list[list[int]]] = {}
-        for name, fn in runs.items():
+        order = list(runs.items())
+        for name, fn in order if r % 2 == 0 else order[::-1]:
             secs, toks = fn()
             n_seq = len(toks)
             tps = n_seq * args.steps / secs

@@ -58,7 +58,13 @@ ggml_tensor * attention_many(Build & b, int32_t il, ggml_tensor * q, ggml_tensor
 
 namespace {
 
-constexpr size_t kManyGraphs = 4;  // graphs of several sessions kept per model (their shapes change often)
+// Graphs of several sessions kept per model, by kind, as graph.cpp keeps single-session ones: those
+// of one-position steps only (small; their shapes change as sessions come and go) and those with a
+// longer step among them (compute buffers sized for up to 512 rows)
+constexpr size_t kManyDecodeGraphs = 4;
+constexpr size_t kManyBatchGraphs = 1;
+
+bool has_batch(const GraphKey & k) { return k.n > (int32_t)(k.members.size() / 3); }
 
 // The graph for members of shape (n, n_kv, cap) each (key.members): inputs of all rows, each member's
 // attention inputs and state leaves, the architecture's layers, and on the last window the head over
@@ -146,7 +152,7 @@ void bind_members(Graph & g, const std::vector<Session *> & ss) {
 }
 
 // The cached graph of these members' shapes, or a new one (evicting the least recently used graph of
-// several sessions when kManyGraphs are kept).
+// several sessions of its kind when as many as that kind keeps are cached).
 ggswarm_status graph_for_many(ggswarm_model * m, const GraphKey & key, const std::vector<Session *> & ss, Graph ** out) {
     for (auto & g : m->graphs) {
         if (g->key == key) {
@@ -157,11 +163,11 @@ ggswarm_status graph_for_many(ggswarm_model * m, const GraphKey & key, const std
     size_t kept = 0;
     const Graph * oldest = nullptr;
     for (auto & g : m->graphs) {
-        if (g->key.members.empty()) continue;
+        if (g->key.members.empty() || has_batch(g->key) != has_batch(key)) continue;
         ++kept;
         if (!oldest || g->last_use < oldest->last_use) oldest = g.get();
     }
-    if (oldest && kept >= kManyGraphs) drop_graph(m, oldest);
+    if (oldest && kept >= (has_batch(key) ? kManyBatchGraphs : kManyDecodeGraphs)) drop_graph(m, oldest);
     // the window graph's nodes, plus each member's attention nodes per layer
     const size_t nm = key.members.size() / 3;
     const size_t size = m->graph_size + nm * (size_t)((m->layer_end - m->layer_start) * 48 + 64);
