@@ -11,6 +11,7 @@ socket are answered one at a time, in order.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import TYPE_CHECKING
 
@@ -29,7 +30,9 @@ MAX_STREAMS_PER_IP = 256
 
 
 def register_stream(app: web.Application, dp: DataPlane) -> None:
-    app.router.add_get(STREAM_PATH, StreamView(dp).view)
+    view = StreamView(dp)
+    app.router.add_get(STREAM_PATH, view.view)
+    app.on_shutdown.append(view.shutdown)
 
 
 class StreamView:
@@ -38,6 +41,19 @@ class StreamView:
     def __init__(self, dp: DataPlane) -> None:
         self.dp = dp
         self.streams: dict[str, int] = {}
+        self.open: set[web.WebSocketResponse] = set()
+
+    async def shutdown(self, app: web.Application) -> None:  # noqa: ARG002
+        """Before the server waits for its handlers: a stream's handler only ends when its socket does.
+        This node's own chain streams close first (a chain through this node ends here too), then
+        every client's, at once; a client that does not answer the close is cut after 1 s."""
+        if self.dp._streams is not None:
+            await self.dp._streams.close()
+        socks = list(self.open)
+        await asyncio.gather(
+            *(ws.close(code=WSCloseCode.GOING_AWAY, message=b"node shutting down") for ws in socks),
+            return_exceptions=True,
+        )
 
     async def view(self, request: web.Request) -> web.StreamResponse:
         from agent.node.dataplane import _error, _release
@@ -45,9 +61,10 @@ class StreamView:
         ip = request.remote or "?"
         if self.streams.get(ip, 0) >= MAX_STREAMS_PER_IP:
             return _error(429, "too_many_requests", f"more than {MAX_STREAMS_PER_IP} streams from {ip}")
-        ws = web.WebSocketResponse(max_msg_size=STREAM_MAX_FRAME, compress=False, autoping=True)
+        ws = web.WebSocketResponse(max_msg_size=STREAM_MAX_FRAME, compress=False, autoping=True, timeout=1.0)
         await ws.prepare(request)
         self.streams[ip] = self.streams.get(ip, 0) + 1
+        self.open.add(ws)
         try:
             async for msg in ws:
                 if msg.type != WSMsgType.BINARY:
@@ -60,6 +77,7 @@ class StreamView:
                     await ws.send_str(answer.decode())
         finally:
             _release(self.streams, ip)
+            self.open.discard(ws)
         return ws
 
     async def answer(self, ip: str, body: bytes) -> tuple[int, bytes]:

@@ -104,3 +104,22 @@ async def test_a_hop_without_a_stream_endpoint_is_reached_over_post(manifest, si
     finally:
         await client.close()
         await runner.cleanup()
+
+
+async def test_a_node_with_idle_streams_open_stops_promptly(model_path, manifest, signing_key) -> None:  # noqa: ANN001
+    import time
+
+    dp = DataPlane("node-s", signing_key.public_key())
+    dp.load_shard(model_path, manifest, 0, 30, backend="torch", n_threads=1)
+    port = free_port()
+    runner = await start_dataplane(dp, "127.0.0.1", port)
+    client = _client(f"http://127.0.0.1:{port}", signing_key, manifest)
+    try:
+        await client.forward(PROMPT, SamplingParams())
+        assert client._streams._idle  # an idle socket the node's handler is waiting on
+        t0 = time.monotonic()
+        await runner.cleanup()  # aiohttp waits for handlers; the stream's ends only with its socket
+        assert time.monotonic() - t0 < 5
+    finally:
+        await client._streams.close()
+        await client._http.close()
