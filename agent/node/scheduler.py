@@ -233,9 +233,9 @@ class ShardScheduler:
         tokens = sum(n for _, n in runs)
         t1 = time.perf_counter()
         if len(inputs) == 1 and tokens <= INLINE_TOKENS:
-            results = self.backend.forward_batch(inputs)
+            results = _forward_batch(self.backend, inputs)
         else:
-            results = await asyncio.to_thread(self.backend.forward_batch, inputs)
+            results = await asyncio.to_thread(_forward_batch, self.backend, inputs)
         if self._observer is not None:
             self._observer.batch(len(runs), tokens, time.perf_counter() - t1)
         if len(results) != len(runs):
@@ -319,6 +319,17 @@ def _assemble(parts: list[ForwardResult]) -> ForwardResult:
         logits=logits,
         compute_s=sum(r.compute_s for r in parts),
     )
+
+
+def _forward_batch(backend: Backend, steps: list[StepInput]) -> list[ForwardResult | BackendError]:
+    """A batch of one is the backend's plain forward (its single-step path, nothing to batch); its
+    BackendError goes in its slot, as forward_batch would put it."""
+    if len(steps) > 1:
+        return backend.forward_batch(steps)
+    try:
+        return [_forward_one(backend, steps[0])]
+    except BackendError as e:
+        return [e]
 
 
 def _forward_one(backend: Backend, st: StepInput) -> ForwardResult:

@@ -45,8 +45,17 @@ class RecordingBackend(Backend):
     def kv_bytes(self, sid: SessionId | None = None) -> int:
         return 8 * (len(self.kv[sid]) if sid is not None else sum(map(len, self.kv.values())))
 
-    def forward(self, sid, pos_start, token_ids=None, hidden=None, **_: object) -> ForwardResult:  # noqa: ANN001
+    def _start(self, steps: list[tuple[SessionId, int, int]]) -> None:
+        """Record a backend call (forward_batch, or forward for a batch of one) and hold it at the gate."""
+        self.batches.append(steps)
+        if self.gate is not None:
+            gate, self.gate = self.gate, None
+            assert gate.wait(10)
+
+    def forward(self, sid, pos_start, token_ids=None, hidden=None, **kw: object) -> ForwardResult:  # noqa: ANN001
         assert token_ids is not None
+        if not kw.pop("_in_batch", False):
+            self._start([(sid, pos_start, len(token_ids))])
         kv = self.kv.get(sid)
         if kv is None or pos_start != len(kv):
             raise BackendError(f"position {pos_start} does not follow")
@@ -61,17 +70,19 @@ class RecordingBackend(Backend):
         )
 
     def forward_batch(self, steps: list[StepInput]) -> list[ForwardResult | BackendError]:
-        self.batches.append(
+        assert len(steps) > 1  # the scheduler runs a batch of one as a plain forward
+        self._start(
             [(st.sid, st.pos_start, 0 if st.token_ids is None else len(st.token_ids)) for st in steps]
         )
-        if self.gate is not None:
-            gate, self.gate = self.gate, None
-            assert gate.wait(10)
-        if self.budget_after is not None:
-            for st in steps[: self.budget_after]:
-                self.forward(st.sid, st.pos_start, token_ids=st.token_ids)
-            raise AdmissionError("KV budget exhausted inside the backend")
-        return super().forward_batch(steps)
+        out: list[ForwardResult | BackendError] = []
+        for k, st in enumerate(steps):
+            if self.budget_after is not None and k == self.budget_after:
+                raise AdmissionError("KV budget exhausted inside the backend")
+            try:
+                out.append(self.forward(st.sid, st.pos_start, token_ids=st.token_ids, _in_batch=True))
+            except BackendError as e:
+                out.append(e)
+        return out
 
 
 class Recorder:
@@ -122,7 +133,7 @@ async def test_a_backend_that_does_not_batch_runs_each_step_alone_in_arrival_ord
     for i in range(3):
         be.open_session(sid(i), 64)
     got = await asyncio.gather(*(sched.submit(i, None, step(sid(i), 0, [i + 1])) for i in range(3)))
-    assert be.batches == []  # forward, one step at a time, never forward_batch
+    assert be.batches == [[(sid(i), 0, 1)] for i in range(3)]  # forward, one step at a time
     assert [r.token for r in got] == [1, 2, 3] and rec.batch_sizes == [(1, 1)] * 3
 
 
