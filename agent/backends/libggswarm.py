@@ -1,4 +1,4 @@
-"""ctypes binding of libggswarm (native/include/ggswarm.h, mirrored one to one) and its handle owner."""
+"""ctypes binding of libggswarm (native/include/ggswarm.h; structs and prototypes in ggswarm_abi) and its handle owners."""
 
 from __future__ import annotations
 
@@ -10,6 +10,12 @@ from typing import Any
 
 import numpy as np
 
+from agent.backends.ggswarm_abi import bind
+from agent.backends.ggswarm_abi import ggswarm_batch as ggswarm_batch
+from agent.backends.ggswarm_abi import ggswarm_budget_p as ggswarm_budget_p
+from agent.backends.ggswarm_abi import ggswarm_model_info as ggswarm_model_info
+from agent.backends.ggswarm_abi import ggswarm_model_p as ggswarm_model_p
+from agent.backends.ggswarm_abi import ggswarm_sampling as ggswarm_sampling
 from agent.wire.frames import HiddenDtype, numpy_dtype
 
 GGSWARM_API_VERSION = 6
@@ -80,73 +86,6 @@ class NativeError(Exception):
         return STATUS_NAMES.get(self.status, f"status {self.status}")
 
 
-# typedef struct ggswarm_model_info { ... } ggswarm_model_info;
-class ggswarm_model_info(ctypes.Structure):  # noqa: N801 - mirrors the C name
-    _fields_ = [
-        ("architecture", ctypes.c_char * 32),
-        ("device", ctypes.c_char * 64),
-        ("n_layers_total", ctypes.c_int32),
-        ("layer_start", ctypes.c_int32),
-        ("layer_end", ctypes.c_int32),
-        ("is_first", ctypes.c_int32),
-        ("is_last", ctypes.c_int32),
-        ("d_model", ctypes.c_int32),
-        ("n_vocab", ctypes.c_int32),
-        ("n_head", ctypes.c_int32),
-        ("n_head_kv", ctypes.c_int32),
-        ("head_dim", ctypes.c_int32),
-        ("n_ff", ctypes.c_int32),
-        ("n_ctx_train", ctypes.c_int32),
-        ("n_ctx_max", ctypes.c_int32),
-        ("n_threads", ctypes.c_int32),
-        ("weight_bytes", ctypes.c_uint64),
-        ("kv_bytes_per_token", ctypes.c_uint64),
-        ("model_id", ctypes.c_char * 72),
-        ("decode_kernels", ctypes.c_int32),
-        ("graph_builds", ctypes.c_uint64),
-        ("batches_sessions", ctypes.c_int32),
-    ]
-
-
-# typedef struct ggswarm_sampling { double temperature; int32_t top_k; int32_t repeat_last_n;
-#     double top_p; double min_p; double repeat_penalty; uint64_t seed; } ggswarm_sampling;
-class ggswarm_sampling(ctypes.Structure):  # noqa: N801
-    _fields_ = [
-        ("temperature", ctypes.c_double),
-        ("top_k", ctypes.c_int32),
-        ("repeat_last_n", ctypes.c_int32),
-        ("top_p", ctypes.c_double),
-        ("min_p", ctypes.c_double),
-        ("repeat_penalty", ctypes.c_double),
-        ("seed", ctypes.c_uint64),
-    ]
-
-
-# typedef struct ggswarm_batch { ... } ggswarm_batch;
-class ggswarm_batch(ctypes.Structure):  # noqa: N801
-    _fields_ = [
-        ("n_tokens", ctypes.c_int32),
-        ("pos_start", ctypes.c_int32),
-        ("token_ids", ctypes.POINTER(ctypes.c_int32)),
-        ("hidden_in", ctypes.c_void_p),
-        ("hidden_in_count", ctypes.c_int64),
-        ("hidden_in_type", ctypes.c_int32),
-        ("hidden_out_type", ctypes.c_int32),
-        ("hidden_out", ctypes.c_void_p),
-        ("hidden_out_count", ctypes.c_int64),
-        ("logits_out", ctypes.POINTER(ctypes.c_float)),
-        ("logits_out_count", ctypes.c_int64),
-        ("sampling", ctypes.POINTER(ggswarm_sampling)),
-        ("history", ctypes.POINTER(ctypes.c_int32)),
-        ("n_history", ctypes.c_int32),
-        ("token_out", ctypes.POINTER(ctypes.c_int32)),
-        ("logprob_out", ctypes.POINTER(ctypes.c_double)),
-        ("compute_s_out", ctypes.POINTER(ctypes.c_double)),
-    ]
-
-
-ggswarm_model_p = ctypes.c_void_p
-ggswarm_budget_p = ctypes.c_void_p
 _lib: ctypes.CDLL | None = None
 _load_error: str | None = None
 
@@ -187,169 +126,6 @@ def _preload_ggml() -> None:
             ctypes.CDLL(str(d / name), mode=ctypes.RTLD_GLOBAL)
 
 
-def _bind(lib: ctypes.CDLL) -> None:
-    c_status = ctypes.c_int32
-    i32p = ctypes.POINTER(ctypes.c_int32)
-    u64p = ctypes.POINTER(ctypes.c_uint64)
-
-    # int32_t ggswarm_api_version(void);
-    lib.ggswarm_api_version.argtypes = []
-    lib.ggswarm_api_version.restype = ctypes.c_int32
-
-    # const char * ggswarm_last_error(void);
-    lib.ggswarm_last_error.argtypes = []
-    lib.ggswarm_last_error.restype = ctypes.c_char_p
-
-    # ggswarm_status ggswarm_budget_new(uint64_t total_bytes, ggswarm_budget ** out);
-    lib.ggswarm_budget_new.argtypes = [ctypes.c_uint64, ctypes.POINTER(ggswarm_budget_p)]
-    lib.ggswarm_budget_new.restype = c_status
-
-    # void ggswarm_budget_free(ggswarm_budget * budget);
-    lib.ggswarm_budget_free.argtypes = [ggswarm_budget_p]
-    lib.ggswarm_budget_free.restype = None
-
-    # ggswarm_status ggswarm_budget_get(const ggswarm_budget * budget, uint64_t * out_total,
-    #     uint64_t * out_used);
-    lib.ggswarm_budget_get.argtypes = [ggswarm_budget_p, u64p, u64p]
-    lib.ggswarm_budget_get.restype = c_status
-
-    # ggswarm_status ggswarm_model_open(const char * path, int32_t layer_start, int32_t layer_end,
-    #     int32_t n_threads, ggswarm_budget * budget, const char * model_id, ggswarm_model ** out);
-    lib.ggswarm_model_open.argtypes = [
-        ctypes.c_char_p,
-        ctypes.c_int32,
-        ctypes.c_int32,
-        ctypes.c_int32,
-        ggswarm_budget_p,
-        ctypes.c_char_p,
-        ctypes.POINTER(ggswarm_model_p),
-    ]
-    lib.ggswarm_model_open.restype = c_status
-
-    # void ggswarm_model_free(ggswarm_model * model);
-    lib.ggswarm_model_free.argtypes = [ggswarm_model_p]
-    lib.ggswarm_model_free.restype = None
-
-    # const char * ggswarm_model_last_error(const ggswarm_model * model);
-    lib.ggswarm_model_last_error.argtypes = [ggswarm_model_p]
-    lib.ggswarm_model_last_error.restype = ctypes.c_char_p
-
-    # ggswarm_status ggswarm_model_info_get(const ggswarm_model * model, ggswarm_model_info * out);
-    lib.ggswarm_model_info_get.argtypes = [ggswarm_model_p, ctypes.POINTER(ggswarm_model_info)]
-    lib.ggswarm_model_info_get.restype = c_status
-
-    # ggswarm_status ggswarm_set_threads(ggswarm_model * model, int32_t n_threads);
-    lib.ggswarm_set_threads.argtypes = [ggswarm_model_p, ctypes.c_int32]
-    lib.ggswarm_set_threads.restype = c_status
-
-    # ggswarm_status ggswarm_session_open(ggswarm_model * model, int32_t max_tokens, int64_t * out_sid);
-    lib.ggswarm_session_open.argtypes = [ggswarm_model_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int64)]
-    lib.ggswarm_session_open.restype = c_status
-
-    # ggswarm_status ggswarm_session_close(ggswarm_model * model, int64_t sid);
-    lib.ggswarm_session_close.argtypes = [ggswarm_model_p, ctypes.c_int64]
-    lib.ggswarm_session_close.restype = c_status
-
-    # ggswarm_status ggswarm_session_len(const ggswarm_model * model, int64_t sid, int32_t * out_len);
-    lib.ggswarm_session_len.argtypes = [ggswarm_model_p, ctypes.c_int64, i32p]
-    lib.ggswarm_session_len.restype = c_status
-
-    # ggswarm_status ggswarm_session_truncate(ggswarm_model * model, int64_t sid, int32_t n_tokens);
-    lib.ggswarm_session_truncate.argtypes = [ggswarm_model_p, ctypes.c_int64, ctypes.c_int32]
-    lib.ggswarm_session_truncate.restype = c_status
-
-    # ggswarm_status ggswarm_session_truncate_to(ggswarm_model * model, int64_t sid, int32_t n_tokens,
-    #     int32_t * out_len, int32_t * out_kind);
-    lib.ggswarm_session_truncate_to.argtypes = [
-        ggswarm_model_p,
-        ctypes.c_int64,
-        ctypes.c_int32,
-        ctypes.POINTER(ctypes.c_int32),
-        ctypes.POINTER(ctypes.c_int32),
-    ]
-    lib.ggswarm_session_truncate_to.restype = c_status
-
-    # ggswarm_status ggswarm_set_checkpoints(ggswarm_model * model, int32_t every_n_tokens,
-    #     int32_t max_per_session);
-    lib.ggswarm_set_checkpoints.argtypes = [ggswarm_model_p, ctypes.c_int32, ctypes.c_int32]
-    lib.ggswarm_set_checkpoints.restype = c_status
-
-    # ggswarm_status ggswarm_session_checkpoints(const ggswarm_model * model, int64_t sid,
-    #     int32_t * positions, int32_t capacity, int32_t * out_count);
-    lib.ggswarm_session_checkpoints.argtypes = [
-        ggswarm_model_p,
-        ctypes.c_int64,
-        ctypes.POINTER(ctypes.c_int32),
-        ctypes.c_int32,
-        ctypes.POINTER(ctypes.c_int32),
-    ]
-    lib.ggswarm_session_checkpoints.restype = c_status
-
-    # ggswarm_status ggswarm_kv_bytes(const ggswarm_model * model, int64_t sid, uint64_t * out_bytes);
-    lib.ggswarm_kv_bytes.argtypes = [ggswarm_model_p, ctypes.c_int64, u64p]
-    lib.ggswarm_kv_bytes.restype = c_status
-
-    # ggswarm_status ggswarm_session_growth_bytes(const ggswarm_model * model, int64_t sid,
-    #     int32_t n_positions, uint64_t * out_bytes);
-    lib.ggswarm_session_growth_bytes.argtypes = [ggswarm_model_p, ctypes.c_int64, ctypes.c_int32, u64p]
-    lib.ggswarm_session_growth_bytes.restype = c_status
-
-    # ggswarm_status ggswarm_forward(ggswarm_model * model, int64_t sid, const ggswarm_batch * batch);
-    lib.ggswarm_forward.argtypes = [ggswarm_model_p, ctypes.c_int64, ctypes.POINTER(ggswarm_batch)]
-    lib.ggswarm_forward.restype = c_status
-
-    # ggswarm_status ggswarm_forward_many(ggswarm_model * model, int32_t n, const int64_t * sids,
-    #     const ggswarm_batch * batches, ggswarm_status * statuses);
-    lib.ggswarm_forward_many.argtypes = [
-        ggswarm_model_p,
-        ctypes.c_int32,
-        ctypes.POINTER(ctypes.c_int64),
-        ctypes.POINTER(ggswarm_batch),
-        ctypes.POINTER(c_status),
-    ]
-    lib.ggswarm_forward_many.restype = c_status
-
-    # const char * ggswarm_forward_many_error(const ggswarm_model * model, int32_t i);
-    lib.ggswarm_forward_many_error.argtypes = [ggswarm_model_p, ctypes.c_int32]
-    lib.ggswarm_forward_many_error.restype = ctypes.c_char_p
-
-    # ggswarm_status ggswarm_session_snapshot_size(const ggswarm_model * model, int64_t sid,
-    #     uint64_t * out_size);
-    lib.ggswarm_session_snapshot_size.argtypes = [ggswarm_model_p, ctypes.c_int64, u64p]
-    lib.ggswarm_session_snapshot_size.restype = c_status
-
-    # ggswarm_status ggswarm_session_snapshot(const ggswarm_model * model, int64_t sid, void * buf,
-    #     uint64_t capacity, uint64_t * out_written);
-    lib.ggswarm_session_snapshot.argtypes = [
-        ggswarm_model_p,
-        ctypes.c_int64,
-        ctypes.c_void_p,
-        ctypes.c_uint64,
-        u64p,
-    ]
-    lib.ggswarm_session_snapshot.restype = c_status
-
-    # ggswarm_status ggswarm_session_restore(ggswarm_model * model, int64_t sid, const void * buf,
-    #     uint64_t size);
-    lib.ggswarm_session_restore.argtypes = [ggswarm_model_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_uint64]
-    lib.ggswarm_session_restore.restype = c_status
-
-    # ggswarm_status ggswarm_sample(const float * logits, int32_t n_vocab, const ggswarm_sampling * params,
-    #     int64_t position, const int32_t * history, int32_t n_history, int32_t * out_token,
-    #     double * out_logprob);
-    lib.ggswarm_sample.argtypes = [
-        ctypes.POINTER(ctypes.c_float),
-        ctypes.c_int32,
-        ctypes.POINTER(ggswarm_sampling),
-        ctypes.c_int64,
-        i32p,
-        ctypes.c_int32,
-        i32p,
-        ctypes.POINTER(ctypes.c_double),
-    ]
-    lib.ggswarm_sample.restype = c_status
-
-
 def load_library() -> ctypes.CDLL:
     """Load and bind libggswarm once; raises OSError with the reason when it cannot be used."""
     global _lib, _load_error
@@ -361,7 +137,7 @@ def load_library() -> ctypes.CDLL:
         raise OSError(_load_error)
     _preload_ggml()
     lib = ctypes.CDLL(str(path))
-    _bind(lib)
+    bind(lib)
     version = lib.ggswarm_api_version()
     if version != GGSWARM_API_VERSION:
         _load_error = f"{path} has API version {version}; this binding speaks {GGSWARM_API_VERSION}"

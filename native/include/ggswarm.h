@@ -237,8 +237,8 @@ GGSWARM_API ggswarm_status ggswarm_forward(ggswarm_model * model, int64_t sid, c
 /* v6: run one step of each of n DISTINCT sessions (sids[i] with batches[i], each as ggswarm_forward
  * would take it) together. On an architecture that batches (ggswarm_model_info.batches_sessions) the
  * steps' rows run through one graph: embedding, norms, projections, FFN and output head over all rows
- * at once, attention and KV writes per session over its own cache; steps of more than GGSWARM_MAX_BATCH
- * / 8 (512) positions, or a step left alone in its group, run as ggswarm_forward runs them. Elsewhere
+ * at once, attention and KV writes per session over its own cache, in groups of at most 512 rows (the
+ * micro-batch); a longer step, or one left alone in its group, runs as ggswarm_forward runs it. Elsewhere
  * the steps run one after another inside the call. Each step gets its outputs (hidden rows, or sampled
  * token, logprob and optional logits) as ggswarm_forward gives them, and its own status in
  * statuses[i]: a step that fails validation (or a duplicate sid, or the budget) fails alone and leaves
