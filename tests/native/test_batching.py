@@ -311,3 +311,34 @@ def test_tiny_models_batched_teacher_forced_match_alone_and_say_whether_they_bat
         assert diff <= (TINY_LOGIT_TOL if TINY_BATCHING[arch] else 0.0)
     finally:
         m.close()
+
+
+def test_batched_hidden_rows_come_back_in_the_asked_dtype_as_alone(
+    native_lib: None, model_path: str, manifest: Manifest
+) -> None:
+    first = NativeBackend(ShardSpec(model_path, 0, 10, manifest, n_threads=2))
+    mid = NativeBackend(ShardSpec(model_path, 10, 20, manifest, n_threads=2))
+    try:
+        want = []
+        for i in range(2):
+            for be in (first, mid):
+                be.open_session(_sid(i), 64)
+            h = first.forward(_sid(i), 0, token_ids=np.asarray(_prompt(i)), hidden_dtype="f16").hidden
+            want.append(mid.forward(_sid(i), 0, hidden=h, hidden_dtype="f16").hidden)
+            for be in (first, mid):
+                be.close_session(_sid(i))
+        for i in range(2):
+            for be in (first, mid):
+                be.open_session(_sid(i), 64)
+        steps = [
+            StepInput(_sid(i), 0, token_ids=np.asarray(_prompt(i)), hidden_dtype="f16") for i in range(2)
+        ]
+        hs = [r.hidden for r in first.forward_batch(steps) if isinstance(r, ForwardResult)]
+        got = mid.forward_batch([StepInput(_sid(i), 0, hidden=hs[i], hidden_dtype="f16") for i in range(2)])
+        for i, r in enumerate(got):
+            assert isinstance(r, ForwardResult) and r.hidden is not None and want[i] is not None
+            assert r.hidden.dtype == np.float16 and r.hidden.shape == (LENGTHS[i], manifest.boundary_dim)
+            assert np.array_equal(r.hidden, want[i])
+    finally:
+        first.close()
+        mid.close()
