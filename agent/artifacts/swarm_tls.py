@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -91,3 +92,19 @@ def check_url(url: str, what: str) -> None:
     if parts.scheme != "http":
         raise PlainTransportRefused(f"{what}: {url!r} is neither http:// nor https://")
     allow_plain(parts.hostname or "", f"{what} over plain HTTP")
+
+
+def check_torrent(
+    name: str, is_ssl: bool, has_peer_cert: bool, listen_host: str, urls: Iterable[str]
+) -> None:
+    """An SSL torrent needs our certificate; a plain one, and http:// trackers and web seeds, are for
+    loopback (or GGSWARM_INSECURE_PLAIN_HTTP=1) only, with a loud warning."""
+    if is_ssl and not has_peer_cert:
+        raise PlainTransportRefused(
+            f"{name} is an SSL torrent (peers must show a swarm certificate) and this node's torrent "
+            "session has none; enroll with an https data plane"
+        )
+    if not is_ssl:
+        allow_plain(listen_host, f"torrent {name}: peer traffic")
+    for url in urls:
+        check_url(url, f"torrent {name}: tracker/web seed")

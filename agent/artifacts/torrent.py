@@ -30,8 +30,7 @@ from agent.artifacts.swarm_tls import (
     FFDHE2048_PEM,
     PeerCertificate,
     PlainTransportRefused,
-    allow_plain,
-    check_url,
+    check_torrent,
     listen_interfaces,
     split_listen,
 )
@@ -437,20 +436,14 @@ class SwarmClient:
         return d
 
     def _check_transport(self, ti: lt.torrent_info, urls: Iterable[str]) -> None:
-        """SSL torrents need our certificate; plain ones, and http:// trackers and web seeds, are for
-        loopback (or GGSWARM_INSECURE_PLAIN_HTTP=1) only, with a loud warning."""
-        name = str(ti.info_hashes().v1)[:8]
         try:
-            if ti.ssl_cert():
-                if self.peer_cert is None:
-                    raise FetchError(
-                        f"{name} is an SSL torrent (peers must show a swarm certificate) and this "
-                        "node's torrent session has none; enroll with an https data plane"
-                    )
-            else:
-                allow_plain(self._listen_host, f"torrent {name}: peer traffic")
-            for url in urls:
-                check_url(url, f"torrent {name}: tracker/web seed")
+            check_torrent(
+                str(ti.info_hashes().v1)[:8],
+                bool(ti.ssl_cert()),
+                self.peer_cert is not None,
+                self._listen_host,
+                urls,
+            )
         except PlainTransportRefused as e:
             raise FetchError(str(e)) from None
 

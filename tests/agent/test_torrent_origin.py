@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ssl
 import threading
 import urllib.error
 import urllib.request
@@ -40,6 +41,11 @@ class Origin:
     served: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     announces: list[tuple[str, bytes]] = field(default_factory=list)
     port: int = 0
+    ssl_context: ssl.SSLContext | None = None  # https tracker and web seed (test_torrent_tls.py)
+
+    @property
+    def _base(self) -> str:
+        return f"{'https' if self.ssl_context else 'http'}://127.0.0.1:{self.port}"
 
     def __post_init__(self) -> None:
         self.store = logic.MemoryPeerStore()
@@ -51,10 +57,10 @@ class Origin:
 
     # URLs an agent with this passkey uses
     def tracker_url(self, passkey: str) -> str:
-        return f"http://127.0.0.1:{self.port}/tracker/{passkey}/announce"
+        return f"{self._base}/tracker/{passkey}/announce"
 
     def web_seed_url(self, passkey: str) -> str:
-        return f"http://127.0.0.1:{self.port}/webseed/{passkey}/{self.path.name}"
+        return f"{self._base}/webseed/{passkey}/{self.path.name}"
 
     @property
     def origin_bytes(self) -> int:
@@ -84,7 +90,7 @@ class Origin:
         app.router.add_get("/tracker/{passkey}/scrape", self._scrape)
         runner = web.AppRunner(app, access_log=None)
         self._loop.run_until_complete(runner.setup())
-        site = web.TCPSite(runner, "127.0.0.1", 0)
+        site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=self.ssl_context)
         self._loop.run_until_complete(site.start())
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         self._ready.set()

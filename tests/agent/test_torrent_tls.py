@@ -4,6 +4,7 @@ the traffic goes over the SSL listen sockets, and plain transports off loopback 
 from __future__ import annotations
 
 import os
+import ssl
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -209,3 +210,63 @@ def test_listen_interfaces_add_an_ssl_socket_on_the_next_port() -> None:
     assert swarm_tls.listen_interfaces("127.0.0.1:0", ssl=True) == "127.0.0.1:0,127.0.0.1:0s"
     assert swarm_tls.listen_interfaces("[::1]:7000", ssl=True) == "[::1]:7000,[::1]:7001s"
     assert swarm_tls.listen_interfaces("0.0.0.0:6881", ssl=False) == "0.0.0.0:6881"
+
+
+def _https_origin_context(issuer: SwarmCA, tmp: Path) -> ssl.SSLContext:
+    """A control plane's https front for 127.0.0.1 whose certificate `issuer` signed."""
+    key = tls.make_key()
+    cert = tls.issue_cert(issuer.key, issuer.cert, tls.make_csr(key, "cp"), "urn:ggswarm:web", ["127.0.0.1"])
+    (tmp / "web.crt").write_bytes(cert)
+    tls.write_private(tmp / "web.key", tls.key_pem(key))
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(tmp / "web.crt", tmp / "web.key")
+    return ctx
+
+
+def test_an_ssl_torrents_https_tracker_and_web_seed_are_pinned_to_the_swarm_ca(
+    artifact: tuple[Path, bytes, str], ca: SwarmCA, tmp_path: Path
+) -> None:
+    path, tb, ih = artifact
+    pinned = _https_origin_context(ca, tmp_path)
+    with (
+        Origin(path, infohashes={bytes.fromhex(ih)}, passkeys={"a", "b"}, ssl_context=pinned) as origin,
+        SwarmClient("127.0.0.1:0", peer_cert=ca.node("node-a")) as a,
+        SwarmClient("127.0.0.1:0", peer_cert=ca.node("node-b")) as b,
+    ):
+        a.seed(tb, path, trackers=[origin.tracker_url("a")])
+        b.fetch(tb, tmp_path / "b", [(0, SIZE)], timeout=60, trackers=[origin.tracker_url("b")], web_seeds=[])
+        assert len(origin.announces) >= 2
+        with SwarmClient("127.0.0.1:0", peer_cert=ca.node("node-c")) as c:
+            c.fetch(
+                tb,
+                tmp_path / "c",
+                [(0, SIZE)],
+                timeout=60,
+                trackers=[],
+                web_seeds=[origin.web_seed_url("a")],
+                web_seed_policy="always",
+            )
+        assert origin.origin_bytes >= SIZE
+
+
+def test_an_https_control_plane_the_swarm_ca_did_not_sign_is_refused_by_an_ssl_torrent(
+    artifact: tuple[Path, bytes, str], ca: SwarmCA, tmp_path: Path
+) -> None:
+    path, tb, ih = artifact
+    foreign = _https_origin_context(SwarmCA(), tmp_path)
+    with (
+        Origin(path, infohashes={bytes.fromhex(ih)}, passkeys={"b"}, ssl_context=foreign) as origin,
+        SwarmClient("127.0.0.1:0", peer_cert=ca.node("node-b")) as b,
+        pytest.raises(FetchError, match="timed out") as e,
+    ):
+        b.fetch(
+            tb,
+            tmp_path,
+            [(0, SIZE)],
+            timeout=8,
+            trackers=[origin.tracker_url("b")],
+            web_seeds=[origin.web_seed_url("b")],
+            web_seed_policy="always",
+        )
+    assert "tracker:" in str(e.value)  # the announce failed its TLS handshake
+    assert origin.announces == [] and origin.origin_bytes == 0
