@@ -51,7 +51,7 @@ from agent.wire.frames import (
 )
 from agent.wire.ids import SessionId
 from agent.wire.routetoken import RouteClaims, TokenError, TokenVerifier, decode_unverified, normalise_url
-from agent.wire.stream import FrameStreams
+from agent.wire.stream import CHAIN_MAX_ANSWER, FrameStreams
 from agent.wire.tls import is_loopback, node_dns_name
 
 log = logging.getLogger("agent.node.dataplane")
@@ -468,8 +468,8 @@ class DataPlane:
             body = encode_request(fwd)
             ssl_ctx = self._ssl_for(nxt.url)
             if self._streams is None:
-                self._streams = FrameStreams(client)
-            got = await self._streams.exchange(nxt.url, body, 300.0, ssl_ctx, tls_name)
+                self._streams = FrameStreams(client, max_answer=CHAIN_MAX_ANSWER)
+            got = await self._streams.exchange(nxt.url, body, 300.0, ssl_ctx, tls_name, answer_limit=limit)
             data: bytes | None
             if got is not None:  # over the pooled stream (agent/wire/stream.py)
                 status, answer = got

@@ -28,6 +28,10 @@ STREAM_MAX_FRAME = 1 << 20
 # Largest answer read from a stream: a hop's answer is bounded by the frame format (hidden states of
 # at most 8,192 positions, at most 32 MiB of logits); callers check their own tighter bound after.
 STREAM_MAX_ANSWER = 64 << 20
+# A chain hop reads its next hop's answers over a stream only up to this (a decode step's or a
+# prefill chunk's hidden states); an answer that may be bigger (logits) goes over POST, read in chunks
+# against its exact bound (docs/security.md, "bounded answers from the next hop").
+CHAIN_MAX_ANSWER = 4 << 20
 TRANSPORT_ENV = "GGSWARM_TRANSPORT"
 _IDLE_PER_HOP = 16  # sockets kept open per hop once their exchange is done
 
@@ -44,8 +48,9 @@ def error_message(status: int, code: str, message: str) -> str:
 class FrameStreams:
     """Pooled WebSockets to hops' /v1/stream, keyed by URL and the TLS name the peer must prove."""
 
-    def __init__(self, http: ClientSession) -> None:
+    def __init__(self, http: ClientSession, max_answer: int = STREAM_MAX_ANSWER) -> None:
         self._http = http
+        self.max_answer = max_answer  # a longer answer ends the stream (the exchange fails)
         self._idle: dict[tuple[str, str | None], list[ClientWebSocketResponse]] = {}
         self._no_stream: set[str] = set()  # hops that answered the upgrade with 404/405: POST only
         self.enabled = streams_enabled()
@@ -57,12 +62,16 @@ class FrameStreams:
         timeout_s: float | None,
         ssl_ctx: ssl.SSLContext | bool = True,
         server_hostname: str | None = None,
+        answer_limit: int | None = None,
     ) -> tuple[int, bytes] | None:
         """(HTTP-equivalent status, answer bytes) for `body` sent to the hop at `url` (no path), or
-        None when it must go over POST /v1/frame (too big, streams off, or no stream endpoint).
+        None when it must go over POST /v1/frame (too big, an answer that may exceed `max_answer`,
+        streams off, or no stream endpoint).
         Raises TimeoutError, aiohttp.ClientError or OSError as a POST would."""
         base = url.rstrip("/")
         if not self.enabled or len(body) > STREAM_MAX_FRAME or base in self._no_stream:
+            return None
+        if answer_limit is not None and answer_limit > self.max_answer:
             return None
         key = (base, server_hostname)
         loop = asyncio.get_running_loop()
@@ -77,7 +86,7 @@ class FrameStreams:
                         base + STREAM_PATH,
                         ssl=ssl_ctx,
                         server_hostname=server_hostname,
-                        max_msg_size=STREAM_MAX_ANSWER,
+                        max_msg_size=self.max_answer,
                         autoping=True,
                         compress=0,
                     )

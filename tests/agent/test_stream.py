@@ -9,9 +9,11 @@ from aiohttp import web
 
 from agent.client.route import Hop, RouteClient, RouteError
 from agent.node.dataplane import DataPlane, start_dataplane
+from agent.wire.frames import Op
 from agent.wire.routetoken import generate_key, mint
 from agent.wire.sampling import SamplingParams
 from agent.wire.stream import STREAM_MAX_FRAME, TRANSPORT_ENV
+from tests.agent.test_dataplane_security import MB, error_code, frame, ids_frame, nodes, post, tiny  # noqa: F401
 from tests.conftest import free_port
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 504, 3575, 282, 4649, 314]
@@ -123,3 +125,55 @@ async def test_a_node_with_idle_streams_open_stops_promptly(model_path, manifest
     finally:
         await client._streams.close()
         await client._http.close()
+
+
+async def test_a_next_hop_flooding_its_stream_answer_gets_502_and_the_hop_buffers_a_bounded_amount(
+    nodes,  # noqa: F811
+    signing_key,
+    tiny,  # noqa: F811
+) -> None:  # noqa: ANN001
+    import json
+
+    import psutil
+
+    from agent.wire.frames import ChainHop
+    from agent.wire.routetoken import RouteHop, mint_route
+
+    _, manifest = tiny
+    a = await nodes("node-a", [(0, 2)])
+    sent = [0]
+
+    async def flood(request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        await ws.receive()
+        try:
+            await ws.send_bytes(bytes(32 * MB))  # one message: under a client's 64 MiB, over a chain's 4
+            sent[0] += 32 * MB
+        except (ConnectionError, RuntimeError):
+            pass
+        return ws
+
+    app = web.Application()
+    app.router.add_get("/v1/stream", flood)
+    fr = web.AppRunner(app)
+    await fr.setup()
+    port = free_port()
+    await web.TCPSite(fr, "127.0.0.1", port).start()
+    fake_url = f"http://127.0.0.1:{port}"
+    try:
+        session = os.urandom(16)
+        route = [RouteHop("node-a", a.url, 0, 2), RouteHop("node-fake", fake_url, 2, 4)]
+        tok_a, tok_fake = mint_route(signing_key, session, manifest.sha256, route)
+        await post(a.url, frame(tok_a, session, op=Op.OPEN))
+        rss0 = psutil.Process().memory_info().rss
+        body = ids_frame(tok_a, session, [1, 2, 3], chain=[ChainHop(fake_url, tok_fake)])
+        status, data = await post(a.url, body)
+        grew = psutil.Process().memory_info().rss - rss0
+        assert (status, error_code(data)) == (502, "downstream"), json.loads(data)
+        # the socket was given up at CHAIN_MAX_ANSWER bytes ("ended"), not read whole and then
+        # found too long ("answered more than")
+        assert "ended" in json.loads(data)["message"], json.loads(data)
+        assert grew < 32 * MB, f"RSS grew {grew / MB:.0f} MB reading a bounded stream answer"
+    finally:
+        await fr.cleanup()
