@@ -3,6 +3,7 @@ the traffic goes over the SSL listen sockets, and plain transports off loopback 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import ssl
 import time
@@ -11,10 +12,12 @@ from pathlib import Path
 
 import libtorrent as lt
 import pytest
+from aiohttp import ClientSession
 from test_torrent_origin import Origin
 
 from agent.artifacts import swarm_tls
-from agent.artifacts.fetch import FetchError
+from agent.artifacts.fetch import FetchError, fetch_shard
+from agent.artifacts.manifest import Manifest
 from agent.artifacts.torrent import PeerCertificate, SwarmClient, create_torrent
 from agent.wire import tls
 
@@ -180,6 +183,7 @@ def test_an_agent_without_a_certificate_refuses_an_ssl_torrent_at_once(
 
 
 def test_plain_torrents_and_http_off_loopback_are_refused_unless_told_loudly(
+    manifest: Manifest,
     monkeypatch: pytest.MonkeyPatch,
     artifact: tuple[Path, bytes, str],
     tmp_path: Path,
@@ -198,6 +202,16 @@ def test_plain_torrents_and_http_off_loopback_are_refused_unless_told_loudly(
     with pytest.raises(swarm_tls.PlainTransportRefused, match="plain HTTP"):
         swarm_tls.check_url("http://cp.example:8000/artifacts/x/file", "HTTP range fallback")
     swarm_tls.check_url("http://127.0.0.1:8000/artifacts/x/file", "HTTP range fallback")
+
+    async def http_fallback() -> None:
+        async with ClientSession() as http:
+            await fetch_shard(
+                http, "http://10.1.2.3:8000/artifacts/x/file", {}, manifest, 0, 1, tmp_path / "x"
+            )
+
+    with pytest.raises(FetchError, match="HTTP range fallback over plain HTTP"):
+        asyncio.run(http_fallback())  # refused before any connection is tried
+    assert not (tmp_path / "x").exists()
     monkeypatch.setenv(swarm_tls.INSECURE_ENV, "1")
     swarm_tls.check_url("http://cp.example:8000/artifacts/x/file", "HTTP range fallback")
     with SwarmClient("0.0.0.0:0") as c:
