@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 import numpy as np
 
@@ -158,7 +159,7 @@ class NativeBackend(Backend):
         history: list[int] | None,
         want_logits: bool,
         hidden_dtype: HiddenDtype,
-    ) -> dict[str, object]:
+    ) -> dict[str, Any]:
         """forward()'s arguments checked and converted for NativeModel.forward / forward_many."""
         native_sid = self._sid(sid)
         if self.spec.is_first:
@@ -195,12 +196,12 @@ class NativeBackend(Backend):
         }
 
     @staticmethod
-    def _result(out: dict[str, object], want_logits: bool) -> ForwardResult:
+    def _result(out: dict[str, Any], want_logits: bool) -> ForwardResult:
         return ForwardResult(
-            hidden=out.get("hidden"),  # type: ignore[arg-type]
-            token=out.get("token"),  # type: ignore[arg-type]
-            logprob=out.get("logprob"),  # type: ignore[arg-type]
-            logits=out.get("logits") if want_logits else None,  # type: ignore[arg-type]
+            hidden=out.get("hidden"),
+            token=out.get("token"),
+            logprob=out.get("logprob"),
+            logits=out.get("logits") if want_logits else None,
         )
 
     def forward(
@@ -217,7 +218,7 @@ class NativeBackend(Backend):
         t0 = time.perf_counter()
         args = self._step(sid, pos_start, token_ids, hidden, sampling, history, want_logits, hidden_dtype)
         try:
-            out = self.model.forward(**args)  # type: ignore[arg-type]
+            out = self.model.forward(**args)
         except NativeError as e:
             raise _error(e) from None
         res = self._result(out, want_logits)
@@ -231,7 +232,7 @@ class NativeBackend(Backend):
         gets its error in its slot; the others run as if alone. compute_s: the whole call's time."""
         t0 = time.perf_counter()
         results: list[ForwardResult | BackendError | None] = [None] * len(steps)
-        calls: list[dict[str, object]] = []
+        calls: list[dict[str, Any]] = []
         where: list[int] = []
         for i, st in enumerate(steps):
             try:

@@ -9,9 +9,8 @@ from typing import Any
 import libtorrent as lt
 
 from agent.artifacts.manifest import Manifest
-from webapp.catalog.services import build_torrent
+from webapp.catalog.services import build_torrent, torrent_root_cert
 from webapp.core.dataplane_tls import ca_pem
-from webapp.tracker.services import torrent_root_cert
 
 
 def _small_file(tmp_path: Path) -> str:

@@ -34,10 +34,18 @@ def build_torrent(path: str, manifest: Manifest) -> tuple[bytes | None, str]:
         from agent.artifacts.torrent import create_torrent
     except ImportError:
         return None, ""
-    from webapp.tracker.services import torrent_root_cert
-
     smallest = min((layer.nbytes for layer in manifest.layers if layer.nbytes), default=None)
     return create_torrent(path, smallest_layer_bytes=smallest, root_cert=torrent_root_cert())
+
+
+def torrent_root_cert() -> str | None:
+    """The root certificate new .torrents carry: the data-plane CA with SWARM_SSL_TORRENTS (SSL
+    torrents: only holders of a node certificate exchange pieces, over TLS), else None (plain)."""
+    if not settings.SWARM_SSL_TORRENTS:
+        return None
+    from webapp.core.dataplane_tls import ca_pem
+
+    return ca_pem()
 
 
 GGUF_MAGIC = b"GGUF"

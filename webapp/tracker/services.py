@@ -16,16 +16,6 @@ from webapp.fleet.passkeys import passkey_claims
 from webapp.tracker.logic import MemoryPeerStore, PeerStore
 
 
-def torrent_root_cert() -> str | None:
-    """The root certificate new .torrents carry: the data-plane CA with SWARM_SSL_TORRENTS (SSL
-    torrents: only holders of a node certificate exchange pieces, over TLS), else None (plain)."""
-    if not settings.SWARM_SSL_TORRENTS:
-        return None
-    from webapp.core.dataplane_tls import ca_pem
-
-    return ca_pem()
-
-
 def passkey_node(passkey: str) -> str | None:
     """The enrolled, not removed node this passkey belongs to, else None."""
     claim = passkey_claims(settings.SECRET_KEY, passkey)
