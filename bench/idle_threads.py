@@ -1,11 +1,13 @@
 """What an idle hop costs the machine: CPU per decode step with OpenMP workers spinning vs sleeping.
 
-    python bench/idle_threads.py [--rounds 3] [--steps 60] [--gap-ms 30]
+    python bench/idle_threads.py [--rounds 3] [--steps 60] [--gap-ms 30] [--worker-thread]
 
 One native hop (SmolLM2 layers 10:20, 2 threads) decodes one position per step and then waits
 `--gap-ms` (the other hops' turn in a 3-hop route), in a child process started with libgomp's default
 (`GOMP_SPINCOUNT` 300,000 when nothing is set) or with `OMP_WAIT_POLICY=PASSIVE` (what `agent serve`
-sets), alternately. Reports, per setting, the median over rounds of the process's CPU ms per step
+sets), alternately. The hop computes on the process's main thread (as the data plane's decode steps
+did before its scheduler), or with --worker-thread in a thread pool (as agent/node/scheduler.py does
+now: on 2 cores libgomp's spin does not show there). Reports, per setting, the median over rounds of the process's CPU ms per step
 (all threads: what it takes from the other hops) and of the step's own compute ms. Prints JSON last.
 """
 
@@ -31,7 +33,10 @@ from agent.backends.base import ShardSpec
 from agent.wire.ids import SessionId
 from agent.wire.sampling import SamplingParams
 
-steps, gap = int(sys.argv[1]), float(sys.argv[2]) / 1e3
+import concurrent.futures
+
+steps, gap, in_thread = int(sys.argv[1]), float(sys.argv[2]) / 1e3, sys.argv[3] == "1"
+pool = concurrent.futures.ThreadPoolExecutor(4)
 path = str(packaged_model_path())
 be = load_backend("native", ShardSpec(path, 10, 20, build_manifest(path, hash_tensors=False), n_threads=2))
 sid = SessionId(os.urandom(16))
@@ -42,12 +47,17 @@ def cpu():
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
 
+def step(p):
+    if in_thread:
+        return pool.submit(be.forward, sid, p, hidden=h, sampling=SamplingParams()).result()
+    return be.forward(sid, p, hidden=h, sampling=SamplingParams())
+
 for p in range(8):
-    be.forward(sid, p, hidden=h, sampling=SamplingParams())
+    step(p)
 comp, c0 = 0.0, cpu()
 for p in range(8, 8 + steps):
     t = time.perf_counter()
-    be.forward(sid, p, hidden=h, sampling=SamplingParams())
+    step(p)
     comp += time.perf_counter() - t
     time.sleep(gap)
 print(json.dumps({"cpu_ms": (cpu() - c0) / steps * 1e3, "compute_ms": comp / steps * 1e3}))
@@ -61,6 +71,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--gap-ms", type=float, default=30.0)
+    ap.add_argument(
+        "--worker-thread", action="store_true", help="compute in a thread pool, not the main thread"
+    )
     args = ap.parse_args()
     base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     base["PYTHONPATH"] = str(REPO)
@@ -68,7 +81,14 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, env in SETTINGS.items():
             r = subprocess.run(
-                [sys.executable, "-c", CHILD, str(args.steps), str(args.gap_ms)],
+                [
+                    sys.executable,
+                    "-c",
+                    CHILD,
+                    str(args.steps),
+                    str(args.gap_ms),
+                    str(int(args.worker_thread)),
+                ],
                 env={**base, **env},
                 cwd=REPO,
                 capture_output=True,
@@ -77,7 +97,12 @@ def main() -> None:
             )
             for k, v in json.loads(r.stdout.strip().splitlines()[-1]).items():
                 got[name][k].append(v)
-    out: dict[str, object] = {"steps": args.steps, "gap_ms": args.gap_ms, "load_avg_1m": os.getloadavg()[0]}
+    out: dict[str, object] = {
+        "steps": args.steps,
+        "gap_ms": args.gap_ms,
+        "worker_thread": args.worker_thread,
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+    }
     for name, d in got.items():
         for k, xs in d.items():
             out[f"{k}_per_step_{name}"] = round(statistics.median(xs), 2)
