@@ -80,10 +80,10 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
 # -- serve ------------------------------------------------------------------------------------------
 # Commands that compute for a route. libgomp (OpenMP: llama-cpp-python's ggml is built with it, and
-# torch) keeps a finished graph's worker threads spinning for ~3 ms (its default GOMP_SPINCOUNT of
-# 300,000) before they sleep. A hop that has just answered would spin on the core the route's next hop
-# needs (3 hops x 2 threads on 2 cores ran at half speed), so serving processes let idle workers sleep
-# at once (docs/benchmarks.md, "Served route"). An operator's own setting wins.
+# torch) keeps a finished graph's worker threads spinning (its default GOMP_SPINCOUNT of 300,000)
+# before they sleep. A hop that has just answered would spin on the core the route's next hop needs
+# (bench/idle_threads.py: 64 vs 6 ms of CPU per decode step), so serving processes let idle workers
+# sleep at once (docs/benchmarks.md, "Served route"). An operator's own setting wins.
 SERVING_COMMANDS = ("serve", "run", "launch")
 IDLE_THREADS_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 
