@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from channels.db import database_sync_to_async
 
-from agent.client.route import HopStats, RouteError
+from agent.client.route import HopStats, RouteClient, RouteError
 from agent.wire.frames import Kind, Response
 from webapp.api import engine, keys
 from webapp.api.cache import PrefixCache, common_prefix
@@ -31,6 +31,7 @@ class FakeRouteClient:
     """Stands in for RouteClient: keeps a token history as the hops would and answers ANSWER then EOS."""
 
     instances: list[FakeRouteClient] = []
+    hop_telemetry = RouteClient.hop_telemetry  # the real per-hop figures, from hops and hop_stats
 
     def __init__(self, hops: list[Any], tokenizer: Any, session_id: bytes | None = None, **kw: Any) -> None:
         self.hops, self.tok, self.session_id = hops, tokenizer, session_id
