@@ -35,6 +35,11 @@ from agent.backends.base import Backend, BackendError, ForwardResult, StepInput
 INLINE_TOKENS = 16  # a lone step this short runs on the event loop; anything bigger in a thread
 MAX_BATCH_TOKENS = 512  # positions per batch (one step alone may have up to CHUNK_TOKENS)
 CHUNK_TOKENS = 512  # = native kUBatch: chunk boundaries are the micro-batch boundaries of one call
+# While other sessions are decoding on the shard, a prefill runs in chunks this small: a decode step
+# that arrives during a chunk waits for at most this many positions (tens of ms on a CPU), not 512
+# (about a second on two cores). Measured exact for the native executor at any cut (docs/protocol.md).
+BUSY_CHUNK_TOKENS = 32
+BUSY_WINDOW_S = 1.0  # another session stepped on this shard this recently: it is decoding
 
 Admit = Callable[[Any, int], None]  # (the step's owner, KV bytes the batch adds so far) -> or raises
 
@@ -99,6 +104,7 @@ class ShardScheduler:
         batching: bool | None = None,
         max_batch_tokens: int = MAX_BATCH_TOKENS,
         chunk_tokens: int = CHUNK_TOKENS,
+        busy_chunk_tokens: int = BUSY_CHUNK_TOKENS,
     ) -> None:
         self.backend = backend
         # held around every call into the backend (and by OPEN, CLOSE, TRUNCATE, hand-offs): a backend
@@ -109,7 +115,9 @@ class ShardScheduler:
         self.batching = backend.batches_sessions if batching is None else batching
         self.max_batch_tokens = max(1, max_batch_tokens)
         self.chunk_tokens = max(1, chunk_tokens)
+        self.busy_chunk_tokens = max(1, min(busy_chunk_tokens, self.chunk_tokens))
         self._queue: dict[Hashable, _Pending] = {}  # by session, in arrival order
+        self._last_step: dict[Hashable, float] = {}  # session -> when its latest step arrived
         self._worker: asyncio.Task[None] | None = None
 
     def pending(self) -> int:
@@ -125,6 +133,7 @@ class ShardScheduler:
         p = _Pending(key, owner, step, step_tokens(step), loop.create_future(), now, now)
         if p.n_tokens == 0:
             raise BackendError("a step with no positions")
+        self._last_step[key] = now
         if key in self._queue:
             # steps of one session are sequential; a second one now (a retry racing its original)
             # could only fail on its position, and its rollback would undo the first
@@ -200,12 +209,23 @@ class ShardScheduler:
         # lasts: nobody is passed by a newer step, and a prefill's chunk too big to join the decodes
         # before it runs in the next batch, alone or with what fits after it
         for p in sorted(self._queue.values(), key=lambda p: p.ready):
-            n = min(p.remaining, self.chunk_tokens)
+            n = min(p.remaining, self._chunk_for(p.key))
             if batch and tokens + n > self.max_batch_tokens:
                 break
             batch.append((p, n))
             tokens += n
         return batch
+
+    def _chunk_for(self, key: Hashable) -> int:
+        """Positions a prefill of session `key` runs this round: small chunks while another session
+        has stepped on this shard within BUSY_WINDOW_S (it is decoding: in star mode its next step is
+        often on another hop when this batch is taken), else whole micro-batches."""
+        now = time.perf_counter()
+        for k, t in list(self._last_step.items()):
+            if now - t > BUSY_WINDOW_S:
+                del self._last_step[k]  # bounded by the sessions active in the last second
+        busy = any(k != key for k in self._last_step)
+        return self.busy_chunk_tokens if busy else self.chunk_tokens
 
     async def _run(self, batch: list[tuple[_Pending, int]]) -> None:
         t0 = time.perf_counter()

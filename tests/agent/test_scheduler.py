@@ -104,11 +104,17 @@ def sid(i: int) -> SessionId:
 
 
 def make(
-    max_batch_tokens: int = 512, chunk_tokens: int = 512
+    max_batch_tokens: int = 512, chunk_tokens: int = 512, busy_chunk_tokens: int | None = None
 ) -> tuple[ShardScheduler, RecordingBackend, Recorder]:
     be, rec = RecordingBackend(), Recorder()
     sched = ShardScheduler(
-        be, asyncio.Lock(), observer=rec, max_batch_tokens=max_batch_tokens, chunk_tokens=chunk_tokens
+        be,
+        asyncio.Lock(),
+        observer=rec,
+        max_batch_tokens=max_batch_tokens,
+        chunk_tokens=chunk_tokens,
+        # unless a test is about it, one chunk size whether or not others decode
+        busy_chunk_tokens=chunk_tokens if busy_chunk_tokens is None else busy_chunk_tokens,
     )
     return sched, be, rec
 
@@ -311,3 +317,25 @@ async def test_a_step_whose_handler_is_gone_is_dropped_before_it_runs() -> None:
     for _ in range(5):
         await asyncio.sleep(0)
     assert len(be.batches) == 1 and be.kv[sid(1)] == [] and sched.pending() == 0
+
+
+async def test_a_prefill_runs_whole_micro_batches_alone_and_small_chunks_while_another_session_decodes() -> (
+    None
+):
+    sched, be, _ = make(max_batch_tokens=512, chunk_tokens=512, busy_chunk_tokens=32)
+    for i in range(3):
+        be.open_session(sid(i), 4096)
+    alone = await sched.submit(0, None, step(sid(0), 0, list(range(1, 601))))
+    assert [(p, n) for b in be.batches for s, p, n in b if s == sid(0)] == [(0, 512), (512, 88)]
+    assert alone.token == sum(range(1, 601))
+    # session 1 decodes (a step a moment ago): session 2's prompt goes 32 positions at a time, so a
+    # decode arriving meanwhile waits for 32 positions, not 512
+    await sched.submit(1, None, step(sid(1), 0, [7]))
+    res = await sched.submit(2, None, step(sid(2), 0, list(range(1, 101))))
+    assert [(p, n) for b in be.batches for s, p, n in b if s == sid(2)] == [
+        (0, 32),
+        (32, 32),
+        (64, 32),
+        (96, 4),
+    ]
+    assert res.token == sum(range(1, 101)) and be.kv[sid(2)] == list(range(1, 101))
