@@ -82,10 +82,12 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 # Commands that compute for a route. libgomp (OpenMP: llama-cpp-python's ggml is built with it, and
 # torch) keeps a finished graph's worker threads spinning (its default GOMP_SPINCOUNT of 300,000)
 # before they sleep. A hop that has just answered would spin on the core the route's next hop needs
-# (bench/idle_threads.py: 64 vs 6 ms of CPU per decode step), so serving processes let idle workers
-# sleep at once (docs/benchmarks.md, "Served route"). An operator's own setting wins.
+# (bench/idle_threads.py), so serving processes cap the spin at 10,000 iterations (tens of us): idle
+# workers sleep almost at once. Not OMP_WAIT_POLICY=PASSIVE: ggml's barrier between the ops of a
+# graph is an OpenMP barrier, and passive waits put every thread to sleep at every op (llama.cpp
+# decode 126 -> 44 tok/s on SmolLM2, docs/benchmarks.md "Served route"). An operator's setting wins.
 SERVING_COMMANDS = ("serve", "run", "launch")
-IDLE_THREADS_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+IDLE_THREADS_ENV = {"GOMP_SPINCOUNT": "10000"}
 
 
 def sleep_idle_threads(env: dict[str, str] | os._Environ[str] = os.environ) -> dict[str, str]:

@@ -41,7 +41,6 @@ sys.path.insert(0, str(REPO))
 
 from agent.artifacts.manifest import build_manifest  # noqa: E402
 from agent.artifacts.packaged import packaged_model_path  # noqa: E402
-from agent.cli import sleep_idle_threads  # noqa: E402
 from agent.client.route import Hop, RouteClient  # noqa: E402
 from agent.client.tokenizer import ChatTokenizer  # noqa: E402
 from agent.procs import stop  # noqa: E402
@@ -401,13 +400,11 @@ def main() -> None:
     ap.add_argument("--ab-http", action="store_true", help="route B's client posts every frame (no streams)")
     args = ap.parse_args()
     serve_env = dict(item.split("=", 1) for item in args.serve_env)
-    # llama.cpp in this process gets the idle-thread policy the hops get (agent serve's default, or
-    # what --serve-env says): the same OpenMP settings on both sides
+    # llama.cpp in this process runs with libgomp's defaults, as its users run it, unless --serve-env
+    # names OpenMP settings for an A/B run (then both sides get them)
     omp = {k: v for k, v in serve_env.items() if k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     if omp:
         os.environ.update(omp)
-    else:
-        sleep_idle_threads()
     ab_env = dict(item.split("=", 1) for item in args.ab_serve_env) if args.ab_serve_env is not None else None
 
     path = str(packaged_model_path())
