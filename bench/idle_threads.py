@@ -4,8 +4,9 @@
 
 One native hop (SmolLM2 layers 10:20, 2 threads) decodes one position per step and then waits
 `--gap-ms` (the other hops' turn in a 3-hop route), in a child process started with libgomp's default
-(`GOMP_SPINCOUNT` 300,000 when nothing is set) or with `OMP_WAIT_POLICY=PASSIVE` (what `agent serve`
-sets), alternately. The hop computes on the process's main thread (as the data plane's decode steps
+(`GOMP_SPINCOUNT` 300,000 when nothing is set), with `OMP_WAIT_POLICY=PASSIVE`, or with the spin capped
+at `GOMP_SPINCOUNT=10000` (what `agent serve` sets: passive waits also sleep at every op barrier of a
+graph), alternately. The hop computes on the process's main thread (as the data plane's decode steps
 did before its scheduler), or with --worker-thread in a thread pool (as agent/node/scheduler.py does
 now: on 2 cores libgomp's spin does not show there). Reports, per setting, the median over rounds of the process's CPU ms per step
 (all threads: what it takes from the other hops) and of the step's own compute ms. Prints JSON last.
@@ -63,7 +64,11 @@ for p in range(8, 8 + steps):
 print(json.dumps({"cpu_ms": (cpu() - c0) / steps * 1e3, "compute_ms": comp / steps * 1e3}))
 """
 
-SETTINGS = {"spinning": {}, "passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
+SETTINGS = {
+    "spinning": {},
+    "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
+    "capped": {"GOMP_SPINCOUNT": "10000"},
+}
 
 
 def main() -> None:
