@@ -135,6 +135,19 @@ class Backend(ABC):
     # batching); False: it runs them one after another, and the data plane gains nothing by batching.
     batches_sessions: bool = False
 
+    def forward_step(self, st: StepInput) -> ForwardResult:
+        """forward() with its arguments as a StepInput."""
+        return self.forward(
+            st.sid,
+            st.pos_start,
+            token_ids=st.token_ids,
+            hidden=st.hidden,
+            sampling=st.sampling,
+            history=st.history,
+            want_logits=st.want_logits,
+            hidden_dtype=st.hidden_dtype,
+        )
+
     def forward_batch(self, steps: list[StepInput]) -> list[ForwardResult | BackendError]:
         """Run one step of each of several distinct sessions; results in order. A step that fails
         gets its BackendError in its slot and leaves the others' results (and KV) as if run alone.
@@ -142,18 +155,7 @@ class Backend(ABC):
         out: list[ForwardResult | BackendError] = []
         for st in steps:
             try:
-                out.append(
-                    self.forward(
-                        st.sid,
-                        st.pos_start,
-                        token_ids=st.token_ids,
-                        hidden=st.hidden,
-                        sampling=st.sampling,
-                        history=st.history,
-                        want_logits=st.want_logits,
-                        hidden_dtype=st.hidden_dtype,
-                    )
-                )
+                out.append(self.forward_step(st))
             except AdmissionError:
                 raise
             except BackendError as e:

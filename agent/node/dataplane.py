@@ -576,6 +576,13 @@ class DataPlane:
             session, token, _ = peek_request(head)
         except FrameError as e:
             raise DataPlaneError(e.status, "bad_frame", str(e)) from None
+        self.reserve_frame(session, token, n)
+        return token, n, head
+
+    def reserve_frame(self, session: bytes, token: bytes, n: int) -> None:
+        """Authorise a frame's token and take its slots (POST and stream alike): one of the token's
+        PER_TOKEN_CONCURRENCY frames and `n` of the node's INFLIGHT_BYTES; the caller gives both back
+        when the frame is answered."""
         self.authorise_token(session, token)
         if self._per_token.get(token, 0) >= PER_TOKEN_CONCURRENCY:
             raise DataPlaneError(
@@ -588,7 +595,6 @@ class DataPlane:
             _release(self._per_token, token)
             raise DataPlaneError(503, "busy", "this node is receiving too many frames at once; retry shortly")
         self._inflight_bytes += n
-        return token, n, head
 
     async def answer_frame(self, body: bytes) -> bytes:
         """The response frame to a request frame whose limits were checked (POST and stream alike);

@@ -173,9 +173,9 @@ class ShardScheduler:
             if self._admit is not None:
                 self._admit(owner, grow)
             if n <= INLINE_TOKENS:
-                res = _forward_one(self.backend, step)
+                res = self.backend.forward_step(step)
             else:
-                res = await asyncio.to_thread(_forward_one, self.backend, step)
+                res = await asyncio.to_thread(self.backend.forward_step, step)
             if self._observer is not None:
                 self._observer.batch(1, n, time.perf_counter() - t_start)
         return res
@@ -347,19 +347,6 @@ def _forward_batch(backend: Backend, steps: list[StepInput]) -> list[ForwardResu
     if len(steps) > 1:
         return backend.forward_batch(steps)
     try:
-        return [_forward_one(backend, steps[0])]
+        return [backend.forward_step(steps[0])]
     except BackendError as e:
         return [e]
-
-
-def _forward_one(backend: Backend, st: StepInput) -> ForwardResult:
-    return backend.forward(
-        st.sid,
-        st.pos_start,
-        token_ids=st.token_ids,
-        hidden=st.hidden,
-        sampling=st.sampling,
-        history=st.history,
-        want_logits=st.want_logits,
-        hidden_dtype=st.hidden_dtype,
-    )

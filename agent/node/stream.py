@@ -111,7 +111,7 @@ class StreamView:
 
     def _admit(self, body: bytes) -> bytes:
         """Header, length and route token of a whole message, then its concurrency slot and bytes."""
-        from agent.node.dataplane import INFLIGHT_BYTES, PER_TOKEN_CONCURRENCY, DataPlaneError, _release
+        from agent.node.dataplane import DataPlaneError
 
         dp = self.dp
         n = len(body)
@@ -122,18 +122,7 @@ class StreamView:
             session, token, _ = peek_request(body[: REQ_HEADER.size + token_len])
         except FrameError as e:
             raise DataPlaneError(e.status, "bad_frame", str(e)) from None
-        dp.authorise_token(session, token)
-        if dp._per_token.get(token, 0) >= PER_TOKEN_CONCURRENCY:
-            raise DataPlaneError(
-                429,
-                "too_many_requests",
-                f"more than {PER_TOKEN_CONCURRENCY} frames at once for one route token",
-            )
-        dp._per_token[token] = dp._per_token.get(token, 0) + 1
-        if dp._inflight_bytes + n > INFLIGHT_BYTES:
-            _release(dp._per_token, token)
-            raise DataPlaneError(503, "busy", "this node is receiving too many frames at once; retry shortly")
-        dp._inflight_bytes += n
+        dp.reserve_frame(session, token, n)
         return token
 
     def _refuse(self, e: DataPlaneError) -> tuple[int, bytes]:
