@@ -13,7 +13,7 @@ import subprocess
 import sys
 import urllib.parse
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -133,8 +133,13 @@ class Swarm:
         return self.model
 
     async def playground_chat(
-        self, messages: list[str], max_tokens: int = 24
+        self,
+        messages: list[str],
+        max_tokens: int = 24,
+        on_delta: Callable[[int, list[dict[str, Any]]], None] | None = None,
     ) -> tuple[list[str], list[dict[str, Any]]]:
+        """The messages as the turns of one new conversation (a socket of its own); `on_delta(n, route)`
+        is called after a turn's n-th streamed delta, with the route its start event named."""
         headers = {"Origin": self.base, "Cookie": f"sessionid={self.admin.cookie('sessionid')}"}
         texts, route = [], []
         async with (
@@ -152,6 +157,8 @@ class Swarm:
                         route = ev["route"]
                     elif ev["type"] == "delta":
                         parts.append(ev["text"])
+                        if on_delta is not None:
+                            on_delta(len(parts), route)
                     elif ev["type"] == "error":
                         raise AssertionError(ev["error"])
                     elif ev["type"] == "done":
