@@ -59,6 +59,70 @@ def generate(
     return out
 
 
+def open_sessions(hops: list, max_tokens: int = 1024) -> list[int]:  # noqa: ANN001 - NativeModel hops
+    """One session per NativeModel hop; their ids in hop order."""
+    return [h.open_session(max_tokens) for h in hops]
+
+
+def close_sessions(hops: list, sids: list[int]) -> None:  # noqa: ANN001
+    for h, s in zip(hops, sids, strict=True):
+        h.close_session(s)
+
+
+def native_forward(
+    hops: list,  # noqa: ANN001 - NativeModel hops
+    sids: list[int],
+    pos: int,
+    ids: list[int],
+    logits: bool = True,
+    ids_everywhere: bool = False,
+) -> dict:
+    """`ids` at `pos` through NativeModel hops (hidden rows passed on); the last hop's result dict.
+    `ids_everywhere`: every hop gets the token ids too (deepseek4's hash-routed layers read them)."""
+    x = None
+    r: dict = {}
+    tok = np.asarray(ids, dtype=np.int32)
+    for h, sid in zip(hops, sids, strict=True):
+        r = h.forward(
+            sid,
+            pos,
+            token_ids=tok if h.is_first or ids_everywhere else None,
+            hidden=x,
+            want_logits=logits and h.is_last,
+        )
+        x = r.get("hidden")
+    return r
+
+
+def logits_rows(r: dict, n: int) -> np.ndarray:
+    """The last hop's logits as n rows."""
+    return np.asarray(r["logits"], dtype=np.float32).reshape(n, -1)
+
+
+def llama_greedy(llama, prompt: list[int], n: int) -> list[int]:  # noqa: ANN001 - llama_cpp.Llama
+    """n greedy tokens of llama-cpp-python after `prompt` (argmax of its scores)."""
+    llama.reset()
+    llama.eval(prompt)
+    out: list[int] = []
+    for _ in range(n):
+        out.append(int(np.argmax(llama.scores[llama.n_tokens - 1])))
+        llama.eval([out[-1]])
+    return out
+
+
+def native_greedy(hops: list, prompt: list[int], n: int, ids_everywhere: bool = False) -> list[int]:  # noqa: ANN001
+    """n greedy tokens (the last hop's sampler) of NativeModel hops after `prompt`, in fresh sessions."""
+    sids = open_sessions(hops)
+    try:
+        got = [int(native_forward(hops, sids, 0, prompt, False, ids_everywhere)["token"])]
+        while len(got) < n:
+            pos = len(prompt) + len(got) - 1
+            got.append(int(native_forward(hops, sids, pos, [got[-1]], False, ids_everywhere)["token"]))
+    finally:
+        close_sessions(hops, sids)
+    return got
+
+
 _CONTINUE_CHILD = """
 import json, sys
 import numpy as np

@@ -13,7 +13,15 @@ import pytest
 
 from agent.artifacts.tiny import deepseek4_compress_ratios, write_tiny_gguf
 from agent.backends.libggswarm import NativeError, NativeModel
-from tests.native.routes import continue_in_another_process
+from tests.native.routes import (
+    close_sessions,
+    continue_in_another_process,
+    llama_greedy,
+    logits_rows,
+    native_forward,
+    native_greedy,
+    open_sessions,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 TEXT = REPO / "tests" / "data" / "teacher_forcing_en.txt"
@@ -73,30 +81,6 @@ def reference(llama, text_ids: list[int]) -> np.ndarray:  # noqa: ANN001
     return np.array(llama.scores[: len(text_ids)], dtype=np.float32)
 
 
-def _open(hops: list[NativeModel]) -> list[int]:
-    return [h.open_session(1024) for h in hops]
-
-
-def _close(hops: list[NativeModel], sids: list[int]) -> None:
-    for h, s in zip(hops, sids, strict=True):
-        h.close_session(s)
-
-
-def _forward(hops: list[NativeModel], sids: list[int], pos: int, ids: list[int], logits: bool = True) -> dict:
-    """The route: token ids go to every hop with the hidden rows (hash-routed layers read them)."""
-    x = None
-    r: dict = {}
-    tok = np.asarray(ids, dtype=np.int32)
-    for h, sid in zip(hops, sids, strict=True):
-        r = h.forward(sid, pos, token_ids=tok, hidden=x, want_logits=logits and h.is_last)
-        x = r.get("hidden")
-    return r
-
-
-def _logits(r: dict, n: int) -> np.ndarray:
-    return np.asarray(r["logits"], dtype=np.float32).reshape(n, -1)
-
-
 def test_the_tiny_model_has_every_compression_ratio_across_the_seams() -> None:
     ratios = deepseek4_compress_ratios(6)
     assert [ratios[a:b] for a, b in SPLITS] == [[0, 4], [128, 0], [4, 128]]
@@ -111,7 +95,7 @@ def test_one_hop_agrees_with_llama_cpp_when_teacher_forced(
 ) -> None:
     with NativeModel(gguf, 0, 6, n_threads=2) as whole:
         sid = whole.open_session(1024)
-        got = _logits(_forward([whole], [sid], 0, text_ids), len(text_ids))
+        got = logits_rows(native_forward([whole], [sid], 0, text_ids, ids_everywhere=True), len(text_ids))
     agree = float((got.argmax(1) == reference.argmax(1)).mean())
     diff = float(np.abs(got - reference).max())
     print(
@@ -124,11 +108,11 @@ def test_one_hop_agrees_with_llama_cpp_when_teacher_forced(
 def test_three_hops_agree_with_llama_cpp_when_teacher_forced(
     hops: list[NativeModel], text_ids: list[int], reference: np.ndarray
 ) -> None:
-    sids = _open(hops)
+    sids = open_sessions(hops)
     try:
-        got = _logits(_forward(hops, sids, 0, text_ids), len(text_ids))
+        got = logits_rows(native_forward(hops, sids, 0, text_ids, ids_everywhere=True), len(text_ids))
     finally:
-        _close(hops, sids)
+        close_sessions(hops, sids)
     agree = float((got.argmax(1) == reference.argmax(1)).mean())
     diff = float(np.abs(got - reference).max())
     print(
@@ -144,40 +128,27 @@ def test_thirty_two_greedy_tokens_equal_llama_cpp(
     text_ids: list[int],
 ) -> None:
     prompt = text_ids[:120]  # the decode steps cross position 127, where the first ratio-128 block completes
-    llama.reset()
-    llama.eval(prompt)
-    want: list[int] = []
-    for _ in range(32):
-        want.append(int(np.argmax(llama.scores[llama.n_tokens - 1])))
-        llama.eval([want[-1]])
-    sids = _open(hops)
-    try:
-        got = [int(_forward(hops, sids, 0, prompt, logits=False)["token"])]
-        while len(got) < 32:
-            got.append(
-                int(_forward(hops, sids, len(prompt) + len(got) - 1, [got[-1]], logits=False)["token"])
-            )
-    finally:
-        _close(hops, sids)
-    assert got == want
+    assert native_greedy(hops, prompt, 32, ids_everywhere=True) == llama_greedy(llama, prompt, 32)
 
 
 def test_prefill_in_chunks_equals_one_shot_prefill(hops: list[NativeModel], text_ids: list[int]) -> None:
     ids = text_ids
-    sids = _open(hops)
+    sids = open_sessions(hops)
     try:
-        whole = _logits(_forward(hops, sids, 0, ids), len(ids))
+        whole = logits_rows(native_forward(hops, sids, 0, ids, ids_everywhere=True), len(ids))
     finally:
-        _close(hops, sids)
-    sids = _open(hops)
+        close_sessions(hops, sids)
+    sids = open_sessions(hops)
     parts = []
     try:
         pos = 0
         for n in (99, 30, 1, 2, 168):  # chunk ends inside ratio-4 and ratio-128 blocks
-            parts.append(_logits(_forward(hops, sids, pos, ids[pos : pos + n]), n))
+            parts.append(
+                logits_rows(native_forward(hops, sids, pos, ids[pos : pos + n], ids_everywhere=True), n)
+            )
             pos += n
     finally:
-        _close(hops, sids)
+        close_sessions(hops, sids)
     assert float(np.abs(np.concatenate(parts) - whole).max()) <= MAX_LOGIT_DIFF
 
 
@@ -188,19 +159,24 @@ def test_an_edited_history_continues_with_the_logits_of_a_fresh_prefill(
     # ratio-4 block and inside the second ratio-128 block
     first, edited_from = text_ids[:270], 201
     history = text_ids[:edited_from] + text_ids[20:80]
-    sids = _open(hops)
+    sids = open_sessions(hops)
     try:
-        _forward(hops, sids, 0, first, logits=False)
+        native_forward(hops, sids, 0, first, logits=False, ids_everywhere=True)
         for h, s in zip(hops, sids, strict=True):
             assert h.truncate_to(s, edited_from) == (edited_from, "exact")
-        got = _logits(_forward(hops, sids, edited_from, history[edited_from:]), len(history) - edited_from)
+        got = logits_rows(
+            native_forward(hops, sids, edited_from, history[edited_from:], ids_everywhere=True),
+            len(history) - edited_from,
+        )
     finally:
-        _close(hops, sids)
-    sids = _open(hops)
+        close_sessions(hops, sids)
+    sids = open_sessions(hops)
     try:
-        fresh = _logits(_forward(hops, sids, 0, history), len(history))[edited_from:]
+        fresh = logits_rows(native_forward(hops, sids, 0, history, ids_everywhere=True), len(history))[
+            edited_from:
+        ]
     finally:
-        _close(hops, sids)
+        close_sessions(hops, sids)
     assert float(np.abs(got - fresh).max()) <= MAX_LOGIT_DIFF
 
 
@@ -208,23 +184,23 @@ def test_a_window_without_the_hash_layer_takes_no_token_ids(
     hops: list[NativeModel], text_ids: list[int]
 ) -> None:
     # the tiny model routes only layer 0 by token id: later hops run on the hidden rows alone
-    sids = _open(hops)
+    sids = open_sessions(hops)
     try:
         x = hops[0].forward(sids[0], 0, token_ids=np.asarray(text_ids[:10], dtype=np.int32))["hidden"]
         hops[1].forward(sids[1], 0, hidden=x)
         with pytest.raises(NativeError, match="hidden size mismatch"):
             hops[2].forward(sids[2], 0, hidden=np.zeros((10, 64), dtype=np.float32))
     finally:
-        _close(hops, sids)
+        close_sessions(hops, sids)
 
 
 def test_a_snapshot_restored_in_another_process_continues_identically(
     gguf: str, hops: list[NativeModel], text_ids: list[int], tmp_path: Path
 ) -> None:
     prompt = text_ids[:130]  # past the first ratio-128 block, mid ratio-4 block
-    sids = _open(hops)
+    sids = open_sessions(hops)
     try:
-        tok = int(_forward(hops, sids, 0, prompt, logits=False)["token"])
+        tok = int(native_forward(hops, sids, 0, prompt, logits=False, ids_everywhere=True)["token"])
         files = []
         for i, (h, s) in enumerate(zip(hops, sids, strict=True)):
             f = tmp_path / f"hop{i}.snap"
@@ -232,11 +208,11 @@ def test_a_snapshot_restored_in_another_process_continues_identically(
             files.append(str(f))
         here, t, pos = [], tok, len(prompt)
         for _ in range(8):
-            r = _forward(hops, sids, pos, [t])
-            here.append([int(r["token"]), _logits(r, 1)[0, :64].tolist()])
+            r = native_forward(hops, sids, pos, [t], ids_everywhere=True)
+            here.append([int(r["token"]), logits_rows(r, 1)[0, :64].tolist()])
             t, pos = here[-1][0], pos + 1
     finally:
-        _close(hops, sids)
+        close_sessions(hops, sids)
     there = continue_in_another_process(gguf, SPLITS, files, len(prompt), 8, tok, ids_everywhere=True)
     assert [t for t, _ in there] == [t for t, _ in here]
     assert np.array_equal(np.asarray([lg for _, lg in there]), np.asarray([lg for _, lg in here]))
@@ -265,8 +241,8 @@ def test_hash_routed_layers_after_the_first_hop_agree_with_llama_cpp_when_given_
         llm.close()
     hops = [NativeModel(path, a, b, n_threads=2) for a, b in SPLITS]
     try:
-        sids = _open(hops)
-        got = _logits(_forward(hops, sids, 0, ids), len(ids))
+        sids = open_sessions(hops)
+        got = logits_rows(native_forward(hops, sids, 0, ids, ids_everywhere=True), len(ids))
         with pytest.raises(NativeError, match="route by token id"):
             hops[1].forward(hops[1].open_session(64), 0, hidden=np.zeros((2, 4 * 64), dtype=np.float32))
     finally:

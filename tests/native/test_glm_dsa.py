@@ -14,7 +14,15 @@ import pytest
 
 from agent.artifacts.tiny import glm_dsa_indexer_types, write_tiny_gguf
 from agent.backends.libggswarm import NativeError, NativeModel
-from tests.native.routes import continue_in_another_process
+from tests.native.routes import (
+    close_sessions,
+    continue_in_another_process,
+    llama_greedy,
+    logits_rows,
+    native_forward,
+    native_greedy,
+    open_sessions,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 TEXT = REPO / "tests" / "data" / "teacher_forcing_en.txt"
@@ -65,36 +73,15 @@ def text_ids(llama) -> list[int]:  # noqa: ANN001
     return ids
 
 
-def _open(hops: list[NativeModel]) -> list[int]:
-    return [h.open_session(1024) for h in hops]
-
-
-def _close(hops: list[NativeModel], sids: list[int]) -> None:
-    for h, s in zip(hops, sids, strict=True):
-        h.close_session(s)
-
-
-def _forward(hops: list[NativeModel], sids: list[int], pos: int, ids: list[int], logits: bool = True) -> dict:
-    x = None
-    r: dict = {}
-    for h, sid in zip(hops, sids, strict=True):
-        tok = np.asarray(ids, dtype=np.int32) if h.is_first else None
-        r = h.forward(sid, pos, token_ids=tok, hidden=x, want_logits=logits and h.is_last)
-        x = r.get("hidden")
-    return r
-
-
-def _logits(r: dict, n: int) -> np.ndarray:
-    return np.asarray(r["logits"], dtype=np.float32).reshape(n, -1)
-
-
 def test_the_split_puts_every_seam_before_a_full_indexer_layer() -> None:
     types = glm_dsa_indexer_types(N_LAYERS)
     assert [types[a] for a, _ in SPLITS] == [1, 1, 1]
     assert all(0 in types[a:b] for a, b in SPLITS)  # each window also holds layers that share its top-k
 
 
-def test_a_window_starting_at_a_shared_indexer_layer_is_refused_at_open(native_lib: None, gguf: str) -> None:
+def test_a_window_starting_at_a_shared_indexer_layer_is_refused_atopen_sessions(
+    native_lib: None, gguf: str
+) -> None:
     with pytest.raises(NativeError, match="cannot start at layer 4: it reuses layer 3's indexer top-k"):
         NativeModel(gguf, 4, 9, n_threads=2)
 
@@ -107,11 +94,11 @@ def test_three_hops_agree_with_llama_cpp_when_teacher_forced(
     llama.reset()
     llama.eval(text_ids)
     ref = np.asarray(llama.scores[: len(text_ids)], dtype=np.float32)
-    sids = _open(hops)
+    sids = open_sessions(hops)
     try:
-        got = _logits(_forward(hops, sids, 0, text_ids), len(text_ids))
+        got = logits_rows(native_forward(hops, sids, 0, text_ids), len(text_ids))
     finally:
-        _close(hops, sids)
+        close_sessions(hops, sids)
     agree = float((got.argmax(1) == ref.argmax(1)).mean())
     diff = float(np.abs(got - ref).max())
     print(f"\nglm-dsa: {len(text_ids)} positions, top-1 agreement {agree:.4f}, max |logit diff| {diff:.3g}")
@@ -125,40 +112,25 @@ def test_thirty_two_greedy_tokens_equal_llama_cpp(
     text_ids: list[int],
 ) -> None:
     prompt = text_ids[:40]
-    llama.reset()
-    llama.eval(prompt)
-    want: list[int] = []
-    for _ in range(32):
-        want.append(int(np.argmax(llama.scores[llama.n_tokens - 1])))
-        llama.eval([want[-1]])
-    sids = _open(hops)
-    try:
-        got = [int(_forward(hops, sids, 0, prompt, logits=False)["token"])]
-        while len(got) < 32:
-            got.append(
-                int(_forward(hops, sids, len(prompt) + len(got) - 1, [got[-1]], logits=False)["token"])
-            )
-    finally:
-        _close(hops, sids)
-    assert got == want
+    assert native_greedy(hops, prompt, 32) == llama_greedy(llama, prompt, 32)
 
 
 def test_prefill_in_chunks_equals_one_shot_prefill(hops: list[NativeModel], text_ids: list[int]) -> None:
     ids = text_ids[:300]
-    sids = _open(hops)
+    sids = open_sessions(hops)
     try:
-        whole = _logits(_forward(hops, sids, 0, ids), len(ids))
+        whole = logits_rows(native_forward(hops, sids, 0, ids), len(ids))
     finally:
-        _close(hops, sids)
-    sids = _open(hops)
+        close_sessions(hops, sids)
+    sids = open_sessions(hops)
     parts = []
     try:
         pos = 0
         for n in (100, 57, 1, 142):  # the last chunk crosses the 256-position padding of the span
-            parts.append(_logits(_forward(hops, sids, pos, ids[pos : pos + n]), n))
+            parts.append(logits_rows(native_forward(hops, sids, pos, ids[pos : pos + n]), n))
             pos += n
     finally:
-        _close(hops, sids)
+        close_sessions(hops, sids)
     got = np.concatenate(parts)
     assert (got.argmax(1) == whole.argmax(1)).all()
     assert float(np.abs(got - whole).max()) <= CHUNK_LOGIT_DIFF
@@ -169,21 +141,21 @@ def test_an_edited_history_continues_like_a_fresh_prefill(
 ) -> None:
     turn1, turn2 = text_ids[:150], text_ids[150:230]
     edited = text_ids[150:180] + text_ids[240:290]  # the second turn rewritten after its 30th token
-    sids = _open(hops)
+    sids = open_sessions(hops)
     try:
-        _forward(hops, sids, 0, turn1, logits=False)
-        _forward(hops, sids, 150, turn2, logits=False)
+        native_forward(hops, sids, 0, turn1, logits=False)
+        native_forward(hops, sids, 150, turn2, logits=False)
         # latent and indexer-K rows are per position: every hop cuts back exactly
         assert [h.truncate_to(s, 180) for h, s in zip(hops, sids, strict=True)] == [(180, "exact")] * 3
         history = turn1 + edited
-        got = _logits(_forward(hops, sids, 180, history[180:]), len(history) - 180)
+        got = logits_rows(native_forward(hops, sids, 180, history[180:]), len(history) - 180)
     finally:
-        _close(hops, sids)
-    sids = _open(hops)
+        close_sessions(hops, sids)
+    sids = open_sessions(hops)
     try:
-        fresh = _logits(_forward(hops, sids, 0, history), len(history))[180:]
+        fresh = logits_rows(native_forward(hops, sids, 0, history), len(history))[180:]
     finally:
-        _close(hops, sids)
+        close_sessions(hops, sids)
     assert (got.argmax(1) == fresh.argmax(1)).all()
     assert float(np.abs(got - fresh).max()) <= MAX_LOGIT_DIFF
 
@@ -192,9 +164,9 @@ def test_a_snapshot_restored_in_another_process_continues_identically(
     gguf: str, hops: list[NativeModel], text_ids: list[int], tmp_path: Path
 ) -> None:
     prompt = text_ids[:120]
-    sids = _open(hops)
+    sids = open_sessions(hops)
     try:
-        tok = int(_forward(hops, sids, 0, prompt, logits=False)["token"])
+        tok = int(native_forward(hops, sids, 0, prompt, logits=False)["token"])
         files = []
         for i, (h, s) in enumerate(zip(hops, sids, strict=True)):
             f = tmp_path / f"hop{i}.snap"
@@ -202,11 +174,11 @@ def test_a_snapshot_restored_in_another_process_continues_identically(
             files.append(str(f))
         here, t, pos = [], tok, len(prompt)
         for _ in range(8):
-            r = _forward(hops, sids, pos, [t])
-            here.append([int(r["token"]), _logits(r, 1)[0, :64].tolist()])
+            r = native_forward(hops, sids, pos, [t])
+            here.append([int(r["token"]), logits_rows(r, 1)[0, :64].tolist()])
             t, pos = here[-1][0], pos + 1
     finally:
-        _close(hops, sids)
+        close_sessions(hops, sids)
     there = continue_in_another_process(gguf, SPLITS, files, len(prompt), 8, tok)
     assert [t for t, _ in there] == [t for t, _ in here]
     assert np.array_equal(np.asarray([lg for _, lg in there]), np.asarray([lg for _, lg in here]))
@@ -232,9 +204,9 @@ def test_a_file_with_a_multi_token_prediction_block_serves_its_trunk(
         llm.close()
     hops = [NativeModel(path, a, b, n_threads=2) for a, b in SPLITS]
     try:
-        sids = _open(hops)
-        got = _logits(_forward(hops, sids, 0, ids), len(ids))
-        _close(hops, sids)
+        sids = open_sessions(hops)
+        got = logits_rows(native_forward(hops, sids, 0, ids), len(ids))
+        close_sessions(hops, sids)
     finally:
         for h in hops:
             h.close()

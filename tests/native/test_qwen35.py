@@ -13,7 +13,15 @@ import pytest
 
 from agent.artifacts.tiny import write_tiny_gguf
 from agent.backends.libggswarm import NativeBudget, NativeModel
-from tests.native.routes import continue_in_another_process
+from tests.native.routes import (
+    close_sessions,
+    continue_in_another_process,
+    llama_greedy,
+    logits_rows,
+    native_forward,
+    native_greedy,
+    open_sessions,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 TEXT = REPO / "tests" / "data" / "teacher_forcing_en.txt"
@@ -70,37 +78,14 @@ def reference(llama, text_ids: list[int]) -> np.ndarray:  # noqa: ANN001
     return np.array(llama.scores[: len(text_ids)], dtype=np.float32)
 
 
-def _open(hops: list[NativeModel]) -> list[int]:
-    return [h.open_session(1024) for h in hops]
-
-
-def _close(hops: list[NativeModel], sids: list[int]) -> None:
-    for h, s in zip(hops, sids, strict=True):
-        h.close_session(s)
-
-
-def _forward(hops: list[NativeModel], sids: list[int], pos: int, ids: list[int], logits: bool = True) -> dict:
-    x = None
-    r: dict = {}
-    for h, sid in zip(hops, sids, strict=True):
-        tok = np.asarray(ids, dtype=np.int32) if h.is_first else None
-        r = h.forward(sid, pos, token_ids=tok, hidden=x, want_logits=logits and h.is_last)
-        x = r.get("hidden")
-    return r
-
-
-def _logits(r: dict, n: int) -> np.ndarray:
-    return np.asarray(r["logits"], dtype=np.float32).reshape(n, -1)
-
-
 def test_three_hops_agree_with_llama_cpp_when_teacher_forced(
     arch: str, hops: list[NativeModel], text_ids: list[int], reference: np.ndarray
 ) -> None:
-    sids = _open(hops)
+    sids = open_sessions(hops)
     try:
-        got = _logits(_forward(hops, sids, 0, text_ids), len(text_ids))
+        got = logits_rows(native_forward(hops, sids, 0, text_ids), len(text_ids))
     finally:
-        _close(hops, sids)
+        close_sessions(hops, sids)
     agree = float((got.argmax(1) == reference.argmax(1)).mean())
     diff = float(np.abs(got - reference).max())
     print(f"{arch}: {len(text_ids)} positions, top-1 agreement {agree:.4f}, max |logit diff| {diff:.3g}")
@@ -120,8 +105,8 @@ def test_quantized_weights_agree_with_llama_cpp_too(native_lib: None, tmp_path: 
         ids = llm.tokenize(TEXT.read_bytes(), add_bos=False)[:200]
         llm.eval(ids)
         want = np.array(llm.scores[: len(ids)], dtype=np.float32)
-        sids = _open(hops)
-        got = _logits(_forward(hops, sids, 0, ids), len(ids))
+        sids = open_sessions(hops)
+        got = logits_rows(native_forward(hops, sids, 0, ids), len(ids))
     finally:
         llm.close()
         for h in hops:
@@ -135,40 +120,25 @@ def test_thirty_two_greedy_tokens_equal_llama_cpp(
     text_ids: list[int],  # noqa: ANN001
 ) -> None:
     prompt = text_ids[:40]
-    llama.reset()
-    llama.eval(prompt)
-    want: list[int] = []
-    for _ in range(32):
-        want.append(int(np.argmax(llama.scores[llama.n_tokens - 1])))
-        llama.eval([want[-1]])
-    sids = _open(hops)
-    try:
-        got = [int(_forward(hops, sids, 0, prompt, logits=False)["token"])]
-        while len(got) < 32:
-            got.append(
-                int(_forward(hops, sids, len(prompt) + len(got) - 1, [got[-1]], logits=False)["token"])
-            )
-    finally:
-        _close(hops, sids)
-    assert got == want
+    assert native_greedy(hops, prompt, 32) == llama_greedy(llama, prompt, 32)
 
 
 def test_prefill_in_chunks_equals_one_shot_prefill(hops: list[NativeModel], text_ids: list[int]) -> None:
     ids = text_ids[:300]
-    sids = _open(hops)
+    sids = open_sessions(hops)
     try:
-        whole = _logits(_forward(hops, sids, 0, ids), len(ids))
+        whole = logits_rows(native_forward(hops, sids, 0, ids), len(ids))
     finally:
-        _close(hops, sids)
-    sids = _open(hops)
+        close_sessions(hops, sids)
+    sids = open_sessions(hops)
     parts = []
     try:
         pos = 0
         for n in (100, 57, 1, 142):  # crosses the 256-position checkpoint inside the last chunk
-            parts.append(_logits(_forward(hops, sids, pos, ids[pos : pos + n]), n))
+            parts.append(logits_rows(native_forward(hops, sids, pos, ids[pos : pos + n]), n))
             pos += n
     finally:
-        _close(hops, sids)
+        close_sessions(hops, sids)
     assert float(np.abs(np.concatenate(parts) - whole).max()) <= MAX_LOGIT_DIFF
 
 
@@ -189,45 +159,45 @@ def test_an_edited_turn_restores_a_checkpoint_and_continues_like_a_fresh_prefill
 ) -> None:
     turn1, turn2 = text_ids[:150], text_ids[150:230]
     edited = text_ids[150:180] + text_ids[240:290]  # the second turn rewritten after its 30th token
-    sids = _open(hops)
+    sids = open_sessions(hops)
     try:
-        _forward(hops, sids, 0, turn1, logits=False)
-        _forward(hops, sids, 150, turn2, logits=False)
+        native_forward(hops, sids, 0, turn1, logits=False)
+        native_forward(hops, sids, 150, turn2, logits=False)
         assert hops[0].checkpoints(sids[0]) == [150, 230]  # the turn boundaries
         assert hops[1].checkpoints(sids[1]) == []  # a window of full attention only keeps none
         held, kinds = _truncate_route(hops, sids, 180)
         assert held == 150
         assert kinds == ["checkpoint", "exact", "checkpoint"]
         history = turn1 + edited
-        got = _logits(_forward(hops, sids, held, history[held:]), len(history) - held)
+        got = logits_rows(native_forward(hops, sids, held, history[held:]), len(history) - held)
     finally:
-        _close(hops, sids)
-    sids = _open(hops)
+        close_sessions(hops, sids)
+    sids = open_sessions(hops)
     try:
-        fresh = _logits(_forward(hops, sids, 0, history), len(history))[held:]
+        fresh = logits_rows(native_forward(hops, sids, 0, history), len(history))[held:]
     finally:
-        _close(hops, sids)
+        close_sessions(hops, sids)
     assert float(np.abs(got - fresh).max()) <= MAX_LOGIT_DIFF
 
 
 def test_without_a_checkpoint_the_route_reprefills_from_zero(
     hops: list[NativeModel], text_ids: list[int]
 ) -> None:
-    sids = _open(hops)
+    sids = open_sessions(hops)
     try:
         for h in hops:
             h.set_checkpoints(0, 0)
-        _forward(hops, sids, 0, text_ids[:100], logits=False)
+        native_forward(hops, sids, 0, text_ids[:100], logits=False)
         assert hops[0].checkpoints(sids[0]) == []
         held, kinds = _truncate_route(hops, sids, 60)
         assert (held, kinds[0]) == (0, "from_zero")
-        _forward(hops, sids, 0, text_ids[:10], logits=False)
+        native_forward(hops, sids, 0, text_ids[:10], logits=False)
         hops[0].truncate(sids[0], 5)  # the plain truncate goes back as far as it must, too
         assert hops[0].session_len(sids[0]) == 0
     finally:
         for h in hops:
             h.set_checkpoints(256, 8)
-        _close(hops, sids)
+        close_sessions(hops, sids)
 
 
 def test_state_and_checkpoints_are_charged_to_the_node_budget(gguf: str, text_ids: list[int]) -> None:
@@ -272,9 +242,9 @@ def test_a_snapshot_restored_in_another_process_continues_identically(
     gguf: str, hops: list[NativeModel], text_ids: list[int], tmp_path: Path
 ) -> None:
     prompt = text_ids[:120]
-    sids = _open(hops)
+    sids = open_sessions(hops)
     try:
-        tok = int(_forward(hops, sids, 0, prompt, logits=False)["token"])
+        tok = int(native_forward(hops, sids, 0, prompt, logits=False)["token"])
         files = []
         for i, (h, s) in enumerate(zip(hops, sids, strict=True)):
             f = tmp_path / f"hop{i}.snap"
@@ -282,11 +252,11 @@ def test_a_snapshot_restored_in_another_process_continues_identically(
             files.append(str(f))
         here, t, pos = [], tok, len(prompt)
         for _ in range(8):
-            r = _forward(hops, sids, pos, [t])
-            here.append([int(r["token"]), _logits(r, 1)[0, :64].tolist()])
+            r = native_forward(hops, sids, pos, [t])
+            here.append([int(r["token"]), logits_rows(r, 1)[0, :64].tolist()])
             t, pos = here[-1][0], pos + 1
     finally:
-        _close(hops, sids)
+        close_sessions(hops, sids)
     there = continue_in_another_process(gguf, SPLITS, files, len(prompt), 8, tok)
     assert [t for t, _ in there] == [t for t, _ in here]
     assert np.array_equal(np.asarray([lg for _, lg in there]), np.asarray([lg for _, lg in here]))
