@@ -29,6 +29,8 @@ struct Hp {
     bool opt_str(const char * key, std::string * out) const;  // false when absent
     // a per-layer array of integers or bools (n values) or one value for every layer; false when absent
     bool per_layer(const char * key, int32_t n, std::vector<int64_t> * out) const;
+    // an integer array (i32/u32 elements) of any length; false when missing or of another type
+    bool int_array(const char * key, std::vector<int64_t> * out) const;
 };
 
 // The attention hyper-parameters most decoder architectures share: feed_forward_length, head counts,

@@ -72,22 +72,8 @@ bool has_batch(const GraphKey & k) { return k.n > (int32_t)(k.members.size() / 3
 void build_many(ggswarm_model * m, Graph & g, const GraphKey & key, size_t size) {
     const int32_t nm = (int32_t)key.members.size() / 3;
     const int32_t total = key.n;
-    g.meta.resize(ggml_tensor_overhead() * size + ggml_graph_overhead_custom(size, false));
-    ggml_init_params ip = {g.meta.size(), g.meta.data(), true};
-    g.ctx = ggml_init(ip);
+    ggml_tensor * x = graph_input(m, g, size, total);
     ggml_context * c = g.ctx;
-    g.gf = ggml_new_graph_custom(c, size, false);
-    ggml_tensor * x;
-    if (m->is_first()) {
-        g.inp_tokens = ggml_new_tensor_1d(c, GGML_TYPE_I32, total);
-        ggml_set_input(g.inp_tokens);
-        x = ggml_get_rows(c, m->tok_embd, g.inp_tokens);
-        if (m->embd_scale != 0.0f) x = ggml_scale(c, x, m->embd_scale);
-    } else {
-        g.inp_hidden = ggml_new_tensor_2d(c, GGML_TYPE_F32, m->d_io(), total);
-        ggml_set_input(g.inp_hidden);
-        x = g.inp_hidden;
-    }
     g.inp_pos = ggml_new_tensor_1d(c, GGML_TYPE_I32, total);
     ggml_set_input(g.inp_pos);
     bool any_full = false, any_swa = false;

@@ -20,24 +20,10 @@ namespace {
 // last attention (sampling needs nothing else). The state leaves are the graph's own (Graph::state),
 // bound by bind_state.
 void build_graph(ggswarm_model * m, Graph & g, int32_t n, int32_t n_kv, int32_t cap, bool last_only) {
-    g.meta.resize(ggml_tensor_overhead() * m->graph_size + ggml_graph_overhead_custom(m->graph_size, false));
-    ggml_init_params ip = {g.meta.size(), g.meta.data(), true};
-    g.ctx = ggml_init(ip);
+    ggml_tensor * x = graph_input(m, g, m->graph_size, n);
     ggml_context * c = g.ctx;
-    g.gf = ggml_new_graph_custom(c, m->graph_size, false);
     const int64_t nh = m->n_head;
 
-    ggml_tensor * x;
-    if (m->is_first()) {
-        g.inp_tokens = ggml_new_tensor_1d(c, GGML_TYPE_I32, n);
-        ggml_set_input(g.inp_tokens);
-        x = ggml_get_rows(c, m->tok_embd, g.inp_tokens);
-        if (m->embd_scale != 0.0f) x = ggml_scale(c, x, m->embd_scale);
-    } else {
-        g.inp_hidden = ggml_new_tensor_2d(c, GGML_TYPE_F32, m->d_io(), n);
-        ggml_set_input(g.inp_hidden);
-        x = g.inp_hidden;
-    }
     g.inp_pos = ggml_new_tensor_1d(c, GGML_TYPE_I32, (int64_t)n * m->n_pos_per_token);
     ggml_set_input(g.inp_pos);
     // which masks the window's attention layers read (an input no layer reads is never allocated)
@@ -91,6 +77,23 @@ void build_graph(ggswarm_model * m, Graph & g, int32_t n, int32_t n_kv, int32_t 
 }
 
 }  // namespace
+
+ggml_tensor * graph_input(ggswarm_model * m, Graph & g, size_t size, int64_t n) {
+    g.meta.resize(ggml_tensor_overhead() * size + ggml_graph_overhead_custom(size, false));
+    ggml_init_params ip = {g.meta.size(), g.meta.data(), true};
+    g.ctx = ggml_init(ip);
+    ggml_context * c = g.ctx;
+    g.gf = ggml_new_graph_custom(c, size, false);
+    if (m->is_first()) {
+        g.inp_tokens = ggml_new_tensor_1d(c, GGML_TYPE_I32, n);
+        ggml_set_input(g.inp_tokens);
+        ggml_tensor * x = ggml_get_rows(c, m->tok_embd, g.inp_tokens);
+        return m->embd_scale != 0.0f ? ggml_scale(c, x, m->embd_scale) : x;
+    }
+    g.inp_hidden = ggml_new_tensor_2d(c, GGML_TYPE_F32, m->d_io(), n);
+    ggml_set_input(g.inp_hidden);
+    return g.inp_hidden;
+}
 
 ggml_tensor * output_head(ggswarm_model * m, ggml_context * c, ggml_tensor * x) {
     x = rms(c, x, m->output_norm, m->eps);

@@ -77,6 +77,21 @@ bool Hp::opt_int(const char * key, int64_t * out) const { return get_int(g, pref
 bool Hp::opt_float(const char * key, double * out) const { return get_float(g, prefix + key, out); }
 bool Hp::opt_str(const char * key, std::string * out) const { return get_str(g, prefix + key, out); }
 
+bool Hp::int_array(const char * key, std::vector<int64_t> * out) const {
+    const int64_t id = gguf_find_key(g, (prefix + key).c_str());
+    if (id < 0 || gguf_get_kv_type(g, id) != GGUF_TYPE_ARRAY) return false;
+    const gguf_type t = gguf_get_arr_type(g, id);
+    const size_t n = gguf_get_arr_n(g, id);
+    const void * d = gguf_get_arr_data(g, id);
+    out->clear();
+    for (size_t i = 0; i < n; ++i) {
+        if (t == GGUF_TYPE_INT32) out->push_back(static_cast<const int32_t *>(d)[i]);
+        else if (t == GGUF_TYPE_UINT32) out->push_back(static_cast<const uint32_t *>(d)[i]);
+        else return false;
+    }
+    return true;
+}
+
 bool Hp::per_layer(const char * key, int32_t n, std::vector<int64_t> * out) const {
     const std::string k = prefix + key;
     int64_t id = gguf_find_key(g, k.c_str());

@@ -299,6 +299,9 @@ ggswarm_status ensure_capacity(ggswarm_model * m, Session & s, int32_t need);
 constexpr int32_t kUBatch = 512;  // positions per micro-batch (bounded compute memory, like llama.cpp's n_ubatch)
 ggswarm_status validate_step(ggswarm_model * m, const Session & s, const ggswarm_batch * b);
 void set_mask(ggswarm_model * m, ggml_tensor * mask, int32_t pos, int32_t nc, int32_t n_kv, int32_t window);
+// a new graph of `size` nodes in g (its context and metadata) and its input rows for n positions: the
+// token ids' embeddings on the first window, else the incoming hidden rows
+ggml_tensor * graph_input(ggswarm_model * m, Graph & g, size_t size, int64_t n);
 ggml_tensor * output_head(ggswarm_model * m, ggml_context * c, ggml_tensor * x);  // last window: norm, head, softcap
 void bind_leaf(ggml_tensor * leaf, const ggml_tensor * kv);
 void collect_kv_views(Graph & g);

@@ -44,21 +44,6 @@ int64_t n_comp_span(int64_t n_kv, int64_t cap, int32_t r) { return std::min(pad2
 // blocks that can complete among nc new positions
 int64_t n_blocks(int64_t nc, int32_t r) { return nc / r + 1; }
 
-bool int_array(const Hp & hp, const char * key, std::vector<int64_t> * out) {
-    const int64_t id = gguf_find_key(hp.g, (hp.prefix + key).c_str());
-    if (id < 0 || gguf_get_kv_type(hp.g, id) != GGUF_TYPE_ARRAY) return false;
-    const gguf_type t = gguf_get_arr_type(hp.g, id);
-    const size_t n = gguf_get_arr_n(hp.g, id);
-    const void * d = gguf_get_arr_data(hp.g, id);
-    out->clear();
-    for (size_t i = 0; i < n; ++i) {
-        if (t == GGUF_TYPE_INT32) out->push_back(static_cast<const int32_t *>(d)[i]);
-        else if (t == GGUF_TYPE_UINT32) out->push_back(static_cast<const uint32_t *>(d)[i]);
-        else return false;
-    }
-    return true;
-}
-
 ggswarm_status read(ggswarm_model * m, const Hp & hp) {
     const char * a = hp.prefix.c_str();
     auto h = std::make_shared<Dsv4>();
@@ -121,7 +106,7 @@ ggswarm_status read(ggswarm_model * m, const Hp & hp) {
         return fail(m, GGSWARM_E_UNSUPPORTED, "rope scaling '%s' is not supported for deepseek4 yet", scaling.c_str());
     }
     std::vector<int64_t> ratios;
-    if (!int_array(hp, "attention.compress_ratios", &ratios) || (int32_t)ratios.size() < m->n_layers_total) {
+    if (!hp.int_array("attention.compress_ratios", &ratios) || (int32_t)ratios.size() < m->n_layers_total) {
         return fail(m, GGSWARM_E_FORMAT, "%sattention.compress_ratios (one per layer) is missing or short", a);
     }
     for (int32_t i = 0; i < m->n_layers_total; ++i) {

@@ -13,22 +13,6 @@
 namespace ggswarm {
 namespace {
 
-// An integer array key of the architecture (i32/u32 elements); false when missing or of another type.
-bool int_array(const Hp & hp, const char * key, std::vector<int64_t> * out) {
-    const int64_t id = gguf_find_key(hp.g, (hp.prefix + key).c_str());
-    if (id < 0 || gguf_get_kv_type(hp.g, id) != GGUF_TYPE_ARRAY) return false;
-    const gguf_type t = gguf_get_arr_type(hp.g, id);
-    const size_t n = gguf_get_arr_n(hp.g, id);
-    const void * d = gguf_get_arr_data(hp.g, id);
-    out->clear();
-    for (size_t i = 0; i < n; ++i) {
-        if (t == GGUF_TYPE_INT32) out->push_back(static_cast<const int32_t *>(d)[i]);
-        else if (t == GGUF_TYPE_UINT32) out->push_back(static_cast<const uint32_t *>(d)[i]);
-        else return false;
-    }
-    return true;
-}
-
 ggswarm_status read(ggswarm_model * m, const Hp & hp) {
     const char * a = hp.prefix.c_str();
     auto h = std::make_shared<Hybrid>();
@@ -54,7 +38,7 @@ ggswarm_status read(ggswarm_model * m, const Hp & hp) {
     if (vlen != m->head_dim) return fail(m, GGSWARM_E_UNSUPPORTED, "key_length %d != value_length %d", m->head_dim, vlen);
     if ((st = hp.need_int("rope.dimension_count", 2, m->head_dim, &m->n_rot))) return st;
     std::vector<int64_t> sec;
-    if (!int_array(hp, "rope.dimension_sections", &sec) || sec.size() < 3 || sec.size() > 4) {
+    if (!hp.int_array("rope.dimension_sections", &sec) || sec.size() < 3 || sec.size() > 4) {
         return fail(m, GGSWARM_E_FORMAT, "%srope.dimension_sections (3 or 4 integers) is missing", a);
     }
     for (size_t i = 0; i < sec.size(); ++i) h->sections[i] = (int)sec[i];
