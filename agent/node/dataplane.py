@@ -519,13 +519,12 @@ class DataPlane:
         """Limits first: per-address and per-token concurrency, node-wide buffered bytes, the frame's
         length and its route token, all checked before the body is read."""
         ip = request.remote or "?"
-        if self._per_ip.get(ip, 0) >= PER_IP_CONCURRENCY:
+        try:
+            self.take_ip_slot(ip)
+        except DataPlaneError as e:
             self.counters["errors"] += 1
-            self.metrics.error("too_many_requests")
-            return _error(
-                429, "too_many_requests", f"more than {PER_IP_CONCURRENCY} frames at once from {ip}"
-            )
-        self._per_ip[ip] = self._per_ip.get(ip, 0) + 1
+            self.metrics.error(e.code)
+            return _error(e.status, e.code, e.message)
         token = b""
         reserved = 0
         try:
@@ -542,10 +541,7 @@ class DataPlane:
                 return _error(400, "bad_frame", "the frame ended before its Content-Length")
             return await self._frame_response(body)
         finally:
-            _release(self._per_ip, ip)
-            if token:
-                _release(self._per_token, token)
-            self._inflight_bytes -= reserved
+            self.release_frame(ip, token, reserved)
 
     async def _admit_frame(self, request: web.Request) -> tuple[bytes, int, bytes]:
         """Check length, header and token from the frame's first bytes; reserve its buffer. Returns the
@@ -578,6 +574,22 @@ class DataPlane:
             raise DataPlaneError(e.status, "bad_frame", str(e)) from None
         self.reserve_frame(session, token, n)
         return token, n, head
+
+    def take_ip_slot(self, ip: str) -> None:
+        """One of the PER_IP_CONCURRENCY frames a peer address may have in flight (POST and stream
+        alike); release_frame gives it back."""
+        if self._per_ip.get(ip, 0) >= PER_IP_CONCURRENCY:
+            raise DataPlaneError(
+                429, "too_many_requests", f"more than {PER_IP_CONCURRENCY} frames at once from {ip}"
+            )
+        self._per_ip[ip] = self._per_ip.get(ip, 0) + 1
+
+    def release_frame(self, ip: str, token: bytes, reserved: int) -> None:
+        """Give back what take_ip_slot and reserve_frame took for one frame (token b"": none)."""
+        _release(self._per_ip, ip)
+        if token:
+            _release(self._per_token, token)
+        self._inflight_bytes -= reserved
 
     def reserve_frame(self, session: bytes, token: bytes, n: int) -> None:
         """Authorise a frame's token and take its slots (POST and stream alike): one of the token's

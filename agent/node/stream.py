@@ -82,16 +82,13 @@ class StreamView:
 
     async def answer(self, ip: str, body: bytes) -> tuple[int, bytes]:
         """(200, response frame) or (status, error JSON) for one message, limits first."""
-        from agent.node.dataplane import PER_IP_CONCURRENCY, DataPlaneError, _release
+        from agent.node.dataplane import DataPlaneError
 
         dp = self.dp
-        if dp._per_ip.get(ip, 0) >= PER_IP_CONCURRENCY:
-            return self._refuse(
-                DataPlaneError(
-                    429, "too_many_requests", f"more than {PER_IP_CONCURRENCY} frames at once from {ip}"
-                )
-            )
-        dp._per_ip[ip] = dp._per_ip.get(ip, 0) + 1
+        try:
+            dp.take_ip_slot(ip)
+        except DataPlaneError as e:
+            return self._refuse(e)
         token = b""
         reserved = 0
         try:
@@ -104,10 +101,7 @@ class StreamView:
             dp.counters["bytes_out"] += len(out)
             return 200, out
         finally:
-            _release(dp._per_ip, ip)
-            if token:
-                _release(dp._per_token, token)
-            dp._inflight_bytes -= reserved
+            dp.release_frame(ip, token, reserved)
 
     def _admit(self, body: bytes) -> bytes:
         """Header, length and route token of a whole message, then its concurrency slot and bytes."""
