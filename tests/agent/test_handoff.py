@@ -109,6 +109,9 @@ async def test_an_import_is_refused_for_another_node_an_oversized_snapshot_or_a_
     status, err = await _import(url_b, to_b, head, b"x" * 16)
     assert status == 400 and err["error"] == "bad_hash"
 
-    forged = mint_handoff(signing_key, session, manifest.sha256, 0, 30, "node-a", "node-b")[:-1] + b"\0"
+    good = mint_handoff(signing_key, session, manifest.sha256, 0, 30, "node-a", "node-b")
+    forged = good[:-1] + bytes(
+        [good[-1] ^ 1]
+    )  # always a changed signature (a fixed byte was 1 in 256 the same)
     assert (await _import(url_b, forged, head, b"x" * 16))[1]["error"] == "bad_token"
     assert b.stats()["sessions"] == 0
