@@ -16,6 +16,7 @@ urlpatterns = [
     path("models/<int:artifact_id>/place", views.place, name="place"),
     path("models/<int:artifact_id>/unplace", views.unplace, name="unplace"),
     path("fleet/status.json", views.status_json, name="status"),
+    path("fleet/history.json", views.history_json, name="history"),
     path("api/agent/enroll", views.enroll_api, name="enroll_api"),
     path("api/agent/certificate", views.certificate_api, name="certificate_api"),
 ]

@@ -22,25 +22,25 @@ from webapp.core.auth import HtmxHttpRequest, staff_required
 from webapp.core.nodeauth import parse_node_authorization
 from webapp.fleet import probe, services
 from webapp.fleet.models import Node, ShardAssignment
-from webapp.fleet.presenters import placement_bars
+from webapp.fleet.presenters import Series, history_hours, history_series, placement_bars
 from webapp.fleet.tasks import drain_node, place_model, remove_node, unplace_model
-from webapp.telemetry.models import NodeTelemetrySample
+from webapp.telemetry.services import samples_since
 
 
-def throughput_history(hours: int = 1) -> dict[str, list[list[float]]]:
-    """Per node, [unix time, tok/s] from the downsampled samples (seeds the live plot)."""
-    since = timezone.now() - timedelta(hours=hours)
-    out: dict[str, list[list[float]]] = {}
-    for node_id, ts, tok_s in NodeTelemetrySample.objects.filter(ts__gte=since).values_list(
-        "node_id", "ts", "tok_s"
-    ):
-        out.setdefault(node_id, []).append([ts.timestamp(), tok_s])
-    return out
+def fleet_history(hours: int = 1) -> dict[str, Series]:
+    """Per node, the throughput and batching series of the last `hours` (seed the live plots)."""
+    return history_series(samples_since(timezone.now() - timedelta(hours=hours)))
 
 
 def fleet_context() -> dict[str, object]:
     nodes = Node.objects.exclude(state=Node.State.REMOVED).prefetch_related("shards__artifact")
-    return {"nodes": nodes, "offline_after_s": settings.NODE_OFFLINE_AFTER_S, "history": throughput_history()}
+    history = fleet_history()
+    return {
+        "nodes": nodes,
+        "offline_after_s": settings.NODE_OFFLINE_AFTER_S,
+        "history": history["throughput"],
+        "batching_history": history["batching"],
+    }
 
 
 @require_GET
@@ -149,6 +149,19 @@ def enroll_api(request: HttpRequest) -> JsonResponse:
         },
         status=201,
     )
+
+
+@require_GET
+@staff_required
+def history_json(request: HttpRequest) -> JsonResponse:
+    """GET ?hours=N (1 to TELEMETRY_KEEP_HOURS, default 1) -> {"hours", "throughput": {node: [[t, tok/s]]},
+    "batching": {node: [[t, batch steps, queue wait ms, batch compute ms]]}}, t in unix seconds."""
+    hours = history_hours(request.GET.get("hours"), settings.TELEMETRY_KEEP_HOURS)
+    if hours is None:
+        return JsonResponse(
+            {"error": f"hours must be a whole number from 1 to {settings.TELEMETRY_KEEP_HOURS}"}, status=400
+        )
+    return JsonResponse({"hours": hours, **fleet_history(hours)})
 
 
 @require_GET

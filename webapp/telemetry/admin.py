@@ -18,4 +18,13 @@ class GenerationRecordAdmin(admin.ModelAdmin):
 class NodeTelemetrySampleAdmin(admin.ModelAdmin):
     """Node samples."""
 
-    list_display = ("node", "ts", "sessions", "kv_bytes", "tok_s", "cpu_percent")
+    list_display = (
+        "node",
+        "ts",
+        "sessions",
+        "kv_bytes",
+        "tok_s",
+        "cpu_percent",
+        "batch_steps",
+        "queue_wait_ms",
+    )

@@ -42,6 +42,11 @@ class NodeTelemetrySample(models.Model):
     tok_s = models.FloatField(default=0.0)
     cpu_percent = models.FloatField(default=0.0)
     mem_used_bytes = models.BigIntegerField(default=0)
+    # per-hop batching over the agent's last minute (agent/wire/control.py Telemetry): steps of distinct
+    # sessions per backend call, the wait for a batch and the compute per call; 0 when idle
+    batch_steps = models.FloatField(default=0.0)
+    queue_wait_ms = models.FloatField(default=0.0)
+    batch_compute_ms = models.FloatField(default=0.0)
 
     class Meta:
         ordering = ["node_id", "ts"]

@@ -19,7 +19,22 @@ def should_sample(last: datetime | None, now: datetime, every_s: int) -> bool:
     return last is None or (now - last) >= timedelta(seconds=every_s)
 
 
+# The wire already refuses negative, NaN and infinite figures (NonNegative) but sets no ceiling; one
+# node reporting 1e300 would flatten every other series on the fleet page's plot. Beyond these a figure
+# is a lie, so it is stored at the ceiling (the rest of the sample is still worth keeping).
+MAX_BATCH_STEPS = 4096.0  # distinct sessions in one backend call; a data plane batches far fewer
+MAX_BATCH_MS = 3_600_000.0  # an hour waiting for, or computing, one batch
+
+
+def bounded(value: object, hi: float) -> float:
+    """`value` as a finite float in [0, hi]; anything else (NaN, a string, a bool) is 0."""
+    if not isinstance(value, int | float) or isinstance(value, bool) or value != value:
+        return 0.0
+    return min(max(float(value), 0.0), hi)
+
+
 def maybe_store_sample(node_id: str, t: Telemetry, now: datetime) -> bool:
+    """Store `t` as the node's sample unless it already has one from the last TELEMETRY_SAMPLE_EVERY_S."""
     last = (
         NodeTelemetrySample.objects.filter(node_id=node_id)
         .order_by("-ts")
@@ -39,8 +54,20 @@ def maybe_store_sample(node_id: str, t: Telemetry, now: datetime) -> bool:
         tok_s=tok_s,
         cpu_percent=t.cpu_percent,
         mem_used_bytes=t.mem_used_bytes,
+        batch_steps=bounded(t.batch_steps, MAX_BATCH_STEPS),
+        queue_wait_ms=bounded(t.queue_wait_ms, MAX_BATCH_MS),
+        batch_compute_ms=bounded(t.batch_compute_ms, MAX_BATCH_MS),
     )
     return True
+
+
+HISTORY_FIELDS = ("node_id", "ts", "tok_s", "batch_steps", "queue_wait_ms", "batch_compute_ms")
+
+
+def samples_since(since: datetime) -> list[tuple[Any, ...]]:
+    """Every node's samples from `since` on, oldest first, as tuples in HISTORY_FIELDS order."""
+    rows = NodeTelemetrySample.objects.filter(ts__gte=since).order_by("node_id", "ts")
+    return list(rows.values_list(*HISTORY_FIELDS))
 
 
 def record_generation(
