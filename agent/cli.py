@@ -308,6 +308,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.cmd in SERVING_COMMANDS:
         sleep_idle_threads()  # before the backend's libraries load (nothing above loads them)
+        from agent.node.scheduler import busy_chunk_from_env
+
+        try:
+            busy_chunk_from_env()  # a bad override is a clear error now, not at the first shard
+        except ValueError as e:
+            print(f"agent: error: {e}", file=sys.stderr)
+            return 2
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -388,6 +388,7 @@ def main() -> None:
     )
     ap.add_argument("--no-playground", action="store_true", help="skip the control plane (saves ~1 min)")
     ap.add_argument("--decode-only", action="store_true", help="1-session decode only (quick A/B runs)")
+    ap.add_argument("--itl-only", action="store_true", help="only the ITL-under-prefill figures (A/B: both)")
     ap.add_argument("--no-seam", action="store_true", help="do not run bench/seam.py")
     ap.add_argument("--serve-env", action="append", default=[], metavar="K=V", help="extra env of the hops")
     ap.add_argument(
@@ -484,7 +485,7 @@ def main() -> None:
             if route_b is not None:
                 await decode_once(route_b, prompt, 4)
             await decode_sessions(route, prompt, 2, BATCH)
-            for _ in range(args.rounds):
+            for _ in range(0 if args.itl_only else args.rounds):
                 samples["decode_tok_s_llamacpp"].append(llama.decode_tok_s(prompt, args.tokens))
                 tps, over, comp, cpu = await decode_once(route, prompt, args.tokens)
                 samples["hops_cpu_ms_per_step"].append(cpu)
@@ -510,7 +511,13 @@ def main() -> None:
                 samples["aggregate_tok_s_8_sessions_served"].append(
                     await decode_sessions(route, prompt, args.tokens // 2, BATCH)
                 )
-            return {} if args.decode_only else await itl_under_prefill(route, prompt, args.tokens // 2)
+            if args.decode_only:
+                return {}
+            itl = await itl_under_prefill(route, prompt, args.tokens // 2)
+            if route_b is not None:  # the same measurement on route B, right after (keys ending _b)
+                itl_b = await itl_under_prefill(route_b, prompt, args.tokens // 2)
+                itl.update({f"{k}_b": v for k, v in itl_b.items()})
+            return itl
 
         out.update(asyncio.run(served_rounds()))
     finally:
@@ -518,6 +525,10 @@ def main() -> None:
         with contextlib.suppress(Exception):
             llama.close()
     _median_rounds(samples, out)
+    if args.itl_only:
+        out["wall_s"] = round(time.perf_counter() - t_start, 1)
+        print(json.dumps(out))
+        return
     out["ratio_served_vs_llamacpp"] = round(out["decode_tok_s_served_3hop"] / out["decode_tok_s_llamacpp"], 3)
     if not args.decode_only:
         out["ratio_8_vs_1_served"] = round(

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -39,9 +40,24 @@ CHUNK_TOKENS = 512  # = native kUBatch: chunk boundaries are the micro-batch bou
 # that arrives during a chunk waits for at most this many positions (tens of ms on a CPU), not 512
 # (about a second on two cores). Measured exact for the native executor at any cut (docs/protocol.md).
 BUSY_CHUNK_TOKENS = 32
+BUSY_CHUNK_ENV = "GGSWARM_BUSY_CHUNK_TOKENS"  # an operator's override, 1..CHUNK_TOKENS
 BUSY_WINDOW_S = 1.0  # another session stepped on this shard this recently: it is decoding
 
 Admit = Callable[[Any, int], None]  # (the step's owner, KV bytes the batch adds so far) -> or raises
+
+
+def busy_chunk_from_env(env: Mapping[str, str] | None = None) -> int:
+    """BUSY_CHUNK_TOKENS, or the operator's GGSWARM_BUSY_CHUNK_TOKENS (ValueError when out of range)."""
+    raw = (os.environ if env is None else env).get(BUSY_CHUNK_ENV, "").strip()
+    if not raw:
+        return BUSY_CHUNK_TOKENS
+    try:
+        n = int(raw)
+    except ValueError:
+        raise ValueError(f"{BUSY_CHUNK_ENV}={raw[:40]!r} is not an integer") from None
+    if not 1 <= n <= CHUNK_TOKENS:
+        raise ValueError(f"{BUSY_CHUNK_ENV}={n} is outside 1..{CHUNK_TOKENS}")
+    return n
 
 
 class BatchObserver(Protocol):
@@ -104,7 +120,7 @@ class ShardScheduler:
         batching: bool | None = None,
         max_batch_tokens: int = MAX_BATCH_TOKENS,
         chunk_tokens: int = CHUNK_TOKENS,
-        busy_chunk_tokens: int = BUSY_CHUNK_TOKENS,
+        busy_chunk_tokens: int | None = None,
     ) -> None:
         self.backend = backend
         # held around every call into the backend (and by OPEN, CLOSE, TRUNCATE, hand-offs): a backend
@@ -115,7 +131,8 @@ class ShardScheduler:
         self.batching = backend.batches_sessions if batching is None else batching
         self.max_batch_tokens = max(1, max_batch_tokens)
         self.chunk_tokens = max(1, chunk_tokens)
-        self.busy_chunk_tokens = max(1, min(busy_chunk_tokens, self.chunk_tokens))
+        busy = busy_chunk_tokens if busy_chunk_tokens is not None else busy_chunk_from_env()
+        self.busy_chunk_tokens = max(1, min(busy, self.chunk_tokens))
         self._queue: dict[Hashable, _Pending] = {}  # by session, in arrival order
         self._last_step: dict[Hashable, float] = {}  # session -> when its latest step arrived
         self._worker: asyncio.Task[None] | None = None

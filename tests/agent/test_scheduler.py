@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 
 from agent.backends.base import AdmissionError, Backend, BackendError, ForwardResult, StepInput
-from agent.node.scheduler import SessionBusy, ShardScheduler, StepDropped
+from agent.node.scheduler import (
+    BUSY_CHUNK_TOKENS,
+    SessionBusy,
+    ShardScheduler,
+    StepDropped,
+    busy_chunk_from_env,
+)
 from agent.wire.ids import SessionId
 
 POISON = -1  # a step holding this token id fails in the fake backend
@@ -339,3 +345,11 @@ async def test_a_prefill_runs_whole_micro_batches_alone_and_small_chunks_while_a
         (96, 4),
     ]
     assert res.token == sum(range(1, 101)) and be.kv[sid(2)] == list(range(1, 101))
+
+
+def test_the_operator_can_set_the_busy_chunk_and_a_bad_value_is_a_clear_error() -> None:
+    assert busy_chunk_from_env({}) == BUSY_CHUNK_TOKENS
+    assert busy_chunk_from_env({"GGSWARM_BUSY_CHUNK_TOKENS": "16"}) == 16
+    for bad in ("0", "513", "lots"):
+        with pytest.raises(ValueError, match="GGSWARM_BUSY_CHUNK_TOKENS"):
+            busy_chunk_from_env({"GGSWARM_BUSY_CHUNK_TOKENS": bad})

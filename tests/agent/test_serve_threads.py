@@ -33,3 +33,13 @@ def test_a_native_hop_loads_libgomp_with_the_capped_spin_count(serve_factory, mo
     if "OPENMP DISPLAY ENVIRONMENT" not in text:
         pytest.skip("this ggml build does not use OpenMP (no libgomp loaded)")
     assert re.search(r"GOMP_SPINCOUNT = '10000'", text), text[-2000:]
+
+
+def test_serving_with_a_bad_busy_chunk_override_fails_at_once_with_its_name(monkeypatch, capsys) -> None:  # noqa: ANN001
+    from agent.cli import main
+
+    monkeypatch.setenv("GOMP_SPINCOUNT", "10000")  # serve would set it in os.environ otherwise
+    monkeypatch.setenv("GGSWARM_BUSY_CHUNK_TOKENS", "0")
+    argv = ["serve", "--model", "pkg:smollm2", "--port", "1", "--public-key", "unused"]
+    assert main(argv) == 2
+    assert "GGSWARM_BUSY_CHUNK_TOKENS=0 is outside 1..512" in capsys.readouterr().err
