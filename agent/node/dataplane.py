@@ -13,58 +13,50 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
+from aiohttp import web
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from agent import __version__, defaults
 from agent.artifacts.manifest import Manifest
 from agent.backends import load_backend
 from agent.backends.base import AdmissionError, Backend, BackendError, ShardSpec
+
+# Admission limits and chain forwarding are mixed into DataPlane from their own modules; the names
+# below stay importable from here, where stream.py and the tests take them.
+from agent.node.admission import INFLIGHT_BYTES as INFLIGHT_BYTES
+from agent.node.admission import PER_IP_CONCURRENCY as PER_IP_CONCURRENCY
+from agent.node.admission import PER_TOKEN_CONCURRENCY as PER_TOKEN_CONCURRENCY
+from agent.node.admission import FrameAdmission
+from agent.node.admission import _release as _release
+from agent.node.chain import ChainForwarding
 from agent.node.handoff import register_handoff
 from agent.node.metrics import NodeMetrics
 from agent.node.scheduler import CHUNK_TOKENS, MAX_BATCH_TOKENS, ShardScheduler
 from agent.node.sessions import SessionState, SessionTable, ShardKey
 from agent.node.steps import DataPlaneError as DataPlaneError  # where handlers and stream.py take it
-from agent.node.steps import frame_step, local_answer, needs_ids, run_step
+from agent.node.steps import frame_step, local_answer, run_step
 from agent.node.stream import register_stream
 from agent.wire.frames import (
     CONTEXT_CAP,
     MAX_FRAME_BYTES,
-    MAX_TAIL_BYTES,
     PROTOCOL_VERSION,
-    REQ_HEADER,
     FrameError,
     Kind,
     Op,
     Request,
     Response,
-    Timing,
-    check_request_header,
     decode_request,
-    decode_response,
-    encode_request,
     encode_response,
-    peek_request,
-    response_limit,
-    with_prepended_timing,
 )
 from agent.wire.ids import SessionId
-from agent.wire.routetoken import RouteClaims, TokenError, TokenVerifier, decode_unverified, normalise_url
-from agent.wire.stream import CHAIN_MAX_ANSWER, FrameStreams
-from agent.wire.tls import is_loopback, node_dns_name
+from agent.wire.routetoken import RouteClaims, TokenError, TokenVerifier, normalise_url
+from agent.wire.tls import is_loopback
 
 log = logging.getLogger("agent.node.dataplane")
 _SWEEPER: web.AppKey[asyncio.Task[None]] = web.AppKey("sweeper", asyncio.Task)
 # A retried step is answered from its stored response only when that is small (a token, one decode
 # step's hidden states); a bigger one (a prefill's hidden states, logits) is recomputed instead.
 RETRY_CACHE_MAX = 64 << 10
-_ERROR_BODY_MAX = 4096  # of a next hop's error answer, read to relay its code and message
-# Requests handled at once, per client address and per route token (429 beyond), and frame bytes
-# buffered at once on the whole node (503 beyond): a flood waits in nobody's memory.
-PER_IP_CONCURRENCY = 64  # the control plane's route clients all come from one address
-PER_TOKEN_CONCURRENCY = 4
-INFLIGHT_BYTES = 256 << 20
 
 
 @dataclass
@@ -88,8 +80,9 @@ class Shard:
         return min(CONTEXT_CAP, model_ctx)
 
 
-class DataPlane:
-    """All shards and sessions of one node, behind one aiohttp application."""
+class DataPlane(FrameAdmission, ChainForwarding):
+    """All shards and sessions of one node, behind one aiohttp application; the frame limits come from
+    FrameAdmission (admission.py), the next-hop client from ChainForwarding (chain.py)."""
 
     def __init__(
         self,
@@ -105,11 +98,8 @@ class DataPlane:
         self.node_id = node_id
         # per-shard step batching (agent/node/scheduler.py): None = where the backend batches sessions
         self.batching, self.max_batch_tokens, self.chunk_tokens = batching, max_batch_tokens, chunk_tokens
-        # mutual TLS towards next hops (chain mode): the swarm CA only, and the node id the token names
-        self.client_ssl = client_ssl
-        self._per_ip: dict[str, int] = {}
-        self._per_token: dict[bytes, int] = {}
-        self._inflight_bytes = 0
+        FrameAdmission.__init__(self)  # per-address, per-token and buffered-bytes limits
+        ChainForwarding.__init__(self, client_ssl)  # next hops: client_ssl, pooled streams
         self.public_key = public_key  # also verifies hand-off tokens (agent/node/handoff.py)
         self.verifier = TokenVerifier(public_key)
         # set by a drain in move mode: existing sessions answer 503 draining so clients move them
@@ -124,8 +114,6 @@ class DataPlane:
             "bytes_in": 0,
             "bytes_out": 0,
         }
-        self._client: ClientSession | None = None
-        self._streams: FrameStreams | None = None  # chain mode: pooled streams to next hops
         self.started = time.time()
         self.metrics = NodeMetrics(self.stats)  # GET /metrics (agent/node/metrics.py)
 
@@ -271,17 +259,6 @@ class DataPlane:
                 )
             want_node, want_url = nxt.next_node, nxt.next_url
 
-    def authorise_token(self, session: bytes, token: bytes) -> None:
-        """The token check alone, before a body is read: forged, expired or foreign tokens cost no buffer."""
-        try:
-            claims = self.verifier.verify(token)
-        except TokenError as e:
-            raise DataPlaneError(401, "bad_token", str(e)) from None
-        if claims.node != self.node_id:
-            raise DataPlaneError(403, "wrong_node", f"route token is for node {claims.node!r}, not this node")
-        if claims.session != session:
-            raise DataPlaneError(403, "wrong_session", "route token is for another session")
-
     def _session(self, req: Request, shard: Shard) -> SessionState:
         s = self.sessions.get((SessionId(req.session), shard.key))
         if s is None:
@@ -420,100 +397,6 @@ class DataPlane:
         self.metrics.step(req.n_tokens, time.perf_counter() - t_start)
         return await self._continue_chain(req, s, local, t_start, int(res.compute_s * 1e6))
 
-    async def _continue_chain(
-        self, req: Request, s: SessionState, local: bytes, t_start: float, compute_us: int
-    ) -> bytes:
-        """Chain mode: push this hop's output to the next hop and relay its answer back."""
-        chain = s.chain if (req.chain or req.chain_cached) else None
-        if not chain:
-            handler_us = int((time.perf_counter() - t_start) * 1e6)
-            return with_prepended_timing(local, Timing(compute_us, handler_us))
-        out = decode_response(local)
-        nxt, rest = chain[0], chain[1:]
-        fwd = Request(
-            op=Op.FORWARD,
-            session=req.session,
-            step=req.step,
-            pos_start=req.pos_start,
-            n_tokens=out.n_tokens,
-            kind=out.kind,
-            dim=out.dim,
-            token=nxt.token,
-            sampling=req.sampling,
-            history=req.ids().tolist() if req.kind == Kind.IDS else req.history,
-            # layers further down that route by token id get the ids with the hidden states
-            token_ids=_ids_for_next(req, self.shards.get(s.shard_key))
-            if out.kind in (Kind.F16, Kind.F32)
-            else None,
-            want_logits=req.want_logits,
-            f16_out=req.f16_out,
-            # The full chain travels once per route; later steps only say "as before".
-            chain=rest if req.chain else [],
-            chain_cached=bool(rest) and not req.chain,
-            payload=out.payload,
-        )
-        handler_us = int((time.perf_counter() - t_start) * 1e6)
-        client = await self._http()
-        # A valid answer is at most the next hop's hidden states or (capped) logits plus timings;
-        # anything longer is cut off at the limit, never buffered whole.
-        limit = response_limit(out.n_tokens, max(out.dim, 1), req.want_logits)
-        url = nxt.url.rstrip("/") + "/v1/frame"
-        try:
-            # Pinned: the swarm CA only, and the certificate must name the node the next token is for
-            # (its node id as a host name; a token sniffed or replayed elsewhere cannot redirect it).
-            # (Verified when the chain arrived; its expiry is the next hop's to check.)
-            tls_name = (
-                node_dns_name(decode_unverified(nxt.token).node) if nxt.url.startswith("https://") else None
-            )
-            body = encode_request(fwd)
-            ssl_ctx = self._ssl_for(nxt.url)
-            if self._streams is None:
-                self._streams = FrameStreams(client, max_answer=CHAIN_MAX_ANSWER)
-            got = await self._streams.exchange(nxt.url, body, 300.0, ssl_ctx, tls_name, answer_limit=limit)
-            data: bytes | None
-            if got is not None:  # over the pooled stream (agent/wire/stream.py)
-                status, answer = got
-                if status != 200:
-                    raise _downstream_error(status, answer[:_ERROR_BODY_MAX], nxt.url)
-                data = answer if len(answer) <= limit else None
-            else:
-                async with client.post(url, data=body, ssl=ssl_ctx, server_hostname=tls_name) as r:
-                    if r.status != 200:
-                        raise _downstream_error(r.status, await _read_bounded(r, _ERROR_BODY_MAX), nxt.url)
-                    data = await _read_bounded(r, limit)
-        except (TimeoutError, OSError, ClientError, ValueError, TokenError) as e:
-            # ValueError: a URL the HTTP library cannot dial (checked already, but never a 500)
-            raise DataPlaneError(502, "downstream", f"next hop {nxt.url} unreachable: {e}") from None
-        if data is None:
-            raise DataPlaneError(502, "downstream", f"next hop {nxt.url} answered more than {limit} bytes")
-        try:
-            resp = decode_response(data)
-        except FrameError as e:
-            raise DataPlaneError(502, "downstream", f"next hop {nxt.url} answered a bad frame: {e}") from None
-        if resp.step != req.step:
-            raise DataPlaneError(502, "downstream", f"next hop {nxt.url} answered step {resp.step}")
-        # Re-encoded, not relayed raw: only what the frame format says travels back up the route.
-        resp.timings.insert(0, Timing(compute_us, handler_us))
-        return encode_response(resp)
-
-    def _ssl_for(self, url: str) -> ssl.SSLContext | bool:
-        if url.startswith("https://"):
-            if self.client_ssl is None:
-                raise DataPlaneError(
-                    502, "downstream", "next hop speaks TLS but this node has no certificate"
-                )
-            return self.client_ssl
-        return True  # plain http: aiohttp ignores it
-
-    async def _http(self) -> ClientSession:
-        if self._client is None or self._client.closed:
-            self._client = ClientSession(
-                connector=TCPConnector(limit=64),
-                timeout=ClientTimeout(total=300),
-                skip_auto_headers=("User-Agent",),
-            )
-        return self._client
-
     # -- aiohttp wiring -----------------------------------------------------------------------------
     async def _frame_view(self, request: web.Request) -> web.StreamResponse:
         """Limits first: per-address and per-token concurrency, node-wide buffered bytes, the frame's
@@ -542,71 +425,6 @@ class DataPlane:
             return await self._frame_response(body)
         finally:
             self.release_frame(ip, token, reserved)
-
-    async def _admit_frame(self, request: web.Request) -> tuple[bytes, int, bytes]:
-        """Check length, header and token from the frame's first bytes; reserve its buffer. Returns the
-        token (its concurrency slot taken), the frame length (reserved in inflight bytes) and the
-        bytes read so far."""
-        n = request.content_length
-        if n is None:
-            raise DataPlaneError(411, "length_required", "a frame needs a Content-Length")
-        if n > MAX_FRAME_BYTES:
-            raise DataPlaneError(413, "too_large", f"frame of {n} bytes exceeds {MAX_FRAME_BYTES}")
-        if n < REQ_HEADER.size:
-            raise DataPlaneError(
-                400, "bad_frame", f"truncated frame: {n} bytes, header needs {REQ_HEADER.size}"
-            )
-        head = await request.content.readexactly(REQ_HEADER.size)
-        try:
-            token_len, promised = check_request_header(head)
-        except FrameError as e:
-            raise DataPlaneError(e.status, "bad_frame", str(e)) from None
-        if not promised <= n <= promised + MAX_TAIL_BYTES:
-            raise DataPlaneError(
-                400,
-                "bad_frame",
-                f"Content-Length {n} does not fit the {promised}-byte frame its header describes",
-            )
-        head += await request.content.readexactly(token_len)
-        try:
-            session, token, _ = peek_request(head)
-        except FrameError as e:
-            raise DataPlaneError(e.status, "bad_frame", str(e)) from None
-        self.reserve_frame(session, token, n)
-        return token, n, head
-
-    def take_ip_slot(self, ip: str) -> None:
-        """One of the PER_IP_CONCURRENCY frames a peer address may have in flight (POST and stream
-        alike); release_frame gives it back."""
-        if self._per_ip.get(ip, 0) >= PER_IP_CONCURRENCY:
-            raise DataPlaneError(
-                429, "too_many_requests", f"more than {PER_IP_CONCURRENCY} frames at once from {ip}"
-            )
-        self._per_ip[ip] = self._per_ip.get(ip, 0) + 1
-
-    def release_frame(self, ip: str, token: bytes, reserved: int) -> None:
-        """Give back what take_ip_slot and reserve_frame took for one frame (token b"": none)."""
-        _release(self._per_ip, ip)
-        if token:
-            _release(self._per_token, token)
-        self._inflight_bytes -= reserved
-
-    def reserve_frame(self, session: bytes, token: bytes, n: int) -> None:
-        """Authorise a frame's token and take its slots (POST and stream alike): one of the token's
-        PER_TOKEN_CONCURRENCY frames and `n` of the node's INFLIGHT_BYTES; the caller gives both back
-        when the frame is answered."""
-        self.authorise_token(session, token)
-        if self._per_token.get(token, 0) >= PER_TOKEN_CONCURRENCY:
-            raise DataPlaneError(
-                429,
-                "too_many_requests",
-                f"more than {PER_TOKEN_CONCURRENCY} frames at once for one route token",
-            )
-        self._per_token[token] = self._per_token.get(token, 0) + 1
-        if self._inflight_bytes + n > INFLIGHT_BYTES:
-            _release(self._per_token, token)
-            raise DataPlaneError(503, "busy", "this node is receiving too many frames at once; retry shortly")
-        self._inflight_bytes += n
 
     async def answer_frame(self, body: bytes) -> bytes:
         """The response frame to a request frame whose limits were checked (POST and stream alike);
@@ -661,47 +479,6 @@ class DataPlane:
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
-
-
-def _ids_for_next(req: Request, shard: Shard | None) -> np.ndarray | None:
-    """The ids a chain hop passes on with its hidden states: only when a later layer reads them."""
-    if shard is None or not needs_ids(
-        shard.spec.manifest, shard.spec.layer_end, shard.spec.manifest.n_layers
-    ):
-        return None
-    return req.ids() if req.kind == Kind.IDS else req.token_ids
-
-
-async def _read_bounded(r: Any, limit: int) -> bytes | None:
-    """A response body of at most `limit` bytes, or None: read in chunks, never more than limit + 64K."""
-    if r.content_length is not None and r.content_length > limit:
-        return None
-    buf = bytearray()
-    async for chunk in r.content.iter_chunked(1 << 16):
-        buf += chunk
-        if len(buf) > limit:
-            return None
-    return bytes(buf)
-
-
-def _downstream_error(status: int, body: bytes | None, url: str) -> DataPlaneError:
-    """A next hop's refusal, relayed as its code and message when it is one of ours, else a 502."""
-    try:
-        err = json.loads(body or b"")
-        code, message = str(err["error"])[:64], str(err["message"])[:400]
-    except (ValueError, TypeError, KeyError):
-        return DataPlaneError(502, "downstream", f"next hop {url} answered {status}")
-    if not 400 <= status <= 599 or status == 500:
-        status = 502
-    return DataPlaneError(status, code, f"next hop {url}: {message}")
-
-
-def _release(counts: dict[Any, int], key: object) -> None:
-    left = counts.get(key, 0) - 1
-    if left > 0:
-        counts[key] = left
-    else:
-        counts.pop(key, None)
 
 
 def _error(status: int, code: str, message: str) -> web.Response:

@@ -1,0 +1,175 @@
+"""Chain mode: push a hop's output to the next hop its route token names and relay that hop's answer back."""
+
+from __future__ import annotations
+
+import json
+import ssl
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector
+
+from agent.node.sessions import SessionState, ShardKey
+from agent.node.steps import DataPlaneError, needs_ids
+from agent.wire.frames import (
+    FrameError,
+    Kind,
+    Op,
+    Request,
+    Timing,
+    decode_response,
+    encode_request,
+    encode_response,
+    response_limit,
+    with_prepended_timing,
+)
+from agent.wire.routetoken import TokenError, decode_unverified
+from agent.wire.stream import CHAIN_MAX_ANSWER, FrameStreams
+from agent.wire.tls import node_dns_name
+
+if TYPE_CHECKING:
+    from agent.node.dataplane import Shard
+
+_ERROR_BODY_MAX = 4096  # of a next hop's error answer, read to relay its code and message
+
+
+class ChainForwarding:
+    """The data plane's client side towards next hops; DataPlane mixes it in (its shards say whether a
+    later layer needs the token ids)."""
+
+    shards: dict[ShardKey, Shard]
+
+    def __init__(self, client_ssl: ssl.SSLContext | None) -> None:
+        # mutual TLS towards next hops (chain mode): the swarm CA only, and the node id the token names
+        self.client_ssl = client_ssl
+        self._client: ClientSession | None = None
+        self._streams: FrameStreams | None = None  # chain mode: pooled streams to next hops
+
+    async def _continue_chain(
+        self, req: Request, s: SessionState, local: bytes, t_start: float, compute_us: int
+    ) -> bytes:
+        """Chain mode: push this hop's output to the next hop and relay its answer back."""
+        chain = s.chain if (req.chain or req.chain_cached) else None
+        if not chain:
+            handler_us = int((time.perf_counter() - t_start) * 1e6)
+            return with_prepended_timing(local, Timing(compute_us, handler_us))
+        out = decode_response(local)
+        nxt, rest = chain[0], chain[1:]
+        fwd = Request(
+            op=Op.FORWARD,
+            session=req.session,
+            step=req.step,
+            pos_start=req.pos_start,
+            n_tokens=out.n_tokens,
+            kind=out.kind,
+            dim=out.dim,
+            token=nxt.token,
+            sampling=req.sampling,
+            history=req.ids().tolist() if req.kind == Kind.IDS else req.history,
+            # layers further down that route by token id get the ids with the hidden states
+            token_ids=_ids_for_next(req, self.shards.get(s.shard_key))
+            if out.kind in (Kind.F16, Kind.F32)
+            else None,
+            want_logits=req.want_logits,
+            f16_out=req.f16_out,
+            # The full chain travels once per route; later steps only say "as before".
+            chain=rest if req.chain else [],
+            chain_cached=bool(rest) and not req.chain,
+            payload=out.payload,
+        )
+        handler_us = int((time.perf_counter() - t_start) * 1e6)
+        client = await self._http()
+        # A valid answer is at most the next hop's hidden states or (capped) logits plus timings;
+        # anything longer is cut off at the limit, never buffered whole.
+        limit = response_limit(out.n_tokens, max(out.dim, 1), req.want_logits)
+        url = nxt.url.rstrip("/") + "/v1/frame"
+        try:
+            # Pinned: the swarm CA only, and the certificate must name the node the next token is for
+            # (its node id as a host name; a token sniffed or replayed elsewhere cannot redirect it).
+            # (Verified when the chain arrived; its expiry is the next hop's to check.)
+            tls_name = (
+                node_dns_name(decode_unverified(nxt.token).node) if nxt.url.startswith("https://") else None
+            )
+            body = encode_request(fwd)
+            ssl_ctx = self._ssl_for(nxt.url)
+            if self._streams is None:
+                self._streams = FrameStreams(client, max_answer=CHAIN_MAX_ANSWER)
+            got = await self._streams.exchange(nxt.url, body, 300.0, ssl_ctx, tls_name, answer_limit=limit)
+            data: bytes | None
+            if got is not None:  # over the pooled stream (agent/wire/stream.py)
+                status, answer = got
+                if status != 200:
+                    raise _downstream_error(status, answer[:_ERROR_BODY_MAX], nxt.url)
+                data = answer if len(answer) <= limit else None
+            else:
+                async with client.post(url, data=body, ssl=ssl_ctx, server_hostname=tls_name) as r:
+                    if r.status != 200:
+                        raise _downstream_error(r.status, await _read_bounded(r, _ERROR_BODY_MAX), nxt.url)
+                    data = await _read_bounded(r, limit)
+        except (TimeoutError, OSError, ClientError, ValueError, TokenError) as e:
+            # ValueError: a URL the HTTP library cannot dial (checked already, but never a 500)
+            raise DataPlaneError(502, "downstream", f"next hop {nxt.url} unreachable: {e}") from None
+        if data is None:
+            raise DataPlaneError(502, "downstream", f"next hop {nxt.url} answered more than {limit} bytes")
+        try:
+            resp = decode_response(data)
+        except FrameError as e:
+            raise DataPlaneError(502, "downstream", f"next hop {nxt.url} answered a bad frame: {e}") from None
+        if resp.step != req.step:
+            raise DataPlaneError(502, "downstream", f"next hop {nxt.url} answered step {resp.step}")
+        # Re-encoded, not relayed raw: only what the frame format says travels back up the route.
+        resp.timings.insert(0, Timing(compute_us, handler_us))
+        return encode_response(resp)
+
+    def _ssl_for(self, url: str) -> ssl.SSLContext | bool:
+        if url.startswith("https://"):
+            if self.client_ssl is None:
+                raise DataPlaneError(
+                    502, "downstream", "next hop speaks TLS but this node has no certificate"
+                )
+            return self.client_ssl
+        return True  # plain http: aiohttp ignores it
+
+    async def _http(self) -> ClientSession:
+        """The node's one outgoing HTTP session (next hops here, KV hand-offs in handoff.py)."""
+        if self._client is None or self._client.closed:
+            self._client = ClientSession(
+                connector=TCPConnector(limit=64),
+                timeout=ClientTimeout(total=300),
+                skip_auto_headers=("User-Agent",),
+            )
+        return self._client
+
+
+def _ids_for_next(req: Request, shard: Shard | None) -> np.ndarray | None:
+    """The ids a chain hop passes on with its hidden states: only when a later layer reads them."""
+    if shard is None or not needs_ids(
+        shard.spec.manifest, shard.spec.layer_end, shard.spec.manifest.n_layers
+    ):
+        return None
+    return req.ids() if req.kind == Kind.IDS else req.token_ids
+
+
+async def _read_bounded(r: Any, limit: int) -> bytes | None:
+    """A response body of at most `limit` bytes, or None: read in chunks, never more than limit + 64K."""
+    if r.content_length is not None and r.content_length > limit:
+        return None
+    buf = bytearray()
+    async for chunk in r.content.iter_chunked(1 << 16):
+        buf += chunk
+        if len(buf) > limit:
+            return None
+    return bytes(buf)
+
+
+def _downstream_error(status: int, body: bytes | None, url: str) -> DataPlaneError:
+    """A next hop's refusal, relayed as its code and message when it is one of ours, else a 502."""
+    try:
+        err = json.loads(body or b"")
+        code, message = str(err["error"])[:64], str(err["message"])[:400]
+    except (ValueError, TypeError, KeyError):
+        return DataPlaneError(502, "downstream", f"next hop {url} answered {status}")
+    if not 400 <= status <= 599 or status == 500:
+        status = 502
+    return DataPlaneError(status, code, f"next hop {url}: {message}")
