@@ -7,6 +7,16 @@
 # library and reuses the downloaded sdist.
 #
 # Environment: PYTHON (default: <repo>/.venv/bin/python, else python3), CXX (default: g++).
+#
+# Opt-in GGSWARM_GGML=own: build native/build/own/libggswarm.so instead, self-contained. ggml-base and
+# ggml-cpu are compiled here from the same sdist's sources with OpenMP off (cmake, a few minutes on 2
+# cores), linked statically with their symbols hidden (so the copy cannot clash with llama_cpp's ggml in
+# the same process), and each model gets an explicit ggml threadpool that does not poll
+# (-DGGSWARM_OWN_THREADPOOL): its workers sleep between graphs instead of spinning on the cores of the
+# next hop. The CPU flags must be those llama-cpp-python was built with for logits to stay bit-exact
+# with llama.cpp: GGML_NATIVE=ON (its default, -march=native) plus whatever CMAKE_ARGS held when pip
+# built it, which is read here too. Use it with GGSWARM_NATIVE_LIB=<repo>/native/build/own/libggswarm.so.
+# JOBS (default: nproc) sets the ggml build's parallelism.
 set -euo pipefail
 
 LLAMA_CPP_PYTHON_VERSION=0.3.36
@@ -36,9 +46,13 @@ PY
 version="$(sed -n 1p <<<"$info")"
 libdir="$(sed -n 2p <<<"$info")"
 [[ "$version" == "$LLAMA_CPP_PYTHON_VERSION" ]] || die "llama-cpp-python $version is installed; this build needs $LLAMA_CPP_PYTHON_VERSION"
-for lib in libggml.so libggml-base.so libggml-cpu.so; do
-    [[ -e "$libdir/$lib" ]] || die "$libdir/$lib is missing (was llama-cpp-python built with shared ggml?)"
-done
+GGSWARM_GGML="${GGSWARM_GGML:-shared}"
+[[ "$GGSWARM_GGML" == shared || "$GGSWARM_GGML" == own ]] || die "GGSWARM_GGML must be 'shared' or 'own', got '$GGSWARM_GGML'"
+if [[ "$GGSWARM_GGML" == shared ]]; then
+    for lib in libggml.so libggml-base.so libggml-cpu.so; do
+        [[ -e "$libdir/$lib" ]] || die "$libdir/$lib is missing (was llama-cpp-python built with shared ggml?)"
+    done
+fi
 
 # 2. ggml headers from the matching sdist
 mkdir -p "$build/sdist"
@@ -58,6 +72,48 @@ if [[ ! -f "$inc/ggml-backend.h" ]]; then
         || die "cannot extract ggml headers from $sdist"
     mv "$build/extract"/llama_cpp_python-*/vendor/llama.cpp/ggml/include "$inc"
     rm -rf "$build/extract"
+fi
+
+# 3'. GGSWARM_GGML=own: our own static, OpenMP-free ggml, then libggswarm with it (see the header)
+if [[ "$GGSWARM_GGML" == own ]]; then
+    command -v cmake >/dev/null || die "cmake not found (apt-get install cmake)"
+    own="$build/own"
+    src="$own/ggml-src"
+    if [[ ! -f "$src/CMakeLists.txt" ]]; then
+        rm -rf "$own/extract" "$src"
+        mkdir -p "$own/extract"
+        tar -xzf "$sdist" -C "$own/extract" --wildcards "*/vendor/llama.cpp/ggml/*" \
+            || die "cannot extract the ggml sources from $sdist"
+        mv "$own/extract"/llama_cpp_python-*/vendor/llama.cpp/ggml "$src"
+        rm -rf "$own/extract"
+        touch "$src/ggml.pc.in"  # not in the sdist; ggml's standalone configure wants it
+    fi
+    # LLAMAFILE on: llama.cpp's CMakeLists makes that the default for the ggml it builds, the
+    # standalone ggml does not. CMAKE_ARGS last, as pip passed them to llama-cpp-python's build.
+    # shellcheck disable=SC2086
+    cmake -S "$src" -B "$own/ggml-build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+        -DCMAKE_POSITION_INDEPENDENT_CODE=ON -DGGML_OPENMP=OFF -DGGML_CPU=ON -DGGML_NATIVE=ON \
+        -DGGML_LLAMAFILE=ON -DGGML_BUILD_TESTS=OFF -DGGML_BUILD_EXAMPLES=OFF ${CMAKE_ARGS:-} >/dev/null \
+        || die "cmake configure of ggml failed"
+    cmake --build "$own/ggml-build" -j "${JOBS:-$(nproc)}" >/dev/null || die "ggml build failed"
+    a="$own/ggml-build/src"
+    out="$own/libggswarm.so"
+    tmp="$own/libggswarm.so.tmp.$$"
+    "$CXX" -std=c++17 -O3 -DNDEBUG -fPIC -shared -fvisibility=hidden -Wall -Wextra -Wno-unused-parameter \
+        -DGGSWARM_OWN_THREADPOOL -I"$here/include" -I"$here/src" -I"$src/include" \
+        "$here"/src/*.cpp "$here"/src/archs/*.cpp \
+        "$a/libggml.a" "$a/libggml-cpu.a" "$a/libggml-base.a" -Wl,--exclude-libs,ALL -Wl,--no-undefined \
+        -lpthread -lm -ldl -o "$tmp" || { rm -f "$tmp"; die "compilation failed"; }
+    # self-contained: no ggml symbol exported, no libggml*.so or libgomp needed
+    if nm -D --defined-only "$tmp" | awk '{print $3}' | grep -qE '^(ggml|gguf)_'; then
+        rm -f "$tmp"; die "the library exports ggml symbols"
+    fi
+    if readelf -d "$tmp" | grep -E 'NEEDED' | grep -qE 'libggml|libgomp'; then
+        rm -f "$tmp"; die "the library needs a shared ggml or libgomp"
+    fi
+    mv -f "$tmp" "$out"
+    echo "native/build.sh: built $out (own static ggml, OpenMP off; use GGSWARM_NATIVE_LIB=$out)"
+    exit 0
 fi
 
 # 3. compile and link (to a temporary name, then move into place)

@@ -23,6 +23,9 @@
 #include "arch.h"
 #include "attention.h"
 #include "model.h"
+#ifdef GGSWARM_OWN_THREADPOOL
+#include "ggml-cpu.h"
+#endif
 
 namespace ggswarm {
 namespace {
@@ -100,6 +103,9 @@ ggswarm_model::~ggswarm_model() {
     if (wctx_extra) ggml_free(wctx_extra);
     if (backend_cpu && backend_cpu != backend) ggml_backend_free(backend_cpu);
     if (backend) ggml_backend_free(backend);
+#ifdef GGSWARM_OWN_THREADPOOL
+    if (threadpool) ggml_threadpool_free(threadpool);
+#endif
 }
 
 extern "C" {

@@ -7,6 +7,9 @@
 #include <cstring>
 
 #include "arch.h"
+#ifdef GGSWARM_OWN_THREADPOOL
+#include "ggml-cpu.h"
+#endif
 
 namespace ggswarm {
 namespace {
@@ -400,6 +403,24 @@ ggswarm_status apply_threads(ggswarm_model * m, int32_t n) {
         auto fn = (ggml_backend_set_n_threads_t)ggml_backend_reg_get_proc_address(reg, "ggml_backend_set_n_threads");
         if (fn) fn(b, n);
     }
+#ifdef GGSWARM_OWN_THREADPOOL
+    // An explicit threadpool that does not poll: between graphs its workers sleep on a condition variable
+    // instead of spinning (as OpenMP's do, GOMP_SPINCOUNT) on cores the next hop of a served route needs.
+    // Within a graph ggml's barrier still spins. Made again only when the thread count changes; the old
+    // one is freed once no backend points at it (never during a compute: calls on a handle are serialised).
+    if (!m->threadpool || m->threadpool_n != n) {
+        ggml_threadpool_params tpp = ggml_threadpool_params_default(n);
+        tpp.poll = 0;
+        ggml_threadpool * tp = ggml_threadpool_new(&tpp);
+        if (!tp) return fail(m, GGSWARM_E_NO_MEMORY, "cannot create a ggml threadpool of %d threads", n);
+        for (ggml_backend_t b : targets) {
+            if (b && ggml_backend_is_cpu(b)) ggml_backend_cpu_set_threadpool(b, tp);
+        }
+        if (m->threadpool) ggml_threadpool_free(m->threadpool);
+        m->threadpool = tp;
+        m->threadpool_n = n;
+    }
+#endif
     return GGSWARM_OK;
 }
 

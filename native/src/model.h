@@ -219,6 +219,12 @@ struct ggswarm_model {
     ggml_backend_buffer_t wbuf = nullptr;
     ggml_context * wctx_extra = nullptr;          // weights in the CPU's repacked layout (loader.cpp)
     ggml_backend_buffer_t wbuf_extra = nullptr;
+#ifdef GGSWARM_OWN_THREADPOOL
+    // The CPU backends' workers (loader.cpp's apply_threads), owned here, freed after the backends. Only in
+    // the build against our own OpenMP-free ggml (native/build.sh with GGSWARM_GGML=own).
+    ggml_threadpool * threadpool = nullptr;
+    int32_t threadpool_n = 0;  // its thread count (ggml declares ggml_threadpool_get_n_threads, defines none)
+#endif
 
     ggml_tensor * tok_embd = nullptr;
     ggml_tensor * output_norm = nullptr;
