@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from agent.backends.libggswarm import NativeModel
-from tests.native.test_attention import KERNELS_FAILED_CHECK, KERNELS_ON, decode_logits
+from tests.native.test_attention import KERNELS_FAILED_CHECK, KERNELS_ON, NO_KERNELS, decode_logits
 from tests.native.tiny_gguf import write_tiny_gguf
 
 # (d_model, n_head, n_head_kv) with head_dim 64, 128 and 256
@@ -17,7 +17,7 @@ HEAD_SIZES = {64: (256, 4, 2), 128: (512, 4, 2), 256: (512, 2, 1)}
 
 def kernels_apply(path: Path) -> bool:
     with NativeModel(path, 0, 3) as m:
-        return m.info.decode_kernels != 0
+        return m.info.decode_kernels not in NO_KERNELS
 
 
 @pytest.mark.parametrize("head_dim", sorted(HEAD_SIZES))
@@ -26,7 +26,7 @@ def test_the_self_check_passes_for_head_sizes_64_128_and_256(
 ) -> None:
     with NativeModel(write_tiny_gguf(tmp_path / "m.gguf", heads=HEAD_SIZES[head_dim]), 0, 3) as m:
         assert m.info.head_dim == head_dim
-        if m.info.decode_kernels == 0:
+        if m.info.decode_kernels in NO_KERNELS:
             pytest.skip("decode kernels need AVX-512 in this CPU and in the ggml build")
         assert m.info.decode_kernels == KERNELS_ON
         assert m.decode_kernels
@@ -64,7 +64,7 @@ def test_the_self_check_hook_changes_nothing_where_the_kernels_do_not_apply(
 ) -> None:
     monkeypatch.setenv("GGSWARM_KERNEL_SELFCHECK", "corrupt")
     with NativeModel(write_tiny_gguf(tmp_path / "small.gguf"), 0, 3) as m:  # head_dim 16
-        assert m.info.decode_kernels == 0
+        assert m.info.decode_kernels in NO_KERNELS
     monkeypatch.setenv("GGSWARM_GGML_ATTENTION", "1")
     with NativeModel(write_tiny_gguf(tmp_path / "m.gguf", heads=HEAD_SIZES[64]), 0, 3) as m:
         assert m.info.decode_kernels == 0
