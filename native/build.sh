@@ -1,22 +1,23 @@
 #!/usr/bin/env bash
-# Build native/build/libggswarm.so against the ggml that the installed llama-cpp-python ships.
+# Build native/build/libggswarm.so, the layer-window executor, on the ggml of llama-cpp-python 0.3.36.
 #
-# Headers come from the matching llama-cpp-python sdist (downloaded once into native/build/, which is
-# git-ignored); the shared libraries (libggml, libggml-base, libggml-cpu) are the ones inside the
-# installed llama_cpp package, found at run time through an rpath. Idempotent: re-running rebuilds the
-# library and reuses the downloaded sdist.
+# Default (GGSWARM_GGML=own): self-contained. ggml-base and ggml-cpu are compiled here from the matching
+# llama-cpp-python sdist's sources (downloaded once into native/build/, git-ignored; cmake, ~2.5 minutes
+# on 2 cores, reused after) with OpenMP off, linked statically with their symbols hidden (the copy
+# cannot clash with llama_cpp's ggml in the same process, and an installed agent needs no llama_cpp to
+# run the native backend), and each model owns a ggml threadpool that does not poll
+# (-DGGSWARM_OWN_THREADPOOL): its workers sleep between graphs instead of spinning on the cores the next
+# hop of a served route needs (OpenMP's workers spin GOMP_SPINCOUNT after every graph; docs/benchmarks.md
+# "Served route"). The CPU flags are those llama-cpp-python is built with, so the logits stay bit-exact
+# with llama.cpp: GGML_NATIVE=ON (its default, -march=native), LLAMAFILE on, AMX off (scripts/setup.sh),
+# then CMAKE_ARGS as pip got them.
 #
-# Environment: PYTHON (default: <repo>/.venv/bin/python, else python3), CXX (default: g++).
+# GGSWARM_GGML=shared: link llama_cpp's own shared libggml*.so (built with OpenMP) through an rpath, as
+# before; only headers come from the sdist.
 #
-# Opt-in GGSWARM_GGML=own: build native/build/own/libggswarm.so instead, self-contained. ggml-base and
-# ggml-cpu are compiled here from the same sdist's sources with OpenMP off (cmake, a few minutes on 2
-# cores), linked statically with their symbols hidden (so the copy cannot clash with llama_cpp's ggml in
-# the same process), and each model gets an explicit ggml threadpool that does not poll
-# (-DGGSWARM_OWN_THREADPOOL): its workers sleep between graphs instead of spinning on the cores of the
-# next hop. The CPU flags must be those llama-cpp-python was built with for logits to stay bit-exact
-# with llama.cpp: GGML_NATIVE=ON (its default, -march=native) plus whatever CMAKE_ARGS held when pip
-# built it, which is read here too. Use it with GGSWARM_NATIVE_LIB=<repo>/native/build/own/libggswarm.so.
-# JOBS (default: nproc) sets the ggml build's parallelism.
+# Environment: PYTHON (default: <repo>/.venv/bin/python, else python3), CXX (default: g++), JOBS (the ggml
+# build's parallelism, default nproc), CMAKE_ARGS. Idempotent: re-running relinks the library and reuses
+# the sdist and the ggml build.
 set -euo pipefail
 
 LLAMA_CPP_PYTHON_VERSION=0.3.36
@@ -46,7 +47,7 @@ PY
 version="$(sed -n 1p <<<"$info")"
 libdir="$(sed -n 2p <<<"$info")"
 [[ "$version" == "$LLAMA_CPP_PYTHON_VERSION" ]] || die "llama-cpp-python $version is installed; this build needs $LLAMA_CPP_PYTHON_VERSION"
-GGSWARM_GGML="${GGSWARM_GGML:-shared}"
+GGSWARM_GGML="${GGSWARM_GGML:-own}"
 [[ "$GGSWARM_GGML" == shared || "$GGSWARM_GGML" == own ]] || die "GGSWARM_GGML must be 'shared' or 'own', got '$GGSWARM_GGML'"
 if [[ "$GGSWARM_GGML" == shared ]]; then
     for lib in libggml.so libggml-base.so libggml-cpu.so; do
@@ -58,7 +59,7 @@ fi
 mkdir -p "$build/sdist"
 sdist="$build/sdist/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz"
 if [[ ! -s "$sdist" ]]; then
-    echo "native/build.sh: downloading the llama-cpp-python $LLAMA_CPP_PYTHON_VERSION sdist (headers only are used)"
+    echo "native/build.sh: downloading the llama-cpp-python $LLAMA_CPP_PYTHON_VERSION sdist"
     "$PYTHON" -m pip download --quiet --no-binary :all: --no-deps \
         "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" -d "$build/sdist" \
         || die "pip download of the llama-cpp-python sdist failed"
@@ -74,7 +75,7 @@ if [[ ! -f "$inc/ggml-backend.h" ]]; then
     rm -rf "$build/extract"
 fi
 
-# 3'. GGSWARM_GGML=own: our own static, OpenMP-free ggml, then libggswarm with it (see the header)
+# 3. GGSWARM_GGML=own (default): our own static, OpenMP-free ggml, then libggswarm with it (see the header)
 if [[ "$GGSWARM_GGML" == own ]]; then
     command -v cmake >/dev/null || die "cmake not found (apt-get install cmake)"
     own="$build/own"
@@ -89,16 +90,19 @@ if [[ "$GGSWARM_GGML" == own ]]; then
         touch "$src/ggml.pc.in"  # not in the sdist; ggml's standalone configure wants it
     fi
     # LLAMAFILE on: llama.cpp's CMakeLists makes that the default for the ggml it builds, the
-    # standalone ggml does not. CMAKE_ARGS last, as pip passed them to llama-cpp-python's build.
-    # shellcheck disable=SC2086
+    # standalone ggml does not. AMX off as scripts/setup.sh builds llama-cpp-python. CMAKE_ARGS last,
+    # split as pip splits them (shell quoting: setup.sh's hold quoted flag lists).
+    no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    mapfile -t extra < <("$PYTHON" -c 'import os, shlex; print("\n".join(shlex.split(os.environ.get("CMAKE_ARGS", ""))))')
     cmake -S "$src" -B "$own/ggml-build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
         -DCMAKE_POSITION_INDEPENDENT_CODE=ON -DGGML_OPENMP=OFF -DGGML_CPU=ON -DGGML_NATIVE=ON \
-        -DGGML_LLAMAFILE=ON -DGGML_BUILD_TESTS=OFF -DGGML_BUILD_EXAMPLES=OFF ${CMAKE_ARGS:-} >/dev/null \
+        -DGGML_LLAMAFILE=ON -DGGML_BUILD_TESTS=OFF -DGGML_BUILD_EXAMPLES=OFF \
+        -DCMAKE_C_FLAGS="$no_amx" -DCMAKE_CXX_FLAGS="$no_amx" ${extra[@]+"${extra[@]}"} >/dev/null \
         || die "cmake configure of ggml failed"
     cmake --build "$own/ggml-build" -j "${JOBS:-$(nproc)}" >/dev/null || die "ggml build failed"
     a="$own/ggml-build/src"
-    out="$own/libggswarm.so"
-    tmp="$own/libggswarm.so.tmp.$$"
+    out="$build/libggswarm.so"
+    tmp="$build/libggswarm.so.tmp.$$"
     "$CXX" -std=c++17 -O3 -DNDEBUG -fPIC -shared -fvisibility=hidden -Wall -Wextra -Wno-unused-parameter \
         -DGGSWARM_OWN_THREADPOOL -I"$here/include" -I"$here/src" -I"$src/include" \
         "$here"/src/*.cpp "$here"/src/archs/*.cpp \
@@ -112,11 +116,11 @@ if [[ "$GGSWARM_GGML" == own ]]; then
         rm -f "$tmp"; die "the library needs a shared ggml or libgomp"
     fi
     mv -f "$tmp" "$out"
-    echo "native/build.sh: built $out (own static ggml, OpenMP off; use GGSWARM_NATIVE_LIB=$out)"
+    echo "native/build.sh: built $out (its own static ggml, OpenMP off, threadpool without polling)"
     exit 0
 fi
 
-# 3. compile and link (to a temporary name, then move into place)
+# 3'. GGSWARM_GGML=shared: compile and link against llama_cpp's libggml*.so (to a temporary name, then move)
 out="$build/libggswarm.so"
 tmp="$build/libggswarm.so.tmp.$$"
 "$CXX" -std=c++17 -O3 -DNDEBUG -fPIC -shared -fvisibility=hidden -Wall -Wextra -Wno-unused-parameter \

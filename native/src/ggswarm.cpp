@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <new>
 #include <string>
 
@@ -108,6 +109,19 @@ ggswarm_model::~ggswarm_model() {
 #endif
 }
 
+#ifdef GGSWARM_OWN_THREADPOOL
+// Our own static ggml logs to stderr at every level (llama_cpp's log callback never reaches this copy):
+// keep its warnings and errors, drop the per-tensor info lines ("repack: repack tensor ...").
+namespace {
+ggml_log_level g_ggml_log_level = GGML_LOG_LEVEL_NONE;
+
+void ggml_warnings_only(ggml_log_level level, const char * text, void * /*user*/) {
+    if (level != GGML_LOG_LEVEL_CONT) g_ggml_log_level = level;  // CONT continues the previous message
+    if (g_ggml_log_level >= GGML_LOG_LEVEL_WARN) fputs(text, stderr);
+}
+}  // namespace
+#endif
+
 extern "C" {
 
 int32_t ggswarm_api_version(void) { return GGSWARM_API_VERSION; }
@@ -121,6 +135,10 @@ const char * ggswarm_model_last_error(const ggswarm_model * model) {
 ggswarm_status ggswarm_model_open(const char * path, int32_t layer_start, int32_t layer_end, int32_t n_threads,
                                   ggswarm_budget * budget, const char * model_id, ggswarm_model ** out) {
     g_last_error.clear();
+#ifdef GGSWARM_OWN_THREADPOOL
+    static std::once_flag log_once;
+    std::call_once(log_once, [] { ggml_log_set(ggml_warnings_only, nullptr); });
+#endif
     if (!out) return fail(nullptr, GGSWARM_E_INVALID_ARG, "out is NULL");
     *out = nullptr;
     if (!path) return fail(nullptr, GGSWARM_E_INVALID_ARG, "path is NULL");
