@@ -1,23 +1,24 @@
 #!/usr/bin/env bash
 # Build native/build/libggswarm.so, the layer-window executor, on the ggml of llama-cpp-python 0.3.36.
 #
-# Default (GGSWARM_GGML=own): self-contained. ggml-base and ggml-cpu are compiled here from the matching
-# llama-cpp-python sdist's sources (downloaded once into native/build/, git-ignored; cmake, ~2.5 minutes
-# on 2 cores, reused after) with OpenMP off, linked statically with their symbols hidden (the copy
-# cannot clash with llama_cpp's ggml in the same process, and an installed agent needs no llama_cpp to
-# run the native backend), and each model owns a ggml threadpool that does not poll
-# (-DGGSWARM_OWN_THREADPOOL): its workers sleep between graphs instead of spinning on the cores the next
-# hop of a served route needs (OpenMP's workers spin GOMP_SPINCOUNT after every graph; docs/benchmarks.md
-# "Served route"). The CPU flags are those llama-cpp-python is built with, so the logits stay bit-exact
-# with llama.cpp: GGML_NATIVE=ON (its default, -march=native), LLAMAFILE on, AMX off (scripts/setup.sh),
-# then CMAKE_ARGS as pip got them.
+# Default (GGSWARM_GGML=shared): link llama_cpp's own shared libggml*.so (built with OpenMP) through an
+# rpath; only the headers come from the matching llama-cpp-python sdist (downloaded once into
+# native/build/, git-ignored).
 #
-# GGSWARM_GGML=shared: link llama_cpp's own shared libggml*.so (built with OpenMP) through an rpath, as
-# before; only headers come from the sdist.
+# Opt-in GGSWARM_GGML=own: self-contained. ggml-base and ggml-cpu are compiled here from the same sdist's
+# sources (cmake, ~2.5 minutes on 2 cores, reused after) with OpenMP off, linked statically with their
+# symbols hidden (the copy cannot clash with llama_cpp's ggml in the same process), and each model owns a
+# ggml threadpool that does not poll (-DGGSWARM_OWN_THREADPOOL): its workers sleep between graphs
+# instead of spinning. Not the default: ggml's own barrier inside a graph spins without ever yielding, so
+# when a route's hops compute at once on fewer cores than threads (pipelined sessions, prefill chunks) a
+# waiting worker burns the core its preempted peer needs; measured in docs/benchmarks.md ("Own ggml
+# threadpool"). The CPU flags are those llama-cpp-python is built with, so the logits stay bit-exact with
+# llama.cpp: GGML_NATIVE=ON (its default, -march=native), LLAMAFILE on, AMX off (scripts/setup.sh), then
+# CMAKE_ARGS as pip got them. Either build writes native/build/libggswarm.so.
 #
 # Environment: PYTHON (default: <repo>/.venv/bin/python, else python3), CXX (default: g++), JOBS (the ggml
 # build's parallelism, default nproc), CMAKE_ARGS. Idempotent: re-running relinks the library and reuses
-# the sdist and the ggml build.
+# the sdist (and the ggml build).
 set -euo pipefail
 
 LLAMA_CPP_PYTHON_VERSION=0.3.36
@@ -47,7 +48,7 @@ PY
 version="$(sed -n 1p <<<"$info")"
 libdir="$(sed -n 2p <<<"$info")"
 [[ "$version" == "$LLAMA_CPP_PYTHON_VERSION" ]] || die "llama-cpp-python $version is installed; this build needs $LLAMA_CPP_PYTHON_VERSION"
-GGSWARM_GGML="${GGSWARM_GGML:-own}"
+GGSWARM_GGML="${GGSWARM_GGML:-shared}"
 [[ "$GGSWARM_GGML" == shared || "$GGSWARM_GGML" == own ]] || die "GGSWARM_GGML must be 'shared' or 'own', got '$GGSWARM_GGML'"
 if [[ "$GGSWARM_GGML" == shared ]]; then
     for lib in libggml.so libggml-base.so libggml-cpu.so; do
@@ -75,7 +76,7 @@ if [[ ! -f "$inc/ggml-backend.h" ]]; then
     rm -rf "$build/extract"
 fi
 
-# 3. GGSWARM_GGML=own (default): our own static, OpenMP-free ggml, then libggswarm with it (see the header)
+# 3'. GGSWARM_GGML=own: our own static, OpenMP-free ggml, then libggswarm with it (see the header)
 if [[ "$GGSWARM_GGML" == own ]]; then
     command -v cmake >/dev/null || die "cmake not found (apt-get install cmake)"
     own="$build/own"
@@ -120,7 +121,7 @@ if [[ "$GGSWARM_GGML" == own ]]; then
     exit 0
 fi
 
-# 3'. GGSWARM_GGML=shared: compile and link against llama_cpp's libggml*.so (to a temporary name, then move)
+# 3. GGSWARM_GGML=shared (default): compile and link against llama_cpp's libggml*.so (to a temporary name, then move)
 out="$build/libggswarm.so"
 tmp="$build/libggswarm.so.tmp.$$"
 "$CXX" -std=c++17 -O3 -DNDEBUG -fPIC -shared -fvisibility=hidden -Wall -Wextra -Wno-unused-parameter \

@@ -38,8 +38,11 @@ MAX_BATCH_TOKENS = 512  # positions per batch (one step alone may have up to CHU
 CHUNK_TOKENS = 512  # = native kUBatch: chunk boundaries are the micro-batch boundaries of one call
 # While other sessions are decoding on the shard, a prefill runs in chunks this small: a decode step
 # that arrives during a chunk waits for at most this many positions (tens of ms on a CPU), not 512
-# (about a second on two cores). Measured exact for the native executor at any cut (docs/protocol.md).
-BUSY_CHUNK_TOKENS = 32
+# (about a second on two cores). 16 rather than 32: p95 inter-token latency of 4 decoding sessions while
+# a 2,000-token prompt arrived fell from 451 to 275 ms, the prompt took 36 s instead of 29 (bench/served.py
+# --itl-only A/B, docs/benchmarks.md). Exact for the native executor at any cut in ggml-ops attention
+# mode; in flash-attention mode a cut changes the rounding as llama.cpp's ubatch does (docs/protocol.md).
+BUSY_CHUNK_TOKENS = 16
 BUSY_CHUNK_ENV = "GGSWARM_BUSY_CHUNK_TOKENS"  # an operator's override, 1..CHUNK_TOKENS
 BUSY_WINDOW_S = 1.0  # another session stepped on this shard this recently: it is decoding
 
