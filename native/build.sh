@@ -66,15 +66,17 @@ if [[ ! -s "$sdist" ]]; then
         || die "pip download of the llama-cpp-python sdist failed"
     [[ -s "$sdist" ]] || die "expected $sdist after pip download"
 fi
+# extract_sdist SUBDIR DEST: the sdist's vendor/llama.cpp/SUBDIR as DEST (replaced whole)
+extract_sdist() {
+    local tmp="$build/extract"
+    rm -rf "$tmp" "$2"
+    mkdir -p "$tmp"
+    tar -xzf "$sdist" -C "$tmp" --wildcards "*/vendor/llama.cpp/$1/*" || die "cannot extract $1 from $sdist"
+    mv "$tmp"/llama_cpp_python-*/vendor/llama.cpp/"$1" "$2"
+    rm -rf "$tmp"
+}
 inc="$build/ggml-include"
-if [[ ! -f "$inc/ggml-backend.h" ]]; then
-    rm -rf "$build/extract" "$inc"
-    mkdir -p "$build/extract"
-    tar -xzf "$sdist" -C "$build/extract" --wildcards "*/vendor/llama.cpp/ggml/include/*" \
-        || die "cannot extract ggml headers from $sdist"
-    mv "$build/extract"/llama_cpp_python-*/vendor/llama.cpp/ggml/include "$inc"
-    rm -rf "$build/extract"
-fi
+[[ -f "$inc/ggml-backend.h" ]] || extract_sdist ggml/include "$inc"
 
 # 3'. GGSWARM_GGML=own: our own static, OpenMP-free ggml, then libggswarm with it (see the header)
 if [[ "$GGSWARM_GGML" == own ]]; then
@@ -82,12 +84,8 @@ if [[ "$GGSWARM_GGML" == own ]]; then
     own="$build/own"
     src="$own/ggml-src"
     if [[ ! -f "$src/CMakeLists.txt" ]]; then
-        rm -rf "$own/extract" "$src"
-        mkdir -p "$own/extract"
-        tar -xzf "$sdist" -C "$own/extract" --wildcards "*/vendor/llama.cpp/ggml/*" \
-            || die "cannot extract the ggml sources from $sdist"
-        mv "$own/extract"/llama_cpp_python-*/vendor/llama.cpp/ggml "$src"
-        rm -rf "$own/extract"
+        mkdir -p "$own"
+        extract_sdist ggml "$src"
         touch "$src/ggml.pc.in"  # not in the sdist; ggml's standalone configure wants it
     fi
     # LLAMAFILE on: llama.cpp's CMakeLists makes that the default for the ggml it builds, the
