@@ -448,6 +448,8 @@ def main() -> None:
         samples["per_hop_overhead_ms_b"] = []
         samples["hop_compute_ms_b"] = []
         samples["hops_cpu_ms_per_step_b"] = []
+        if not args.decode_only:
+            samples["aggregate_tok_s_8_sessions_served_b"] = []
         out["ab_serve_env"], out["ab_http"] = ab_env or {}, args.ab_http
     try:
         for a, b in RANGES:
@@ -485,6 +487,8 @@ def main() -> None:
             if route_b is not None:
                 await decode_once(route_b, prompt, 4)
             await decode_sessions(route, prompt, 2, BATCH)
+            if route_b is not None:
+                await decode_sessions(route_b, prompt, 2, BATCH)
             for _ in range(0 if args.itl_only else args.rounds):
                 samples["decode_tok_s_llamacpp"].append(llama.decode_tok_s(prompt, args.tokens))
                 tps, over, comp, cpu = await decode_once(route, prompt, args.tokens)
@@ -511,6 +515,10 @@ def main() -> None:
                 samples["aggregate_tok_s_8_sessions_served"].append(
                     await decode_sessions(route, prompt, args.tokens // 2, BATCH)
                 )
+                if route_b is not None:
+                    samples["aggregate_tok_s_8_sessions_served_b"].append(
+                        await decode_sessions(route_b, prompt, args.tokens // 2, BATCH)
+                    )
             if args.decode_only:
                 return {}
             itl = await itl_under_prefill(route, prompt, args.tokens // 2)
@@ -541,6 +549,13 @@ def main() -> None:
         out["ratio_served_vs_llamacpp_b"] = round(
             out["decode_tok_s_served_3hop_b"] / out["decode_tok_s_llamacpp"], 3
         )
+        if not args.decode_only:
+            out["ratio_8_vs_1_served_b"] = round(
+                out["aggregate_tok_s_8_sessions_served_b"] / out["decode_tok_s_served_3hop_b"], 3
+            )
+            out["ratio_served8_vs_llamacpp8_b"] = round(
+                out["aggregate_tok_s_8_sessions_served_b"] / out["decode_tok_s_llamacpp_batched_8"], 3
+            )
     if args.compare_modes:
         out[f"ratio_served_vs_llamacpp_{other}"] = round(
             out[f"decode_tok_s_served_3hop_{other}"] / out["decode_tok_s_llamacpp"], 3

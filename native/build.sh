@@ -1,24 +1,26 @@
 #!/usr/bin/env bash
 # Build native/build/libggswarm.so, the layer-window executor, on the ggml of llama-cpp-python 0.3.36.
 #
-# Default (GGSWARM_GGML=shared): link llama_cpp's own shared libggml*.so (built with OpenMP) through an
-# rpath; only the headers come from the matching llama-cpp-python sdist (downloaded once into
-# native/build/, git-ignored).
+# Default (GGSWARM_GGML=own): self-contained. ggml-base and ggml-cpu are compiled here from the matching
+# llama-cpp-python sdist's sources (downloaded once into native/build/, git-ignored; cmake, about 1-2.5
+# minutes on 2 cores, reused after) with OpenMP off and native/patches/*.patch applied, linked statically
+# with their symbols hidden (the copy cannot clash with llama_cpp's ggml in the same process). Each model
+# owns a ggml threadpool that does not poll between graphs (-DGGSWARM_OWN_THREADPOOL), and the patched
+# barrier inside a graph spins 500 rounds, yields 20 times, then sleeps on a futex
+# (GGSWARM_BARRIER_SPIN / GGSWARM_BARRIER_YIELD): an idle hop leaves the cores to the hop that computes,
+# and hops computing at once on fewer cores than threads do not burn the core a preempted peer needs.
+# Measured against the shared build in docs/benchmarks.md ("Own ggml with a sleeping barrier"). The CPU
+# flags are those llama-cpp-python is built with, so the logits stay bit-exact with llama.cpp:
+# GGML_NATIVE=ON (its default, -march=native), LLAMAFILE on, AMX off (scripts/setup.sh), then CMAKE_ARGS
+# as pip got them.
 #
-# Opt-in GGSWARM_GGML=own: self-contained. ggml-base and ggml-cpu are compiled here from the same sdist's
-# sources (cmake, ~2.5 minutes on 2 cores, reused after) with OpenMP off, linked statically with their
-# symbols hidden (the copy cannot clash with llama_cpp's ggml in the same process), and each model owns a
-# ggml threadpool that does not poll (-DGGSWARM_OWN_THREADPOOL): its workers sleep between graphs
-# instead of spinning. Not the default: ggml's own barrier inside a graph spins without ever yielding, so
-# when a route's hops compute at once on fewer cores than threads (pipelined sessions, prefill chunks) a
-# waiting worker burns the core its preempted peer needs; measured in docs/benchmarks.md ("Own ggml
-# threadpool"). The CPU flags are those llama-cpp-python is built with, so the logits stay bit-exact with
-# llama.cpp: GGML_NATIVE=ON (its default, -march=native), LLAMAFILE on, AMX off (scripts/setup.sh), then
-# CMAKE_ARGS as pip got them. Either build writes native/build/libggswarm.so.
+# Opt-in GGSWARM_GGML=shared: link llama_cpp's own shared libggml*.so (built with OpenMP; GPU backends if
+# llama-cpp-python was built with them) through an rpath; only the headers come from the sdist. Either
+# build writes native/build/libggswarm.so.
 #
-# Environment: PYTHON (default: <repo>/.venv/bin/python, else python3), CXX (default: g++), JOBS (the ggml
-# build's parallelism, default nproc), CMAKE_ARGS. Idempotent: re-running relinks the library and reuses
-# the sdist (and the ggml build).
+# Environment: GGSWARM_GGML (own | shared), PYTHON (default: <repo>/.venv/bin/python, else python3), CXX
+# (default: g++), JOBS (the ggml build's parallelism, default nproc), CMAKE_ARGS. Idempotent: re-running
+# relinks the library and reuses the sdist (and the ggml build while the patches are unchanged).
 set -euo pipefail
 
 LLAMA_CPP_PYTHON_VERSION=0.3.36
@@ -48,7 +50,7 @@ PY
 version="$(sed -n 1p <<<"$info")"
 libdir="$(sed -n 2p <<<"$info")"
 [[ "$version" == "$LLAMA_CPP_PYTHON_VERSION" ]] || die "llama-cpp-python $version is installed; this build needs $LLAMA_CPP_PYTHON_VERSION"
-GGSWARM_GGML="${GGSWARM_GGML:-shared}"
+GGSWARM_GGML="${GGSWARM_GGML:-own}"
 [[ "$GGSWARM_GGML" == shared || "$GGSWARM_GGML" == own ]] || die "GGSWARM_GGML must be 'shared' or 'own', got '$GGSWARM_GGML'"
 if [[ "$GGSWARM_GGML" == shared ]]; then
     for lib in libggml.so libggml-base.so libggml-cpu.so; do
@@ -78,15 +80,26 @@ extract_sdist() {
 inc="$build/ggml-include"
 [[ -f "$inc/ggml-backend.h" ]] || extract_sdist ggml/include "$inc"
 
-# 3'. GGSWARM_GGML=own: our own static, OpenMP-free ggml, then libggswarm with it (see the header)
+# 3'. GGSWARM_GGML=own (default): our own static, OpenMP-free, patched ggml, then libggswarm with it
 if [[ "$GGSWARM_GGML" == own ]]; then
     command -v cmake >/dev/null || die "cmake not found (apt-get install cmake)"
     own="$build/own"
     src="$own/ggml-src"
-    if [[ ! -f "$src/CMakeLists.txt" ]]; then
+    # native/patches/*.patch change ggml's sources (the barrier's futex sleep); a changed patch set
+    # re-extracts and rebuilds from clean sources
+    shopt -s nullglob
+    patches=("$here"/patches/*.patch)
+    shopt -u nullglob
+    stamp="$(cat /dev/null ${patches[@]+"${patches[@]}"} | sha256sum | cut -d' ' -f1)"
+    if [[ ! -f "$src/CMakeLists.txt" || "$(cat "$src/.ggswarm-patches" 2>/dev/null)" != "$stamp" ]]; then
         mkdir -p "$own"
+        rm -rf "$own/ggml-build"
         extract_sdist ggml "$src"
         touch "$src/ggml.pc.in"  # not in the sdist; ggml's standalone configure wants it
+        for p in ${patches[@]+"${patches[@]}"}; do
+            patch -s -p1 -d "$src" < "$p" || die "patch $p does not apply to the sdist's ggml"
+        done
+        echo "$stamp" > "$src/.ggswarm-patches"
     fi
     # LLAMAFILE on: llama.cpp's CMakeLists makes that the default for the ggml it builds, the
     # standalone ggml does not. AMX off as scripts/setup.sh builds llama-cpp-python. CMAKE_ARGS last,
@@ -115,11 +128,11 @@ if [[ "$GGSWARM_GGML" == own ]]; then
         rm -f "$tmp"; die "the library needs a shared ggml or libgomp"
     fi
     mv -f "$tmp" "$out"
-    echo "native/build.sh: built $out (its own static ggml, OpenMP off, threadpool without polling)"
+    echo "native/build.sh: built $out (its own static ggml: OpenMP off, threadpool without polling, sleeping barrier)"
     exit 0
 fi
 
-# 3. GGSWARM_GGML=shared (default): compile and link against llama_cpp's libggml*.so (to a temporary name, then move)
+# 3. GGSWARM_GGML=shared (opt-in): compile and link against llama_cpp's libggml*.so (to a temporary name, then move)
 out="$build/libggswarm.so"
 tmp="$build/libggswarm.so.tmp.$$"
 "$CXX" -std=c++17 -O3 -DNDEBUG -fPIC -shared -fvisibility=hidden -Wall -Wextra -Wno-unused-parameter \

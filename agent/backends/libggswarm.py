@@ -55,6 +55,26 @@ GGSWARM_MAX_STEPS = 256  # steps (sessions) per ggswarm_forward_many call
 # (bench/native.py); KV bytes are the library's to say (NativeModel.growth_bytes, NativeBudget).
 KV_PAD = 256
 KERNEL_PAD = 64
+# The own-ggml build's barrier (native/patches/ggml-barrier-futex.patch) reads these when a model's
+# threadpool is made: relax rounds, then sched_yield rounds, before a waiter sleeps on a futex. ggml
+# reads them with atoi, which takes garbage as 0, so serving commands check them first.
+BARRIER_ENV = ("GGSWARM_BARRIER_SPIN", "GGSWARM_BARRIER_YIELD")
+BARRIER_ENV_MAX = 100_000_000
+
+
+def check_barrier_env(env: Any = None) -> None:
+    """ValueError unless each of BARRIER_ENV that is set is an integer in 0..BARRIER_ENV_MAX."""
+    env = os.environ if env is None else env
+    for name in BARRIER_ENV:
+        raw = env.get(name, "").strip()
+        if not raw:
+            continue
+        try:
+            n = int(raw)
+        except ValueError:
+            raise ValueError(f"{name}={raw[:40]!r} is not an integer") from None
+        if not 0 <= n <= BARRIER_ENV_MAX:
+            raise ValueError(f"{name}={n} is outside 0..{BARRIER_ENV_MAX}")
 
 
 def padded_kv(n_positions: int, pad: int = KV_PAD) -> int:

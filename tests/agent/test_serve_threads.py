@@ -43,3 +43,32 @@ def test_serving_with_a_bad_busy_chunk_override_fails_at_once_with_its_name(monk
     argv = ["serve", "--model", "pkg:smollm2", "--port", "1", "--public-key", "unused"]
     assert main(argv) == 2
     assert "GGSWARM_BUSY_CHUNK_TOKENS=0 is outside 1..512" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("lots", "GGSWARM_BARRIER_SPIN='lots' is not an integer"),
+        ("-1", "GGSWARM_BARRIER_SPIN=-1 is outside 0..100000000"),
+        ("100000001", "GGSWARM_BARRIER_SPIN=100000001 is outside 0..100000000"),
+    ],
+)
+def test_serving_with_a_bad_barrier_setting_fails_at_once_with_its_name(
+    monkeypatch, capsys, value: str, message: str
+) -> None:  # noqa: ANN001
+    from agent.cli import main
+
+    monkeypatch.setenv("GOMP_SPINCOUNT", "10000")
+    monkeypatch.setenv("GGSWARM_BARRIER_SPIN", value)
+    argv = ["serve", "--model", "pkg:smollm2", "--port", "1", "--public-key", "unused"]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_barrier_settings_in_range_or_unset_are_accepted() -> None:
+    from agent.backends.libggswarm import check_barrier_env
+
+    check_barrier_env({})
+    check_barrier_env({"GGSWARM_BARRIER_SPIN": "0", "GGSWARM_BARRIER_YIELD": " 20 "})
+    with pytest.raises(ValueError, match="GGSWARM_BARRIER_YIELD='x' is not an integer"):
+        check_barrier_env({"GGSWARM_BARRIER_YIELD": "x"})
