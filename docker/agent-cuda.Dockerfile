@@ -18,7 +18,8 @@ COPY pyproject.toml README.md ./
 COPY agent agent
 COPY native native
 COPY scripts/build_agent_wheel.py scripts/
-RUN PYTHON=/opt/agent/bin/python bash native/build.sh \
+# GGSWARM_GGML=shared: the native library links that CUDA-enabled ggml (its own static ggml is CPU-only)
+RUN GGSWARM_GGML=shared PYTHON=/opt/agent/bin/python bash native/build.sh \
     && /opt/agent/bin/python scripts/build_agent_wheel.py --out /wheels
 COPY requirements.txt ./
 RUN /opt/agent/bin/pip install -c requirements.txt "$(ls /wheels/*.whl)[llamacpp,torrent,gpu]"

@@ -8,7 +8,8 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
-# llama-cpp-python compiles once here; its ggml is what the native library links against.
+# llama-cpp-python compiles once here; native/build.sh builds its own static ggml from the matching
+# sdist (cmake), so the library needs no libggml*.so or libgomp at run time.
 RUN python -m venv /opt/agent && /opt/agent/bin/pip install llama-cpp-python==0.3.36 setuptools
 COPY pyproject.toml README.md ./
 COPY agent agent
