@@ -6,6 +6,9 @@ changes in one place. Settings may still override the control plane's values fro
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+
 # --- backends ----------------------------------------------------------------------------------------
 # Every backend name, best first: the ggml executor, the torch reference, llama.cpp (whole models only).
 BACKENDS = ("native", "torch", "llamacpp")
@@ -39,3 +42,19 @@ TORRENT_LISTEN = "0.0.0.0:6881"
 
 # --- route tokens ------------------------------------------------------------------------------------
 ROUTE_TOKEN_TTL_S = 3600
+
+
+# --- operator overrides ------------------------------------------------------------------------------
+def env_int(name: str, lo: int, hi: int, env: Mapping[str, str] | None = None) -> int | None:
+    """The integer an operator set in `name` (None when unset or blank); ValueError naming it when it is
+    not an integer in lo..hi."""
+    raw = (os.environ if env is None else env).get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        n = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw[:40]!r} is not an integer") from None
+    if not lo <= n <= hi:
+        raise ValueError(f"{name}={n} is outside {lo}..{hi}")
+    return n

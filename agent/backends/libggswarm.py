@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from agent.backends.ggswarm_abi import ggswarm_budget_p as ggswarm_budget_p
 from agent.backends.ggswarm_abi import ggswarm_model_info as ggswarm_model_info
 from agent.backends.ggswarm_abi import ggswarm_model_p as ggswarm_model_p
 from agent.backends.ggswarm_abi import ggswarm_sampling as ggswarm_sampling
+from agent.defaults import env_int
 from agent.wire.frames import HiddenDtype, numpy_dtype
 
 GGSWARM_API_VERSION = 6
@@ -62,19 +64,10 @@ BARRIER_ENV = ("GGSWARM_BARRIER_SPIN", "GGSWARM_BARRIER_YIELD")
 BARRIER_ENV_MAX = 100_000_000
 
 
-def check_barrier_env(env: Any = None) -> None:
+def check_barrier_env(env: Mapping[str, str] | None = None) -> None:
     """ValueError unless each of BARRIER_ENV that is set is an integer in 0..BARRIER_ENV_MAX."""
-    env = os.environ if env is None else env
     for name in BARRIER_ENV:
-        raw = env.get(name, "").strip()
-        if not raw:
-            continue
-        try:
-            n = int(raw)
-        except ValueError:
-            raise ValueError(f"{name}={raw[:40]!r} is not an integer") from None
-        if not 0 <= n <= BARRIER_ENV_MAX:
-            raise ValueError(f"{name}={n} is outside 0..{BARRIER_ENV_MAX}")
+        env_int(name, 0, BARRIER_ENV_MAX, env)
 
 
 def padded_kv(n_positions: int, pad: int = KV_PAD) -> int:

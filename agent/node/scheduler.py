@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import time
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field, replace
@@ -32,6 +31,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from agent.backends.base import Backend, BackendError, ForwardResult, StepInput
+from agent.defaults import env_int
 
 INLINE_TOKENS = 16  # a lone step this short runs on the event loop; anything bigger in a thread
 MAX_BATCH_TOKENS = 512  # positions per batch (one step alone may have up to CHUNK_TOKENS)
@@ -51,16 +51,8 @@ Admit = Callable[[Any, int], None]  # (the step's owner, KV bytes the batch adds
 
 def busy_chunk_from_env(env: Mapping[str, str] | None = None) -> int:
     """BUSY_CHUNK_TOKENS, or the operator's GGSWARM_BUSY_CHUNK_TOKENS (ValueError when out of range)."""
-    raw = (os.environ if env is None else env).get(BUSY_CHUNK_ENV, "").strip()
-    if not raw:
-        return BUSY_CHUNK_TOKENS
-    try:
-        n = int(raw)
-    except ValueError:
-        raise ValueError(f"{BUSY_CHUNK_ENV}={raw[:40]!r} is not an integer") from None
-    if not 1 <= n <= CHUNK_TOKENS:
-        raise ValueError(f"{BUSY_CHUNK_ENV}={n} is outside 1..{CHUNK_TOKENS}")
-    return n
+    n = env_int(BUSY_CHUNK_ENV, 1, CHUNK_TOKENS, env)
+    return BUSY_CHUNK_TOKENS if n is None else n
 
 
 class BatchObserver(Protocol):
