@@ -111,7 +111,11 @@ if [[ "$GGSWARM_GGML" == own ]]; then
         -DGGML_LLAMAFILE=ON -DGGML_BUILD_TESTS=OFF -DGGML_BUILD_EXAMPLES=OFF \
         -DCMAKE_C_FLAGS="$no_amx" -DCMAKE_CXX_FLAGS="$no_amx" ${extra[@]+"${extra[@]}"} >/dev/null \
         || die "cmake configure of ggml failed"
-    cmake --build "$own/ggml-build" -j "${JOBS:-$(nproc)}" >/dev/null || die "ggml build failed"
+    # ggml's own compiler warnings (thousands of lines) go to a log, shown only when the build fails
+    if ! cmake --build "$own/ggml-build" -j "${JOBS:-$(nproc)}" >"$own/ggml-build.log" 2>&1; then
+        tail -n 40 "$own/ggml-build.log" >&2
+        die "ggml build failed (whole log: $own/ggml-build.log)"
+    fi
     a="$own/ggml-build/src"
     out="$build/libggswarm.so"
     tmp="$build/libggswarm.so.tmp.$$"
