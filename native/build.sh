@@ -105,7 +105,7 @@ if [[ "$GGSWARM_GGML" == own ]]; then
     # standalone ggml does not. AMX off as scripts/setup.sh builds llama-cpp-python. CMAKE_ARGS last,
     # split as pip splits them (shell quoting: setup.sh's hold quoted flag lists).
     no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-    mapfile -t extra < <("$PYTHON" -c 'import os, shlex; print("\n".join(shlex.split(os.environ.get("CMAKE_ARGS", ""))))')
+    mapfile -t extra < <("$PYTHON" -c 'import os, shlex; [print(a) for a in shlex.split(os.environ.get("CMAKE_ARGS", ""))]')
     cmake -S "$src" -B "$own/ggml-build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
         -DCMAKE_POSITION_INDEPENDENT_CODE=ON -DGGML_OPENMP=OFF -DGGML_CPU=ON -DGGML_NATIVE=ON \
         -DGGML_LLAMAFILE=ON -DGGML_BUILD_TESTS=OFF -DGGML_BUILD_EXAMPLES=OFF \
