@@ -83,6 +83,7 @@ inc="$build/ggml-include"
 # 3'. GGSWARM_GGML=own (default): our own static, OpenMP-free, patched ggml, then libggswarm with it
 if [[ "$GGSWARM_GGML" == own ]]; then
     command -v cmake >/dev/null || die "cmake not found (apt-get install cmake)"
+    command -v patch >/dev/null || die "patch not found (apt-get install patch)"
     own="$build/own"
     src="$own/ggml-src"
     # native/patches/*.patch change ggml's sources (the barrier's futex sleep); a changed patch set

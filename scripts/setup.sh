@@ -14,10 +14,10 @@ fi
 VPY=.venv/bin/python
 PIP=(.venv/bin/pip install --disable-pip-version-check -q)
 
-# native/build.sh compiles its own ggml with cmake (pip's llama-cpp-python build brings its own cmake).
-if ! command -v cmake >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  log "cmake (native library)"
-  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq cmake >/dev/null
+# native/build.sh patches and compiles its own ggml (pip's llama-cpp-python build brings its own cmake).
+if ! { command -v cmake && command -v patch; } >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  log "cmake and patch (native library)"
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq cmake patch >/dev/null
 fi
 
 # Browser tests drive Debian's Chromium through Playwright (never `playwright install`).
