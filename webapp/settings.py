@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import secrets
 from datetime import timedelta
 from pathlib import Path
@@ -11,6 +10,7 @@ import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
 from agent import defaults
+from webapp.core.files import write_once
 from webapp.env import envbool, envint, envlist, envstr
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -29,9 +29,7 @@ def _secret_key() -> str:
         return key
     path = DATA_DIR / "secret_key"
     if not path.exists():
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_urlsafe(48))
+        write_once(path, secrets.token_urlsafe(48).encode())
     return path.read_text().strip()
 
 

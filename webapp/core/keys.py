@@ -6,7 +6,6 @@ In core because two apps need it: fleet hands its public half to enrolling nodes
 
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
 from agent.wire import routetoken
+from webapp.core.files import write_once
 
 
 def release_public_key() -> str:
@@ -43,12 +43,7 @@ def route_signing_key() -> Ed25519PrivateKey:
         if not isinstance(key, Ed25519PrivateKey):
             raise ImproperlyConfigured("ROUTE_KEY_PEM is not an Ed25519 private key")
         return key
-    path = settings.ROUTE_KEY_PATH
+    path = Path(settings.ROUTE_KEY_PATH)
     if not path.exists():
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:  # another process created it first
-            return routetoken.load_private_key(path)
-        with os.fdopen(fd, "wb") as f:
-            f.write(routetoken.private_key_pem(routetoken.generate_key()))
+        write_once(path, routetoken.private_key_pem(routetoken.generate_key()))
     return routetoken.load_private_key(path)
