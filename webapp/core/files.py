@@ -15,7 +15,8 @@ def write_once(path: Path, data: bytes) -> None:
     SECRET_KEY). The file is written whole under a private temporary name and then hard-linked into
     place, so another process sees either nothing or the complete file (creating `path` and then
     writing it let a reader load it empty: a 500 on enrollment in CI), and a link never replaces what
-    another process put there first. Imports nothing of Django: settings.py uses it.
+    another process put there first. Also `make up`'s admin password. Imports nothing of Django:
+    settings.py uses it.
     """
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # 0600
     try:

@@ -19,6 +19,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from agent import defaults, procs
 from webapp.core.adminclient import AdminClient
+from webapp.core.files import write_once
 
 ADMIN_USER = "admin"
 
@@ -36,9 +37,7 @@ def admin_password() -> tuple[str, bool]:
     path = admin_password_path()
     fresh = not path.exists()
     if fresh:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_urlsafe(12))
+        write_once(path, secrets.token_urlsafe(12).encode())
     return path.read_text().strip(), fresh
 
 
