@@ -88,6 +88,8 @@ async def test_eight_concurrent_sessions_on_one_node_get_exactly_the_tokens_each
         alone.close()
     assert got == want
     if dp.shards[(manifest.sha256, 0, 15)].scheduler.batching:
-        # steps of different sessions really shared backend calls: fewer calls than steps
+        # steps of different sessions really shared backend calls: fewer calls than steps. (The calls
+        # are not bounded by the decode steps alone: the 700-token prompt is cut into as many 16-position
+        # chunks as the timing gives it, 111 calls in one CI run on a slow machine.)
         assert batching["max_steps"] > 1
-        assert 0 < batching["batches"] < len(RANGES) * N_SESSIONS * N_TOKENS
+        assert batching["batches"] > 0 and batching["avg_steps"] > 1
