@@ -135,16 +135,6 @@ class Backend(ABC):
     # batching); False: it runs them one after another, and the data plane gains nothing by batching.
     batches_sessions: bool = False
 
-    def thread_limit(self) -> int | None:
-        """Compute threads this backend was opened with, when it can run a call on fewer
-        (set_compute_threads, exactly: the machine's core leases use it, agent/node/cores.py);
-        None: it cannot, and its calls take no leases."""
-        return None
-
-    def set_compute_threads(self, n: int) -> None:
-        """Run the next calls on `n` threads (1..thread_limit()); only where thread_limit() is not None."""
-        raise NotImplementedError
-
     def forward_step(self, st: StepInput) -> ForwardResult:
         """forward() with its arguments as a StepInput."""
         return self.forward(

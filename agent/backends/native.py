@@ -73,7 +73,6 @@ class NativeBackend(Backend):
                 f"model d_model {self.model.d_model} != manifest boundary_dim {spec.manifest.boundary_dim}"
             )
         self.sessions: dict[SessionId, int] = {}
-        self._threads = spec.n_threads  # what the handle computes with now (set_compute_threads)
         # plain-attention architectures run a batch of sessions' steps as one graph (forward_batch)
         self.batches_sessions = self.model.batches_sessions
         every = options.get("checkpoint_every", os.environ.get("GGSWARM_CHECKPOINT_EVERY"))
@@ -86,20 +85,6 @@ class NativeBackend(Backend):
             except (NativeError, ValueError) as e:
                 self.model.close()
                 raise BackendError(f"bad checkpoint settings {every!r} / {most!r}: {e}") from None
-
-    def thread_limit(self) -> int | None:
-        return self.spec.n_threads
-
-    def set_compute_threads(self, n: int) -> None:
-        """The library keeps its threadpool for fewer threads (ggswarm_set_threads), and its results do
-        not depend on the count (tests/native/test_threads.py)."""
-        n = max(1, min(int(n), self.spec.n_threads))
-        if n != self._threads:
-            try:
-                self.model.set_threads(n)
-            except NativeError as e:
-                raise _error(e) from None
-            self._threads = n
 
     def _sid(self, sid: SessionId) -> int:
         try:

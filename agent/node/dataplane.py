@@ -29,7 +29,6 @@ from agent.node.admission import PER_TOKEN_CONCURRENCY as PER_TOKEN_CONCURRENCY
 from agent.node.admission import FrameAdmission
 from agent.node.admission import _release as _release
 from agent.node.chain import ChainForwarding
-from agent.node.cores import CoreLeases
 from agent.node.handoff import register_handoff
 from agent.node.metrics import NodeMetrics
 from agent.node.scheduler import CHUNK_TOKENS, MAX_BATCH_TOKENS, ShardScheduler
@@ -165,7 +164,6 @@ class DataPlane(FrameAdmission, ChainForwarding):
             batching=self.batching,
             max_batch_tokens=self.max_batch_tokens,
             chunk_tokens=self.chunk_tokens,
-            cores=CoreLeases.from_env() if backend.thread_limit() is not None else None,
         )
 
     def unload_shard(self, model_sha256: str, layer_start: int, layer_end: int) -> bool:
@@ -176,7 +174,6 @@ class DataPlane(FrameAdmission, ChainForwarding):
         for key in self.sessions.for_shard(shard.key):
             self.sessions.close(key)
         shard.backend.close()
-        shard.scheduler.close()
         return True
 
     def drain(self) -> None:

@@ -17,10 +17,6 @@ prefill runs the very same pieces and leaves the same KV position for position.
 
 A backend that does not batch runs one step at a time under the shard lock, as it always has: small
 steps inline on the event loop, bigger ones in a worker thread, nothing added to their latency.
-
-Either way a backend that can compute on fewer threads (`Backend.thread_limit`) computes under the
-machine's core leases (agent/node/cores.py): as many threads as leases it holds, at least one, so
-hops sharing a machine never run more compute threads than it has cores.
 """
 
 from __future__ import annotations
@@ -28,19 +24,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import numpy as np
 
 from agent.backends.base import Backend, BackendError, ForwardResult, StepInput
 from agent.defaults import env_int
-
-if TYPE_CHECKING:
-    from agent.node.cores import CoreLeases
-
-T = TypeVar("T")
 
 INLINE_TOKENS = 16  # a lone step this short runs on the event loop; anything bigger in a thread
 MAX_BATCH_TOKENS = 512  # positions per batch (one step alone may have up to CHUNK_TOKENS)
@@ -125,11 +116,8 @@ class ShardScheduler:
         max_batch_tokens: int = MAX_BATCH_TOKENS,
         chunk_tokens: int = CHUNK_TOKENS,
         busy_chunk_tokens: int | None = None,
-        cores: CoreLeases | None = None,
     ) -> None:
         self.backend = backend
-        # the machine's core leases (None: compute as if alone on the machine)
-        self._cores = cores if backend.thread_limit() is not None else None
         # held around every call into the backend (and by OPEN, CLOSE, TRUNCATE, hand-offs): a backend
         # handle must not be used from two threads at once
         self.lock = lock
@@ -184,11 +172,6 @@ class ShardScheduler:
         for key in list(self._queue):
             self.drop_session(key, reason)
 
-    def close(self) -> None:
-        """The shard is gone: give up the core lease descriptors."""
-        if self._cores is not None:
-            self._cores.close()
-
     # -- the serial path (a backend that does not batch) ----------------------------------------------
     async def _run_alone(self, owner: Any, step: StepInput) -> ForwardResult:
         n = step_tokens(step)
@@ -201,33 +184,18 @@ class ShardScheduler:
             grow = self.backend.kv_growth_bytes(step.sid, step.pos_start + n)
             if self._admit is not None:
                 self._admit(owner, grow)
-            async with self._on_cores():
-                res, secs = await _compute(n <= INLINE_TOKENS, self.backend.forward_step, step)
+            if n <= INLINE_TOKENS:
+                res = self.backend.forward_step(step)
+            else:
+                res = await asyncio.to_thread(self.backend.forward_step, step)
             if self._observer is not None:
-                self._observer.batch(1, n, secs)
+                self._observer.batch(1, n, time.perf_counter() - t_start)
         return res
-
-    @contextlib.asynccontextmanager
-    async def _on_cores(self) -> AsyncIterator[None]:
-        """Hold as many of the machine's core leases as the backend has threads, at least one (waiting
-        for it off the event loop), and compute on that many threads meanwhile."""
-        cores = self._cores
-        if cores is None:
-            yield
-            return
-        held = await cores.take(self.backend.thread_limit() or 1)
-        try:
-            self.backend.set_compute_threads(len(held))
-            yield
-        finally:
-            cores.give(held)
 
     # -- the batching worker ----------------------------------------------------------------------
     async def _work(self) -> None:
         while self._queue:
-            # the cores first, then the batch: steps that arrive while another hop on this machine
-            # computes join this batch instead of waiting for the next one
-            async with self.lock, self._on_cores():
+            async with self.lock:
                 batch = self._take()
                 if batch:
                     try:
@@ -295,10 +263,13 @@ class ShardScheduler:
         if not runs:
             return
         tokens = sum(n for _, n in runs)
-        inline = len(inputs) == 1 and tokens <= INLINE_TOKENS
-        results, secs = await _compute(inline, _forward_batch, self.backend, inputs)
+        t1 = time.perf_counter()
+        if len(inputs) == 1 and tokens <= INLINE_TOKENS:
+            results = _forward_batch(self.backend, inputs)
+        else:
+            results = await asyncio.to_thread(_forward_batch, self.backend, inputs)
         if self._observer is not None:
-            self._observer.batch(len(runs), tokens, secs)
+            self._observer.batch(len(runs), tokens, time.perf_counter() - t1)
         if len(results) != len(runs):
             raise BackendError(f"forward_batch answered {len(results)} results for {len(runs)} steps")
         now = time.perf_counter()
@@ -340,22 +311,6 @@ class ShardScheduler:
     def _remove(self, p: _Pending) -> None:
         if self._queue.get(p.key) is p:
             del self._queue[p.key]
-
-
-async def _compute(inline: bool, fn: Callable[..., T], *args: Any) -> tuple[T, float]:
-    """fn(*args) on the event loop (`inline`) or in a thread; (its result, its seconds)."""
-    t = time.perf_counter()
-    if inline:
-        return fn(*args), time.perf_counter() - t
-    fut = asyncio.get_running_loop().run_in_executor(None, fn, *args)
-    try:
-        out = await asyncio.shield(fut)
-    except asyncio.CancelledError:
-        # the thread computes on, on the cores the caller holds: keep them until it is done
-        with contextlib.suppress(BaseException):
-            await fut
-        raise
-    return out, time.perf_counter() - t
 
 
 def _fail(p: _Pending, e: BaseException) -> None:

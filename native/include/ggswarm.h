@@ -180,7 +180,7 @@ GGSWARM_API const char * ggswarm_model_last_error(const ggswarm_model * model);
 GGSWARM_API ggswarm_status ggswarm_model_info_get(const ggswarm_model * model, ggswarm_model_info * out);
 
 /* Threads used by CPU compute; must be >= 1. Cheap when n_threads is at most the largest count set so
-   far on this handle (its threadpool is kept; a hop sharing the cores changes it per graph). */
+   far on this handle (its threadpool is kept). Results do not depend on the count. */
 GGSWARM_API ggswarm_status ggswarm_set_threads(ggswarm_model * model, int32_t n_threads);
 
 /* Open a session able to grow to max_tokens positions (1 .. n_ctx_max); KV is allocated on demand. */

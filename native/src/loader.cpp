@@ -409,7 +409,7 @@ ggswarm_status apply_threads(ggswarm_model * m, int32_t n) {
     // Within a graph ggml's barrier still spins. Made again only when the thread count changes; the old
     // one is freed once no backend points at it (never during a compute: calls on a handle are serialised).
     // Fewer threads than the pool has reuse it (ggml kicks off only the first n workers; the others stay
-    // asleep): a hop that shares the machine's cores (agent/node/cores.py) changes its count per graph.
+    // asleep), so lowering and raising the count again costs no new threads.
     if (!m->threadpool || m->threadpool_n < n) {
         ggml_threadpool_params tpp = ggml_threadpool_params_default(n);
         tpp.poll = 0;
