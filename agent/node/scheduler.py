@@ -11,6 +11,11 @@ latest chunk ended), while they fit in `max_batch_tokens` positions. A prefill l
 decodes of other sessions for one chunk, never for the whole prompt, and two long prompts take turns.
 No step is ever passed by a newer one.
 
+Before it takes a batch the worker may wait a little for steps still on their way (`_gather`): while
+fewer steps are queued than sessions that stepped here lately, up to a millisecond after each arrival
+and at most a quarter of the latest batch's compute, so steps a client relays one after another join
+one batch. A lone session never waits.
+
 `chunk_tokens` defaults to the native executor's micro-batch (native/src/graph.cpp kUBatch = 512): an
 unchunked call is computed in pieces of exactly that size from its first position, so a chunked
 prefill runs the very same pieces and leaves the same KV position for position.
@@ -45,6 +50,15 @@ CHUNK_TOKENS = 512  # = native kUBatch: chunk boundaries are the micro-batch bou
 BUSY_CHUNK_TOKENS = 16
 BUSY_CHUNK_ENV = "GGSWARM_BUSY_CHUNK_TOKENS"  # an operator's override, 1..CHUNK_TOKENS
 BUSY_WINDOW_S = 1.0  # another session stepped on this shard this recently: it is decoding
+# Gathering a batch: while fewer steps are queued than sessions that stepped here lately (within
+# ACTIVE_S, or 4 of the latest batch's compute if longer), the worker waits up to GATHER_GAP_US after
+# each arrival, in all at most GATHER_SHARE of the latest batch's compute. 8 sessions over 3 hops on
+# 2 cores: batches of 3.4 steps instead of 1.8, 99 instead of 88 tok/s in all; one session (never
+# waits) and the ITL under a long prompt unchanged (docs/benchmarks.md, "Gathering a batch").
+GATHER_GAP_US = 1000
+GATHER_GAP_ENV = "GGSWARM_BATCH_GATHER_US"  # an operator's override, 0 (off)..100000
+GATHER_SHARE = 0.25
+ACTIVE_S = 0.25
 
 Admit = Callable[[Any, int], None]  # (the step's owner, KV bytes the batch adds so far) -> or raises
 
@@ -53,6 +67,12 @@ def busy_chunk_from_env(env: Mapping[str, str] | None = None) -> int:
     """BUSY_CHUNK_TOKENS, or the operator's GGSWARM_BUSY_CHUNK_TOKENS (ValueError when out of range)."""
     n = env_int(BUSY_CHUNK_ENV, 1, CHUNK_TOKENS, env)
     return BUSY_CHUNK_TOKENS if n is None else n
+
+
+def gather_gap_from_env(env: Mapping[str, str] | None = None) -> int:
+    """GATHER_GAP_US, or the operator's GGSWARM_BATCH_GATHER_US (ValueError when out of range)."""
+    n = env_int(GATHER_GAP_ENV, 0, 100_000, env)
+    return GATHER_GAP_US if n is None else n
 
 
 class BatchObserver(Protocol):
@@ -116,6 +136,7 @@ class ShardScheduler:
         max_batch_tokens: int = MAX_BATCH_TOKENS,
         chunk_tokens: int = CHUNK_TOKENS,
         busy_chunk_tokens: int | None = None,
+        gather_gap_us: int | None = None,
     ) -> None:
         self.backend = backend
         # held around every call into the backend (and by OPEN, CLOSE, TRUNCATE, hand-offs): a backend
@@ -131,6 +152,10 @@ class ShardScheduler:
         self._queue: dict[Hashable, _Pending] = {}  # by session, in arrival order
         self._last_step: dict[Hashable, float] = {}  # session -> when its latest step arrived
         self._worker: asyncio.Task[None] | None = None
+        gap_us = gather_gap_from_env() if gather_gap_us is None else gather_gap_us
+        self.gather_gap_s = max(0, gap_us) / 1e6
+        self._arrived = asyncio.Event()  # set by every submit: _gather waits on it
+        self._last_compute_s = 0.0  # the latest batch's compute: bounds how long _gather may wait
 
     def pending(self) -> int:
         return len(self._queue)
@@ -151,6 +176,7 @@ class ShardScheduler:
             # could only fail on its position, and its rollback would undo the first
             raise SessionBusy("this session already has a step in progress on this shard")
         self._queue[key] = p
+        self._arrived.set()
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._work())
         # a handler cancelled meanwhile cancels the future: the worker drops the step (and gives back
@@ -160,6 +186,7 @@ class ShardScheduler:
     def drop_session(self, key: Hashable, reason: str) -> int:
         """Fail every queued step of `key` (its session is being closed); call with the lock held, so
         none of them is running. Returns how many were dropped."""
+        self._last_step.pop(key, None)
         p = self._queue.pop(key, None)
         if p is None:
             return 0
@@ -195,6 +222,7 @@ class ShardScheduler:
     # -- the batching worker ----------------------------------------------------------------------
     async def _work(self) -> None:
         while self._queue:
+            await self._gather()
             async with self.lock:
                 batch = self._take()
                 if batch:
@@ -209,6 +237,29 @@ class ShardScheduler:
             # let the handlers just answered run first: a session's next step (or a CLOSE) that is
             # ready now joins the next batch instead of missing it
             await asyncio.sleep(0)
+
+    async def _gather(self) -> None:
+        """Before a batch is taken: while fewer steps are queued than sessions active on this shard,
+        wait for more, each time up to `gather_gap_s` after the latest arrival and in all at most
+        GATHER_SHARE of the latest batch's compute. Steps a client is still relaying one after another
+        (star mode answers a batch's sessions at once, and their next frames follow within a
+        millisecond or two) then join this batch instead of the next; a lone session never waits."""
+        if self.gather_gap_s <= 0 or self._last_compute_s <= 0:
+            return
+        deadline = time.perf_counter() + GATHER_SHARE * self._last_compute_s
+        # a session that stepped within a few batches' time is coming back
+        window = max(ACTIVE_S, 4 * self._last_compute_s)
+        while True:
+            now = time.perf_counter()
+            live = sum(1 for p in self._queue.values() if not p.cancelled)
+            active = sum(1 for t in self._last_step.values() if now - t <= window)
+            if live == 0 or live >= active or now >= deadline:
+                return
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), min(self.gather_gap_s, deadline - now))
+            except TimeoutError:
+                return
 
     def _take(self) -> list[tuple[_Pending, int]]:
         """The next batch: (step, positions to run now) for at most one step per session."""
@@ -268,8 +319,9 @@ class ShardScheduler:
             results = _forward_batch(self.backend, inputs)
         else:
             results = await asyncio.to_thread(_forward_batch, self.backend, inputs)
+        self._last_compute_s = time.perf_counter() - t1
         if self._observer is not None:
-            self._observer.batch(len(runs), tokens, time.perf_counter() - t1)
+            self._observer.batch(len(runs), tokens, self._last_compute_s)
         if len(results) != len(runs):
             raise BackendError(f"forward_batch answered {len(results)} results for {len(runs)} steps")
         now = time.perf_counter()
