@@ -50,15 +50,13 @@ CHUNK_TOKENS = 512  # = native kUBatch: chunk boundaries are the micro-batch bou
 BUSY_CHUNK_TOKENS = 16
 BUSY_CHUNK_ENV = "GGSWARM_BUSY_CHUNK_TOKENS"  # an operator's override, 1..CHUNK_TOKENS
 BUSY_WINDOW_S = 1.0  # another session stepped on this shard this recently: it is decoding
-# Gathering a batch: while fewer steps are queued than sessions that stepped here lately (within
-# ACTIVE_S, or 4 of the latest batch's compute if longer), the worker waits up to GATHER_GAP_US after
-# each arrival, in all at most GATHER_SHARE of the latest batch's compute. 8 sessions over 3 hops on
-# 2 cores: batches of 3.4 steps instead of 1.8, 99 instead of 88 tok/s in all; one session (never
-# waits) and the ITL under a long prompt unchanged (docs/benchmarks.md, "Gathering a batch").
-GATHER_GAP_US = 1000
+# Gathering a batch (ShardScheduler._gather). 8 sessions over 3 hops on 2 cores: batches of 3.4 steps
+# instead of 1.8, 99 instead of 88 tok/s in all; one session and the ITL under a long prompt unchanged
+# (docs/benchmarks.md, "Gathering a batch").
+GATHER_GAP_US = 1000  # wait at most this long after each arrival
 GATHER_GAP_ENV = "GGSWARM_BATCH_GATHER_US"  # an operator's override, 0 (off)..100000
-GATHER_SHARE = 0.25
-ACTIVE_S = 0.25
+GATHER_SHARE = 0.25  # and in all at most this share of the latest batch's compute
+ACTIVE_S = 0.25  # a session stepped here this recently (or 4 batches' compute, if longer): it comes back
 
 Admit = Callable[[Any, int], None]  # (the step's owner, KV bytes the batch adds so far) -> or raises
 

@@ -406,10 +406,9 @@ ggswarm_status apply_threads(ggswarm_model * m, int32_t n) {
 #ifdef GGSWARM_OWN_THREADPOOL
     // An explicit threadpool that does not poll: between graphs its workers sleep on a condition variable
     // instead of spinning (as OpenMP's do, GOMP_SPINCOUNT) on cores the next hop of a served route needs.
-    // Within a graph ggml's barrier still spins. Made again only when the thread count changes; the old
-    // one is freed once no backend points at it (never during a compute: calls on a handle are serialised).
-    // Fewer threads than the pool has reuse it (ggml kicks off only the first n workers; the others stay
-    // asleep), so lowering and raising the count again costs no new threads.
+    // Within a graph ggml's barrier still spins. Made again only when more threads are asked for than it
+    // has (fewer reuse it: ggml kicks off only the first n workers, the others stay asleep); the old one is
+    // freed once no backend points at it (never during a compute: calls on a handle are serialised).
     if (!m->threadpool || m->threadpool_n < n) {
         ggml_threadpool_params tpp = ggml_threadpool_params_default(n);
         tpp.poll = 0;
