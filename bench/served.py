@@ -43,6 +43,7 @@ from agent.artifacts.manifest import build_manifest  # noqa: E402
 from agent.artifacts.packaged import packaged_model_path  # noqa: E402
 from agent.client.route import Hop, RouteClient  # noqa: E402
 from agent.client.tokenizer import ChatTokenizer  # noqa: E402
+from agent.client.transport import HopTransport  # noqa: E402
 from agent.procs import stop  # noqa: E402
 from agent.wire.routetoken import RouteHop, generate_key, mint_route, public_key_b64  # noqa: E402
 from agent.wire.sampling import SamplingParams  # noqa: E402
@@ -145,6 +146,10 @@ class Route:
         self.key, self.sha256, self.hops, self.mode = key, sha256, hops, mode
         self.http_only = http_only  # the client posts every frame (no streams): the transport before
         self.pids: list[int] = []  # the hops' processes, for their CPU time
+        # one transport for all of the route's clients, as the control plane's processes share one
+        # (agent/client/transport.py); bundling=False: every frame travels alone (--ab-no-bundles)
+        self.bundling = True
+        self.transport: HopTransport | None = None
 
     def cpu_s(self) -> float:
         """CPU seconds the hops' processes have used (all their threads), from /proc."""
@@ -161,10 +166,18 @@ class Route:
         plan = [RouteHop(n, u, a, b) for u, a, b, n in self.hops]
         tokens = mint_route(self.key, session, self.sha256, plan)
         hops = [Hop(h.url, h.layer_start, h.layer_end, t) for h, t in zip(plan, tokens, strict=True)]
-        c = RouteClient(hops, session_id=session, mode=self.mode, max_context=max_context)
-        if self.http_only:
-            c._streams.enabled = False
-        return c
+        if self.transport is None or self.transport.closed:
+            self.transport = HopTransport(bundling=self.bundling)
+            if self.http_only:
+                self.transport.streams.enabled = False
+        return RouteClient(
+            hops, session_id=session, mode=self.mode, max_context=max_context, transport=self.transport
+        )
+
+    async def close(self) -> None:
+        if self.transport is not None:
+            await self.transport.close()
+            self.transport = None
 
 
 async def decode_once(route: Route, prompt: list[int], n: int) -> tuple[float, float, float, float]:
@@ -399,6 +412,9 @@ def main() -> None:
         "rounds (keys ending _b): before/after in one run",
     )
     ap.add_argument("--ab-http", action="store_true", help="route B's client posts every frame (no streams)")
+    ap.add_argument(
+        "--ab-no-bundles", action="store_true", help="route B's clients send every frame alone (no bundles)"
+    )
     args = ap.parse_args()
     serve_env = dict(item.split("=", 1) for item in args.serve_env)
     # llama.cpp in this process runs with libgomp's defaults, as its users run it, unless --serve-env
@@ -443,14 +459,19 @@ def main() -> None:
         samples[f"decode_tok_s_served_3hop_{other}"] = []
         samples[f"per_hop_overhead_ms_{other}"] = []
         samples[f"hop_compute_ms_{other}"] = []
-    if ab_env is not None or args.ab_http:
+    ab = ab_env is not None or args.ab_http or args.ab_no_bundles
+    if ab:
         samples["decode_tok_s_served_3hop_b"] = []
         samples["per_hop_overhead_ms_b"] = []
         samples["hop_compute_ms_b"] = []
         samples["hops_cpu_ms_per_step_b"] = []
         if not args.decode_only:
             samples["aggregate_tok_s_8_sessions_served_b"] = []
-        out["ab_serve_env"], out["ab_http"] = ab_env or {}, args.ab_http
+        out["ab_serve_env"], out["ab_http"], out["ab_no_bundles"] = (
+            ab_env or {},
+            args.ab_http,
+            args.ab_no_bundles,
+        )
     try:
         for a, b in RANGES:
             proc, url, node = start_serve(
@@ -461,7 +482,7 @@ def main() -> None:
         route = Route(key, manifest.sha256, hops, args.mode)
         route.pids = [p.pid for p in procs]
         route_other = Route(key, manifest.sha256, hops, other)
-        if ab_env is not None or args.ab_http:
+        if ab:
             hops_b, pids_b = hops, [p.pid for p in procs]
             if ab_env is not None:
                 pids_b = []
@@ -481,6 +502,7 @@ def main() -> None:
                     hops_b.append((url, a, b, node))
             route_b = Route(key, manifest.sha256, hops_b, args.mode, http_only=args.ab_http)
             route_b.pids = pids_b
+            route_b.bundling = not args.ab_no_bundles
 
         async def served_rounds() -> dict[str, float]:
             await decode_once(route, prompt, 4)  # warm-up: graphs built, connections open
@@ -527,7 +549,15 @@ def main() -> None:
                 itl.update({f"{k}_b": v for k, v in itl_b.items()})
             return itl
 
-        out.update(asyncio.run(served_rounds()))
+        async def served() -> dict[str, float]:
+            try:
+                return await served_rounds()
+            finally:
+                for r in (route, route_b, route_other):
+                    if r is not None:
+                        await r.close()
+
+        out.update(asyncio.run(served()))
     finally:
         stop(procs)
         with contextlib.suppress(Exception):

@@ -21,7 +21,7 @@ from functools import partial
 from typing import Any
 
 import numpy as np
-from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector
+from aiohttp import ClientError, ClientSession, ClientTimeout
 
 from agent import defaults
 from agent.client.failover import (
@@ -35,6 +35,8 @@ from agent.client.failover import (
 )
 from agent.client.recovery import Hop, RecoveryPolicy, Replacement, ReplacementProvider
 from agent.client.tokenizer import ChatTokenizer, StreamDecoder
+from agent.client.transport import HopTransport
+from agent.wire.bundle import BUNDLE_STEP_TOKENS
 from agent.wire.frames import (
     CONTEXT_CAP,
     DEFAULT_HIDDEN_DTYPE,
@@ -106,6 +108,7 @@ class RouteClient(Failover):
         recovery: RecoveryPolicy | None = None,
         ssl_context: ssl.SSLContext | None = None,
         token_id_layers: int = 0,
+        transport: HopTransport | None = None,
     ) -> None:
         if not hops:
             raise RouteError("a route needs at least one hop")
@@ -154,24 +157,25 @@ class RouteClient(Failover):
         self._standby: list[tuple[Hop, int] | None] = [None] * n
         self._checkpointing: dict[int, asyncio.Task[None]] = {}
         self.checkpoints = 0
-        self._http = ClientSession(
-            # https hops: mutual TLS with the swarm CA only (agent.wire.tls.client_context)
-            connector=TCPConnector(limit=16, ssl=ssl_context if ssl_context is not None else True),
-            timeout=ClientTimeout(total=timeout_s),
-            skip_auto_headers=("User-Agent",),
-        )
-        self._streams = FrameStreams(self._http)
+        # A shared transport (agent/client/transport.py) bundles this session's small steps with other
+        # sessions' for the same hop; without one the client has its own connections, nothing to bundle.
+        self._owns_transport = transport is None
+        self.transport = transport or HopTransport(ssl_context, timeout_s, bundling=False)
+        self._http: ClientSession = self.transport.http
+        self._streams: FrameStreams = self.transport.streams
 
     # -- low level ----------------------------------------------------------------------------------
-    async def _post(self, i: int, body: bytes, timeout_s: float | None = None) -> Response:
+    async def _post(
+        self, i: int, body: bytes, timeout_s: float | None = None, bundle: bool = False
+    ) -> Response:
         hop = self.hops[i]
         try:
             # a pooled WebSocket per hop (agent/wire/stream.py); POST for big frames and older hops
-            got = await self._streams.exchange(hop.url, body, timeout_s or self.timeout_s)
+            got = await self._streams.exchange(hop.url, body, timeout_s or self.timeout_s, bundle=bundle)
             if got is not None:
                 status, data = got
             else:
-                t = ClientTimeout(total=timeout_s) if timeout_s is not None else None
+                t = ClientTimeout(total=timeout_s or self.timeout_s)
                 async with self._http.post(hop.url.rstrip("/") + "/v1/frame", data=body, timeout=t) as r:
                     status, data = r.status, await r.read()
         except TimeoutError:
@@ -211,15 +215,18 @@ class RouteClient(Failover):
         p95 = ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
         return min(self.timeout_s, max(p.deadline_floor_s, p.deadline_factor * p95))
 
-    async def _call(self, i: int, frame: Callable[[], bytes], n_tokens: int) -> Response:
+    async def _call(
+        self, i: int, frame: Callable[[], bytes], n_tokens: int, bundle: bool = False
+    ) -> Response:
         """Send hop `i` the frame `frame()` builds (rebuilt per attempt: a replacement changes the
-        token and the step number), recovering failed hops until it answers or recovery gives up."""
+        token and the step number), recovering failed hops until it answers or recovery gives up.
+        `bundle`: a small step that may travel with other sessions' (a shared transport)."""
         began = time.monotonic()
         failures: list[str] = []
         while True:
             t0 = time.perf_counter()
             try:
-                resp = await self._post(i, frame(), self._deadline(i, n_tokens))
+                resp = await self._post(i, frame(), self._deadline(i, n_tokens), bundle)
             except RouteError as e:
                 if self.replacements is None or not recoverable(e):
                     raise
@@ -263,8 +270,8 @@ class RouteClient(Failover):
                         await self._post(i, self._frame(i, Op.CLOSE), self.policy.deadline_floor_s * 2)
                 self.opened = False
         finally:
-            await self._streams.close()
-            await self._http.close()
+            if self._owns_transport:
+                await self.transport.close()
 
     async def truncate(self, n: int) -> int:
         """Bring every hop back to at most `n` positions; returns the length they all hold now. Hops
@@ -348,10 +355,12 @@ class RouteClient(Failover):
         inp = Step(pos, len(ids), Kind.IDS, 0, np.asarray(ids, dtype="<i4").tobytes())
         # Hops remember the session's sampling options: send them only when they change.
         send = sampling != self._sent_sampling
+        # a step this small may share a message with other sessions' (its answer waits for theirs)
+        bundle = inp.n <= BUNDLE_STEP_TOKENS and not want_logits
         t0 = time.perf_counter()
         if self.mode == "chain" or len(self.hops) == 1:
             resp = await self._call(
-                0, partial(self._chain_frame, inp, sampling, send, want_logits, ids), inp.n
+                0, partial(self._chain_frame, inp, sampling, send, want_logits, ids), inp.n, bundle
             )
             rtt_ms = (time.perf_counter() - t0) * 1e3
             net_ms = rtt_ms - sum(t.handler_us for t in resp.timings) / 1e3
@@ -368,7 +377,7 @@ class RouteClient(Failover):
             for i in range(len(self.hops)):
                 t1 = time.perf_counter()
                 resp = await self._call(
-                    i, partial(self._star_frame, i, inp, sampling, send, want_logits, ids), inp.n
+                    i, partial(self._star_frame, i, inp, sampling, send, want_logits, ids), inp.n, bundle
                 )
                 self._account(i, resp, t1)
                 self._record(i, inp)

@@ -108,6 +108,7 @@ class DataPlane(FrameAdmission, ChainForwarding):
         self.shards: dict[ShardKey, Shard] = {}
         self.counters = {
             "frames": 0,
+            "bundles": 0,  # stream messages carrying several sessions' frames (agent/wire/bundle.py)
             "errors": 0,
             "tokens_in": 0,
             "tokens_out": 0,

@@ -41,6 +41,7 @@ _COUNTERS = (
     ("tokens_out", "tokens_served", "Tokens sampled on this node (last-shard steps)"),
     ("tokens_in", "tokens_in", "Token positions this node computed (prefill and decode)"),
     ("frames", "frames", "Data-plane frames received"),
+    ("bundles", "bundles", "Stream messages carrying several sessions' frames"),
     ("bytes_in", "bytes_in", "Frame bytes received"),
     ("bytes_out", "bytes_out", "Response bytes sent"),
     ("evictions", "kv_evictions", "Idle sessions evicted to admit another"),

@@ -6,7 +6,9 @@ request per frame: on this machine an aiohttp POST round trip costs ~650 us, a W
 STREAM_MAX_FRAME bytes (bigger frames go over POST, which checks the token before reading the body);
 its header, length and route token are checked before anything is decoded, and the per-address,
 per-token and node-wide buffered-bytes limits count it exactly as they count a POST. Messages on one
-socket are answered one at a time, in order.
+socket are answered one at a time, in order. A client that agreed to BUNDLE_PROTOCOL at the upgrade may
+send a bundle (agent/wire/bundle.py): its frames are admitted one by one as above, run together and
+answered in one message.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
+from agent.wire.bundle import BUNDLE_PROTOCOL, decode_bundle, encode_answers, is_bundle
 from agent.wire.frames import REQ_HEADER, FrameError, check_request_header, peek_request
 from agent.wire.stream import STREAM_MAX_FRAME, STREAM_PATH, error_message
 
@@ -61,7 +64,13 @@ class StreamView:
         ip = request.remote or "?"
         if self.streams.get(ip, 0) >= MAX_STREAMS_PER_IP:
             return _error(429, "too_many_requests", f"more than {MAX_STREAMS_PER_IP} streams from {ip}")
-        ws = web.WebSocketResponse(max_msg_size=STREAM_MAX_FRAME, compress=False, autoping=True, timeout=1.0)
+        ws = web.WebSocketResponse(
+            max_msg_size=STREAM_MAX_FRAME,
+            compress=False,
+            autoping=True,
+            timeout=1.0,
+            protocols=(BUNDLE_PROTOCOL,),  # a client that asks may send bundles (agent/wire/bundle.py)
+        )
         await ws.prepare(request)
         self.streams[ip] = self.streams.get(ip, 0) + 1
         self.open.add(ws)
@@ -70,7 +79,10 @@ class StreamView:
                 if msg.type != WSMsgType.BINARY:
                     await ws.close(code=WSCloseCode.UNSUPPORTED_DATA, message=b"binary frames only")
                     break
-                status, answer = await self.answer(ip, msg.data)
+                if is_bundle(msg.data):
+                    status, answer = await self.answer_bundle(ip, msg.data)
+                else:
+                    status, answer = await self.answer(ip, msg.data)
                 if status == 200:
                     await ws.send_bytes(answer)
                 else:
@@ -79,6 +91,20 @@ class StreamView:
             _release(self.streams, ip)
             self.open.discard(ws)
         return ws
+
+    async def answer_bundle(self, ip: str, data: bytes) -> tuple[int, bytes]:
+        """(200, the answers) for a bundle's frames, each admitted and answered as if it had come alone
+        and all submitted in this loop turn (so the shard's scheduler batches them together); (400,
+        error JSON) for a malformed bundle, none of whose frames is run."""
+        from agent.node.dataplane import DataPlaneError
+
+        try:
+            frames = decode_bundle(data)
+        except FrameError as e:
+            return self._refuse(DataPlaneError(e.status, "bad_frame", str(e)))
+        self.dp.counters["bundles"] += 1
+        answers = await asyncio.gather(*(self.answer(ip, bytes(f)) for f in frames))
+        return 200, encode_answers(answers)
 
     async def answer(self, ip: str, body: bytes) -> tuple[int, bytes]:
         """(200, response frame) or (status, error JSON) for one message, limits first."""

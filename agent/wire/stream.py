@@ -16,9 +16,13 @@ import contextlib
 import json
 import os
 import ssl
+from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import ClientSession, ClientWebSocketResponse, WSMsgType, WSServerHandshakeError
+from aiohttp import ClientSession, ClientWebSocketResponse, WSMessage, WSMsgType, WSServerHandshakeError
+
+from agent.wire.bundle import BUNDLE_MAX_FRAMES, BUNDLE_PROTOCOL, decode_answers, encode_bundle
+from agent.wire.frames import FrameError
 
 STREAM_PATH = "/v1/stream"
 # Largest request frame sent over a stream: a decode step or a prefill chunk of a few hundred tokens.
@@ -33,11 +37,19 @@ STREAM_MAX_ANSWER = 64 << 20
 # against its exact bound (docs/security.md, "bounded answers from the next hop").
 CHAIN_MAX_ANSWER = 4 << 20
 TRANSPORT_ENV = "GGSWARM_TRANSPORT"
+BUNDLES_ENV = "GGSWARM_BUNDLES"
 _IDLE_PER_HOP = 16  # sockets kept open per hop once their exchange is done
+# A frame bigger than this goes alone (a decode step with f32 hidden states is ~2.5 KB at 576 wide).
+BUNDLE_ITEM_MAX = 64 << 10
 
 
 def streams_enabled() -> bool:
     return os.environ.get(TRANSPORT_ENV, "stream") != "http"
+
+
+def bundles_enabled() -> bool:
+    """GGSWARM_BUNDLES=0 sends every frame alone (measurement, a hop that mishandles bundles)."""
+    return os.environ.get(BUNDLES_ENV, "1") != "0"
 
 
 def error_message(status: int, code: str, message: str) -> str:
@@ -46,14 +58,26 @@ def error_message(status: int, code: str, message: str) -> str:
 
 
 class FrameStreams:
-    """Pooled WebSockets to hops' /v1/stream, keyed by URL and the TLS name the peer must prove."""
+    """Pooled WebSockets to hops' /v1/stream, keyed by URL and the TLS name the peer must prove.
 
-    def __init__(self, http: ClientSession, max_answer: int = STREAM_MAX_ANSWER) -> None:
+    With `bundling`, small steps sent to one hop in the same loop turn travel as one bundle message
+    (agent/wire/bundle.py) over a socket whose hop agreed to BUNDLE_PROTOCOL, and come back as one: the
+    route clients of a process share one FrameStreams (agent/client/transport.py), so the next steps of
+    sessions a hop answered together reach the next hop together and are batched together there."""
+
+    def __init__(
+        self, http: ClientSession, max_answer: int = STREAM_MAX_ANSWER, bundling: bool = False
+    ) -> None:
         self._http = http
         self.max_answer = max_answer  # a longer answer ends the stream (the exchange fails)
         self._idle: dict[tuple[str, str | None], list[ClientWebSocketResponse]] = {}
         self._no_stream: set[str] = set()  # hops that answered the upgrade with 404/405: POST only
         self.enabled = streams_enabled()
+        self.bundling = bundling and bundles_enabled()
+        self._no_bundle: set[str] = set()  # hops whose sockets did not agree to BUNDLE_PROTOCOL
+        self._waiting: dict[tuple[str, str | None], list[_Item]] = {}  # frames of this loop turn
+        self._flushing: set[asyncio.Task[None]] = set()
+        self.bundles_sent = 0  # bundle messages of two frames or more (telemetry, tests)
 
     async def exchange(
         self,
@@ -63,50 +87,80 @@ class FrameStreams:
         ssl_ctx: ssl.SSLContext | bool = True,
         server_hostname: str | None = None,
         answer_limit: int | None = None,
+        bundle: bool = False,
     ) -> tuple[int, bytes] | None:
         """(HTTP-equivalent status, answer bytes) for `body` sent to the hop at `url` (no path), or
         None when it must go over POST /v1/frame (too big, an answer that may exceed `max_answer`,
-        streams off, or no stream endpoint).
+        streams off, or no stream endpoint). `bundle`: a small step that may share a message with
+        other sessions' (the caller says so: a bundle's answer waits for its slowest frame).
         Raises TimeoutError, aiohttp.ClientError or OSError as a POST would."""
         base = url.rstrip("/")
         if not self.enabled or len(body) > STREAM_MAX_FRAME or base in self._no_stream:
             return None
         if answer_limit is not None and answer_limit > self.max_answer:
             return None
-        key = (base, server_hostname)
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else loop.time() + timeout_s
+        key = (base, server_hostname)
+        if bundle and self.bundling and base not in self._no_bundle and len(body) <= BUNDLE_ITEM_MAX:
+            return await self._bundled(key, body, deadline, ssl_ctx)
+        return await self._exchange(key, body, deadline, ssl_ctx)
+
+    async def _exchange(
+        self, key: tuple[str, str | None], body: bytes, deadline: float | None, ssl_ctx: ssl.SSLContext | bool
+    ) -> tuple[int, bytes] | None:
+        ws = await self._socket(key, deadline, ssl_ctx)
+        if ws is None:
+            return None
+        msg = await self._roundtrip(key, ws, body, deadline)
+        if msg.type == WSMsgType.BINARY:
+            return 200, msg.data
+        return _status_of(msg.data), msg.data.encode()
+
+    async def _socket(
+        self, key: tuple[str, str | None], deadline: float | None, ssl_ctx: ssl.SSLContext | bool
+    ) -> ClientWebSocketResponse | None:
+        """An idle pooled socket to the hop, or a new one; None when the hop has no stream endpoint."""
+        base, server_hostname = key
         idle = self._idle.get(key)
         ws = idle.pop() if idle else None
-        if ws is None or ws.closed:
-            try:
-                # the step's deadline covers the handshake too (a hung hop must not hold it longer)
-                async with asyncio.timeout_at(deadline):
-                    ws = await self._http.ws_connect(
-                        base + STREAM_PATH,
-                        ssl=ssl_ctx,
-                        server_hostname=server_hostname,
-                        max_msg_size=self.max_answer,
-                        autoping=True,
-                        compress=0,
-                    )
-            except WSServerHandshakeError as e:
-                if e.status in (404, 405):
-                    self._no_stream.add(base)
-                    return None
-                raise
+        if ws is not None and not ws.closed:
+            return ws
+        try:
+            # the step's deadline covers the handshake too (a hung hop must not hold it longer)
+            async with asyncio.timeout_at(deadline):
+                ws = await self._http.ws_connect(
+                    base + STREAM_PATH,
+                    ssl=ssl_ctx,
+                    server_hostname=server_hostname,
+                    max_msg_size=self.max_answer,
+                    autoping=True,
+                    compress=0,
+                    protocols=(BUNDLE_PROTOCOL,) if self.bundling else (),
+                )
+        except WSServerHandshakeError as e:
+            if e.status in (404, 405):
+                self._no_stream.add(base)
+                return None
+            raise
+        if self.bundling and ws.protocol != BUNDLE_PROTOCOL:
+            self._no_bundle.add(base)  # an older hop: it takes lone frames only
+        return ws
+
+    async def _roundtrip(
+        self, key: tuple[str, str | None], ws: ClientWebSocketResponse, body: bytes, deadline: float | None
+    ) -> WSMessage:
+        """Send one message and read its answer (binary or text); the socket goes back to the pool."""
+        loop = asyncio.get_running_loop()
         done = False
         try:
             await ws.send_bytes(body)
             msg = await ws.receive(timeout=None if deadline is None else max(0.001, deadline - loop.time()))
-            if msg.type == WSMsgType.BINARY:
-                answer: tuple[int, bytes] = (200, msg.data)
-            elif msg.type == WSMsgType.TEXT:
-                answer = (_status_of(msg.data), msg.data.encode())
-            else:  # closed, or a protocol error: as broken as a reset connection
-                raise ConnectionResetError(f"stream to {base} ended ({msg.type.name}: {msg.extra})")
+            if msg.type not in (WSMsgType.BINARY, WSMsgType.TEXT):
+                # closed, or a protocol error: as broken as a reset connection
+                raise ConnectionResetError(f"stream to {key[0]} ended ({msg.type.name}: {msg.extra})")
             done = True
-            return answer
+            return msg
         finally:
             if done and not ws.closed and len(self._idle.setdefault(key, [])) < _IDLE_PER_HOP:
                 self._idle[key].append(ws)
@@ -115,11 +169,102 @@ class FrameStreams:
                 # never reuse it. Closed in the background so a cancelled caller is not held up.
                 _close_later(ws)
 
+    # -- bundles ------------------------------------------------------------------------------------
+    async def _bundled(
+        self, key: tuple[str, str | None], body: bytes, deadline: float | None, ssl_ctx: ssl.SSLContext | bool
+    ) -> tuple[int, bytes] | None:
+        """Queue `body` for the hop's next bundle (sent once this loop turn's callbacks have run) and
+        wait for its own answer, until its own deadline: a caller that gives up leaves the others'."""
+        loop = asyncio.get_running_loop()
+        item = _Item(body, loop.create_future(), deadline)
+        waiting = self._waiting.get(key)
+        if waiting is not None and sum(len(i.body) + 4 for i in waiting) + len(body) + 12 > STREAM_MAX_FRAME:
+            self._flush(key, ssl_ctx)  # a hop reads at most STREAM_MAX_FRAME per message
+            waiting = None
+        if waiting is None:
+            waiting = self._waiting[key] = []
+            loop.call_soon(self._flush, key, ssl_ctx)
+        waiting.append(item)
+        if len(waiting) >= BUNDLE_MAX_FRAMES:
+            self._flush(key, ssl_ctx)
+        async with asyncio.timeout_at(deadline):
+            return await item.future
+
+    def _flush(self, key: tuple[str, str | None], ssl_ctx: ssl.SSLContext | bool) -> None:
+        items = [i for i in self._waiting.pop(key, []) if not i.future.done()]  # a cancelled caller's goes
+        if not items:
+            return
+        task = asyncio.get_running_loop().create_task(self._send_bundle(key, items, ssl_ctx))
+        self._flushing.add(task)
+        task.add_done_callback(self._flushing.discard)
+
+    async def _send_bundle(
+        self, key: tuple[str, str | None], items: list[_Item], ssl_ctx: ssl.SSLContext | bool
+    ) -> None:
+        try:
+            # the bundle waits as long as its most patient frame; each caller still gives up at its own
+            deadlines = [i.deadline for i in items if i.deadline is not None]
+            deadline = max(deadlines) if len(deadlines) == len(items) else None
+            ws = None
+            if len(items) > 1 and key[0] not in self._no_bundle:
+                ws = await self._socket(key, deadline, ssl_ctx)
+                if ws is not None and key[0] in self._no_bundle:  # it just said it takes lone frames
+                    self._idle.setdefault(key, []).append(ws)
+                    ws = None
+            if ws is None:  # one frame, a hop without bundles, or none without streams (None: POST)
+                answers = await asyncio.gather(
+                    *(self._exchange(key, i.body, i.deadline, ssl_ctx) for i in items), return_exceptions=True
+                )
+                for i, a in zip(items, answers, strict=True):
+                    _settle(i, a)
+                return
+            msg = await self._roundtrip(key, ws, encode_bundle([i.body for i in items]), deadline)
+            self.bundles_sent += 1
+            if msg.type == WSMsgType.TEXT:  # the whole bundle refused: each frame gets that refusal
+                for i in items:
+                    _settle(i, (_status_of(msg.data), msg.data.encode()))
+                return
+            try:
+                answers_ = decode_answers(msg.data, len(items))
+            except FrameError as e:
+                raise ConnectionResetError(f"stream to {key[0]} answered a bad bundle: {e}") from None
+            for i, (status, data) in zip(items, answers_, strict=True):
+                _settle(i, (status, bytes(data)))
+        except Exception as e:  # noqa: BLE001 - every waiting caller gets the failure, as a lone frame would
+            for i in items:
+                _settle(i, e)
+        except asyncio.CancelledError:  # the transport is closing: nobody is left waiting for nothing
+            for i in items:
+                _settle(i, ConnectionResetError(f"stream to {key[0]} closed before its answer"))
+            raise
+
     async def close(self) -> None:
+        for task in list(self._flushing):
+            task.cancel()
+        await asyncio.gather(*self._flushing, return_exceptions=True)
         socks = [ws for pool in self._idle.values() for ws in pool]
         self._idle.clear()
         # at once and bounded: a hop that stopped answering must not hold the caller's close
         await asyncio.gather(*(_close(ws) for ws in socks))
+
+
+@dataclass(eq=False)
+class _Item:
+    """A frame waiting for its hop's next bundle, and where its answer goes."""
+
+    body: bytes
+    future: asyncio.Future[tuple[int, bytes] | None]
+    deadline: float | None
+
+
+def _settle(item: _Item, outcome: tuple[int, bytes] | None | BaseException) -> None:
+    if item.future.done():
+        return  # its caller gave up (deadline, cancel)
+    if isinstance(outcome, BaseException):
+        item.future.set_exception(outcome)
+        item.future.exception()  # nobody may be awaiting any more: no "never retrieved" warning
+    else:
+        item.future.set_result(outcome)
 
 
 def _status_of(text: str) -> int:

@@ -20,6 +20,7 @@ from django.conf import settings
 from agent import defaults
 from agent.client.route import ContextLimitError, Hop, HopStats, RouteClient, RouteError
 from agent.client.tokenizer import ChatTokenizer, StreamDecoder, TokenizerError
+from agent.client.transport import shared_transport
 from agent.wire.frames import CONTEXT_CAP
 from webapp.api import keys
 from webapp.api.cache import Entry, PrefixCache
@@ -242,7 +243,9 @@ class Generation:
             session_id=session.id.bytes,
             max_context=self.target.max_context,
             token_id_layers=self.target.token_id_layers,
-            ssl_context=dataplane_tls.context_for([h.url for h in hops]),  # https hops: mutual TLS
+            # one transport per process and TLS context: sessions' decode steps to a hop travel and run
+            # together (agent/client/transport.py)
+            transport=shared_transport(dataplane_tls.context_for([h.url for h in hops])),
             replacements=routing.replacement_provider(session.id),  # a failed hop is replaced mid-answer
         )
         entry = Entry(self.key.pk, self.target.artifact_id, session.id, client, session.hops)

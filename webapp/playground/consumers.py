@@ -154,6 +154,7 @@ class ChatConsumer(SafeJsonConsumer):
         live = parking.claim(cid, req.model_id)
         if live is None:
             from agent.client.route import Hop, RouteClient
+            from agent.client.transport import shared_transport
 
             user = self.scope["user"]
             artifact, session, grants, tokenizer = await database_sync_to_async(_open)(req.model_id, user)
@@ -166,7 +167,9 @@ class ChatConsumer(SafeJsonConsumer):
                 token_id_layers=artifact.parsed_manifest.token_id_layers,  # deepseek4 hash layers
                 # a failed hop is replaced inside the client (snapshot hand-off or re-prefill): issue 14
                 replacements=routing.replacement_provider(session.id),
-                ssl_context=dataplane_tls.context_for([h.url for h in hops]),  # https hops: mutual TLS
+                # one transport per process and TLS context: sessions' decode steps to a hop travel and run
+                # together (agent/client/transport.py)
+                transport=shared_transport(dataplane_tls.context_for([h.url for h in hops])),
             )
             live = LiveRoute(cid, req.model_id, session.id, client, session.hops, turn.context)
         self.live = live

@@ -1,0 +1,75 @@
+"""A process's connections to hops, shared by its route clients so that sessions' steps travel together.
+
+One `HopTransport` per event loop and TLS context (`shared_transport`): an HTTP session for POSTs and
+health checks, and pooled streams that bundle the small steps sent to one hop in the same loop turn
+(agent/wire/stream.py, agent/wire/bundle.py). The control plane's playground and API route clients take
+it: when a hop answers a bundle, the sessions' next steps are sent in the same turn, so they reach the
+next hop as one message and run there as one batch, and sessions that started together stay together
+without anyone waiting for anyone. A route client made without one owns a private transport.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import weakref
+
+from aiohttp import ClientSession, ClientTimeout, TCPConnector
+
+from agent.wire.stream import FrameStreams
+
+# Connections to one hop: the node admits 64 frames at once per address (PER_IP_CONCURRENCY), and
+# bundled steps of any number of sessions share a socket or two.
+PER_HOP_CONNECTIONS = 64
+TOTAL_CONNECTIONS = 512
+
+
+class HopTransport:
+    """An HTTP session and bundling streams to hops, for the route clients of one loop."""
+
+    def __init__(
+        self, ssl_context: ssl.SSLContext | None = None, timeout_s: float = 120.0, bundling: bool = True
+    ):
+        self.ssl_context = ssl_context
+        self.http = ClientSession(
+            # https hops: mutual TLS with the swarm CA only (agent.wire.tls.client_context)
+            connector=TCPConnector(
+                limit=TOTAL_CONNECTIONS,
+                limit_per_host=PER_HOP_CONNECTIONS,
+                ssl=ssl_context if ssl_context is not None else True,
+            ),
+            timeout=ClientTimeout(total=timeout_s),
+            skip_auto_headers=("User-Agent",),
+        )
+        self.streams = FrameStreams(self.http, bundling=bundling)
+
+    @property
+    def closed(self) -> bool:
+        return self.http.closed
+
+    async def close(self) -> None:
+        try:
+            await self.streams.close()
+        finally:
+            await self.http.close()
+
+
+_shared: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[int, HopTransport]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def shared_transport(ssl_context: ssl.SSLContext | None = None) -> HopTransport:
+    """The running loop's transport for hops reached with `ssl_context` (None: plain loopback hops)."""
+    per_loop = _shared.setdefault(asyncio.get_running_loop(), {})
+    key = id(ssl_context)
+    t = per_loop.get(key)
+    if t is None or t.closed:
+        t = per_loop[key] = HopTransport(ssl_context)
+    return t
+
+
+async def close_shared_transports() -> None:
+    """Close the running loop's shared transports (a server's shutdown, a test's teardown)."""
+    per_loop = _shared.pop(asyncio.get_running_loop(), {})
+    await asyncio.gather(*(t.close() for t in per_loop.values()), return_exceptions=True)
