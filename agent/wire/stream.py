@@ -173,20 +173,34 @@ class FrameStreams:
     async def _bundled(
         self, key: tuple[str, str | None], body: bytes, deadline: float | None, ssl_ctx: ssl.SSLContext | bool
     ) -> tuple[int, bytes] | None:
-        """Queue `body` for the hop's next bundle (sent once this loop turn's callbacks have run) and
-        wait for its own answer, until its own deadline: a caller that gives up leaves the others'."""
+        """Send `body` with the other frames for its hop made in this loop turn, and wait for its own
+        answer until its own deadline (a caller that gives up leaves the others theirs). The turn's
+        first frame waits for the turn to end; alone then, it goes as a plain frame (no task, no
+        bundle), else a task sends the bundle."""
         loop = asyncio.get_running_loop()
         item = _Item(body, loop.create_future(), deadline)
         waiting = self._waiting.get(key)
         if waiting is not None and sum(len(i.body) + 4 for i in waiting) + len(body) + 12 > STREAM_MAX_FRAME:
             self._flush(key, ssl_ctx)  # a hop reads at most STREAM_MAX_FRAME per message
             waiting = None
-        if waiting is None:
-            waiting = self._waiting[key] = []
-            loop.call_soon(self._flush, key, ssl_ctx)
-        waiting.append(item)
-        if len(waiting) >= BUNDLE_MAX_FRAMES:
-            self._flush(key, ssl_ctx)
+        if waiting is not None:
+            waiting.append(item)
+            if len(waiting) >= BUNDLE_MAX_FRAMES:
+                self._flush(key, ssl_ctx)
+        else:
+            waiting = self._waiting[key] = [item]
+            try:
+                await asyncio.sleep(0)  # the turn's other callbacks run: steps made in it join
+            except asyncio.CancelledError:
+                if self._waiting.get(key) is waiting:
+                    waiting.remove(item)
+                    self._flush(key, ssl_ctx)  # the others still go
+                raise
+            if self._waiting.get(key) is waiting:  # not sent early (full): send it now
+                if len(waiting) == 1:
+                    del self._waiting[key]
+                    return await self._exchange(key, body, deadline, ssl_ctx)
+                self._flush(key, ssl_ctx)
         async with asyncio.timeout_at(deadline):
             return await item.future
 
