@@ -159,8 +159,10 @@ class RouteClient(Failover):
         self.checkpoints = 0
         # A shared transport (agent/client/transport.py) bundles this session's small steps with other
         # sessions' for the same hop; without one the client has its own connections, nothing to bundle.
-        self._owns_transport = transport is None
-        self.transport = transport or HopTransport(ssl_context, timeout_s, bundling=False)
+        self.transport = transport or HopTransport(
+            ssl_context, timeout_s, bundling=False, close_when_unused=True
+        )
+        self.transport.acquire()
         self._http: ClientSession = self.transport.http
         self._streams: FrameStreams = self.transport.streams
 
@@ -270,8 +272,7 @@ class RouteClient(Failover):
                         await self._post(i, self._frame(i, Op.CLOSE), self.policy.deadline_floor_s * 2)
                 self.opened = False
         finally:
-            if self._owns_transport:
-                await self.transport.close()
+            await self.transport.release()  # the last of its clients closes a shared transport
 
     async def truncate(self, n: int) -> int:
         """Bring every hop back to at most `n` positions; returns the length they all hold now. Hops

@@ -25,12 +25,22 @@ TOTAL_CONNECTIONS = 512
 
 
 class HopTransport:
-    """An HTTP session and bundling streams to hops, for the route clients of one loop."""
+    """An HTTP session and bundling streams to hops, for the route clients of one loop.
+
+    Route clients `acquire` it and `release` it when they close; with `close_when_unused` (the shared
+    ones, a client's private one) the last release closes it, so no connection outlives the clients that
+    use it. A caller that made one for its own clients (a benchmark) closes it itself."""
 
     def __init__(
-        self, ssl_context: ssl.SSLContext | None = None, timeout_s: float = 120.0, bundling: bool = True
-    ):
+        self,
+        ssl_context: ssl.SSLContext | None = None,
+        timeout_s: float = 120.0,
+        bundling: bool = True,
+        close_when_unused: bool = False,
+    ) -> None:
         self.ssl_context = ssl_context
+        self.close_when_unused = close_when_unused
+        self.users = 0
         self.http = ClientSession(
             # https hops: mutual TLS with the swarm CA only (agent.wire.tls.client_context)
             connector=TCPConnector(
@@ -47,6 +57,14 @@ class HopTransport:
     def closed(self) -> bool:
         return self.http.closed
 
+    def acquire(self) -> None:
+        self.users += 1
+
+    async def release(self) -> None:
+        self.users -= 1
+        if self.users <= 0 and self.close_when_unused:
+            await self.close()
+
     async def close(self) -> None:
         try:
             await self.streams.close()
@@ -54,22 +72,17 @@ class HopTransport:
             await self.http.close()
 
 
-_shared: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[int, HopTransport]] = (
-    weakref.WeakKeyDictionary()
-)
+# Held weakly: a transport lives as long as a route client holds it, never longer.
+_shared: weakref.WeakKeyDictionary[
+    asyncio.AbstractEventLoop, weakref.WeakValueDictionary[int, HopTransport]
+] = weakref.WeakKeyDictionary()
 
 
 def shared_transport(ssl_context: ssl.SSLContext | None = None) -> HopTransport:
     """The running loop's transport for hops reached with `ssl_context` (None: plain loopback hops)."""
-    per_loop = _shared.setdefault(asyncio.get_running_loop(), {})
+    per_loop = _shared.setdefault(asyncio.get_running_loop(), weakref.WeakValueDictionary())
     key = id(ssl_context)
     t = per_loop.get(key)
     if t is None or t.closed:
-        t = per_loop[key] = HopTransport(ssl_context)
+        t = per_loop[key] = HopTransport(ssl_context, close_when_unused=True)
     return t
-
-
-async def close_shared_transports() -> None:
-    """Close the running loop's shared transports (a server's shutdown, a test's teardown)."""
-    per_loop = _shared.pop(asyncio.get_running_loop(), {})
-    await asyncio.gather(*(t.close() for t in per_loop.values()), return_exceptions=True)

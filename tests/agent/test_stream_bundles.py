@@ -12,7 +12,7 @@ from aiohttp import ClientSession, WSMsgType
 
 import agent.node.stream
 from agent.client.route import Hop, RouteClient
-from agent.client.transport import HopTransport
+from agent.client.transport import HopTransport, shared_transport
 from agent.wire.bundle import BUNDLE_MAGIC, BUNDLE_PROTOCOL, HEAD, decode_answers, encode_bundle
 from agent.wire.frames import Kind, Op, decode_response
 from agent.wire.routetoken import generate_key, mint
@@ -177,3 +177,18 @@ async def test_route_clients_sharing_a_transport_bundle_their_steps_and_get_what
     else:
         assert a.dp.stats()["bundles"] == b.dp.stats()["bundles"] == 0
         assert a.url in shared.streams._no_bundle
+
+
+async def test_route_clients_share_their_loops_transport_and_the_last_to_close_closes_it() -> None:
+    t = shared_transport()
+    assert shared_transport() is t and t.streams.bundling
+    a, b = (RouteClient([Hop("http://127.0.0.1:9", 0, 4, b"t")], transport=shared_transport()) for _ in "ab")
+    private = RouteClient([Hop("http://127.0.0.1:9", 0, 4, b"t")])
+    assert private.transport is not t and not private.transport.streams.bundling  # nothing to bundle with
+    await a.close()
+    assert not t.closed  # b still uses it
+    await b.close()
+    await private.close()
+    assert t.closed and private.transport.closed
+    assert shared_transport() is not t  # the next client gets a fresh one
+    await shared_transport().close()
