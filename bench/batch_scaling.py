@@ -69,6 +69,47 @@ def native(path: str, threads: int, steps: int) -> dict[str, float]:
     return out
 
 
+ROUTE = ((0, 10), (10, 20), (20, 30))  # bench/served.py's hops
+
+
+def route_windows(path: str, threads: int, steps: int) -> dict[str, float]:
+    """Each hop window of bench/served.py's route stepping 1 and 8 sessions (ids into the first, the
+    last sampling greedily): the compute a served round costs when the hops take turns on one box, so
+    `route_ceiling_tok_s_8` is the most 8 sessions could get there with no overhead at all."""
+    manifest = build_manifest(path, hash_tensors=False)
+    rng = np.random.default_rng(1)
+    out: dict[str, float] = {}
+    for a, b in ROUTE:
+        be = load_backend("native", ShardSpec(path, a, b, manifest, n_threads=threads))
+        d = be.boundary_dim
+
+        def step(s: bytes, pos: int, n: int, first: bool = a == 0, d: int = d) -> StepInput:
+            if first:
+                return StepInput(s, pos, token_ids=rng.integers(300, 30000, n).astype(np.int32))
+            return StepInput(s, pos, hidden=rng.standard_normal((n, d)).astype(np.float32))
+
+        try:
+            for k in (1, 8):
+                sids = [bytes([a, k, i]) + bytes(13) for i in range(k)]
+                for s in sids:
+                    be.open_session(s, 1024)
+                    be.forward_step(step(s, 0, PREFILL))
+                t0 = time.perf_counter()
+                for j in range(steps):
+                    batch = [step(s, PREFILL + j, 1) for s in sids]
+                    be.forward_step(batch[0]) if k == 1 else be.forward_batch(batch)
+                out[f"window_{a}_{b}_ms_{k}_sessions"] = round((time.perf_counter() - t0) / steps * 1e3, 3)
+                for s in sids:
+                    be.close_session(s)
+        finally:
+            be.close()
+    for k in (1, 8):
+        total = sum(out[f"window_{a}_{b}_ms_{k}_sessions"] for a, b in ROUTE)
+        out[f"route_ms_{k}_sessions"] = round(total, 3)
+        out[f"route_ceiling_tok_s_{k}"] = round(k / total * 1e3, 2)
+    return out
+
+
 def llamacpp(path: str, threads: int, steps: int) -> dict[str, float]:
     import llama_cpp
 
@@ -97,6 +138,7 @@ def main() -> None:
     path = str(packaged_model_path())
     res: dict[str, float] = {}
     res.update(native(path, args.threads, args.steps))
+    res.update(route_windows(path, args.threads, args.steps))
     res.update(llamacpp(path, args.threads, args.steps))
     k = KS[-1]
     res[f"native_{k}_sessions_over_1"] = round(
@@ -106,6 +148,10 @@ def main() -> None:
         res[f"native_ms_1_session_{k}_rows"] / res["native_ms_1_session_1_rows"], 3
     )
     res[f"llamacpp_{k}_rows_over_1"] = round(res[f"llamacpp_ms_{k}_rows"] / res["llamacpp_ms_1_rows"], 3)
+    # what served.py's ratio_served8_vs_llamacpp8 could reach if the route cost nothing but its compute
+    res["route_ceiling_8_vs_llamacpp_8_rows"] = round(
+        res["route_ceiling_tok_s_8"] / (k / res[f"llamacpp_ms_{k}_rows"] * 1e3), 3
+    )
     print(json.dumps({"threads": args.threads, "steps": args.steps, **res}))
 
 
