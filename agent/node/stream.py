@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from agent.wire.bundle import BUNDLE_PROTOCOL, decode_bundle, encode_answers, is_bundle
-from agent.wire.frames import REQ_HEADER, FrameError, check_request_header, peek_request
+from agent.wire.bundle import BUNDLE_PROTOCOL, BUNDLE_STEP_TOKENS, decode_bundle, encode_answers, is_bundle
+from agent.wire.frames import REQ_HEADER, Flag, FrameError, check_request_header, peek_request
 from agent.wire.stream import STREAM_MAX_FRAME, STREAM_PATH, error_message
 
 if TYPE_CHECKING:
@@ -103,8 +103,27 @@ class StreamView:
         except FrameError as e:
             return self._refuse(DataPlaneError(e.status, "bad_frame", str(e)))
         self.dp.counters["bundles"] += 1
-        answers = await asyncio.gather(*(self.answer(ip, bytes(f)) for f in frames))
+        answers = await asyncio.gather(*(self._answer_in_bundle(ip, bytes(f)) for f in frames))
         return 200, encode_answers(answers)
+
+    async def _answer_in_bundle(self, ip: str, body: bytes) -> tuple[int, bytes]:
+        """A bundle's answer is held until its last frame is done, so it carries small steps only: a
+        frame of more than BUNDLE_STEP_TOKENS positions or asking for logits is refused in its slot
+        (a client sends those alone), which bounds what one bundle's answers can make a node hold."""
+        from agent.node.dataplane import DataPlaneError
+
+        head = REQ_HEADER.unpack_from(body, 0)  # decode_bundle took frames of at least a header
+        flags, n_tokens = head[3], head[7]
+        if n_tokens > BUNDLE_STEP_TOKENS or flags & Flag.WANT_LOGITS:
+            return self._refuse(
+                DataPlaneError(
+                    413,
+                    "bundle_step_too_big",
+                    f"a bundled frame carries at most {BUNDLE_STEP_TOKENS} positions and no logits request: "
+                    "send it alone",
+                )
+            )
+        return await self.answer(ip, body)
 
     async def answer(self, ip: str, body: bytes) -> tuple[int, bytes]:
         """(200, response frame) or (status, error JSON) for one message, limits first."""

@@ -129,16 +129,21 @@ class ScriptedHop:
         return ws
 
 
-@pytest.fixture
-async def hop() -> AsyncIterator[tuple[ScriptedHop, str]]:
-    h = ScriptedHop()
+async def serve(h: ScriptedHop) -> tuple[web.AppRunner, str]:
     app = web.Application()
     app.router.add_get(STREAM_PATH, h.view)
     runner = web.AppRunner(app)
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
-    yield h, f"http://127.0.0.1:{port}"
+    return runner, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+async def hop() -> AsyncIterator[tuple[ScriptedHop, str]]:
+    h = ScriptedHop()
+    runner, url = await serve(h)
+    yield h, url
     await runner.cleanup()
 
 
@@ -232,13 +237,7 @@ async def test_a_caller_that_gives_up_leaves_the_other_frames_of_its_bundle_answ
 
 async def test_a_hop_that_did_not_agree_to_bundles_gets_every_frame_alone(streams: FrameStreams) -> None:
     old = ScriptedHop(protocol=None)  # an older node: no subprotocol at the upgrade
-    app = web.Application()
-    app.router.add_get(STREAM_PATH, old.view)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    url = f"http://127.0.0.1:{port}"
+    runner, url = await serve(old)
     try:
         got = await send_all(streams, url, range(4))
         assert got == [(200, b"re:" + struct.pack("<I", i)) for i in range(4)]

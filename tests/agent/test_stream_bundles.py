@@ -13,7 +13,14 @@ from aiohttp import ClientSession, WSMsgType
 import agent.node.stream
 from agent.client.route import Hop, RouteClient
 from agent.client.transport import HopTransport, shared_transport
-from agent.wire.bundle import BUNDLE_MAGIC, BUNDLE_PROTOCOL, HEAD, decode_answers, encode_bundle
+from agent.wire.bundle import (
+    BUNDLE_MAGIC,
+    BUNDLE_PROTOCOL,
+    BUNDLE_STEP_TOKENS,
+    HEAD,
+    decode_answers,
+    encode_bundle,
+)
 from agent.wire.frames import Kind, Op, decode_response
 from agent.wire.routetoken import generate_key, mint
 from agent.wire.sampling import SamplingParams
@@ -113,6 +120,27 @@ async def test_a_malformed_bundle_is_refused_whole_and_runs_none_of_its_frames(
     err = json.loads(data)
     assert err["status"] == 400 and err["error"] == "bad_frame"
     assert node.dp.stats()["frames"] == before and node.dp.stats()["tokens_in"] == 0
+
+
+async def test_a_bundled_frame_too_big_to_hold_is_refused_in_its_slot(
+    nodes,  # noqa: F811
+    tiny,  # noqa: F811
+    signing_key,
+) -> None:
+    # a bundle's answers are held until its last frame is done: long steps and logits go alone
+    _, manifest = tiny
+    node = await nodes("node-t", [(0, 4)])
+    (s1, t1), (s2, t2), (s3, t3) = await opened(node, signing_key, manifest.sha256, 3)
+    frames = [
+        ids_frame(t1, s1, list(range(300, 300 + BUNDLE_STEP_TOKENS + 1)), step=2),
+        ids_frame(t2, s2, PROMPTS[1], step=2, want_logits=True),
+        ids_frame(t3, s3, PROMPTS[2], step=2),
+    ]
+    kind, data = await ws_send(node.url, encode_bundle(frames))
+    answers = decode_answers(data, 3)
+    assert [status for status, _ in answers] == [413, 413, 200]
+    assert json.loads(bytes(answers[0][1]))["error"] == "bundle_step_too_big"
+    assert node.dp.stats()["tokens_in"] == len(PROMPTS[2])  # only the small step ran
 
 
 async def decode_together(clients: list[RouteClient], n: int) -> list[list[int]]:
