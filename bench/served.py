@@ -141,14 +141,20 @@ class Route:
     """Three serve processes and a factory of route clients over them (fresh session each)."""
 
     def __init__(
-        self, key: Any, sha256: str, hops: list[tuple[str, int, int, str]], mode: str, http_only: bool = False
+        self,
+        key: Any,
+        sha256: str,
+        hops: list[tuple[str, int, int, str]],
+        mode: str,
+        http_only: bool = False,
+        bundling: bool = True,
     ) -> None:
         self.key, self.sha256, self.hops, self.mode = key, sha256, hops, mode
         self.http_only = http_only  # the client posts every frame (no streams): the transport before
         self.pids: list[int] = []  # the hops' processes, for their CPU time
         # one transport for all of the route's clients, as the control plane's processes share one
         # (agent/client/transport.py); bundling=False: every frame travels alone (--ab-no-bundles)
-        self.bundling = True
+        self.bundling = bundling
         self.transport: HopTransport | None = None
 
     def cpu_s(self) -> float:
@@ -500,9 +506,15 @@ def main() -> None:
                     procs.append(proc)
                     pids_b.append(proc.pid)
                     hops_b.append((url, a, b, node))
-            route_b = Route(key, manifest.sha256, hops_b, args.mode, http_only=args.ab_http)
+            route_b = Route(
+                key,
+                manifest.sha256,
+                hops_b,
+                args.mode,
+                http_only=args.ab_http,
+                bundling=not args.ab_no_bundles,
+            )
             route_b.pids = pids_b
-            route_b.bundling = not args.ab_no_bundles
 
         async def served_rounds() -> dict[str, float]:
             await decode_once(route, prompt, 4)  # warm-up: graphs built, connections open

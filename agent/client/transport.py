@@ -38,7 +38,7 @@ class HopTransport:
         bundling: bool = True,
         close_when_unused: bool = False,
     ) -> None:
-        self.ssl_context = ssl_context
+        self.ssl_context = ssl_context  # held: shared_transport keys transports by its id
         self.close_when_unused = close_when_unused
         self.users = 0
         self.http = ClientSession(

@@ -16,12 +16,12 @@ import contextlib
 import json
 import os
 import ssl
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import ClientSession, ClientWebSocketResponse, WSMessage, WSMsgType, WSServerHandshakeError
 
-from agent.wire.bundle import BUNDLE_MAX_FRAMES, BUNDLE_PROTOCOL, decode_answers, encode_bundle
+from agent.wire.bundle import BUNDLE_MAX_FRAMES, BUNDLE_PROTOCOL, HEAD, ITEM, decode_answers, encode_bundle
 from agent.wire.frames import FrameError
 
 STREAM_PATH = "/v1/stream"
@@ -75,7 +75,7 @@ class FrameStreams:
         self.enabled = streams_enabled()
         self.bundling = bundling and bundles_enabled()
         self._no_bundle: set[str] = set()  # hops whose sockets did not agree to BUNDLE_PROTOCOL
-        self._waiting: dict[tuple[str, str | None], list[_Item]] = {}  # frames of this loop turn
+        self._waiting: dict[tuple[str, str | None], _Turn] = {}  # frames of this loop turn, per hop
         self._flushing: set[asyncio.Task[None]] = set()
         self.bundles_sent = 0  # bundle messages of two frames or more (telemetry, tests)
 
@@ -179,25 +179,26 @@ class FrameStreams:
         bundle), else a task sends the bundle."""
         loop = asyncio.get_running_loop()
         item = _Item(body, loop.create_future(), deadline)
-        waiting = self._waiting.get(key)
-        if waiting is not None and sum(len(i.body) + 4 for i in waiting) + len(body) + 12 > STREAM_MAX_FRAME:
+        turn = self._waiting.get(key)
+        if turn is not None and turn.size + ITEM.size + len(body) > STREAM_MAX_FRAME:
             self._flush(key, ssl_ctx)  # a hop reads at most STREAM_MAX_FRAME per message
-            waiting = None
-        if waiting is not None:
-            waiting.append(item)
-            if len(waiting) >= BUNDLE_MAX_FRAMES:
+            turn = None
+        if turn is not None:
+            turn.add(item)
+            if len(turn.items) >= BUNDLE_MAX_FRAMES:
                 self._flush(key, ssl_ctx)
         else:
-            waiting = self._waiting[key] = [item]
+            turn = self._waiting[key] = _Turn()
+            turn.add(item)
             try:
                 await asyncio.sleep(0)  # the turn's other callbacks run: steps made in it join
             except asyncio.CancelledError:
-                if self._waiting.get(key) is waiting:
-                    waiting.remove(item)
+                if self._waiting.get(key) is turn:
+                    turn.items.remove(item)
                     self._flush(key, ssl_ctx)  # the others still go
                 raise
-            if self._waiting.get(key) is waiting:  # not sent early (full): send it now
-                if len(waiting) == 1:
+            if self._waiting.get(key) is turn:  # not sent early (full): send it now
+                if len(turn.items) == 1:
                     del self._waiting[key]
                     return await self._exchange(key, body, deadline, ssl_ctx)
                 self._flush(key, ssl_ctx)
@@ -205,7 +206,8 @@ class FrameStreams:
             return await item.future
 
     def _flush(self, key: tuple[str, str | None], ssl_ctx: ssl.SSLContext | bool) -> None:
-        items = [i for i in self._waiting.pop(key, []) if not i.future.done()]  # a cancelled caller's goes
+        turn = self._waiting.pop(key, None)
+        items = [i for i in turn.items if not i.future.done()] if turn else []  # a cancelled caller's goes
         if not items:
             return
         task = asyncio.get_running_loop().create_task(self._send_bundle(key, items, ssl_ctx))
@@ -269,6 +271,18 @@ class _Item:
     body: bytes
     future: asyncio.Future[tuple[int, bytes] | None]
     deadline: float | None
+
+
+@dataclass(eq=False)
+class _Turn:
+    """The frames for one hop made in this loop turn, and the size of the bundle they make."""
+
+    items: list[_Item] = field(default_factory=list)
+    size: int = HEAD.size
+
+    def add(self, item: _Item) -> None:
+        self.items.append(item)
+        self.size += ITEM.size + len(item.body)
 
 
 def _settle(item: _Item, outcome: tuple[int, bytes] | None | BaseException) -> None:
