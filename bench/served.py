@@ -409,6 +409,9 @@ def main() -> None:
     ap.add_argument("--decode-only", action="store_true", help="1-session decode only (quick A/B runs)")
     ap.add_argument("--itl-only", action="store_true", help="only the ITL-under-prefill figures (A/B: both)")
     ap.add_argument("--no-seam", action="store_true", help="do not run bench/seam.py")
+    ap.add_argument(
+        "--no-itl", action="store_true", help="skip the ITL-under-prefill figures (quick A/B runs)"
+    )
     ap.add_argument("--serve-env", action="append", default=[], metavar="K=V", help="extra env of the hops")
     ap.add_argument(
         "--ab-serve-env",
@@ -553,7 +556,7 @@ def main() -> None:
                     samples["aggregate_tok_s_8_sessions_served_b"].append(
                         await decode_sessions(route_b, prompt, args.tokens // 2, BATCH)
                     )
-            if args.decode_only:
+            if args.decode_only or args.no_itl:
                 return {}
             itl = await itl_under_prefill(route, prompt, args.tokens // 2)
             if route_b is not None:  # the same measurement on route B, right after (keys ending _b)

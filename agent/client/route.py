@@ -356,8 +356,10 @@ class RouteClient(Failover):
         inp = Step(pos, len(ids), Kind.IDS, 0, np.asarray(ids, dtype="<i4").tobytes())
         # Hops remember the session's sampling options: send them only when they change.
         send = sampling != self._sent_sampling
-        # a step this small may share a message with other sessions' (its answer waits for theirs)
-        bundle = inp.n <= BUNDLE_STEP_TOKENS and not want_logits
+        # a step this small may share a message with other sessions' (its answer waits for theirs);
+        # with no other client on the transport there is nobody to share with: a lone session does
+        # not wait the loop turn that would find that out, on every hop of every step
+        bundle = inp.n <= BUNDLE_STEP_TOKENS and not want_logits and self.transport.users > 1
         t0 = time.perf_counter()
         if self.mode == "chain" or len(self.hops) == 1:
             resp = await self._call(

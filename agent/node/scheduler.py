@@ -14,7 +14,8 @@ No step is ever passed by a newer one.
 Before it takes a batch the worker may wait a little for steps still on their way (`_gather`): while
 fewer steps are queued than sessions that stepped here lately, up to a millisecond after each arrival
 and at most a quarter of the latest batch's compute, so steps a client relays one after another join
-one batch. A lone session never waits.
+one batch. A lone session never waits: its small steps do not even go through the worker
+(`_run_inline`), and a batch of a few positions computes on the event loop, not in a thread.
 
 `chunk_tokens` defaults to the native executor's micro-batch (native/src/graph.cpp kUBatch = 512): an
 unchunked call is computed in pieces of exactly that size from its first position, so a chunked
@@ -57,6 +58,10 @@ GATHER_GAP_US = 1000  # wait at most this long after each arrival
 GATHER_GAP_ENV = "GGSWARM_BATCH_GATHER_US"  # an operator's override, 0 (off)..100000
 GATHER_SHARE = 0.25  # and in all at most this share of the latest batch's compute
 ACTIVE_S = 0.25  # a session stepped here this recently (or 4 batches' compute, if longer): it comes back
+# Small work runs on the event loop: a lone decoding session's step at once (ShardScheduler._run_inline),
+# and a batch of at most INLINE_TOKENS positions in the worker without a thread hand-off. 0 puts both
+# back on the paths they took before (an operator's A/B, docs/benchmarks.md "Small steps in place").
+INLINE_ENV = "GGSWARM_INLINE_SMALL_STEPS"
 
 Admit = Callable[[Any, int], None]  # (the step's owner, KV bytes the batch adds so far) -> or raises
 
@@ -65,6 +70,12 @@ def busy_chunk_from_env(env: Mapping[str, str] | None = None) -> int:
     """BUSY_CHUNK_TOKENS, or the operator's GGSWARM_BUSY_CHUNK_TOKENS (ValueError when out of range)."""
     n = env_int(BUSY_CHUNK_ENV, 1, CHUNK_TOKENS, env)
     return BUSY_CHUNK_TOKENS if n is None else n
+
+
+def inline_from_env(env: Mapping[str, str] | None = None) -> bool:
+    """Whether small steps and batches run in place: yes, unless GGSWARM_INLINE_SMALL_STEPS=0
+    (ValueError when it is not 0 or 1)."""
+    return env_int(INLINE_ENV, 0, 1, env) != 0
 
 
 def gather_gap_from_env(env: Mapping[str, str] | None = None) -> int:
@@ -135,6 +146,7 @@ class ShardScheduler:
         chunk_tokens: int = CHUNK_TOKENS,
         busy_chunk_tokens: int | None = None,
         gather_gap_us: int | None = None,
+        inline: bool | None = None,
     ) -> None:
         self.backend = backend
         # held around every call into the backend (and by OPEN, CLOSE, TRUNCATE, hand-offs): a backend
@@ -154,6 +166,7 @@ class ShardScheduler:
         self.gather_gap_s = max(0, gap_us) / 1e6
         self._arrived = asyncio.Event()  # set by every submit: _gather waits on it
         self._last_compute_s = 0.0  # the latest batch's compute: bounds how long _gather may wait
+        self.inline = inline_from_env() if inline is None else inline
 
     def pending(self) -> int:
         return len(self._queue)
@@ -164,15 +177,20 @@ class ShardScheduler:
         if not self.batching:
             return await self._run_alone(owner, step)
         now = time.perf_counter()
-        loop = asyncio.get_running_loop()
-        p = _Pending(key, owner, step, step_tokens(step), loop.create_future(), now, now)
-        if p.n_tokens == 0:
+        n = step_tokens(step)
+        if n == 0:
             raise BackendError("a step with no positions")
-        self._last_step[key] = now
         if key in self._queue:
             # steps of one session are sequential; a second one now (a retry racing its original)
             # could only fail on its position, and its rollback would undo the first
+            self._last_step[key] = now
             raise SessionBusy("this session already has a step in progress on this shard")
+        if n <= INLINE_TOKENS and self.inline and self._alone(key, now):
+            self._last_step[key] = now
+            return self._run_inline(owner, step, n)
+        self._last_step[key] = now
+        loop = asyncio.get_running_loop()
+        p = _Pending(key, owner, step, n, loop.create_future(), now, now)
         self._queue[key] = p
         self._arrived.set()
         if self._worker is None or self._worker.done():
@@ -196,6 +214,44 @@ class ShardScheduler:
         """Fail every queued step (the shard is being unloaded)."""
         for key in list(self._queue):
             self.drop_session(key, reason)
+
+    # -- a lone session's small step ----------------------------------------------------------------
+    def _alone(self, key: Hashable, now: float) -> bool:
+        """This session is decoding here (it stepped lately) and no other one is: nothing queued or
+        running, nobody else coming back, so a batch could hold only this step and it need not wait for
+        one. A session's first step here never counts as alone: steps of sessions that start together
+        arrive in one loop turn, and the first must not run before the others have joined its batch."""
+        if self._queue or self.lock.locked():
+            return False
+        window = max(ACTIVE_S, 4 * self._last_compute_s)
+        mine = self._last_step.get(key)
+        if mine is None or now - mine > window:
+            return False
+        return all(k == key or now - t > window for k, t in self._last_step.items())
+
+    def _run_inline(self, owner: Any, step: StepInput, n: int) -> ForwardResult:
+        """Run a lone small step on the event loop, at once: what the worker would do with a batch of
+        one, without the task, the future and the loop turns between them (~0.1 ms a step, paid on
+        every hop of a decoding session's route). Nothing can start on the shard meanwhile: the loop
+        does not yield, and the lock was free (no step or hand-off in a thread)."""
+        if self._observer is not None:
+            self._observer.queue_wait(0.0)
+        grow = self.backend.kv_growth_bytes(step.sid, step.pos_start + n)
+        if self._admit is not None:
+            self._admit(owner, grow)
+        t1 = time.perf_counter()
+        try:
+            res = self.backend.forward_step(step)
+        except BackendError:
+            # as a failed batch: the session stays where the step began
+            with contextlib.suppress(BackendError):
+                if self.backend.session_len(step.sid) > step.pos_start:
+                    self.backend.truncate_to(step.sid, step.pos_start)
+            raise
+        self._last_compute_s = time.perf_counter() - t1
+        if self._observer is not None:
+            self._observer.batch(1, n, self._last_compute_s)
+        return res
 
     # -- the serial path (a backend that does not batch) ----------------------------------------------
     async def _run_alone(self, owner: Any, step: StepInput) -> ForwardResult:
@@ -313,7 +369,10 @@ class ShardScheduler:
             return
         tokens = sum(n for _, n in runs)
         t1 = time.perf_counter()
-        if len(inputs) == 1 and tokens <= INLINE_TOKENS:
+        if tokens <= INLINE_TOKENS and (len(inputs) == 1 or self.inline):
+            # a few positions compute in a few ms: a thread hand-off (and the loop's wake-up after
+            # it) would cost more than the loop gains by staying free meanwhile, since in star mode
+            # the next steps for this shard come only after these answers went round the route
             results = _forward_batch(self.backend, inputs)
         else:
             results = await asyncio.to_thread(_forward_batch, self.backend, inputs)
