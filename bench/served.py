@@ -48,92 +48,16 @@ from agent.procs import stop  # noqa: E402
 from agent.wire.routetoken import RouteHop, generate_key, mint_route, public_key_b64  # noqa: E402
 from agent.wire.sampling import SamplingParams  # noqa: E402
 from bench._common import start_serve  # noqa: E402
+from bench._llamacpp import BATCH, LlamaCpp  # noqa: E402
 
 RANGES = [(0, 10), (10, 20), (20, 30)]
 STORY = [
     {"role": "user", "content": "Write a long story about a lighthouse keeper who kept a log of every ship."}
 ]
-BATCH = 8
 ITL_SESSIONS = 4
 LONG_PROMPT = 2000
 GREEDY = SamplingParams()
 DEFAULT_MODE = str(inspect.signature(RouteClient).parameters["mode"].default)
-
-
-# -- llama.cpp, one process -----------------------------------------------------------------------------
-class LlamaCpp:
-    """llama-cpp-python in this process: a Python decode loop, and 8 sequences through llama_batch."""
-
-    def __init__(self, model: str, threads: int) -> None:
-        import llama_cpp
-
-        self.lc = llama_cpp
-        self.llm = llama_cpp.Llama(
-            model_path=model,
-            n_ctx=2048,
-            n_batch=512,
-            n_threads=threads,
-            n_threads_batch=threads,
-            verbose=False,
-        )
-        self.n_vocab = self.llm.n_vocab()
-        params = llama_cpp.llama_context_default_params()
-        params.n_ctx = BATCH * 512
-        params.n_batch = 512
-        params.n_ubatch = 512
-        params.n_seq_max = BATCH
-        params.n_threads = threads
-        params.n_threads_batch = threads
-        self.bctx = llama_cpp.llama_init_from_model(self.llm.model, params)
-        if not self.bctx:
-            raise RuntimeError("llama.cpp could not create the 8-sequence context")
-        self.batch = llama_cpp.llama_batch_init(512, 0, BATCH)
-
-    def _argmax(self, ctx: Any, i: int) -> int:
-        ptr = self.lc.llama_get_logits_ith(ctx, i)
-        return int(np.argmax(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))))
-
-    def decode_tok_s(self, prompt: list[int], n: int) -> float:
-        llm = self.llm
-        llm.reset()
-        llm.eval(prompt)
-        tok = self._argmax(llm._ctx.ctx, -1)
-        t0 = time.perf_counter()
-        for _ in range(n):
-            llm.eval([tok])
-            tok = self._argmax(llm._ctx.ctx, -1)
-        return n / (time.perf_counter() - t0)
-
-    def _fill(self, rows: list[tuple[int, int, int, bool]]) -> None:
-        b = self.batch
-        for i, (token, pos, seq, logits) in enumerate(rows):
-            b.token[i], b.pos[i], b.n_seq_id[i] = token, pos, 1
-            b.seq_id[i][0] = seq
-            b.logits[i] = logits
-        b.n_tokens = len(rows)
-        if self.lc.llama_decode(self.bctx, b) != 0:
-            raise RuntimeError("llama_decode failed")
-
-    def batched_tok_s(self, prompt: list[int], n: int) -> float:
-        """8 sequences, each prefilled with `prompt`, then decoded one token each per llama_decode."""
-        lc = self.lc
-        lc.llama_memory_clear(lc.llama_get_memory(self.bctx), True)
-        toks = []
-        for s in range(BATCH):
-            self._fill([(t, p, s, p == len(prompt) - 1) for p, t in enumerate(prompt)])
-            toks.append(self._argmax(self.bctx, len(prompt) - 1))
-        pos = len(prompt)
-        t0 = time.perf_counter()
-        for _ in range(n):
-            self._fill([(toks[s], pos, s, True) for s in range(BATCH)])
-            toks = [self._argmax(self.bctx, s) for s in range(BATCH)]
-            pos += 1
-        return BATCH * n / (time.perf_counter() - t0)
-
-    def close(self) -> None:
-        self.lc.llama_batch_free(self.batch)
-        self.lc.llama_free(self.bctx)
-        self.llm.close()
 
 
 # -- the served route -----------------------------------------------------------------------------------

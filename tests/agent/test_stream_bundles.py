@@ -24,7 +24,7 @@ from agent.wire.bundle import (
 from agent.wire.frames import Kind, Op, decode_response
 from agent.wire.routetoken import generate_key, mint
 from agent.wire.sampling import SamplingParams
-from agent.wire.stream import STREAM_PATH
+from agent.wire.stream import STREAM_PATH, FrameStreams
 from tests.agent.test_dataplane_security import frame, ids_frame, nodes, tiny  # noqa: F401
 
 PROMPTS = [[1, 9690, 198, 2683 + i, 359, 253] for i in range(4)]
@@ -205,6 +205,46 @@ async def test_route_clients_sharing_a_transport_bundle_their_steps_and_get_what
     else:
         assert a.dp.stats()["bundles"] == b.dp.stats()["bundles"] == 0
         assert a.url in shared.streams._no_bundle
+
+
+async def test_a_route_client_alone_on_a_shared_transport_does_not_wait_for_bundle_partners(
+    nodes,  # noqa: F811
+    tiny,  # noqa: F811
+    signing_key,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _, manifest = tiny
+    node = await nodes("node-1", [(0, 4)], batching=True)
+    offered = 0  # steps offered for a bundle (each waits a loop turn for partners)
+    bundled = FrameStreams._bundled
+
+    async def counting(self: FrameStreams, *args: Any) -> Any:
+        nonlocal offered
+        offered += 1
+        return await bundled(self, *args)
+
+    monkeypatch.setattr(FrameStreams, "_bundled", counting)
+
+    def client(transport: HopTransport) -> RouteClient:
+        session = os.urandom(16)
+        hop = Hop(node.url, 0, 4, mint(signing_key, session, manifest.sha256, 0, 4, node.dp.node_id))
+        return RouteClient([hop], session_id=session, max_context=256, transport=transport)
+
+    shared = HopTransport()
+    alone = client(shared)
+    try:
+        first = [t async for t, _ in alone.generate(PROMPTS[0], SamplingParams(), 3)]
+        assert offered == 0  # nobody else on the transport: every step went as a plain frame at once
+        other = client(shared)
+        try:
+            await other.open()
+            await alone.forward([first[-1]], SamplingParams())
+            assert offered == 1  # a second client could share the message now
+        finally:
+            await other.close()
+    finally:
+        await alone.close()
+        await shared.close()
 
 
 async def test_route_clients_share_their_loops_transport_and_the_last_to_close_closes_it() -> None:
