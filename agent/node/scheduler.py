@@ -62,6 +62,11 @@ ACTIVE_S = 0.25  # a session stepped here this recently (or 4 batches' compute, 
 # and a batch of at most INLINE_TOKENS positions in the worker without a thread hand-off. 0 puts both
 # back on the paths they took before (an operator's A/B, docs/benchmarks.md "Small steps in place").
 INLINE_ENV = "GGSWARM_INLINE_SMALL_STEPS"
+# A prefill's chunk waits for the steps of sessions decoding beside it (ShardScheduler._hold_chunks):
+# at most HOLD_FACTOR x the period they come back with, and never more than HOLD_MAX_S
+HOLD_FACTOR = 1.5
+HOLD_MAX_S = 0.1
+HOLD_ENV = "GGSWARM_CHUNK_HOLD"  # 0: a chunk runs alone while the decoders are elsewhere
 
 Admit = Callable[[Any, int], None]  # (the step's owner, KV bytes the batch adds so far) -> or raises
 
@@ -76,6 +81,12 @@ def inline_from_env(env: Mapping[str, str] | None = None) -> bool:
     """Whether small steps and batches run in place: yes, unless GGSWARM_INLINE_SMALL_STEPS=0
     (ValueError when it is not 0 or 1)."""
     return env_int(INLINE_ENV, 0, 1, env) != 0
+
+
+def hold_from_env(env: Mapping[str, str] | None = None) -> bool:
+    """Whether a prefill's chunk waits for decoding sessions to ride with: yes, unless
+    GGSWARM_CHUNK_HOLD=0 (ValueError when it is not 0 or 1)."""
+    return env_int(HOLD_ENV, 0, 1, env) != 0
 
 
 def gather_gap_from_env(env: Mapping[str, str] | None = None) -> int:
@@ -147,6 +158,7 @@ class ShardScheduler:
         busy_chunk_tokens: int | None = None,
         gather_gap_us: int | None = None,
         inline: bool | None = None,
+        hold: bool | None = None,
     ) -> None:
         self.backend = backend
         # held around every call into the backend (and by OPEN, CLOSE, TRUNCATE, hand-offs): a backend
@@ -167,6 +179,8 @@ class ShardScheduler:
         self._arrived = asyncio.Event()  # set by every submit: _gather waits on it
         self._last_compute_s = 0.0  # the latest batch's compute: bounds how long _gather may wait
         self.inline = inline_from_env() if inline is None else inline
+        self.hold = hold_from_env() if hold is None else hold
+        self._period = 0.0  # decoding sessions' steps come back here about this often (an average)
 
     def pending(self) -> int:
         return len(self._queue)
@@ -180,6 +194,11 @@ class ShardScheduler:
         n = step_tokens(step)
         if n == 0:
             raise BackendError("a step with no positions")
+        prev = self._last_step.get(key)
+        if prev is not None and n <= INLINE_TOKENS:
+            # how often a decoding session comes back here: how long a chunk may wait for it
+            gap = now - prev
+            self._period = gap if self._period <= 0 else 0.8 * self._period + 0.2 * gap
         if key in self._queue:
             # steps of one session are sequential; a second one now (a retry racing its original)
             # could only fail on its position, and its rollback would undo the first
@@ -276,6 +295,7 @@ class ShardScheduler:
     # -- the batching worker ----------------------------------------------------------------------
     async def _work(self) -> None:
         while self._queue:
+            await self._hold_chunks()
             await self._gather()
             async with self.lock:
                 batch = self._take()
@@ -312,6 +332,29 @@ class ShardScheduler:
             self._arrived.clear()
             try:
                 await asyncio.wait_for(self._arrived.wait(), min(self.gather_gap_s, deadline - now))
+            except TimeoutError:
+                return
+
+    async def _hold_chunks(self) -> None:
+        """While only prefills are queued and other sessions are decoding here (they stepped lately and
+        are on other hops now), wait for their next steps, at most HOLD_FACTOR x the period they come
+        back with (and HOLD_MAX_S): the next chunk then rides in their batch instead of computing alone
+        meanwhile, when it would take the cores from the hops computing their steps (one box) and hold
+        their next step here until it is done. A prefill with nobody decoding beside it never waits."""
+        if not self.hold or self._period <= 0:
+            return
+        deadline = time.perf_counter() + min(HOLD_MAX_S, HOLD_FACTOR * self._period)
+        window = max(ACTIVE_S, 4 * self._last_compute_s)
+        while True:
+            now = time.perf_counter()
+            live = [p for p in self._queue.values() if not p.cancelled]
+            if not live or now >= deadline or any(p.n_tokens <= INLINE_TOKENS for p in live):
+                return
+            if not any(k not in self._queue and now - t <= window for k, t in self._last_step.items()):
+                return
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), deadline - now)
             except TimeoutError:
                 return
 

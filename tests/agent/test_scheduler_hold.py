@@ -1,0 +1,102 @@
+"""A prefill's chunks ride in the batches of sessions decoding beside it instead of computing alone."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+import agent.node.scheduler
+from agent.node.scheduler import HOLD_MAX_S, ShardScheduler, hold_from_env
+from tests.agent.test_scheduler import RecordingBackend, sid, step
+
+AWAY_S = 0.01  # a decoding session's step is on the other hops this long between two of its steps here
+
+
+def make(hold: bool) -> tuple[ShardScheduler, RecordingBackend]:
+    be = RecordingBackend()
+    sched = ShardScheduler(be, asyncio.Lock(), chunk_tokens=512, busy_chunk_tokens=16, hold=hold)
+    for i in range(3):
+        be.open_session(sid(i), 4096)
+    return sched, be
+
+
+async def decoder(sched: ShardScheduler, i: int, stop: asyncio.Event, steps: int | None = None) -> int:
+    """Session `i` decoding: a step here, then a while on the other hops, until `stop` (or `steps`)."""
+    pos = 0
+    while not stop.is_set() and (steps is None or pos < steps):
+        await sched.submit(i, None, step(sid(i), pos, [1]))
+        pos += 1
+        await asyncio.sleep(AWAY_S)
+    return pos
+
+
+def chunk_batches(be: RecordingBackend, prefill: int) -> list[set[int]]:
+    """For each batch holding a chunk of session `prefill`'s prompt: the sessions in it."""
+    return [{s[0] for s, _, _ in b} for b in be.batches if any(s == sid(prefill) for s, _, _ in b)]
+
+
+async def prefill_beside_decoder(sched: ShardScheduler, be: RecordingBackend) -> list[set[int]]:
+    stop = asyncio.Event()
+    dec = asyncio.ensure_future(decoder(sched, 1, stop))
+    await asyncio.sleep(5 * AWAY_S)  # it has been decoding a while: the shard knows its period
+    prompt = list(range(1, 97))
+    res = await sched.submit(0, None, step(sid(0), 0, prompt))
+    stop.set()
+    await dec
+    assert res.token == sum(prompt) and be.kv[sid(0)] == prompt  # the same answer either way
+    return chunk_batches(be, 0)
+
+
+async def test_a_prefills_chunks_ride_with_the_decoding_sessions_steps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # a loaded machine may keep the decoder away longer than 1.5 of its usual periods: the chunks'
+    # company is under test here, not the bound (the next tests)
+    monkeypatch.setattr(agent.node.scheduler, "HOLD_FACTOR", 10.0)
+    sched, be = make(hold=True)
+    batches = await prefill_beside_decoder(sched, be)
+    assert len(batches) == 96 // 16
+    assert all(b == {0, 1} for b in batches)  # no chunk computed alone while session 1 was away
+
+
+async def test_without_the_hold_chunks_compute_alone_while_the_decoder_is_away() -> None:
+    sched, be = make(hold=False)
+    batches = await prefill_beside_decoder(sched, be)
+    assert len(batches) == 96 // 16 and {0} in batches
+
+
+async def test_a_decoder_that_stops_coming_back_holds_a_prefill_only_briefly() -> None:
+    sched, be = make(hold=True)
+    await decoder(sched, 1, asyncio.Event(), steps=6)  # then silent, its session still open
+    t0 = time.perf_counter()
+    await sched.submit(0, None, step(sid(0), 0, list(range(1, 97))))
+    took = time.perf_counter() - t0
+    # each chunk waited at most 1.5 periods (~15 ms) until the session counted as gone (0.25 s)
+    assert took < 0.25 + 2 * HOLD_MAX_S
+    assert all(b == {0} for b in chunk_batches(be, 0))
+
+
+async def test_a_prefill_with_nobody_decoding_beside_it_never_waits() -> None:
+    sched, be = make(hold=True)
+    t0 = time.perf_counter()
+    await sched.submit(0, None, step(sid(0), 0, list(range(1, 1201))))
+    assert time.perf_counter() - t0 < 0.05
+    assert [(p, n) for b in be.batches for s, p, n in b if s == sid(0)] == [(0, 512), (512, 512), (1024, 176)]
+
+
+def test_the_operator_can_turn_the_hold_off_and_a_bad_value_is_a_clear_error() -> None:
+    assert hold_from_env({}) is True
+    assert hold_from_env({"GGSWARM_CHUNK_HOLD": "0"}) is False
+    with pytest.raises(ValueError, match="GGSWARM_CHUNK_HOLD"):
+        hold_from_env({"GGSWARM_CHUNK_HOLD": "sometimes"})
+
+
+def test_serving_with_a_bad_hold_setting_fails_at_once_with_its_name(monkeypatch, capsys) -> None:  # noqa: ANN001
+    from agent.cli import main
+
+    monkeypatch.setenv("GGSWARM_CHUNK_HOLD", "maybe")
+    argv = ["serve", "--model", "pkg:smollm2", "--port", "1", "--public-key", "unused"]
+    assert main(argv) == 2
+    assert "GGSWARM_CHUNK_HOLD='maybe' is not an integer" in capsys.readouterr().err
