@@ -125,6 +125,8 @@ class _Pending:
     done: int = 0
     parts: list[ForwardResult] = field(default_factory=list)
     closed: bool = False  # its session is closed: drop it, the session's KV is gone anyway
+    computed: float = 0.0  # seconds its chunks have computed (in their batches)
+    held: float = 0.0  # seconds it waited for decoding sessions to ride with (_hold_chunks)
 
     @property
     def cancelled(self) -> bool:
@@ -337,26 +339,38 @@ class ShardScheduler:
 
     async def _hold_chunks(self) -> None:
         """While only prefills are queued and other sessions are decoding here (they stepped lately and
-        are on other hops now), wait for their next steps, at most HOLD_FACTOR x the period they come
-        back with (and HOLD_MAX_S): the next chunk then rides in their batch instead of computing alone
-        meanwhile, when it would take the cores from the hops computing their steps (one box) and hold
-        their next step here until it is done. A prefill with nobody decoding beside it never waits."""
+        are on other hops now), wait for their next steps: the next chunk then rides in their batch
+        instead of computing alone meanwhile, when it would take the cores from the hops computing
+        their steps (one box) and hold their next step here until it is done. A wait lasts at most
+        HOLD_FACTOR x the period the decoders come back with and HOLD_MAX_S, and a prefill never waits
+        longer in all than its chunks have computed: sessions that decode slowly (or a client that
+        steps slowly on purpose) can at most double another's prompt. A prefill with nobody decoding
+        beside it never waits."""
         if not self.hold or self._period <= 0:
             return
-        deadline = time.perf_counter() + min(HOLD_MAX_S, HOLD_FACTOR * self._period)
+        t0 = time.perf_counter()
+        live = [p for p in self._queue.values() if not p.cancelled]
+        if not live or any(p.n_tokens <= INLINE_TOKENS for p in live):
+            return
+        budget = min(p.computed - p.held for p in live)
+        deadline = t0 + min(HOLD_MAX_S, HOLD_FACTOR * self._period, budget)
         window = max(ACTIVE_S, 4 * self._last_compute_s)
-        while True:
-            now = time.perf_counter()
-            live = [p for p in self._queue.values() if not p.cancelled]
-            if not live or now >= deadline or any(p.n_tokens <= INLINE_TOKENS for p in live):
-                return
-            if not any(k not in self._queue and now - t <= window for k, t in self._last_step.items()):
-                return
-            self._arrived.clear()
-            try:
-                await asyncio.wait_for(self._arrived.wait(), deadline - now)
-            except TimeoutError:
-                return
+        try:
+            while True:
+                now = time.perf_counter()
+                if now >= deadline or any(p.n_tokens <= INLINE_TOKENS for p in self._queue.values()):
+                    return
+                if not any(k not in self._queue and now - t <= window for k, t in self._last_step.items()):
+                    return
+                self._arrived.clear()
+                try:
+                    await asyncio.wait_for(self._arrived.wait(), deadline - now)
+                except TimeoutError:
+                    return
+        finally:
+            waited = time.perf_counter() - t0
+            for p in live:
+                p.held += waited
 
     def _take(self) -> list[tuple[_Pending, int]]:
         """The next batch: (step, positions to run now) for at most one step per session."""
@@ -434,6 +448,7 @@ class ShardScheduler:
                 continue
             p.parts.append(r)
             p.done += n
+            p.computed += self._last_compute_s
             if p.cancelled:
                 self._rollback(p)
                 self._remove(p)

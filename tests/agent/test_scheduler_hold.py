@@ -14,21 +14,35 @@ from tests.agent.test_scheduler import RecordingBackend, sid, step
 AWAY_S = 0.01  # a decoding session's step is on the other hops this long between two of its steps here
 
 
-def make(hold: bool) -> tuple[ShardScheduler, RecordingBackend]:
-    be = RecordingBackend()
+class TimedBackend(RecordingBackend):
+    """Computes for `per_position_s` per position of a call (a chunk of 16: 32 ms by default)."""
+
+    def __init__(self, per_position_s: float = 0.002) -> None:
+        super().__init__()
+        self.per_position_s = per_position_s
+
+    def _start(self, steps: list) -> None:  # noqa: ANN001
+        super()._start(steps)
+        time.sleep(self.per_position_s * sum(n for _, _, n in steps))
+
+
+def make(hold: bool, per_position_s: float = 0.002) -> tuple[ShardScheduler, RecordingBackend]:
+    be = TimedBackend(per_position_s)
     sched = ShardScheduler(be, asyncio.Lock(), chunk_tokens=512, busy_chunk_tokens=16, hold=hold)
     for i in range(3):
         be.open_session(sid(i), 4096)
     return sched, be
 
 
-async def decoder(sched: ShardScheduler, i: int, stop: asyncio.Event, steps: int | None = None) -> int:
-    """Session `i` decoding: a step here, then a while on the other hops, until `stop` (or `steps`)."""
+async def decoder(
+    sched: ShardScheduler, i: int, stop: asyncio.Event, steps: int | None = None, away_s: float = AWAY_S
+) -> int:
+    """Session `i` decoding: a step here, then `away_s` on the other hops, until `stop` (or `steps`)."""
     pos = 0
     while not stop.is_set() and (steps is None or pos < steps):
         await sched.submit(i, None, step(sid(i), pos, [1]))
         pos += 1
-        await asyncio.sleep(AWAY_S)
+        await asyncio.sleep(away_s)
     return pos
 
 
@@ -58,13 +72,15 @@ async def test_a_prefills_chunks_ride_with_the_decoding_sessions_steps(
     sched, be = make(hold=True)
     batches = await prefill_beside_decoder(sched, be)
     assert len(batches) == 96 // 16
-    assert all(b == {0, 1} for b in batches)  # no chunk computed alone while session 1 was away
+    # the first chunk has earned no wait yet (a prefill waits at most as long as it has computed);
+    # every later one rode with session 1's step instead of computing alone while it was away
+    assert all(b == {0, 1} for b in batches[1:])
 
 
 async def test_without_the_hold_chunks_compute_alone_while_the_decoder_is_away() -> None:
     sched, be = make(hold=False)
     batches = await prefill_beside_decoder(sched, be)
-    assert len(batches) == 96 // 16 and {0} in batches
+    assert len(batches) == 96 // 16 and {0} in batches[1:]
 
 
 async def test_a_decoder_that_stops_coming_back_holds_a_prefill_only_briefly() -> None:
@@ -78,8 +94,24 @@ async def test_a_decoder_that_stops_coming_back_holds_a_prefill_only_briefly() -
     assert all(b == {0} for b in chunk_batches(be, 0))
 
 
-async def test_a_prefill_with_nobody_decoding_beside_it_never_waits() -> None:
+async def test_a_session_stepping_slowly_can_at_most_double_a_prompts_time() -> None:
+    # session 1 comes back every 200 ms; a chunk of session 0's prompt computes for 32 ms: waiting for
+    # session 1 each time would take 100 ms (HOLD_MAX_S) per chunk, the budget allows no more than the
+    # 192 ms computed in all
     sched, be = make(hold=True)
+    stop = asyncio.Event()
+    dec = asyncio.ensure_future(decoder(sched, 1, stop, away_s=0.2))
+    await asyncio.sleep(0.5)
+    t0 = time.perf_counter()
+    await sched.submit(0, None, step(sid(0), 0, list(range(1, 97))))
+    took = time.perf_counter() - t0
+    stop.set()
+    await dec
+    assert took < 2 * 0.192 + 0.1  # compute, as much again held, and session 1's own steps
+
+
+async def test_a_prefill_with_nobody_decoding_beside_it_never_waits() -> None:
+    sched, be = make(hold=True, per_position_s=0.0)
     t0 = time.perf_counter()
     await sched.submit(0, None, step(sid(0), 0, list(range(1, 1201))))
     assert time.perf_counter() - t0 < 0.05
