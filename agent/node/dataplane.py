@@ -196,6 +196,8 @@ class DataPlane(FrameAdmission, ChainForwarding):
             "inflight_bytes": self._inflight_bytes,
             "evictions": self.sessions.evictions,
             "expirations": self.sessions.expirations,
+            # time prefill chunks waited for decoding sessions to ride with (scheduler._hold_chunks)
+            "chunk_hold_s": round(sum(s.scheduler.held_s for s in self.shards.values()), 3),
             # batch size, queue wait and compute per backend call over the last minute (metrics.py)
             "batching": self.metrics.batch_stats(),
             "shards": [
@@ -210,6 +212,7 @@ class DataPlane(FrameAdmission, ChainForwarding):
                     "sessions": len(self.sessions.for_shard(s.key)),
                     "batching": s.scheduler.batching,
                     "queued": s.scheduler.pending(),
+                    "chunk_hold_s": round(s.scheduler.held_s, 3),
                 }
                 for s in self.shards.values()
             ],

@@ -46,6 +46,7 @@ _COUNTERS = (
     ("bytes_out", "bytes_out", "Response bytes sent"),
     ("evictions", "kv_evictions", "Idle sessions evicted to admit another"),
     ("expirations", "kv_expirations", "Sessions closed after their idle TTL"),
+    ("chunk_hold_s", "chunk_hold_seconds", "Time prefill chunks waited for decoding sessions to ride with"),
 )
 _GAUGES = (
     ("sessions", "sessions", "Open sessions"),

@@ -183,6 +183,7 @@ class ShardScheduler:
         self.inline = inline_from_env() if inline is None else inline
         self.hold = hold_from_env() if hold is None else hold
         self._period = 0.0  # decoding sessions' steps come back here about this often (an average)
+        self.held_s = 0.0  # seconds prefills have waited for decoders in all (telemetry)
 
     def pending(self) -> int:
         return len(self._queue)
@@ -369,6 +370,7 @@ class ShardScheduler:
                     return
         finally:
             waited = time.perf_counter() - t0
+            self.held_s += waited
             for p in live:
                 p.held += waited
 

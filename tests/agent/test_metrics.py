@@ -76,6 +76,7 @@ async def test_a_chat_moves_the_token_step_and_kv_metrics_and_a_bad_frame_counts
     assert during[("gguf_swarm_agent_step_seconds_sum", (("kind", "decode"),))] > 0
     assert during[("gguf_swarm_agent_queue_wait_seconds_count", ())] == 12
     assert during[("gguf_swarm_agent_tokens_in_total", ())] == 2 * (len(PROMPT) + 5)
+    assert during[("gguf_swarm_agent_chunk_hold_seconds_total", ())] == 0  # nobody decoded beside it
     codes = {labels: v for (name, labels), v in after.items() if name == "gguf_swarm_agent_errors_total"}
     assert codes == {(("code", "bad_frame"),): 1}
 

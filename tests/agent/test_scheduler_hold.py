@@ -75,12 +75,14 @@ async def test_a_prefills_chunks_ride_with_the_decoding_sessions_steps(
     # the first chunk has earned no wait yet (a prefill waits at most as long as it has computed);
     # every later one rode with session 1's step instead of computing alone while it was away
     assert all(b == {0, 1} for b in batches[1:])
+    assert sched.held_s > 0  # counted for /v1/health and /metrics (chunk_hold_seconds)
 
 
 async def test_without_the_hold_chunks_compute_alone_while_the_decoder_is_away() -> None:
     sched, be = make(hold=False)
     batches = await prefill_beside_decoder(sched, be)
     assert len(batches) == 96 // 16 and {0} in batches[1:]
+    assert sched.held_s == 0
 
 
 async def test_a_decoder_that_stops_coming_back_holds_a_prefill_only_briefly() -> None:
