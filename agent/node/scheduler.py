@@ -63,7 +63,7 @@ ACTIVE_S = 0.25  # a session stepped here this recently (or 4 batches' compute, 
 # back on the paths they took before (an operator's A/B, docs/benchmarks.md "Small steps in place").
 INLINE_ENV = "GGSWARM_INLINE_SMALL_STEPS"
 # A prefill's chunk waits for the steps of sessions decoding beside it (ShardScheduler._hold_chunks):
-# at most HOLD_FACTOR x the period they come back with, and never more than HOLD_MAX_S
+# until they are HOLD_FACTOR x their own period overdue (they stopped), never more than HOLD_MAX_S
 HOLD_FACTOR = 1.5
 HOLD_MAX_S = 0.1
 HOLD_ENV = "GGSWARM_CHUNK_HOLD"  # 0: a chunk runs alone while the decoders are elsewhere
@@ -182,7 +182,9 @@ class ShardScheduler:
         self._last_compute_s = 0.0  # the latest batch's compute: bounds how long _gather may wait
         self.inline = inline_from_env() if inline is None else inline
         self.hold = hold_from_env() if hold is None else hold
-        self._period = 0.0  # decoding sessions' steps come back here about this often (an average)
+        # session -> how often its small steps come back here (an average of the intervals): a session
+        # decoding now is one whose next step is due (_decoders)
+        self._period: dict[Hashable, float] = {}
         self.held_s = 0.0  # seconds prefills have waited for decoders in all (telemetry)
 
     def pending(self) -> int:
@@ -200,8 +202,10 @@ class ShardScheduler:
         prev = self._last_step.get(key)
         if prev is not None and n <= INLINE_TOKENS:
             # how often a decoding session comes back here: how long a chunk may wait for it
-            gap = now - prev
-            self._period = gap if self._period <= 0 else 0.8 * self._period + 0.2 * gap
+            gap, was = now - prev, self._period.get(key)
+            self._period[key] = gap if was is None else 0.8 * was + 0.2 * gap
+        elif n > INLINE_TOKENS:
+            self._period.pop(key, None)  # a prompt: it is not decoding (yet)
         if key in self._queue:
             # steps of one session are sequential; a second one now (a retry racing its original)
             # could only fail on its position, and its rollback would undo the first
@@ -225,6 +229,7 @@ class ShardScheduler:
         """Fail every queued step of `key` (its session is being closed); call with the lock held, so
         none of them is running. Returns how many were dropped."""
         self._last_step.pop(key, None)
+        self._period.pop(key, None)
         p = self._queue.pop(key, None)
         if p is None:
             return 0
@@ -342,37 +347,50 @@ class ShardScheduler:
         """While only prefills are queued and other sessions are decoding here (they stepped lately and
         are on other hops now), wait for their next steps: the next chunk then rides in their batch
         instead of computing alone meanwhile, when it would take the cores from the hops computing
-        their steps (one box) and hold their next step here until it is done. A wait lasts at most
-        HOLD_FACTOR x the period the decoders come back with and HOLD_MAX_S, and a prefill never waits
-        longer in all than its chunks have computed: sessions that decode slowly (or a client that
-        steps slowly on purpose) can at most double another's prompt. A prefill with nobody decoding
-        beside it never waits."""
-        if not self.hold or self._period <= 0:
+        their steps (one box) and hold their next step here until it is done. A wait ends when a
+        decoder is back, or when the last of them is overdue (HOLD_FACTOR x its own period after its
+        latest step: it stopped), and lasts at most HOLD_MAX_S; a prefill never waits longer in all
+        than its chunks have computed, so sessions that decode slowly (or a client stepping slowly on
+        purpose) can at most double another's prompt. A prefill with nobody decoding beside it, or
+        whose neighbours have stopped, never waits; its first chunk never waits."""
+        if not self.hold:
             return
         t0 = time.perf_counter()
         live = [p for p in self._queue.values() if not p.cancelled]
         if not live or any(p.n_tokens <= INLINE_TOKENS for p in live):
             return
-        budget = min(p.computed - p.held for p in live)
-        deadline = t0 + min(HOLD_MAX_S, HOLD_FACTOR * self._period, budget)
-        window = max(ACTIVE_S, 4 * self._last_compute_s)
-        try:
-            while True:
-                now = time.perf_counter()
-                if now >= deadline or any(p.n_tokens <= INLINE_TOKENS for p in self._queue.values()):
-                    return
-                if not any(k not in self._queue and now - t <= window for k, t in self._last_step.items()):
-                    return
-                self._arrived.clear()
-                try:
-                    await asyncio.wait_for(self._arrived.wait(), deadline - now)
-                except TimeoutError:
-                    return
-        finally:
-            waited = time.perf_counter() - t0
-            self.held_s += waited
-            for p in live:
-                p.held += waited
+        budget = t0 + min(HOLD_MAX_S, min(p.computed - p.held for p in live))
+        while True:
+            now = time.perf_counter()
+            if any(p.n_tokens <= INLINE_TOKENS for p in self._queue.values()):
+                return  # a decoder is back: the chunk rides with it
+            due = self._decoders(now)
+            deadline = min(budget, max(due, default=now))
+            if now >= deadline:
+                return
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), deadline - now)
+            except TimeoutError:
+                pass
+            finally:
+                waited = time.perf_counter() - now
+                self.held_s += waited
+                for p in live:
+                    p.held += waited
+
+    def _decoders(self, now: float) -> list[float]:
+        """When the sessions decoding here, and away now, are due back at the latest: HOLD_FACTOR x
+        their own period after their latest step. A session that has not come back by then stopped
+        (its answer ended, its user reads it), whatever its state: nobody waits for it."""
+        due = []
+        for k, period in self._period.items():
+            if k in self._queue:
+                continue
+            last = self._last_step.get(k)
+            if last is not None and now - last <= HOLD_FACTOR * period:
+                due.append(last + HOLD_FACTOR * period)
+        return due
 
     def _take(self) -> list[tuple[_Pending, int]]:
         """The next batch: (step, positions to run now) for at most one step per session."""
@@ -400,6 +418,7 @@ class ShardScheduler:
         for k, t in list(self._last_step.items()):
             if now - t > BUSY_WINDOW_S:
                 del self._last_step[k]  # bounded by the sessions active in the last second
+                self._period.pop(k, None)
         busy = any(k != key for k in self._last_step)
         return self.busy_chunk_tokens if busy else self.chunk_tokens
 

@@ -8,7 +8,7 @@ import time
 import pytest
 
 import agent.node.scheduler
-from agent.node.scheduler import HOLD_MAX_S, ShardScheduler, hold_from_env
+from agent.node.scheduler import ShardScheduler, hold_from_env
 from tests.agent.test_scheduler import RecordingBackend, sid, step
 
 AWAY_S = 0.01  # a decoding session's step is on the other hops this long between two of its steps here
@@ -91,9 +91,19 @@ async def test_a_decoder_that_stops_coming_back_holds_a_prefill_only_briefly() -
     t0 = time.perf_counter()
     await sched.submit(0, None, step(sid(0), 0, list(range(1, 97))))
     took = time.perf_counter() - t0
-    # each chunk waited at most 1.5 periods (~15 ms) until the session counted as gone (0.25 s)
-    assert took < 0.25 + 2 * HOLD_MAX_S
+    # session 1 counts as stopped 1.5 of its periods (~15 ms) after its last step: nobody waits more
+    assert sched.held_s < 0.05 and took < 0.192 + 0.15
     assert all(b == {0} for b in chunk_batches(be, 0))
+
+
+async def test_a_session_that_finished_its_answer_does_not_hold_the_next_prompt() -> None:
+    # a chat: session 1's answer ends (its session stays open for the next turn), session 2's prompt
+    # comes a moment later: it computes at once, in chunks, nobody waited for
+    sched, be = make(hold=True)
+    await decoder(sched, 1, asyncio.Event(), steps=6)
+    await asyncio.sleep(0.02)  # 2 periods: session 1 is overdue
+    await sched.submit(2, None, step(sid(2), 0, list(range(1, 97))))
+    assert sched.held_s == 0
 
 
 async def test_a_session_stepping_slowly_can_at_most_double_a_prompts_time() -> None:
