@@ -11,6 +11,15 @@ import numpy as np
 BATCH = 8  # sequences decoded together (bench/served.py's 8 sessions)
 
 
+def open_llama(model: str, threads: int, n_ctx: int) -> Any:
+    """llama_cpp.Llama as the benches run it: `threads` for decoding and prompts, 512-token batches."""
+    import llama_cpp
+
+    return llama_cpp.Llama(
+        model_path=model, n_ctx=n_ctx, n_batch=512, n_threads=threads, n_threads_batch=threads, verbose=False
+    )
+
+
 class LlamaCpp:
     """llama-cpp-python in this process: a Python decode loop, and 8 sequences through llama_batch."""
 
@@ -18,14 +27,7 @@ class LlamaCpp:
         import llama_cpp
 
         self.lc = llama_cpp
-        self.llm = llama_cpp.Llama(
-            model_path=model,
-            n_ctx=2048,
-            n_batch=512,
-            n_threads=threads,
-            n_threads_batch=threads,
-            verbose=False,
-        )
+        self.llm = open_llama(model, threads, 2048)
         self.n_vocab = self.llm.n_vocab()
         params = llama_cpp.llama_context_default_params()
         params.n_ctx = BATCH * 512

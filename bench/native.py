@@ -25,6 +25,7 @@ from agent.artifacts.packaged import packaged_model_path  # noqa: E402
 from agent.backends.base import ShardSpec  # noqa: E402
 from agent.backends.libggswarm import KERNEL_PAD, KV_PAD, padded_kv  # noqa: E402
 from agent.wire.ids import SessionId  # noqa: E402
+from bench._llamacpp import open_llama  # noqa: E402
 from tests.native.routes import route_forward  # noqa: E402
 
 TEXT = REPO / "tests" / "data" / "native_lighthouse.txt"
@@ -90,16 +91,7 @@ class LlamaCppRef:
     """llama-cpp-python driven from a Python loop (the single-process reference)."""
 
     def __init__(self, model: str, threads: int) -> None:
-        import llama_cpp
-
-        self.llm = llama_cpp.Llama(
-            model_path=model,
-            n_ctx=2304,
-            n_batch=512,
-            n_threads=threads,
-            n_threads_batch=threads,
-            verbose=False,
-        )
+        self.llm = open_llama(model, threads, 2304)
         self.n_vocab = self.llm.n_vocab()
 
     def prefill_ms(self, ids: list[int]) -> float:
