@@ -250,6 +250,7 @@ class ShardScheduler:
         arrive in one loop turn, and the first must not run before the others have joined its batch."""
         if self._queue or self.lock.locked():
             return False
+        self._forget_idle(now)  # a lone session's steps never reach _chunk_for, which does it otherwise
         window = max(ACTIVE_S, 4 * self._last_compute_s)
         mine = self._last_step.get(key)
         if mine is None or now - mine > window:
@@ -414,13 +415,18 @@ class ShardScheduler:
         """Positions a prefill of session `key` runs this round: small chunks while another session
         has stepped on this shard within BUSY_WINDOW_S (it is decoding: in star mode its next step is
         often on another hop when this batch is taken), else whole micro-batches."""
-        now = time.perf_counter()
-        for k, t in list(self._last_step.items()):
-            if now - t > BUSY_WINDOW_S:
-                del self._last_step[k]  # bounded by the sessions active in the last second
-                self._period.pop(k, None)
+        self._forget_idle(time.perf_counter())
         busy = any(k != key for k in self._last_step)
         return self.busy_chunk_tokens if busy else self.chunk_tokens
+
+    def _forget_idle(self, now: float) -> None:
+        """Drop what is kept of sessions that have not stepped here for BUSY_WINDOW_S: the tables stay
+        bounded by the sessions active in the last second (a session that expired instead of closing
+        is never dropped by name)."""
+        for k, t in list(self._last_step.items()):
+            if now - t > BUSY_WINDOW_S:
+                del self._last_step[k]
+                self._period.pop(k, None)
 
     async def _run(self, batch: list[tuple[_Pending, int]]) -> None:
         t0 = time.perf_counter()

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+import agent.node.scheduler
 from agent.backends.base import AdmissionError, BackendError, ForwardResult
 from agent.node.scheduler import INLINE_TOKENS, ShardScheduler, inline_from_env
 from tests.agent.test_scheduler import POISON, Recorder, RecordingBackend, make, sid, step
@@ -163,3 +164,17 @@ async def test_a_batch_of_a_few_positions_computes_on_the_loop_and_a_bigger_one_
     assert (be.threads[0] == loop_thread) is inline  # off: every batch of two or more in a thread
     assert be.threads[1] != loop_thread
     assert [be.kv[sid(i)] for i in range(4)] == [[1] * 9] * 4
+
+
+async def test_sessions_that_expire_without_closing_are_forgotten_by_a_lone_sessions_steps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(agent.node.scheduler, "BUSY_WINDOW_S", 0.05)
+    sched, be, _ = make()
+    for i in range(1, 6):  # each steps once and is never closed (the node's sweeper expires it)
+        be.open_session(sid(i), 64)
+        await sched.submit(i, None, step(sid(i), 0, [1]))
+    await asyncio.sleep(0.1)
+    await decoding(sched, be)
+    inline, _ = await in_place(sched.submit(0, None, step(sid(0), 1, [1])))
+    assert inline and set(sched._last_step) == {0}  # the table holds the sessions of the last window
