@@ -206,15 +206,15 @@ class ShardScheduler:
             self._period[key] = gap if was is None else 0.8 * was + 0.2 * gap
         elif n > INLINE_TOKENS:
             self._period.pop(key, None)  # a prompt: it is not decoding (yet)
+        # (asked before this step is recorded: "alone" means this session stepped here before)
+        alone = n <= INLINE_TOKENS and self.inline and self._alone(key, now)
+        self._last_step[key] = now
         if key in self._queue:
             # steps of one session are sequential; a second one now (a retry racing its original)
             # could only fail on its position, and its rollback would undo the first
-            self._last_step[key] = now
             raise SessionBusy("this session already has a step in progress on this shard")
-        if n <= INLINE_TOKENS and self.inline and self._alone(key, now):
-            self._last_step[key] = now
+        if alone:
             return self._run_inline(owner, step, n)
-        self._last_step[key] = now
         loop = asyncio.get_running_loop()
         p = _Pending(key, owner, step, n, loop.create_future(), now, now)
         self._queue[key] = p
@@ -271,10 +271,7 @@ class ShardScheduler:
         try:
             res = self.backend.forward_step(step)
         except BackendError:
-            # as a failed batch: the session stays where the step began
-            with contextlib.suppress(BackendError):
-                if self.backend.session_len(step.sid) > step.pos_start:
-                    self.backend.truncate_to(step.sid, step.pos_start)
+            self._truncate_back(step)  # as a failed batch: the session stays where the step began
             raise
         self._last_compute_s = time.perf_counter() - t1
         if self._observer is not None:
@@ -490,10 +487,15 @@ class ShardScheduler:
         a chunked one. (Only this step of its session can be in flight: nothing else is undone.)"""
         if p.closed:
             return
-        with contextlib.suppress(BackendError):
-            if self.backend.session_len(p.step.sid) > p.step.pos_start:
-                self.backend.truncate_to(p.step.sid, p.step.pos_start)
+        self._truncate_back(p.step)
         p.done, p.parts = 0, []
+
+    def _truncate_back(self, st: StepInput) -> None:
+        """The session back where step `st` began, if it ran any positions (a backend that fails to
+        go back has lost the session anyway: its next step fails on its position)."""
+        with contextlib.suppress(BackendError):
+            if self.backend.session_len(st.sid) > st.pos_start:
+                self.backend.truncate_to(st.sid, st.pos_start)
 
     def _finish(self, p: _Pending, outcome: ForwardResult | BaseException) -> None:
         self._remove(p)
