@@ -277,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--replicas", default="", help="node URLs that may replace a failed hop")
     s.add_argument("--model", default="pkg:smollm2", help="GGUF path for the tokenizer, or pkg:NAME")
     s.add_argument("--signing-key", required=True, help="route-token private key (PEM) from keygen")
-    s.add_argument("--mode", choices=["star", "chain"], default="star")
+    s.add_argument("--mode", choices=list(defaults.ROUTE_MODES), default="star")
     s.add_argument("--hidden-dtype", choices=frames.HIDDEN_DTYPES, default=frames.DEFAULT_HIDDEN_DTYPE)
     s.add_argument("--max-tokens", type=int, default=128)
     s.add_argument("--max-context", type=int, default=defaults.MAX_CONTEXT)

@@ -25,6 +25,12 @@ KV_BUDGET_BYTES = 1 << 30
 SESSION_TTL_S = 1800.0
 # Longest context a route client asks its hops to hold.
 MAX_CONTEXT = 8192
+# How a route client drives its hops: "star" (it sends every hop its input and reads every output) or
+# "chain" (hop 1 gets the ids, each hop pushes its output to the next, the last one's token comes back).
+ROUTE_MODES = ("star", "chain")
+# The control plane's playground and API route in chain mode: hidden states then travel only between
+# hops, never through the web process (issue 13; docs/protocol.md, "Star vs chain").
+CONTROL_PLANE_ROUTE_MODE = "chain"
 
 # --- control channel ---------------------------------------------------------------------------------
 # The control plane's web port (`make up`, SITE_URL).

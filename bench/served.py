@@ -6,8 +6,8 @@
 llama-cpp-python runs in this process (one `Llama`, `--threads` threads; the batched figure drives 8
 sequences through its low-level batch API). The served route is 3 real `agent serve` processes on
 127.0.0.1 (native backend, layers 0:10 / 10:20 / 20:30, `--threads` each) driven by
-`agent.client.route.RouteClient` with the arguments the control plane gives it (its default mode and
-seam dtype). Decode figures are medians of interleaved rounds (the machine is shared: compare ratios).
+`agent.client.route.RouteClient` with the arguments the control plane gives it (its route mode, chain,
+and seam dtype). Decode figures are medians of interleaved rounds (the machine is shared: compare ratios).
 
 Keys (issue 13): decode_tok_s_llamacpp, decode_tok_s_served_3hop, ratio_served_vs_llamacpp,
 per_hop_overhead_ms (step wall time minus the hops' own compute, per hop), aggregate_tok_s_8_sessions_served,
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import inspect
 import json
 import os
 import statistics
@@ -44,6 +43,7 @@ from agent.artifacts.packaged import packaged_model_path  # noqa: E402
 from agent.client.route import Hop, RouteClient  # noqa: E402
 from agent.client.tokenizer import ChatTokenizer  # noqa: E402
 from agent.client.transport import HopTransport  # noqa: E402
+from agent.defaults import CONTROL_PLANE_ROUTE_MODE, ROUTE_MODES  # noqa: E402
 from agent.procs import stop  # noqa: E402
 from agent.wire.routetoken import RouteHop, generate_key, mint_route, public_key_b64  # noqa: E402
 from agent.wire.sampling import SamplingParams  # noqa: E402
@@ -57,7 +57,8 @@ STORY = [
 ITL_SESSIONS = 4
 LONG_PROMPT = 2000
 GREEDY = SamplingParams()
-DEFAULT_MODE = str(inspect.signature(RouteClient).parameters["mode"].default)
+# the mode the control plane drives its routes in (webapp settings.ROUTE_MODE defaults to it)
+DEFAULT_MODE = CONTROL_PLANE_ROUTE_MODE
 
 
 # -- the served route -----------------------------------------------------------------------------------
@@ -213,7 +214,7 @@ def playground(args: argparse.Namespace, tok: ChatTokenizer) -> dict[str, Any]:
     client's own tok/s on the same hops, interleaved, greedy, same messages."""
     from aiohttp import ClientSession
 
-    from agent.wire.routetoken import load_private_key, mint
+    from agent.wire.routetoken import load_private_key
     from tests.integration.swarm import control_plane
 
     async def ws_answer(s: Any, n: int) -> tuple[float, int, list[dict[str, Any]]]:
@@ -244,16 +245,11 @@ def playground(args: argparse.Namespace, tok: ChatTokenizer) -> dict[str, Any]:
     async def route_answer(s: Any, route: list[dict[str, Any]], n: int) -> float:
         key = load_private_key(s.data_dir / "route_key.pem")
         session = os.urandom(16)
-        hops = [
-            Hop(
-                h["url"],
-                h["layer_start"],
-                h["layer_end"],
-                mint(key, session, s.model["sha256"], h["layer_start"], h["layer_end"], h["node"], 600),
-            )
-            for h in route
-        ]
-        c = RouteClient(hops, tok, session_id=session)
+        plan = [RouteHop(h["node"], h["url"], h["layer_start"], h["layer_end"]) for h in route]
+        tokens = mint_route(key, session, s.model["sha256"], plan, 600)  # each names the next (chain)
+        hops = [Hop(h.url, h.layer_start, h.layer_end, t) for h, t in zip(plan, tokens, strict=True)]
+        # the mode the playground drives the same hops in (the control plane's)
+        c = RouteClient(hops, tok, session_id=session, mode=DEFAULT_MODE)
         first = last = 0.0
         count = 0
         try:
@@ -325,9 +321,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="compute threads of llama.cpp and of every hop")
     ap.add_argument("--tokens", type=int, default=48, help="decode tokens per measurement")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds (medians reported)")
-    ap.add_argument("--mode", default=DEFAULT_MODE, choices=["star", "chain"], help="route mode measured")
+    ap.add_argument("--mode", default=DEFAULT_MODE, choices=list(ROUTE_MODES), help="route mode measured")
     ap.add_argument(
-        "--compare-modes", action="store_true", help="also time the other mode (1-session decode)"
+        "--compare-modes", action="store_true", help="also time the other mode (1 and 8 sessions)"
     )
     ap.add_argument("--no-playground", action="store_true", help="skip the control plane (saves ~1 min)")
     ap.add_argument("--decode-only", action="store_true", help="1-session decode only (quick A/B runs)")
@@ -392,6 +388,8 @@ def main() -> None:
         samples[f"decode_tok_s_served_3hop_{other}"] = []
         samples[f"per_hop_overhead_ms_{other}"] = []
         samples[f"hop_compute_ms_{other}"] = []
+        if not args.decode_only:
+            samples[f"aggregate_tok_s_8_sessions_served_{other}"] = []
     ab = ab_env is not None or args.ab_http or args.ab_no_bundles
     if ab:
         samples["decode_tok_s_served_3hop_b"] = []
@@ -480,6 +478,10 @@ def main() -> None:
                     samples["aggregate_tok_s_8_sessions_served_b"].append(
                         await decode_sessions(route_b, prompt, args.tokens // 2, BATCH)
                     )
+                if args.compare_modes:
+                    samples[f"aggregate_tok_s_8_sessions_served_{other}"].append(
+                        await decode_sessions(route_other, prompt, args.tokens // 2, BATCH)
+                    )
             if args.decode_only or args.no_itl:
                 return {}
             itl = await itl_under_prefill(route, prompt, args.tokens // 2)
@@ -529,6 +531,10 @@ def main() -> None:
         out[f"ratio_served_vs_llamacpp_{other}"] = round(
             out[f"decode_tok_s_served_3hop_{other}"] / out["decode_tok_s_llamacpp"], 3
         )
+        if not args.decode_only:
+            out[f"ratio_served8_vs_llamacpp8_{other}"] = round(
+                out[f"aggregate_tok_s_8_sessions_served_{other}"] / out["decode_tok_s_llamacpp_batched_8"], 3
+            )
     if args.no_playground:
         out["playground_tok_s"] = None
         out["playground_reason"] = "skipped (--no-playground)"

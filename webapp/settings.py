@@ -169,6 +169,14 @@ TELEMETRY_KEEP_HOURS = envint("TELEMETRY_KEEP_HOURS", 24, minimum=1)
 KV_RESERVE_BYTES = envint("KV_RESERVE_BYTES", 256 << 20, minimum=0)
 # The ggml executor when a node has it built; nodes without it fall back to their first backend.
 DEFAULT_BACKEND = envstr("DEFAULT_BACKEND", defaults.DEFAULT_BACKEND)
+# How the playground's and the API's route clients drive the hops (docs/protocol.md, "Star vs chain"):
+# chain keeps hidden states off this process; star keeps every seam in it (a dead hop's spare re-prefills
+# from its own seam instead of the whole route from position 0).
+ROUTE_MODE = envstr("ROUTE_MODE", defaults.CONTROL_PLANE_ROUTE_MODE)
+if ROUTE_MODE not in defaults.ROUTE_MODES:
+    raise ImproperlyConfigured(
+        f"ROUTE_MODE={ROUTE_MODE[:40]!r} must be one of {', '.join(defaults.ROUTE_MODES)}"
+    )
 # Ed25519 key that signs route tokens: ROUTE_KEY_PEM(_FILE), else generated into the data dir (0600).
 ROUTE_KEY_PEM = envstr("ROUTE_KEY_PEM")
 ROUTE_KEY_PATH = DATA_DIR / "route_key.pem"

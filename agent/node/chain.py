@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector
 
-from agent.node.sessions import SessionState, ShardKey
+from agent.node.sessions import SessionState, SessionTable, ShardKey
 from agent.node.steps import DataPlaneError, needs_ids
+from agent.wire.bundle import BUNDLE_STEP_TOKENS
 from agent.wire.frames import (
     FrameError,
     Kind,
@@ -39,6 +40,7 @@ class ChainForwarding:
     later layer needs the token ids)."""
 
     shards: dict[ShardKey, Shard]
+    sessions: SessionTable
 
     def __init__(self, client_ssl: ssl.SSLContext | None) -> None:
         # mutual TLS towards next hops (chain mode): the swarm CA only, and the node id the token names
@@ -94,8 +96,13 @@ class ChainForwarding:
             body = encode_request(fwd)
             ssl_ctx = self._ssl_for(nxt.url)
             if self._streams is None:
-                self._streams = FrameStreams(client, max_answer=CHAIN_MAX_ANSWER)
-            got = await self._streams.exchange(nxt.url, body, 300.0, ssl_ctx, tls_name, answer_limit=limit)
+                self._streams = FrameStreams(client, max_answer=CHAIN_MAX_ANSWER, bundling=True)
+            # Small steps of sessions this hop answered together go on together, as one bundle (their
+            # next hop batches them as it came); a node holding one session sends it alone, at once.
+            bundle = out.n_tokens <= BUNDLE_STEP_TOKENS and not req.want_logits and len(self.sessions) > 1
+            got = await self._streams.exchange(
+                nxt.url, body, 300.0, ssl_ctx, tls_name, answer_limit=limit, bundle=bundle
+            )
             data: bytes | None
             if got is not None:  # over the pooled stream (agent/wire/stream.py)
                 status, answer = got

@@ -310,3 +310,23 @@ def test_usage_per_key_and_day_is_shown_to_the_user_and_the_admin(swarm: Swarm) 
     assert m and int(m.group(1)) > 5 and int(m.group(2)) > 100 and int(m.group(3)) > 10, html[-2000:]
     code, html = swarm.admin.get("/admin/api/apikey/")
     assert code == 200 and "conversation" in html
+
+
+def test_hidden_states_travel_between_the_hops_and_never_through_the_web_process(swarm: Swarm) -> None:
+    # issue 13: the web process sends hop 1 the ids and reads the last hop's token; the seams' hidden
+    # states (576 floats per position: at least 1,152 bytes each) go from hop to hop (chain mode)
+    c = client(swarm, create_key(swarm, "chain"))
+    urls = hop_urls(swarm)
+    before = {u: health(u)["bytes_in"] for u in urls}
+    r = c.chat.completions.create(model=swarm.model["name"], messages=MESSAGES, max_tokens=12, temperature=0)
+    after = {u: health(u)["bytes_in"] for u in urls}
+    x = x_swarm(r)
+    assert x["mode"] == "chain", x
+    first, *rest = x["hops"]
+    steps = x["n_generated"]  # one exchange per sampled token (the prompt's answers the first)
+    # the later hop only opened the session for the web process: less than one hidden state came back
+    assert all(h["bytes_in"] < 1152 for h in rest), x["hops"]
+    assert 0 < first["bytes_in"] < steps * 1152, x["hops"]  # tokens and timings only, never a hidden state
+    received = sorted(after[u] - before[u] for u in urls)
+    # the later hop received every position's hidden state from the first one
+    assert received[-1] >= (x["n_prompt"] + steps - 1) * 1152, (received, x)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -57,3 +60,21 @@ def test_a_file_variant_wins_and_an_unreadable_file_is_an_error(
 def test_lists_are_comma_separated(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("X_HOSTS", "a, b,,c")
     assert envlist("X_HOSTS", []) == ["a", "b", "c"]
+
+
+def _settings_in_a_fresh_process(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    code = "import django; django.setup(); from django.conf import settings; print(settings.ROUTE_MODE)"
+    full = {k: v for k, v in os.environ.items() if k != "ROUTE_MODE"}
+    full.update({"DJANGO_SETTINGS_MODULE": "webapp.settings", **env})
+    return subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=120)
+
+
+def test_the_playground_and_api_route_in_chain_mode_unless_the_operator_says_star() -> None:
+    assert _settings_in_a_fresh_process({}).stdout.strip() == "chain"
+    assert _settings_in_a_fresh_process({"ROUTE_MODE": "star"}).stdout.strip() == "star"
+
+
+def test_an_unknown_route_mode_stops_the_control_plane_with_its_name() -> None:
+    r = _settings_in_a_fresh_process({"ROUTE_MODE": "ring"})
+    assert r.returncode != 0
+    assert "ROUTE_MODE='ring' must be one of star, chain" in r.stderr

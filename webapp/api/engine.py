@@ -246,6 +246,8 @@ class Generation:
             # one transport per process and TLS context: sessions' decode steps to a hop travel and run
             # together (agent/client/transport.py)
             transport=shared_transport(dataplane_tls.context_for([h.url for h in hops])),
+            # hidden states stay between the hops (chain), not through this process: settings.ROUTE_MODE
+            mode=settings.ROUTE_MODE,
             replacements=routing.replacement_provider(session.id),  # a failed hop is replaced mid-answer
         )
         entry = Entry(self.key.pk, self.target.artifact_id, session.id, client, session.hops)

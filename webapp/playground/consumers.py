@@ -15,6 +15,7 @@ from functools import lru_cache
 from typing import Any
 
 from channels.db import database_sync_to_async
+from django.conf import settings
 
 from agent.wire.control import CLOSE_UNAUTHORIZED
 from webapp.catalog.models import ModelArtifact
@@ -170,6 +171,8 @@ class ChatConsumer(SafeJsonConsumer):
                 # one transport per process and TLS context: sessions' decode steps to a hop travel and run
                 # together (agent/client/transport.py)
                 transport=shared_transport(dataplane_tls.context_for([h.url for h in hops])),
+                # hidden states stay between the hops (chain), not through this process: settings.ROUTE_MODE
+                mode=settings.ROUTE_MODE,
             )
             live = LiveRoute(cid, req.model_id, session.id, client, session.hops, turn.context)
         self.live = live
