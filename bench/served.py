@@ -10,7 +10,8 @@ sequences through its low-level batch API). The served route is 3 real `agent se
 and seam dtype). Decode figures are medians of interleaved rounds (the machine is shared: compare ratios).
 
 Keys (issue 13): decode_tok_s_llamacpp, decode_tok_s_served_3hop, ratio_served_vs_llamacpp,
-per_hop_overhead_ms (step wall time minus the hops' own compute, per hop), aggregate_tok_s_8_sessions_served,
+per_hop_overhead_ms (step wall time minus the hops' own compute, per hop; split into per_hop_wire_ms,
+per_hop_hop_python_ms and per_hop_client_ms, see Decode), aggregate_tok_s_8_sessions_served,
 ratio_8_vs_1_served, decode_tok_s_llamacpp_batched_8, ratio_served8_vs_llamacpp8,
 itl_p50_ms_idle / itl_p95_ms_while_prefill / itl_ratio (4 sessions decoding while a 2,000-token prompt
 arrives), playground_tok_s / route_client_tok_s_playground_route / ratio_playground_vs_route_client (an
@@ -30,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -111,14 +113,29 @@ class Route:
             self.transport = None
 
 
-async def decode_once(route: Route, prompt: list[int], n: int) -> tuple[float, float, float, float]:
-    """(tok/s, per-hop overhead ms, mean hop compute ms per step, the hops' CPU ms per step) of one
-    session decoding `n` tokens after `prompt`."""
+@dataclass
+class Decode:
+    """One session's decode through the route: speed, and where each hop step's time went (ms, per
+    hop and step): overhead = wire + hop_python + client; wire = round trips less the hops' handlers
+    (sends, wake-ups, the WebSocket on both ends; in chain mode also the hops' forwarding),
+    hop_python = the handlers less their compute, client = the route client's own work between them."""
+
+    tok_s: float
+    overhead_ms: float
+    compute_ms: float
+    cpu_ms: float  # the hops' CPU per step, all their threads
+    wire_ms: float
+    hop_python_ms: float
+    client_ms: float
+
+
+async def decode_once(route: Route, prompt: list[int], n: int) -> Decode:
+    """One session decoding `n` tokens after `prompt`."""
     c = route.client()
     try:
         tok = (await c.forward(prompt, GREEDY)).token
         for st in c.hop_stats:
-            st.compute_ms = 0.0
+            st.compute_ms = st.network_ms = st.wall_ms = 0.0
         cpu0 = route.cpu_s()
         t0 = time.perf_counter()
         for _ in range(n):
@@ -126,9 +143,20 @@ async def decode_once(route: Route, prompt: list[int], n: int) -> tuple[float, f
         wall_ms = (time.perf_counter() - t0) * 1e3
         cpu_ms = (route.cpu_s() - cpu0) * 1e3 / n
         compute_ms = sum(st.compute_ms for st in c.hop_stats)
+        network_ms = sum(st.network_ms for st in c.hop_stats)
+        rtt_ms = sum(st.wall_ms for st in c.hop_stats)
     finally:
         await c.close()
-    return n / (wall_ms / 1e3), (wall_ms - compute_ms) / n / len(c.hops), compute_ms / n / len(c.hops), cpu_ms
+    per = n * len(c.hops)
+    return Decode(
+        tok_s=n / (wall_ms / 1e3),
+        overhead_ms=(wall_ms - compute_ms) / per,
+        compute_ms=compute_ms / per,
+        cpu_ms=cpu_ms,
+        wire_ms=network_ms / per,
+        hop_python_ms=(rtt_ms - network_ms - compute_ms) / per,
+        client_ms=(wall_ms - rtt_ms) / per,
+    )
 
 
 async def decode_sessions(route: Route, prompt: list[int], n: int, k: int) -> float:
@@ -379,6 +407,9 @@ def main() -> None:
         "decode_tok_s_served_3hop": [],
         "per_hop_overhead_ms": [],
         "hop_compute_ms": [],
+        "per_hop_wire_ms": [],
+        "per_hop_hop_python_ms": [],
+        "per_hop_client_ms": [],
         "hops_cpu_ms_per_step": [],
         "aggregate_tok_s_8_sessions_served": [],
         "decode_tok_s_llamacpp_batched_8": [],
@@ -450,22 +481,25 @@ def main() -> None:
                 await decode_sessions(route_b, prompt, 2, BATCH)
             for _ in range(0 if args.itl_only else args.rounds):
                 samples["decode_tok_s_llamacpp"].append(llama.decode_tok_s(prompt, args.tokens))
-                tps, over, comp, cpu = await decode_once(route, prompt, args.tokens)
-                samples["hops_cpu_ms_per_step"].append(cpu)
-                samples["decode_tok_s_served_3hop"].append(tps)
-                samples["per_hop_overhead_ms"].append(over)
-                samples["hop_compute_ms"].append(comp)
+                d = await decode_once(route, prompt, args.tokens)
+                samples["hops_cpu_ms_per_step"].append(d.cpu_ms)
+                samples["decode_tok_s_served_3hop"].append(d.tok_s)
+                samples["per_hop_overhead_ms"].append(d.overhead_ms)
+                samples["hop_compute_ms"].append(d.compute_ms)
+                samples["per_hop_wire_ms"].append(d.wire_ms)
+                samples["per_hop_hop_python_ms"].append(d.hop_python_ms)
+                samples["per_hop_client_ms"].append(d.client_ms)
                 if route_b is not None:
-                    tps, over, comp, cpu = await decode_once(route_b, prompt, args.tokens)
-                    samples["hops_cpu_ms_per_step_b"].append(cpu)
-                    samples["decode_tok_s_served_3hop_b"].append(tps)
-                    samples["per_hop_overhead_ms_b"].append(over)
-                    samples["hop_compute_ms_b"].append(comp)
+                    d = await decode_once(route_b, prompt, args.tokens)
+                    samples["hops_cpu_ms_per_step_b"].append(d.cpu_ms)
+                    samples["decode_tok_s_served_3hop_b"].append(d.tok_s)
+                    samples["per_hop_overhead_ms_b"].append(d.overhead_ms)
+                    samples["hop_compute_ms_b"].append(d.compute_ms)
                 if args.compare_modes:
-                    tps, over, comp, _ = await decode_once(route_other, prompt, args.tokens)
-                    samples[f"decode_tok_s_served_3hop_{other}"].append(tps)
-                    samples[f"per_hop_overhead_ms_{other}"].append(over)
-                    samples[f"hop_compute_ms_{other}"].append(comp)
+                    d = await decode_once(route_other, prompt, args.tokens)
+                    samples[f"decode_tok_s_served_3hop_{other}"].append(d.tok_s)
+                    samples[f"per_hop_overhead_ms_{other}"].append(d.overhead_ms)
+                    samples[f"hop_compute_ms_{other}"].append(d.compute_ms)
                 if args.decode_only:
                     continue
                 samples["decode_tok_s_llamacpp_batched_8"].append(
