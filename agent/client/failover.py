@@ -23,6 +23,7 @@ from aiohttp import ClientError, ClientSession, ClientTimeout
 from agent.client.recovery import STANDBY, Hop, RecoveryPolicy, Replacement, ReplacementProvider
 from agent.wire.frames import Kind, Op, Response
 from agent.wire.ids import SessionId
+from agent.wire.routetoken import TokenError, decode_unverified
 
 PREFILL_CHUNK = 512
 
@@ -91,7 +92,7 @@ class Failover:
     _rtt: list[deque[float]]
     _resend_sampling: list[bool]
     _pending_ids: list[int]
-    _standby: list[tuple[Hop, int] | None]
+    _standby: list[tuple[Replacement, int] | None]
     _checkpointing: dict[int, asyncio.Task[None]]
     _http: ClientSession
 
@@ -144,8 +145,13 @@ class Failover:
             if task is not None:
                 task.cancel()
             rep: Replacement | None
-            if sb is not None and sb[0].url != old.url and not (alive and err.code == "draining"):
-                rep, standby_n = Replacement(sb[0]), sb[1]
+            if (
+                sb is not None
+                and sb[0].hop.url != old.url
+                and not (alive and err.code == "draining")
+                and self._spare_fits(i, sb[0])
+            ):
+                rep, standby_n = Replacement(sb[0].hop, previous_token=sb[0].previous_token), sb[1]
             else:
                 rep, standby_n = await self.replacements(i, list(self.hops), str(err)), -1
             provider_s += time.perf_counter() - t1
@@ -170,7 +176,7 @@ class Failover:
             self._rtt[i].clear()
             self._resend_sampling[i] = True
             self._chain_sent = False
-            method = await self._restore(i, old, rep, alive, standby_n)
+            method = await self._restore(i, old, rep, alive, standby_n, len(bad) == 1)
             replay = replay or method == "reprefill_route"
             methods.append(method)
         if replay:
@@ -211,9 +217,24 @@ class Failover:
         named = [j for j, h in enumerate(self.hops) if j > 0 and h.url.rstrip("/") in str(err)]
         return named[-1:] or [max(err.hop, 0)], err.status != 0
 
-    async def _restore(self, i: int, old: Hop, rep: Replacement, alive: bool, standby_n: int = -1) -> str:
+    def _spare_fits(self, i: int, spare: Replacement) -> bool:
+        """A warm spare can take hop `i`'s place: in chain mode only with the previous hop's token minted
+        to name it, for the node that is the previous hop now (it may have been replaced since the copy)."""
+        if self.mode != "chain" or i == 0:
+            return True
+        try:
+            return bool(spare.previous_token) and (
+                decode_unverified(spare.previous_token).node == decode_unverified(self.hops[i - 1].token).node
+            )
+        except TokenError:
+            return False
+
+    async def _restore(
+        self, i: int, old: Hop, rep: Replacement, alive: bool, standby_n: int = -1, alone: bool = True
+    ) -> str:
         """Bring the new hop `i` to the positions the old one held: snapshot hand-off, else the warm
-        spare's copy plus a re-prefill of the steps after it (`standby_n` positions), else re-prefill."""
+        spare's copy plus a re-prefill of the steps after it (`standby_n` positions), else re-prefill.
+        `alone`: no other hop failed with it (a chain route's spare needs its upstream hops alive)."""
         want = self._len[i]
         if not self.opened:
             return "none"
@@ -227,16 +248,25 @@ class Failover:
                 with contextlib.suppress(RouteError):
                     await self._post(i, self._frame(i, Op.CLOSE), self.timeout_s)
         resp = await self._post(i, self._frame(i, Op.OPEN, pos_start=self.max_context), self.timeout_s)
-        replayable = not (self.mode == "chain" and len(self.hops) > 1) and (i == 0 or self._seams_kept)
+        chain = self.mode == "chain" and len(self.hops) > 1
+        replayable = not chain and (i == 0 or self._seams_kept)
         keep = 0  # positions the new hop already holds and keeps
-        on_boundary = not any(st.pos < standby_n < st.pos + st.n for st in self._steps[i])
-        if replayable and on_boundary and 0 < standby_n <= min(want, resp.session_len):
+        # a chain client holds no seams: the steps since the copy are hop 0's, replayed through the route
+        steps = self._steps[0] if chain else self._steps[i]
+        on_boundary = not any(st.pos < standby_n < st.pos + st.n for st in steps)
+        if (replayable or (chain and alone)) and on_boundary and 0 < standby_n <= min(want, resp.session_len):
             keep = standby_n
         if resp.session_len > keep:  # a spare's copy past what is ours, or a node that was late: cut it
             self.step += 1
             await self._post(i, self._frame(i, Op.TRUNCATE, step=self.step, pos_start=keep), self.timeout_s)
         if not want:
             return "none"
+        if chain and keep:
+            try:
+                await self._replay_through(i, keep)
+                return "standby"
+            except RouteError:  # an upstream hop refused the cut or a step: start the route over
+                return "reprefill_route"
         if not replayable:
             return "reprefill_route"  # _replay_route brings every hop back from position 0
         kept = [st for st in self._steps[i] if st.pos + st.n <= keep]
@@ -354,6 +384,28 @@ class Failover:
         self._steps[i].append(st if keep else Step(st.pos, st.n, st.kind, st.dim, b""))
         self._len[i] = st.pos + st.n
 
+    async def _replay_through(self, i: int, m: int) -> None:
+        """Chain mode: hop `i` holds a spare's copy of the first `m` positions. The hops before it give
+        back every position from `m` on and take hop 0's steps since again, as they were taken, each
+        feeding the next up to hop `i` (the client relays the seams for these steps only): the same
+        inputs in the same chunks give the same KV bit for bit. The hops after it keep theirs."""
+        n = len(self.history)
+        taken = list(self._steps[0])  # hop 0's record: what _replay_route starts over from if this fails
+        steps0 = self._batches([st for st in taken if st.pos >= m and st.pos + st.n <= n])
+        try:
+            for j in range(i):
+                if self._len[j] > m:
+                    await self._truncate_hop(j, m)
+            self._steps[i], self._len[i] = [], m
+            for st in steps0:
+                cur = st
+                for j in range(i + 1):
+                    resp = await self._give(j, cur, self.timeout_s)
+                    cur = Step(st.pos, resp.n_tokens, resp.kind, resp.dim, bytes(resp.payload))
+        except RouteError:
+            self._steps[0] = taken
+            raise
+
     async def _replay_route(self) -> None:
         """Re-prefill every hop from position 0 with the steps hop 0 took (chain mode, or no seams)."""
         want = list(self._len)
@@ -379,7 +431,7 @@ class Failover:
         the last copy: a hop that dies later then costs a re-prefill of only the steps after it. Only
         after a decode step, so a long prompt is copied once, when all of it is in."""
         every = self.policy.checkpoint_tokens
-        if not every or self.replacements is None or (self.mode == "chain" and len(self.hops) > 1):
+        if not every or self.replacements is None:
             return
         if n_tokens > self.policy.small_step_tokens:
             return
@@ -397,7 +449,7 @@ class Failover:
                 return
             n = await self._handoff(hop, rep, keep=True)
             if n is not None and self.hops[i] is hop:
-                self._standby[i] = (rep.hop, min(n, self._len[i]))
+                self._standby[i] = (rep, min(n, self._len[i]))
                 self.checkpoints += 1
         except (RouteError, ClientError, OSError, TimeoutError):
             pass  # a spare is an optimisation: recovery falls back to a re-prefill

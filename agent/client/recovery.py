@@ -158,8 +158,9 @@ class ReplicaProvider:
                 self.ttl_s,
                 *nxt,
             )
+            # a warm spare gets one too: in chain mode the hop before forwards to it once it takes over
             previous = b""
-            if before is not None and reason != STANDBY:
+            if before is not None:
                 prev = route[index - 1]
                 previous = mint(
                     self.key,

@@ -154,7 +154,7 @@ class RouteClient(Failover):
         self._resend_sampling = [False] * n
         self._pending_ids: list[int] = []  # the ids of the step in flight (not yet in history)
         # warm spares: a copy of hop i's KV at some positions on another node (RecoveryPolicy.checkpoint_tokens)
-        self._standby: list[tuple[Hop, int] | None] = [None] * n
+        self._standby: list[tuple[Replacement, int] | None] = [None] * n
         self._checkpointing: dict[int, asyncio.Task[None]] = {}
         self.checkpoints = 0
         # A shared transport (agent/client/transport.py) bundles this session's small steps with other
@@ -258,10 +258,11 @@ class RouteClient(Failover):
         try:
             for sb in self._standby:
                 if sb is not None:
-                    body = encode_request(Request(op=Op.CLOSE, session=self.session, token=sb[0].token))
+                    spare = sb[0].hop
+                    body = encode_request(Request(op=Op.CLOSE, session=self.session, token=spare.token))
                     with contextlib.suppress(ClientError, OSError, TimeoutError):
                         async with self._http.post(
-                            sb[0].url.rstrip("/") + "/v1/frame",
+                            spare.url.rstrip("/") + "/v1/frame",
                             data=body,
                             timeout=ClientTimeout(total=self.policy.deadline_floor_s * 2),
                         ) as r:

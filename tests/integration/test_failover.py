@@ -167,30 +167,50 @@ async def test_a_hop_killed_after_its_kv_was_copied_to_a_warm_spare_re_prefills_
     assert [r["methods"] for r in client.recoveries] == [["standby"]]
 
 
-async def test_in_chain_mode_a_killed_middle_hop_is_replaced_and_its_neighbours_tokens_name_it(
-    nodes, signing_key, manifest, prompt, reference, serve_factory
-) -> None:  # noqa: ANN001
+def chain_client(nodes, signing_key, manifest, policy: RecoveryPolicy = POLICY) -> RouteClient:  # noqa: ANN001
+    """A chain-mode client (as the control plane routes) over the live hop of each range."""
     from agent.wire.routetoken import RouteHop, mint_route
 
-    nodes[RANGES[1]].append(serve_factory("10:20", backend="native"))  # a spare for the range again
     session = os.urandom(16)
     route = [next(sp for sp in nodes[r] if _alive(sp)) for r in RANGES]
     plan = [RouteHop(sp.node_id, sp.url, a, b) for sp, (a, b) in zip(route, RANGES, strict=True)]
     tokens = mint_route(signing_key, session, manifest.sha256, plan)  # each token names the next hop
     hops = [Hop(h.url, h.layer_start, h.layer_end, t) for h, t in zip(plan, tokens, strict=True)]
     urls = [sp.url for pair in nodes.values() for sp in pair]
-    client = RouteClient(
+    return RouteClient(
         hops,
         session_id=session,
         mode="chain",
         replacements=ReplicaProvider(urls, signing_key, session, probe_timeout_s=1.0),
-        recovery=POLICY,
+        recovery=policy,
     )
-    victim = route[1]
+
+
+async def test_in_chain_mode_a_killed_middle_hop_is_replaced_and_its_neighbours_tokens_name_it(
+    nodes, signing_key, manifest, prompt, reference, serve_factory
+) -> None:  # noqa: ANN001
+    nodes[RANGES[1]].append(serve_factory("10:20", backend="native"))  # a spare for the range again
+    client = chain_client(nodes, signing_key, manifest)
+    victim = _hop_process(client, nodes, 1)
     got = await answer(client, prompt, at=40, disturb=lambda: os.kill(victim.proc.pid, signal.SIGKILL))
     victim.proc.wait(10)
     assert got == reference
-    assert [r["methods"] for r in client.recoveries] == [["reprefill_route"]]
+    assert [r["methods"] for r in client.recoveries] == [["reprefill_route"]]  # no copy on a spare yet
+    assert client.hops[1].url != victim.url
+
+
+async def test_in_chain_mode_a_hop_killed_after_its_kv_was_copied_to_a_spare_replays_only_the_steps_since(
+    nodes, signing_key, manifest, prompt, reference, serve_factory
+) -> None:  # noqa: ANN001
+    nodes[RANGES[1]].append(serve_factory("10:20", backend="native"))  # a spare for the range again
+    client = chain_client(nodes, signing_key, manifest, replace(POLICY, checkpoint_tokens=16))
+    victim = _hop_process(client, nodes, 1)
+    got = await answer(client, prompt, at=60, disturb=lambda: os.kill(victim.proc.pid, signal.SIGKILL))
+    victim.proc.wait(10)
+    assert got == reference
+    assert client.checkpoints >= 3  # every hop copied at least once, chain mode too
+    # the spare's copy, then hop 0 and the spare take the steps since again; hop 2 keeps its KV
+    assert [r["methods"] for r in client.recoveries] == [["standby"]]
     assert client.hops[1].url != victim.url
 
 

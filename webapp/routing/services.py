@@ -171,7 +171,8 @@ def replace_hop(
         if old_node
         else b""
     )
-    prev = hops[index - 1] if index > 0 and record else None
+    # a warm spare (not recorded) gets one too: a chain route's hop before forwards to it once it takes over
+    prev = hops[index - 1] if index > 0 else None
     previous = (
         routetoken.mint(
             key,
