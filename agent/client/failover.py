@@ -315,10 +315,13 @@ class Failover:
         n = out.get("session_len") if isinstance(out, dict) else None
         return n if isinstance(n, int) else None
 
-    async def _truncate_hop(self, i: int, n: int) -> None:
+    async def _truncate_hop(self, i: int, n: int) -> int:
+        """Hop `i` back to at most `n` positions; what it holds now (less where recurrent state only
+        goes back to a checkpoint)."""
         self.step += 1
-        await self._post(i, self._frame(i, Op.TRUNCATE, step=self.step, pos_start=n), self.timeout_s)
+        resp = await self._post(i, self._frame(i, Op.TRUNCATE, step=self.step, pos_start=n), self.timeout_s)
         self._cut(i, n)
+        return min(n, resp.session_len)
 
     def _cut(self, i: int, n: int) -> None:
         """Forget hop `i`'s steps past position `n`."""
@@ -394,8 +397,9 @@ class Failover:
         steps0 = self._batches([st for st in taken if st.pos >= m and st.pos + st.n <= n])
         try:
             for j in range(i):
-                if self._len[j] > m:
-                    await self._truncate_hop(j, m)
+                if self._len[j] > m and await self._truncate_hop(j, m) != m:
+                    # recurrent state went back to an earlier checkpoint: the steps since m cannot be replayed
+                    raise RouteError(f"hop {j} cannot go back to position {m} exactly", hop=j)
             self._steps[i], self._len[i] = [], m
             for st in steps0:
                 cur = st
