@@ -2,7 +2,7 @@
 
     python bench/failover.py [--runs 20] [--tokens 128] [--context 2000] [--recoveries 5]
                              [--fuzz-frames 10000] [--threads 1] [--seed 0]
-                             [--checkpoint-tokens 256] [--fast-replay]
+                             [--checkpoint-tokens 256] [--fast-replay] [--mode chain|star]
 
 Three native SmolLM2 ranges with one spare each (six `serve` processes). Prints one JSON object last:
 runs / identical_runs (answers equal to an undisturbed run after a kill -9 at a random token of a
@@ -11,7 +11,8 @@ with a warm copy on a spare, and drain), recovery_ms_p95_snapshot (drain: KV han
 recovery_ms_p95_standby (kill -9: the spare's copy plus the steps since) and recovery_ms_p95_reprefill
 (kill -9 with no copy: re-prefill from position 0); fuzz_frames, fuzz_5xx, fuzz_rss_growth_mb and
 fuzz_other_session_exact (mutated frames against one live node while another session on it decodes).
-All figures come from one run on one (shared) machine."""
+Route clients run in the control plane's mode (chain) unless --mode says star. All figures come from
+one run on one (shared) machine."""
 
 from __future__ import annotations
 
@@ -39,14 +40,16 @@ from agent.artifacts.packaged import packaged_model_path  # noqa: E402
 from agent.client.recovery import Hop, RecoveryPolicy, ReplicaProvider  # noqa: E402
 from agent.client.route import RouteClient  # noqa: E402
 from agent.client.tokenizer import ChatTokenizer  # noqa: E402
+from agent.defaults import CONTROL_PLANE_ROUTE_MODE, ROUTE_MODES  # noqa: E402
 from agent.procs import Process, stop  # noqa: E402
 from agent.wire.frames import Kind, Op, Request, encode_request  # noqa: E402
-from agent.wire.routetoken import generate_key, mint, public_key_b64  # noqa: E402
+from agent.wire.routetoken import RouteHop, generate_key, mint, mint_route, public_key_b64  # noqa: E402
 from agent.wire.sampling import SamplingParams  # noqa: E402
 from bench._common import start_serve  # noqa: E402
 
 RANGES = [(0, 10), (10, 20), (20, 30)]
 POLICY = RecoveryPolicy(deadline_floor_s=2.0, give_up_s=120.0)  # main() applies the flags
+MODE = CONTROL_PLANE_ROUTE_MODE  # the route clients' mode (--mode)
 
 
 class Fleet:
@@ -95,13 +98,17 @@ def client_for(
     fleet: Fleet, sha: str, key: Any, max_context: int = 8192, policy: RecoveryPolicy | None = None
 ) -> RouteClient:
     session = os.urandom(16)
-    hops = [
-        Hop(url, a, b, mint(key, session, sha, a, b, node))
-        for (url, node), (a, b) in zip(fleet.route(), RANGES, strict=True)
-    ]
+    plan = [RouteHop(node, url, a, b) for (url, node), (a, b) in zip(fleet.route(), RANGES, strict=True)]
+    tokens = mint_route(key, session, sha, plan)  # each names the next hop (chain mode forwards there)
+    hops = [Hop(h.url, h.layer_start, h.layer_end, t) for h, t in zip(plan, tokens, strict=True)]
     provider = ReplicaProvider(fleet.urls(), key, session, probe_timeout_s=1.0)
     return RouteClient(
-        hops, session_id=session, replacements=provider, recovery=policy or POLICY, max_context=max_context
+        hops,
+        session_id=session,
+        replacements=provider,
+        recovery=policy or POLICY,
+        max_context=max_context,
+        mode=MODE,
     )
 
 
@@ -307,6 +314,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "threads": args.threads,
         "checkpoint_tokens": POLICY.checkpoint_tokens,
         "exact_replay": POLICY.exact_replay,
+        "mode": MODE,
     }
     try:
         t0 = time.perf_counter()
@@ -333,8 +341,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--checkpoint-tokens", type=int, default=RecoveryPolicy.checkpoint_tokens)
     ap.add_argument("--fast-replay", action="store_true", help="re-prefill in merged batches (not exact)")
+    ap.add_argument(
+        "--mode", default=MODE, choices=list(ROUTE_MODES), help="route mode (default: the control plane's)"
+    )
     args = ap.parse_args()
-    global POLICY
+    global POLICY, MODE
+    MODE = args.mode
     POLICY = replace(POLICY, checkpoint_tokens=args.checkpoint_tokens, exact_replay=not args.fast_replay)
     print(json.dumps(asyncio.run(main_async(args))))
 
