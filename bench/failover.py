@@ -331,6 +331,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
+    global POLICY, MODE
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=128)
@@ -345,7 +346,6 @@ def main() -> None:
         "--mode", default=MODE, choices=list(ROUTE_MODES), help="route mode (default: the control plane's)"
     )
     args = ap.parse_args()
-    global POLICY, MODE
     MODE = args.mode
     POLICY = replace(POLICY, checkpoint_tokens=args.checkpoint_tokens, exact_replay=not args.fast_replay)
     print(json.dumps(asyncio.run(main_async(args))))
