@@ -151,8 +151,8 @@ async def _discover_hops(urls: list[str], key_path: str, session: SessionId, ttl
     """Development route: ask each hop what it holds and mint its token with a local signing key."""
     from aiohttp import ClientSession
 
-    from agent.client.route import Hop
-    from agent.wire.routetoken import RouteHop, load_private_key, mint_route
+    from agent.client.recovery import minted_hops
+    from agent.wire.routetoken import RouteHop, load_private_key
 
     key = load_private_key(key_path)
     plan: list[RouteHop] = []
@@ -177,8 +177,7 @@ async def _discover_hops(urls: list[str], key_path: str, session: SessionId, ttl
     if model_sha is None:
         raise RuntimeError("a route needs at least one hop")
     # each token names the next hop: chain mode forwards only there
-    tokens = mint_route(key, session, model_sha, plan, ttl_s)
-    return [Hop(h.url, h.layer_start, h.layer_end, t) for h, t in zip(plan, tokens, strict=True)]
+    return minted_hops(key, session, model_sha, plan, ttl_s)
 
 
 def cmd_chat(args: argparse.Namespace) -> int:

@@ -37,13 +37,13 @@ from aiohttp import ClientError, ClientSession, ClientTimeout  # noqa: E402
 
 from agent.artifacts.manifest import build_manifest  # noqa: E402
 from agent.artifacts.packaged import packaged_model_path  # noqa: E402
-from agent.client.recovery import Hop, RecoveryPolicy, ReplicaProvider  # noqa: E402
+from agent.client.recovery import RecoveryPolicy, ReplicaProvider, minted_hops  # noqa: E402
 from agent.client.route import RouteClient  # noqa: E402
 from agent.client.tokenizer import ChatTokenizer  # noqa: E402
 from agent.defaults import CONTROL_PLANE_ROUTE_MODE, ROUTE_MODES  # noqa: E402
 from agent.procs import Process, stop  # noqa: E402
 from agent.wire.frames import Kind, Op, Request, encode_request  # noqa: E402
-from agent.wire.routetoken import RouteHop, generate_key, mint, mint_route, public_key_b64  # noqa: E402
+from agent.wire.routetoken import RouteHop, generate_key, mint, public_key_b64  # noqa: E402
 from agent.wire.sampling import SamplingParams  # noqa: E402
 from bench._common import start_serve  # noqa: E402
 
@@ -99,8 +99,7 @@ def client_for(
 ) -> RouteClient:
     session = os.urandom(16)
     plan = [RouteHop(node, url, a, b) for (url, node), (a, b) in zip(fleet.route(), RANGES, strict=True)]
-    tokens = mint_route(key, session, sha, plan)  # each names the next hop (chain mode forwards there)
-    hops = [Hop(h.url, h.layer_start, h.layer_end, t) for h, t in zip(plan, tokens, strict=True)]
+    hops = minted_hops(key, session, sha, plan)  # each names the next hop (chain mode forwards there)
     provider = ReplicaProvider(fleet.urls(), key, session, probe_timeout_s=1.0)
     return RouteClient(
         hops,

@@ -25,10 +25,11 @@ from agent.artifacts.manifest import build_manifest  # noqa: E402
 from agent.artifacts.packaged import packaged_model_path  # noqa: E402
 from agent.backends import available_backends, load_backend  # noqa: E402
 from agent.backends.base import ShardSpec  # noqa: E402
+from agent.client.recovery import minted_hops  # noqa: E402
 from agent.client.route import Hop, RouteClient  # noqa: E402
 from agent.procs import stop  # noqa: E402
 from agent.wire.ids import SessionId  # noqa: E402
-from agent.wire.routetoken import RouteHop, generate_key, mint_route, public_key_b64  # noqa: E402
+from agent.wire.routetoken import RouteHop, generate_key, public_key_b64  # noqa: E402
 from agent.wire.sampling import SamplingParams  # noqa: E402
 from bench._common import health, start_serve  # noqa: E402
 
@@ -38,8 +39,7 @@ PROMPT_TEXT = "Write a long story about a lighthouse keeper who kept a log of ev
 def bound_hops(key, session: bytes, sha256: str, hops: list[tuple[str, int, int, str]]) -> list[Hop]:  # noqa: ANN001
     """One token per hop, each naming the next (chain mode forwards only there)."""
     plan = [RouteHop(n, u, a, b) for u, a, b, n in hops]
-    tokens = mint_route(key, session, sha256, plan)
-    return [Hop(h.url, h.layer_start, h.layer_end, t) for h, t in zip(plan, tokens, strict=True)]
+    return minted_hops(key, session, sha256, plan)
 
 
 def decode_tok_s(backend, prompt: list[int], n: int) -> float:  # noqa: ANN001

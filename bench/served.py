@@ -42,12 +42,13 @@ sys.path.insert(0, str(REPO))
 
 from agent.artifacts.manifest import build_manifest  # noqa: E402
 from agent.artifacts.packaged import packaged_model_path  # noqa: E402
-from agent.client.route import Hop, RouteClient  # noqa: E402
+from agent.client.recovery import minted_hops  # noqa: E402
+from agent.client.route import RouteClient  # noqa: E402
 from agent.client.tokenizer import ChatTokenizer  # noqa: E402
 from agent.client.transport import HopTransport  # noqa: E402
 from agent.defaults import CONTROL_PLANE_ROUTE_MODE, ROUTE_MODES  # noqa: E402
 from agent.procs import stop  # noqa: E402
-from agent.wire.routetoken import RouteHop, generate_key, mint_route, public_key_b64  # noqa: E402
+from agent.wire.routetoken import RouteHop, generate_key, public_key_b64  # noqa: E402
 from agent.wire.sampling import SamplingParams  # noqa: E402
 from bench._common import start_serve  # noqa: E402
 from bench._llamacpp import BATCH, LlamaCpp  # noqa: E402
@@ -97,8 +98,7 @@ class Route:
     def client(self, max_context: int = 4096) -> RouteClient:
         session = os.urandom(16)
         plan = [RouteHop(n, u, a, b) for u, a, b, n in self.hops]
-        tokens = mint_route(self.key, session, self.sha256, plan)
-        hops = [Hop(h.url, h.layer_start, h.layer_end, t) for h, t in zip(plan, tokens, strict=True)]
+        hops = minted_hops(self.key, session, self.sha256, plan)
         if self.transport is None or self.transport.closed:
             self.transport = HopTransport(bundling=self.bundling)
             if self.http_only:
@@ -274,8 +274,7 @@ def playground(args: argparse.Namespace, tok: ChatTokenizer) -> dict[str, Any]:
         key = load_private_key(s.data_dir / "route_key.pem")
         session = os.urandom(16)
         plan = [RouteHop(h["node"], h["url"], h["layer_start"], h["layer_end"]) for h in route]
-        tokens = mint_route(key, session, s.model["sha256"], plan, 600)  # each names the next (chain)
-        hops = [Hop(h.url, h.layer_start, h.layer_end, t) for h, t in zip(plan, tokens, strict=True)]
+        hops = minted_hops(key, session, s.model["sha256"], plan, 600)  # each names the next (chain)
         # the mode the playground drives the same hops in (the control plane's)
         c = RouteClient(hops, tok, session_id=session, mode=DEFAULT_MODE)
         first = last = 0.0

@@ -31,10 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from agent.artifacts.manifest import Manifest, build_manifest  # noqa: E402
 from agent.artifacts.packaged import packaged_model_path  # noqa: E402
 from agent.backends import available_backends  # noqa: E402
-from agent.client.route import Hop, RouteClient  # noqa: E402
+from agent.client.recovery import minted_hops  # noqa: E402
+from agent.client.route import RouteClient  # noqa: E402
 from agent.procs import Process, stop  # noqa: E402
 from agent.wire.ids import SessionId  # noqa: E402
-from agent.wire.routetoken import RouteHop, generate_key, mint_route, public_key_b64  # noqa: E402
+from agent.wire.routetoken import RouteHop, generate_key, public_key_b64  # noqa: E402
 from agent.wire.sampling import SamplingParams  # noqa: E402
 from bench._common import start_serve  # noqa: E402
 from webapp.fleet.placement import Placement, plan_placement  # noqa: E402
@@ -128,9 +129,7 @@ async def measure(route: Route, key: Any, sha256: str, tokens: int) -> Measured:
     """Prefill PROMPT, then decode `tokens` greedy steps; medians of the per-step times."""
     session = os.urandom(16)
     plan = [RouteHop(n, u, a, b) for u, a, b, n in route.hops]
-    minted = mint_route(key, SessionId(session), sha256, plan)
-    client = RouteClient([Hop(h.url, h.layer_start, h.layer_end, t) for h, t in zip(plan, minted, strict=True)],
-                         session_id=session)  # fmt: skip
+    client = RouteClient(minted_hops(key, SessionId(session), sha256, plan), session_id=session)
     try:
         tok = (await client.forward(PROMPT, SamplingParams())).token
         for _ in range(2):  # warm the connections and the executor's decode path

@@ -18,7 +18,8 @@ from aiohttp import ClientError, ClientSession, ClientTimeout
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent.wire.handofftoken import mint_handoff
-from agent.wire.routetoken import TokenError, decode_unverified, mint
+from agent.wire.ids import SessionId
+from agent.wire.routetoken import RouteHop, TokenError, decode_unverified, mint, mint_route
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,14 @@ class Hop:
     layer_start: int
     layer_end: int
     token: bytes
+
+
+def minted_hops(
+    key: Ed25519PrivateKey, session: SessionId, model_sha256: str, plan: list[RouteHop], ttl_s: int = 3600
+) -> list[Hop]:
+    """The route's hops, each with its token naming the hop after it (chain mode forwards only there)."""
+    tokens = mint_route(key, session, model_sha256, plan, ttl_s)
+    return [Hop(h.url, h.layer_start, h.layer_end, t) for h, t in zip(plan, tokens, strict=True)]
 
 
 @dataclass(frozen=True)

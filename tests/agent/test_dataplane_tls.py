@@ -14,7 +14,8 @@ from aiohttp import ClientError, ClientSession, TCPConnector, web
 
 from agent.artifacts.manifest import Manifest, build_manifest
 from agent.artifacts.packaged import ModelNotFound, packaged_model_path
-from agent.client.route import Hop, RouteClient
+from agent.client.recovery import minted_hops
+from agent.client.route import RouteClient
 from agent.node.dataplane import DataPlane, start_dataplane
 from agent.wire import tls
 from agent.wire.frames import ChainHop, Kind, Op, Request, encode_request
@@ -126,8 +127,7 @@ async def test_a_chain_over_mutual_tls_works_and_a_client_without_a_swarm_certif
     a = await https_nodes("node-a", 0, 2, pki.server("node-a"), pki.client(tls.node_identity("node-a")))
     session = os.urandom(16)
     plan = [RouteHop("node-a", a, 0, 2), RouteHop("node-b", b, 2, 4)]
-    tokens = mint_route(signing_key, session, manifest.sha256, plan)
-    hops = [Hop(h.url, h.layer_start, h.layer_end, t) for h, t in zip(plan, tokens, strict=True)]
+    hops = minted_hops(signing_key, session, manifest.sha256, plan)
     client = RouteClient(
         hops,
         session_id=session,
@@ -143,14 +143,14 @@ async def test_a_chain_over_mutual_tls_works_and_a_client_without_a_swarm_certif
     # No client certificate (the CA trusted, but nothing presented): the handshake is refused.
     bare = ssl.create_default_context(cafile=str(pki.ca_path))
     with pytest.raises((ClientError, OSError)):
-        await _post(b, _ids_frame(tokens[1], session, []), bare)
+        await _post(b, _ids_frame(hops[1].token, session, []), bare)
     # A certificate from another CA: refused the same way.
     other = Pki(tmp_path, "elsewhere")
     with pytest.raises((ClientError, OSError)):
-        await _post(b, _ids_frame(tokens[1], session, []), other.client(tls.client_identity("web")))
+        await _post(b, _ids_frame(hops[1].token, session, []), other.client(tls.client_identity("web")))
     # The system trust store does not know the swarm CA: a client cannot be fooled the other way either.
     with pytest.raises((ClientError, OSError)):
-        await _post(b, _ids_frame(tokens[1], session, []), True)
+        await _post(b, _ids_frame(hops[1].token, session, []), True)
 
 
 @pytest.mark.parametrize("impostor", ["another CA", "another node"])

@@ -11,6 +11,7 @@ import pytest
 from aiohttp import ClientSession, WSMsgType
 
 import agent.node.stream
+from agent.client.recovery import minted_hops
 from agent.client.route import Hop, RouteClient
 from agent.client.transport import HopTransport, shared_transport
 from agent.wire.bundle import (
@@ -22,7 +23,7 @@ from agent.wire.bundle import (
     encode_bundle,
 )
 from agent.wire.frames import Kind, Op, decode_response
-from agent.wire.routetoken import RouteHop, generate_key, mint, mint_route
+from agent.wire.routetoken import RouteHop, generate_key, mint
 from agent.wire.sampling import SamplingParams
 from agent.wire.stream import STREAM_PATH, FrameStreams
 from tests.agent.test_dataplane_security import frame, ids_frame, nodes, tiny  # noqa: F401
@@ -179,8 +180,7 @@ async def test_route_clients_sharing_a_transport_bundle_their_steps_and_get_what
     def client(transport: HopTransport | None, mode: str = "star") -> RouteClient:
         session = os.urandom(16)
         plan = [RouteHop(n.dp.node_id, n.url, x, y) for n, (x, y) in ((a, (0, 2)), (b, (2, 4)))]
-        tokens = mint_route(signing_key, session, manifest.sha256, plan)  # each names the next hop
-        hops = [Hop(h.url, h.layer_start, h.layer_end, t) for h, t in zip(plan, tokens, strict=True)]
+        hops = minted_hops(signing_key, session, manifest.sha256, plan)  # each names the next hop
         return RouteClient(hops, session_id=session, max_context=256, transport=transport, mode=mode)
 
     shared = HopTransport()

@@ -15,11 +15,12 @@ import pytest
 
 from agent.backends import load_backend
 from agent.backends.base import ShardSpec
-from agent.client.route import Hop, RouteClient
+from agent.client.recovery import minted_hops
+from agent.client.route import RouteClient
 from agent.client.tokenizer import ChatTokenizer
 from agent.wire.frames import Kind
 from agent.wire.ids import SessionId
-from agent.wire.routetoken import RouteHop, mint_route
+from agent.wire.routetoken import RouteHop
 from agent.wire.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -68,8 +69,7 @@ def one_process_logits(model_path: str, manifest, ids: list[int], schedule: str)
 def default_client(route, signing_key, manifest) -> RouteClient:  # noqa: ANN001
     session = os.urandom(16)
     plan = [RouteHop(s.node_id, s.url, a, b) for s, (a, b) in zip(route, RANGES, strict=True)]
-    tokens = mint_route(signing_key, session, manifest.sha256, plan)
-    hops = [Hop(h.url, h.layer_start, h.layer_end, t) for h, t in zip(plan, tokens, strict=True)]
+    hops = minted_hops(signing_key, session, manifest.sha256, plan)
     return RouteClient(hops, session_id=session)  # every option left at its default
 
 

@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import pytest
 
-from agent.client.recovery import Hop, RecoveryPolicy, ReplicaProvider
+from agent.client.recovery import Hop, RecoveryPolicy, ReplicaProvider, minted_hops
 from agent.client.route import RouteClient
 from agent.client.tokenizer import ChatTokenizer
 from agent.wire.routetoken import mint
@@ -169,13 +169,12 @@ async def test_a_hop_killed_after_its_kv_was_copied_to_a_warm_spare_re_prefills_
 
 def chain_client(nodes, signing_key, manifest, policy: RecoveryPolicy = POLICY) -> RouteClient:  # noqa: ANN001
     """A chain-mode client (as the control plane routes) over the live hop of each range."""
-    from agent.wire.routetoken import RouteHop, mint_route
+    from agent.wire.routetoken import RouteHop
 
     session = os.urandom(16)
     route = [next(sp for sp in nodes[r] if _alive(sp)) for r in RANGES]
     plan = [RouteHop(sp.node_id, sp.url, a, b) for sp, (a, b) in zip(route, RANGES, strict=True)]
-    tokens = mint_route(signing_key, session, manifest.sha256, plan)  # each token names the next hop
-    hops = [Hop(h.url, h.layer_start, h.layer_end, t) for h, t in zip(plan, tokens, strict=True)]
+    hops = minted_hops(signing_key, session, manifest.sha256, plan)  # each token names the next hop
     urls = [sp.url for pair in nodes.values() for sp in pair]
     return RouteClient(
         hops,

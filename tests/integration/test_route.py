@@ -14,6 +14,7 @@ from aiohttp import ClientSession
 
 from agent.backends.base import ShardSpec
 from agent.backends.torch_llama import TorchLlamaBackend
+from agent.client.recovery import minted_hops
 from agent.client.route import ContextLimitError, Hop, RouteClient
 from agent.client.tokenizer import ChatTokenizer
 from agent.wire.frames import (
@@ -25,7 +26,7 @@ from agent.wire.frames import (
     Request,
     encode_request,
 )
-from agent.wire.routetoken import RouteHop, mint, mint_route
+from agent.wire.routetoken import RouteHop, mint
 from agent.wire.sampling import SamplingParams
 from tests.helpers import greedy_through
 
@@ -48,8 +49,7 @@ def make_hops(route, signing_key, manifest, session: bytes, ttl_s: int = 600) ->
     ranges = [(0, 10), (10, 20), (20, 30)]
     # each token names the next hop: chain mode forwards only there (issue 17)
     plan = [RouteHop(s.node_id, s.url, a, b) for s, (a, b) in zip(route, ranges, strict=True)]
-    tokens = mint_route(signing_key, session, manifest.sha256, plan, ttl_s)
-    return [Hop(h.url, h.layer_start, h.layer_end, t) for h, t in zip(plan, tokens, strict=True)]
+    return minted_hops(signing_key, session, manifest.sha256, plan, ttl_s)
 
 
 def reference_greedy(model_path: str, manifest, prompt: list[int], n: int) -> list[int]:  # noqa: ANN001

@@ -9,9 +9,10 @@ import pytest
 
 from agent.backends import load_backend
 from agent.backends.base import ShardSpec
-from agent.client.route import Hop, RouteClient
+from agent.client.recovery import minted_hops
+from agent.client.route import RouteClient
 from agent.client.tokenizer import ChatTokenizer
-from agent.wire.routetoken import RouteHop, mint_route
+from agent.wire.routetoken import RouteHop
 from agent.wire.sampling import SamplingParams
 from tests.helpers import greedy_through
 
@@ -43,8 +44,7 @@ def client_for(route, signing_key, manifest, dtype: str, mode: str = "star") -> 
     session = os.urandom(16)
     # each token names the next hop: chain mode forwards only there (issue 17)
     plan = [RouteHop(s.node_id, s.url, a, b) for s, (a, b) in zip(route, RANGES, strict=True)]
-    tokens = mint_route(signing_key, session, manifest.sha256, plan)
-    hops = [Hop(h.url, h.layer_start, h.layer_end, t) for h, t in zip(plan, tokens, strict=True)]
+    hops = minted_hops(signing_key, session, manifest.sha256, plan)
     return RouteClient(hops, session_id=session, hidden_dtype=dtype, mode=mode)
 
 
