@@ -91,6 +91,19 @@ def numpy_dtype(dtype: HiddenDtype) -> type[np.floating]:
     return np.float16 if dtype == "f16" else np.float32
 
 
+# Decoding looks members up by value: calling an Enum or combining Flags costs microseconds each, and
+# every hop decodes a frame per step.
+_OPS = {int(m): m for m in Op}
+_KINDS = {int(m): m for m in Kind}
+_REQUEST_KINDS = frozenset((Kind.NONE, Kind.IDS, Kind.F32, Kind.F16))
+_ALL_FLAGS = sum(int(m) for m in Flag)
+# plain ints: `int & IntFlag` goes through IntFlag.__rand__ and builds a member
+_F_SAMPLING, _F_HISTORY, _F_WANT_LOGITS = int(Flag.SAMPLING), int(Flag.HISTORY), int(Flag.WANT_LOGITS)
+_F_CHAIN, _F_F16_OUT, _F_CHAIN_CACHED = int(Flag.CHAIN), int(Flag.F16_OUT), int(Flag.CHAIN_CACHED)
+_F_TOKEN_IDS = int(Flag.TOKEN_IDS)
+_U8, _U16, _U32 = struct.Struct("<B"), struct.Struct("<H"), struct.Struct("<I")
+
+
 class FrameError(Exception):
     """A frame that violates the protocol; `status` is the HTTP status to answer with."""
 
@@ -171,10 +184,10 @@ def payload_size(kind: Kind, n_tokens: int, dim: int) -> int:
 
 
 def encode_request(r: Request) -> bytes:
-    flags = Flag(0)
+    flags = 0
     tail: list[bytes] = []
     if r.sampling is not None:
-        flags |= Flag.SAMPLING
+        flags |= _F_SAMPLING
         s = r.sampling
         tail.append(
             SAMPLING.pack(
@@ -188,17 +201,17 @@ def encode_request(r: Request) -> bytes:
             )
         )
     if r.history is not None:
-        flags |= Flag.HISTORY
+        flags |= _F_HISTORY
         h = r.history[-MAX_HISTORY:]
         tail.append(struct.pack("<I", len(h)) + np.asarray(h, dtype="<i4").tobytes())
     if r.want_logits:
-        flags |= Flag.WANT_LOGITS
+        flags |= _F_WANT_LOGITS
     if r.f16_out:
-        flags |= Flag.F16_OUT
+        flags |= _F_F16_OUT
     if r.chain_cached:
-        flags |= Flag.CHAIN_CACHED
+        flags |= _F_CHAIN_CACHED
     if r.chain:
-        flags |= Flag.CHAIN
+        flags |= _F_CHAIN
         parts = [struct.pack("<B", len(r.chain))]
         for hop in r.chain:
             u = hop.url.encode()
@@ -208,14 +221,14 @@ def encode_request(r: Request) -> bytes:
         ids = np.asarray(r.token_ids, dtype="<i4").ravel()
         if r.kind not in (Kind.F32, Kind.F16) or len(ids) != r.n_tokens:
             raise FrameError("token ids travel only with hidden states, one per position")
-        flags |= Flag.TOKEN_IDS
+        flags |= _F_TOKEN_IDS
         tail.append(ids.tobytes())
     payload = bytes(r.payload)
     head = REQ_HEADER.pack(
         REQ_MAGIC,
         PROTOCOL_VERSION,
         int(r.op),
-        int(flags),
+        flags,
         r.session,
         r.step,
         r.pos_start,
@@ -300,15 +313,14 @@ def decode_request(data: bytes | memoryview) -> Request:
         raise FrameError(f"bad magic {bytes(magic)!r}, expected {REQ_MAGIC!r}")
     if version != PROTOCOL_VERSION:
         raise FrameError(f"protocol version {version} is not supported (this node speaks {PROTOCOL_VERSION})")
-    try:
-        op_e, kind_e, flags_e = Op(op), Kind(kind), Flag(flags)
-    except ValueError:
-        raise FrameError(f"unknown op {op}, kind {kind} or flags {flags:#x}") from None
+    op_e, kind_e = _OPS.get(op), _KINDS.get(kind)
+    if op_e is None or kind_e is None or flags & ~_ALL_FLAGS:
+        raise FrameError(f"unknown op {op}, kind {kind} or flags {flags:#x}")
     if n > MAX_TOKENS_PER_FRAME:
         raise FrameError(f"n_tokens {n} exceeds the per-frame limit of {MAX_TOKENS_PER_FRAME}", 413)
     if dim > MAX_BOUNDARY_DIM:
         raise FrameError(f"dim {dim} exceeds the limit of {MAX_BOUNDARY_DIM}", 413)
-    if kind_e not in (Kind.NONE, Kind.IDS, Kind.F32, Kind.F16):
+    if kind_e not in _REQUEST_KINDS:
         raise FrameError(f"payload kind {kind_e.name} is not valid in a request")
     if kind_e == Kind.IDS and dim not in (0, 1):
         raise FrameError("token-id payloads carry dim 0")
@@ -321,37 +333,37 @@ def decode_request(data: bytes | memoryview) -> Request:
         raise FrameError(f"step {step} exceeds the limit of {MAX_STEP}")
     req = Request(op=op_e, session=bytes(session), step=step, pos_start=pos, n_tokens=n, kind=kind_e, dim=dim)
     req.token = bytes(rd.take(token_len, "route token"))
-    if flags_e & Flag.SAMPLING:
+    if flags & _F_SAMPLING:
         t, k, p, mp, rp, last_n, seed = rd.unpack(SAMPLING, "sampling block")
         if not (t >= 0 and 0 <= p <= 1 and 0 <= mp <= 1 and rp > 0 and k >= 0):
             raise FrameError("sampling parameters out of range")
         req.sampling = SamplingParams(
             temperature=t, top_k=k, top_p=p, min_p=mp, repeat_penalty=rp, repeat_last_n=last_n, seed=seed
         )
-    if flags_e & Flag.HISTORY:
-        (count,) = rd.unpack(struct.Struct("<I"), "history count")
+    if flags & _F_HISTORY:
+        (count,) = rd.unpack(_U32, "history count")
         if count > MAX_HISTORY:
             raise FrameError(f"history of {count} ids exceeds {MAX_HISTORY}", 413)
         req.history = np.frombuffer(rd.take(4 * count, "history"), dtype="<i4").tolist()
-    req.want_logits = bool(flags_e & Flag.WANT_LOGITS)
-    req.f16_out = bool(flags_e & Flag.F16_OUT)
-    req.chain_cached = bool(flags_e & Flag.CHAIN_CACHED)
-    if req.chain_cached and flags_e & Flag.CHAIN:
+    req.want_logits = bool(flags & _F_WANT_LOGITS)
+    req.f16_out = bool(flags & _F_F16_OUT)
+    req.chain_cached = bool(flags & _F_CHAIN_CACHED)
+    if req.chain_cached and flags & _F_CHAIN:
         raise FrameError("a frame carries either a chain or the cached-chain flag, not both")
-    if flags_e & Flag.CHAIN:
-        (count,) = rd.unpack(struct.Struct("<B"), "chain count")
+    if flags & _F_CHAIN:
+        (count,) = rd.unpack(_U8, "chain count")
         if count > MAX_CHAIN_HOPS:
             raise FrameError(f"chain of {count} hops exceeds {MAX_CHAIN_HOPS}")
         for _ in range(count):
-            (ul,) = rd.unpack(struct.Struct("<H"), "chain url length")
+            (ul,) = rd.unpack(_U16, "chain url length")
             if ul > MAX_URL_LEN:
                 raise FrameError("chain url too long")
             url = check_url(bytes(rd.take(ul, "chain url")))
-            (tl,) = rd.unpack(struct.Struct("<H"), "chain token length")
+            (tl,) = rd.unpack(_U16, "chain token length")
             if tl > MAX_TOKEN_BYTES:
                 raise FrameError("chain token too long")
             req.chain.append(ChainHop(url, bytes(rd.take(tl, "chain token"))))
-    if flags_e & Flag.TOKEN_IDS:
+    if flags & _F_TOKEN_IDS:
         if kind_e not in (Kind.F32, Kind.F16):
             raise FrameError("token ids travel only with hidden states")
         # n was checked against MAX_TOKENS_PER_FRAME above: at most 32 KiB, and only a view of the frame
@@ -429,11 +441,10 @@ def decode_response(data: bytes | memoryview) -> Response:
         raise FrameError("bad response magic or version")
     if nt > MAX_CHAIN_HOPS + 1:
         raise FrameError(f"response carries {nt} timings, more than a route has hops")
-    timings = [Timing(*TIMING.unpack(rd.take(TIMING.size, "timing"))) for _ in range(nt)]
-    try:
-        kind_e = Kind(kind)
-    except ValueError:
-        raise FrameError(f"unknown response kind {kind}") from None
+    timings = [Timing(c, h) for c, h in TIMING.iter_unpack(rd.take(nt * TIMING.size, "timings"))]
+    kind_e = _KINDS.get(kind)
+    if kind_e is None:
+        raise FrameError(f"unknown response kind {kind}")
     if kind_e == Kind.IDS:
         raise FrameError("token ids are not a response")
     if plen != payload_size(kind_e, n, dim):
