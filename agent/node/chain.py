@@ -21,8 +21,8 @@ from agent.wire.frames import (
     Timing,
     decode_response,
     encode_request,
-    encode_response,
     response_limit,
+    response_step,
     with_prepended_timing,
 )
 from agent.wire.routetoken import TokenError, decode_unverified
@@ -120,14 +120,14 @@ class ChainForwarding:
         if data is None:
             raise DataPlaneError(502, "downstream", f"next hop {nxt.url} answered more than {limit} bytes")
         try:
-            resp = decode_response(data)
+            step = response_step(data)
         except FrameError as e:
             raise DataPlaneError(502, "downstream", f"next hop {nxt.url} answered a bad frame: {e}") from None
-        if resp.step != req.step:
-            raise DataPlaneError(502, "downstream", f"next hop {nxt.url} answered step {resp.step}")
-        # Re-encoded, not relayed raw: only what the frame format says travels back up the route.
-        resp.timings.insert(0, Timing(compute_us, handler_us))
-        return encode_response(resp)
+        if step != req.step:
+            raise DataPlaneError(502, "downstream", f"next hop {nxt.url} answered step {step}")
+        # Checked whole (header, timings, payload, not a byte more): only what the frame format says
+        # travels back up the route, as it came, with this hop's timing in front.
+        return with_prepended_timing(data, Timing(compute_us, handler_us))
 
     def _ssl_for(self, url: str) -> ssl.SSLContext | bool:
         if url.startswith("https://"):

@@ -3,26 +3,31 @@ downloads.
 
 One `CollectorRegistry` per `DataPlane` (tests run several nodes in one process), never the global
 one. Counters that the data plane already keeps (`DataPlane.counters`, the session table) are read at
-scrape time by a collector, so the hot path pays nothing for them; only what has no other home is
-recorded as it happens: the per-hop step latency and queue-wait histograms (two `observe` calls per
-frame), the batch histograms (steps, tokens and compute seconds per backend call, agent/node/scheduler.py),
-errors by code, and download bytes and rate (reported by the control client's transfers). The recent
-batches are also summed over a short window for the stats the agent reports (batch_stats).
+scrape time by a collector, so the hot path pays nothing for them. The per-frame histograms (step
+latency, queue wait, and steps, tokens and compute seconds per backend call, agent/node/scheduler.py:
+five values per decode step) are counted into plain bucket lists (`_Buckets`, one `bisect` and two
+additions each) and turned into Prometheus histograms at scrape time: prometheus_client's `observe`
+takes a lock and walks the buckets in Python, microseconds each on every hop of every token, all of
+it on the event loop that also reads the next frame. Errors by code and download bytes and rate
+(rare) use prometheus_client's own metrics. The recent batches are also summed over a short window for
+the stats the agent reports (batch_stats).
 Names start with `gguf_swarm_agent_`; docs/agent-install.md lists them.
 """
 
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, Info
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Info
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from agent import __version__
 from agent.wire.control import PROTOCOL_VERSION, Transfer
@@ -74,43 +79,90 @@ class _StatsCollector(Collector):
         yield GaugeMetricFamily(f"{PREFIX}_shards", "Shards loaded", value=float(len(st.get("shards") or [])))
 
 
+class _Buckets:
+    """One histogram's counts, as Prometheus defines them (le = upper bound), kept without locks: only
+    the data plane's event loop records into it, and a scrape reads it on the same loop."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one: above every bound (+Inf only)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        out, total = [], 0
+        for bound, n in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            total += n
+            out.append((floatToGoString(bound), float(total)))
+        return out
+
+
+class _HistogramCollector(Collector):
+    """Exposes `_Buckets` (by label values) as one Prometheus histogram at scrape time."""
+
+    def __init__(
+        self, name: str, help_text: str, labels: tuple[str, ...], series: dict[tuple[str, ...], _Buckets]
+    ):
+        self.name, self.help_text, self.labels, self.series = name, help_text, labels, series
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        fam = HistogramMetricFamily(self.name, self.help_text, labels=list(self.labels))
+        for values, b in list(self.series.items()):
+            fam.add_metric(list(values), b.cumulative(), b.sum)
+        yield fam
+
+
 class NodeMetrics:
     """The metrics of one data plane, and the aiohttp view that serves them."""
 
     def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.step_seconds = Histogram(
-            f"{PREFIX}_step_seconds",
-            "Time this hop spends on one forward frame (decoding, compute, encoding; not the next hops)",
-            ["kind"],
-            buckets=STEP_BUCKETS,
-            registry=r,
-        )
-        self.queue_wait_seconds = Histogram(
-            f"{PREFIX}_queue_wait_seconds",
-            "Time a frame waited for its shard (another session's step running on it)",
-            buckets=WAIT_BUCKETS,
-            registry=r,
-        )
-        self.batch_steps = Histogram(
-            f"{PREFIX}_batch_steps",
-            "Steps (of distinct sessions) run together in one backend call on this hop",
-            buckets=BATCH_STEP_BUCKETS,
-            registry=r,
-        )
-        self.batch_tokens = Histogram(
-            f"{PREFIX}_batch_tokens",
-            "Token positions in one backend call (decodes plus prefill chunks)",
-            buckets=BATCH_TOKEN_BUCKETS,
-            registry=r,
-        )
-        self.batch_seconds = Histogram(
-            f"{PREFIX}_batch_compute_seconds",
-            "Compute time of one backend call (one batch)",
-            buckets=STEP_BUCKETS,
-            registry=r,
-        )
+        self._step = {("decode",): _Buckets(STEP_BUCKETS), ("prefill",): _Buckets(STEP_BUCKETS)}
+        self._decode_step, self._prefill_step = self._step[("decode",)], self._step[("prefill",)]
+        self._wait = _Buckets(WAIT_BUCKETS)
+        self._batch_steps = _Buckets(BATCH_STEP_BUCKETS)
+        self._batch_tokens = _Buckets(BATCH_TOKEN_BUCKETS)
+        self._batch_seconds = _Buckets(STEP_BUCKETS)
+        for name, help_text, labels, series in (
+            (
+                "step_seconds",
+                "Time this hop spends on one forward frame (decoding, compute, encoding; not the next hops)",
+                ("kind",),
+                self._step,
+            ),
+            (
+                "queue_wait_seconds",
+                "Time a frame waited for its shard (another session's step running on it)",
+                (),
+                {(): self._wait},
+            ),
+            (
+                "batch_steps",
+                "Steps (of distinct sessions) run together in one backend call on this hop",
+                (),
+                {(): self._batch_steps},
+            ),
+            (
+                "batch_tokens",
+                "Token positions in one backend call (decodes plus prefill chunks)",
+                (),
+                {(): self._batch_tokens},
+            ),
+            (
+                "batch_compute_seconds",
+                "Compute time of one backend call (one batch)",
+                (),
+                {(): self._batch_seconds},
+            ),
+        ):
+            r.register(_HistogramCollector(f"{PREFIX}_{name}", help_text, labels, series))
         self.errors = Counter(
             f"{PREFIX}_errors", "Frames refused or failed, by error code", ["code"], registry=r
         )
@@ -135,17 +187,17 @@ class NodeMetrics:
 
     # -- hooks (the data plane and the control client call these) ------------------------------------
     def step(self, n_tokens: int, seconds: float) -> None:
-        self.step_seconds.labels("decode" if n_tokens == 1 else "prefill").observe(seconds)
+        (self._decode_step if n_tokens == 1 else self._prefill_step).observe(seconds)
 
     def queue_wait(self, seconds: float) -> None:
-        self.queue_wait_seconds.observe(seconds)
+        self._wait.observe(seconds)
         self._waits.append((time.monotonic(), seconds))
 
     def batch(self, steps: int, tokens: int, seconds: float) -> None:
         """One backend call of `steps` sessions' steps, `tokens` positions in all, computing `seconds`."""
-        self.batch_steps.observe(steps)
-        self.batch_tokens.observe(tokens)
-        self.batch_seconds.observe(seconds)
+        self._batch_steps.observe(steps)
+        self._batch_tokens.observe(tokens)
+        self._batch_seconds.observe(seconds)
         self._batches.append((time.monotonic(), steps, tokens, seconds))
         self.batches_total += 1
 

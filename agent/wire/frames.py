@@ -429,19 +429,17 @@ def encode_response(r: Response) -> bytes:
     return b"".join([head, timings, payload])
 
 
-def decode_response(data: bytes | memoryview) -> Response:
-    buf = memoryview(data)
-    rd = _Reader(buf)
+def _response_header(buf: memoryview) -> tuple[Kind, tuple[Any, ...]]:
+    """A response frame's kind and header, with every part checked: the frame is exactly its header,
+    its timings and the payload its kind and shape take, nothing more."""
     if len(buf) < RESP_HEADER.size:
         raise FrameError("truncated response")
-    magic, version, _status, kind, step, n, dim, plen, slen, token, logprob, nt = rd.unpack(
-        RESP_HEADER, "header"
-    )
+    head = RESP_HEADER.unpack_from(buf, 0)
+    magic, version, _status, kind, _step, n, dim, plen, _slen, _token, _logprob, nt = head
     if magic != RESP_MAGIC or version != PROTOCOL_VERSION:
         raise FrameError("bad response magic or version")
     if nt > MAX_CHAIN_HOPS + 1:
         raise FrameError(f"response carries {nt} timings, more than a route has hops")
-    timings = [Timing(c, h) for c, h in TIMING.iter_unpack(rd.take(nt * TIMING.size, "timings"))]
     kind_e = _KINDS.get(kind)
     if kind_e is None:
         raise FrameError(f"unknown response kind {kind}")
@@ -449,9 +447,18 @@ def decode_response(data: bytes | memoryview) -> Response:
         raise FrameError("token ids are not a response")
     if plen != payload_size(kind_e, n, dim):
         raise FrameError("response payload size mismatch")
-    payload = rd.take(plen, "payload")
-    if rd.off != len(buf):
-        raise FrameError(f"{len(buf) - rd.off} unexpected trailing bytes in a response")
+    size = RESP_HEADER.size + nt * TIMING.size + plen
+    if len(buf) < size:
+        raise FrameError(f"truncated response: {len(buf)} bytes, its header promises {size}")
+    if len(buf) > size:
+        raise FrameError(f"{len(buf) - size} unexpected trailing bytes in a response")
+    return kind_e, head
+
+
+def decode_response(data: bytes | memoryview) -> Response:
+    buf = memoryview(data)
+    kind_e, (_, _, _, _, step, n, dim, plen, slen, token, logprob, nt) = _response_header(buf)
+    off = RESP_HEADER.size + nt * TIMING.size
     return Response(
         step=step,
         kind=kind_e,
@@ -460,9 +467,15 @@ def decode_response(data: bytes | memoryview) -> Response:
         dim=dim,
         token=token,
         logprob=logprob,
-        timings=timings,
-        payload=payload,
+        timings=[Timing(c, h) for c, h in TIMING.iter_unpack(buf[RESP_HEADER.size : off])],
+        payload=buf[off : off + plen],
     )
+
+
+def response_step(data: bytes | memoryview) -> int:
+    """The step a response frame answers, once the whole frame is checked as decode_response checks it
+    (a chain hop relays its next hop's answer as it came, with its own timing added in front)."""
+    return int(_response_header(memoryview(data))[1][4])
 
 
 def with_prepended_timing(resp_bytes: bytes, timing: Timing) -> bytes:

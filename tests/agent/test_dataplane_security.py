@@ -25,8 +25,11 @@ from agent.wire.frames import (
     Kind,
     Op,
     Request,
+    Response,
+    decode_request,
     decode_response,
     encode_request,
+    encode_response,
 )
 from agent.wire.routetoken import RouteHop, mint, mint_route
 from tests.conftest import free_port
@@ -234,6 +237,49 @@ async def test_a_next_hop_reply_that_is_not_a_frame_is_not_passed_back(nodes, si
             a.url, ids_frame(tok_a, session, [1, 2], chain=[ChainHop(fake_url, tok_fake)])
         )
         assert (status, error_code(data)) == (502, "downstream") and b"\xff" not in data
+    finally:
+        await fr.cleanup()
+
+
+@pytest.mark.parametrize("extra", [b"", b"\0"], ids=["exact", "one-byte-more"])
+async def test_a_next_hop_answer_is_passed_back_only_when_it_is_exactly_a_frame(
+    nodes,  # noqa: ANN001
+    signing_key,  # noqa: ANN001
+    tiny,  # noqa: ANN001
+    extra: bytes,
+) -> None:
+    """A chain hop relays its next hop's answer as it came (with its own timing in front), so that
+    answer must be checked whole: one byte past the frame and nothing goes back but a 502."""
+    _, manifest = tiny
+    a = await nodes("node-a", [(0, 2)])
+
+    async def last_hop(request: web.Request) -> web.Response:
+        req = decode_request(await request.read())
+        answer = encode_response(Response(step=req.step, kind=Kind.TOKEN, session_len=2, token=7))
+        return web.Response(body=answer + extra)
+
+    app = web.Application()
+    app.router.add_post("/v1/frame", last_hop)
+    fr = web.AppRunner(app)
+    await fr.setup()
+    port = free_port()
+    await web.TCPSite(fr, "127.0.0.1", port).start()
+    fake_url = f"http://127.0.0.1:{port}"
+    try:
+        session = os.urandom(16)
+        route = [RouteHop("node-a", a.url, 0, 2), RouteHop("node-fake", fake_url, 2, 4)]
+        tok_a, tok_fake = mint_route(signing_key, session, manifest.sha256, route)
+        await post(a.url, frame(tok_a, session, op=Op.OPEN))
+        status, data = await post(
+            a.url, ids_frame(tok_a, session, [1, 2], chain=[ChainHop(fake_url, tok_fake)])
+        )
+        if extra:
+            assert (status, error_code(data)) == (502, "downstream")
+            assert "trailing" in json.loads(data)["message"]
+        else:
+            assert status == 200
+            got = decode_response(data)
+            assert (got.kind, got.token, got.session_len, len(got.timings)) == (Kind.TOKEN, 7, 2, 1)
     finally:
         await fr.cleanup()
 

@@ -27,6 +27,7 @@ from agent.wire.frames import (
     encode_request,
     encode_response,
     peek_request,
+    response_step,
     with_prepended_timing,
 )
 from agent.wire.sampling import SamplingParams
@@ -192,3 +193,28 @@ def test_responses_with_an_unknown_kind_too_many_timings_or_trailing_bytes_are_r
     for raw in (bytes(bad_kind), bytes(many) + b"\0" * 1600, good + b"x"):
         with pytest.raises(FrameError):
             decode_response(raw)
+
+
+def test_a_relayed_answer_is_checked_as_whole_as_a_decoded_one() -> None:
+    """A chain hop passes its next hop's answer on as it came (response_step, then its own timing in
+    front): every frame decode_response refuses, response_step refuses too, and a good one keeps its
+    step and payload through the relay."""
+    hidden = np.arange(6, dtype=np.float32).reshape(2, 3)
+    good = encode_response(
+        Response(step=9, kind=Kind.F32, session_len=5, n_tokens=2, dim=3, payload=hidden.tobytes())
+    )
+    assert response_step(good) == 9
+    relayed = decode_response(with_prepended_timing(good, Timing(1, 2)))
+    assert relayed.step == 9 and np.array_equal(relayed.hidden(), hidden)
+    bad_kind = bytearray(good)
+    bad_kind[7] = 99
+    many = bytearray(good)
+    many[RESP_HEADER.size - 1] = 200
+    ids = bytearray(good)
+    ids[7] = int(Kind.IDS)
+    cuts = [good[:n] for n in (0, RESP_HEADER.size - 1, RESP_HEADER.size, len(good) - 1)]
+    for raw in (bytes(bad_kind), bytes(many) + b"\0" * 1600, bytes(ids), good + b"x", *cuts):
+        with pytest.raises(FrameError):
+            decode_response(raw)
+        with pytest.raises(FrameError):
+            response_step(raw)
