@@ -184,6 +184,7 @@ class NativeBackend(Backend):
             params = sampling_struct(
                 p.temperature, p.top_k, p.top_p, p.min_p, p.repeat_penalty, p.repeat_last_n, p.seed
             )
+            history = _penalised(history, p)
         return {
             "sid": native_sid,
             "pos_start": pos_start,
@@ -276,3 +277,12 @@ class NativeBackend(Backend):
         if getattr(self, "model", None) is not None:
             self.model.close()
         self.sessions.clear()
+
+
+def _penalised(history: list[int] | None, p: SamplingParams) -> list[int] | None:
+    """The part of a session's history the library's sampler reads (native/src/sampler.cpp): none
+    without a repetition penalty, else the last repeat_last_n ids (all of them when it is negative).
+    Converting the whole history on every decode step would cost O(context) per token."""
+    if not history or p.repeat_penalty == 1.0 or p.repeat_last_n == 0:
+        return None
+    return history[-p.repeat_last_n :] if p.repeat_last_n > 0 else history

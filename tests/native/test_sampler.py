@@ -71,3 +71,25 @@ def test_c_sampler_picks_the_same_tokens_as_agent_sampling(native_lib: None, voc
 def test_c_sampler_rejects_bad_arguments_without_crashing(native_lib: None) -> None:
     with pytest.raises(native.NativeError):
         native.sample(np.zeros(0, dtype=np.float32), _c_params(SamplingParams()), 0)
+
+
+def test_the_backend_passes_the_sampler_only_the_history_it_reads(native_lib: None) -> None:
+    """NativeBackend hands the library the tail of a session's history that the repetition penalty
+    reads (not the whole context on every decode step); the sampler picks the same token either way."""
+    from agent.backends.native import _penalised
+
+    rng = np.random.default_rng(3)
+    vocab = 1000
+    history = rng.integers(0, vocab, 600).tolist()
+    for p in PARAM_SETS:
+        kept = _penalised(history, p)
+        if p.repeat_penalty == 1.0 or p.repeat_last_n == 0:
+            assert kept is None
+        else:
+            assert kept == (history[-p.repeat_last_n :] if p.repeat_last_n > 0 else history)
+        for pos in range(20):
+            logits = (rng.standard_normal(vocab) * 3).astype(np.float32)
+            logits[history[-5:]] += 4.0  # recent tokens lead: the penalty decides
+            full = native.sample(logits, _c_params(p), pos, history)
+            tail = native.sample(logits, _c_params(p), pos, kept)
+            assert tail == full, (p, pos)
