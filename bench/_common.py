@@ -27,8 +27,10 @@ def start_serve(
     threads: int,
     logdir: Path,
     extra_env: dict[str, str] | None = None,
+    repo: Path = REPO,
 ) -> tuple[Process, str, str]:
-    """Start `agent serve` for one layer range and wait until it answers; (process, URL, node id)."""
+    """Start `agent serve` for one layer range and wait until it answers; (process, URL, node id).
+    `repo`: the checkout whose agent runs (an A/B of two versions of the hop's code in one run)."""
     port = free_port()
     node = f"bench-{port}"
     cmd = [
@@ -53,8 +55,8 @@ def start_serve(
         "--kv-budget-mb",
         "4096",
     ]
-    env = {**os.environ, "PYTHONPATH": str(REPO), **(extra_env or {})}
-    proc = spawn(cmd, logdir / f"serve-{port}.log", env=env, cwd=REPO)
+    env = {**os.environ, "PYTHONPATH": str(repo), **(extra_env or {})}
+    proc = spawn(cmd, logdir / f"serve-{port}.log", env=env, cwd=repo)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http(url + "/v1/health", 180, procs=[proc])

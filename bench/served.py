@@ -42,6 +42,7 @@ sys.path.insert(0, str(REPO))
 
 from agent.artifacts.manifest import build_manifest  # noqa: E402
 from agent.artifacts.packaged import packaged_model_path  # noqa: E402
+from agent.backends.libggswarm import library_path  # noqa: E402
 from agent.client.recovery import minted_hops  # noqa: E402
 from agent.client.route import RouteClient  # noqa: E402
 from agent.client.tokenizer import ChatTokenizer  # noqa: E402
@@ -367,6 +368,13 @@ def main() -> None:
         help="also start a second route of 3 hops with this env; its 1-session decode is timed in the same "
         "rounds (keys ending _b): before/after in one run",
     )
+    ap.add_argument(
+        "--ab-checkout",
+        type=Path,
+        metavar="DIR",
+        help="also start a second route whose hops run the agent of another checkout (e.g. a `git worktree` "
+        "of the commit before a change; it loads this checkout's libggswarm unless --ab-serve-env names one)",
+    )
     ap.add_argument("--ab-http", action="store_true", help="route B's client posts every frame (no streams)")
     ap.add_argument(
         "--ab-no-bundles", action="store_true", help="route B's clients send every frame alone (no bundles)"
@@ -420,6 +428,9 @@ def main() -> None:
         samples[f"hop_compute_ms_{other}"] = []
         if not args.decode_only:
             samples[f"aggregate_tok_s_8_sessions_served_{other}"] = []
+    if args.ab_checkout is not None:
+        ab_env = {"GGSWARM_NATIVE_LIB": str(library_path()), **(ab_env or {})}
+        out["ab_checkout"] = str(args.ab_checkout)
     ab = ab_env is not None or args.ab_http or args.ab_no_bundles
     if ab:
         samples["decode_tok_s_served_3hop_b"] = []
@@ -457,6 +468,7 @@ def main() -> None:
                         args.threads,
                         logdir,
                         {**serve_env, **ab_env},
+                        repo=args.ab_checkout or REPO,
                     )
                     procs.append(proc)
                     pids_b.append(proc.pid)
