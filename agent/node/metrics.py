@@ -96,16 +96,22 @@ class _Buckets:
         out, total = [], 0
         for bound, n in zip((*self.bounds, float("inf")), self.counts, strict=True):
             total += n
-            out.append((floatToGoString(bound), float(total)))
+            out.append((_le(bound), float(total)))
         return out
+
+
+def _le(bound: float) -> str:
+    """A bucket bound as prometheus_client writes it (its formatter is untyped)."""
+    return str(floatToGoString(bound))  # type: ignore[no-untyped-call]  # prometheus_client ships no hints for it
+
+
+Series = dict[tuple[str, ...], _Buckets]  # label values -> their counts
 
 
 class _HistogramCollector(Collector):
     """Exposes `_Buckets` (by label values) as one Prometheus histogram at scrape time."""
 
-    def __init__(
-        self, name: str, help_text: str, labels: tuple[str, ...], series: dict[tuple[str, ...], _Buckets]
-    ):
+    def __init__(self, name: str, help_text: str, labels: tuple[str, ...], series: Series) -> None:
         self.name, self.help_text, self.labels, self.series = name, help_text, labels, series
 
     def describe(self) -> Iterator[Metric]:
@@ -124,13 +130,13 @@ class NodeMetrics:
     def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self._step = {("decode",): _Buckets(STEP_BUCKETS), ("prefill",): _Buckets(STEP_BUCKETS)}
+        self._step: Series = {("decode",): _Buckets(STEP_BUCKETS), ("prefill",): _Buckets(STEP_BUCKETS)}
         self._decode_step, self._prefill_step = self._step[("decode",)], self._step[("prefill",)]
         self._wait = _Buckets(WAIT_BUCKETS)
         self._batch_steps = _Buckets(BATCH_STEP_BUCKETS)
         self._batch_tokens = _Buckets(BATCH_TOKEN_BUCKETS)
         self._batch_seconds = _Buckets(STEP_BUCKETS)
-        for name, help_text, labels, series in (
+        table: tuple[tuple[str, str, tuple[str, ...], Series], ...] = (
             (
                 "step_seconds",
                 "Time this hop spends on one forward frame (decoding, compute, encoding; not the next hops)",
@@ -161,7 +167,8 @@ class NodeMetrics:
                 (),
                 {(): self._batch_seconds},
             ),
-        ):
+        )
+        for name, help_text, labels, series in table:
             r.register(_HistogramCollector(f"{PREFIX}_{name}", help_text, labels, series))
         self.errors = Counter(
             f"{PREFIX}_errors", "Frames refused or failed, by error code", ["code"], registry=r
