@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -84,6 +85,33 @@ async def post(url: str, body: bytes, **kw: Any) -> tuple[int, bytes]:
 
 def error_code(data: bytes) -> str:
     return str(json.loads(data)["error"])
+
+
+@contextlib.asynccontextmanager
+async def fake_next_hop(
+    method: str, path: str, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> AsyncIterator[str]:
+    """A hostile "next hop" on 127.0.0.1 answering `method path` with `handler`; yields its URL."""
+    app = web.Application()
+    app.router.add_route(method, path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+async def chain_to(node: Node, next_url: str, key: Any, sha: str) -> tuple[bytes, bytes, list[ChainHop]]:
+    """A session opened on `node` (layers 0:2) whose signed route goes on to `next_url` (layers 2:4):
+    (session, the node's token, the chain a forward frame carries)."""
+    session = os.urandom(16)
+    route = [RouteHop(node.dp.node_id, node.url, 0, 2), RouteHop("node-next", next_url, 2, 4)]
+    tok, tok_next = mint_route(key, session, sha, route)
+    await post(node.url, frame(tok, session, op=Op.OPEN))
+    return session, tok, [ChainHop(next_url, tok_next)]
 
 
 def frame(token: bytes, session: bytes, **kw: Any) -> bytes:
@@ -189,28 +217,15 @@ async def test_a_600_mb_reply_from_the_next_hop_is_cut_off_with_502_and_rss_stay
             pass
         return resp
 
-    app = web.Application()
-    app.router.add_post("/v1/frame", flood)
-    fr = web.AppRunner(app)
-    await fr.setup()
-    port = free_port()
-    await web.TCPSite(fr, "127.0.0.1", port).start()
-    fake_url = f"http://127.0.0.1:{port}"
-    try:
-        session = os.urandom(16)
-        route = [RouteHop("node-a", a.url, 0, 2), RouteHop("node-fake", fake_url, 2, 4)]
-        tok_a, tok_fake = mint_route(signing_key, session, manifest.sha256, route)
-        await post(a.url, frame(tok_a, session, op=Op.OPEN))
+    async with fake_next_hop("POST", "/v1/frame", flood) as fake_url:
+        session, tok_a, chain = await chain_to(a, fake_url, signing_key, manifest.sha256)
         rss0 = psutil.Process().memory_info().rss
-        body = ids_frame(tok_a, session, [1, 2, 3], chain=[ChainHop(fake_url, tok_fake)])
-        status, data = await post(a.url, body)
+        status, data = await post(a.url, ids_frame(tok_a, session, [1, 2, 3], chain=chain))
         grew = psutil.Process().memory_info().rss - rss0
         assert (status, error_code(data)) == (502, "downstream")
         assert "more than" in json.loads(data)["message"]
         assert grew < 64 * MB, f"RSS grew {grew / MB:.0f} MB reading a bounded reply"
         assert sent[0] < 600 * MB  # the hop hung up instead of reading it all
-    finally:
-        await fr.cleanup()
 
 
 async def test_a_next_hop_reply_that_is_not_a_frame_is_not_passed_back(nodes, signing_key, tiny) -> None:  # noqa: ANN001
@@ -221,24 +236,10 @@ async def test_a_next_hop_reply_that_is_not_a_frame_is_not_passed_back(nodes, si
         await request.read()
         return web.Response(body=b"GSWR" + b"\xff" * 60)
 
-    app = web.Application()
-    app.router.add_post("/v1/frame", liar)
-    fr = web.AppRunner(app)
-    await fr.setup()
-    port = free_port()
-    await web.TCPSite(fr, "127.0.0.1", port).start()
-    fake_url = f"http://127.0.0.1:{port}"
-    try:
-        session = os.urandom(16)
-        route = [RouteHop("node-a", a.url, 0, 2), RouteHop("node-fake", fake_url, 2, 4)]
-        tok_a, tok_fake = mint_route(signing_key, session, manifest.sha256, route)
-        await post(a.url, frame(tok_a, session, op=Op.OPEN))
-        status, data = await post(
-            a.url, ids_frame(tok_a, session, [1, 2], chain=[ChainHop(fake_url, tok_fake)])
-        )
+    async with fake_next_hop("POST", "/v1/frame", liar) as fake_url:
+        session, tok_a, chain = await chain_to(a, fake_url, signing_key, manifest.sha256)
+        status, data = await post(a.url, ids_frame(tok_a, session, [1, 2], chain=chain))
         assert (status, error_code(data)) == (502, "downstream") and b"\xff" not in data
-    finally:
-        await fr.cleanup()
 
 
 @pytest.mark.parametrize("extra", [b"", b"\0"], ids=["exact", "one-byte-more"])
@@ -258,30 +259,16 @@ async def test_a_next_hop_answer_is_passed_back_only_when_it_is_exactly_a_frame(
         answer = encode_response(Response(step=req.step, kind=Kind.TOKEN, session_len=2, token=7))
         return web.Response(body=answer + extra)
 
-    app = web.Application()
-    app.router.add_post("/v1/frame", last_hop)
-    fr = web.AppRunner(app)
-    await fr.setup()
-    port = free_port()
-    await web.TCPSite(fr, "127.0.0.1", port).start()
-    fake_url = f"http://127.0.0.1:{port}"
-    try:
-        session = os.urandom(16)
-        route = [RouteHop("node-a", a.url, 0, 2), RouteHop("node-fake", fake_url, 2, 4)]
-        tok_a, tok_fake = mint_route(signing_key, session, manifest.sha256, route)
-        await post(a.url, frame(tok_a, session, op=Op.OPEN))
-        status, data = await post(
-            a.url, ids_frame(tok_a, session, [1, 2], chain=[ChainHop(fake_url, tok_fake)])
-        )
-        if extra:
-            assert (status, error_code(data)) == (502, "downstream")
-            assert "trailing" in json.loads(data)["message"]
-        else:
-            assert status == 200
-            got = decode_response(data)
-            assert (got.kind, got.token, got.session_len, len(got.timings)) == (Kind.TOKEN, 7, 2, 1)
-    finally:
-        await fr.cleanup()
+    async with fake_next_hop("POST", "/v1/frame", last_hop) as fake_url:
+        session, tok_a, chain = await chain_to(a, fake_url, signing_key, manifest.sha256)
+        status, data = await post(a.url, ids_frame(tok_a, session, [1, 2], chain=chain))
+    if extra:
+        assert (status, error_code(data)) == (502, "downstream")
+        assert "trailing" in json.loads(data)["message"]
+    else:
+        assert status == 200
+        got = decode_response(data)
+        assert (got.kind, got.token, got.session_len, len(got.timings)) == (Kind.TOKEN, 7, 2, 1)
 
 
 async def test_logits_over_a_long_prefill_are_refused_and_retries_hold_no_megabytes(

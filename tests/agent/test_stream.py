@@ -9,11 +9,19 @@ from aiohttp import web
 
 from agent.client.route import Hop, RouteClient, RouteError
 from agent.node.dataplane import DataPlane, start_dataplane
-from agent.wire.frames import Op
 from agent.wire.routetoken import generate_key, mint
 from agent.wire.sampling import SamplingParams
 from agent.wire.stream import STREAM_MAX_FRAME, TRANSPORT_ENV
-from tests.agent.test_dataplane_security import MB, error_code, frame, ids_frame, nodes, post, tiny  # noqa: F401
+from tests.agent.test_dataplane_security import (  # noqa: F401
+    MB,
+    chain_to,
+    error_code,
+    fake_next_hop,
+    ids_frame,
+    nodes,
+    post,
+    tiny,
+)
 from tests.conftest import free_port
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 504, 3575, 282, 4649, 314]
@@ -136,9 +144,6 @@ async def test_a_next_hop_flooding_its_stream_answer_gets_502_and_the_hop_buffer
 
     import psutil
 
-    from agent.wire.frames import ChainHop
-    from agent.wire.routetoken import RouteHop, mint_route
-
     _, manifest = tiny
     a = await nodes("node-a", [(0, 2)])
     sent = [0]
@@ -154,26 +159,13 @@ async def test_a_next_hop_flooding_its_stream_answer_gets_502_and_the_hop_buffer
             pass
         return ws
 
-    app = web.Application()
-    app.router.add_get("/v1/stream", flood)
-    fr = web.AppRunner(app)
-    await fr.setup()
-    port = free_port()
-    await web.TCPSite(fr, "127.0.0.1", port).start()
-    fake_url = f"http://127.0.0.1:{port}"
-    try:
-        session = os.urandom(16)
-        route = [RouteHop("node-a", a.url, 0, 2), RouteHop("node-fake", fake_url, 2, 4)]
-        tok_a, tok_fake = mint_route(signing_key, session, manifest.sha256, route)
-        await post(a.url, frame(tok_a, session, op=Op.OPEN))
+    async with fake_next_hop("GET", "/v1/stream", flood) as fake_url:
+        session, tok_a, chain = await chain_to(a, fake_url, signing_key, manifest.sha256)
         rss0 = psutil.Process().memory_info().rss
-        body = ids_frame(tok_a, session, [1, 2, 3], chain=[ChainHop(fake_url, tok_fake)])
-        status, data = await post(a.url, body)
+        status, data = await post(a.url, ids_frame(tok_a, session, [1, 2, 3], chain=chain))
         grew = psutil.Process().memory_info().rss - rss0
         assert (status, error_code(data)) == (502, "downstream"), json.loads(data)
         # the socket was given up at CHAIN_MAX_ANSWER bytes ("ended"), not read whole and then
         # found too long ("answered more than")
         assert "ended" in json.loads(data)["message"], json.loads(data)
         assert grew < 32 * MB, f"RSS grew {grew / MB:.0f} MB reading a bounded stream answer"
-    finally:
-        await fr.cleanup()
