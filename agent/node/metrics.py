@@ -132,44 +132,30 @@ class NodeMetrics:
         r = self.registry
         self._step: Series = {("decode",): _Buckets(STEP_BUCKETS), ("prefill",): _Buckets(STEP_BUCKETS)}
         self._decode_step, self._prefill_step = self._step[("decode",)], self._step[("prefill",)]
-        self._wait = _Buckets(WAIT_BUCKETS)
-        self._batch_steps = _Buckets(BATCH_STEP_BUCKETS)
-        self._batch_tokens = _Buckets(BATCH_TOKEN_BUCKETS)
-        self._batch_seconds = _Buckets(STEP_BUCKETS)
-        table: tuple[tuple[str, str, tuple[str, ...], Series], ...] = (
-            (
-                "step_seconds",
-                "Time this hop spends on one forward frame (decoding, compute, encoding; not the next hops)",
-                ("kind",),
-                self._step,
-            ),
-            (
-                "queue_wait_seconds",
-                "Time a frame waited for its shard (another session's step running on it)",
-                (),
-                {(): self._wait},
-            ),
-            (
-                "batch_steps",
-                "Steps (of distinct sessions) run together in one backend call on this hop",
-                (),
-                {(): self._batch_steps},
-            ),
-            (
-                "batch_tokens",
-                "Token positions in one backend call (decodes plus prefill chunks)",
-                (),
-                {(): self._batch_tokens},
-            ),
-            (
-                "batch_compute_seconds",
-                "Compute time of one backend call (one batch)",
-                (),
-                {(): self._batch_seconds},
-            ),
+        self._histogram(
+            "step_seconds",
+            "Time this hop spends on one forward frame (decoding, compute, encoding; not the next hops)",
+            self._step,
+            ("kind",),
         )
-        for name, help_text, labels, series in table:
-            r.register(_HistogramCollector(f"{PREFIX}_{name}", help_text, labels, series))
+        self._wait = self._unlabelled(
+            "queue_wait_seconds",
+            "Time a frame waited for its shard (another session's step running on it)",
+            WAIT_BUCKETS,
+        )
+        self._batch_steps = self._unlabelled(
+            "batch_steps",
+            "Steps (of distinct sessions) run together in one backend call on this hop",
+            BATCH_STEP_BUCKETS,
+        )
+        self._batch_tokens = self._unlabelled(
+            "batch_tokens",
+            "Token positions in one backend call (decodes plus prefill chunks)",
+            BATCH_TOKEN_BUCKETS,
+        )
+        self._batch_seconds = self._unlabelled(
+            "batch_compute_seconds", "Compute time of one backend call (one batch)", STEP_BUCKETS
+        )
         self.errors = Counter(
             f"{PREFIX}_errors", "Frames refused or failed, by error code", ["code"], registry=r
         )
@@ -191,6 +177,14 @@ class NodeMetrics:
         self._batches: deque[tuple[float, int, int, float]] = deque(maxlen=_RECENT_MAX)
         self._waits: deque[tuple[float, float]] = deque(maxlen=_RECENT_MAX)
         self.batches_total = 0
+
+    def _histogram(self, name: str, help_text: str, series: Series, labels: tuple[str, ...] = ()) -> None:
+        self.registry.register(_HistogramCollector(f"{PREFIX}_{name}", help_text, labels, series))
+
+    def _unlabelled(self, name: str, help_text: str, bounds: tuple[float, ...]) -> _Buckets:
+        b = _Buckets(bounds)
+        self._histogram(name, help_text, {(): b})
+        return b
 
     # -- hooks (the data plane and the control client call these) ------------------------------------
     def step(self, n_tokens: int, seconds: float) -> None:

@@ -203,7 +203,7 @@ def encode_request(r: Request) -> bytes:
     if r.history is not None:
         flags |= _F_HISTORY
         h = r.history[-MAX_HISTORY:]
-        tail.append(struct.pack("<I", len(h)) + np.asarray(h, dtype="<i4").tobytes())
+        tail.append(_U32.pack(len(h)) + np.asarray(h, dtype="<i4").tobytes())
     if r.want_logits:
         flags |= _F_WANT_LOGITS
     if r.f16_out:
@@ -212,10 +212,10 @@ def encode_request(r: Request) -> bytes:
         flags |= _F_CHAIN_CACHED
     if r.chain:
         flags |= _F_CHAIN
-        parts = [struct.pack("<B", len(r.chain))]
+        parts = [_U8.pack(len(r.chain))]
         for hop in r.chain:
             u = hop.url.encode()
-            parts.append(struct.pack("<H", len(u)) + u + struct.pack("<H", len(hop.token)) + hop.token)
+            parts.append(_U16.pack(len(u)) + u + _U16.pack(len(hop.token)) + hop.token)
         tail.append(b"".join(parts))
     if r.token_ids is not None:
         ids = np.asarray(r.token_ids, dtype="<i4").ravel()
@@ -475,11 +475,13 @@ def decode_response(data: bytes | memoryview) -> Response:
 def response_step(data: bytes | memoryview) -> int:
     """The step a response frame answers, once the whole frame is checked as decode_response checks it
     (a chain hop relays its next hop's answer as it came, with its own timing added in front)."""
-    return int(_response_header(memoryview(data))[1][4])
+    _kind, (_magic, _version, _status, _kind_value, step, *_rest) = _response_header(memoryview(data))
+    return int(step)
 
 
 def with_prepended_timing(resp_bytes: bytes, timing: Timing) -> bytes:
-    """Add this hop's timing in front of the others' (this hop's own, already valid response only)."""
+    """Add this hop's timing in front of the others': to its own answer, or to a next hop's answer that
+    response_step checked whole (the header's timing count must stay the frame's)."""
     head = bytearray(resp_bytes[: RESP_HEADER.size])
     nt = head[-1]
     head[-1] = nt + 1
