@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from agent import __version__, defaults, logsafe
+from agent.eventloop import loop_name, run_loop
 from agent.wire import frames
 from agent.wire.ids import SessionId
 
@@ -142,7 +143,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         await stop.wait()
         await runner.cleanup()
 
-    asyncio.run(main())
+    run_loop(main())
     return 0
 
 
@@ -233,7 +234,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             await client.close()
         return 0
 
-    return asyncio.run(main())
+    return run_loop(main())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -321,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
             inline_from_env()
             hold_from_env()
             check_barrier_env()
+            loop_name()
         except ValueError as e:
             print(f"agent: error: {e}", file=sys.stderr)
             return 2

@@ -48,11 +48,14 @@ from agent.client.route import RouteClient  # noqa: E402
 from agent.client.tokenizer import ChatTokenizer  # noqa: E402
 from agent.client.transport import HopTransport  # noqa: E402
 from agent.defaults import CONTROL_PLANE_ROUTE_MODE, ROUTE_MODES  # noqa: E402
+from agent.eventloop import loop_name  # noqa: E402
 from agent.procs import stop  # noqa: E402
 from agent.wire.routetoken import RouteHop, generate_key, public_key_b64  # noqa: E402
 from agent.wire.sampling import SamplingParams  # noqa: E402
+from bench import hop_floor  # noqa: E402
 from bench._common import start_serve  # noqa: E402
 from bench._llamacpp import BATCH, LlamaCpp  # noqa: E402
+from bench.hop_floor import start_route as floor_route  # noqa: E402
 
 RANGES = [(0, 10), (10, 20), (20, 30)]
 STORY = [
@@ -158,6 +161,21 @@ async def decode_once(route: Route, prompt: list[int], n: int) -> Decode:
         hop_python_ms=(rtt_ms - network_ms - compute_ms) / per,
         client_ms=(wall_ms - rtt_ms) / per,
     )
+
+
+FLOORS = ("ws", "blocking")  # the bare relays --floor times (bench/hop_floor.py)
+_floor_sid = 1000
+
+
+async def floor_decode(transport: str, port: int, n: int) -> tuple[float, float]:
+    """(tok/s, per-hop overhead ms) of one session decoding `n` tokens through a bare relay."""
+    global _floor_sid
+    _floor_sid += 1
+    if transport == "blocking":
+        wall, compute, _ = hop_floor.drive_blocking(port, _floor_sid, n)
+    else:
+        wall, compute, _ = await hop_floor.drive_async(transport, port, _floor_sid, n)
+    return n / wall, (wall - compute) * 1e3 / (n * len(RANGES))
 
 
 async def decode_sessions(route: Route, prompt: list[int], n: int, k: int) -> float:
@@ -375,6 +393,12 @@ def main() -> None:
         help="also start a second route whose hops run the agent of another checkout (e.g. a `git worktree` "
         "of the commit before a change; it loads this checkout's libggswarm unless --ab-serve-env names one)",
     )
+    ap.add_argument(
+        "--floor",
+        action="store_true",
+        help="also time bare relays of the same 3 shards (bench/hop_floor.py: WebSocket and blocking "
+        "sockets, no protocol) in the same rounds: what the transport alone leaves of per_hop_overhead_ms",
+    )
     ap.add_argument("--ab-http", action="store_true", help="route B's client posts every frame (no streams)")
     ap.add_argument(
         "--ab-no-bundles", action="store_true", help="route B's clients send every frame alone (no bundles)"
@@ -444,7 +468,20 @@ def main() -> None:
             args.ab_http,
             args.ab_no_bundles,
         )
+    floors: dict[str, int] = {}
+    if args.floor:
+        for t in FLOORS:
+            samples[f"per_hop_overhead_ms_floor_{t}"] = []
+            samples[f"decode_tok_s_floor_{t}"] = []
     try:
+        if args.floor:
+            for t in FLOORS:
+                # the hops' loop is the agent's (agent/eventloop.py); the blocking relay has none
+                on_uvloop = t != "blocking" and loop_name() == "uvloop"
+                fprocs, floors[t] = floor_route(
+                    t + ("+uvloop" if on_uvloop else ""), path, args.threads, logdir
+                )
+                procs.extend(fprocs)
         for a, b in RANGES:
             proc, url, node = start_serve(
                 path, f"{a}:{b}", "native", public_key_b64(key.public_key()), args.threads, logdir, serve_env
@@ -500,6 +537,10 @@ def main() -> None:
                 samples["per_hop_wire_ms"].append(d.wire_ms)
                 samples["per_hop_hop_python_ms"].append(d.hop_python_ms)
                 samples["per_hop_client_ms"].append(d.client_ms)
+                for t, port in floors.items():
+                    tok_s, overhead_ms = await floor_decode(t, port, args.tokens)
+                    samples[f"decode_tok_s_floor_{t}"].append(tok_s)
+                    samples[f"per_hop_overhead_ms_floor_{t}"].append(overhead_ms)
                 if route_b is not None:
                     d = await decode_once(route_b, prompt, args.tokens)
                     samples["hops_cpu_ms_per_step_b"].append(d.cpu_ms)

@@ -20,6 +20,7 @@ from agent import __version__, defaults
 from agent.artifacts.manifest import Manifest
 from agent.backends import load_backend
 from agent.backends.base import AdmissionError, Backend, BackendError, ShardSpec
+from agent.eventloop import running_loop_name
 
 # Admission limits and chain forwarding are mixed into DataPlane from their own modules; the names
 # below stay importable from here, where stream.py and the tests take them.
@@ -452,7 +453,7 @@ class DataPlane(FrameAdmission, ChainForwarding):
         return web.Response(body=out, content_type="application/octet-stream")
 
     async def _health_view(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", **self.stats()})
+        return web.json_response({"status": "ok", "event_loop": running_loop_name(), **self.stats()})
 
     async def _sweeper(self, app: web.Application) -> None:  # noqa: ARG002
         while True:

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from agent import defaults, logsafe
+from agent.eventloop import run_loop
 from agent.node.config import (
     ConfigError,
     NodeConfig,
@@ -127,7 +128,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             await runner.cleanup()
         return EXIT_RESTART if agent.restart_requested else 0
 
-    return asyncio.run(main())
+    return run_loop(main())
 
 
 def add_control_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -170,6 +170,7 @@ async def test_an_installed_agent_enrolls_loads_a_native_shard_and_serves_a_chat
         with urllib.request.urlopen(node["dataplane_url"] + "/v1/health", timeout=10) as r:
             health = json.loads(r.read())
         assert [sh["backend"] for sh in health["shards"]] == ["native"]
+        assert health["event_loop"] == "uvloop"  # a dependency of the wheel (agent/eventloop.py)
 
         texts, route = await s.playground_chat([QUESTION], max_tokens=16)
         assert "Paris" in texts[0], texts
