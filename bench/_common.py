@@ -64,3 +64,18 @@ def start_serve(
         stop([proc])
         raise
     return proc, url, node
+
+
+async def serve_forever(path: str, handle: Any, port: int) -> None:
+    """An aiohttp app answering GET `path` with `handle` on 127.0.0.1:`port`, until cancelled (the bare
+    relays of bench/chain_legs.py and bench/hop_floor.py)."""
+    import asyncio
+
+    from aiohttp import web
+
+    app = web.Application()
+    app.router.add_get(path, handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    await asyncio.Event().wait()

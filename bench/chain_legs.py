@@ -40,6 +40,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from agent.procs import free_port, stop, wait_port  # noqa: E402
+from bench._common import serve_forever  # noqa: E402
 
 MESSAGE_BYTES = 2400
 RELAY, DIRECT, SUBSCRIBE = b"R", b"D", b"S"
@@ -82,12 +83,7 @@ async def bare_hop(port: int, next_port: int | None, compute_s: float) -> None:
                 await ws.send_bytes((await nxt.receive()).data)
         return ws
 
-    app = web.Application()
-    app.router.add_get("/s", handle)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    await asyncio.Event().wait()
+    await serve_forever("/s", handle, port)
 
 
 async def bare_route(ports: list[int], mode: bytes, tokens: int) -> float:

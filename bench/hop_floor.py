@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from agent.procs import Process, free_port, spawn, stop, wait_port  # noqa: E402
+from bench._common import serve_forever  # noqa: E402
 
 RANGES = [(0, 10), (10, 20), (20, 30)]
 REQ = struct.Struct("<IIi")  # session, position, token (hop 0) ; hidden f32 bytes follow for the others
@@ -232,12 +233,7 @@ async def serve_ws(hop: Hop, port: int, next_port: int | None) -> None:
             await ws.send_bytes(ANS.pack(tok, before + secs))
         return ws
 
-    app = web.Application()
-    app.router.add_get("/s", handle)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    await asyncio.Event().wait()
+    await serve_forever("/s", handle, port)
 
 
 # -- the client ---------------------------------------------------------------------------------------

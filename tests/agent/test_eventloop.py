@@ -41,16 +41,6 @@ def test_an_unknown_loop_name_is_a_clear_error() -> None:
         loop_name({EVENT_LOOP_ENV: "trio"})
 
 
-def test_serving_with_an_unknown_event_loop_fails_at_once_with_its_name(monkeypatch, capsys) -> None:  # noqa: ANN001
-    from agent.cli import main
-
-    monkeypatch.setenv("GOMP_SPINCOUNT", "10000")  # serve would set it in os.environ otherwise
-    monkeypatch.setenv("GGSWARM_EVENT_LOOP", "trio")
-    argv = ["serve", "--model", "pkg:smollm2", "--port", "1", "--public-key", "unused"]
-    assert main(argv) == 2
-    assert "GGSWARM_EVENT_LOOP must be one of uvloop, asyncio, not 'trio'" in capsys.readouterr().err
-
-
 def test_a_served_hop_runs_on_uvloop_and_says_so(serve_factory) -> None:  # noqa: ANN001
     hop = serve_factory("0:10", backend="native")
     with urllib.request.urlopen(hop.url + "/v1/health", timeout=10) as r:

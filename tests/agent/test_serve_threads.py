@@ -35,31 +35,23 @@ def test_a_native_hop_loads_libgomp_with_the_capped_spin_count(serve_factory, mo
     assert re.search(r"GOMP_SPINCOUNT = '10000'", text), text[-2000:]
 
 
-def test_serving_with_a_bad_busy_chunk_override_fails_at_once_with_its_name(monkeypatch, capsys) -> None:  # noqa: ANN001
-    from agent.cli import main
-
-    monkeypatch.setenv("GOMP_SPINCOUNT", "10000")  # serve would set it in os.environ otherwise
-    monkeypatch.setenv("GGSWARM_BUSY_CHUNK_TOKENS", "0")
-    argv = ["serve", "--model", "pkg:smollm2", "--port", "1", "--public-key", "unused"]
-    assert main(argv) == 2
-    assert "GGSWARM_BUSY_CHUNK_TOKENS=0 is outside 1..512" in capsys.readouterr().err
-
-
 @pytest.mark.parametrize(
-    ("value", "message"),
+    ("name", "value", "message"),
     [
-        ("lots", "GGSWARM_BARRIER_SPIN='lots' is not an integer"),
-        ("-1", "GGSWARM_BARRIER_SPIN=-1 is outside 0..100000000"),
-        ("100000001", "GGSWARM_BARRIER_SPIN=100000001 is outside 0..100000000"),
+        ("GGSWARM_BUSY_CHUNK_TOKENS", "0", "GGSWARM_BUSY_CHUNK_TOKENS=0 is outside 1..512"),
+        ("GGSWARM_BARRIER_SPIN", "lots", "GGSWARM_BARRIER_SPIN='lots' is not an integer"),
+        ("GGSWARM_BARRIER_SPIN", "-1", "GGSWARM_BARRIER_SPIN=-1 is outside 0..100000000"),
+        ("GGSWARM_BARRIER_SPIN", "100000001", "GGSWARM_BARRIER_SPIN=100000001 is outside 0..100000000"),
+        ("GGSWARM_EVENT_LOOP", "trio", "GGSWARM_EVENT_LOOP must be one of uvloop, asyncio, not 'trio'"),
     ],
 )
-def test_serving_with_a_bad_barrier_setting_fails_at_once_with_its_name(
-    monkeypatch, capsys, value: str, message: str
+def test_serving_with_a_bad_setting_fails_at_once_with_its_name(
+    monkeypatch, capsys, name: str, value: str, message: str
 ) -> None:  # noqa: ANN001
     from agent.cli import main
 
-    monkeypatch.setenv("GOMP_SPINCOUNT", "10000")
-    monkeypatch.setenv("GGSWARM_BARRIER_SPIN", value)
+    monkeypatch.setenv("GOMP_SPINCOUNT", "10000")  # serve would set it in os.environ otherwise
+    monkeypatch.setenv(name, value)
     argv = ["serve", "--model", "pkg:smollm2", "--port", "1", "--public-key", "unused"]
     assert main(argv) == 2
     assert message in capsys.readouterr().err
