@@ -26,6 +26,7 @@ import struct
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import numpy as np
@@ -237,28 +238,31 @@ async def serve_ws(hop: Hop, port: int, next_port: int | None) -> None:
 
 
 # -- the client ---------------------------------------------------------------------------------------
-def drive_blocking(port: int, sid: int, n: int) -> tuple[float, float, list[int]]:
-    s = socket.create_connection(("127.0.0.1", port))
-    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    try:
-        return _drive(lambda m: (s.sendall(LEN.pack(len(m)) + m), _recv_msg(s))[1], sid, n)
-    finally:
-        s.close()
+def per_hop_ms(wall_s: float, compute_s: float, n: int) -> float:
+    """Step wall time less the hops' compute, per hop and step (as bench/served.py counts it)."""
+    return (wall_s - compute_s) * 1e3 / (n * len(RANGES))
 
 
-def _drive(call, sid: int, n: int) -> tuple[float, float, list[int]]:  # type: ignore[no-untyped-def]  # why: a bench's callback
-    tok, _ = ANS.unpack(call(REQ.pack(sid, 0, 1)))  # the first step is not timed
-    toks, compute = [tok], 0.0
-    t0 = time.perf_counter()
-    for pos in range(1, n + 1):
-        tok, secs = ANS.unpack(call(REQ.pack(sid, pos, tok)))
-        toks.append(tok)
-        compute += secs
-    return time.perf_counter() - t0, compute, toks
+async def drive(transport: str, port: int, sid: int, n: int) -> tuple[float, float, list[int]]:
+    """(wall s, the hops' compute s, tokens) of session `sid` decoding `n` steps after an untimed
+    first one, through the route of `transport` (as start_route was given it) whose first hop is on
+    `port`."""
+    kind = transport.partition("+")[0]
+    if kind == "blocking":
+        s = socket.create_connection(("127.0.0.1", port))
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
+        async def call_blocking(m: bytes) -> bytes:
+            s.sendall(LEN.pack(len(m)) + m)
+            ans = _recv_msg(s)
+            assert ans is not None
+            return ans
 
-async def drive_async(transport: str, port: int, sid: int, n: int) -> tuple[float, float, list[int]]:
-    if transport == "ws":
+        try:
+            return await _steps(call_blocking, sid, n)
+        finally:
+            s.close()
+    if kind == "ws":
         from aiohttp import ClientSession
 
         async with ClientSession() as http, http.ws_connect(f"http://127.0.0.1:{port}/s", compress=0) as ws:
@@ -267,7 +271,7 @@ async def drive_async(transport: str, port: int, sid: int, n: int) -> tuple[floa
                 await ws.send_bytes(m)
                 return await ws.receive_bytes()
 
-            return await _drive_async(call_ws, sid, n)
+            return await _steps(call_ws, sid, n)
     loop = asyncio.get_running_loop()
     answers: asyncio.Queue[bytes] = asyncio.Queue()
     tr, proto = await loop.create_connection(
@@ -279,13 +283,15 @@ async def drive_async(transport: str, port: int, sid: int, n: int) -> tuple[floa
         return await answers.get()
 
     try:
-        return await _drive_async(call_tcp, sid, n)
+        return await _steps(call_tcp, sid, n)
     finally:
         tr.close()
 
 
-async def _drive_async(call, sid: int, n: int) -> tuple[float, float, list[int]]:  # type: ignore[no-untyped-def]  # why: a bench's callback
-    tok, _ = ANS.unpack(await call(REQ.pack(sid, 0, 1)))
+async def _steps(
+    call: Callable[[bytes], Awaitable[bytes]], sid: int, n: int
+) -> tuple[float, float, list[int]]:
+    tok, _ = ANS.unpack(await call(REQ.pack(sid, 0, 1)))  # the first step is not timed
     toks, compute = [tok], 0.0
     t0 = time.perf_counter()
     for pos in range(1, n + 1):
@@ -348,15 +354,10 @@ def main() -> None:
         sid = 1
         for _ in range(args.rounds):
             for t in transports:
-                port = routes[t][1]
-                if t == "blocking":
-                    wall, comp, toks = drive_blocking(port, sid, args.tokens)
-                else:
-                    kind = "ws" if t.startswith("ws") else "tcp"
-                    wall, comp, toks = asyncio.run(drive_async(kind, port, sid, args.tokens))
+                wall, comp, toks = asyncio.run(drive(t, routes[t][1], sid, args.tokens))
                 sid += 1
                 tokens[t] = toks
-                samples[t].append((args.tokens / wall, (wall - comp) * 1e3 / (args.tokens * len(RANGES))))
+                samples[t].append((args.tokens / wall, per_hop_ms(wall, comp, args.tokens)))
                 print(t, f"{samples[t][-1][0]:.2f} tok/s", f"{samples[t][-1][1]:.3f} ms/hop", file=sys.stderr)
     finally:
         for procs, _ in routes.values():

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import statistics
@@ -164,18 +165,13 @@ async def decode_once(route: Route, prompt: list[int], n: int) -> Decode:
 
 
 FLOORS = ("ws", "blocking")  # the bare relays --floor times (bench/hop_floor.py)
-_floor_sid = 1000
+_FLOOR_SIDS = itertools.count(1000)  # each floor decode is a new session on its relay's hops
 
 
 async def floor_decode(transport: str, port: int, n: int) -> tuple[float, float]:
     """(tok/s, per-hop overhead ms) of one session decoding `n` tokens through a bare relay."""
-    global _floor_sid
-    _floor_sid += 1
-    if transport == "blocking":
-        wall, compute, _ = hop_floor.drive_blocking(port, _floor_sid, n)
-    else:
-        wall, compute, _ = await hop_floor.drive_async(transport, port, _floor_sid, n)
-    return n / wall, (wall - compute) * 1e3 / (n * len(RANGES))
+    wall, compute, _ = await hop_floor.drive(transport, port, next(_FLOOR_SIDS), n)
+    return n / wall, hop_floor.per_hop_ms(wall, compute, n)
 
 
 async def decode_sessions(route: Route, prompt: list[int], n: int, k: int) -> float:
