@@ -11,7 +11,9 @@ leaves to our code, measured as bench/served.py measures the route:
 - `ws`: aiohttp WebSockets, the handler in a task (today's transport, without our code);
 - `tcp`: asyncio over raw TCP, length-prefixed messages, handled in the protocol's callback (no task,
   no WebSocket framing);
-- `blocking`: plain blocking sockets, one thread per hop, no event loop.
+- `blocking`: plain blocking sockets, one thread per hop, no event loop;
+- `lane`: libggswarm's decode lane (docs/lane.md): the hops' own C threads on blocking sockets,
+  AES-256-GCM sealed frames; the client is agent/wire/lane.py's LaneClient.
 Figures are medians of interleaved rounds (the machine is shared: compare within one run).
 """
 
@@ -237,6 +239,51 @@ async def serve_ws(hop: Hop, port: int, next_port: int | None) -> None:
     await serve_forever("/s", handle, port)
 
 
+LANE_SESSIONS = 64  # lane ids 1..64, admitted at start (one per round and transport at most)
+
+
+def lane_key(hop: int, lane_id: int) -> bytes:
+    """A bench's keys: known to both sides by construction (the product derives them per route)."""
+    import hashlib
+
+    return hashlib.sha256(f"hop-floor/{hop}/{lane_id}".encode()).digest()
+
+
+def serve_lane(model: str, a: int, b: int, threads: int, port: int, next_port: int | None) -> None:
+    """A hop whose steps run on libggswarm's lane threads; this thread only admits the sessions."""
+    import signal
+
+    from agent.backends.lane import NativeLane, NextHop
+    from agent.backends.libggswarm import NativeModel
+
+    m = NativeModel(model, a, b, n_threads=threads)
+    lane = NativeLane("127.0.0.1", port)
+    hop = RANGES.index((a, b))
+    for lane_id in range(1, LANE_SESSIONS + 1):
+        nxt = None
+        if next_port is not None:
+            nxt = NextHop("127.0.0.1", next_port, lane_id, lane_key(hop + 1, lane_id))
+        lane.add(m, m.open_session(1024), lane_id, lane_key(hop, lane_id), nxt)
+    signal.pause()
+
+
+def _drive_lane(port: int, sid: int, n: int) -> tuple[float, float, list[int]]:
+    from agent.wire.lane import LaneClient
+
+    c = LaneClient("127.0.0.1", port, sid, lane_key(0, sid))
+    try:
+        toks = [c.run(0, np.asarray([1])).token]  # the first step is not timed
+        compute = 0.0
+        t0 = time.perf_counter()
+        for pos in range(1, n + 1):
+            ans = c.run(pos, np.asarray([toks[-1]]))
+            toks.append(ans.token)
+            compute += sum(c_us for c_us, _ in ans.timings) / 1e6
+        return time.perf_counter() - t0, compute, toks
+    finally:
+        c.close()
+
+
 # -- the client ---------------------------------------------------------------------------------------
 def per_hop_ms(wall_s: float, compute_s: float, n: int) -> float:
     """Step wall time less the hops' compute, per hop and step (as bench/served.py counts it)."""
@@ -248,6 +295,8 @@ async def drive(transport: str, port: int, sid: int, n: int) -> tuple[float, flo
     first one, through the route of `transport` (as start_route was given it) whose first hop is on
     `port`."""
     kind = transport.partition("+")[0]
+    if kind == "lane":
+        return _drive_lane(port, sid, n)
     if kind == "blocking":
         s = socket.create_connection(("127.0.0.1", port))
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -333,6 +382,9 @@ def main() -> None:
         args.model = str(packaged_model_path())
     if args.hop:
         a, b = (int(x) for x in args.layers.split(":"))
+        if args.hop == "lane":
+            serve_lane(args.model, a, b, args.threads, args.port, args.next)
+            return
         hop = Hop(args.model, a, b, args.threads)
         if args.hop == "blocking":
             serve_blocking(hop, args.port, args.next)
@@ -347,6 +399,8 @@ def main() -> None:
         return
     transports = args.transports.split(",")
     logdir = Path(tempfile.mkdtemp(prefix="hop-floor-"))
+    if "lane" in transports and args.rounds * len(transports) > LANE_SESSIONS:
+        sys.exit(f"--rounds x transports is at most {LANE_SESSIONS} with the lane transport")
     routes = {t: start_route(t, args.model, args.threads, logdir) for t in transports}
     samples: dict[str, list[tuple[float, float]]] = {t: [] for t in transports}
     tokens: dict[str, list[int]] = {}

@@ -124,7 +124,7 @@ if [[ "$GGSWARM_GGML" == own ]]; then
         -DGGSWARM_OWN_THREADPOOL -I"$here/include" -I"$here/src" -I"$src/include" \
         "$here"/src/*.cpp "$here"/src/archs/*.cpp \
         "$a/libggml.a" "$a/libggml-cpu.a" "$a/libggml-base.a" -Wl,--exclude-libs,ALL -Wl,--no-undefined \
-        -lpthread -lm -ldl -o "$tmp" || { rm -f "$tmp"; die "compilation failed"; }
+        -lcrypto -lpthread -lm -ldl -o "$tmp" || { rm -f "$tmp"; die "compilation failed"; }
     # self-contained: no ggml symbol exported, no libggml*.so or libgomp needed
     if nm -D --defined-only "$tmp" | awk '{print $3}' | grep -qE '^(ggml|gguf)_'; then
         rm -f "$tmp"; die "the library exports ggml symbols"
@@ -144,7 +144,7 @@ tmp="$build/libggswarm.so.tmp.$$"
     -I"$here/include" -I"$here/src" -I"$inc" \
     "$here"/src/*.cpp "$here"/src/archs/*.cpp \
     -L"$libdir" -l:libggml.so -l:libggml-base.so -l:libggml-cpu.so \
-    -Wl,-rpath,"$libdir" -Wl,--no-undefined \
+    -Wl,-rpath,"$libdir" -Wl,--no-undefined -lcrypto -lpthread \
     -o "$tmp" || { rm -f "$tmp"; die "compilation failed"; }
 mv -f "$tmp" "$out"
 echo "native/build.sh: built $out (ggml from $libdir)"

@@ -14,10 +14,12 @@ fi
 VPY=.venv/bin/python
 PIP=(.venv/bin/pip install --disable-pip-version-check -q)
 
-# native/build.sh patches and compiles its own ggml (pip's llama-cpp-python build brings its own cmake).
-if ! { command -v cmake && command -v patch; } >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  log "cmake and patch (native library)"
-  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq cmake patch >/dev/null
+# native/build.sh patches and compiles its own ggml (pip's llama-cpp-python build brings its own cmake)
+# and links OpenSSL's libcrypto (the decode lane's AES-GCM, native/src/lane.cpp).
+if ! { command -v cmake && command -v patch && [ -f /usr/include/openssl/evp.h ]; } >/dev/null \
+    && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  log "cmake, patch and libssl-dev (native library)"
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq cmake patch libssl-dev >/dev/null
 fi
 
 # Browser tests drive Debian's Chromium through Playwright (never `playwright install`).

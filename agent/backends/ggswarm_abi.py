@@ -70,8 +70,39 @@ class ggswarm_batch(ctypes.Structure):  # noqa: N801
     ]
 
 
+# typedef struct ggswarm_lane_session { ... } ggswarm_lane_session;  (v7)
+class ggswarm_lane_session(ctypes.Structure):  # noqa: N801
+    _fields_ = [
+        ("lane_id", ctypes.c_uint64),
+        ("model", ctypes.c_void_p),
+        ("sid", ctypes.c_int64),
+        ("key_in", ctypes.c_uint8 * 32),
+        ("next_host", ctypes.c_char_p),
+        ("next_port", ctypes.c_int32),
+        ("next_lane_id", ctypes.c_uint64),
+        ("key_out", ctypes.c_uint8 * 32),
+        ("hidden_out_type", ctypes.c_int32),
+        ("sampling", ctypes.POINTER(ggswarm_sampling)),
+        ("history", ctypes.POINTER(ctypes.c_int32)),
+        ("n_history", ctypes.c_int32),
+        ("first_step", ctypes.c_uint64),
+    ]
+
+
+# typedef struct ggswarm_lane_stats { ... } ggswarm_lane_stats;  (v7)
+class ggswarm_lane_stats(ctypes.Structure):  # noqa: N801
+    _fields_ = [
+        ("steps", ctypes.c_uint64),
+        ("next_step", ctypes.c_uint64),
+        ("idle_s", ctypes.c_double),
+        ("busy", ctypes.c_int32),
+        ("n_appended", ctypes.c_int32),
+    ]
+
+
 ggswarm_model_p = ctypes.c_void_p
 ggswarm_budget_p = ctypes.c_void_p
+ggswarm_lane_p = ctypes.c_void_p
 
 
 def bind(lib: ctypes.CDLL) -> None:
@@ -236,3 +267,42 @@ def bind(lib: ctypes.CDLL) -> None:
         ctypes.POINTER(ctypes.c_double),
     ]
     lib.ggswarm_sample.restype = c_status
+
+    # ggswarm_status ggswarm_lane_open(const char * bind_host, int32_t port, ggswarm_lane ** out);
+    lib.ggswarm_lane_open.argtypes = [ctypes.c_char_p, ctypes.c_int32, ctypes.POINTER(ggswarm_lane_p)]
+    lib.ggswarm_lane_open.restype = c_status
+
+    # int32_t ggswarm_lane_port(const ggswarm_lane * lane);
+    lib.ggswarm_lane_port.argtypes = [ggswarm_lane_p]
+    lib.ggswarm_lane_port.restype = ctypes.c_int32
+
+    # ggswarm_status ggswarm_lane_add(ggswarm_lane * lane, const ggswarm_lane_session * session);
+    lib.ggswarm_lane_add.argtypes = [ggswarm_lane_p, ctypes.POINTER(ggswarm_lane_session)]
+    lib.ggswarm_lane_add.restype = c_status
+
+    # ggswarm_status ggswarm_lane_remove(ggswarm_lane * lane, uint64_t lane_id, ggswarm_lane_stats * stats,
+    #     int32_t * appended, int32_t capacity);
+    lib.ggswarm_lane_remove.argtypes = [
+        ggswarm_lane_p,
+        ctypes.c_uint64,
+        ctypes.POINTER(ggswarm_lane_stats),
+        i32p,
+        ctypes.c_int32,
+    ]
+    lib.ggswarm_lane_remove.restype = c_status
+
+    # ggswarm_status ggswarm_lane_stats_get(ggswarm_lane * lane, uint64_t lane_id, ggswarm_lane_stats * out);
+    lib.ggswarm_lane_stats_get.argtypes = [
+        ggswarm_lane_p,
+        ctypes.c_uint64,
+        ctypes.POINTER(ggswarm_lane_stats),
+    ]
+    lib.ggswarm_lane_stats_get.restype = c_status
+
+    # int32_t ggswarm_lane_drop_model(ggswarm_lane * lane, const ggswarm_model * model);
+    lib.ggswarm_lane_drop_model.argtypes = [ggswarm_lane_p, ggswarm_model_p]
+    lib.ggswarm_lane_drop_model.restype = ctypes.c_int32
+
+    # void ggswarm_lane_free(ggswarm_lane * lane);
+    lib.ggswarm_lane_free.argtypes = [ggswarm_lane_p]
+    lib.ggswarm_lane_free.restype = None

@@ -20,7 +20,7 @@ from agent.backends.ggswarm_abi import ggswarm_sampling as ggswarm_sampling
 from agent.defaults import env_int
 from agent.wire.frames import HiddenDtype, numpy_dtype
 
-GGSWARM_API_VERSION = 6
+GGSWARM_API_VERSION = 7
 
 GGSWARM_OK = 0
 GGSWARM_E_INVALID_ARG = -1
@@ -321,7 +321,8 @@ class NativeModel:
             raise NativeError(GGSWARM_E_INVALID_ARG, "model is closed")
         st = fn(self._h, *args)
         if st != GGSWARM_OK:
-            _check(st, self._lib.ggswarm_model_last_error(self._h))
+            # this thread's message: the handle's own may already hold a lane thread's (API v7)
+            _check(st, self._lib.ggswarm_last_error())
 
     def close(self) -> None:
         """Free the handle, its sessions and their KV. Idempotent."""

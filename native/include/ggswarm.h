@@ -33,6 +33,11 @@
  *       the hyper-connection streams: 4 x d_model for deepseek4).
  *   6 - continuous batching: ggswarm_forward_many (one step of each of several sessions in one graph),
  *       ggswarm_forward_many_error, GGSWARM_MAX_STEPS; ggswarm_model_info.batches_sessions.
+ *   7 - the decode lane (ggswarm_lane_*): a session's small steps relayed hop to hop by libggswarm's own
+ *       threads on blocking sockets, AES-256-GCM sealed frames (docs/lane.md); every call on a model
+ *       handle now holds the handle's lock, so a lane thread and the caller may share a handle (the
+ *       per-handle ggswarm_model_last_error may then hold a lane step's message: read the thread's own
+ *       ggswarm_last_error after a failed call).
  */
 #ifndef GGSWARM_H
 #define GGSWARM_H
@@ -44,7 +49,7 @@
 extern "C" {
 #endif
 
-#define GGSWARM_API_VERSION 6
+#define GGSWARM_API_VERSION 7
 
 #if defined(_WIN32)
 #define GGSWARM_API __declspec(dllexport)
@@ -273,6 +278,71 @@ GGSWARM_API ggswarm_status ggswarm_session_restore(ggswarm_model * model, int64_
 GGSWARM_API ggswarm_status ggswarm_sample(const float * logits, int32_t n_vocab, const ggswarm_sampling * params,
                                           int64_t position, const int32_t * history, int32_t n_history,
                                           int32_t * out_token, double * out_logprob);
+
+/* ---- v7: the decode lane (docs/lane.md) --------------------------------------------------------------
+ * A lane is a TCP listener whose connections libggswarm serves on its own threads, with blocking
+ * sockets and no interpreter: a frame names a lane session, is opened with that session's key
+ * (AES-256-GCM, the header as associated data, the step number as nonce), runs as one ggswarm_forward
+ * step of the session, and goes on to the next hop's lane sealed with the next hop's key; the next hop's
+ * answer (sampled token, log-probability, every hop's timings) comes back the same way. The caller
+ * admits a session to the lane (ggswarm_lane_add) after checking it by its own rules, and takes it off
+ * (ggswarm_lane_remove) to run it itself again. A frame that fails any check changes nothing. */
+
+/* most positions one lane step may carry (decode steps and short drafts; prompts stay off the lane) */
+#define GGSWARM_LANE_MAX_TOKENS 64
+/* most hops whose timings an answer carries */
+#define GGSWARM_LANE_MAX_HOPS 64
+/* most sessions and most open connections one lane holds */
+#define GGSWARM_LANE_MAX_SESSIONS 4096
+#define GGSWARM_LANE_MAX_CONNECTIONS 256
+#define GGSWARM_LANE_KEY_BYTES 32
+
+typedef struct ggswarm_lane ggswarm_lane;
+
+typedef struct ggswarm_lane_session {
+    uint64_t lane_id;               /* the id frames for it carry (the caller's choice: unpredictable, unique) */
+    ggswarm_model * model;          /* the window it runs on; must outlive its stay on the lane */
+    int64_t sid;                    /* the model's session */
+    uint8_t key_in[GGSWARM_LANE_KEY_BYTES];   /* opens frames from upstream and seals answers to it */
+    const char * next_host;         /* next hop's lane (numeric IPv4 address); NULL on the last window */
+    int32_t next_port;
+    uint64_t next_lane_id;
+    uint8_t key_out[GGSWARM_LANE_KEY_BYTES];  /* seals frames to the next hop and opens its answers */
+    int32_t hidden_out_type;        /* GGSWARM_TYPE_F16 or _F32: the boundary rows sent on */
+    const ggswarm_sampling * sampling; /* last window: NULL means greedy (copied) */
+    const int32_t * history;        /* last window: token ids so far (copied; only what the penalty reads) */
+    int32_t n_history;
+    uint64_t first_step;            /* the lowest step number accepted from upstream */
+} ggswarm_lane_session;
+
+typedef struct ggswarm_lane_stats {
+    uint64_t steps;                 /* steps the lane ran for the session */
+    uint64_t next_step;             /* the lowest step number it accepts now */
+    double idle_s;                  /* seconds since it was added or last ran a step */
+    int32_t busy;                   /* 1 while a step of it is running */
+    int32_t n_appended;             /* last window: token ids its steps appended to the history */
+} ggswarm_lane_stats;
+
+/* Listen on bind_host:port (numeric IPv4; port 0: any free port, see ggswarm_lane_port). */
+GGSWARM_API ggswarm_status ggswarm_lane_open(const char * bind_host, int32_t port, ggswarm_lane ** out);
+
+GGSWARM_API int32_t ggswarm_lane_port(const ggswarm_lane * lane);
+
+/* Admit a session (its lane_id not on the lane yet). Copies everything it points to. */
+GGSWARM_API ggswarm_status ggswarm_lane_add(ggswarm_lane * lane, const ggswarm_lane_session * session);
+
+/* Take a session off the lane, after the step of it in flight, if any; stats (may be NULL) get its last
+ * figures and appended (may be NULL; capacity ids) the ids its steps appended to the history. */
+GGSWARM_API ggswarm_status ggswarm_lane_remove(ggswarm_lane * lane, uint64_t lane_id, ggswarm_lane_stats * stats,
+                                               int32_t * appended, int32_t capacity);
+
+GGSWARM_API ggswarm_status ggswarm_lane_stats_get(ggswarm_lane * lane, uint64_t lane_id, ggswarm_lane_stats * out);
+
+/* Take every session of a model off the lane (call before ggswarm_model_free); returns how many. */
+GGSWARM_API int32_t ggswarm_lane_drop_model(ggswarm_lane * lane, const ggswarm_model * model);
+
+/* Stop listening, close every connection, wait for the lane's threads and free it. NULL is ignored. */
+GGSWARM_API void ggswarm_lane_free(ggswarm_lane * lane);
 
 #ifdef __cplusplus
 }

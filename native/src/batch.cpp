@@ -286,6 +286,7 @@ extern "C" {
 
 ggswarm_status ggswarm_forward_many(ggswarm_model * m, int32_t n, const int64_t * sids, const ggswarm_batch * batches,
                                     ggswarm_status * statuses) {
+    GGSWARM_LOCK(m);
     if (!m || !sids || !batches || !statuses) return fail(m, GGSWARM_E_INVALID_ARG, "model, sids, batches or statuses is NULL");
     if (n <= 0 || n > GGSWARM_MAX_STEPS) return fail(m, GGSWARM_E_INVALID_ARG, "n %d is outside 1..%d", n, GGSWARM_MAX_STEPS);
     m->step_errors.assign(n, std::string());
@@ -349,6 +350,7 @@ ggswarm_status ggswarm_forward_many(ggswarm_model * m, int32_t n, const int64_t 
 }
 
 const char * ggswarm_forward_many_error(const ggswarm_model * m, int32_t i) {
+    GGSWARM_LOCK(m);
     if (!m || i < 0 || (size_t)i >= m->step_errors.size()) return "";
     return m->step_errors[i].c_str();
 }

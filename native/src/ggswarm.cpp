@@ -205,6 +205,7 @@ ggswarm_status ggswarm_model_open(const char * path, int32_t layer_start, int32_
 void ggswarm_model_free(ggswarm_model * model) { delete model; }
 
 ggswarm_status ggswarm_model_info_get(const ggswarm_model * m, ggswarm_model_info * out) {
+    GGSWARM_LOCK(m);
     if (!m || !out) return fail(m, GGSWARM_E_INVALID_ARG, "model or out is NULL");
     memset(out, 0, sizeof(*out));
     snprintf(out->architecture, sizeof(out->architecture), "%s", m->arch.c_str());
@@ -233,6 +234,7 @@ ggswarm_status ggswarm_model_info_get(const ggswarm_model * m, ggswarm_model_inf
 }
 
 ggswarm_status ggswarm_set_threads(ggswarm_model * m, int32_t n_threads) {
+    GGSWARM_LOCK(m);
     if (!m) return fail(nullptr, GGSWARM_E_INVALID_ARG, "model is NULL");
     if (n_threads <= 0 || n_threads > 1024) {
         return fail(m, GGSWARM_E_INVALID_ARG, "n_threads must be in 1..1024, got %d", n_threads);

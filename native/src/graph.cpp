@@ -392,6 +392,7 @@ using namespace ggswarm;
 extern "C" {
 
 ggswarm_status ggswarm_forward(ggswarm_model * m, int64_t sid, const ggswarm_batch * b) {
+    GGSWARM_LOCK(m);
     if (!m || !b) return fail(m, GGSWARM_E_INVALID_ARG, "model or batch is NULL");
     const auto t0 = std::chrono::steady_clock::now();
     Session * sp = find_session(m, sid);

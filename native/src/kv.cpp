@@ -301,6 +301,7 @@ uint64_t ggswarm_model::kv_bytes_per_token() const {
 extern "C" {
 
 ggswarm_status ggswarm_session_open(ggswarm_model * m, int32_t max_tokens, int64_t * out_sid) {
+    GGSWARM_LOCK(m);
     if (!m || !out_sid) return fail(m, GGSWARM_E_INVALID_ARG, "model or out_sid is NULL");
     if (max_tokens <= 0 || max_tokens > m->n_ctx_max) {
         return fail(m, GGSWARM_E_RANGE, "max_tokens %d is outside 1..%d (model context, capped at %d)", max_tokens,
@@ -315,6 +316,7 @@ ggswarm_status ggswarm_session_open(ggswarm_model * m, int32_t max_tokens, int64
 }
 
 ggswarm_status ggswarm_session_close(ggswarm_model * m, int64_t sid) {
+    GGSWARM_LOCK(m);
     if (!m) return fail(nullptr, GGSWARM_E_INVALID_ARG, "model is NULL");
     auto it = m->sessions.find(sid);
     if (it == m->sessions.end()) return no_session(m, sid);
@@ -324,6 +326,7 @@ ggswarm_status ggswarm_session_close(ggswarm_model * m, int64_t sid) {
 }
 
 ggswarm_status ggswarm_session_len(const ggswarm_model * m, int64_t sid, int32_t * out_len) {
+    GGSWARM_LOCK(m);
     if (!m || !out_len) return fail(m, GGSWARM_E_INVALID_ARG, "model or out_len is NULL");
     Session * s = find_session(m, sid);
     if (!s) return no_session(m, sid);
@@ -332,6 +335,7 @@ ggswarm_status ggswarm_session_len(const ggswarm_model * m, int64_t sid, int32_t
 }
 
 ggswarm_status ggswarm_session_truncate(ggswarm_model * m, int64_t sid, int32_t n_tokens) {
+    GGSWARM_LOCK(m);
     if (!m) return fail(nullptr, GGSWARM_E_INVALID_ARG, "model is NULL");
     Session * s = find_session(m, sid);
     if (!s) return no_session(m, sid);
@@ -345,6 +349,7 @@ ggswarm_status ggswarm_session_truncate(ggswarm_model * m, int64_t sid, int32_t 
 }
 
 ggswarm_status ggswarm_kv_bytes(const ggswarm_model * m, int64_t sid, uint64_t * out_bytes) {
+    GGSWARM_LOCK(m);
     if (!m || !out_bytes) return fail(m, GGSWARM_E_INVALID_ARG, "model or out_bytes is NULL");
     if (sid < 0) {
         uint64_t t = 0;
@@ -360,6 +365,7 @@ ggswarm_status ggswarm_kv_bytes(const ggswarm_model * m, int64_t sid, uint64_t *
 
 ggswarm_status ggswarm_session_growth_bytes(const ggswarm_model * m, int64_t sid, int32_t n_positions,
                                             uint64_t * out_bytes) {
+    GGSWARM_LOCK(m);
     if (!m || !out_bytes) return fail(m, GGSWARM_E_INVALID_ARG, "model or out_bytes is NULL");
     Session * s = find_session(m, sid);
     if (!s) return no_session(m, sid);
@@ -380,6 +386,7 @@ ggswarm_status ggswarm_session_growth_bytes(const ggswarm_model * m, int64_t sid
 }
 
 ggswarm_status ggswarm_session_snapshot_size(const ggswarm_model * m, int64_t sid, uint64_t * out_size) {
+    GGSWARM_LOCK(m);
     if (!m || !out_size) return fail(m, GGSWARM_E_INVALID_ARG, "model or out_size is NULL");
     Session * s = find_session(m, sid);
     if (!s) return no_session(m, sid);
@@ -389,6 +396,7 @@ ggswarm_status ggswarm_session_snapshot_size(const ggswarm_model * m, int64_t si
 
 ggswarm_status ggswarm_session_snapshot(const ggswarm_model * m, int64_t sid, void * buf, uint64_t capacity,
                                         uint64_t * out_written) {
+    GGSWARM_LOCK(m);
     if (!m || !buf) return fail(m, GGSWARM_E_INVALID_ARG, "model or buf is NULL");
     Session * s = find_session(m, sid);
     if (!s) return no_session(m, sid);
@@ -429,6 +437,7 @@ ggswarm_status ggswarm_session_snapshot(const ggswarm_model * m, int64_t sid, vo
 }
 
 ggswarm_status ggswarm_session_restore(ggswarm_model * m, int64_t sid, const void * buf, uint64_t size) {
+    GGSWARM_LOCK(m);
     if (!m || !buf) return fail(m, GGSWARM_E_INVALID_ARG, "model or buf is NULL");
     Session * sp = find_session(m, sid);
     if (!sp) return no_session(m, sid);

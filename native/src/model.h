@@ -180,8 +180,16 @@ struct ggswarm_budget {
 };
 
 // The handle behind ggswarm.h's opaque ggswarm_model: one layer window on one device.
+// Serialises a public entry point on model handle m (which may be NULL: the call then fails unlocked).
+#define GGSWARM_LOCK(m)                                                                                   \
+    std::unique_lock<std::recursive_mutex> ggswarm_model_lock_ =                                          \
+        (m) ? std::unique_lock<std::recursive_mutex>((m)->mu) : std::unique_lock<std::recursive_mutex>()
+
 struct ggswarm_model {
     mutable std::string error;
+    // v7: every public call on the handle holds it (GGSWARM_LOCK), so a lane thread (lane.cpp) and the
+    // caller's own thread can both use one handle; recursive because entry points call each other
+    mutable std::recursive_mutex mu;
 
     std::string arch;
     const ggswarm::Arch * archp = nullptr;  // its entry in the architecture table (arch.h)

@@ -174,6 +174,7 @@ extern "C" {
 
 ggswarm_status ggswarm_session_truncate_to(ggswarm_model * m, int64_t sid, int32_t n_tokens, int32_t * out_len,
                                            int32_t * out_kind) {
+    GGSWARM_LOCK(m);
     if (!m) return fail(nullptr, GGSWARM_E_INVALID_ARG, "model is NULL");
     Session * s = find_session(m, sid);
     if (!s) return no_session(m, sid);
@@ -188,6 +189,7 @@ ggswarm_status ggswarm_session_truncate_to(ggswarm_model * m, int64_t sid, int32
 }
 
 ggswarm_status ggswarm_set_checkpoints(ggswarm_model * m, int32_t every_n_tokens, int32_t max_per_session) {
+    GGSWARM_LOCK(m);
     if (!m) return fail(nullptr, GGSWARM_E_INVALID_ARG, "model is NULL");
     if (every_n_tokens < 0 || max_per_session < 0 || max_per_session > 1024) {
         return fail(m, GGSWARM_E_INVALID_ARG, "checkpoint interval %d or count %d is out of range (>= 0; count <= 1024)",
@@ -206,6 +208,7 @@ ggswarm_status ggswarm_set_checkpoints(ggswarm_model * m, int32_t every_n_tokens
 
 ggswarm_status ggswarm_session_checkpoints(const ggswarm_model * m, int64_t sid, int32_t * positions,
                                            int32_t capacity, int32_t * out_count) {
+    GGSWARM_LOCK(m);
     if (!m || !out_count) return fail(m, GGSWARM_E_INVALID_ARG, "model or out_count is NULL");
     if (capacity < 0 || (capacity > 0 && !positions)) return fail(m, GGSWARM_E_INVALID_ARG, "positions buffer invalid");
     Session * s = find_session(m, sid);

@@ -1,0 +1,137 @@
+"""A node's decode lane (libggswarm API v7, docs/lane.md): the listener and the sessions admitted to it."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+
+from agent.backends.ggswarm_abi import (
+    ggswarm_lane_p,
+    ggswarm_lane_session,
+    ggswarm_lane_stats,
+    ggswarm_sampling,
+)
+from agent.backends.libggswarm import NativeModel, _check, load_library
+from agent.wire.lane import KEY_BYTES
+
+MAX_CONTEXT = 131072  # GGSWARM_MAX_CONTEXT
+
+TYPE_F32, TYPE_F16 = 0, 1
+
+
+@dataclass(frozen=True)
+class LaneStats:
+    """A lane session's figures: steps run, the next step number it accepts, seconds idle, whether a
+    step runs now, and (last window) the token ids its steps appended to the history."""
+
+    steps: int
+    next_step: int
+    idle_s: float
+    busy: bool
+    appended: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class NextHop:
+    """Where a window before the last sends its rows: the next hop's lane, its lane id and key."""
+
+    host: str
+    port: int
+    lane_id: int
+    key: bytes
+    f16: bool = False
+
+
+def _key(key: bytes) -> ctypes.Array[ctypes.c_uint8]:
+    if len(key) != KEY_BYTES:
+        raise ValueError(f"a lane key is {KEY_BYTES} bytes, not {len(key)}")
+    return (ctypes.c_uint8 * KEY_BYTES).from_buffer_copy(key)
+
+
+class NativeLane:
+    """Owns one ggswarm_lane: a listener whose connections libggswarm's threads serve."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        self._lib = load_library()
+        self._h = ggswarm_lane_p()
+        _check(
+            self._lib.ggswarm_lane_open(host.encode(), int(port), ctypes.byref(self._h)),
+            self._lib.ggswarm_last_error(),
+        )
+        self.host = host
+        self.port = int(self._lib.ggswarm_lane_port(self._h))
+
+    def add(
+        self,
+        model: NativeModel,
+        sid: int,
+        lane_id: int,
+        key: bytes,
+        nxt: NextHop | None = None,
+        sampling: ggswarm_sampling | None = None,
+        history: list[int] | None = None,
+        first_step: int = 1,
+    ) -> None:
+        """Admit session `sid` of `model` as `lane_id` (frames sealed with `key`); `nxt` for every
+        window before the last."""
+        cfg = ggswarm_lane_session()
+        cfg.lane_id = lane_id
+        cfg.model = model._h.value  # noqa: SLF001 - the handle the lane runs steps on
+        cfg.sid = sid
+        cfg.key_in = _key(key)
+        if nxt is not None:
+            cfg.next_host = nxt.host.encode()
+            cfg.next_port = nxt.port
+            cfg.next_lane_id = nxt.lane_id
+            cfg.key_out = _key(nxt.key)
+            cfg.hidden_out_type = TYPE_F16 if nxt.f16 else TYPE_F32
+        if sampling is not None:
+            cfg.sampling = ctypes.pointer(sampling)
+        hist = np.ascontiguousarray(history or [], dtype=np.int32)
+        if hist.size:
+            cfg.history = hist.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+            cfg.n_history = int(hist.size)
+        cfg.first_step = first_step
+        _check(self._lib.ggswarm_lane_add(self._handle(), ctypes.byref(cfg)), self._lib.ggswarm_last_error())
+
+    def stats(self, lane_id: int) -> LaneStats:
+        out = ggswarm_lane_stats()
+        _check(
+            self._lib.ggswarm_lane_stats_get(self._handle(), lane_id, ctypes.byref(out)),
+            self._lib.ggswarm_last_error(),
+        )
+        return LaneStats(out.steps, out.next_step, out.idle_s, bool(out.busy))
+
+    def remove(self, lane_id: int) -> LaneStats:
+        """Take the session off the lane (after its step in flight) with the ids its steps appended."""
+        cap = MAX_CONTEXT  # no session appends more ids than it has positions
+        buf = (ctypes.c_int32 * cap)()
+        out = ggswarm_lane_stats()
+        _check(
+            self._lib.ggswarm_lane_remove(self._handle(), lane_id, ctypes.byref(out), buf, cap),
+            self._lib.ggswarm_last_error(),
+        )
+        n = min(out.n_appended, cap)
+        return LaneStats(out.steps, out.next_step, out.idle_s, bool(out.busy), tuple(buf[:n]))
+
+    def drop_model(self, model: NativeModel) -> int:
+        """Take every session of `model` off the lane (before the model is freed)."""
+        return int(self._lib.ggswarm_lane_drop_model(self._handle(), model._h.value))  # noqa: SLF001
+
+    def _handle(self) -> int | None:
+        if not self._h:
+            raise ValueError("lane is closed")
+        return self._h.value
+
+    def close(self) -> None:
+        """Stop listening, close its connections and join its threads. Idempotent."""
+        if self._h:
+            self._lib.ggswarm_lane_free(self._h)
+            self._h = ggswarm_lane_p()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # interpreter shutdown
+            self.close()

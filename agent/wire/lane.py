@@ -1,0 +1,172 @@
+"""The decode lane's frames (docs/lane.md): sealing a step for a hop's lane and opening its answer.
+
+libggswarm serves lanes on its own threads (native/src/lane.cpp); this module is the same format in
+Python for the side that starts a step (the route client, tests, benches). Every size is checked
+against the header's limits before a payload byte is read.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+MAGIC = b"GGL1"
+HEADER = 40  # bytes the tag covers as associated data
+TAG = 16
+FRAME_HEAD = HEADER + TAG
+KIND_IDS, KIND_F16, KIND_F32 = 1, 2, 3
+KIND_ANSWER, KIND_ERROR, KIND_REFUSAL = 16, 17, 18
+DIR_REQUEST, DIR_ANSWER = 0, 1
+MAX_TOKENS = 64  # GGSWARM_LANE_MAX_TOKENS
+MAX_HOPS = 64  # GGSWARM_LANE_MAX_HOPS
+KEY_BYTES = 32
+ANSWER_FIXED = 24
+MESSAGE_MAX = 480
+REFUSAL_MAX = 256
+
+_HEAD = struct.Struct(
+    "<4sBBHQQiiII"
+)  # magic, kind, flags, reserved, lane id, step, pos, n, payload, reserved
+_ANSWER = struct.Struct("<iidiI")  # token, session_len, logprob, n_hops, reserved
+
+
+class LaneError(Exception):
+    """A step the lane did not run: refused before its key was checked, or failed at `hop` (0: the
+    first hop) with libggswarm's `status`. The route's sessions stayed at their previous length
+    unless `status` says the connection broke mid-step."""
+
+    def __init__(self, message: str, status: int = 0, hop: int = 0, refused: bool = False) -> None:
+        super().__init__(message)
+        self.status, self.hop, self.refused = status, hop, refused
+
+
+@dataclass(frozen=True)
+class LaneAnswer:
+    """A step's answer: the sampled token, the route's length after it, and each hop's timings in
+    route order as (compute_us, handler_us)."""
+
+    token: int
+    session_len: int
+    logprob: float
+    timings: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class Head:
+    kind: int
+    lane_id: int
+    step: int
+    pos_start: int
+    n_tokens: int
+    payload_len: int
+
+
+def _nonce(direction: int, step: int) -> bytes:
+    return struct.pack("<IQ", direction, step)
+
+
+def pack_head(h: Head) -> bytes:
+    return _HEAD.pack(MAGIC, h.kind, 0, 0, h.lane_id, h.step, h.pos_start, h.n_tokens, h.payload_len, 0)
+
+
+def unpack_head(b: bytes) -> Head:
+    """The header of a frame, or LaneError when the fixed fields are not a lane's."""
+    magic, kind, flags, res, lane_id, step, pos, n, plen, res2 = _HEAD.unpack_from(b)
+    if magic != MAGIC or flags or res or res2:
+        raise LaneError("not a lane frame")
+    return Head(kind, lane_id, step, pos, n, plen)
+
+
+def seal_request(
+    key: bytes, lane_id: int, step: int, pos_start: int, ids: np.ndarray, rows: np.ndarray | None = None
+) -> bytes:
+    """A request frame: ids (int32) and, for a window after the first, their boundary rows (f16/f32)."""
+    ids = np.ascontiguousarray(ids, dtype=np.int32)
+    n = int(ids.shape[0])
+    if not 1 <= n <= MAX_TOKENS:
+        raise ValueError(f"a lane step carries 1..{MAX_TOKENS} positions, not {n}")
+    kind = KIND_IDS
+    body = ids.tobytes()
+    if rows is not None:
+        kind = KIND_F16 if rows.dtype == np.float16 else KIND_F32
+        body += np.ascontiguousarray(rows, dtype=np.float16 if kind == KIND_F16 else np.float32).tobytes()
+    head = pack_head(Head(kind, lane_id, step, pos_start, n, len(body)))
+    sealed = AESGCM(key).encrypt(_nonce(DIR_REQUEST, step), body, head)
+    return head + sealed[-TAG:] + sealed[:-TAG]
+
+
+def answer_limit(head: Head) -> int:
+    """The largest payload an answer of this kind may carry (checked before it is read)."""
+    if head.kind == KIND_ANSWER:
+        return ANSWER_FIXED + 8 * MAX_HOPS
+    if head.kind == KIND_ERROR:
+        return 8 + MESSAGE_MAX
+    if head.kind == KIND_REFUSAL:
+        return REFUSAL_MAX
+    raise LaneError(f"answer of unknown kind {head.kind}")
+
+
+def open_answer(key: bytes, frame_head: bytes, payload: bytes, lane_id: int, step: int) -> LaneAnswer:
+    """The answer to step `step`, or LaneError for a refusal, an error answer or a frame that does
+    not open with the key."""
+    head = unpack_head(frame_head)
+    if head.lane_id != lane_id or head.step != step:
+        raise LaneError(f"answer for lane {head.lane_id} step {head.step}, expected {lane_id} step {step}")
+    if head.kind == KIND_REFUSAL:
+        raise LaneError("lane refused: " + payload.decode("utf-8", "replace"), refused=True)
+    try:
+        plain = AESGCM(key).decrypt(
+            _nonce(DIR_ANSWER, step), payload + frame_head[HEADER:FRAME_HEAD], frame_head[:HEADER]
+        )
+    except Exception:  # cryptography's InvalidTag: the frame is not the hop's
+        raise LaneError("answer does not open with the session's key") from None
+    if head.kind == KIND_ERROR:
+        status, hop = struct.unpack_from("<iI", plain)
+        raise LaneError(plain[8:].decode("utf-8", "replace"), status=status, hop=hop)
+    token, session_len, logprob, n_hops, _ = _ANSWER.unpack_from(plain)
+    if not 1 <= n_hops <= MAX_HOPS or len(plain) != ANSWER_FIXED + 8 * n_hops:
+        raise LaneError("answer has a bad hop count")
+    t = struct.unpack_from(f"<{2 * n_hops}I", plain, ANSWER_FIXED)
+    return LaneAnswer(token, session_len, logprob, tuple(zip(t[0::2], t[1::2], strict=True)))
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        r = sock.recv_into(view[got:])
+        if r == 0:
+            raise LaneError("lane closed the connection")
+        got += r
+    return bytes(buf)
+
+
+class LaneClient:
+    """One session's steps over a blocking connection to its first hop's lane (no event loop)."""
+
+    def __init__(
+        self, host: str, port: int, lane_id: int, key: bytes, first_step: int = 1, timeout_s: float = 120.0
+    ) -> None:
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"a lane key is {KEY_BYTES} bytes")
+        self.lane_id, self.key, self.step = lane_id, key, first_step
+        self.sock = socket.create_connection((host, port), timeout=timeout_s)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def run(self, pos_start: int, ids: np.ndarray, rows: np.ndarray | None = None) -> LaneAnswer:
+        """Send one step and wait for the route's answer."""
+        step = self.step
+        self.step += 1  # a step number is used once, whatever the answer
+        self.sock.sendall(seal_request(self.key, self.lane_id, step, pos_start, ids, rows))
+        head_b = _recv_exact(self.sock, FRAME_HEAD)
+        head = unpack_head(head_b)
+        if head.payload_len > answer_limit(head):
+            raise LaneError(f"answer of {head.payload_len} bytes is over its limit")
+        return open_answer(self.key, head_b, _recv_exact(self.sock, head.payload_len), self.lane_id, step)
+
+    def close(self) -> None:
+        self.sock.close()

@@ -1,0 +1,618 @@
+// The decode lane (API v7): a session's small steps relayed hop to hop on libggswarm's own threads.
+//
+// Why: served over Python's event loop a hop costs 0.6-1.0 ms per decode step beyond its compute, and a
+// bare aiohttp WebSocket relay alone 0.36-0.55 ms (docs/benchmarks.md). Here a connection is one thread
+// blocked in recv(): a frame is read, opened, computed and sent on with no interpreter, no event loop
+// and no allocation on the hot path. Frame format and security argument: docs/lane.md.
+//
+// Threads: one acceptor (polls the listener so ggswarm_lane_free can stop it) and one thread per open
+// connection. A session is run by one step at a time (its own mutex); the model handle's lock
+// (GGSWARM_LOCK) serialises lane steps with the caller's own calls on the same handle.
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <openssl/evp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <list>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "model.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr uint32_t kMagic = 0x314c4747u;  // "GGL1" little-endian
+constexpr size_t kHeader = 40;            // bytes covered by the tag (associated data)
+constexpr size_t kTag = 16;
+constexpr size_t kFrameHead = kHeader + kTag;
+constexpr uint8_t kIds = 1, kF16 = 2, kF32 = 3, kAnswer = 16, kError = 17, kRefusal = 18;
+constexpr uint32_t kDirRequest = 0, kDirAnswer = 1;
+constexpr size_t kAnswerFixed = 24;  // token, session_len, logprob, n_hops, reserved
+constexpr size_t kMessageMax = 480;
+constexpr size_t kRefusalMax = 256;
+constexpr int kIdleCloseS = 600;    // an upstream connection idle this long is closed
+constexpr int kRecvTimeoutS = 30;   // a frame started must arrive whole within this
+constexpr int kDownstreamTimeoutS = 120;
+
+struct Header {
+    uint8_t kind = 0;
+    uint64_t lane_id = 0, step = 0;
+    int32_t pos_start = 0, n_tokens = 0;
+    uint32_t payload_len = 0;
+};
+
+void put_u32(uint8_t * p, uint32_t v) { memcpy(p, &v, 4); }
+void put_u64(uint8_t * p, uint64_t v) { memcpy(p, &v, 8); }
+uint32_t get_u32(const uint8_t * p) { uint32_t v; memcpy(&v, p, 4); return v; }
+uint64_t get_u64(const uint8_t * p) { uint64_t v; memcpy(&v, p, 8); return v; }
+
+void write_header(uint8_t * h, const Header & x) {
+    memset(h, 0, kFrameHead);
+    put_u32(h, kMagic);
+    h[4] = x.kind;
+    put_u64(h + 8, x.lane_id);
+    put_u64(h + 16, x.step);
+    put_u32(h + 24, (uint32_t)x.pos_start);
+    put_u32(h + 28, (uint32_t)x.n_tokens);
+    put_u32(h + 32, x.payload_len);
+}
+
+// false when the fixed fields are not ours (magic, reserved bytes)
+bool read_header(const uint8_t * h, Header * x) {
+    if (get_u32(h) != kMagic || h[5] || h[6] || h[7] || get_u32(h + 36)) return false;
+    x->kind = h[4];
+    x->lane_id = get_u64(h + 8);
+    x->step = get_u64(h + 16);
+    x->pos_start = (int32_t)get_u32(h + 24);
+    x->n_tokens = (int32_t)get_u32(h + 28);
+    x->payload_len = get_u32(h + 32);
+    return true;
+}
+
+// AES-256-GCM in place; nonce = direction (4 bytes) + step (8 bytes); the 40-byte header is the AAD.
+// One context per thread and direction of use, keyed per call (a key schedule costs well under 1 us).
+struct CipherCtx {
+    EVP_CIPHER_CTX * ctx = EVP_CIPHER_CTX_new();
+    ~CipherCtx() { EVP_CIPHER_CTX_free(ctx); }
+};
+
+bool gcm(bool enc, const uint8_t * key, uint32_t dir, uint64_t step, uint8_t * frame, uint8_t * payload, size_t len) {
+    thread_local CipherCtx c_enc, c_dec;
+    EVP_CIPHER_CTX * ctx = enc ? c_enc.ctx : c_dec.ctx;
+    if (!ctx) return false;
+    uint8_t iv[12];
+    put_u32(iv, dir);
+    put_u64(iv + 4, step);
+    int n = 0;
+    uint8_t * tag = frame + kHeader;
+    if (EVP_CipherInit_ex(ctx, EVP_aes_256_gcm(), nullptr, key, iv, enc ? 1 : 0) != 1) return false;
+    if (EVP_CipherUpdate(ctx, nullptr, &n, frame, (int)kHeader) != 1) return false;
+    if (len && EVP_CipherUpdate(ctx, payload, &n, payload, (int)len) != 1) return false;
+    if (!enc && EVP_CIPHER_CTX_ctrl(ctx, EVP_CTRL_GCM_SET_TAG, (int)kTag, tag) != 1) return false;
+    if (EVP_CipherFinal_ex(ctx, payload + len, &n) != 1) return false;  // decrypt: the tag check
+    if (enc && EVP_CIPHER_CTX_ctrl(ctx, EVP_CTRL_GCM_GET_TAG, (int)kTag, tag) != 1) return false;
+    return true;
+}
+
+bool send_all(int fd, const uint8_t * p, size_t n) {
+    while (n) {
+        ssize_t w = send(fd, p, n, MSG_NOSIGNAL);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) return false;
+        p += w;
+        n -= (size_t)w;
+    }
+    return true;
+}
+
+// 1: read whole; 0: clean EOF before the first byte; -1: error, timeout or EOF mid-way. idle_ok: a
+// timeout before the first byte keeps waiting (an idle persistent connection) until idle_limit_s.
+int recv_all(int fd, uint8_t * p, size_t n, bool idle_ok, const std::atomic<bool> * stop) {
+    size_t got = 0;
+    auto idle_since = Clock::now();
+    while (got < n) {
+        ssize_t r = recv(fd, p + got, n - got, 0);
+        if (r > 0) { got += (size_t)r; continue; }
+        if (r == 0) return got == 0 ? 0 : -1;
+        if (errno == EINTR) continue;
+        if ((errno == EAGAIN || errno == EWOULDBLOCK) && got == 0 && idle_ok && !(stop && *stop) &&
+            Clock::now() - idle_since < std::chrono::seconds(kIdleCloseS)) {
+            continue;
+        }
+        return -1;
+    }
+    return 1;
+}
+
+void set_timeouts(int fd, int secs) {
+    timeval tv{secs, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+}
+
+struct LaneSession {
+    ggswarm_lane_session cfg{};
+    // the window's shape, copied at add: read before the session's lock, when the model may be gone
+    bool first = false, last = false;
+    int64_t d_io = 0;
+    std::string next_host;
+    ggswarm_sampling sampling{};
+    bool has_sampling = false;
+    std::vector<int32_t> history;  // last window: what the penalty may read, then appended ids
+    size_t n_initial = 0;
+    std::mutex mu;                 // one step at a time; the fields below under it
+    uint64_t next_step = 0, steps = 0;
+    Clock::time_point last_used = Clock::now();
+    bool busy = false;
+    bool removed = false;
+};
+
+struct Conn {
+    int fd = -1;
+    std::thread th;
+    std::atomic<bool> done{false};
+};
+
+}  // namespace
+
+struct ggswarm_lane {
+    int listen_fd = -1;
+    int32_t port = 0;
+    std::atomic<bool> stop{false};
+    std::thread acceptor;
+    std::mutex mu;  // sessions and conns
+    std::map<uint64_t, std::shared_ptr<LaneSession>> sessions;
+    std::list<std::unique_ptr<Conn>> conns;
+};
+
+namespace {
+
+// A refusal names no session state and is not sealed: what fails before a key is known to match.
+void refuse(int fd, const Header & in, const char * msg) {
+    uint8_t buf[kFrameHead + kRefusalMax];
+    size_t n = std::min(strlen(msg), kRefusalMax);
+    Header h{kRefusal, in.lane_id, in.step, in.pos_start, 0, (uint32_t)n};
+    write_header(buf, h);
+    memcpy(buf + kFrameHead, msg, n);
+    send_all(fd, buf, kFrameHead + n);
+}
+
+// A sealed error answer: status, the hop it came from (0: this one) and a message.
+void send_error(int fd, const LaneSession & s, const Header & in, int32_t status, int32_t hop, const std::string & msg,
+                std::vector<uint8_t> & out) {
+    size_t n = std::min(msg.size(), kMessageMax);
+    out.assign(kFrameHead + 8 + n, 0);
+    Header h{kError, in.lane_id, in.step, in.pos_start, in.n_tokens, (uint32_t)(8 + n)};
+    write_header(out.data(), h);
+    put_u32(out.data() + kFrameHead, (uint32_t)status);
+    put_u32(out.data() + kFrameHead + 4, (uint32_t)hop);
+    memcpy(out.data() + kFrameHead + 8, msg.data(), n);
+    if (gcm(true, s.cfg.key_in, kDirAnswer, in.step, out.data(), out.data() + kFrameHead, 8 + n)) {
+        send_all(fd, out.data(), out.size());
+    }
+}
+
+int connect_to(const std::string & host, int32_t port) {
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons((uint16_t)port);
+    if (inet_pton(AF_INET, host.c_str(), &a.sin_addr) != 1) return -1;
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return -1;
+    set_timeouts(fd, kDownstreamTimeoutS);
+    if (connect(fd, (sockaddr *)&a, sizeof(a)) != 0) { close(fd); return -1; }
+    return fd;
+}
+
+// One thread's state: its buffers and its connections to next hops (never shared between threads).
+struct Worker {
+    std::vector<uint8_t> in, out, rows, answer;
+    std::map<std::string, int> next_fds;
+    ~Worker() { for (auto & kv : next_fds) close(kv.second); }
+};
+
+struct StepOutcome {
+    int32_t status = GGSWARM_OK, hop = 0;
+    std::string message;
+};
+
+// Send the step on to the next hop and read its answer into w.answer (the opened payload). On failure
+// the outcome names the hop (1: the next one, deeper: its own count) and why.
+StepOutcome relay(Worker & w, LaneSession & s, const Header & in, const int32_t * ids, size_t rows_bytes) {
+    const std::string key = s.next_host + ":" + std::to_string(s.cfg.next_port);
+    StepOutcome o;
+    for (int attempt = 0; attempt < 2; ++attempt) {  // a pooled connection the next hop closed: dial once more
+        auto it = w.next_fds.find(key);
+        int fd = it != w.next_fds.end() ? it->second : connect_to(s.next_host, s.cfg.next_port);
+        if (fd < 0) return {GGSWARM_E_IO, 1, "next hop " + key + " unreachable"};
+        w.next_fds[key] = fd;
+        const size_t ids_bytes = (size_t)in.n_tokens * 4;
+        const size_t plen = ids_bytes + rows_bytes;
+        w.out.resize(kFrameHead + plen);
+        Header h{(uint8_t)(s.cfg.hidden_out_type == GGSWARM_TYPE_F16 ? kF16 : kF32), s.cfg.next_lane_id, in.step,
+                 in.pos_start, in.n_tokens, (uint32_t)plen};
+        write_header(w.out.data(), h);
+        memcpy(w.out.data() + kFrameHead, ids, ids_bytes);
+        memcpy(w.out.data() + kFrameHead + ids_bytes, w.rows.data(), rows_bytes);
+        if (!gcm(true, s.cfg.key_out, kDirRequest, in.step, w.out.data(), w.out.data() + kFrameHead, plen)) {
+            return {GGSWARM_E_COMPUTE, 0, "sealing failed"};
+        }
+        uint8_t head[kFrameHead];
+        Header a;
+        const bool sent = send_all(fd, w.out.data(), w.out.size());
+        const int got = sent ? recv_all(fd, head, kFrameHead, false, nullptr) : -1;
+        if (got != 1) {
+            close(fd);
+            w.next_fds.erase(key);
+            if (attempt == 0 && (!sent || got == 0)) continue;  // closed while idle: the step never ran there
+            return {GGSWARM_E_IO, 1, "next hop " + key + " closed or timed out"};
+        }
+        const bool sane = read_header(head, &a) && a.lane_id == s.cfg.next_lane_id && a.step == in.step &&
+                          ((a.kind == kAnswer && a.payload_len >= kAnswerFixed &&
+                            a.payload_len <= kAnswerFixed + 8 * GGSWARM_LANE_MAX_HOPS) ||
+                           (a.kind == kError && a.payload_len >= 8 && a.payload_len <= 8 + kMessageMax) ||
+                           (a.kind == kRefusal && a.payload_len <= kRefusalMax));
+        if (!sane) {
+            close(fd);
+            w.next_fds.erase(key);
+            return {GGSWARM_E_FORMAT, 1, "next hop " + key + " answered a malformed frame"};
+        }
+        w.answer.resize(a.payload_len);
+        if (recv_all(fd, w.answer.data(), a.payload_len, false, nullptr) != 1) {
+            close(fd);
+            w.next_fds.erase(key);
+            return {GGSWARM_E_IO, 1, "next hop " + key + " closed mid-answer"};
+        }
+        if (a.kind == kRefusal) {
+            close(fd);  // the next hop closes after a refusal
+            w.next_fds.erase(key);
+            return {GGSWARM_E_INVALID_ARG, 1, "next hop refused: " + std::string(w.answer.begin(), w.answer.end())};
+        }
+        memcpy(w.out.data(), head, kFrameHead);  // the tag sits in the header: open against it
+        if (!gcm(false, s.cfg.key_out, kDirAnswer, in.step, w.out.data(), w.answer.data(), a.payload_len)) {
+            close(fd);
+            w.next_fds.erase(key);
+            return {GGSWARM_E_FORMAT, 1, "next hop's answer does not open with its key"};
+        }
+        if (a.kind == kError) {
+            o.status = (int32_t)get_u32(w.answer.data());
+            o.hop = 1 + (int32_t)get_u32(w.answer.data() + 4);
+            o.message.assign(w.answer.begin() + 8, w.answer.end());
+            return o;
+        }
+        const uint32_t n_hops = get_u32(w.answer.data() + 16);
+        if (n_hops > GGSWARM_LANE_MAX_HOPS - 1 || a.payload_len != kAnswerFixed + 8 * n_hops) {
+            return {GGSWARM_E_FORMAT, 1, "next hop's answer has a bad hop count"};
+        }
+        return o;
+    }
+    return {GGSWARM_E_IO, 1, "next hop " + key + " unreachable"};
+}
+
+// Run one opened request frame (payload in w.in) as a step of s and answer upstream on fd.
+void run_step(Worker & w, int fd, LaneSession & s, const Header & in) {
+    ggswarm_model * m = s.cfg.model;
+    const auto t0 = Clock::now();
+    const int32_t n = in.n_tokens;
+    const int32_t * ids = (const int32_t *)w.in.data();
+    const int64_t n_rows = (int64_t)n * m->d_io();
+    ggswarm_batch b{};
+    b.n_tokens = n;
+    b.pos_start = in.pos_start;
+    if (m->is_first() || m->needs_ids()) b.token_ids = ids;
+    if (!m->is_first()) {
+        b.hidden_in = w.in.data() + (size_t)n * 4;
+        b.hidden_in_count = n_rows;
+        b.hidden_in_type = in.kind == kF16 ? GGSWARM_TYPE_F16 : GGSWARM_TYPE_F32;
+    }
+    int32_t token = -1;
+    double logprob = 0.0, compute_s = 0.0;
+    size_t rows_bytes = 0;
+    if (m->is_last()) {
+        s.history.insert(s.history.end(), ids, ids + n);
+        const ggswarm_sampling & p = s.sampling;
+        const bool penalty = s.has_sampling && p.repeat_penalty != 1.0 && p.repeat_last_n != 0;
+        if (penalty) {
+            const size_t keep = p.repeat_last_n < 0 ? s.history.size()
+                                                     : std::min(s.history.size(), (size_t)p.repeat_last_n);
+            b.history = s.history.data() + (s.history.size() - keep);
+            b.n_history = (int32_t)keep;
+        }
+        b.sampling = s.has_sampling ? &s.sampling : nullptr;
+        b.token_out = &token;
+        b.logprob_out = &logprob;
+    } else {
+        b.hidden_out_type = s.cfg.hidden_out_type;
+        rows_bytes = (size_t)n_rows * (s.cfg.hidden_out_type == GGSWARM_TYPE_F16 ? 2 : 4);
+        w.rows.resize(rows_bytes);
+        b.hidden_out = w.rows.data();
+        b.hidden_out_count = n_rows;
+    }
+    b.compute_s_out = &compute_s;
+    ggswarm_status st = ggswarm_forward(m, s.cfg.sid, &b);
+    if (st != GGSWARM_OK) {
+        if (m->is_last()) s.history.resize(s.history.size() - (size_t)n);
+        send_error(fd, s, in, st, 0, ggswarm_last_error(), w.out);
+        return;
+    }
+    s.steps++;
+    const auto t_local = Clock::now();
+    StepOutcome o;
+    uint32_t n_hops_below = 0;
+    if (!m->is_last()) {
+        o = relay(w, s, in, ids, rows_bytes);
+        if (o.status != GGSWARM_OK) {
+            // the hops below did not take the step: undo it here so the route stays at one length
+            ggswarm_session_truncate(m, s.cfg.sid, in.pos_start);
+            send_error(fd, s, in, o.status, o.hop, o.message, w.out);
+            return;
+        }
+        memcpy(&token, w.answer.data(), 4);
+        memcpy(&logprob, w.answer.data() + 8, 8);
+        n_hops_below = get_u32(w.answer.data() + 16);
+    }
+    const size_t plen = kAnswerFixed + 8 * (size_t)(n_hops_below + 1);
+    w.out.assign(kFrameHead + plen, 0);
+    Header h{kAnswer, in.lane_id, in.step, in.pos_start, n, (uint32_t)plen};
+    write_header(w.out.data(), h);
+    uint8_t * p = w.out.data() + kFrameHead;
+    put_u32(p, (uint32_t)token);
+    put_u32(p + 4, (uint32_t)(in.pos_start + n));
+    memcpy(p + 8, &logprob, 8);
+    put_u32(p + 16, n_hops_below + 1);
+    const double local_s = std::chrono::duration<double>(t_local - t0).count();
+    put_u32(p + 24, (uint32_t)(compute_s * 1e6));
+    put_u32(p + 28, (uint32_t)(local_s * 1e6));
+    if (n_hops_below) memcpy(p + 32, w.answer.data() + kAnswerFixed, 8 * (size_t)n_hops_below);
+    if (gcm(true, s.cfg.key_in, kDirAnswer, in.step, w.out.data(), p, plen)) send_all(fd, w.out.data(), w.out.size());
+}
+
+// The bytes a request of `n` positions must carry for this session's window (ids, then boundary rows).
+size_t expected_payload(const LaneSession & s, uint8_t kind, int32_t n) {
+    if (s.first) return kind == kIds ? (size_t)n * 4 : 0;
+    if (kind != kF16 && kind != kF32) return 0;
+    return (size_t)n * 4 + (size_t)n * (size_t)s.d_io * (kind == kF16 ? 2 : 4);
+}
+
+void serve_conn(ggswarm_lane * lane, Conn * c) {
+    Worker w;
+    const int fd = c->fd;
+    uint8_t head[kFrameHead];
+    for (;;) {
+        if (recv_all(fd, head, kFrameHead, true, &lane->stop) != 1) break;
+        Header in;
+        if (!read_header(head, &in)) { refuse(fd, in, "not a lane frame"); break; }
+        if (in.kind != kIds && in.kind != kF16 && in.kind != kF32) { refuse(fd, in, "not a request"); break; }
+        if (in.n_tokens < 1 || in.n_tokens > GGSWARM_LANE_MAX_TOKENS) { refuse(fd, in, "bad position count"); break; }
+        std::shared_ptr<LaneSession> sp;
+        {
+            std::lock_guard<std::mutex> lk(lane->mu);
+            auto it = lane->sessions.find(in.lane_id);
+            if (it != lane->sessions.end()) sp = it->second;
+        }
+        if (!sp) { refuse(fd, in, "unknown lane session"); break; }
+        LaneSession & s = *sp;
+        // sizes come from the session's window, checked before a byte of payload is buffered
+        const size_t want = expected_payload(s, in.kind, in.n_tokens);
+        if (want == 0 || in.payload_len != want) { refuse(fd, in, "payload size does not fit the window"); break; }
+        w.in.resize(want);
+        if (recv_all(fd, w.in.data(), want, false, nullptr) != 1) break;
+        std::unique_lock<std::mutex> lk(s.mu, std::try_to_lock);
+        if (!lk.owns_lock() || s.removed) { refuse(fd, in, lk.owns_lock() ? "unknown lane session" : "step in progress"); break; }
+        if (in.step < s.next_step) { refuse(fd, in, "stale or replayed step"); break; }
+        if (!gcm(false, s.cfg.key_in, kDirRequest, in.step, head, w.in.data(), want)) {
+            refuse(fd, in, "frame does not open with the session's key");
+            break;
+        }
+        s.next_step = in.step + 1;
+        s.busy = true;
+        run_step(w, fd, s, in);
+        s.busy = false;
+        s.last_used = Clock::now();
+    }
+    shutdown(fd, SHUT_RDWR);
+    c->done = true;
+}
+
+void accept_loop(ggswarm_lane * lane) {
+    pollfd pfd{lane->listen_fd, POLLIN, 0};
+    while (!lane->stop) {
+        {  // join finished connections' threads
+            std::lock_guard<std::mutex> lk(lane->mu);
+            for (auto it = lane->conns.begin(); it != lane->conns.end();) {
+                if ((*it)->done) {
+                    (*it)->th.join();
+                    close((*it)->fd);
+                    it = lane->conns.erase(it);
+                } else {
+                    ++it;
+                }
+            }
+        }
+        if (poll(&pfd, 1, 100) <= 0) continue;
+        int fd = accept4(lane->listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
+        if (fd < 0) continue;
+        std::lock_guard<std::mutex> lk(lane->mu);
+        if (lane->conns.size() >= GGSWARM_LANE_MAX_CONNECTIONS || lane->stop) { close(fd); continue; }
+        set_timeouts(fd, kRecvTimeoutS);
+        auto c = std::make_unique<Conn>();
+        c->fd = fd;
+        Conn * cp = c.get();
+        lane->conns.push_back(std::move(c));
+        cp->th = std::thread(serve_conn, lane, cp);
+    }
+}
+
+void fill_stats(LaneSession & s, ggswarm_lane_stats * out) {
+    out->steps = s.steps;
+    out->next_step = s.next_step;
+    out->idle_s = std::chrono::duration<double>(Clock::now() - s.last_used).count();
+    out->busy = s.busy ? 1 : 0;
+    out->n_appended = (int32_t)(s.history.size() - s.n_initial);
+}
+
+}  // namespace
+
+using ggswarm::fail;
+
+extern "C" {
+
+ggswarm_status ggswarm_lane_open(const char * bind_host, int32_t port, ggswarm_lane ** out) {
+    if (!bind_host || !out || port < 0 || port > 65535) return fail(nullptr, GGSWARM_E_INVALID_ARG, "bad lane address");
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons((uint16_t)port);
+    if (inet_pton(AF_INET, bind_host, &a.sin_addr) != 1) {
+        return fail(nullptr, GGSWARM_E_INVALID_ARG, "lane address '%s' is not a numeric IPv4 address", bind_host);
+    }
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    int one = 1;
+    if (fd < 0) return fail(nullptr, GGSWARM_E_IO, "socket: %s", strerror(errno));
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    socklen_t len = sizeof(a);
+    if (bind(fd, (sockaddr *)&a, sizeof(a)) != 0 || listen(fd, 64) != 0 || getsockname(fd, (sockaddr *)&a, &len) != 0) {
+        int e = errno;
+        close(fd);
+        return fail(nullptr, GGSWARM_E_IO, "lane cannot listen on %s:%d: %s", bind_host, port, strerror(e));
+    }
+    auto * lane = new (std::nothrow) ggswarm_lane();
+    if (!lane) { close(fd); return fail(nullptr, GGSWARM_E_NO_MEMORY, "out of memory"); }
+    lane->listen_fd = fd;
+    lane->port = ntohs(a.sin_port);
+    lane->acceptor = std::thread(accept_loop, lane);
+    *out = lane;
+    return GGSWARM_OK;
+}
+
+int32_t ggswarm_lane_port(const ggswarm_lane * lane) { return lane ? lane->port : -1; }
+
+ggswarm_status ggswarm_lane_add(ggswarm_lane * lane, const ggswarm_lane_session * cfg) {
+    if (!lane || !cfg || !cfg->model) return fail(nullptr, GGSWARM_E_INVALID_ARG, "lane, session or model is NULL");
+    ggswarm_model * m = cfg->model;
+    {
+        GGSWARM_LOCK(m);
+        int32_t len = 0;
+        if (ggswarm_session_len(m, cfg->sid, &len) != GGSWARM_OK) return fail(nullptr, GGSWARM_E_NO_SESSION, "no session %lld", (long long)cfg->sid);
+        if (!m->is_last()) {
+            sockaddr_in tmp{};
+            if (!cfg->next_host || inet_pton(AF_INET, cfg->next_host, &tmp.sin_addr) != 1 || cfg->next_port <= 0 ||
+                cfg->next_port > 65535) {
+                return fail(nullptr, GGSWARM_E_INVALID_ARG, "a window before the last needs the next hop's numeric IPv4 lane address");
+            }
+            if (cfg->hidden_out_type != GGSWARM_TYPE_F16 && cfg->hidden_out_type != GGSWARM_TYPE_F32) {
+                return fail(nullptr, GGSWARM_E_INVALID_ARG, "hidden_out_type must be F16 or F32");
+            }
+        }
+        if (cfg->n_history < 0 || (cfg->n_history > 0 && !cfg->history) || cfg->n_history > GGSWARM_MAX_CONTEXT) {
+            return fail(nullptr, GGSWARM_E_INVALID_ARG, "bad history");
+        }
+    }
+    auto s = std::make_shared<LaneSession>();
+    s->cfg = *cfg;
+    s->cfg.next_host = nullptr;
+    s->cfg.sampling = nullptr;
+    s->cfg.history = nullptr;
+    if (!m->is_last()) s->next_host = cfg->next_host;
+    if (cfg->sampling) { s->sampling = *cfg->sampling; s->has_sampling = true; }
+    if (cfg->n_history) s->history.assign(cfg->history, cfg->history + cfg->n_history);
+    s->n_initial = s->history.size();
+    s->first = m->is_first();
+    s->last = m->is_last();
+    s->d_io = m->d_io();
+    s->next_step = cfg->first_step;
+    std::lock_guard<std::mutex> lk(lane->mu);
+    if (lane->sessions.size() >= GGSWARM_LANE_MAX_SESSIONS) return fail(nullptr, GGSWARM_E_BUDGET, "the lane holds %d sessions", GGSWARM_LANE_MAX_SESSIONS);
+    if (!lane->sessions.emplace(cfg->lane_id, s).second) return fail(nullptr, GGSWARM_E_INVALID_ARG, "lane id already in use");
+    return GGSWARM_OK;
+}
+
+ggswarm_status ggswarm_lane_stats_get(ggswarm_lane * lane, uint64_t lane_id, ggswarm_lane_stats * out) {
+    if (!lane || !out) return fail(nullptr, GGSWARM_E_INVALID_ARG, "lane or out is NULL");
+    std::shared_ptr<LaneSession> sp;
+    {
+        std::lock_guard<std::mutex> lk(lane->mu);
+        auto it = lane->sessions.find(lane_id);
+        if (it == lane->sessions.end()) return fail(nullptr, GGSWARM_E_NO_SESSION, "no lane session %llu", (unsigned long long)lane_id);
+        sp = it->second;
+    }
+    std::lock_guard<std::mutex> lk(sp->mu);
+    fill_stats(*sp, out);
+    return GGSWARM_OK;
+}
+
+ggswarm_status ggswarm_lane_remove(ggswarm_lane * lane, uint64_t lane_id, ggswarm_lane_stats * stats, int32_t * appended,
+                                   int32_t capacity) {
+    if (!lane || capacity < 0 || (capacity > 0 && !appended)) return fail(nullptr, GGSWARM_E_INVALID_ARG, "bad arguments");
+    std::shared_ptr<LaneSession> sp;
+    {
+        std::lock_guard<std::mutex> lk(lane->mu);
+        auto it = lane->sessions.find(lane_id);
+        if (it == lane->sessions.end()) return fail(nullptr, GGSWARM_E_NO_SESSION, "no lane session %llu", (unsigned long long)lane_id);
+        sp = it->second;
+        lane->sessions.erase(it);
+    }
+    std::lock_guard<std::mutex> lk(sp->mu);  // after the step in flight
+    sp->removed = true;
+    ggswarm_lane_stats st{};
+    fill_stats(*sp, &st);
+    if (stats) *stats = st;
+    const size_t n = std::min((size_t)capacity, (size_t)st.n_appended);
+    if (n) memcpy(appended, sp->history.data() + sp->n_initial, n * 4);
+    return GGSWARM_OK;
+}
+
+int32_t ggswarm_lane_drop_model(ggswarm_lane * lane, const ggswarm_model * model) {
+    if (!lane) return 0;
+    std::vector<std::shared_ptr<LaneSession>> gone;
+    {
+        std::lock_guard<std::mutex> lk(lane->mu);
+        for (auto it = lane->sessions.begin(); it != lane->sessions.end();) {
+            if (it->second->cfg.model == model) {
+                gone.push_back(it->second);
+                it = lane->sessions.erase(it);
+            } else {
+                ++it;
+            }
+        }
+    }
+    for (auto & s : gone) {
+        std::lock_guard<std::mutex> lk(s->mu);
+        s->removed = true;
+    }
+    return (int32_t)gone.size();
+}
+
+void ggswarm_lane_free(ggswarm_lane * lane) {
+    if (!lane) return;
+    lane->stop = true;
+    if (lane->acceptor.joinable()) lane->acceptor.join();
+    close(lane->listen_fd);
+    {
+        std::lock_guard<std::mutex> lk(lane->mu);
+        for (auto & c : lane->conns) shutdown(c->fd, SHUT_RDWR);  // wakes the threads blocked in recv
+    }
+    for (auto & c : lane->conns) {
+        c->th.join();
+        close(c->fd);
+    }
+    delete lane;
+}
+
+}  // extern "C"
