@@ -33,6 +33,7 @@ from agent.client.failover import (
     Step,
     recoverable,
 )
+from agent.client.lane import LaneRoute, lanes_wanted
 from agent.client.recovery import Hop, RecoveryPolicy, Replacement, ReplacementProvider
 from agent.client.tokenizer import ChatTokenizer, StreamDecoder
 from agent.client.transport import HopTransport
@@ -109,7 +110,10 @@ class RouteClient(Failover):
         ssl_context: ssl.SSLContext | None = None,
         token_id_layers: int = 0,
         transport: HopTransport | None = None,
+        lane: bool | None = None,
     ) -> None:
+        """lane: decode steps over the hops' native lanes where they admit the session (chain mode;
+        agent/client/lane.py); None: unless GGSWARM_LANE=0."""
         if not hops:
             raise RouteError("a route needs at least one hop")
         for prev, nxt in zip(hops, hops[1:], strict=False):
@@ -165,6 +169,7 @@ class RouteClient(Failover):
         self.transport.acquire()
         self._http: ClientSession = self.transport.http
         self._streams: FrameStreams = self.transport.streams
+        self.lane = LaneRoute(lanes_wanted() if lane is None else lane)
 
     # -- low level ----------------------------------------------------------------------------------
     async def _post(
@@ -252,6 +257,7 @@ class RouteClient(Failover):
 
     async def close(self) -> None:
         """Free the session's KV on every hop (and its warm spares), then the HTTP connections."""
+        await self.lane.drop()
         for task in self._checkpointing.values():
             task.cancel()
         await asyncio.gather(*self._checkpointing.values(), return_exceptions=True)
@@ -283,6 +289,7 @@ class RouteClient(Failover):
         if n >= len(self.history):
             return len(self.history)
         target = n
+        await self.lane.drop()  # truncating takes the session off the lanes
         while True:
             held = target
             for i in range(len(self.hops)):
@@ -296,6 +303,20 @@ class RouteClient(Failover):
         self.last_truncate = {"requested": n, "held": held, "mode": mode}
         del self.history[held:]
         return held
+
+    def _lane_frame(self) -> bytes:
+        """Op.LANE to hop 0: the hops admit the session to their lanes along the cached chain."""
+        self.step += 1
+        return self._frame(
+            0, Op.LANE, step=self.step, chain_cached=len(self.hops) > 1, f16_out=self.kind == Kind.F16
+        )
+
+    async def realign(self, pos: int) -> None:
+        """Bring every hop back to `pos` positions (a lane step whose answer was lost may have run)."""
+        await self.lane.drop()
+        for i in range(len(self.hops)):
+            with contextlib.suppress(RouteError):
+                await self._post(i, self._plain_frame(i, Op.TRUNCATE, pos), self.policy.deadline_floor_s * 2)
 
     def _star_frame(
         self, i: int, inp: Step, sampling: SamplingParams, send: bool, want_logits: bool, ids: list[int]
@@ -363,9 +384,13 @@ class RouteClient(Failover):
         bundle = inp.n <= BUNDLE_STEP_TOKENS and not want_logits and self.transport.users > 1
         t0 = time.perf_counter()
         if self.mode == "chain" or len(self.hops) == 1:
-            resp = await self._call(
-                0, partial(self._chain_frame, inp, sampling, send, want_logits, ids), inp.n, bundle
-            )
+            resp = await self.lane.step(self, inp, ids, send, want_logits)
+            if resp is None:
+                # a frame on the Python path takes the session off every lane it reaches (lanes.py)
+                await self.lane.drop()
+                resp = await self._call(
+                    0, partial(self._chain_frame, inp, sampling, send, want_logits, ids), inp.n, bundle
+                )
             rtt_ms = (time.perf_counter() - t0) * 1e3
             net_ms = rtt_ms - sum(t.handler_us for t in resp.timings) / 1e3
             for st, t in zip(self.hop_stats, resp.timings, strict=False):
@@ -452,6 +477,7 @@ class RouteClient(Failover):
         if common == len(prompt_ids):  # nothing new to prefill: recompute the last position
             common = max(0, len(prompt_ids) - 1)
         common = await self.truncate(common)
+        self.lane.new_turn()
         new = prompt_ids[common:]
         self.last_prefilled = len(new)
         chunks = [new[off : off + PREFILL_CHUNK] for off in range(0, len(new), PREFILL_CHUNK)]

@@ -14,6 +14,7 @@ from agent.node.sessions import SessionState, SessionTable, ShardKey
 from agent.node.steps import DataPlaneError, needs_ids
 from agent.wire.bundle import BUNDLE_STEP_TOKENS
 from agent.wire.frames import (
+    ChainHop,
     FrameError,
     Kind,
     Op,
@@ -81,10 +82,27 @@ class ChainForwarding:
             payload=out.payload,
         )
         handler_us = int((time.perf_counter() - t_start) * 1e6)
-        client = await self._http()
         # A valid answer is at most the next hop's hidden states or (capped) logits plus timings;
         # anything longer is cut off at the limit, never buffered whole.
         limit = response_limit(out.n_tokens, max(out.dim, 1), req.want_logits)
+        # Small steps of sessions this hop answered together go on together, as one bundle (their
+        # next hop batches them as it came); a node holding one session sends it alone, at once.
+        bundle = out.n_tokens <= BUNDLE_STEP_TOKENS and not req.want_logits and len(self.sessions) > 1
+        data = await self._exchange_next(nxt, encode_request(fwd), limit, bundle)
+        try:
+            step = response_step(data)
+        except FrameError as e:
+            raise DataPlaneError(502, "downstream", f"next hop {nxt.url} answered a bad frame: {e}") from None
+        if step != req.step:
+            raise DataPlaneError(502, "downstream", f"next hop {nxt.url} answered step {step}")
+        # Checked whole (header, timings, payload, not a byte more): only what the frame format says
+        # travels back up the route, as it came, with this hop's timing in front.
+        return with_prepended_timing(data, Timing(compute_us, handler_us))
+
+    async def _exchange_next(self, nxt: ChainHop, body: bytes, limit: int, bundle: bool = False) -> bytes:
+        """Send `body` to the next hop and return its answer (status 200, at most `limit` bytes), or
+        DataPlaneError (502, or the next hop's own refusal)."""
+        client = await self._http()
         url = nxt.url.rstrip("/") + "/v1/frame"
         try:
             # Pinned: the swarm CA only, and the certificate must name the node the next token is for
@@ -93,13 +111,9 @@ class ChainForwarding:
             tls_name = (
                 node_dns_name(decode_unverified(nxt.token).node) if nxt.url.startswith("https://") else None
             )
-            body = encode_request(fwd)
             ssl_ctx = self._ssl_for(nxt.url)
             if self._streams is None:
                 self._streams = FrameStreams(client, max_answer=CHAIN_MAX_ANSWER, bundling=True)
-            # Small steps of sessions this hop answered together go on together, as one bundle (their
-            # next hop batches them as it came); a node holding one session sends it alone, at once.
-            bundle = out.n_tokens <= BUNDLE_STEP_TOKENS and not req.want_logits and len(self.sessions) > 1
             got = await self._streams.exchange(
                 nxt.url, body, 300.0, ssl_ctx, tls_name, answer_limit=limit, bundle=bundle
             )
@@ -119,15 +133,7 @@ class ChainForwarding:
             raise DataPlaneError(502, "downstream", f"next hop {nxt.url} unreachable: {e}") from None
         if data is None:
             raise DataPlaneError(502, "downstream", f"next hop {nxt.url} answered more than {limit} bytes")
-        try:
-            step = response_step(data)
-        except FrameError as e:
-            raise DataPlaneError(502, "downstream", f"next hop {nxt.url} answered a bad frame: {e}") from None
-        if step != req.step:
-            raise DataPlaneError(502, "downstream", f"next hop {nxt.url} answered step {step}")
-        # Checked whole (header, timings, payload, not a byte more): only what the frame format says
-        # travels back up the route, as it came, with this hop's timing in front.
-        return with_prepended_timing(data, Timing(compute_us, handler_us))
+        return data
 
     def _ssl_for(self, url: str) -> ssl.SSLContext | bool:
         if url.startswith("https://"):

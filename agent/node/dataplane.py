@@ -31,6 +31,7 @@ from agent.node.admission import FrameAdmission
 from agent.node.admission import _release as _release
 from agent.node.chain import ChainForwarding
 from agent.node.handoff import register_handoff
+from agent.node.lanes import LaneAdmission
 from agent.node.metrics import NodeMetrics
 from agent.node.scheduler import CHUNK_TOKENS, MAX_BATCH_TOKENS, ShardScheduler
 from agent.node.sessions import SessionState, SessionTable, ShardKey
@@ -81,9 +82,10 @@ class Shard:
         return min(CONTEXT_CAP, model_ctx)
 
 
-class DataPlane(FrameAdmission, ChainForwarding):
+class DataPlane(FrameAdmission, ChainForwarding, LaneAdmission):
     """All shards and sessions of one node, behind one aiohttp application; the frame limits come from
-    FrameAdmission (admission.py), the next-hop client from ChainForwarding (chain.py)."""
+    FrameAdmission (admission.py), the next-hop client from ChainForwarding (chain.py), the native
+    decode lane from LaneAdmission (lanes.py)."""
 
     def __init__(
         self,
@@ -101,6 +103,7 @@ class DataPlane(FrameAdmission, ChainForwarding):
         self.batching, self.max_batch_tokens, self.chunk_tokens = batching, max_batch_tokens, chunk_tokens
         FrameAdmission.__init__(self)  # per-address, per-token and buffered-bytes limits
         ChainForwarding.__init__(self, client_ssl)  # next hops: client_ssl, pooled streams
+        LaneAdmission.__init__(self)  # the native decode lane, opened on first use
         self.public_key = public_key  # also verifies hand-off tokens (agent/node/handoff.py)
         self.verifier = TokenVerifier(public_key)
         # set by a drain in move mode: existing sessions answer 503 draining so clients move them
@@ -201,6 +204,10 @@ class DataPlane(FrameAdmission, ChainForwarding):
             "chunk_hold_s": round(sum(s.scheduler.held_s for s in self.shards.values()), 3),
             # batch size, queue wait and compute per backend call over the last minute (metrics.py)
             "batching": self.metrics.batch_stats(),
+            # the native decode lane (lanes.py): its port once open, sessions on it now
+            "lane_port": self._lane.port if self._lane is not None else None,
+            "lane_sessions": len(self._laned),
+            **self.lane_counters,
             "shards": [
                 {
                     "model_sha256": s.spec.manifest.sha256,
@@ -287,9 +294,16 @@ class DataPlane(FrameAdmission, ChainForwarding):
             async with shard.lock:  # between batches: none of the session's steps is running
                 key = (SessionId(req.session), shard.key)
                 shard.scheduler.drop_session(key, "the session was closed while its step was queued")
+                self._laned.pop(key, None)
                 self.sessions.close(key)
             return encode_response(Response(step=req.step, kind=Kind.NONE))
         s = self._session(req, shard)
+        if req.op == Op.LANE:
+            return await self._admit_lane(req, shard, s)
+        if self._laned:
+            # a frame on the Python path: the lane serves a lone session, and this one's steps now
+            # come this way (a session that left the lane takes its history back, lanes.py)
+            self.lanes_off()
         if req.op == Op.TRUNCATE:
             async with shard.lock:
                 return self._truncate(req, s)
@@ -473,6 +487,7 @@ class DataPlane(FrameAdmission, ChainForwarding):
             await self._streams.close()
         if self._client is not None:
             await self._client.close()
+        self.close_lane()
 
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_FRAME_BYTES)
@@ -515,6 +530,7 @@ async def start_dataplane(
             host,
             port,
         )
+    dp.lane_host = host  # a lane opened later listens where the data plane does
     runner = web.AppRunner(dp.make_app(), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True, ssl_context=ssl_context)

@@ -114,6 +114,7 @@ class Handoff:
             s = self.dp.sessions.get(key)
             if s is None:
                 raise HandoffError(404, "unknown_session", "unknown session (expired, evicted or moved)")
+            self.dp.take_off_lane(s)  # a snapshot of a session the lane may step meanwhile would be torn
             try:
                 snap = shard.backend.snapshot(s.sid)
             except BackendError as e:

@@ -16,6 +16,7 @@ from agent.wire.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from agent.backends.libggswarm import NativeBudget
+    from agent.node.lanes import LaneSlot
 
 
 @dataclass
@@ -36,6 +37,7 @@ class SessionState:
     chain: list[ChainHop] | None = None  # next hops (chain mode), sent once per route, not per step
     busy: bool = False
     last_used: float = field(default_factory=time.monotonic)
+    lane: LaneSlot | None = None  # its decode steps run on the node's native lane (agent/node/lanes.py)
 
     @property
     def key(self) -> SessionKey:
@@ -77,6 +79,9 @@ class SessionTable:
     def __contains__(self, sid: object) -> bool:
         return sid in self._sessions
 
+    def states(self) -> list[SessionState]:
+        return list(self._sessions.values())
+
     def get(self, key: SessionKey) -> SessionState | None:
         s = self._sessions.get(key)
         if s is not None:
@@ -91,6 +96,8 @@ class SessionTable:
         s = self._sessions.pop(key, None)
         if s is None:
             return False
+        if s.lane is not None:  # off the lane first: its threads must not run a step of a closed session
+            s.lane.take_off(s)
         s.backend.close_session(s.sid)
         return True
 
@@ -152,6 +159,9 @@ class SessionTable:
     ) -> int:
         """Close the idle sessions unused for longer than the TTL (and not vetoed by `evictable`)."""
         now = time.monotonic() if now is None else now
+        for s in self._sessions.values():
+            if s.lane is not None:  # its steps on the lane count as use
+                s.last_used = max(s.last_used, now - s.lane.idle_s())
         dead = [
             key
             for key, s in self._sessions.items()

@@ -50,6 +50,7 @@ class Op(IntEnum):
     FORWARD = 2
     TRUNCATE = 3
     CLOSE = 4
+    LANE = 5  # admit the session's decode steps to the hops' native lanes (docs/lane.md)
 
 
 class Flag(IntFlag):
@@ -69,6 +70,7 @@ class Kind(IntEnum):
     F16 = 3  # float16 hidden states
     TOKEN = 4  # response: sampled token + logprob in the header
     LOGITS = 5  # response: float32 logits n_tokens x dim (dim = vocab) + the sampled token
+    LANE = 6  # response to Op.LANE: LANE_INFO (the hop's lane id, port and key for the session)
 
 
 # The element type of hidden states at a seam, spelled as frames, the command line and the backends
@@ -171,9 +173,15 @@ class Response:
         return np.frombuffer(self.payload, dtype=np.float32).reshape(self.n_tokens, self.dim)
 
 
+# the answer to Op.LANE: the hop's lane id for the session, its lane's port, and the session's key there
+LANE_INFO = struct.Struct("<QI4x32s")
+
+
 def payload_size(kind: Kind, n_tokens: int, dim: int) -> int:
     if kind == Kind.NONE:
         return 0
+    if kind == Kind.LANE:
+        return LANE_INFO.size
     if kind == Kind.IDS:
         return 4 * n_tokens
     if kind in (Kind.F32, Kind.LOGITS):

@@ -1,0 +1,240 @@
+"""The node's decode lane: a lone session's decode steps handed to libggswarm's lane (docs/lane.md).
+
+A route client asks for the lane (Op.LANE) after its prompt ran on the Python path. Each hop checks
+the frame as any other (route token, session, chain), asks its next hop first, then admits the session
+to its own lane with a fresh key and lane id and answers them (LANE_INFO) to the hop or client before
+it, over the same authenticated channel frames use. From then on the session's small steps travel hop
+to hop without Python. Any other frame of the session, a frame of another session on the node, a close,
+an eviction or an expiry takes it off the lane again, syncing what the lane appended to its history:
+the lane serves a node's lone session; several sessions share the Python path, where they batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import os
+import socket
+import time
+import urllib.parse
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from agent.backends.libggswarm import NativeError
+from agent.node.sessions import SessionKey, SessionState, SessionTable, ShardKey
+from agent.node.steps import DataPlaneError
+from agent.wire.frames import (
+    LANE_INFO,
+    FrameError,
+    Kind,
+    Op,
+    Request,
+    Response,
+    decode_response,
+    encode_request,
+    encode_response,
+    response_limit,
+)
+from agent.wire.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from agent.backends.lane import NativeLane
+    from agent.node.dataplane import Shard
+    from agent.wire.frames import ChainHop
+
+log = logging.getLogger("agent.node.lanes")
+LANE_ENV = "GGSWARM_LANE"  # 0: this node never opens a lane
+# another session used within this many seconds makes the node "not lone": the lane is refused
+LANE_QUIET_S = 2.0
+
+
+@dataclass
+class LaneSlot:
+    """A session's place on the node's lane."""
+
+    lane: NativeLane
+    lane_id: int
+
+    def take_off(self, s: SessionState) -> None:
+        """Back to the Python path: off the lane (after its step in flight), history synced."""
+        s.lane = None
+        try:
+            st = self.lane.remove(self.lane_id)
+        except (NativeError, ValueError):  # already gone (the lane was closed)
+            return
+        s.history.extend(st.appended)
+        s.last_used = max(s.last_used, time.monotonic() - st.idle_s)
+
+    def idle_s(self) -> float:
+        try:
+            return self.lane.stats(self.lane_id).idle_s
+        except (NativeError, ValueError):
+            return float("inf")
+
+
+class LaneAdmission:
+    """Op.LANE for DataPlane: the node's one lane (opened on first use) and who is on it."""
+
+    shards: dict[ShardKey, Shard]
+    sessions: SessionTable
+    node_id: str
+
+    def __init__(self) -> None:
+        self.lane_host: str | None = None  # the data plane's bind address (start_dataplane sets it)
+        self.lane_enabled = os.environ.get(LANE_ENV, "1") != "0"
+        self._lane: NativeLane | None = None
+        self._laned: dict[SessionKey, SessionState] = {}
+        self.lane_counters = {"lane_admissions": 0, "lane_refusals": 0, "lane_take_offs": 0}
+
+    async def _exchange_next(self, nxt: ChainHop, body: bytes, limit: int, bundle: bool = False) -> bytes:
+        raise NotImplementedError  # ChainForwarding's, mixed in beside this class
+
+    def _node_lane(self) -> NativeLane:
+        if self._lane is None:
+            from agent.backends.lane import NativeLane
+
+            host = self.lane_host or "127.0.0.1"
+            if host in ("", "::", "localhost"):
+                host = "0.0.0.0" if host == "::" else "127.0.0.1"  # noqa: S104 - where the data plane listens
+            try:
+                self._lane = NativeLane(host, 0)
+            except (NativeError, OSError) as e:
+                raise DataPlaneError(409, "lane_unavailable", f"this node cannot open a lane: {e}") from None
+            log.info("decode lane listening on %s:%d", host, self._lane.port)
+        return self._lane
+
+    def lanes_off(self, keep: SessionState | None = None) -> None:
+        """Take every session but `keep` off the lane (another session now uses the node)."""
+        for s in list(self._laned.values()):
+            if s is not keep:
+                self.take_off_lane(s)
+
+    def take_off_lane(self, s: SessionState) -> None:
+        if s.lane is not None:
+            s.lane.take_off(s)
+            self.lane_counters["lane_take_offs"] += 1
+        self._laned.pop(s.key, None)
+
+    def close_lane(self) -> None:
+        for s in list(self._laned.values()):
+            self.take_off_lane(s)
+        if self._lane is not None:
+            self._lane.close()
+            self._lane = None
+
+    def _lone(self, s: SessionState) -> bool:
+        """Whether `s` is the only session using the node now."""
+        now = time.monotonic()
+        for other in self.sessions.states():
+            if other.sid != s.sid and (
+                other.busy or other.lane is not None or now - other.last_used < LANE_QUIET_S
+            ):
+                return False
+        return True
+
+    async def _admit_lane(self, req: Request, shard: Shard, s: SessionState) -> bytes:
+        """Op.LANE: the next hop's lane first, then this hop's; answers this hop's LANE_INFO."""
+        why = self._lane_refusal(req, shard, s)
+        if why:
+            self.lane_counters["lane_refusals"] += 1
+            raise DataPlaneError(409, "lane_unavailable", why)
+        from agent.backends.lane import NextHop
+        from agent.backends.libggswarm import sampling_struct
+        from agent.backends.native import _penalised
+
+        nxt_hop: NextHop | None = None
+        if not shard.spec.is_last:
+            chain = s.chain or []
+            if not chain:
+                raise DataPlaneError(
+                    409, "no_chain", "a lane needs the session's chain (run a chain step first)"
+                )
+            nxt, rest = chain[0], chain[1:]
+            fwd = Request(
+                op=Op.LANE,
+                session=req.session,
+                step=req.step,
+                token=nxt.token,
+                chain_cached=bool(rest),
+                f16_out=req.f16_out,
+            )
+            data = await self._exchange_next(nxt, encode_request(fwd), response_limit(0, 1, False))
+            try:
+                resp = decode_response(data)
+            except FrameError as e:
+                raise DataPlaneError(
+                    502, "downstream", f"next hop {nxt.url} answered a bad frame: {e}"
+                ) from None
+            if resp.kind != Kind.LANE:
+                raise DataPlaneError(
+                    502, "downstream", f"next hop {nxt.url} answered {resp.kind.name}, not a lane"
+                )
+            lane_id, port, key = LANE_INFO.unpack(resp.payload)
+            host = await _ipv4_of(nxt.url)
+            nxt_hop = NextHop(host, port, lane_id, key, f16=req.f16_out)
+        if s.busy or s.lane is not None:
+            self.take_off_lane(s)  # a fresh admission: new id and key
+        lane = self._node_lane()
+        lane_id, key = int.from_bytes(os.urandom(8), "little"), os.urandom(32)
+        backend = shard.backend
+        kwargs = {}
+        if shard.spec.is_last:
+            p = s.sampling or SamplingParams()
+            kwargs = {
+                "sampling": sampling_struct(
+                    p.temperature, p.top_k, p.top_p, p.min_p, p.repeat_penalty, p.repeat_last_n, p.seed
+                ),
+                "history": _penalised(s.history, p),
+            }
+        try:
+            lane.add(backend.model, backend._sid(s.sid), lane_id, key, nxt_hop, **kwargs)  # type: ignore[attr-defined]  # why: _lane_refusal checked it is a NativeBackend
+        except NativeError as e:
+            raise DataPlaneError(409, "lane_unavailable", f"lane admission failed: {e}") from None
+        s.lane = LaneSlot(lane, lane_id)
+        self._laned[s.key] = s
+        self.lane_counters["lane_admissions"] += 1
+        return encode_response(
+            Response(step=req.step, kind=Kind.LANE, payload=LANE_INFO.pack(lane_id, lane.port, key))
+        )
+
+    def _lane_refusal(self, req: Request, shard: Shard, s: SessionState) -> str:
+        """Why the session cannot go on the lane now ("" when it can)."""
+        from agent.backends.native import NativeBackend
+
+        if not self.lane_enabled:
+            return f"lanes are off on this node ({LANE_ENV}=0)"
+        if not isinstance(shard.backend, NativeBackend):
+            return f"the {shard.backend_name} backend has no lane"
+        if s.busy:
+            return "the session's step is still running"
+        if not self._lone(s):
+            return "other sessions use this node: their steps batch on the Python path"
+        if shard.scheduler.pending():
+            return "steps are queued on this shard"
+        host = self.lane_host or "127.0.0.1"
+        if host not in ("", "localhost", "::"):
+            try:
+                if ipaddress.ip_address(host).version != 4:
+                    return "the lane listens on IPv4 only"
+            except ValueError:
+                return "the lane listens on numeric IPv4 addresses only"
+        return ""
+
+
+async def _ipv4_of(url: str) -> str:
+    """The numeric IPv4 address a next hop's URL names (the lane dials numbers, not names)."""
+    host = urllib.parse.urlsplit(url).hostname or ""
+    try:
+        if ipaddress.ip_address(host).version == 4:
+            return host
+        raise DataPlaneError(409, "lane_unavailable", f"next hop {url} is not on IPv4")
+    except ValueError:
+        pass
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, None, family=socket.AF_INET)
+    except OSError as e:
+        raise DataPlaneError(409, "lane_unavailable", f"next hop {url}: {e}") from None
+    if not infos:
+        raise DataPlaneError(409, "lane_unavailable", f"next hop {url} has no IPv4 address")
+    return str(infos[0][4][0])

@@ -1,0 +1,109 @@
+"""The decode lane over real `serve` processes: a chain route's decode steps leave Python, the text stays
+the text of the Python path, and a second session on the nodes sends both back to batching."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import urllib.request
+
+import pytest
+
+from agent.client.recovery import minted_hops
+from agent.client.route import RouteClient
+from agent.client.tokenizer import ChatTokenizer
+from agent.wire.routetoken import RouteHop
+from agent.wire.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+RANGES = [(0, 10), (10, 20), (20, 30)]
+N_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def nodes(serve_factory):  # noqa: ANN001, ANN201
+    from agent.backends import libggswarm as native
+
+    if not native.is_available():
+        pytest.skip("native library not built (bash native/build.sh)")
+    return [serve_factory(f"{a}:{b}", backend="native") for a, b in RANGES]
+
+
+@pytest.fixture(scope="module")
+def prompts(model_path: str) -> list[list[int]]:
+    tok = ChatTokenizer(model_path)
+    return [
+        tok.encode_chat([{"role": "user", "content": text}])
+        for text in ("Name three colours of the sea.", "Write two lines about a lighthouse.")
+    ]
+
+
+def client(nodes, signing_key, manifest, lane: bool) -> RouteClient:  # noqa: ANN001
+    session = os.urandom(16)
+    plan = [RouteHop(sp.node_id, sp.url, a, b) for sp, (a, b) in zip(nodes, RANGES, strict=True)]
+    hops = minted_hops(signing_key, session, manifest.sha256, plan)
+    return RouteClient(hops, session_id=session, mode="chain", lane=lane)
+
+
+def health(sp) -> dict:  # noqa: ANN001
+    with urllib.request.urlopen(sp.url + "/v1/health", timeout=5) as r:
+        return json.loads(r.read())
+
+
+async def generate(c: RouteClient, prompt: list[int], sampling: SamplingParams | None = None) -> list[int]:
+    return [t async for t, _ in c.generate(prompt, sampling or SamplingParams(), N_TOKENS)]
+
+
+async def test_a_lone_chain_session_decodes_over_the_lanes_with_the_python_paths_tokens(
+    nodes, signing_key, manifest, prompts
+) -> None:  # noqa: ANN001
+    sampling = SamplingParams(temperature=0.7, top_k=40, repeat_penalty=1.2, repeat_last_n=32, seed=11)
+    want_c = client(nodes, signing_key, manifest, False)
+    try:
+        want = [await generate(want_c, p, sampling) for p in prompts]  # two turns, the Python path
+    finally:
+        await want_c.close()  # closed: no longer a session on the nodes
+    before = [health(sp)["lane_admissions"] for sp in nodes]
+    got_c = client(nodes, signing_key, manifest, True)
+    try:
+        got = [await generate(got_c, p, sampling) for p in prompts]  # two turns, lanes
+    finally:
+        await got_c.close()
+    assert got == want
+    assert got_c.lane.steps >= 2 * (N_TOKENS - 1) - 2 and got_c.lane.fallbacks == 0
+    # every hop admitted the session once per turn
+    assert [health(sp)["lane_admissions"] - b for sp, b in zip(nodes, before, strict=True)] == [2, 2, 2]
+
+
+async def test_a_second_session_takes_the_first_off_the_lanes_and_both_keep_their_tokens(
+    nodes, signing_key, manifest, prompts
+) -> None:  # noqa: ANN001
+    refs = []
+    for p in prompts:
+        c = client(nodes, signing_key, manifest, False)
+        try:
+            refs.append(await generate(c, p))
+        finally:
+            await c.close()  # closed sessions do not count against a lone one
+    a, b = client(nodes, signing_key, manifest, True), client(nodes, signing_key, manifest, True)
+    try:
+        got_a: list[int] = []
+        agen = a.generate(prompts[0], SamplingParams(), N_TOKENS)
+        async for t, _ in agen:  # A alone: on the lanes
+            got_a.append(t)
+            if len(got_a) == 10:
+                break
+        assert a.lane.steps >= 8
+        # B arrives while A is on the lanes: its prompt runs on the Python path, which takes A off
+        task_b = asyncio.create_task(generate(b, prompts[1]))
+        await asyncio.sleep(0)
+        rest = [t async for t, _ in a.generate(prompts[0] + got_a, SamplingParams(), N_TOKENS - 10)]
+        got_b = await task_b
+    finally:
+        await a.close()
+        await b.close()
+    assert got_a + rest == refs[0][:N_TOKENS]
+    assert got_b == refs[1]
+    assert any(health(sp)["lane_take_offs"] >= 1 for sp in nodes)
