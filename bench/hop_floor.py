@@ -13,7 +13,9 @@ leaves to our code, measured as bench/served.py measures the route:
   no WebSocket framing);
 - `blocking`: plain blocking sockets, one thread per hop, no event loop;
 - `lane`: libggswarm's decode lane (docs/lane.md): the hops' own C threads on blocking sockets,
-  AES-256-GCM sealed frames; the client is agent/wire/lane.py's LaneClient.
+  AES-256-GCM sealed frames; the client is agent/wire/lane.py's LaneClient;
+- `lanedirect`: the lane in direct mode: hops send rows on without waiting and the last hop answers
+  the client itself (4 messages per token instead of 6; DirectLaneClient).
 Figures are medians of interleaved rounds (the machine is shared: compare within one run).
 """
 
@@ -239,6 +241,7 @@ async def serve_ws(hop: Hop, port: int, next_port: int | None) -> None:
     await serve_forever("/s", handle, port)
 
 
+ROUTE_PORTS: dict[int, list[int]] = {}  # a route's first port -> every hop's (the direct lane dials all)
 LANE_SESSIONS = 64  # lane ids 1..64, admitted at start (one per round and transport at most)
 
 
@@ -249,7 +252,9 @@ def lane_key(hop: int, lane_id: int) -> bytes:
     return hashlib.sha256(f"hop-floor/{hop}/{lane_id}".encode()).digest()
 
 
-def serve_lane(model: str, a: int, b: int, threads: int, port: int, next_port: int | None) -> None:
+def serve_lane(
+    model: str, a: int, b: int, threads: int, port: int, next_port: int | None, direct: bool = False
+) -> None:
     """A hop whose steps run on libggswarm's lane threads; this thread only admits the sessions."""
     import signal
 
@@ -263,14 +268,19 @@ def serve_lane(model: str, a: int, b: int, threads: int, port: int, next_port: i
         nxt = None
         if next_port is not None:
             nxt = NextHop("127.0.0.1", next_port, lane_id, lane_key(hop + 1, lane_id))
-        lane.add(m, m.open_session(1024), lane_id, lane_key(hop, lane_id), nxt)
+        lane.add(m, m.open_session(1024), lane_id, lane_key(hop, lane_id), nxt, direct=direct)
     signal.pause()
 
 
-def _drive_lane(port: int, sid: int, n: int) -> tuple[float, float, list[int]]:
-    from agent.wire.lane import LaneClient
+def _drive_lane(port: int, sid: int, n: int, direct: bool) -> tuple[float, float, list[int]]:
+    from agent.wire.lane import DirectLaneClient, LaneClient, LaneHop
 
-    c = LaneClient("127.0.0.1", port, sid, lane_key(0, sid))
+    c: LaneClient | DirectLaneClient
+    if direct:
+        hops = [LaneHop("127.0.0.1", p, sid, lane_key(i, sid)) for i, p in enumerate(ROUTE_PORTS[port])]
+        c = DirectLaneClient(hops)
+    else:
+        c = LaneClient("127.0.0.1", port, sid, lane_key(0, sid))
     try:
         toks = [c.run(0, np.asarray([1])).token]  # the first step is not timed
         compute = 0.0
@@ -295,8 +305,8 @@ async def drive(transport: str, port: int, sid: int, n: int) -> tuple[float, flo
     first one, through the route of `transport` (as start_route was given it) whose first hop is on
     `port`."""
     kind = transport.partition("+")[0]
-    if kind == "lane":
-        return _drive_lane(port, sid, n)
+    if kind in ("lane", "lanedirect"):
+        return _drive_lane(port, sid, n, kind == "lanedirect")
     if kind == "blocking":
         s = socket.create_connection(("127.0.0.1", port))
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -361,6 +371,7 @@ def start_route(transport: str, model: str, threads: int, logdir: Path) -> tuple
             cmd += ["--next", str(ports[i + 1])]
         procs.append(spawn(cmd, logdir / f"hop-{transport}-{i}.log", env=None, cwd=REPO))
         wait_port("127.0.0.1", ports[i], 120, procs=procs)
+    ROUTE_PORTS[ports[0]] = ports
     return procs, ports[0]
 
 
@@ -382,8 +393,8 @@ def main() -> None:
         args.model = str(packaged_model_path())
     if args.hop:
         a, b = (int(x) for x in args.layers.split(":"))
-        if args.hop == "lane":
-            serve_lane(args.model, a, b, args.threads, args.port, args.next)
+        if args.hop in ("lane", "lanedirect"):
+            serve_lane(args.model, a, b, args.threads, args.port, args.next, args.hop == "lanedirect")
             return
         hop = Hop(args.model, a, b, args.threads)
         if args.hop == "blocking":

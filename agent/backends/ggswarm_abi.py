@@ -86,6 +86,7 @@ class ggswarm_lane_session(ctypes.Structure):  # noqa: N801
         ("history", ctypes.POINTER(ctypes.c_int32)),
         ("n_history", ctypes.c_int32),
         ("first_step", ctypes.c_uint64),
+        ("answer_direct", ctypes.c_int32),
     ]
 
 

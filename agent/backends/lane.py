@@ -74,9 +74,11 @@ class NativeLane:
         sampling: ggswarm_sampling | None = None,
         history: list[int] | None = None,
         first_step: int = 1,
+        direct: bool = False,
     ) -> None:
         """Admit session `sid` of `model` as `lane_id` (frames sealed with `key`); `nxt` for every
-        window before the last."""
+        window before the last. `direct`: rows go on without waiting, the last window answers the
+        session's subscriber (docs/lane.md, "Direct mode")."""
         cfg = ggswarm_lane_session()
         cfg.lane_id = lane_id
         cfg.model = model._h.value  # noqa: SLF001 - the handle the lane runs steps on
@@ -95,6 +97,7 @@ class NativeLane:
             cfg.history = hist.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
             cfg.n_history = int(hist.size)
         cfg.first_step = first_step
+        cfg.answer_direct = 1 if direct else 0
         _check(self._lib.ggswarm_lane_add(self._handle(), ctypes.byref(cfg)), self._lib.ggswarm_last_error())
 
     def stats(self, lane_id: int) -> LaneStats:

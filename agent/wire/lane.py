@@ -18,8 +18,8 @@ MAGIC = b"GGL1"
 HEADER = 40  # bytes the tag covers as associated data
 TAG = 16
 FRAME_HEAD = HEADER + TAG
-KIND_IDS, KIND_F16, KIND_F32 = 1, 2, 3
-KIND_ANSWER, KIND_ERROR, KIND_REFUSAL = 16, 17, 18
+KIND_IDS, KIND_F16, KIND_F32, KIND_SUBSCRIBE = 1, 2, 3, 4
+KIND_ANSWER, KIND_ERROR, KIND_REFUSAL, KIND_SUBSCRIBED = 16, 17, 18, 19
 DIR_REQUEST, DIR_ANSWER = 0, 1
 MAX_TOKENS = 64  # GGSWARM_LANE_MAX_TOKENS
 MAX_HOPS = 64  # GGSWARM_LANE_MAX_HOPS
@@ -28,9 +28,8 @@ ANSWER_FIXED = 24
 MESSAGE_MAX = 480
 REFUSAL_MAX = 256
 
-_HEAD = struct.Struct(
-    "<4sBBHQQiiII"
-)  # magic, kind, flags, reserved, lane id, step, pos, n, payload, reserved
+# magic, kind, timing pairs, reserved, lane id, step, position, positions, payload bytes, reserved
+_HEAD = struct.Struct("<4sBBHQQiiII")
 _ANSWER = struct.Struct("<iidiI")  # token, session_len, logprob, n_hops, reserved
 
 
@@ -63,6 +62,7 @@ class Head:
     pos_start: int
     n_tokens: int
     payload_len: int
+    n_timings: int = 0
 
 
 def _nonce(direction: int, step: int) -> bytes:
@@ -70,15 +70,17 @@ def _nonce(direction: int, step: int) -> bytes:
 
 
 def pack_head(h: Head) -> bytes:
-    return _HEAD.pack(MAGIC, h.kind, 0, 0, h.lane_id, h.step, h.pos_start, h.n_tokens, h.payload_len, 0)
+    return _HEAD.pack(
+        MAGIC, h.kind, h.n_timings, 0, h.lane_id, h.step, h.pos_start, h.n_tokens, h.payload_len, 0
+    )
 
 
 def unpack_head(b: bytes) -> Head:
     """The header of a frame, or LaneError when the fixed fields are not a lane's."""
-    magic, kind, flags, res, lane_id, step, pos, n, plen, res2 = _HEAD.unpack_from(b)
-    if magic != MAGIC or flags or res or res2:
+    magic, kind, n_timings, res, lane_id, step, pos, n, plen, res2 = _HEAD.unpack_from(b)
+    if magic != MAGIC or n_timings >= MAX_HOPS or res or res2:
         raise LaneError("not a lane frame")
-    return Head(kind, lane_id, step, pos, n, plen)
+    return Head(kind, lane_id, step, pos, n, plen, n_timings)
 
 
 def seal_request(
@@ -97,6 +99,23 @@ def seal_request(
     head = pack_head(Head(kind, lane_id, step, pos_start, n, len(body)))
     sealed = AESGCM(key).encrypt(_nonce(DIR_REQUEST, step), body, head)
     return head + sealed[-TAG:] + sealed[:-TAG]
+
+
+def seal_subscribe(key: bytes, lane_id: int, step: int) -> bytes:
+    """Direct mode: ask a hop to send this session's answers (last hop) and errors on this connection."""
+    head = pack_head(Head(KIND_SUBSCRIBE, lane_id, step, 0, 0, 0))
+    return head + AESGCM(key).encrypt(_nonce(DIR_REQUEST, step), b"", head)
+
+
+def check_subscribed(key: bytes, frame_head: bytes, lane_id: int, step: int) -> None:
+    """The hop's acknowledgement of a subscription, or LaneError."""
+    head = unpack_head(frame_head)
+    if head.kind != KIND_SUBSCRIBED or head.lane_id != lane_id or head.step != step or head.payload_len:
+        raise LaneError(f"subscription to lane {lane_id} not acknowledged (kind {head.kind})", refused=True)
+    try:
+        AESGCM(key).decrypt(_nonce(DIR_ANSWER, step), frame_head[HEADER:FRAME_HEAD], frame_head[:HEADER])
+    except Exception:  # InvalidTag
+        raise LaneError("subscription acknowledgement does not open with the key") from None
 
 
 def answer_limit(head: Head) -> int:
@@ -170,3 +189,58 @@ class LaneClient:
 
     def close(self) -> None:
         self.sock.close()
+
+
+@dataclass(frozen=True)
+class LaneHop:
+    """One hop's lane as a direct-mode client reaches it: address, the session's lane id and key."""
+
+    host: str
+    port: int
+    lane_id: int
+    key: bytes
+
+
+class DirectLaneClient:
+    """Direct mode, blocking: steps go to the first hop, the last hop answers on its own connection,
+    and any hop's error arrives on that hop's connection (the client then truncates the route back)."""
+
+    def __init__(self, hops: list[LaneHop], timeout_s: float = 120.0, first_step: int = 1) -> None:
+        self.hops = hops
+        self.socks = [socket.create_connection((h.host, h.port), timeout=timeout_s) for h in hops]
+        for sock, h in zip(self.socks, hops, strict=True):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.sendall(seal_subscribe(h.key, h.lane_id, first_step))
+            head_b = _recv_exact(sock, FRAME_HEAD)
+            head = unpack_head(head_b)
+            if head.kind == KIND_REFUSAL:
+                why = _recv_exact(sock, min(head.payload_len, REFUSAL_MAX)).decode("utf-8", "replace")
+                raise LaneError(f"lane {h.host}:{h.port} refused the subscription: {why}", refused=True)
+            check_subscribed(h.key, head_b, h.lane_id, first_step)
+        self.step = first_step + 1
+
+    def run(self, pos_start: int, ids: np.ndarray) -> LaneAnswer:
+        import select
+
+        step = self.step
+        self.step += 1
+        first = self.hops[0]
+        self.socks[0].sendall(seal_request(first.key, first.lane_id, step, pos_start, ids))
+        while True:  # the first frame for this step from any hop decides it
+            ready, _, _ = select.select(self.socks, [], [], self.socks[0].gettimeout())
+            if not ready:
+                raise LaneError("no answer within the timeout")
+            i = self.socks.index(ready[0])
+            head_b = _recv_exact(self.socks[i], FRAME_HEAD)
+            head = unpack_head(head_b)
+            if head.payload_len > answer_limit(head):
+                raise LaneError(f"answer of {head.payload_len} bytes is over its limit")
+            payload = _recv_exact(self.socks[i], head.payload_len)
+            if head.step != step:
+                continue  # a late error of an earlier step
+            h = self.hops[i]
+            return open_answer(h.key, head_b, payload, h.lane_id, step)
+
+    def close(self) -> None:
+        for sock in self.socks:
+            sock.close()

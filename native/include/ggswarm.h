@@ -313,6 +313,10 @@ typedef struct ggswarm_lane_session {
     const int32_t * history;        /* last window: token ids so far (copied; only what the penalty reads) */
     int32_t n_history;
     uint64_t first_step;            /* the lowest step number accepted from upstream */
+    int32_t answer_direct;          /* 1: direct mode: a window before the last sends its rows on without
+                                       waiting; the last window answers the connection that subscribed
+                                       for the session (kind 4), and every window sends its errors
+                                       there; 0: relay mode, each answer goes back the way it came */
 } ggswarm_lane_session;
 
 typedef struct ggswarm_lane_stats {

@@ -40,7 +40,8 @@ constexpr uint32_t kMagic = 0x314c4747u;  // "GGL1" little-endian
 constexpr size_t kHeader = 40;            // bytes covered by the tag (associated data)
 constexpr size_t kTag = 16;
 constexpr size_t kFrameHead = kHeader + kTag;
-constexpr uint8_t kIds = 1, kF16 = 2, kF32 = 3, kAnswer = 16, kError = 17, kRefusal = 18;
+constexpr uint8_t kIds = 1, kF16 = 2, kF32 = 3, kSubscribe = 4, kAnswer = 16, kError = 17, kRefusal = 18,
+                  kSubscribed = 19;
 constexpr uint32_t kDirRequest = 0, kDirAnswer = 1;
 constexpr size_t kAnswerFixed = 24;  // token, session_len, logprob, n_hops, reserved
 constexpr size_t kMessageMax = 480;
@@ -54,6 +55,7 @@ struct Header {
     uint64_t lane_id = 0, step = 0;
     int32_t pos_start = 0, n_tokens = 0;
     uint32_t payload_len = 0;
+    uint8_t n_timings = 0;  // direct mode: (compute us, handler us) pairs after a request's rows
 };
 
 void put_u32(uint8_t * p, uint32_t v) { memcpy(p, &v, 4); }
@@ -65,6 +67,7 @@ void write_header(uint8_t * h, const Header & x) {
     memset(h, 0, kFrameHead);
     put_u32(h, kMagic);
     h[4] = x.kind;
+    h[5] = x.n_timings;
     put_u64(h + 8, x.lane_id);
     put_u64(h + 16, x.step);
     put_u32(h + 24, (uint32_t)x.pos_start);
@@ -74,8 +77,9 @@ void write_header(uint8_t * h, const Header & x) {
 
 // false when the fixed fields are not ours (magic, reserved bytes)
 bool read_header(const uint8_t * h, Header * x) {
-    if (get_u32(h) != kMagic || h[5] || h[6] || h[7] || get_u32(h + 36)) return false;
+    if (get_u32(h) != kMagic || h[5] >= GGSWARM_LANE_MAX_HOPS || h[6] || h[7] || get_u32(h + 36)) return false;
     x->kind = h[4];
+    x->n_timings = h[5];
     x->lane_id = get_u64(h + 8);
     x->step = get_u64(h + 16);
     x->pos_start = (int32_t)get_u32(h + 24);
@@ -162,6 +166,7 @@ struct LaneSession {
     Clock::time_point last_used = Clock::now();
     bool busy = false;
     bool removed = false;
+    int sub_fd = -1;  // direct mode: the connection the route's answers and errors go to
 };
 
 struct Conn {
@@ -225,6 +230,11 @@ int connect_to(const std::string & host, int32_t port) {
 struct Worker {
     std::vector<uint8_t> in, out, rows, answer;
     std::map<std::string, int> next_fds;
+    // direct mode: the last step this thread sent on without waiting, so a refusal or a closed
+    // connection from the next hop can still be reported to the session's subscriber
+    std::shared_ptr<LaneSession> pending;
+    uint64_t pending_step = 0;
+    int pending_fd = -1;
     ~Worker() { for (auto & kv : next_fds) close(kv.second); }
 };
 
@@ -233,30 +243,57 @@ struct StepOutcome {
     std::string message;
 };
 
-// Send the step on to the next hop and read its answer into w.answer (the opened payload). On failure
-// the outcome names the hop (1: the next one, deeper: its own count) and why.
-StepOutcome relay(Worker & w, LaneSession & s, const Header & in, const int32_t * ids, size_t rows_bytes) {
+// Where a session's errors go: its subscriber (direct mode) or the connection the step came on.
+int error_fd(const LaneSession & s, int fd) { return s.sub_fd >= 0 ? s.sub_fd : fd; }
+
+// Whether a pooled connection has something to read now (data or EOF): in direct mode nothing is
+// expected on it, so it was closed (idle) or carries a late refusal.
+bool readable_now(int fd) {
+    pollfd p{fd, POLLIN, 0};
+    return poll(&p, 1, 0) > 0;
+}
+
+// Send the step on to the next hop: ids, rows, then (direct mode) the timing pairs in `tail`. Relay
+// mode waits for the answer and leaves it, opened, in w.answer; direct mode returns once it is sent.
+// On failure the outcome names the hop (1: the next one, deeper: its own count) and why.
+StepOutcome relay(Worker & w, LaneSession & s, const Header & in, const int32_t * ids, size_t rows_bytes,
+                  const std::vector<uint8_t> & tail) {
     const std::string key = s.next_host + ":" + std::to_string(s.cfg.next_port);
-    StepOutcome o;
+    const bool direct = s.cfg.answer_direct != 0;
     for (int attempt = 0; attempt < 2; ++attempt) {  // a pooled connection the next hop closed: dial once more
         auto it = w.next_fds.find(key);
+        if (it != w.next_fds.end() && direct && readable_now(it->second)) {
+            close(it->second);  // closed by the next hop while idle (or a stale frame): start afresh
+            w.next_fds.erase(it);
+            it = w.next_fds.end();
+        }
         int fd = it != w.next_fds.end() ? it->second : connect_to(s.next_host, s.cfg.next_port);
         if (fd < 0) return {GGSWARM_E_IO, 1, "next hop " + key + " unreachable"};
         w.next_fds[key] = fd;
         const size_t ids_bytes = (size_t)in.n_tokens * 4;
-        const size_t plen = ids_bytes + rows_bytes;
+        const size_t plen = ids_bytes + rows_bytes + tail.size();
         w.out.resize(kFrameHead + plen);
         Header h{(uint8_t)(s.cfg.hidden_out_type == GGSWARM_TYPE_F16 ? kF16 : kF32), s.cfg.next_lane_id, in.step,
-                 in.pos_start, in.n_tokens, (uint32_t)plen};
+                 in.pos_start, in.n_tokens, (uint32_t)plen, (uint8_t)(tail.size() / 8)};
         write_header(w.out.data(), h);
         memcpy(w.out.data() + kFrameHead, ids, ids_bytes);
         memcpy(w.out.data() + kFrameHead + ids_bytes, w.rows.data(), rows_bytes);
+        if (!tail.empty()) memcpy(w.out.data() + kFrameHead + ids_bytes + rows_bytes, tail.data(), tail.size());
         if (!gcm(true, s.cfg.key_out, kDirRequest, in.step, w.out.data(), w.out.data() + kFrameHead, plen)) {
             return {GGSWARM_E_COMPUTE, 0, "sealing failed"};
         }
+        const bool sent = send_all(fd, w.out.data(), w.out.size());
+        if (direct) {
+            if (!sent) {
+                close(fd);
+                w.next_fds.erase(key);
+                if (attempt == 0) continue;
+                return {GGSWARM_E_IO, 1, "next hop " + key + " closed"};
+            }
+            return {};
+        }
         uint8_t head[kFrameHead];
         Header a;
-        const bool sent = send_all(fd, w.out.data(), w.out.size());
         const int got = sent ? recv_all(fd, head, kFrameHead, false, nullptr) : -1;
         if (got != 1) {
             close(fd);
@@ -292,6 +329,7 @@ StepOutcome relay(Worker & w, LaneSession & s, const Header & in, const int32_t 
             return {GGSWARM_E_FORMAT, 1, "next hop's answer does not open with its key"};
         }
         if (a.kind == kError) {
+            StepOutcome o;
             o.status = (int32_t)get_u32(w.answer.data());
             o.hop = 1 + (int32_t)get_u32(w.answer.data() + 4);
             o.message.assign(w.answer.begin() + 8, w.answer.end());
@@ -301,18 +339,40 @@ StepOutcome relay(Worker & w, LaneSession & s, const Header & in, const int32_t 
         if (n_hops > GGSWARM_LANE_MAX_HOPS - 1 || a.payload_len != kAnswerFixed + 8 * n_hops) {
             return {GGSWARM_E_FORMAT, 1, "next hop's answer has a bad hop count"};
         }
-        return o;
+        return {};
     }
     return {GGSWARM_E_IO, 1, "next hop " + key + " unreachable"};
 }
 
-// Run one opened request frame (payload in w.in) as a step of s and answer upstream on fd.
-void run_step(Worker & w, int fd, LaneSession & s, const Header & in) {
+// An answer frame (token, length, logprob, then `n_hops` timing pairs from `pairs`) sealed with the
+// session's key, sent to `to`.
+void send_answer(Worker & w, int to, LaneSession & s, const Header & in, int32_t token, double logprob,
+                 const uint8_t * pairs, uint32_t n_hops) {
+    const size_t plen = kAnswerFixed + 8 * (size_t)n_hops;
+    w.out.assign(kFrameHead + plen, 0);
+    Header h{kAnswer, in.lane_id, in.step, in.pos_start, in.n_tokens, (uint32_t)plen};
+    write_header(w.out.data(), h);
+    uint8_t * p = w.out.data() + kFrameHead;
+    put_u32(p, (uint32_t)token);
+    put_u32(p + 4, (uint32_t)(in.pos_start + in.n_tokens));
+    memcpy(p + 8, &logprob, 8);
+    put_u32(p + 16, n_hops);
+    memcpy(p + kAnswerFixed, pairs, 8 * (size_t)n_hops);
+    if (gcm(true, s.cfg.key_in, kDirAnswer, in.step, w.out.data(), p, plen)) send_all(to, w.out.data(), w.out.size());
+}
+
+// Run one opened request frame (payload in w.in) as a step of s and answer upstream on fd (relay mode)
+// or let the route's last hop answer the subscriber (direct mode).
+void run_step(Worker & w, int fd, LaneSession & s, const Header & in, const std::shared_ptr<LaneSession> & sp) {
     ggswarm_model * m = s.cfg.model;
     const auto t0 = Clock::now();
     const int32_t n = in.n_tokens;
     const int32_t * ids = (const int32_t *)w.in.data();
     const int64_t n_rows = (int64_t)n * m->d_io();
+    const bool direct = s.cfg.answer_direct != 0;
+    const size_t in_rows_bytes = m->is_first() ? 0 : (size_t)n_rows * (in.kind == kF16 ? 2 : 4);
+    const uint8_t * timings_in = w.in.data() + (size_t)n * 4 + in_rows_bytes;  // direct mode: earlier hops'
+    const size_t n_timings_in = direct ? in.n_timings : 0;
     ggswarm_batch b{};
     b.n_tokens = n;
     b.pos_start = in.pos_start;
@@ -326,6 +386,10 @@ void run_step(Worker & w, int fd, LaneSession & s, const Header & in) {
     double logprob = 0.0, compute_s = 0.0;
     size_t rows_bytes = 0;
     if (m->is_last()) {
+        if (direct && s.sub_fd < 0) {
+            send_error(fd, s, in, GGSWARM_E_INVALID_ARG, 0, "no subscriber for the route's answers", w.out);
+            return;
+        }
         s.history.insert(s.history.end(), ids, ids + n);
         const ggswarm_sampling & p = s.sampling;
         const bool penalty = s.has_sampling && p.repeat_penalty != 1.0 && p.repeat_last_n != 0;
@@ -349,15 +413,35 @@ void run_step(Worker & w, int fd, LaneSession & s, const Header & in) {
     ggswarm_status st = ggswarm_forward(m, s.cfg.sid, &b);
     if (st != GGSWARM_OK) {
         if (m->is_last()) s.history.resize(s.history.size() - (size_t)n);
-        send_error(fd, s, in, st, 0, ggswarm_last_error(), w.out);
+        send_error(error_fd(s, fd), s, in, st, 0, ggswarm_last_error(), w.out);
         return;
     }
     s.steps++;
-    const auto t_local = Clock::now();
-    StepOutcome o;
+    // this hop's timing pair, after the earlier hops' (direct mode) or before the later ones' (relay)
+    uint8_t own[8];
+    put_u32(own, (uint32_t)(compute_s * 1e6));
+    put_u32(own + 4, (uint32_t)(std::chrono::duration<double>(Clock::now() - t0).count() * 1e6));
+    std::vector<uint8_t> pairs(timings_in, timings_in + 8 * n_timings_in);
+    if (direct) {
+        pairs.insert(pairs.end(), own, own + 8);
+        if (m->is_last()) {
+            send_answer(w, s.sub_fd, s, in, token, logprob, pairs.data(), (uint32_t)(pairs.size() / 8));
+            return;
+        }
+        StepOutcome o = relay(w, s, in, ids, rows_bytes, pairs);
+        if (o.status != GGSWARM_OK) {
+            send_error(error_fd(s, fd), s, in, o.status, o.hop, o.message, w.out);
+            return;
+        }
+        w.pending = sp;
+        w.pending_step = in.step;
+        w.pending_fd = w.next_fds[s.next_host + ":" + std::to_string(s.cfg.next_port)];
+        return;
+    }
     uint32_t n_hops_below = 0;
+    pairs.assign(own, own + 8);
     if (!m->is_last()) {
-        o = relay(w, s, in, ids, rows_bytes);
+        StepOutcome o = relay(w, s, in, ids, rows_bytes, {});
         if (o.status != GGSWARM_OK) {
             // the hops below did not take the step: undo it here so the route stays at one length
             ggswarm_session_truncate(m, s.cfg.sid, in.pos_start);
@@ -367,40 +451,91 @@ void run_step(Worker & w, int fd, LaneSession & s, const Header & in) {
         memcpy(&token, w.answer.data(), 4);
         memcpy(&logprob, w.answer.data() + 8, 8);
         n_hops_below = get_u32(w.answer.data() + 16);
+        pairs.insert(pairs.end(), w.answer.begin() + kAnswerFixed, w.answer.begin() + kAnswerFixed + 8 * n_hops_below);
     }
-    const size_t plen = kAnswerFixed + 8 * (size_t)(n_hops_below + 1);
-    w.out.assign(kFrameHead + plen, 0);
-    Header h{kAnswer, in.lane_id, in.step, in.pos_start, n, (uint32_t)plen};
-    write_header(w.out.data(), h);
-    uint8_t * p = w.out.data() + kFrameHead;
-    put_u32(p, (uint32_t)token);
-    put_u32(p + 4, (uint32_t)(in.pos_start + n));
-    memcpy(p + 8, &logprob, 8);
-    put_u32(p + 16, n_hops_below + 1);
-    const double local_s = std::chrono::duration<double>(t_local - t0).count();
-    put_u32(p + 24, (uint32_t)(compute_s * 1e6));
-    put_u32(p + 28, (uint32_t)(local_s * 1e6));
-    if (n_hops_below) memcpy(p + 32, w.answer.data() + kAnswerFixed, 8 * (size_t)n_hops_below);
-    if (gcm(true, s.cfg.key_in, kDirAnswer, in.step, w.out.data(), p, plen)) send_all(fd, w.out.data(), w.out.size());
+    send_answer(w, fd, s, in, token, logprob, pairs.data(), n_hops_below + 1);
 }
 
-// The bytes a request of `n` positions must carry for this session's window (ids, then boundary rows).
-size_t expected_payload(const LaneSession & s, uint8_t kind, int32_t n) {
-    if (s.first) return kind == kIds ? (size_t)n * 4 : 0;
-    if (kind != kF16 && kind != kF32) return 0;
-    return (size_t)n * 4 + (size_t)n * (size_t)s.d_io * (kind == kF16 ? 2 : 4);
+// The bytes a request of `n` positions must carry for this session's window (ids, boundary rows, then
+// in direct mode the earlier hops' timing pairs).
+size_t expected_payload(const LaneSession & s, const Header & in) {
+    const size_t n = (size_t)in.n_tokens;
+    const size_t tail = s.cfg.answer_direct ? 8 * (size_t)in.n_timings : 0;
+    if (!s.cfg.answer_direct && in.n_timings) return 0;
+    if (s.first) return in.kind == kIds ? n * 4 + tail : 0;
+    if (in.kind != kF16 && in.kind != kF32) return 0;
+    return n * 4 + n * (size_t)s.d_io * (in.kind == kF16 ? 2 : 4) + tail;
+}
+
+// Direct mode: something arrived on a connection to a next hop, where nothing is expected. A refusal
+// of the step this thread sent on, or the connection closing, means the route's answer will not come:
+// tell the session's subscriber (the client truncates the route back). Anything else closes it too.
+void downstream_event(Worker & w, int dfd) {
+    uint8_t head[kFrameHead];
+    Header a;
+    bool refused_pending = false;
+    const ssize_t r = recv(dfd, head, kFrameHead, MSG_WAITALL);
+    if (r == (ssize_t)kFrameHead && read_header(head, &a) && a.kind == kRefusal && w.pending &&
+        a.step == w.pending_step) {
+        refused_pending = true;
+    }
+    const bool lost = r != (ssize_t)kFrameHead || refused_pending;
+    for (auto it = w.next_fds.begin(); it != w.next_fds.end(); ++it) {
+        if (it->second == dfd) { w.next_fds.erase(it); break; }
+    }
+    close(dfd);
+    if (lost && w.pending && w.pending_fd == dfd) {
+        std::lock_guard<std::mutex> lk(w.pending->mu);
+        LaneSession & s = *w.pending;
+        if (!s.removed && s.sub_fd >= 0) {
+            Header in{kF32, s.cfg.lane_id, w.pending_step, 0, 0, 0};
+            send_error(s.sub_fd, s, in, GGSWARM_E_IO, 1,
+                       refused_pending ? "the next hop refused the step" : "the next hop closed the connection", w.out);
+        }
+    }
+    if (w.pending_fd == dfd) w.pending.reset();
+}
+
+// Waits until fd has a frame to read while watching this thread's connections to next hops (direct
+// mode expects nothing on them: a refusal or a close is reported by downstream_event). 1: fd is
+// readable, or no next-hop connection is left to watch; -1: stopping, an error, or idle too long.
+int wait_upstream(Worker & w, int fd, const std::atomic<bool> & stop) {
+    const auto since = Clock::now();
+    while (!w.next_fds.empty()) {
+        std::vector<pollfd> p{{fd, POLLIN, 0}};
+        for (auto & kv : w.next_fds) p.push_back({kv.second, POLLIN, 0});
+        const int r = poll(p.data(), p.size(), 1000);
+        if (r < 0 && errno != EINTR) return -1;
+        if (stop) return -1;
+        if (r > 0) {
+            for (size_t i = 1; i < p.size(); ++i) {
+                if (p[i].revents) downstream_event(w, p[i].fd);
+            }
+            if (p[0].revents) return 1;
+        }
+        if (Clock::now() - since > std::chrono::seconds(kIdleCloseS)) return -1;
+    }
+    return 1;
 }
 
 void serve_conn(ggswarm_lane * lane, Conn * c) {
     Worker w;
     const int fd = c->fd;
+    std::shared_ptr<LaneSession> subscribed;  // the session this connection receives answers for
     uint8_t head[kFrameHead];
     for (;;) {
+        if (wait_upstream(w, fd, lane->stop) != 1) break;
         if (recv_all(fd, head, kFrameHead, true, &lane->stop) != 1) break;
+        w.pending.reset();  // a new step: the previous one was answered
         Header in;
         if (!read_header(head, &in)) { refuse(fd, in, "not a lane frame"); break; }
-        if (in.kind != kIds && in.kind != kF16 && in.kind != kF32) { refuse(fd, in, "not a request"); break; }
-        if (in.n_tokens < 1 || in.n_tokens > GGSWARM_LANE_MAX_TOKENS) { refuse(fd, in, "bad position count"); break; }
+        const bool sub = in.kind == kSubscribe;
+        if (!sub && in.kind != kIds && in.kind != kF16 && in.kind != kF32) { refuse(fd, in, "not a request"); break; }
+        if (sub ? (in.n_tokens != 0 || in.payload_len != 0 || in.n_timings != 0)
+                : (in.n_tokens < 1 || in.n_tokens > GGSWARM_LANE_MAX_TOKENS)) {
+            refuse(fd, in, "bad position count");
+            break;
+        }
         std::shared_ptr<LaneSession> sp;
         {
             std::lock_guard<std::mutex> lk(lane->mu);
@@ -410,22 +545,36 @@ void serve_conn(ggswarm_lane * lane, Conn * c) {
         if (!sp) { refuse(fd, in, "unknown lane session"); break; }
         LaneSession & s = *sp;
         // sizes come from the session's window, checked before a byte of payload is buffered
-        const size_t want = expected_payload(s, in.kind, in.n_tokens);
-        if (want == 0 || in.payload_len != want) { refuse(fd, in, "payload size does not fit the window"); break; }
+        const size_t want = sub ? 0 : expected_payload(s, in);
+        if (!sub && (want == 0 || in.payload_len != want)) { refuse(fd, in, "payload size does not fit the window"); break; }
         w.in.resize(want);
-        if (recv_all(fd, w.in.data(), want, false, nullptr) != 1) break;
-        std::unique_lock<std::mutex> lk(s.mu, std::try_to_lock);
-        if (!lk.owns_lock() || s.removed) { refuse(fd, in, lk.owns_lock() ? "unknown lane session" : "step in progress"); break; }
+        if (want && recv_all(fd, w.in.data(), want, false, nullptr) != 1) break;
+        // a step of the session running on another connection finishes first (a client sends one at a time)
+        std::unique_lock<std::mutex> lk(s.mu);
+        if (s.removed) { refuse(fd, in, "unknown lane session"); break; }
         if (in.step < s.next_step) { refuse(fd, in, "stale or replayed step"); break; }
         if (!gcm(false, s.cfg.key_in, kDirRequest, in.step, head, w.in.data(), want)) {
             refuse(fd, in, "frame does not open with the session's key");
             break;
         }
         s.next_step = in.step + 1;
+        if (sub) {  // answers (last window) and errors of this session come here from now on
+            s.sub_fd = fd;
+            subscribed = sp;
+            uint8_t ack[kFrameHead];
+            Header h{kSubscribed, in.lane_id, in.step, 0, 0, 0};
+            write_header(ack, h);
+            if (gcm(true, s.cfg.key_in, kDirAnswer, in.step, ack, ack + kFrameHead, 0)) send_all(fd, ack, kFrameHead);
+            continue;
+        }
         s.busy = true;
-        run_step(w, fd, s, in);
+        run_step(w, fd, s, in, sp);
         s.busy = false;
         s.last_used = Clock::now();
+    }
+    if (subscribed) {
+        std::lock_guard<std::mutex> lk(subscribed->mu);
+        if (subscribed->sub_fd == fd) subscribed->sub_fd = -1;
     }
     shutdown(fd, SHUT_RDWR);
     c->done = true;

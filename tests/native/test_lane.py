@@ -16,6 +16,8 @@ from agent.backends.lane import NativeLane, NextHop
 from agent.backends.libggswarm import NativeModel, sampling_struct
 from agent.wire.lane import (
     FRAME_HEAD,
+    DirectLaneClient,
+    LaneHop,
     KIND_IDS,
     Head,
     LaneClient,
@@ -41,7 +43,7 @@ class Route:
     ids: list[int]  # lane ids, in hop order
     keys: list[bytes]
 
-    def admit(self, first_step: int = 1, sampling=None, history=None) -> None:  # noqa: ANN001
+    def admit(self, first_step: int = 1, sampling=None, history=None, direct: bool = False) -> None:  # noqa: ANN001
         for i in reversed(range(3)):
             nxt = None
             if i < 2:
@@ -56,10 +58,29 @@ class Route:
                 sampling=sampling if last else None,
                 history=history if last else None,
                 first_step=first_step,
+                direct=direct,
             )
 
     def client(self, first_step: int = 1) -> LaneClient:
         return LaneClient("127.0.0.1", self.lanes[0].port, self.ids[0], self.keys[0], first_step)
+
+    def direct_client(self) -> DirectLaneClient:
+        return DirectLaneClient(
+            [
+                LaneHop("127.0.0.1", lane.port, i, k)
+                for lane, i, k in zip(self.lanes, self.ids, self.keys, strict=True)
+            ]
+        )
+
+    def direct_client_without_last(self) -> DirectLaneClient:
+        """Subscribed to hops 0 and 1 only (hop 2 no longer knows the session)."""
+        return DirectLaneClient(
+            [
+                LaneHop("127.0.0.1", lane.port, i, k)
+                for lane, i, k in zip(self.lanes[:2], self.ids, self.keys, strict=False)
+            ],
+            first_step=100,  # the first client's subscription and steps spent the numbers below
+        )
 
     def lengths(self) -> list[int]:
         return [h.session_len(s) for h, s in zip(self.hops, self.sids, strict=True)]
@@ -315,3 +336,39 @@ def test_a_lane_refuses_a_bad_address_and_a_window_without_its_next_hop(hops: li
     finally:
         hops[0].close_session(sid)
         lane.close()
+
+
+def test_in_direct_mode_the_last_hop_answers_the_client_with_every_hops_timing(
+    route: Route, hops: list[NativeModel]
+) -> None:
+    want = _direct_greedy(hops, N_NEW)
+    got = [_prefill(route)]
+    route.admit(direct=True)
+    client = route.direct_client()
+    for _ in range(N_NEW - 1):
+        pos = len(PROMPT) + len(got) - 1
+        ans = client.run(pos, np.asarray([got[-1]]))
+        assert ans.session_len == pos + 1
+        assert len(ans.timings) == 3 and all(c > 0 and h >= c for c, h in ans.timings)
+        got.append(ans.token)
+    client.close()
+    assert got == want
+    assert route.lengths() == [len(PROMPT) + N_NEW - 1] * 3
+
+
+def test_in_direct_mode_a_later_hops_refusal_or_failure_reaches_the_client(route: Route) -> None:
+    tok = _prefill(route)
+    route.admit(direct=True)
+    client = route.direct_client()
+    # hop 2 fails the step itself (its session is one position short): it tells the client directly
+    route.hops[2].truncate(route.sids[2], len(PROMPT) - 1)
+    with pytest.raises(LaneError) as e:
+        client.run(len(PROMPT), np.asarray([tok]))
+    assert e.value.hop == 0 and e.value.status < 0  # hop 0 of the error's sender, hop 2's own failure
+    client.close()
+    # hop 2 forgets the session: hop 1 reports the refusal it gets, on hop 1's subscription
+    route.lanes[2].remove(route.ids[2])
+    client = route.direct_client_without_last()
+    with pytest.raises(LaneError, match="refused"):
+        client.run(len(PROMPT) + 1, np.asarray([tok]))
+    client.close()
