@@ -16,12 +16,12 @@ from agent.backends.lane import NativeLane, NextHop
 from agent.backends.libggswarm import NativeModel, sampling_struct
 from agent.wire.lane import (
     FRAME_HEAD,
-    DirectLaneClient,
-    LaneHop,
     KIND_IDS,
+    DirectLaneClient,
     Head,
     LaneClient,
     LaneError,
+    LaneHop,
     pack_head,
     seal_request,
 )
