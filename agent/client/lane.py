@@ -35,7 +35,8 @@ from agent.wire.lane import (
 )
 
 if TYPE_CHECKING:
-    from agent.client.route import RouteClient, Step
+    from agent.client.failover import Step
+    from agent.client.route import RouteClient
 
 LANE_ENV = "GGSWARM_LANE"  # 0: route clients never ask for a lane
 

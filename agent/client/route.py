@@ -384,8 +384,10 @@ class RouteClient(Failover):
         bundle = inp.n <= BUNDLE_STEP_TOKENS and not want_logits and self.transport.users > 1
         t0 = time.perf_counter()
         if self.mode == "chain" or len(self.hops) == 1:
-            resp = await self.lane.step(self, inp, ids, send, want_logits)
-            if resp is None:
+            laned = await self.lane.step(self, inp, ids, send, want_logits)
+            if laned is not None:
+                resp = laned
+            else:
                 # a frame on the Python path takes the session off every lane it reaches (lanes.py)
                 await self.lane.drop()
                 resp = await self._call(

@@ -178,17 +178,16 @@ class LaneAdmission:
         lane = self._node_lane()
         lane_id, key = int.from_bytes(os.urandom(8), "little"), os.urandom(32)
         backend = shard.backend
-        kwargs = {}
+        sampling, history = None, None
         if shard.spec.is_last:
             p = s.sampling or SamplingParams()
-            kwargs = {
-                "sampling": sampling_struct(
-                    p.temperature, p.top_k, p.top_p, p.min_p, p.repeat_penalty, p.repeat_last_n, p.seed
-                ),
-                "history": _penalised(s.history, p),
-            }
+            sampling = sampling_struct(
+                p.temperature, p.top_k, p.top_p, p.min_p, p.repeat_penalty, p.repeat_last_n, p.seed
+            )
+            history = _penalised(s.history, p)
+        model, native_sid = backend.model, backend._sid(s.sid)  # type: ignore[attr-defined]  # why: _lane_refusal checked it is a NativeBackend
         try:
-            lane.add(backend.model, backend._sid(s.sid), lane_id, key, nxt_hop, **kwargs)  # type: ignore[attr-defined]  # why: _lane_refusal checked it is a NativeBackend
+            lane.add(model, native_sid, lane_id, key, nxt_hop, sampling=sampling, history=history)
         except NativeError as e:
             raise DataPlaneError(409, "lane_unavailable", f"lane admission failed: {e}") from None
         s.lane = LaneSlot(lane, lane_id)
