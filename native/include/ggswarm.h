@@ -34,9 +34,12 @@
  *   6 - continuous batching: ggswarm_forward_many (one step of each of several sessions in one graph),
  *       ggswarm_forward_many_error, GGSWARM_MAX_STEPS; ggswarm_model_info.batches_sessions.
  *   7 - the decode lane (ggswarm_lane_*): a session's small steps relayed hop to hop by libggswarm's own
- *       threads on blocking sockets, AES-256-GCM sealed frames (docs/lane.md); every call on a model
- *       handle now holds the handle's lock, so a lane thread and the caller may share a handle (the
- *       per-handle ggswarm_model_last_error may then hold a lane step's message: read the thread's own
+ *       threads on blocking sockets, AES-256-GCM sealed frames (docs/lane.md); every call that changes
+ *       a model handle (forward, forward_many, session open/close/truncate/restore, snapshot, threads,
+ *       checkpoint policy) now holds the handle's lock, so a lane thread and the caller may share a
+ *       handle; calls that only read (session_len, kv_bytes, growth_bytes, snapshot_size, checkpoints,
+ *       info, forward_many_error) take no lock and may run beside a step on another thread, as before
+ *       (the per-handle ggswarm_model_last_error may hold a lane step's message: read the thread's own
  *       ggswarm_last_error after a failed call).
  */
 #ifndef GGSWARM_H

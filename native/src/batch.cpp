@@ -350,7 +350,6 @@ ggswarm_status ggswarm_forward_many(ggswarm_model * m, int32_t n, const int64_t 
 }
 
 const char * ggswarm_forward_many_error(const ggswarm_model * m, int32_t i) {
-    GGSWARM_LOCK(m);
     if (!m || i < 0 || (size_t)i >= m->step_errors.size()) return "";
     return m->step_errors[i].c_str();
 }

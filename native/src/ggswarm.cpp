@@ -205,7 +205,6 @@ ggswarm_status ggswarm_model_open(const char * path, int32_t layer_start, int32_
 void ggswarm_model_free(ggswarm_model * model) { delete model; }
 
 ggswarm_status ggswarm_model_info_get(const ggswarm_model * m, ggswarm_model_info * out) {
-    GGSWARM_LOCK(m);
     if (!m || !out) return fail(m, GGSWARM_E_INVALID_ARG, "model or out is NULL");
     memset(out, 0, sizeof(*out));
     snprintf(out->architecture, sizeof(out->architecture), "%s", m->arch.c_str());

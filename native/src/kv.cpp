@@ -326,7 +326,6 @@ ggswarm_status ggswarm_session_close(ggswarm_model * m, int64_t sid) {
 }
 
 ggswarm_status ggswarm_session_len(const ggswarm_model * m, int64_t sid, int32_t * out_len) {
-    GGSWARM_LOCK(m);
     if (!m || !out_len) return fail(m, GGSWARM_E_INVALID_ARG, "model or out_len is NULL");
     Session * s = find_session(m, sid);
     if (!s) return no_session(m, sid);
@@ -349,7 +348,6 @@ ggswarm_status ggswarm_session_truncate(ggswarm_model * m, int64_t sid, int32_t 
 }
 
 ggswarm_status ggswarm_kv_bytes(const ggswarm_model * m, int64_t sid, uint64_t * out_bytes) {
-    GGSWARM_LOCK(m);
     if (!m || !out_bytes) return fail(m, GGSWARM_E_INVALID_ARG, "model or out_bytes is NULL");
     if (sid < 0) {
         uint64_t t = 0;
@@ -365,7 +363,6 @@ ggswarm_status ggswarm_kv_bytes(const ggswarm_model * m, int64_t sid, uint64_t *
 
 ggswarm_status ggswarm_session_growth_bytes(const ggswarm_model * m, int64_t sid, int32_t n_positions,
                                             uint64_t * out_bytes) {
-    GGSWARM_LOCK(m);
     if (!m || !out_bytes) return fail(m, GGSWARM_E_INVALID_ARG, "model or out_bytes is NULL");
     Session * s = find_session(m, sid);
     if (!s) return no_session(m, sid);
@@ -386,7 +383,6 @@ ggswarm_status ggswarm_session_growth_bytes(const ggswarm_model * m, int64_t sid
 }
 
 ggswarm_status ggswarm_session_snapshot_size(const ggswarm_model * m, int64_t sid, uint64_t * out_size) {
-    GGSWARM_LOCK(m);
     if (!m || !out_size) return fail(m, GGSWARM_E_INVALID_ARG, "model or out_size is NULL");
     Session * s = find_session(m, sid);
     if (!s) return no_session(m, sid);

@@ -208,7 +208,6 @@ ggswarm_status ggswarm_set_checkpoints(ggswarm_model * m, int32_t every_n_tokens
 
 ggswarm_status ggswarm_session_checkpoints(const ggswarm_model * m, int64_t sid, int32_t * positions,
                                            int32_t capacity, int32_t * out_count) {
-    GGSWARM_LOCK(m);
     if (!m || !out_count) return fail(m, GGSWARM_E_INVALID_ARG, "model or out_count is NULL");
     if (capacity < 0 || (capacity > 0 && !positions)) return fail(m, GGSWARM_E_INVALID_ARG, "positions buffer invalid");
     Session * s = find_session(m, sid);
