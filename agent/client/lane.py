@@ -107,7 +107,7 @@ class LaneRoute:
         """Run a decode step over the lane; None: run it on the Python path."""
         if not self.enabled or self.blocked or want_logits or send or not 1 <= inp.n <= MAX_TOKENS:
             return None
-        if not rc._chain_sent or rc.mode != "chain" or len(rc.hops) < 1:  # noqa: SLF001
+        if len(rc.hops) > 1 and not (rc.mode == "chain" and rc._chain_sent):  # noqa: SLF001
             return None  # the hops learn the chain from a Python chain step first
         route = tuple((h.url, h.token) for h in rc.hops)
         if self.conn is not None and route != self.hops_key:  # a hop was replaced: the old lane is stale

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("agent.node.lanes")
 LANE_ENV = "GGSWARM_LANE"  # 0: this node never opens a lane
+LANE_PORT_ENV = "GGSWARM_LANE_PORT"  # the lane's TCP port (default 0: one the system picks)
 # another session used within this many seconds makes the node "not lone": the lane is refused
 LANE_QUIET_S = 2.0
 
@@ -55,10 +56,12 @@ class LaneSlot:
 
     lane: NativeLane
     lane_id: int
+    owner: LaneAdmission
 
     def take_off(self, s: SessionState) -> None:
         """Back to the Python path: off the lane (after its step in flight), history synced."""
         s.lane = None
+        self.owner.forget_lane(s)
         try:
             st = self.lane.remove(self.lane_id)
         except (NativeError, ValueError):  # already gone (the lane was closed)
@@ -97,8 +100,13 @@ class LaneAdmission:
             host = self.lane_host or "127.0.0.1"
             if host in ("", "::", "localhost"):
                 host = "0.0.0.0" if host == "::" else "127.0.0.1"  # noqa: S104 - where the data plane listens
+            raw = os.environ.get(LANE_PORT_ENV, "0")
+            if not raw.isdigit() or int(raw) > 65535:
+                raise DataPlaneError(
+                    409, "lane_unavailable", f"{LANE_PORT_ENV}={raw!r} is not a port (0..65535)"
+                )
             try:
-                self._lane = NativeLane(host, 0)
+                self._lane = NativeLane(host, int(raw))
             except (NativeError, OSError) as e:
                 raise DataPlaneError(409, "lane_unavailable", f"this node cannot open a lane: {e}") from None
             log.info("decode lane listening on %s:%d", host, self._lane.port)
@@ -112,9 +120,13 @@ class LaneAdmission:
 
     def take_off_lane(self, s: SessionState) -> None:
         if s.lane is not None:
-            s.lane.take_off(s)
-            self.lane_counters["lane_take_offs"] += 1
+            s.lane.take_off(s)  # calls forget_lane
         self._laned.pop(s.key, None)
+
+    def forget_lane(self, s: SessionState) -> None:
+        """A session left the lane (whoever took it off: a frame, a close, an eviction, an expiry)."""
+        if self._laned.pop(s.key, None) is not None:
+            self.lane_counters["lane_take_offs"] += 1
 
     def close_lane(self) -> None:
         for s in list(self._laned.values()):
@@ -190,7 +202,7 @@ class LaneAdmission:
             lane.add(model, native_sid, lane_id, key, nxt_hop, sampling=sampling, history=history)
         except NativeError as e:
             raise DataPlaneError(409, "lane_unavailable", f"lane admission failed: {e}") from None
-        s.lane = LaneSlot(lane, lane_id)
+        s.lane = LaneSlot(lane, lane_id, self)
         self._laned[s.key] = s
         self.lane_counters["lane_admissions"] += 1
         return encode_response(

@@ -160,8 +160,8 @@ class SessionTable:
         """Close the idle sessions unused for longer than the TTL (and not vetoed by `evictable`)."""
         now = time.monotonic() if now is None else now
         for s in self._sessions.values():
-            if s.lane is not None:  # its steps on the lane count as use
-                s.last_used = max(s.last_used, now - s.lane.idle_s())
+            if s.lane is not None:  # its steps on the lane count as use (the lane's clock is the real one)
+                s.last_used = max(s.last_used, time.monotonic() - s.lane.idle_s())
         dead = [
             key
             for key, s in self._sessions.items()

@@ -1,0 +1,111 @@
+"""A node's decode lane in process (native backend, one-hop routes): who gets on, what takes a session
+off, and refusals that say why."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from agent.client.route import Hop, RouteClient, RouteError
+from agent.node.dataplane import DataPlane, start_dataplane
+from agent.wire.routetoken import mint
+from agent.wire.sampling import SamplingParams
+from tests.conftest import free_port
+
+PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 504, 3575, 282, 4649, 314]
+
+
+@pytest.fixture
+async def node(model_path: str, manifest: Any, signing_key: Any) -> AsyncIterator[tuple[DataPlane, str]]:
+    from agent.backends import libggswarm
+
+    if not libggswarm.is_available():
+        pytest.skip("native library not built (bash native/build.sh)")
+    dp = DataPlane("node-a", signing_key.public_key())
+    dp.load_shard(model_path, manifest, 0, 30, backend="native", n_threads=1)
+    port = free_port()
+    runner = await start_dataplane(dp, "127.0.0.1", port)
+    yield dp, f"http://127.0.0.1:{port}"
+    await runner.cleanup()
+
+
+def _client(url: str, manifest: Any, key: Any, lane: bool = True) -> RouteClient:
+    session = os.urandom(16)
+    return RouteClient(
+        [Hop(url, 0, 30, mint(key, session, manifest.sha256, 0, 30, "node-a"))], session_id=session, lane=lane
+    )
+
+
+async def _tokens(c: RouteClient, n: int = 10) -> list[int]:
+    return [t async for t, _ in c.generate(PROMPT, SamplingParams(), n)]
+
+
+async def test_a_lone_session_decodes_on_the_lane_with_the_tokens_of_the_python_path(
+    node: tuple[DataPlane, str], manifest: Any, signing_key: Any
+) -> None:
+    dp, url = node
+    plain = _client(url, manifest, signing_key, lane=False)
+    try:
+        want = await _tokens(plain)
+    finally:
+        await plain.close()
+    c = _client(url, manifest, signing_key)
+    try:
+        got = await _tokens(c)
+        assert dp.stats()["lane_sessions"] == 1, (
+            c.lane.steps,
+            c.lane.fallbacks,
+            c.lane.blocked,
+            dp.lane_counters,
+        )
+    finally:
+        await c.close()
+    assert got == want and c.lane.steps == len(want) - 1
+    assert dp.stats()["lane_sessions"] == 0  # closing the session took it off
+
+
+async def test_an_expired_session_is_taken_off_the_lane_first(
+    node: tuple[DataPlane, str], manifest: Any, signing_key: Any
+) -> None:
+    dp, url = node
+    c = _client(url, manifest, signing_key)
+    try:
+        await _tokens(c, 4)
+        assert dp.stats()["lane_sessions"] == 1
+        assert dp.sessions.expire(now=time.monotonic() + dp.sessions.ttl_s + 60) == 1
+        assert dp.stats()["lane_sessions"] == 0 and dp.lane_counters["lane_take_offs"] == 1
+    finally:
+        await c.close()
+
+
+@pytest.mark.parametrize(
+    ("setup", "why"),
+    [
+        (lambda dp, mp: setattr(dp, "lane_enabled", False), "GGSWARM_LANE=0"),
+        (lambda dp, mp: mp.setenv("GGSWARM_LANE_PORT", "70000"), "GGSWARM_LANE_PORT='70000' is not a port"),
+    ],
+)
+async def test_a_refused_lane_says_why_and_the_session_stays_on_the_python_path(
+    node: tuple[DataPlane, str],
+    manifest: Any,
+    signing_key: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    setup: Any,
+    why: str,
+) -> None:
+    dp, url = node
+    setup(dp, monkeypatch)
+    c = _client(url, manifest, signing_key)
+    try:
+        await _tokens(c, 2)  # prefill and one Python step: the hop knows the session
+        with pytest.raises(RouteError, match="lane_unavailable") as e:
+            await c._post(0, c._lane_frame())  # noqa: SLF001 - the frame the client sends
+        assert why in str(e.value)
+        more = await _tokens(c, 6)
+    finally:
+        await c.close()
+    assert len(more) == 6 and c.lane.steps == 0 and c.lane.fallbacks == 0
