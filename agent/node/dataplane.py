@@ -207,7 +207,8 @@ class DataPlane(FrameAdmission, ChainForwarding, LaneAdmission):
             # the native decode lane (lanes.py): its port once open, sessions on it now
             "lane_port": self._lane.port if self._lane is not None else None,
             "lane_sessions": len(self._laned),
-            **self.lane_counters,
+            "lane_steps": self.lane_steps(),
+            **{k: v for k, v in self.lane_counters.items() if k != "lane_steps_done"},
             "shards": [
                 {
                     "model_sha256": s.spec.manifest.sha256,

@@ -12,6 +12,7 @@ the lane serves a node's lone session; several sessions share the Python path, w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
 import os
@@ -68,6 +69,7 @@ class LaneSlot:
             return
         s.history.extend(st.appended)
         s.last_used = max(s.last_used, time.monotonic() - st.idle_s)
+        self.owner.lane_counters["lane_steps_done"] += st.steps
 
     def idle_s(self) -> float:
         try:
@@ -88,7 +90,13 @@ class LaneAdmission:
         self.lane_enabled = os.environ.get(LANE_ENV, "1") != "0"
         self._lane: NativeLane | None = None
         self._laned: dict[SessionKey, SessionState] = {}
-        self.lane_counters = {"lane_admissions": 0, "lane_refusals": 0, "lane_take_offs": 0}
+        # lane_steps_done: steps run on the lane by sessions since taken off (lane_steps() adds the rest)
+        self.lane_counters = {
+            "lane_admissions": 0,
+            "lane_refusals": 0,
+            "lane_take_offs": 0,
+            "lane_steps_done": 0,
+        }
 
     async def _exchange_next(self, nxt: ChainHop, body: bytes, limit: int, bundle: bool = False) -> bytes:
         raise NotImplementedError  # ChainForwarding's, mixed in beside this class
@@ -111,6 +119,15 @@ class LaneAdmission:
                 raise DataPlaneError(409, "lane_unavailable", f"this node cannot open a lane: {e}") from None
             log.info("decode lane listening on %s:%d", host, self._lane.port)
         return self._lane
+
+    def lane_steps(self) -> int:
+        """Decode steps this node ran on its lane (they bypass the Python path's counters)."""
+        running = 0
+        for s in self._laned.values():
+            if s.lane is not None:
+                with contextlib.suppress(NativeError, ValueError):
+                    running += s.lane.lane.stats(s.lane.lane_id).steps
+        return self.lane_counters["lane_steps_done"] + running
 
     def lanes_off(self, keep: SessionState | None = None) -> None:
         """Take every session but `keep` off the lane (another session now uses the node)."""

@@ -65,7 +65,9 @@ async def test_a_lone_session_decodes_on_the_lane_with_the_tokens_of_the_python_
     finally:
         await c.close()
     assert got == want and c.lane.steps == len(want) - 1
-    assert dp.stats()["lane_sessions"] == 0  # closing the session took it off
+    stats = dp.stats()
+    assert stats["lane_sessions"] == 0  # closing the session took it off
+    assert stats["lane_steps"] == len(want) - 1  # counted though they bypassed the Python path
 
 
 async def test_an_expired_session_is_taken_off_the_lane_first(

@@ -127,13 +127,8 @@ def _direct_greedy(hops: list[NativeModel], n: int) -> list[int]:
     return got
 
 
-def test_a_route_decoded_over_lanes_gives_the_tokens_of_direct_calls(
-    route: Route, hops: list[NativeModel]
-) -> None:
-    want = _direct_greedy(hops, N_NEW + 4)
-    got = [_prefill(route)]
-    route.admit()
-    client = route.client()
+def _decode(client: LaneClient | DirectLaneClient, got: list[int]) -> None:
+    """N_NEW - 1 decode steps over the lane after `got`'s first token, each answer checked; closes it."""
     for _ in range(N_NEW - 1):
         pos = len(PROMPT) + len(got) - 1
         ans = client.run(pos, np.asarray([got[-1]]))
@@ -141,6 +136,16 @@ def test_a_route_decoded_over_lanes_gives_the_tokens_of_direct_calls(
         assert len(ans.timings) == 3 and all(c > 0 and h >= c for c, h in ans.timings)
         got.append(ans.token)
     client.close()
+
+
+def test_a_route_decoded_over_lanes_gives_the_tokens_of_direct_calls(
+    route: Route, hops: list[NativeModel]
+) -> None:
+    want = _direct_greedy(hops, N_NEW + 4)
+    got = [_prefill(route)]
+    route.admit()
+    client = route.client()
+    _decode(client, got)
     assert route.lengths() == [len(PROMPT) + N_NEW - 1] * 3
     # off the lane again, the session goes on by direct calls where the lane left it
     stats = [lane.remove(i) for lane, i in zip(route.lanes, route.ids, strict=True)]
@@ -345,13 +350,7 @@ def test_in_direct_mode_the_last_hop_answers_the_client_with_every_hops_timing(
     got = [_prefill(route)]
     route.admit(direct=True)
     client = route.direct_client()
-    for _ in range(N_NEW - 1):
-        pos = len(PROMPT) + len(got) - 1
-        ans = client.run(pos, np.asarray([got[-1]]))
-        assert ans.session_len == pos + 1
-        assert len(ans.timings) == 3 and all(c > 0 and h >= c for c, h in ans.timings)
-        got.append(ans.token)
-    client.close()
+    _decode(client, got)
     assert got == want
     assert route.lengths() == [len(PROMPT) + N_NEW - 1] * 3
 
