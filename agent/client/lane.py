@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import os
 import socket
 import time
-import urllib.parse
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -28,10 +26,10 @@ from agent.wire.lane import (
     MAX_TOKENS,
     LaneAnswer,
     LaneError,
-    answer_limit,
+    answer_head,
+    ipv4_of,
     open_answer,
     seal_request,
-    unpack_head,
 )
 
 if TYPE_CHECKING:
@@ -68,9 +66,7 @@ class LaneConnection:
         self.writer.write(seal_request(self.key, self.lane_id, step, pos, ids))
         try:
             head_b = await self.reader.readexactly(FRAME_HEAD)
-            head = unpack_head(head_b)
-            if head.payload_len > answer_limit(head):
-                raise LaneError(f"lane answer of {head.payload_len} bytes is over its limit")
+            head = answer_head(head_b)
             payload = await self.reader.readexactly(head.payload_len)
         except asyncio.IncompleteReadError:
             raise LaneError("the lane closed the connection mid-step") from None
@@ -154,18 +150,10 @@ class LaneRoute:
         if resp.kind != Kind.LANE:
             return None
         lane_id, port, key = LANE_INFO.unpack(resp.payload)
-        host = urllib.parse.urlsplit(rc.hops[0].url).hostname or ""
         try:
-            if ipaddress.ip_address(host).version != 4:
-                return None
-        except ValueError:
-            try:
-                infos = await asyncio.get_running_loop().getaddrinfo(host, None, family=socket.AF_INET)
-            except OSError:
-                return None
-            if not infos:
-                return None
-            host = str(infos[0][4][0])
+            host = await ipv4_of(rc.hops[0].url)
+        except LaneError:
+            return None
         try:
             return await LaneConnection.open(host, port, lane_id, key)
         except OSError:

@@ -11,14 +11,11 @@ the lane serves a node's lone session; several sessions share the Python path, w
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import ipaddress
 import logging
 import os
-import socket
 import time
-import urllib.parse
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -37,6 +34,7 @@ from agent.wire.frames import (
     encode_response,
     response_limit,
 )
+from agent.wire.lane import LaneError, ipv4_of
 from agent.wire.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -200,7 +198,10 @@ class LaneAdmission:
                     502, "downstream", f"next hop {nxt.url} answered {resp.kind.name}, not a lane"
                 )
             lane_id, port, key = LANE_INFO.unpack(resp.payload)
-            host = await _ipv4_of(nxt.url)
+            try:
+                host = await ipv4_of(nxt.url)  # the lane dials numbers
+            except LaneError as e:
+                raise DataPlaneError(409, "lane_unavailable", f"next hop {e}") from None
             nxt_hop = NextHop(host, port, lane_id, key, f16=req.f16_out)
         if s.busy or s.lane is not None:
             self.take_off_lane(s)  # a fresh admission: new id and key
@@ -248,21 +249,3 @@ class LaneAdmission:
             except ValueError:
                 return "the lane listens on numeric IPv4 addresses only"
         return ""
-
-
-async def _ipv4_of(url: str) -> str:
-    """The numeric IPv4 address a next hop's URL names (the lane dials numbers, not names)."""
-    host = urllib.parse.urlsplit(url).hostname or ""
-    try:
-        if ipaddress.ip_address(host).version == 4:
-            return host
-        raise DataPlaneError(409, "lane_unavailable", f"next hop {url} is not on IPv4")
-    except ValueError:
-        pass
-    try:
-        infos = await asyncio.get_running_loop().getaddrinfo(host, None, family=socket.AF_INET)
-    except OSError as e:
-        raise DataPlaneError(409, "lane_unavailable", f"next hop {url}: {e}") from None
-    if not infos:
-        raise DataPlaneError(409, "lane_unavailable", f"next hop {url} has no IPv4 address")
-    return str(infos[0][4][0])

@@ -129,6 +129,36 @@ def answer_limit(head: Head) -> int:
     raise LaneError(f"answer of unknown kind {head.kind}")
 
 
+def answer_head(head_b: bytes) -> Head:
+    """An answer's head, its payload size checked against the kind's limit before it is read."""
+    head = unpack_head(head_b)
+    if head.payload_len > answer_limit(head):
+        raise LaneError(f"answer of {head.payload_len} bytes is over its limit")
+    return head
+
+
+async def ipv4_of(url: str) -> str:
+    """The numeric IPv4 address a hop's URL names (lanes dial numbers, not names); LaneError if none."""
+    import asyncio
+    import ipaddress
+    import urllib.parse
+
+    host = urllib.parse.urlsplit(url).hostname or ""
+    try:
+        if ipaddress.ip_address(host).version == 4:
+            return host
+        raise LaneError(f"{url} is not on IPv4")
+    except ValueError:
+        pass  # a name: resolve it
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, None, family=socket.AF_INET)
+    except OSError as e:
+        raise LaneError(f"{url}: {e}") from None
+    if not infos:
+        raise LaneError(f"{url} has no IPv4 address")
+    return str(infos[0][4][0])
+
+
 def open_answer(key: bytes, frame_head: bytes, payload: bytes, lane_id: int, step: int) -> LaneAnswer:
     """The answer to step `step`, or LaneError for a refusal, an error answer or a frame that does
     not open with the key."""
@@ -182,9 +212,7 @@ class LaneClient:
         self.step += 1  # a step number is used once, whatever the answer
         self.sock.sendall(seal_request(self.key, self.lane_id, step, pos_start, ids, rows))
         head_b = _recv_exact(self.sock, FRAME_HEAD)
-        head = unpack_head(head_b)
-        if head.payload_len > answer_limit(head):
-            raise LaneError(f"answer of {head.payload_len} bytes is over its limit")
+        head = answer_head(head_b)
         return open_answer(self.key, head_b, _recv_exact(self.sock, head.payload_len), self.lane_id, step)
 
     def close(self) -> None:
@@ -232,9 +260,7 @@ class DirectLaneClient:
                 raise LaneError("no answer within the timeout")
             i = self.socks.index(ready[0])
             head_b = _recv_exact(self.socks[i], FRAME_HEAD)
-            head = unpack_head(head_b)
-            if head.payload_len > answer_limit(head):
-                raise LaneError(f"answer of {head.payload_len} bytes is over its limit")
+            head = answer_head(head_b)
             payload = _recv_exact(self.socks[i], head.payload_len)
             if head.step != step:
                 continue  # a late error of an earlier step

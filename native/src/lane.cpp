@@ -157,6 +157,7 @@ struct LaneSession {
     bool first = false, last = false;
     int64_t d_io = 0;
     std::string next_host;
+    std::string next_key;  // "host:port": its pooled connection's key in Worker::next_fds, made once at add
     ggswarm_sampling sampling{};
     bool has_sampling = false;
     std::vector<int32_t> history;  // last window: what the penalty may read, then appended ids
@@ -228,7 +229,8 @@ int connect_to(const std::string & host, int32_t port) {
 
 // One thread's state: its buffers and its connections to next hops (never shared between threads).
 struct Worker {
-    std::vector<uint8_t> in, out, rows, answer;
+    std::vector<uint8_t> in, out, rows, answer, pairs;
+    std::vector<pollfd> polls;
     std::map<std::string, int> next_fds;
     // direct mode: the last step this thread sent on without waiting, so a refusal or a closed
     // connection from the next hop can still be reported to the session's subscriber
@@ -258,7 +260,7 @@ bool readable_now(int fd) {
 // On failure the outcome names the hop (1: the next one, deeper: its own count) and why.
 StepOutcome relay(Worker & w, LaneSession & s, const Header & in, const int32_t * ids, size_t rows_bytes,
                   const std::vector<uint8_t> & tail) {
-    const std::string key = s.next_host + ":" + std::to_string(s.cfg.next_port);
+    const std::string & key = s.next_key;
     const bool direct = s.cfg.answer_direct != 0;
     for (int attempt = 0; attempt < 2; ++attempt) {  // a pooled connection the next hop closed: dial once more
         auto it = w.next_fds.find(key);
@@ -421,7 +423,8 @@ void run_step(Worker & w, int fd, LaneSession & s, const Header & in, const std:
     uint8_t own[8];
     put_u32(own, (uint32_t)(compute_s * 1e6));
     put_u32(own + 4, (uint32_t)(std::chrono::duration<double>(Clock::now() - t0).count() * 1e6));
-    std::vector<uint8_t> pairs(timings_in, timings_in + 8 * n_timings_in);
+    std::vector<uint8_t> & pairs = w.pairs;  // reused: nothing is allocated per step once warm
+    pairs.assign(timings_in, timings_in + 8 * n_timings_in);
     if (direct) {
         pairs.insert(pairs.end(), own, own + 8);
         if (m->is_last()) {
@@ -435,7 +438,7 @@ void run_step(Worker & w, int fd, LaneSession & s, const Header & in, const std:
         }
         w.pending = sp;
         w.pending_step = in.step;
-        w.pending_fd = w.next_fds[s.next_host + ":" + std::to_string(s.cfg.next_port)];
+        w.pending_fd = w.next_fds[s.next_key];
         return;
     }
     uint32_t n_hops_below = 0;
@@ -502,7 +505,8 @@ void downstream_event(Worker & w, int dfd) {
 int wait_upstream(Worker & w, int fd, const std::atomic<bool> & stop) {
     const auto since = Clock::now();
     while (!w.next_fds.empty()) {
-        std::vector<pollfd> p{{fd, POLLIN, 0}};
+        std::vector<pollfd> & p = w.polls;  // reused across steps
+        p.assign(1, pollfd{fd, POLLIN, 0});
         for (auto & kv : w.next_fds) p.push_back({kv.second, POLLIN, 0});
         const int r = poll(p.data(), p.size(), 1000);
         if (r < 0 && errno != EINTR) return -1;
@@ -678,7 +682,10 @@ ggswarm_status ggswarm_lane_add(ggswarm_lane * lane, const ggswarm_lane_session 
     s->cfg.next_host = nullptr;
     s->cfg.sampling = nullptr;
     s->cfg.history = nullptr;
-    if (!m->is_last()) s->next_host = cfg->next_host;
+    if (!m->is_last()) {
+        s->next_host = cfg->next_host;
+        s->next_key = s->next_host + ":" + std::to_string(cfg->next_port);
+    }
     if (cfg->sampling) { s->sampling = *cfg->sampling; s->has_sampling = true; }
     if (cfg->n_history) s->history.assign(cfg->history, cfg->history + cfg->n_history);
     s->n_initial = s->history.size();
