@@ -103,9 +103,7 @@ class LaneAdmission:
         if self._lane is None:
             from agent.backends.lane import NativeLane
 
-            host = self.lane_host or "127.0.0.1"
-            if host in ("", "::", "localhost"):
-                host = "0.0.0.0" if host == "::" else "127.0.0.1"  # noqa: S104 - where the data plane listens
+            host = self._lane_bind_host()
             raw = os.environ.get(LANE_PORT_ENV, "0")
             if not raw.isdigit() or int(raw) > 65535:
                 raise DataPlaneError(
@@ -127,11 +125,17 @@ class LaneAdmission:
                     running += s.lane.lane.stats(s.lane.lane_id).steps
         return self.lane_counters["lane_steps_done"] + running
 
-    def lanes_off(self, keep: SessionState | None = None) -> None:
-        """Take every session but `keep` off the lane (another session now uses the node)."""
+    def _lane_bind_host(self) -> str:
+        """Where the lane listens: the data plane's address, its any-address and name forms as IPv4."""
+        host = self.lane_host or "127.0.0.1"
+        if host in ("", "::", "localhost"):
+            return "0.0.0.0" if host == "::" else "127.0.0.1"  # noqa: S104 - where the data plane listens
+        return host
+
+    def lanes_off(self) -> None:
+        """Take every session off the lane (a frame came on the Python path)."""
         for s in list(self._laned.values()):
-            if s is not keep:
-                self.take_off_lane(s)
+            self.take_off_lane(s)
 
     def take_off_lane(self, s: SessionState) -> None:
         if s.lane is not None:
@@ -241,11 +245,9 @@ class LaneAdmission:
             return "other sessions use this node: their steps batch on the Python path"
         if shard.scheduler.pending():
             return "steps are queued on this shard"
-        host = self.lane_host or "127.0.0.1"
-        if host not in ("", "localhost", "::"):
-            try:
-                if ipaddress.ip_address(host).version != 4:
-                    return "the lane listens on IPv4 only"
-            except ValueError:
-                return "the lane listens on numeric IPv4 addresses only"
+        try:
+            if ipaddress.ip_address(self._lane_bind_host()).version != 4:
+                return "the lane listens on IPv4 only"
+        except ValueError:
+            return "the lane listens on numeric IPv4 addresses only"
         return ""
