@@ -2,20 +2,23 @@
 
 RouteClient.forward asks `LaneRoute.step` first for a decode step in chain mode. The first such step of
 a turn asks hop 0 for the lane (Op.LANE over the usual frame channel: the hops admit the session one
-after another and hop 0 answers its lane's id, port and key); later steps go over one TCP connection to
-hop 0's lane as sealed frames. Anything the lane refuses or fails is answered None: the step then runs
-on the Python path, which takes the session off every lane it reaches, and the lane is not asked again
-until the next turn. A connection that breaks mid-step may have left the hops a step ahead: they are
-truncated back first.
+after another and hop 0 answers its lane's id, port and key); later steps go to hop 0's lane as sealed
+frames over the transport's pooled connections (`LaneStreams`). Steps that sessions sharing a transport
+make in the same loop turn for the same lane travel as one bundle and run on every hop as one batch.
+Anything the lane refuses or fails is answered None: the step then runs on the Python path, which takes
+the session off every lane it reaches, and the lane is asked again after LANE_RETRY_STEPS more steps
+(what refused it, another session's prompt say, is usually over by then). A connection that breaks
+mid-step may have left the hops a step ahead: they are truncated back first.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import socket
 import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -23,13 +26,17 @@ import numpy as np
 from agent.wire.frames import LANE_INFO, Kind, Response, Timing
 from agent.wire.lane import (
     FRAME_HEAD,
+    MAX_BUNDLE,
     MAX_TOKENS,
+    BundleMember,
     LaneAnswer,
     LaneError,
     answer_head,
+    bundle_answer_head,
     ipv4_of,
     open_answer,
-    seal_request,
+    open_bundle_answer,
+    seal_bundle,
 )
 
 if TYPE_CHECKING:
@@ -37,92 +44,247 @@ if TYPE_CHECKING:
     from agent.client.route import RouteClient
 
 LANE_ENV = "GGSWARM_LANE"  # 0: route clients never ask for a lane
+# Python-path decode steps after a refusal before the lane is asked again (one Op.LANE round trip)
+LANE_RETRY_STEPS = 2
 
 
 def lanes_wanted(env: dict[str, str] | None = None) -> bool:
     return (env if env is not None else os.environ).get(LANE_ENV, "1") != "0"
 
 
-class LaneConnection:
-    """One session's sealed steps to its first hop's lane, on an asyncio stream."""
+Address = tuple[str, int]
 
-    def __init__(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, lane_id: int, key: bytes
-    ) -> None:
+
+class _Conn:
+    """One pooled connection to a lane: a request at a time, answered in order."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer = reader, writer
-        self.lane_id, self.key, self.next_step = lane_id, key, 1
 
     @classmethod
-    async def open(cls, host: str, port: int, lane_id: int, key: bytes) -> LaneConnection:
-        reader, writer = await asyncio.open_connection(host, port)
+    async def open(cls, addr: Address) -> _Conn:
+        reader, writer = await asyncio.open_connection(*addr)
         sock = writer.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return cls(reader, writer, lane_id, key)
+        return cls(reader, writer)
 
-    async def run(self, pos: int, ids: np.ndarray) -> LaneAnswer:
-        step = self.next_step
-        self.next_step += 1  # spent whatever the answer: a sealed frame never runs twice
-        self.writer.write(seal_request(self.key, self.lane_id, step, pos, ids))
+    async def read(self, head_of: Callable[[bytes], object]) -> tuple[bytes, bytes]:
         try:
             head_b = await self.reader.readexactly(FRAME_HEAD)
-            head = answer_head(head_b)
-            payload = await self.reader.readexactly(head.payload_len)
+            head = head_of(head_b)
+            return head_b, await self.reader.readexactly(head.payload_len)  # type: ignore[attr-defined]  # why: both head readers return a Head
         except asyncio.IncompleteReadError:
             raise LaneError("the lane closed the connection mid-step") from None
-        return open_answer(self.key, head_b, payload, self.lane_id, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+@dataclass(eq=False)
+class _Waiting:
+    """A step waiting for its lane's next send, and where its outcome goes."""
+
+    member: BundleMember
+    future: asyncio.Future[LaneAnswer]
+
+
+@dataclass(eq=False)
+class _Turn:
+    items: list[_Waiting] = field(default_factory=list)
+
+
+class LaneStreams:
+    """A transport's connections to hops' lanes, and the bundles of steps sent to one lane in a turn.
+
+    A step `run` with `bundle` waits for the loop turn to end; the steps that other sessions sent to
+    the same lane in that turn go with it as one bundle (native/src/lane_bundle.cpp runs them as one
+    batch on every hop). Alone, it goes as a lone frame. A refused bundle spends no step, so its
+    members go again alone: one session's refusal never costs the others their lane."""
+
+    def __init__(self) -> None:
+        self._idle: dict[Address, list[_Conn]] = {}
+        self._waiting: dict[Address, _Turn] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.bundles_sent = 0  # bundles of two steps or more (telemetry, tests)
+        self.closed = False
+
+    async def run(self, addr: Address, member: BundleMember, bundle: bool) -> LaneAnswer:
+        if not bundle:
+            return await self._lone(addr, member)
+        loop = asyncio.get_running_loop()
+        item = _Waiting(member, loop.create_future())
+        turn = self._waiting.get(addr)
+        if turn is None:
+            turn = self._waiting[addr] = _Turn()
+            turn.items.append(item)
+            try:
+                await asyncio.sleep(0)  # the turn's other callbacks run: their steps join
+            except asyncio.CancelledError:
+                item.future.cancel()  # not sent: the others go without it
+                raise
+            finally:
+                if self._waiting.get(addr) is turn:
+                    del self._waiting[addr]
+                    if len(turn.items) == 1:
+                        turn.items.clear()
+                    else:
+                        self._send_later(addr, turn.items)
+            if not turn.items:
+                return await self._lone(addr, member)
+        else:
+            turn.items.append(item)
+            if len(turn.items) >= MAX_BUNDLE:
+                del self._waiting[addr]
+                self._send_later(addr, turn.items)
+        return await item.future
+
+    async def _with_conn(self, addr: Address, use: Callable[[_Conn], Awaitable[object]]) -> object:
+        """`use` a pooled connection (or a new one); back to the pool only when it finished cleanly."""
+        pool = self._idle.setdefault(addr, [])
+        conn = pool.pop() if pool else await _Conn.open(addr)
+        try:
+            out = await use(conn)
+        except BaseException:
+            conn.close()  # mid-exchange or refused: its stream is not in step any more
+            raise
+        if self.closed:
+            conn.close()
+        else:
+            pool.append(conn)
+        return out
+
+    async def _lone(self, addr: Address, m: BundleMember) -> LaneAnswer:
+        async def use(conn: _Conn) -> LaneAnswer:
+            conn.writer.write(m.seal())
+            head_b, payload = await conn.read(answer_head)
+            return open_answer(m.key, head_b, payload, m.lane_id, m.step)
+
+        return await self._with_conn(addr, use)  # type: ignore[return-value]  # why: use returns a LaneAnswer
+
+    def _send_later(self, addr: Address, items: list[_Waiting]) -> None:
+        task = asyncio.get_running_loop().create_task(self._send_bundle(addr, items))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _send_bundle(self, addr: Address, items: list[_Waiting]) -> None:
+        items = [i for i in items if not i.future.done()]  # a caller that gave up leaves the others
+        members = [i.member for i in items]
+
+        async def use(conn: _Conn) -> list[LaneAnswer | LaneError]:
+            conn.writer.write(seal_bundle(members))
+            head_b, payload = await conn.read(lambda b: bundle_answer_head(b, len(members)))
+            return open_bundle_answer(bundle_answer_head(head_b, len(members)), payload, members)
+
+        try:
+            if len(items) == 1:
+                _settle(items[0], await self._lone(addr, members[0]))
+                return
+            if not items:
+                return
+            try:
+                outcomes = await self._with_conn(addr, use)
+                self.bundles_sent += 1
+            except LaneError as e:
+                if not e.refused:
+                    raise
+                # refused whole, nothing spent: each goes alone, and only the one at fault fails
+                lone = await asyncio.gather(*(self._lone(addr, m) for m in members), return_exceptions=True)
+                outcomes = list(lone)  # type: ignore[arg-type]  # why: gather of LaneAnswer or exceptions
+            for i, o in zip(items, outcomes, strict=True):  # type: ignore[call-overload]  # why: a list of outcomes
+                _settle(i, o)
+        except Exception as e:  # noqa: BLE001 - every waiting step gets the failure, as a lone one would
+            for i in items:
+                _settle(i, e)
+        except asyncio.CancelledError:
+            for i in items:
+                _settle(i, ConnectionResetError(f"lane {addr[0]}:{addr[1]} closed before its answer"))
+            raise
 
     async def close(self) -> None:
-        self.writer.close()
-        with contextlib.suppress(OSError, ConnectionError):
-            await self.writer.wait_closed()
+        self.closed = True
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for pool in self._idle.values():
+            for conn in pool:
+                conn.close()
+        self._idle.clear()
+
+
+def _settle(item: _Waiting, outcome: object) -> None:
+    if item.future.done():
+        return  # its caller gave up (deadline, cancel)
+    if isinstance(outcome, BaseException):
+        item.future.set_exception(outcome)
+        item.future.exception()  # nobody may be awaiting any more: no "never retrieved" warning
+    else:
+        item.future.set_result(outcome)  # type: ignore[arg-type]  # why: a LaneAnswer here
+
+
+@dataclass
+class LaneTicket:
+    """A session's admission at its first hop's lane: where it is, its id and key, the next step."""
+
+    addr: Address
+    lane_id: int
+    key: bytes
+    next_step: int = 1
 
 
 class LaneRoute:
-    """The lane state of one RouteClient: the connection, and whether to ask for one this turn."""
+    """The lane state of one RouteClient: its admission, and whether to ask for one now."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
-        self.conn: LaneConnection | None = None
-        self.blocked = False  # refused or failed this turn: the Python path until the next turn
+        self.ticket: LaneTicket | None = None
+        self.retry_in = 0  # refused or failed: Python-path steps until the lane is asked again
         self.hops_key: tuple[tuple[str, bytes], ...] = ()  # the route the lane was opened along
         self.steps = 0
         self.fallbacks = 0
 
     def new_turn(self) -> None:
-        self.blocked = False
+        self.retry_in = 0
 
     async def drop(self) -> None:
-        if self.conn is not None:
-            await self.conn.close()
-            self.conn = None
+        """Forget the admission (the hops take the session off when its next frame reaches them)."""
+        self.ticket = None
+
+    def _blocked(self) -> bool:
+        if self.retry_in > 0:
+            self.retry_in -= 1
+            return True
+        return False
 
     async def step(
         self, rc: RouteClient, inp: Step, ids: list[int], send: bool, want_logits: bool
     ) -> Response | None:
         """Run a decode step over the lane; None: run it on the Python path."""
-        if not self.enabled or self.blocked or want_logits or send or not 1 <= inp.n <= MAX_TOKENS:
+        if not self.enabled or want_logits or send or not 1 <= inp.n <= MAX_TOKENS or self._blocked():
             return None
         if len(rc.hops) > 1 and not (rc.mode == "chain" and rc._chain_sent):  # noqa: SLF001
             return None  # the hops learn the chain from a Python chain step first
         route = tuple((h.url, h.token) for h in rc.hops)
-        if self.conn is not None and route != self.hops_key:  # a hop was replaced: the old lane is stale
-            await self.drop()
-        if self.conn is None:
-            self.conn = await self._admit(rc)
-            if self.conn is None:
-                self.blocked = True
+        if self.ticket is not None and route != self.hops_key:  # a hop was replaced: the old lane is stale
+            self.ticket = None
+        if self.ticket is None:
+            self.ticket = await self._admit(rc)
+            if self.ticket is None:
+                self.retry_in = LANE_RETRY_STEPS
                 return None
             self.hops_key = route
+        t = self.ticket
+        member = BundleMember(t.key, t.lane_id, t.next_step, inp.pos, np.asarray(ids, dtype=np.int32))
+        t.next_step += 1  # spent whatever the answer: a sealed frame never runs twice
         t0 = time.perf_counter()
         try:
             ans = await asyncio.wait_for(
-                self.conn.run(inp.pos, np.asarray(ids, dtype=np.int32)),
+                rc.transport.lanes.run(t.addr, member, bundle=rc.transport.users > 1),
                 rc._deadline(0, inp.n),  # noqa: SLF001 - a failing hop is judged by its recent steps
             )
         except (LaneError, OSError, TimeoutError) as e:
-            await self.drop()
-            self.blocked = True
+            self.ticket = None
+            self.retry_in = LANE_RETRY_STEPS
             self.fallbacks += 1
             clean = isinstance(e, LaneError) and (e.refused or e.status != 0)
             if not clean:  # the step may have run on some hops: bring every hop back to the client's length
@@ -140,7 +302,7 @@ class LaneRoute:
             timings=[Timing(c, h) for c, h in ans.timings],
         )
 
-    async def _admit(self, rc: RouteClient) -> LaneConnection | None:
+    async def _admit(self, rc: RouteClient) -> LaneTicket | None:
         from agent.client.route import RouteError
 
         try:
@@ -154,7 +316,4 @@ class LaneRoute:
             host = await ipv4_of(rc.hops[0].url)
         except LaneError:
             return None
-        try:
-            return await LaneConnection.open(host, port, lane_id, key)
-        except OSError:
-            return None
+        return LaneTicket((host, port), lane_id, key)

@@ -16,6 +16,7 @@ import weakref
 
 from aiohttp import ClientSession, ClientTimeout, TCPConnector
 
+from agent.client.lane import LaneStreams
 from agent.wire.stream import FrameStreams
 
 # Connections to one hop: the node admits 64 frames at once per address (PER_IP_CONCURRENCY), and
@@ -52,6 +53,7 @@ class HopTransport:
             skip_auto_headers=("User-Agent",),
         )
         self.streams = FrameStreams(self.http, bundling=bundling)
+        self.lanes = LaneStreams()  # decode steps to hops' native lanes, bundled per turn like streams
 
     @property
     def closed(self) -> bool:
@@ -67,6 +69,7 @@ class HopTransport:
 
     async def close(self) -> None:
         try:
+            await self.lanes.close()
             await self.streams.close()
         finally:
             await self.http.close()

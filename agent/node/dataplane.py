@@ -302,9 +302,10 @@ class DataPlane(FrameAdmission, ChainForwarding, LaneAdmission):
         if req.op == Op.LANE:
             return await self._admit_lane(req, shard, s)
         if self._laned:
-            # a frame on the Python path: the lane serves a lone session, and this one's steps now
-            # come this way (a session that left the lane takes its history back, lanes.py)
-            self.lanes_off()
+            # a frame on the Python path takes its own session off the lane (its history comes back),
+            # and another session's prompt takes them all off: its chunks ride with their decode steps
+            # there instead of holding the lane's batches for whole chunks (lanes.py)
+            self.lanes_off_for(req, s)
         if req.op == Op.TRUNCATE:
             async with shard.lock:
                 return self._truncate(req, s)

@@ -1,12 +1,14 @@
-"""The node's decode lane: a lone session's decode steps handed to libggswarm's lane (docs/lane.md).
+"""The node's decode lane: chain sessions' decode steps handed to libggswarm's lane (docs/lane.md).
 
 A route client asks for the lane (Op.LANE) after its prompt ran on the Python path. Each hop checks
 the frame as any other (route token, session, chain), asks its next hop first, then admits the session
 to its own lane with a fresh key and lane id and answers them (LANE_INFO) to the hop or client before
 it, over the same authenticated channel frames use. From then on the session's small steps travel hop
-to hop without Python. Any other frame of the session, a frame of another session on the node, a close,
-an eviction or an expiry takes it off the lane again, syncing what the lane appended to its history:
-the lane serves a node's lone session; several sessions share the Python path, where they batch.
+to hop without Python, alone or bundled with other sessions' steps (one batch per hop). Any other
+frame of the session, a close, an eviction or an expiry takes it off the lane again, syncing what the
+lane appended to its history; so does another session's prompt, for every session on the lane: the
+prompt's chunks then ride in the Python path's batches with their decode steps (scheduler.py) instead
+of holding the model between the lane's batches, and the sessions come back once it has run.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING
 from agent.backends.libggswarm import NativeError
 from agent.node.sessions import SessionKey, SessionState, SessionTable, ShardKey
 from agent.node.steps import DataPlaneError
+from agent.wire.bundle import BUNDLE_STEP_TOKENS
 from agent.wire.frames import (
     LANE_INFO,
     FrameError,
@@ -45,8 +48,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("agent.node.lanes")
 LANE_ENV = "GGSWARM_LANE"  # 0: this node never opens a lane
 LANE_PORT_ENV = "GGSWARM_LANE_PORT"  # the lane's TCP port (default 0: one the system picks)
-# another session used within this many seconds makes the node "not lone": the lane is refused
-LANE_QUIET_S = 2.0
+# A Python-path step of more positions than this (a prompt's chunk) takes every session off the lane
+PROMPT_TOKENS = BUNDLE_STEP_TOKENS
 
 
 @dataclass
@@ -132,8 +135,15 @@ class LaneAdmission:
             return "0.0.0.0" if host == "::" else "127.0.0.1"  # noqa: S104 - where the data plane listens
         return host
 
+    def lanes_off_for(self, req: Request, s: SessionState) -> None:
+        """A frame came on the Python path: its session leaves the lane, and a prompt takes all off."""
+        if s.lane is not None:
+            self.take_off_lane(s)
+        if req.op == Op.FORWARD and req.n_tokens > PROMPT_TOKENS:
+            self.lanes_off()
+
     def lanes_off(self) -> None:
-        """Take every session off the lane (a frame came on the Python path)."""
+        """Take every session off the lane."""
         for s in list(self._laned.values()):
             self.take_off_lane(s)
 
@@ -154,15 +164,10 @@ class LaneAdmission:
             self._lane.close()
             self._lane = None
 
-    def _lone(self, s: SessionState) -> bool:
-        """Whether `s` is the only session using the node now."""
-        now = time.monotonic()
-        for other in self.sessions.states():
-            if other.sid != s.sid and (
-                other.busy or other.lane is not None or now - other.last_used < LANE_QUIET_S
-            ):
-                return False
-        return True
+    def _prompt_running(self, s: SessionState) -> bool:
+        """Whether another session's prompt runs on the Python path now (admitting would only have
+        its next chunk take the session off again)."""
+        return any(o.busy_tokens > PROMPT_TOKENS for o in self.sessions.states() if o.sid != s.sid)
 
     async def _admit_lane(self, req: Request, shard: Shard, s: SessionState) -> bytes:
         """Op.LANE: the next hop's lane first, then this hop's; answers this hop's LANE_INFO."""
@@ -241,8 +246,8 @@ class LaneAdmission:
             return f"the {shard.backend_name} backend has no lane"
         if s.busy:
             return "the session's step is still running"
-        if not self._lone(s):
-            return "other sessions use this node: their steps batch on the Python path"
+        if self._prompt_running(s):
+            return "another session's prompt runs on this node"
         if shard.scheduler.pending():
             return "steps are queued on this shard"
         try:

@@ -20,9 +20,11 @@ TAG = 16
 FRAME_HEAD = HEADER + TAG
 KIND_IDS, KIND_F16, KIND_F32, KIND_SUBSCRIBE = 1, 2, 3, 4
 KIND_ANSWER, KIND_ERROR, KIND_REFUSAL, KIND_SUBSCRIBED = 16, 17, 18, 19
+KIND_BUNDLE, KIND_BUNDLE_ANSWER = 5, 20  # v8: several sessions' steps in one frame, and their answers
 DIR_REQUEST, DIR_ANSWER = 0, 1
 MAX_TOKENS = 64  # GGSWARM_LANE_MAX_TOKENS
 MAX_HOPS = 64  # GGSWARM_LANE_MAX_HOPS
+MAX_BUNDLE = 32  # GGSWARM_LANE_MAX_BUNDLE
 KEY_BYTES = 32
 ANSWER_FIXED = 24
 MESSAGE_MAX = 480
@@ -183,6 +185,69 @@ def open_answer(key: bytes, frame_head: bytes, payload: bytes, lane_id: int, ste
     return LaneAnswer(token, session_len, logprob, tuple(zip(t[0::2], t[1::2], strict=True)))
 
 
+@dataclass(frozen=True)
+class BundleMember:
+    """One session's step in a bundle: its key and lane id at the hop, the step number and the ids."""
+
+    key: bytes
+    lane_id: int
+    step: int
+    pos_start: int
+    ids: np.ndarray
+
+    def seal(self) -> bytes:
+        return seal_request(self.key, self.lane_id, self.step, self.pos_start, self.ids)
+
+
+def seal_bundle(members: list[BundleMember]) -> bytes:
+    """A bundle frame: an unsealed head counting the members, then each member's own sealed request."""
+    if not 1 <= len(members) <= MAX_BUNDLE:
+        raise ValueError(f"a bundle carries 1..{MAX_BUNDLE} steps, not {len(members)}")
+    body = b"".join(m.seal() for m in members)
+    return pack_head(Head(KIND_BUNDLE, 0, 0, 0, len(members), len(body))) + bytes(TAG) + body
+
+
+def bundle_answer_head(head_b: bytes, count: int) -> Head:
+    """A bundle's answer head (or refusal), its size checked against `count` members before it is read."""
+    head = unpack_head(head_b)
+    if head.kind == KIND_REFUSAL:
+        limit = REFUSAL_MAX
+    elif head.kind == KIND_BUNDLE_ANSWER and head.n_tokens == count and not head.lane_id and not head.step:
+        limit = count * (FRAME_HEAD + max(ANSWER_FIXED + 8 * MAX_HOPS, 8 + MESSAGE_MAX))
+    else:
+        raise LaneError(f"not an answer to a bundle of {count} (kind {head.kind}, {head.n_tokens} members)")
+    if head.payload_len > limit:
+        raise LaneError(f"bundle answer of {head.payload_len} bytes is over its limit")
+    return head
+
+
+def open_bundle_answer(
+    head: Head, payload: bytes, members: list[BundleMember]
+) -> list[LaneAnswer | LaneError]:
+    """Each member's answer, or the LaneError it failed with, in the bundle's order; LaneError
+    (refused) when the whole bundle was refused (no member's step was spent: each may go again)."""
+    if head.kind == KIND_REFUSAL:
+        raise LaneError("lane refused the bundle: " + payload.decode("utf-8", "replace"), refused=True)
+    out: list[LaneAnswer | LaneError] = []
+    off = 0
+    for m in members:
+        if off + FRAME_HEAD > len(payload):
+            raise LaneError("bundle answer is shorter than its members")
+        h_b = payload[off : off + FRAME_HEAD]
+        h = answer_head(h_b)
+        end = off + FRAME_HEAD + h.payload_len
+        if end > len(payload):
+            raise LaneError("bundle answer member runs past the answer")
+        try:
+            out.append(open_answer(m.key, h_b, payload[off + FRAME_HEAD : end], m.lane_id, m.step))
+        except LaneError as e:
+            out.append(e)
+        off = end
+    if off != len(payload):
+        raise LaneError("bundle answer is longer than its members")
+    return out
+
+
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
     buf = bytearray(n)
     view, got = memoryview(buf), 0
@@ -217,6 +282,14 @@ class LaneClient:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def run_bundle(sock: socket.socket, members: list[BundleMember]) -> list[LaneAnswer | LaneError]:
+    """Send one bundle on a blocking connection to a lane and read each member's outcome."""
+    sock.sendall(seal_bundle(members))
+    head_b = _recv_exact(sock, FRAME_HEAD)
+    head = bundle_answer_head(head_b, len(members))
+    return open_bundle_answer(head, _recv_exact(sock, head.payload_len), members)
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,8 @@
  *       info, forward_many_error) take no lock and may run beside a step on another thread, as before
  *       (the per-handle ggswarm_model_last_error may hold a lane step's message: read the thread's own
  *       ggswarm_last_error after a failed call).
+ *   8 - lane bundles: one lane frame may carry the steps of up to GGSWARM_LANE_MAX_BUNDLE sessions on
+ *       one window, run as one ggswarm_forward_many batch and sent on as one bundle (docs/lane.md).
  */
 #ifndef GGSWARM_H
 #define GGSWARM_H
@@ -52,7 +54,7 @@
 extern "C" {
 #endif
 
-#define GGSWARM_API_VERSION 7
+#define GGSWARM_API_VERSION 8
 
 #if defined(_WIN32)
 #define GGSWARM_API __declspec(dllexport)
@@ -299,6 +301,8 @@ GGSWARM_API ggswarm_status ggswarm_sample(const float * logits, int32_t n_vocab,
 #define GGSWARM_LANE_MAX_SESSIONS 4096
 #define GGSWARM_LANE_MAX_CONNECTIONS 256
 #define GGSWARM_LANE_KEY_BYTES 32
+/* v8: most sessions whose steps one bundle frame carries */
+#define GGSWARM_LANE_MAX_BUNDLE 32
 
 typedef struct ggswarm_lane ggswarm_lane;
 

@@ -9,84 +9,9 @@
 // connection. A session is run by one step at a time (its own mutex); the model handle's lock
 // (GGSWARM_LOCK) serialises lane steps with the caller's own calls on the same handle.
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
-#include <openssl/evp.h>
-#include <poll.h>
-#include <sys/socket.h>
-#include <unistd.h>
+#include "lane.h"
 
-#include <atomic>
-#include <cerrno>
-#include <chrono>
-#include <cstdio>
-#include <cstring>
-#include <list>
-#include <map>
-#include <memory>
-#include <mutex>
-#include <string>
-#include <thread>
-#include <vector>
-
-#include "model.h"
-
-namespace {
-
-using Clock = std::chrono::steady_clock;
-
-constexpr uint32_t kMagic = 0x314c4747u;  // "GGL1" little-endian
-constexpr size_t kHeader = 40;            // bytes covered by the tag (associated data)
-constexpr size_t kTag = 16;
-constexpr size_t kFrameHead = kHeader + kTag;
-constexpr uint8_t kIds = 1, kF16 = 2, kF32 = 3, kSubscribe = 4, kAnswer = 16, kError = 17, kRefusal = 18,
-                  kSubscribed = 19;
-constexpr uint32_t kDirRequest = 0, kDirAnswer = 1;
-constexpr size_t kAnswerFixed = 24;  // token, session_len, logprob, n_hops, reserved
-constexpr size_t kMessageMax = 480;
-constexpr size_t kRefusalMax = 256;
-constexpr int kIdleCloseS = 600;    // an upstream connection idle this long is closed
-constexpr int kRecvTimeoutS = 30;   // a frame started must arrive whole within this
-constexpr int kDownstreamTimeoutS = 120;
-
-struct Header {
-    uint8_t kind = 0;
-    uint64_t lane_id = 0, step = 0;
-    int32_t pos_start = 0, n_tokens = 0;
-    uint32_t payload_len = 0;
-    uint8_t n_timings = 0;  // direct mode: (compute us, handler us) pairs after a request's rows
-};
-
-void put_u32(uint8_t * p, uint32_t v) { memcpy(p, &v, 4); }
-void put_u64(uint8_t * p, uint64_t v) { memcpy(p, &v, 8); }
-uint32_t get_u32(const uint8_t * p) { uint32_t v; memcpy(&v, p, 4); return v; }
-uint64_t get_u64(const uint8_t * p) { uint64_t v; memcpy(&v, p, 8); return v; }
-
-void write_header(uint8_t * h, const Header & x) {
-    memset(h, 0, kFrameHead);
-    put_u32(h, kMagic);
-    h[4] = x.kind;
-    h[5] = x.n_timings;
-    put_u64(h + 8, x.lane_id);
-    put_u64(h + 16, x.step);
-    put_u32(h + 24, (uint32_t)x.pos_start);
-    put_u32(h + 28, (uint32_t)x.n_tokens);
-    put_u32(h + 32, x.payload_len);
-}
-
-// false when the fixed fields are not ours (magic, reserved bytes)
-bool read_header(const uint8_t * h, Header * x) {
-    if (get_u32(h) != kMagic || h[5] >= GGSWARM_LANE_MAX_HOPS || h[6] || h[7] || get_u32(h + 36)) return false;
-    x->kind = h[4];
-    x->n_timings = h[5];
-    x->lane_id = get_u64(h + 8);
-    x->step = get_u64(h + 16);
-    x->pos_start = (int32_t)get_u32(h + 24);
-    x->n_tokens = (int32_t)get_u32(h + 28);
-    x->payload_len = get_u32(h + 32);
-    return true;
-}
+namespace ggswarm::lanes {
 
 // AES-256-GCM in place; nonce = direction (4 bytes) + step (8 bytes); the 40-byte header is the AAD.
 // One context per thread and direction of use, keyed per call (a key schedule costs well under 1 us).
@@ -151,44 +76,7 @@ void set_timeouts(int fd, int secs) {
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
 }
 
-struct LaneSession {
-    ggswarm_lane_session cfg{};
-    // the window's shape, copied at add: read before the session's lock, when the model may be gone
-    bool first = false, last = false;
-    int64_t d_io = 0;
-    std::string next_host;
-    std::string next_key;  // "host:port": its pooled connection's key in Worker::next_fds, made once at add
-    ggswarm_sampling sampling{};
-    bool has_sampling = false;
-    std::vector<int32_t> history;  // last window: what the penalty may read, then appended ids
-    size_t n_initial = 0;
-    std::mutex mu;                 // one step at a time; the fields below under it
-    uint64_t next_step = 0, steps = 0;
-    Clock::time_point last_used = Clock::now();
-    bool busy = false;
-    bool removed = false;
-    int sub_fd = -1;  // direct mode: the connection the route's answers and errors go to
-};
 
-struct Conn {
-    int fd = -1;
-    std::thread th;
-    std::atomic<bool> done{false};
-};
-
-}  // namespace
-
-struct ggswarm_lane {
-    int listen_fd = -1;
-    int32_t port = 0;
-    std::atomic<bool> stop{false};
-    std::thread acceptor;
-    std::mutex mu;  // sessions and conns
-    std::map<uint64_t, std::shared_ptr<LaneSession>> sessions;
-    std::list<std::unique_ptr<Conn>> conns;
-};
-
-namespace {
 
 // A refusal names no session state and is not sealed: what fails before a key is known to match.
 void refuse(int fd, const Header & in, const char * msg) {
@@ -201,18 +89,25 @@ void refuse(int fd, const Header & in, const char * msg) {
 }
 
 // A sealed error answer: status, the hop it came from (0: this one) and a message.
+bool seal_error(std::vector<uint8_t> & out, const LaneSession & s, const Header & in, int32_t status, int32_t hop,
+                const std::string & msg) {
+    const size_t n = std::min(msg.size(), kMessageMax), at = out.size();
+    out.resize(at + kFrameHead + 8 + n, 0);
+    uint8_t * f = out.data() + at;
+    Header h{kError, in.lane_id, in.step, in.pos_start, in.n_tokens, (uint32_t)(8 + n)};
+    write_header(f, h);
+    put_u32(f + kFrameHead, (uint32_t)status);
+    put_u32(f + kFrameHead + 4, (uint32_t)hop);
+    memcpy(f + kFrameHead + 8, msg.data(), n);
+    if (gcm(true, s.cfg.key_in, kDirAnswer, in.step, f, f + kFrameHead, 8 + n)) return true;
+    out.resize(at);
+    return false;
+}
+
 void send_error(int fd, const LaneSession & s, const Header & in, int32_t status, int32_t hop, const std::string & msg,
                 std::vector<uint8_t> & out) {
-    size_t n = std::min(msg.size(), kMessageMax);
-    out.assign(kFrameHead + 8 + n, 0);
-    Header h{kError, in.lane_id, in.step, in.pos_start, in.n_tokens, (uint32_t)(8 + n)};
-    write_header(out.data(), h);
-    put_u32(out.data() + kFrameHead, (uint32_t)status);
-    put_u32(out.data() + kFrameHead + 4, (uint32_t)hop);
-    memcpy(out.data() + kFrameHead + 8, msg.data(), n);
-    if (gcm(true, s.cfg.key_in, kDirAnswer, in.step, out.data(), out.data() + kFrameHead, 8 + n)) {
-        send_all(fd, out.data(), out.size());
-    }
+    out.clear();
+    if (seal_error(out, s, in, status, hop, msg)) send_all(fd, out.data(), out.size());
 }
 
 int connect_to(const std::string & host, int32_t port) {
@@ -226,24 +121,6 @@ int connect_to(const std::string & host, int32_t port) {
     if (connect(fd, (sockaddr *)&a, sizeof(a)) != 0) { close(fd); return -1; }
     return fd;
 }
-
-// One thread's state: its buffers and its connections to next hops (never shared between threads).
-struct Worker {
-    std::vector<uint8_t> in, out, rows, answer, pairs;
-    std::vector<pollfd> polls;
-    std::map<std::string, int> next_fds;
-    // direct mode: the last step this thread sent on without waiting, so a refusal or a closed
-    // connection from the next hop can still be reported to the session's subscriber
-    std::shared_ptr<LaneSession> pending;
-    uint64_t pending_step = 0;
-    int pending_fd = -1;
-    ~Worker() { for (auto & kv : next_fds) close(kv.second); }
-};
-
-struct StepOutcome {
-    int32_t status = GGSWARM_OK, hop = 0;
-    std::string message;
-};
 
 // Where a session's errors go: its subscriber (direct mode) or the connection the step came on.
 int error_fd(const LaneSession & s, int fd) { return s.sub_fd >= 0 ? s.sub_fd : fd; }
@@ -346,21 +223,29 @@ StepOutcome relay(Worker & w, LaneSession & s, const Header & in, const int32_t 
     return {GGSWARM_E_IO, 1, "next hop " + key + " unreachable"};
 }
 
-// An answer frame (token, length, logprob, then `n_hops` timing pairs from `pairs`) sealed with the
-// session's key, sent to `to`.
-void send_answer(Worker & w, int to, LaneSession & s, const Header & in, int32_t token, double logprob,
+bool seal_answer(std::vector<uint8_t> & out, const LaneSession & s, const Header & in, int32_t token, double logprob,
                  const uint8_t * pairs, uint32_t n_hops) {
-    const size_t plen = kAnswerFixed + 8 * (size_t)n_hops;
-    w.out.assign(kFrameHead + plen, 0);
+    const size_t plen = kAnswerFixed + 8 * (size_t)n_hops, at = out.size();
+    out.resize(at + kFrameHead + plen, 0);
+    uint8_t * f = out.data() + at;
     Header h{kAnswer, in.lane_id, in.step, in.pos_start, in.n_tokens, (uint32_t)plen};
-    write_header(w.out.data(), h);
-    uint8_t * p = w.out.data() + kFrameHead;
+    write_header(f, h);
+    uint8_t * p = f + kFrameHead;
     put_u32(p, (uint32_t)token);
     put_u32(p + 4, (uint32_t)(in.pos_start + in.n_tokens));
     memcpy(p + 8, &logprob, 8);
     put_u32(p + 16, n_hops);
     memcpy(p + kAnswerFixed, pairs, 8 * (size_t)n_hops);
-    if (gcm(true, s.cfg.key_in, kDirAnswer, in.step, w.out.data(), p, plen)) send_all(to, w.out.data(), w.out.size());
+    if (gcm(true, s.cfg.key_in, kDirAnswer, in.step, f, p, plen)) return true;
+    out.resize(at);
+    return false;
+}
+
+// An answer frame sealed with the session's key, sent to `to`.
+void send_answer(Worker & w, int to, LaneSession & s, const Header & in, int32_t token, double logprob,
+                 const uint8_t * pairs, uint32_t n_hops) {
+    w.out.clear();
+    if (seal_answer(w.out, s, in, token, logprob, pairs, n_hops)) send_all(to, w.out.data(), w.out.size());
 }
 
 // Run one opened request frame (payload in w.in) as a step of s and answer upstream on fd (relay mode)
@@ -533,6 +418,10 @@ void serve_conn(ggswarm_lane * lane, Conn * c) {
         w.pending.reset();  // a new step: the previous one was answered
         Header in;
         if (!read_header(head, &in)) { refuse(fd, in, "not a lane frame"); break; }
+        if (in.kind == kBundle) {
+            if (!serve_bundle(lane, w, fd, in)) break;
+            continue;
+        }
         const bool sub = in.kind == kSubscribe;
         if (!sub && in.kind != kIds && in.kind != kF16 && in.kind != kF32) { refuse(fd, in, "not a request"); break; }
         if (sub ? (in.n_tokens != 0 || in.payload_len != 0 || in.n_timings != 0)
@@ -621,9 +510,10 @@ void fill_stats(LaneSession & s, ggswarm_lane_stats * out) {
     out->n_appended = (int32_t)(s.history.size() - s.n_initial);
 }
 
-}  // namespace
+}  // namespace ggswarm::lanes
 
 using ggswarm::fail;
+using namespace ggswarm::lanes;
 
 extern "C" {
 

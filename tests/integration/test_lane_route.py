@@ -1,5 +1,6 @@
 """The decode lane over real `serve` processes: a chain route's decode steps leave Python, the text stays
-the text of the Python path, and a second session on the nodes sends both back to batching."""
+the text of the Python path; sessions sharing a transport decode on the lanes in bundles (one batch per
+hop), and another session's prompt sends the lanes' sessions back to the Python path while it runs."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from agent.client.recovery import minted_hops
 from agent.client.route import RouteClient
+from agent.client.transport import HopTransport
 from agent.client.tokenizer import ChatTokenizer
 from agent.wire.routetoken import RouteHop
 from agent.wire.sampling import SamplingParams
@@ -40,11 +42,11 @@ def prompts(model_path: str) -> list[list[int]]:
     ]
 
 
-def client(nodes, signing_key, manifest, lane: bool) -> RouteClient:  # noqa: ANN001
+def client(nodes, signing_key, manifest, lane: bool, transport: HopTransport | None = None) -> RouteClient:  # noqa: ANN001
     session = os.urandom(16)
     plan = [RouteHop(sp.node_id, sp.url, a, b) for sp, (a, b) in zip(nodes, RANGES, strict=True)]
     hops = minted_hops(signing_key, session, manifest.sha256, plan)
-    return RouteClient(hops, session_id=session, mode="chain", lane=lane)
+    return RouteClient(hops, session_id=session, mode="chain", lane=lane, transport=transport)
 
 
 def health(sp) -> dict:  # noqa: ANN001
@@ -107,3 +109,30 @@ async def test_a_second_session_takes_the_first_off_the_lanes_and_both_keep_thei
     assert got_a + rest == refs[0][:N_TOKENS]
     assert got_b == refs[1]
     assert any(health(sp)["lane_take_offs"] >= 1 for sp in nodes)
+
+
+async def test_sessions_sharing_a_transport_decode_on_the_lanes_in_bundles_with_their_own_tokens(
+    nodes, signing_key, manifest, prompts
+) -> None:  # noqa: ANN001
+    texts = [*prompts, prompts[0][:-3], prompts[1] + prompts[0][-4:]]  # four prompts of different lengths
+    refs = []
+    for p in texts:
+        c = client(nodes, signing_key, manifest, False)
+        try:
+            refs.append(await generate(c, p))
+        finally:
+            await c.close()
+    before = [health(sp)["lane_steps"] for sp in nodes]
+    transport = HopTransport()
+    clients = [client(nodes, signing_key, manifest, True, transport) for _ in texts]
+    try:
+        got = await asyncio.gather(*(generate(c, p) for c, p in zip(clients, texts, strict=True)))
+    finally:
+        for c in clients:
+            await c.close()
+        await transport.close()
+    assert list(got) == refs
+    # the four sessions' steps went over the lanes, many of them together in one bundle
+    assert transport.lanes.bundles_sent >= N_TOKENS // 2
+    assert sum(c.lane.steps for c in clients) >= 4 * (N_TOKENS - 1) // 2
+    assert all(health(sp)["lane_steps"] - b >= sum(c.lane.steps for c in clients) for sp, b in zip(nodes, before, strict=True))

@@ -1,0 +1,214 @@
+"""Lane bundles: several sessions' decode steps in one lane frame run as one batch on every hop and give
+each session the tokens it gets alone; a bundle that fails any check is refused whole and spends no step."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from agent.backends.lane import NativeLane, NextHop
+from agent.backends.libggswarm import NativeModel
+from agent.wire.lane import (
+    FRAME_HEAD,
+    KIND_BUNDLE,
+    BundleMember,
+    Head,
+    LaneAnswer,
+    LaneError,
+    pack_head,
+    run_bundle,
+    seal_bundle,
+)
+
+from .routes import close_sessions, native_forward, open_sessions
+
+SPLITS = ((0, 10), (10, 20), (20, 30))
+PROMPTS = (
+    [1, 504, 3458, 282, 4237, 314, 2],
+    [1, 9690, 28, 1201, 253, 1],
+    [1, 504, 3458, 282, 4237, 314, 2, 378, 2051, 30, 9, 442],
+    [1, 4237],
+)
+N_NEW = 10
+
+
+@dataclass
+class Session:
+    """One session of the shared route: its window sessions, lane ids and keys in hop order."""
+
+    sids: list[int]
+    ids: list[int]
+    keys: list[bytes]
+    prompt: list[int]
+    tokens: list[int]
+    step: int = 1
+
+    def member(self) -> BundleMember:
+        pos = len(self.prompt) + len(self.tokens) - 1
+        m = BundleMember(self.keys[0], self.ids[0], self.step, pos, np.asarray([self.tokens[-1]]))
+        self.step += 1
+        return m
+
+
+@dataclass
+class Route:
+    hops: list[NativeModel]
+    lanes: list[NativeLane]
+    sessions: list[Session]
+
+    def lengths(self, i: int) -> list[int]:
+        return [h.session_len(s) for h, s in zip(self.hops, self.sessions[i].sids, strict=True)]
+
+    def connect(self) -> socket.socket:
+        s = socket.create_connection(("127.0.0.1", self.lanes[0].port), timeout=30)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return s
+
+
+@pytest.fixture(scope="module")
+def hops(native_lib: None, model_path: str) -> Iterator[list[NativeModel]]:
+    models = [NativeModel(model_path, a, b, n_threads=2) for a, b in SPLITS]
+    yield models
+    for m in models:
+        m.close()
+
+
+def _alone(hops: list[NativeModel], prompt: list[int]) -> list[int]:
+    """Greedy tokens of one session by direct calls, no lane, no batch."""
+    sids = open_sessions(hops)
+    try:
+        got = [int(native_forward(hops, sids, 0, prompt, logits=False)["token"])]
+        while len(got) < N_NEW:
+            got.append(int(native_forward(hops, sids, len(prompt) + len(got) - 1, [got[-1]], False)["token"]))
+    finally:
+        close_sessions(hops, sids)
+    return got
+
+
+@pytest.fixture(scope="module")
+def alone(hops: list[NativeModel]) -> list[list[int]]:
+    return [_alone(hops, p) for p in PROMPTS]
+
+
+@pytest.fixture
+def route(hops: list[NativeModel]) -> Iterator[Route]:
+    """Every prompt prefilled by direct calls, each session admitted to the three lanes."""
+    lanes = [NativeLane() for _ in hops]
+    sessions = []
+    for prompt in PROMPTS:
+        sids = open_sessions(hops)
+        tok = int(native_forward(hops, sids, 0, prompt, logits=False)["token"])
+        s = Session(sids, [int.from_bytes(os.urandom(8), "little") for _ in hops], [os.urandom(32) for _ in hops], prompt, [tok])
+        for i in reversed(range(3)):
+            nxt = NextHop("127.0.0.1", lanes[i + 1].port, s.ids[i + 1], s.keys[i + 1]) if i < 2 else None
+            lanes[i].add(hops[i], sids[i], s.ids[i], s.keys[i], nxt)
+        sessions.append(s)
+    yield Route(hops, lanes, sessions)
+    for lane in lanes:
+        lane.close()
+    for s in sessions:
+        close_sessions(hops, s.sids)
+
+
+def _step(r: Route, conn: socket.socket, which: list[int]) -> list[LaneAnswer | LaneError]:
+    members = [r.sessions[i].member() for i in which]
+    out = run_bundle(conn, members)
+    for i, o in zip(which, out, strict=True):
+        if isinstance(o, LaneAnswer):
+            r.sessions[i].tokens.append(o.token)
+    return out
+
+
+def _refusal(conn: socket.socket) -> str:
+    data = b""
+    while chunk := conn.recv(4096):  # a refusal is followed by the lane closing the connection
+        data += chunk
+    assert len(data) >= FRAME_HEAD and data[4] == 18, data[:8]
+    return data[FRAME_HEAD:].decode()
+
+
+def test_sessions_bundled_through_three_lanes_get_the_tokens_each_gets_alone(
+    route: Route, alone: list[list[int]]
+) -> None:
+    with route.connect() as conn:
+        for t in range(N_NEW - 1):
+            # sessions join and leave the bundle: all four, then three, and one steps alone at times
+            which = [0, 1, 2, 3] if t % 3 != 2 else [0, 2, 3]
+            out = _step(route, conn, which)
+            for i, o in zip(which, out, strict=True):
+                assert isinstance(o, LaneAnswer), o
+                assert o.session_len == len(route.sessions[i].prompt) + len(route.sessions[i].tokens) - 1
+                assert len(o.timings) == 3 and all(c > 0 and h >= c for c, h in o.timings)
+            if t % 3 == 2:
+                _step(route, conn, [1])
+    for i, s in enumerate(route.sessions):
+        assert s.tokens == alone[i], f"session {i}"
+    # the lanes counted each session's steps, and the last window's history holds each step's input
+    stats = [route.lanes[2].remove(s.ids[2]) for s in route.sessions]
+    assert [st.steps for st in stats] == [N_NEW - 1] * 4
+    assert [list(st.appended) for st in stats] == [s.tokens[:-1] for s in route.sessions]
+
+
+def _bundle_head(count: int, payload_len: int, lane_id: int = 0) -> bytes:
+    return pack_head(Head(KIND_BUNDLE, lane_id, 0, 0, count, payload_len)) + bytes(16)
+
+
+def test_a_bundle_with_a_stranger_a_twin_or_a_wrong_key_is_refused_whole_and_spends_no_step(
+    route: Route, alone: list[list[int]]
+) -> None:
+    before = [route.lengths(i) for i in range(4)]
+    s0, s1 = route.sessions[0], route.sessions[1]
+    good = [s0.member(), s1.member()]
+    stranger = BundleMember(os.urandom(32), 12345, 1, 0, np.asarray([1]))
+    forged = BundleMember(os.urandom(32), s1.ids[0], good[1].step, good[1].pos_start, good[1].ids)
+    for members, why in (
+        ([good[0], stranger], "unknown lane session"),
+        ([good[0], good[0]], "twice in one bundle"),
+        ([good[0], forged], "does not open"),
+    ):
+        with route.connect() as conn:
+            conn.sendall(seal_bundle(members))
+            assert why in _refusal(conn)
+    assert [route.lengths(i) for i in range(4)] == before
+    # nothing was spent: the very same sealed steps run now, and stay exact
+    with route.connect() as conn:
+        out = run_bundle(conn, good)
+    assert [o.token for o in out if isinstance(o, LaneAnswer)] == [alone[0][1], alone[1][1]]
+
+
+@pytest.mark.parametrize(
+    ("count", "payload_len", "why"),
+    [(0, 0, "bad bundle head"), (33, 33 * FRAME_HEAD, "bad bundle head"), (2, 10, "shorter than its members")],
+)
+def test_a_bundle_whose_head_does_not_fit_is_refused_before_its_members_are_read(
+    route: Route, count: int, payload_len: int, why: str
+) -> None:
+    with route.connect() as conn:
+        conn.sendall(_bundle_head(count, payload_len))
+        assert why in _refusal(conn)
+
+
+def test_a_bundle_member_that_fails_at_a_later_hop_is_taken_back_and_the_others_run(
+    route: Route, alone: list[list[int]]
+) -> None:
+    s0, s1 = route.sessions[0], route.sessions[1]
+    route.lanes[2].remove(s1.ids[2])  # the last hop no longer knows session 1: it refuses the bundle
+    with route.connect() as conn:
+        out = _step(route, conn, [0, 1])
+    assert all(isinstance(o, LaneError) and o.hop == 2 for o in out)
+    assert route.lengths(0) == [len(s0.prompt)] * 3 and route.lengths(1) == [len(s1.prompt)] * 3
+    # session 0 goes on exact, alone in its bundles now; a position that does not follow fails alone
+    s2 = route.sessions[2]
+    with route.connect() as conn:
+        s2_pos = len(s2.prompt)
+        bad = BundleMember(s2.keys[0], s2.ids[0], s2.step, s2_pos + 5, np.asarray([s2.tokens[-1]]))
+        s2.step += 1
+        out = run_bundle(conn, [s0.member(), bad])
+        assert isinstance(out[0], LaneAnswer) and out[0].token == alone[0][1]
+        assert isinstance(out[1], LaneError) and out[1].hop == 0 and not out[1].refused
+        assert route.lengths(2) == [s2_pos] * 3
