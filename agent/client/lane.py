@@ -17,9 +17,10 @@ import asyncio
 import os
 import socket
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
@@ -29,6 +30,7 @@ from agent.wire.lane import (
     MAX_BUNDLE,
     MAX_TOKENS,
     BundleMember,
+    Head,
     LaneAnswer,
     LaneError,
     answer_head,
@@ -46,6 +48,9 @@ if TYPE_CHECKING:
 LANE_ENV = "GGSWARM_LANE"  # 0: route clients never ask for a lane
 # Python-path decode steps after a refusal before the lane is asked again (one Op.LANE round trip)
 LANE_RETRY_STEPS = 2
+# After a bundle's answer, how long the lane's next bundle waits for its members' next steps: they come
+# back within a few loop turns, unless their answer ended (then this is what its last step costs others)
+REGROUP_S = 0.002
 
 
 def lanes_wanted(env: dict[str, str] | None = None) -> bool:
@@ -53,6 +58,7 @@ def lanes_wanted(env: dict[str, str] | None = None) -> bool:
 
 
 Address = tuple[str, int]
+T = TypeVar("T")
 
 
 class _Conn:
@@ -69,11 +75,11 @@ class _Conn:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return cls(reader, writer)
 
-    async def read(self, head_of: Callable[[bytes], object]) -> tuple[bytes, bytes]:
+    async def read(self, head_of: Callable[[bytes], Head]) -> tuple[bytes, bytes]:
         try:
             head_b = await self.reader.readexactly(FRAME_HEAD)
             head = head_of(head_b)
-            return head_b, await self.reader.readexactly(head.payload_len)  # type: ignore[attr-defined]  # why: both head readers return a Head
+            return head_b, await self.reader.readexactly(head.payload_len)
         except asyncio.IncompleteReadError:
             raise LaneError("the lane closed the connection mid-step") from None
 
@@ -90,56 +96,91 @@ class _Waiting:
 
 
 @dataclass(eq=False)
-class _Turn:
-    items: list[_Waiting] = field(default_factory=list)
+class _LaneState:
+    """One lane's steps waiting to be sent, its bundles in flight, and who is expected back."""
+
+    pending: list[_Waiting] = field(default_factory=list)
+    in_flight: int = 0
+    max_in_flight: int = 1
+    expected: set[int] = field(default_factory=set)  # lane ids of the last answered bundle's members
+    flush_soon: asyncio.Handle | None = None
+    give_up: asyncio.TimerHandle | None = None
 
 
 class LaneStreams:
-    """A transport's connections to hops' lanes, and the bundles of steps sent to one lane in a turn.
+    """A transport's connections to hops' lanes, and the bundles of steps sent to one lane.
 
-    A step `run` with `bundle` waits for the loop turn to end; the steps that other sessions sent to
-    the same lane in that turn go with it as one bundle (native/src/lane_bundle.cpp runs them as one
-    batch on every hop). Alone, it goes as a lone frame. A refused bundle spends no step, so its
-    members go again alone: one session's refusal never costs the others their lane."""
+    Steps `run` with `bundle` wait for the loop turn to end; the steps other sessions sent to the same
+    lane in that turn go with them as one bundle (native/src/lane_bundle.cpp runs them as one batch on
+    every hop). At most `max_in_flight` bundles travel a lane at once (the route's machines: on one
+    machine a second group only competes for the cores the first computes on), and when a bundle is
+    answered the next waits for its members' next steps (at most REGROUP_S), so sessions admitted at
+    different moments end up stepping as one group. A refused bundle spends no step, so its members
+    go again alone: one session's refusal never costs the others their lane."""
 
     def __init__(self) -> None:
         self._idle: dict[Address, list[_Conn]] = {}
-        self._waiting: dict[Address, _Turn] = {}
+        self._lanes: dict[Address, _LaneState] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.bundles_sent = 0  # bundles of two steps or more (telemetry, tests)
         self.closed = False
 
-    async def run(self, addr: Address, member: BundleMember, bundle: bool) -> LaneAnswer:
+    async def run(
+        self, addr: Address, member: BundleMember, bundle: bool, max_in_flight: int = 1
+    ) -> LaneAnswer:
         if not bundle:
             return await self._lone(addr, member)
-        loop = asyncio.get_running_loop()
-        item = _Waiting(member, loop.create_future())
-        turn = self._waiting.get(addr)
-        if turn is None:
-            turn = self._waiting[addr] = _Turn()
-            turn.items.append(item)
-            try:
-                await asyncio.sleep(0)  # the turn's other callbacks run: their steps join
-            except asyncio.CancelledError:
-                item.future.cancel()  # not sent: the others go without it
-                raise
-            finally:
-                if self._waiting.get(addr) is turn:
-                    del self._waiting[addr]
-                    if len(turn.items) == 1:
-                        turn.items.clear()
-                    else:
-                        self._send_later(addr, turn.items)
-            if not turn.items:
-                return await self._lone(addr, member)
-        else:
-            turn.items.append(item)
-            if len(turn.items) >= MAX_BUNDLE:
-                del self._waiting[addr]
-                self._send_later(addr, turn.items)
-        return await item.future
+        st = self._lanes.setdefault(addr, _LaneState())
+        st.max_in_flight = max(1, max_in_flight)
+        item = _Waiting(member, asyncio.get_running_loop().create_future())
+        st.pending.append(item)
+        self._consider(addr, st)
+        try:
+            return await item.future
+        except asyncio.CancelledError:
+            if item in st.pending:  # not sent: the others go without it
+                st.pending.remove(item)
+            raise
 
-    async def _with_conn(self, addr: Address, use: Callable[[_Conn], Awaitable[object]]) -> object:
+    def _consider(self, addr: Address, st: _LaneState) -> None:
+        """Send the waiting steps now, at the end of this turn, or once the expected ones are back."""
+        if not st.pending or st.in_flight >= st.max_in_flight:
+            return  # an answer will bring it back here
+        loop = asyncio.get_running_loop()
+        if len(st.pending) >= MAX_BUNDLE:
+            self._flush(addr, st)
+        elif st.expected and not st.expected <= {i.member.lane_id for i in st.pending}:
+            if st.give_up is None:  # a member that finished its answer is not coming back
+                st.give_up = loop.call_later(REGROUP_S, self._flush, addr, st)
+        elif st.flush_soon is None:
+            # callbacks run after every task the current turn woke: their steps join this bundle
+            st.flush_soon = loop.call_soon(self._flush, addr, st)
+
+    def _flush(self, addr: Address, st: _LaneState) -> None:
+        for h in (st.flush_soon, st.give_up):
+            if h is not None:
+                h.cancel()
+        st.flush_soon = st.give_up = None
+        items = [i for i in st.pending[:MAX_BUNDLE] if not i.future.done()]
+        del st.pending[:MAX_BUNDLE]
+        st.expected = set()
+        if not items:
+            return
+        st.in_flight += 1
+        task = asyncio.get_running_loop().create_task(self._send(addr, st, items))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _send(self, addr: Address, st: _LaneState, items: list[_Waiting]) -> None:
+        try:
+            await self._send_bundle(addr, items)
+        finally:
+            st.in_flight -= 1
+            st.expected = {i.member.lane_id for i in items if i.future.done() and not i.future.cancelled()}
+            if not self.closed:
+                self._consider(addr, st)
+
+    async def _with_conn(self, addr: Address, use: Callable[[_Conn], Awaitable[T]]) -> T:
         """`use` a pooled connection (or a new one); back to the pool only when it finished cleanly."""
         pool = self._idle.setdefault(addr, [])
         conn = pool.pop() if pool else await _Conn.open(addr)
@@ -160,12 +201,7 @@ class LaneStreams:
             head_b, payload = await conn.read(answer_head)
             return open_answer(m.key, head_b, payload, m.lane_id, m.step)
 
-        return await self._with_conn(addr, use)  # type: ignore[return-value]  # why: use returns a LaneAnswer
-
-    def _send_later(self, addr: Address, items: list[_Waiting]) -> None:
-        task = asyncio.get_running_loop().create_task(self._send_bundle(addr, items))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        return await self._with_conn(addr, use)
 
     async def _send_bundle(self, addr: Address, items: list[_Waiting]) -> None:
         items = [i for i in items if not i.future.done()]  # a caller that gave up leaves the others
@@ -182,16 +218,17 @@ class LaneStreams:
                 return
             if not items:
                 return
+            outcomes: list[LaneAnswer | BaseException]
             try:
-                outcomes = await self._with_conn(addr, use)
+                outcomes = list(await self._with_conn(addr, use))
                 self.bundles_sent += 1
             except LaneError as e:
                 if not e.refused:
                     raise
                 # refused whole, nothing spent: each goes alone, and only the one at fault fails
                 lone = await asyncio.gather(*(self._lone(addr, m) for m in members), return_exceptions=True)
-                outcomes = list(lone)  # type: ignore[arg-type]  # why: gather of LaneAnswer or exceptions
-            for i, o in zip(items, outcomes, strict=True):  # type: ignore[call-overload]  # why: a list of outcomes
+                outcomes = list(lone)
+            for i, o in zip(items, outcomes, strict=True):
                 _settle(i, o)
         except Exception as e:  # noqa: BLE001 - every waiting step gets the failure, as a lone one would
             for i in items:
@@ -206,6 +243,10 @@ class LaneStreams:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        for st in self._lanes.values():
+            for h in (st.flush_soon, st.give_up):
+                if h is not None:
+                    h.cancel()
         for pool in self._idle.values():
             for conn in pool:
                 conn.close()
@@ -240,6 +281,7 @@ class LaneRoute:
         self.ticket: LaneTicket | None = None
         self.retry_in = 0  # refused or failed: Python-path steps until the lane is asked again
         self.hops_key: tuple[tuple[str, bytes], ...] = ()  # the route the lane was opened along
+        self.machines = 1
         self.steps = 0
         self.fallbacks = 0
 
@@ -273,13 +315,17 @@ class LaneRoute:
                 self.retry_in = LANE_RETRY_STEPS
                 return None
             self.hops_key = route
+            # bundles in flight at once: one per machine the route crosses (they pipeline across them)
+            self.machines = len({urllib.parse.urlsplit(h.url).hostname for h in rc.hops})
         t = self.ticket
         member = BundleMember(t.key, t.lane_id, t.next_step, inp.pos, np.asarray(ids, dtype=np.int32))
         t.next_step += 1  # spent whatever the answer: a sealed frame never runs twice
         t0 = time.perf_counter()
         try:
             ans = await asyncio.wait_for(
-                rc.transport.lanes.run(t.addr, member, bundle=rc.transport.users > 1),
+                rc.transport.lanes.run(
+                    t.addr, member, bundle=rc.transport.users > 1, max_in_flight=self.machines
+                ),
                 rc._deadline(0, inp.n),  # noqa: SLF001 - a failing hop is judged by its recent steps
             )
         except (LaneError, OSError, TimeoutError) as e:

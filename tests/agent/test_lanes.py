@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from agent.client.route import Hop, RouteClient, RouteError
+from agent.client.transport import HopTransport
 from agent.node.dataplane import DataPlane, start_dataplane
 from agent.wire.routetoken import mint
 from agent.wire.sampling import SamplingParams
@@ -33,15 +34,20 @@ async def node(model_path: str, manifest: Any, signing_key: Any) -> AsyncIterato
     await runner.cleanup()
 
 
-def _client(url: str, manifest: Any, key: Any, lane: bool = True) -> RouteClient:
+def _client(
+    url: str, manifest: Any, key: Any, lane: bool = True, transport: HopTransport | None = None
+) -> RouteClient:
     session = os.urandom(16)
     return RouteClient(
-        [Hop(url, 0, 30, mint(key, session, manifest.sha256, 0, 30, "node-a"))], session_id=session, lane=lane
+        [Hop(url, 0, 30, mint(key, session, manifest.sha256, 0, 30, "node-a"))],
+        session_id=session,
+        lane=lane,
+        transport=transport,
     )
 
 
-async def _tokens(c: RouteClient, n: int = 10) -> list[int]:
-    return [t async for t, _ in c.generate(PROMPT, SamplingParams(), n)]
+async def _tokens(c: RouteClient, n: int = 10, prompt: list[int] = PROMPT) -> list[int]:
+    return [t async for t, _ in c.generate(prompt, SamplingParams(), n)]
 
 
 async def test_a_lone_session_decodes_on_the_lane_with_the_tokens_of_the_python_path(
@@ -59,7 +65,7 @@ async def test_a_lone_session_decodes_on_the_lane_with_the_tokens_of_the_python_
         assert dp.stats()["lane_sessions"] == 1, (
             c.lane.steps,
             c.lane.fallbacks,
-            c.lane.blocked,
+            c.lane.retry_in,
             dp.lane_counters,
         )
     finally:
@@ -111,3 +117,41 @@ async def test_a_refused_lane_says_why_and_the_session_stays_on_the_python_path(
     finally:
         await c.close()
     assert len(more) == 6 and c.lane.steps == 0 and c.lane.fallbacks == 0
+
+
+async def test_sessions_share_the_lane_in_bundles_and_another_sessions_prompt_takes_them_all_off(
+    node: tuple[DataPlane, str], manifest: Any, signing_key: Any
+) -> None:
+    import asyncio
+
+    dp, url = node
+    prompts = [PROMPT, PROMPT[:9]]
+    want = []
+    for p in prompts:
+        plain = _client(url, manifest, signing_key, lane=False)
+        try:
+            want.append(await _tokens(plain, 12, p))
+        finally:
+            await plain.close()
+    transport = HopTransport()
+    a, b = (_client(url, manifest, signing_key, transport=transport) for _ in prompts)
+    other = _client(url, manifest, signing_key, lane=False)
+    try:
+        got = await asyncio.gather(_tokens(a, 12, prompts[0]), _tokens(b, 12, prompts[1]))
+        assert list(got) == want
+        assert dp.stats()["lane_sessions"] == 2 and transport.lanes.bundles_sent >= 5
+        assert a.lane.steps >= 5 and b.lane.steps >= 5
+        # another session's short prompt and decode steps run beside them on the Python path
+        await _tokens(other, 3, PROMPT)
+        assert dp.stats()["lane_sessions"] == 2
+        # a prompt longer than a decode step's bundle would hold the model: everyone leaves the lane
+        taken = dp.lane_counters["lane_take_offs"]
+        await _tokens(other, 2, PROMPT * 3)  # 26 new positions after the common prefix
+        assert dp.stats()["lane_sessions"] == 0 and dp.lane_counters["lane_take_offs"] == taken + 2
+        # and the sessions go on where the lane left them
+        more = await _tokens(a, 4, prompts[0] + want[0])
+        assert len(more) == 4
+    finally:
+        for c in (a, b, other):
+            await c.close()
+        await transport.close()

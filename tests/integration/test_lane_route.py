@@ -13,8 +13,8 @@ import pytest
 
 from agent.client.recovery import minted_hops
 from agent.client.route import RouteClient
-from agent.client.transport import HopTransport
 from agent.client.tokenizer import ChatTokenizer
+from agent.client.transport import HopTransport
 from agent.wire.routetoken import RouteHop
 from agent.wire.sampling import SamplingParams
 
@@ -135,4 +135,7 @@ async def test_sessions_sharing_a_transport_decode_on_the_lanes_in_bundles_with_
     # the four sessions' steps went over the lanes, many of them together in one bundle
     assert transport.lanes.bundles_sent >= N_TOKENS // 2
     assert sum(c.lane.steps for c in clients) >= 4 * (N_TOKENS - 1) // 2
-    assert all(health(sp)["lane_steps"] - b >= sum(c.lane.steps for c in clients) for sp, b in zip(nodes, before, strict=True))
+    assert all(
+        health(sp)["lane_steps"] - b >= sum(c.lane.steps for c in clients)
+        for sp, b in zip(nodes, before, strict=True)
+    )

@@ -103,7 +103,13 @@ def route(hops: list[NativeModel]) -> Iterator[Route]:
     for prompt in PROMPTS:
         sids = open_sessions(hops)
         tok = int(native_forward(hops, sids, 0, prompt, logits=False)["token"])
-        s = Session(sids, [int.from_bytes(os.urandom(8), "little") for _ in hops], [os.urandom(32) for _ in hops], prompt, [tok])
+        s = Session(
+            sids,
+            [int.from_bytes(os.urandom(8), "little") for _ in hops],
+            [os.urandom(32) for _ in hops],
+            prompt,
+            [tok],
+        )
         for i in reversed(range(3)):
             nxt = NextHop("127.0.0.1", lanes[i + 1].port, s.ids[i + 1], s.keys[i + 1]) if i < 2 else None
             lanes[i].add(hops[i], sids[i], s.ids[i], s.keys[i], nxt)
@@ -183,7 +189,11 @@ def test_a_bundle_with_a_stranger_a_twin_or_a_wrong_key_is_refused_whole_and_spe
 
 @pytest.mark.parametrize(
     ("count", "payload_len", "why"),
-    [(0, 0, "bad bundle head"), (33, 33 * FRAME_HEAD, "bad bundle head"), (2, 10, "shorter than its members")],
+    [
+        (0, 0, "bad bundle head"),
+        (33, 33 * FRAME_HEAD, "bad bundle head"),
+        (2, 10, "shorter than its members"),
+    ],
 )
 def test_a_bundle_whose_head_does_not_fit_is_refused_before_its_members_are_read(
     route: Route, count: int, payload_len: int, why: str
