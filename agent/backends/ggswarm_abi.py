@@ -304,6 +304,10 @@ def bind(lib: ctypes.CDLL) -> None:
     lib.ggswarm_lane_drop_model.argtypes = [ggswarm_lane_p, ggswarm_model_p]
     lib.ggswarm_lane_drop_model.restype = ctypes.c_int32
 
+    # int32_t ggswarm_lane_wait_step(ggswarm_lane * lane, int32_t timeout_ms);
+    lib.ggswarm_lane_wait_step.argtypes = [ggswarm_lane_p, ctypes.c_int32]
+    lib.ggswarm_lane_wait_step.restype = ctypes.c_int32
+
     # void ggswarm_lane_free(ggswarm_lane * lane);
     lib.ggswarm_lane_free.argtypes = [ggswarm_lane_p]
     lib.ggswarm_lane_free.restype = None

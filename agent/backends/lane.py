@@ -124,6 +124,11 @@ class NativeLane:
         """Take every session of `model` off the lane (before the model is freed)."""
         return int(self._lib.ggswarm_lane_drop_model(self._handle(), model._h.value))  # noqa: SLF001
 
+    def wait_step(self, timeout_s: float) -> bool:
+        """Block until a lane step finishes computing here (True), or `timeout_s` passes; False at
+        once when none finished within the last `timeout_s` (the lane is quiet). Releases the GIL."""
+        return bool(self._lib.ggswarm_lane_wait_step(self._handle(), max(1, int(timeout_s * 1e3))))
+
     def _handle(self) -> int | None:
         if not self._h:
             raise ValueError("lane is closed")

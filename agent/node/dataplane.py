@@ -169,6 +169,10 @@ class DataPlane(FrameAdmission, ChainForwarding, LaneAdmission):
             batching=self.batching,
             max_batch_tokens=self.max_batch_tokens,
             chunk_tokens=self.chunk_tokens,
+            # sessions on the node's lane decode outside this queue: a prompt beside them runs in
+            # small chunks, so their steps wait for one chunk at most (lanes.py)
+            decoding_elsewhere=lambda: bool(self._laned),
+            pace=self.pace_for_lane,
         )
 
     def unload_shard(self, model_sha256: str, layer_start: int, layer_end: int) -> bool:
@@ -302,9 +306,7 @@ class DataPlane(FrameAdmission, ChainForwarding, LaneAdmission):
         if req.op == Op.LANE:
             return await self._admit_lane(req, shard, s)
         if self._laned:
-            # a frame on the Python path takes its own session off the lane (its history comes back),
-            # and another session's prompt takes them all off: its chunks ride with their decode steps
-            # there instead of holding the lane's batches for whole chunks (lanes.py)
+            # a frame on the Python path takes its own session off the lane (its history comes back)
             self.lanes_off_for(req, s)
         if req.op == Op.TRUNCATE:
             async with shard.lock:

@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING
 from agent.backends.libggswarm import NativeError
 from agent.node.sessions import SessionKey, SessionState, SessionTable, ShardKey
 from agent.node.steps import DataPlaneError
-from agent.wire.bundle import BUNDLE_STEP_TOKENS
 from agent.wire.frames import (
     LANE_INFO,
     FrameError,
@@ -48,8 +47,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("agent.node.lanes")
 LANE_ENV = "GGSWARM_LANE"  # 0: this node never opens a lane
 LANE_PORT_ENV = "GGSWARM_LANE_PORT"  # the lane's TCP port (default 0: one the system picks)
-# A Python-path step of more positions than this (a prompt's chunk) takes every session off the lane
-PROMPT_TOKENS = BUNDLE_STEP_TOKENS
+# A prompt's chunk waits at most this long for the lane's next step to pass (a lane that ran no step
+# for this long is quiet: the chunk goes at once)
+LANE_PACE_S = 0.06
+# after the lane's step passed, chunks run back to back this long (its sessions are at other hops)
+LANE_PACE_WINDOW_S = 0.008
+LANE_PACE_ENV = "GGSWARM_LANE_PACE"  # 0: chunks do not wait for the lane (measurement)
 
 
 @dataclass
@@ -89,6 +92,8 @@ class LaneAdmission:
     def __init__(self) -> None:
         self.lane_host: str | None = None  # the data plane's bind address (start_dataplane sets it)
         self.lane_enabled = os.environ.get(LANE_ENV, "1") != "0"
+        self.lane_pacing = os.environ.get(LANE_PACE_ENV, "1") != "0"
+        self._pace_window_end = 0.0  # chunks run without waiting until then (pace_for_lane)
         self._lane: NativeLane | None = None
         self._laned: dict[SessionKey, SessionState] = {}
         # lane_steps_done: steps run on the lane by sessions since taken off (lane_steps() adds the rest)
@@ -135,12 +140,23 @@ class LaneAdmission:
             return "0.0.0.0" if host == "::" else "127.0.0.1"  # noqa: S104 - where the data plane listens
         return host
 
+    def pace_for_lane(self) -> None:
+        """Before a prompt's chunk (blocking, in a worker thread): chunks run in the LANE_PACE_WINDOW_S
+        after the lane's sessions passed this hop, while they are at other hops; later ones wait for
+        their next pass (at most LANE_PACE_S), so a lane step never waits behind more than a chunk."""
+        lane = self._lane
+        if not self.lane_pacing or lane is None or not self._laned:
+            return
+        if time.monotonic() < self._pace_window_end:
+            return
+        if lane.wait_step(LANE_PACE_S):
+            self._pace_window_end = time.monotonic() + LANE_PACE_WINDOW_S
+
     def lanes_off_for(self, req: Request, s: SessionState) -> None:
-        """A frame came on the Python path: its session leaves the lane, and a prompt takes all off."""
+        """A frame came on the Python path: its session leaves the lane (others' frames leave them:
+        their prompts run in small chunks beside the lane, scheduler.py)."""
         if s.lane is not None:
             self.take_off_lane(s)
-        if req.op == Op.FORWARD and req.n_tokens > PROMPT_TOKENS:
-            self.lanes_off()
 
     def lanes_off(self) -> None:
         """Take every session off the lane."""
@@ -163,11 +179,6 @@ class LaneAdmission:
         if self._lane is not None:
             self._lane.close()
             self._lane = None
-
-    def _prompt_running(self, s: SessionState) -> bool:
-        """Whether another session's prompt runs on the Python path now (admitting would only have
-        its next chunk take the session off again)."""
-        return any(o.busy_tokens > PROMPT_TOKENS for o in self.sessions.states() if o.sid != s.sid)
 
     async def _admit_lane(self, req: Request, shard: Shard, s: SessionState) -> bytes:
         """Op.LANE: the next hop's lane first, then this hop's; answers this hop's LANE_INFO."""
@@ -246,8 +257,6 @@ class LaneAdmission:
             return f"the {shard.backend_name} backend has no lane"
         if s.busy:
             return "the session's step is still running"
-        if self._prompt_running(s):
-            return "another session's prompt runs on this node"
         if shard.scheduler.pending():
             return "steps are queued on this shard"
         try:

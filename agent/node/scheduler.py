@@ -50,6 +50,10 @@ CHUNK_TOKENS = 512  # = native kUBatch: chunk boundaries are the micro-batch bou
 # mode; in flash-attention mode a cut changes the rounding as llama.cpp's ubatch does (docs/protocol.md).
 BUSY_CHUNK_TOKENS = 16
 BUSY_CHUNK_ENV = "GGSWARM_BUSY_CHUNK_TOKENS"  # an operator's override, 1..CHUNK_TOKENS
+# While sessions decode on the node's lane, chunks are smaller still: they run paced between the lane's
+# passes (lanes.py pace_for_lane), several in the window after a pass, and a lane step arriving during
+# one waits this many positions at most
+LANE_CHUNK_TOKENS = 8
 BUSY_WINDOW_S = 1.0  # another session stepped on this shard this recently: it is decoding
 # Gathering a batch (ShardScheduler._gather). 8 sessions over 3 hops on 2 cores: batches of 3.4 steps
 # instead of 1.8, 99 instead of 88 tok/s in all; one session and the ITL under a long prompt unchanged
@@ -161,6 +165,8 @@ class ShardScheduler:
         gather_gap_us: int | None = None,
         inline: bool | None = None,
         hold: bool | None = None,
+        decoding_elsewhere: Callable[[], bool] | None = None,
+        pace: Callable[[], object] | None = None,
     ) -> None:
         self.backend = backend
         # held around every call into the backend (and by OPEN, CLOSE, TRUNCATE, hand-offs): a backend
@@ -186,6 +192,11 @@ class ShardScheduler:
         # decoding now is one whose next step is due (_decoders)
         self._period: dict[Hashable, float] = {}
         self.held_s = 0.0  # seconds prefills have waited for decoders in all (telemetry)
+        # whether sessions decode on this shard outside the queue (the node's native lane)
+        self._decoding_elsewhere = decoding_elsewhere
+        # blocking, called in the worker thread before a batch holding a prompt's chunk: waits until
+        # the lane's sessions have passed this hop, so the chunk computes while they are elsewhere
+        self._pace = pace
 
     def pending(self) -> int:
         return len(self._queue)
@@ -411,10 +422,16 @@ class ShardScheduler:
     def _chunk_for(self, key: Hashable) -> int:
         """Positions a prefill of session `key` runs this round: small chunks while another session
         has stepped on this shard within BUSY_WINDOW_S (it is decoding: in star mode its next step is
-        often on another hop when this batch is taken), else whole micro-batches."""
+        often on another hop when this batch is taken) or sessions decode on the node's lane, else
+        whole micro-batches."""
         self._forget_idle(time.perf_counter())
+        if self._elsewhere():
+            return min(self.busy_chunk_tokens, LANE_CHUNK_TOKENS)
         busy = any(k != key for k in self._last_step)
         return self.busy_chunk_tokens if busy else self.chunk_tokens
+
+    def _elsewhere(self) -> bool:
+        return self._decoding_elsewhere is not None and self._decoding_elsewhere()
 
     def _forget_idle(self, now: float) -> None:
         """Drop what is kept of sessions that have not stepped here for BUSY_WINDOW_S: the tables stay
@@ -450,7 +467,18 @@ class ShardScheduler:
             return
         tokens = sum(n for _, n in runs)
         t1 = time.perf_counter()
-        if tokens <= INLINE_TOKENS and (len(inputs) == 1 or self.inline):
+        pace = self._pace if any(n > 1 for _, n in runs) and self._elsewhere() else None
+        if pace is not None:
+            started: list[float] = []
+
+            def paced() -> list[ForwardResult | BackendError]:
+                pace()
+                started.append(time.perf_counter())  # compute is timed from here, not the wait
+                return _forward_batch(self.backend, inputs)
+
+            results = await asyncio.to_thread(paced)
+            t1 = started[0]
+        elif tokens <= INLINE_TOKENS and (len(inputs) == 1 or self.inline):
             # a few positions compute in a few ms: a thread hand-off (and the loop's wake-up after
             # it) would cost more than the loop gains by staying free meanwhile, since in star mode
             # the next steps for this shard come only after these answers went round the route

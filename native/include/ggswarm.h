@@ -42,7 +42,8 @@
  *       (the per-handle ggswarm_model_last_error may hold a lane step's message: read the thread's own
  *       ggswarm_last_error after a failed call).
  *   8 - lane bundles: one lane frame may carry the steps of up to GGSWARM_LANE_MAX_BUNDLE sessions on
- *       one window, run as one ggswarm_forward_many batch and sent on as one bundle (docs/lane.md).
+ *       one window, run as one ggswarm_forward_many batch and sent on as one bundle (docs/lane.md);
+ *       ggswarm_lane_wait_step, for an owner pacing its own long work between the lane's steps.
  */
 #ifndef GGSWARM_H
 #define GGSWARM_H
@@ -353,6 +354,12 @@ GGSWARM_API ggswarm_status ggswarm_lane_stats_get(ggswarm_lane * lane, uint64_t 
 GGSWARM_API int32_t ggswarm_lane_drop_model(ggswarm_lane * lane, const ggswarm_model * model);
 
 /* Stop listening, close every connection, wait for the lane's threads and free it. NULL is ignored. */
+/* v8: block until a lane step (or bundle) finishes computing on this hop, or timeout_ms passes.
+ * Returns 1 when one finished; 0 on timeout, or at once when none finished within the last timeout_ms
+ * (the lane is quiet: nothing to make room for). The owner calls it before a prompt's chunk, so that
+ * the chunk computes while the lane's sessions are at other hops instead of holding them here. */
+GGSWARM_API int32_t ggswarm_lane_wait_step(ggswarm_lane * lane, int32_t timeout_ms);
+
 GGSWARM_API void ggswarm_lane_free(ggswarm_lane * lane);
 
 #ifdef __cplusplus

@@ -250,7 +250,8 @@ void send_answer(Worker & w, int to, LaneSession & s, const Header & in, int32_t
 
 // Run one opened request frame (payload in w.in) as a step of s and answer upstream on fd (relay mode)
 // or let the route's last hop answer the subscriber (direct mode).
-void run_step(Worker & w, int fd, LaneSession & s, const Header & in, const std::shared_ptr<LaneSession> & sp) {
+void run_step(ggswarm_lane * lane, Worker & w, int fd, LaneSession & s, const Header & in,
+              const std::shared_ptr<LaneSession> & sp) {
     ggswarm_model * m = s.cfg.model;
     const auto t0 = Clock::now();
     const int32_t n = in.n_tokens;
@@ -304,6 +305,7 @@ void run_step(Worker & w, int fd, LaneSession & s, const Header & in, const std:
         return;
     }
     s.steps++;
+    note_pass(lane);
     // this hop's timing pair, after the earlier hops' (direct mode) or before the later ones' (relay)
     uint8_t own[8];
     put_u32(own, (uint32_t)(compute_s * 1e6));
@@ -461,7 +463,7 @@ void serve_conn(ggswarm_lane * lane, Conn * c) {
             continue;
         }
         s.busy = true;
-        run_step(w, fd, s, in, sp);
+        run_step(lane, w, fd, s, in, sp);
         s.busy = false;
         s.last_used = Clock::now();
     }
@@ -511,6 +513,15 @@ void fill_stats(LaneSession & s, ggswarm_lane_stats * out) {
 }
 
 }  // namespace ggswarm::lanes
+
+void ggswarm::lanes::note_pass(ggswarm_lane * lane) {
+    {
+        std::lock_guard<std::mutex> lk(lane->pass_mu);
+        lane->passes++;
+        lane->last_pass = Clock::now();
+    }
+    lane->pass_cv.notify_all();
+}
 
 using ggswarm::fail;
 using namespace ggswarm::lanes;
@@ -645,9 +656,29 @@ int32_t ggswarm_lane_drop_model(ggswarm_lane * lane, const ggswarm_model * model
     return (int32_t)gone.size();
 }
 
+int32_t ggswarm_lane_wait_step(ggswarm_lane * lane, int32_t timeout_ms) {
+    if (!lane || timeout_ms <= 0) return 0;
+    const auto wait = std::chrono::milliseconds(timeout_ms);
+    std::unique_lock<std::mutex> lk(lane->pass_mu);
+    if (lane->stop || lane->passes == 0 || Clock::now() - lane->last_pass > wait) return 0;  // quiet
+    const uint64_t seen = lane->passes;
+    lane->waiters++;  // ggswarm_lane_free waits for us to leave before the lane is gone
+    const bool passed = lane->pass_cv.wait_for(lk, wait, [&] { return lane->passes != seen || lane->stop; });
+    const bool stopping = lane->stop;
+    lane->waiters--;
+    lk.unlock();
+    lane->pass_cv.notify_all();
+    return passed && !stopping ? 1 : 0;
+}
+
 void ggswarm_lane_free(ggswarm_lane * lane) {
     if (!lane) return;
     lane->stop = true;
+    {
+        std::unique_lock<std::mutex> lk(lane->pass_mu);
+        lane->pass_cv.notify_all();  // a wait_step caller returns, and we wait until it has left
+        lane->pass_cv.wait(lk, [&] { return lane->waiters == 0; });
+    }
     if (lane->acceptor.joinable()) lane->acceptor.join();
     close(lane->listen_fd);
     {

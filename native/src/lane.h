@@ -13,6 +13,7 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <list>
@@ -152,7 +153,19 @@ struct ggswarm_lane {
     std::mutex mu;  // sessions and conns
     std::map<uint64_t, std::shared_ptr<ggswarm::lanes::LaneSession>> sessions;
     std::list<std::unique_ptr<ggswarm::lanes::Conn>> conns;
+    // v8: steps computed on this hop (a lone step or a bundle), for owners pacing their own long work
+    // around them (ggswarm_lane_wait_step)
+    std::mutex pass_mu;
+    std::condition_variable pass_cv;
+    uint64_t passes = 0;
+    int waiters = 0;  // callers inside ggswarm_lane_wait_step
+    std::chrono::steady_clock::time_point last_pass{};
 };
+
+namespace ggswarm::lanes {
+// A step (or bundle) finished computing on this hop: wake whoever paces work around the lane.
+void note_pass(ggswarm_lane * lane);
+}  // namespace ggswarm::lanes
 
 namespace ggswarm::lanes {
 // A bundle (kind 5) whose head is in `outer`: read, run as one batch, relayed, answered (lane_bundle.cpp).

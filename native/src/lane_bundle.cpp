@@ -268,6 +268,7 @@ bool serve_bundle(ggswarm_lane * lane, Worker & w, int fd, const Header & outer)
             if (statuses[i] != GGSWARM_OK) fail_member(ms[i], statuses[i], 0, ggswarm_forward_many_error(m, (int32_t)i));
         }
     }
+    note_pass(lane);
     const uint32_t handler_us = (uint32_t)(std::chrono::duration<double>(Clock::now() - t0).count() * 1e6);
     std::vector<size_t> ran;
     for (size_t i = 0; i < k; ++i) {

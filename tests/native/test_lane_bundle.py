@@ -1,10 +1,13 @@
 """Lane bundles: several sessions' decode steps in one lane frame run as one batch on every hop and give
-each session the tokens it gets alone; a bundle that fails any check is refused whole and spends no step."""
+each session the tokens it gets alone; a bundle that fails any check is refused whole and spends no step;
+an owner can wait for the lane's next step to pass (pacing its own work around the lane)."""
 
 from __future__ import annotations
 
 import os
 import socket
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -222,3 +225,26 @@ def test_a_bundle_member_that_fails_at_a_later_hop_is_taken_back_and_the_others_
         assert isinstance(out[0], LaneAnswer) and out[0].token == alone[0][1]
         assert isinstance(out[1], LaneError) and out[1].hop == 0 and not out[1].refused
         assert route.lengths(2) == [s2_pos] * 3
+
+
+def test_waiting_for_the_lanes_next_step_returns_when_one_passes_and_at_once_when_it_is_quiet(
+    route: Route,
+) -> None:
+    lane0 = route.lanes[0]
+    t0 = time.monotonic()
+    assert not lane0.wait_step(5.0)  # no step ever ran: nothing to wait for
+    assert time.monotonic() - t0 < 1.0
+    got: list[bool] = []
+    waiter = threading.Thread(target=lambda: got.append(lane0.wait_step(5.0)))
+    with route.connect() as conn:
+        _step(route, conn, [0, 1])  # the lane is active now
+        waiter.start()
+        for _ in range(N_NEW - 2):  # steps until the waiter has seen one pass (bounded)
+            if not waiter.is_alive():
+                break
+            _step(route, conn, [0, 1])
+    waiter.join(10)
+    assert got == [True]
+    t0 = time.monotonic()
+    assert not lane0.wait_step(0.05)  # quiet again: no step comes
+    assert time.monotonic() - t0 < 1.0
