@@ -6,9 +6,9 @@ to its own lane with a fresh key and lane id and answers them (LANE_INFO) to the
 it, over the same authenticated channel frames use. From then on the session's small steps travel hop
 to hop without Python, alone or bundled with other sessions' steps (one batch per hop). Any other
 frame of the session, a close, an eviction or an expiry takes it off the lane again, syncing what the
-lane appended to its history; so does another session's prompt, for every session on the lane: the
-prompt's chunks then ride in the Python path's batches with their decode steps (scheduler.py) instead
-of holding the model between the lane's batches, and the sessions come back once it has run.
+lane appended to its history. Other sessions' steps run on the Python path beside the lane; a prompt
+among them goes in small chunks, each paced to start just after the lane's sessions passed this hop
+(`pace_for_lane`, called by the shard's scheduler), so they wait behind one small chunk at most.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The decode lane over real `serve` processes: a chain route's decode steps leave Python, the text stays
 the text of the Python path; sessions sharing a transport decode on the lanes in bundles (one batch per
-hop), and another session's prompt sends the lanes' sessions back to the Python path while it runs."""
+hop), and another session's prompt runs beside them on the Python path while they stay on the lanes."""
 
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ async def test_a_lone_chain_session_decodes_over_the_lanes_with_the_python_paths
     assert [health(sp)["lane_admissions"] - b for sp, b in zip(nodes, before, strict=True)] == [2, 2, 2]
 
 
-async def test_a_second_session_takes_the_first_off_the_lanes_and_both_keep_their_tokens(
+async def test_a_second_sessions_prompt_runs_beside_the_first_on_the_lanes_and_both_keep_their_tokens(
     nodes, signing_key, manifest, prompts
 ) -> None:  # noqa: ANN001
     refs = []
@@ -98,7 +98,9 @@ async def test_a_second_session_takes_the_first_off_the_lanes_and_both_keep_thei
             if len(got_a) == 10:
                 break
         assert a.lane.steps >= 8
-        # B arrives while A is on the lanes: its prompt runs on the Python path, which takes A off
+        before = a.lane.steps
+        # B arrives while A is on the lanes: its prompt runs on the Python path in small chunks paced
+        # between A's lane steps, and A stays on the lanes
         task_b = asyncio.create_task(generate(b, prompts[1]))
         await asyncio.sleep(0)
         rest = [t async for t, _ in a.generate(prompts[0] + got_a, SamplingParams(), N_TOKENS - 10)]
@@ -108,7 +110,7 @@ async def test_a_second_session_takes_the_first_off_the_lanes_and_both_keep_thei
         await b.close()
     assert got_a + rest == refs[0][:N_TOKENS]
     assert got_b == refs[1]
-    assert any(health(sp)["lane_take_offs"] >= 1 for sp in nodes)
+    assert a.lane.steps >= before + (N_TOKENS - 10) // 2
 
 
 async def test_sessions_sharing_a_transport_decode_on_the_lanes_in_bundles_with_their_own_tokens(
