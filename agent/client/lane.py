@@ -40,6 +40,7 @@ from agent.wire.lane import (
     open_bundle_answer,
     seal_bundle,
 )
+from agent.wire.stream import settle
 
 if TYPE_CHECKING:
     from agent.client.failover import Step
@@ -214,7 +215,7 @@ class LaneStreams:
 
         try:
             if len(items) == 1:
-                _settle(items[0], await self._lone(addr, members[0]))
+                settle(items[0].future, await self._lone(addr, members[0]))
                 return
             if not items:
                 return
@@ -229,13 +230,13 @@ class LaneStreams:
                 lone = await asyncio.gather(*(self._lone(addr, m) for m in members), return_exceptions=True)
                 outcomes = list(lone)
             for i, o in zip(items, outcomes, strict=True):
-                _settle(i, o)
+                settle(i.future, o)
         except Exception as e:  # noqa: BLE001 - every waiting step gets the failure, as a lone one would
             for i in items:
-                _settle(i, e)
+                settle(i.future, e)
         except asyncio.CancelledError:
             for i in items:
-                _settle(i, ConnectionResetError(f"lane {addr[0]}:{addr[1]} closed before its answer"))
+                settle(i.future, ConnectionResetError(f"lane {addr[0]}:{addr[1]} closed before its answer"))
             raise
 
     async def close(self) -> None:
@@ -251,16 +252,6 @@ class LaneStreams:
             for conn in pool:
                 conn.close()
         self._idle.clear()
-
-
-def _settle(item: _Waiting, outcome: object) -> None:
-    if item.future.done():
-        return  # its caller gave up (deadline, cancel)
-    if isinstance(outcome, BaseException):
-        item.future.set_exception(outcome)
-        item.future.exception()  # nobody may be awaiting any more: no "never retrieved" warning
-    else:
-        item.future.set_result(outcome)  # type: ignore[arg-type]  # why: a LaneAnswer here
 
 
 @dataclass

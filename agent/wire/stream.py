@@ -17,7 +17,7 @@ import json
 import os
 import ssl
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import ClientSession, ClientWebSocketResponse, WSMessage, WSMsgType, WSServerHandshakeError
 
@@ -232,26 +232,26 @@ class FrameStreams:
                     *(self._exchange(key, i.body, i.deadline, ssl_ctx) for i in items), return_exceptions=True
                 )
                 for i, a in zip(items, answers, strict=True):
-                    _settle(i, a)
+                    settle(i.future, a)
                 return
             msg = await self._roundtrip(key, ws, encode_bundle([i.body for i in items]), deadline)
             self.bundles_sent += 1
             if msg.type == WSMsgType.TEXT:  # the whole bundle refused: each frame gets that refusal
                 for i in items:
-                    _settle(i, (_status_of(msg.data), msg.data.encode()))
+                    settle(i.future, (_status_of(msg.data), msg.data.encode()))
                 return
             try:
                 answers_ = decode_answers(msg.data, len(items))
             except FrameError as e:
                 raise ConnectionResetError(f"stream to {key[0]} answered a bad bundle: {e}") from None
             for i, (status, data) in zip(items, answers_, strict=True):
-                _settle(i, (status, bytes(data)))
+                settle(i.future, (status, bytes(data)))
         except Exception as e:  # noqa: BLE001 - every waiting caller gets the failure, as a lone frame would
             for i in items:
-                _settle(i, e)
+                settle(i.future, e)
         except asyncio.CancelledError:  # the transport is closing: nobody is left waiting for nothing
             for i in items:
-                _settle(i, ConnectionResetError(f"stream to {key[0]} closed before its answer"))
+                settle(i.future, ConnectionResetError(f"stream to {key[0]} closed before its answer"))
             raise
 
     async def close(self) -> None:
@@ -285,14 +285,18 @@ class _Turn:
         self.size += ITEM.size + len(item.body)
 
 
-def _settle(item: _Item, outcome: tuple[int, bytes] | None | BaseException) -> None:
-    if item.future.done():
-        return  # its caller gave up (deadline, cancel)
+T = TypeVar("T")
+
+
+def settle(future: asyncio.Future[T], outcome: T | BaseException) -> None:
+    """Give a waiting caller its outcome, unless it gave up (deadline, cancel) already."""
+    if future.done():
+        return
     if isinstance(outcome, BaseException):
-        item.future.set_exception(outcome)
-        item.future.exception()  # nobody may be awaiting any more: no "never retrieved" warning
+        future.set_exception(outcome)
+        future.exception()  # nobody may be awaiting any more: no "never retrieved" warning
     else:
-        item.future.set_result(outcome)
+        future.set_result(outcome)
 
 
 def _status_of(text: str) -> int:

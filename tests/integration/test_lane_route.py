@@ -58,6 +58,18 @@ async def generate(c: RouteClient, prompt: list[int], sampling: SamplingParams |
     return [t async for t, _ in c.generate(prompt, sampling or SamplingParams(), N_TOKENS)]
 
 
+async def references(nodes, signing_key, manifest, texts: list[list[int]]) -> list[list[int]]:  # noqa: ANN001
+    """Each text's greedy answer on the Python path, each from a session closed after it."""
+    refs = []
+    for p in texts:
+        c = client(nodes, signing_key, manifest, False)
+        try:
+            refs.append(await generate(c, p))
+        finally:
+            await c.close()
+    return refs
+
+
 async def test_a_lone_chain_session_decodes_over_the_lanes_with_the_python_paths_tokens(
     nodes, signing_key, manifest, prompts
 ) -> None:  # noqa: ANN001
@@ -82,13 +94,7 @@ async def test_a_lone_chain_session_decodes_over_the_lanes_with_the_python_paths
 async def test_a_second_sessions_prompt_runs_beside_the_first_on_the_lanes_and_both_keep_their_tokens(
     nodes, signing_key, manifest, prompts
 ) -> None:  # noqa: ANN001
-    refs = []
-    for p in prompts:
-        c = client(nodes, signing_key, manifest, False)
-        try:
-            refs.append(await generate(c, p))
-        finally:
-            await c.close()  # closed sessions do not count against a lone one
+    refs = await references(nodes, signing_key, manifest, prompts)
     a, b = client(nodes, signing_key, manifest, True), client(nodes, signing_key, manifest, True)
     try:
         got_a: list[int] = []
@@ -117,13 +123,7 @@ async def test_sessions_sharing_a_transport_decode_on_the_lanes_in_bundles_with_
     nodes, signing_key, manifest, prompts
 ) -> None:  # noqa: ANN001
     texts = [*prompts, prompts[0][:-3], prompts[1] + prompts[0][-4:]]  # four prompts of different lengths
-    refs = []
-    for p in texts:
-        c = client(nodes, signing_key, manifest, False)
-        try:
-            refs.append(await generate(c, p))
-        finally:
-            await c.close()
+    refs = await references(nodes, signing_key, manifest, texts)
     before = [health(sp)["lane_steps"] for sp in nodes]
     transport = HopTransport()
     clients = [client(nodes, signing_key, manifest, True, transport) for _ in texts]

@@ -175,3 +175,14 @@ def continue_in_another_process(
         [sys.executable, "-c", _CONTINUE_CHILD, *args], capture_output=True, text=True, cwd=REPO, check=True
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def lane_refusal(conn) -> str:  # noqa: ANN001 - a socket to a lane
+    """The message of the refusal a lane sent on `conn` (it closes the connection after one)."""
+    from agent.wire.lane import FRAME_HEAD, KIND_REFUSAL
+
+    data = b""
+    while chunk := conn.recv(4096):
+        data += chunk
+    assert len(data) >= FRAME_HEAD and data[4] == KIND_REFUSAL, data[:8]
+    return data[FRAME_HEAD:].decode()

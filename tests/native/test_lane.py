@@ -26,7 +26,7 @@ from agent.wire.lane import (
     seal_request,
 )
 
-from .routes import close_sessions, native_forward, open_sessions
+from .routes import close_sessions, lane_refusal, native_forward, open_sessions
 
 SPLITS = ((0, 10), (10, 20), (20, 30))
 PROMPT = [1, 504, 3458, 282, 4237, 314, 2]
@@ -194,32 +194,24 @@ def _raw(r: Route) -> socket.socket:
     return s
 
 
-def _refusal(s: socket.socket) -> str:
-    data = b""
-    while chunk := s.recv(4096):  # a refusal is followed by the lane closing the connection
-        data += chunk
-    assert len(data) >= FRAME_HEAD and data[4] == 18, data[:8]
-    return data[FRAME_HEAD:].decode()
-
-
 def test_a_frame_sealed_with_another_key_is_refused_and_changes_nothing(route: Route) -> None:
     tok = _prefill(route)
     route.admit()
     before = route.lengths()
     with _raw(route) as s:
         s.sendall(seal_request(os.urandom(32), route.ids[0], 1, before[0], np.asarray([tok])))
-        assert "does not open" in _refusal(s)
+        assert "does not open" in lane_refusal(s)
     frame = bytearray(seal_request(route.keys[0], route.ids[0], 1, before[0], np.asarray([tok])))
     frame[-1] ^= 1  # one flipped payload bit
     with _raw(route) as s:
         s.sendall(bytes(frame))
-        assert "does not open" in _refusal(s)
+        assert "does not open" in lane_refusal(s)
     assert route.lengths() == before
     frame[-1] ^= 1
     frame[24] ^= 1  # the position, which the tag covers
     with _raw(route) as s:
         s.sendall(bytes(frame))
-        assert "does not open" in _refusal(s)
+        assert "does not open" in lane_refusal(s)
     assert route.lengths() == before
     # the session itself is untouched: its own key still runs step 1
     client = route.client()
@@ -238,7 +230,7 @@ def test_a_replayed_step_is_refused_and_runs_once(route: Route) -> None:
     assert route.lengths() == [pos + 1] * 3
     with _raw(route) as s:
         s.sendall(frame)
-        assert "stale or replayed" in _refusal(s)
+        assert "stale or replayed" in lane_refusal(s)
     assert route.lengths() == [pos + 1] * 3
 
 
@@ -254,17 +246,17 @@ def test_a_frame_whose_sizes_do_not_fit_is_refused_before_its_payload_is_read(
     head = pack_head(Head(KIND_IDS, route.ids[0], 1, len(PROMPT), n_tokens, payload_len)) + bytes(16)
     with _raw(route) as s:
         s.sendall(head)  # no payload follows: the refusal comes from the header alone
-        assert why in _refusal(s)
+        assert why in lane_refusal(s)
     assert route.lengths() == [len(PROMPT)] * 3
 
 
 def test_an_unknown_lane_session_and_a_foreign_protocol_are_refused(route: Route) -> None:
     with _raw(route) as s:
         s.sendall(seal_request(os.urandom(32), 12345, 1, 0, np.asarray([1])))
-        assert "unknown lane session" in _refusal(s)
+        assert "unknown lane session" in lane_refusal(s)
     with _raw(route) as s:
         s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(FRAME_HEAD))
-        assert "not a lane frame" in _refusal(s)
+        assert "not a lane frame" in lane_refusal(s)
 
 
 def test_a_failure_at_a_later_hop_leaves_every_hop_at_its_previous_length(route: Route) -> None:

@@ -28,7 +28,7 @@ from agent.wire.lane import (
     seal_bundle,
 )
 
-from .routes import close_sessions, native_forward, open_sessions
+from .routes import close_sessions, lane_refusal, native_forward, open_sessions
 
 SPLITS = ((0, 10), (10, 20), (20, 30))
 PROMPTS = (
@@ -133,14 +133,6 @@ def _step(r: Route, conn: socket.socket, which: list[int]) -> list[LaneAnswer | 
     return out
 
 
-def _refusal(conn: socket.socket) -> str:
-    data = b""
-    while chunk := conn.recv(4096):  # a refusal is followed by the lane closing the connection
-        data += chunk
-    assert len(data) >= FRAME_HEAD and data[4] == 18, data[:8]
-    return data[FRAME_HEAD:].decode()
-
-
 def test_sessions_bundled_through_three_lanes_get_the_tokens_each_gets_alone(
     route: Route, alone: list[list[int]]
 ) -> None:
@@ -182,7 +174,7 @@ def test_a_bundle_with_a_stranger_a_twin_or_a_wrong_key_is_refused_whole_and_spe
     ):
         with route.connect() as conn:
             conn.sendall(seal_bundle(members))
-            assert why in _refusal(conn)
+            assert why in lane_refusal(conn)
     assert [route.lengths(i) for i in range(4)] == before
     # nothing was spent: the very same sealed steps run now, and stay exact
     with route.connect() as conn:
@@ -203,7 +195,7 @@ def test_a_bundle_whose_head_does_not_fit_is_refused_before_its_members_are_read
 ) -> None:
     with route.connect() as conn:
         conn.sendall(_bundle_head(count, payload_len))
-        assert why in _refusal(conn)
+        assert why in lane_refusal(conn)
 
 
 def test_a_bundle_member_that_fails_at_a_later_hop_is_taken_back_and_the_others_run(
