@@ -305,9 +305,10 @@ class DataPlane(FrameAdmission, ChainForwarding, LaneAdmission):
         s = self._session(req, shard)
         if req.op == Op.LANE:
             return await self._admit_lane(req, shard, s)
-        if self._laned:
-            # a frame on the Python path takes its own session off the lane (its history comes back)
-            self.lanes_off_for(req, s)
+        if s.lane is not None:
+            # a frame on the Python path takes its session off the lane (its history comes back);
+            # other sessions stay on theirs, and their steps run beside this one (lanes.py)
+            self.take_off_lane(s)
         if req.op == Op.TRUNCATE:
             async with shard.lock:
                 return self._truncate(req, s)

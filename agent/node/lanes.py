@@ -152,17 +152,6 @@ class LaneAdmission:
         if lane.wait_step(LANE_PACE_S):
             self._pace_window_end = time.monotonic() + LANE_PACE_WINDOW_S
 
-    def lanes_off_for(self, req: Request, s: SessionState) -> None:
-        """A frame came on the Python path: its session leaves the lane (others' frames leave them:
-        their prompts run in small chunks beside the lane, scheduler.py)."""
-        if s.lane is not None:
-            self.take_off_lane(s)
-
-    def lanes_off(self) -> None:
-        """Take every session off the lane."""
-        for s in list(self._laned.values()):
-            self.take_off_lane(s)
-
     def take_off_lane(self, s: SessionState) -> None:
         if s.lane is not None:
             s.lane.take_off(s)  # calls forget_lane
