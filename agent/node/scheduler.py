@@ -21,6 +21,9 @@ one batch. A lone session never waits: its small steps do not even go through th
 unchunked call is computed in pieces of exactly that size from its first position, so a chunked
 prefill runs the very same pieces and leaves the same KV position for position.
 
+Sessions on the node's native lane decode outside this queue (lanes.py): while they do, a prompt runs
+in LANE_CHUNK_TOKENS chunks, each paced in the worker thread to start just after their step passed.
+
 A backend that does not batch runs one step at a time under the shard lock, as it always has: small
 steps inline on the event loop, bigger ones in a worker thread, nothing added to their latency.
 """
