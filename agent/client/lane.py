@@ -76,11 +76,12 @@ class _Conn:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return cls(reader, writer)
 
-    async def read(self, head_of: Callable[[bytes], Head]) -> tuple[bytes, bytes]:
+    async def read(self, head_of: Callable[[bytes], Head]) -> tuple[bytes, Head, bytes]:
+        """An answer: its head's bytes, the head (`head_of` checks it before the payload is read), payload."""
         try:
             head_b = await self.reader.readexactly(FRAME_HEAD)
             head = head_of(head_b)
-            return head_b, await self.reader.readexactly(head.payload_len)
+            return head_b, head, await self.reader.readexactly(head.payload_len)
         except asyncio.IncompleteReadError:
             raise LaneError("the lane closed the connection mid-step") from None
 
@@ -162,7 +163,7 @@ class LaneStreams:
             if h is not None:
                 h.cancel()
         st.flush_soon = st.give_up = None
-        items = [i for i in st.pending[:MAX_BUNDLE] if not i.future.done()]
+        items = st.pending[:MAX_BUNDLE]  # a caller that gave up meanwhile is left out when it is sent
         del st.pending[:MAX_BUNDLE]
         st.expected = set()
         if not items:
@@ -199,7 +200,7 @@ class LaneStreams:
     async def _lone(self, addr: Address, m: BundleMember) -> LaneAnswer:
         async def use(conn: _Conn) -> LaneAnswer:
             conn.writer.write(m.seal())
-            head_b, payload = await conn.read(answer_head)
+            head_b, _, payload = await conn.read(answer_head)
             return open_answer(m.key, head_b, payload, m.lane_id, m.step)
 
         return await self._with_conn(addr, use)
@@ -210,8 +211,8 @@ class LaneStreams:
 
         async def use(conn: _Conn) -> list[LaneAnswer | LaneError]:
             conn.writer.write(seal_bundle(members))
-            head_b, payload = await conn.read(lambda b: bundle_answer_head(b, len(members)))
-            return open_bundle_answer(bundle_answer_head(head_b, len(members)), payload, members)
+            _, head, payload = await conn.read(lambda b: bundle_answer_head(b, len(members)))
+            return open_bundle_answer(head, payload, members)
 
         try:
             if len(items) == 1:

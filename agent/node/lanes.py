@@ -144,8 +144,8 @@ class LaneAdmission:
         """Before a prompt's chunk (blocking, in a worker thread): chunks run in the LANE_PACE_WINDOW_S
         after the lane's sessions passed this hop, while they are at other hops; later ones wait for
         their next pass (at most LANE_PACE_S), so a lane step never waits behind more than a chunk."""
-        lane = self._lane
-        if not self.lane_pacing or lane is None or not self._laned:
+        lane = self._lane  # the scheduler asks only while sessions are on it
+        if not self.lane_pacing or lane is None:
             return
         if time.monotonic() < self._pace_window_end:
             return

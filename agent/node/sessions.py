@@ -36,7 +36,6 @@ class SessionState:
     sampling: SamplingParams | None = None  # sent once per change, not with every decode frame
     chain: list[ChainHop] | None = None  # next hops (chain mode), sent once per route, not per step
     busy: bool = False
-    busy_tokens: int = 0  # positions of the step it runs now (a prompt's are many: lanes.py)
     last_used: float = field(default_factory=time.monotonic)
     lane: LaneSlot | None = None  # its decode steps run on the node's native lane (agent/node/lanes.py)
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from agent.artifacts.manifest import Manifest
 from agent.backends.base import AdmissionError, BackendError, ForwardResult, ShardSpec, StepInput
-from agent.node.scheduler import SessionBusy, ShardScheduler, StepDropped, step_tokens
+from agent.node.scheduler import SessionBusy, ShardScheduler, StepDropped
 from agent.node.sessions import SessionState
 from agent.wire.frames import (
     MAX_LOGITS_BYTES,
@@ -104,7 +104,6 @@ async def run_step(
     """Run `step` through the shard's scheduler (batched with other sessions' steps where the backend
     batches); a failure cuts the history back to `history_len` and is answered as a DataPlaneError."""
     s.busy = True  # never evicted or expired while queued or running
-    s.busy_tokens = step_tokens(step)
     try:
         return await scheduler.submit(s.key, s, step)
     except BaseException as e:
@@ -119,7 +118,7 @@ async def run_step(
             raise DataPlaneError(409, "step_in_progress", str(e)) from None
         raise
     finally:
-        s.busy, s.busy_tokens = False, 0
+        s.busy = False
 
 
 def local_answer(req: Request, res: ForwardResult, end: int) -> bytes:

@@ -26,7 +26,7 @@ from agent.wire.lane import (
     seal_request,
 )
 
-from .routes import close_sessions, lane_refusal, native_forward, open_sessions
+from .routes import close_sessions, lane_refusal, native_forward, native_greedy, open_sessions
 
 SPLITS = ((0, 10), (10, 20), (20, 30))
 PROMPT = [1, 504, 3458, 282, 4237, 314, 2]
@@ -116,17 +116,6 @@ def _prefill(r: Route) -> int:
     return int(native_forward(r.hops, r.sids, 0, PROMPT, logits=False)["token"])
 
 
-def _direct_greedy(hops: list[NativeModel], n: int) -> list[int]:
-    sids = open_sessions(hops)
-    try:
-        got = [int(native_forward(hops, sids, 0, PROMPT, logits=False)["token"])]
-        while len(got) < n:
-            got.append(int(native_forward(hops, sids, len(PROMPT) + len(got) - 1, [got[-1]], False)["token"]))
-    finally:
-        close_sessions(hops, sids)
-    return got
-
-
 def _decode(client: LaneClient | DirectLaneClient, got: list[int]) -> None:
     """N_NEW - 1 decode steps over the lane after `got`'s first token, each answer checked; closes it."""
     for _ in range(N_NEW - 1):
@@ -141,7 +130,7 @@ def _decode(client: LaneClient | DirectLaneClient, got: list[int]) -> None:
 def test_a_route_decoded_over_lanes_gives_the_tokens_of_direct_calls(
     route: Route, hops: list[NativeModel]
 ) -> None:
-    want = _direct_greedy(hops, N_NEW + 4)
+    want = native_greedy(hops, PROMPT, N_NEW + 4)
     got = [_prefill(route)]
     route.admit()
     client = route.client()
@@ -286,7 +275,7 @@ def test_a_position_that_does_not_follow_fails_at_the_first_hop(route: Route) ->
 def test_direct_calls_on_another_session_of_the_same_windows_stay_exact_while_the_lane_runs(
     route: Route, hops: list[NativeModel]
 ) -> None:
-    want = _direct_greedy(hops, N_NEW)
+    want = native_greedy(hops, PROMPT, N_NEW)
     got = [_prefill(route)]
     route.admit()
     other: list[int] = []
@@ -294,7 +283,7 @@ def test_direct_calls_on_another_session_of_the_same_windows_stay_exact_while_th
 
     def direct() -> None:  # the caller's thread on the same handles, as a node's Python path does
         try:
-            other.extend(_direct_greedy(hops, N_NEW))
+            other.extend(native_greedy(hops, PROMPT, N_NEW))
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
@@ -338,7 +327,7 @@ def test_a_lane_refuses_a_bad_address_and_a_window_without_its_next_hop(hops: li
 def test_in_direct_mode_the_last_hop_answers_the_client_with_every_hops_timing(
     route: Route, hops: list[NativeModel]
 ) -> None:
-    want = _direct_greedy(hops, N_NEW)
+    want = native_greedy(hops, PROMPT, N_NEW)
     got = [_prefill(route)]
     route.admit(direct=True)
     client = route.direct_client()

@@ -28,7 +28,7 @@ from agent.wire.lane import (
     seal_bundle,
 )
 
-from .routes import close_sessions, lane_refusal, native_forward, open_sessions
+from .routes import close_sessions, lane_refusal, native_forward, native_greedy, open_sessions
 
 SPLITS = ((0, 10), (10, 20), (20, 30))
 PROMPTS = (
@@ -81,21 +81,9 @@ def hops(native_lib: None, model_path: str) -> Iterator[list[NativeModel]]:
         m.close()
 
 
-def _alone(hops: list[NativeModel], prompt: list[int]) -> list[int]:
-    """Greedy tokens of one session by direct calls, no lane, no batch."""
-    sids = open_sessions(hops)
-    try:
-        got = [int(native_forward(hops, sids, 0, prompt, logits=False)["token"])]
-        while len(got) < N_NEW:
-            got.append(int(native_forward(hops, sids, len(prompt) + len(got) - 1, [got[-1]], False)["token"]))
-    finally:
-        close_sessions(hops, sids)
-    return got
-
-
 @pytest.fixture(scope="module")
 def alone(hops: list[NativeModel]) -> list[list[int]]:
-    return [_alone(hops, p) for p in PROMPTS]
+    return [native_greedy(hops, p, N_NEW) for p in PROMPTS]
 
 
 @pytest.fixture
