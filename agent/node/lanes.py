@@ -246,8 +246,8 @@ class LaneAdmission:
             return f"the {shard.backend_name} backend has no lane"
         if s.busy:
             return "the session's step is still running"
-        if shard.scheduler.pending():
-            return "steps are queued on this shard"
+        # other sessions' queued steps are no reason: they run beside the lane under the shard's lock,
+        # and refusing here let sessions decoding in step refuse each other's admission for good
         try:
             if ipaddress.ip_address(self._lane_bind_host()).version != 4:
                 return "the lane listens on IPv4 only"

@@ -156,3 +156,30 @@ async def test_sessions_share_the_lane_in_bundles_and_another_sessions_prompt_ru
         for c in (a, b, other):
             await c.close()
         await transport.close()
+
+
+async def test_a_session_is_admitted_while_another_sessions_step_is_queued_on_the_shard(
+    node: tuple[DataPlane, str], manifest: Any, signing_key: Any
+) -> None:
+    import asyncio
+
+    from agent.wire.frames import Kind
+
+    dp, url = node
+    (shard,) = dp.shards.values()
+    c, other = _client(url, manifest, signing_key), _client(url, manifest, signing_key, lane=False)
+    try:
+        await _tokens(c, 2)  # prefill and one Python chain step: the hop knows the session
+        first = await _tokens(other, 2)  # opened: its next turn's prompt is a step the scheduler queues
+        async with shard.lock:  # the shard computes nothing meanwhile: the other's prompt stays queued
+            task = asyncio.create_task(_tokens(other, 2, PROMPT + first + PROMPT))
+            deadline = time.monotonic() + 10
+            while not shard.scheduler.pending():
+                assert time.monotonic() < deadline and not task.done(), "the other prompt never queued"
+                await asyncio.sleep(0.005)
+            resp = await c._post(0, c._lane_frame())  # noqa: SLF001 - the frame the client sends
+        assert resp.kind == Kind.LANE and dp.stats()["lane_sessions"] == 1
+        assert len(await task) == 2
+    finally:
+        await c.close()
+        await other.close()

@@ -135,7 +135,11 @@ async def test_sessions_sharing_a_transport_decode_on_the_lanes_in_bundles_with_
         await transport.close()
     assert list(got) == refs
     # the four sessions' steps went over the lanes, many of them together in one bundle
-    assert transport.lanes.bundles_sent >= N_TOKENS // 2
+    seen = (
+        f"lane steps {[c.lane.steps for c in clients]}, fallbacks {[c.lane.fallbacks for c in clients]}, "
+        f"hops {[{k: v for k, v in health(sp).items() if k.startswith('lane_')} for sp in nodes]}"
+    )
+    assert transport.lanes.bundles_sent >= N_TOKENS // 2, seen
     assert sum(c.lane.steps for c in clients) >= 4 * (N_TOKENS - 1) // 2
     assert all(
         health(sp)["lane_steps"] - b >= sum(c.lane.steps for c in clients)

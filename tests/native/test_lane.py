@@ -303,7 +303,11 @@ def test_closing_a_lane_with_an_idle_connection_returns(hops: list[NativeModel])
     done = threading.Event()
     threading.Thread(target=lambda: (lane.close(), done.set()), daemon=True).start()
     assert done.wait(10)
-    assert s.recv(16) == b""  # the lane shut its side
+    try:
+        got = s.recv(16)
+    except ConnectionResetError:  # closed before the lane accepted it: the listener's close resets it
+        got = b""
+    assert got == b""  # the lane shut its side (and sent nothing)
     s.close()
 
 
