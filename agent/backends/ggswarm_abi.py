@@ -101,6 +101,18 @@ class ggswarm_lane_stats(ctypes.Structure):  # noqa: N801
     ]
 
 
+class ggswarm_lane_batch(ctypes.Structure):  # noqa: N801
+    _fields_ = [
+        ("t_done", ctypes.c_double),
+        ("wait_s", ctypes.c_double),
+        ("compute_s", ctypes.c_double),
+        ("steps", ctypes.c_int32),
+        ("positions", ctypes.c_int32),
+        ("sampled", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
+    ]
+
+
 ggswarm_model_p = ctypes.c_void_p
 ggswarm_budget_p = ctypes.c_void_p
 ggswarm_lane_p = ctypes.c_void_p
@@ -307,6 +319,16 @@ def bind(lib: ctypes.CDLL) -> None:
     # int32_t ggswarm_lane_wait_step(ggswarm_lane * lane, int32_t timeout_ms);
     lib.ggswarm_lane_wait_step.argtypes = [ggswarm_lane_p, ctypes.c_int32]
     lib.ggswarm_lane_wait_step.restype = ctypes.c_int32
+
+    # int32_t ggswarm_lane_take_batches(ggswarm_lane * lane, ggswarm_lane_batch * out, int32_t max,
+    #     uint64_t * dropped);
+    lib.ggswarm_lane_take_batches.argtypes = [
+        ggswarm_lane_p,
+        ctypes.POINTER(ggswarm_lane_batch),
+        ctypes.c_int32,
+        ctypes.POINTER(ctypes.c_uint64),
+    ]
+    lib.ggswarm_lane_take_batches.restype = ctypes.c_int32
 
     # void ggswarm_lane_free(ggswarm_lane * lane);
     lib.ggswarm_lane_free.argtypes = [ggswarm_lane_p]

@@ -1,4 +1,5 @@
-"""A node's decode lane (libggswarm API v7, docs/lane.md): the listener and the sessions admitted to it."""
+"""A node's decode lane (libggswarm API v7, docs/lane.md): the listener, the sessions admitted to it and
+the batches it computed."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from agent.backends.ggswarm_abi import (
+    ggswarm_lane_batch,
     ggswarm_lane_p,
     ggswarm_lane_session,
     ggswarm_lane_stats,
@@ -20,6 +22,7 @@ from agent.wire.lane import KEY_BYTES
 MAX_CONTEXT = 131072  # GGSWARM_MAX_CONTEXT
 
 TYPE_F32, TYPE_F16 = 0, 1
+BATCH_LOG = 16384  # GGSWARM_LANE_BATCH_LOG: batches the library keeps until taken
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,20 @@ class LaneStats:
     idle_s: float
     busy: bool
     appended: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class LaneBatch:
+    """One batch the lane computed on this hop (a lone step or a bundle): when it finished
+    (time.monotonic()'s clock), its wait for the model handle and its compute in seconds, the sessions'
+    steps that ran, their token positions, and the tokens sampled (last window only)."""
+
+    t_done: float
+    wait_s: float
+    compute_s: float
+    steps: int
+    positions: int
+    sampled: int
 
 
 @dataclass(frozen=True)
@@ -63,6 +80,7 @@ class NativeLane:
         )
         self.host = host
         self.port = int(self._lib.ggswarm_lane_port(self._h))
+        self._batch_buf: ctypes.Array[ggswarm_lane_batch] | None = None  # made on first take_batches
 
     def add(
         self,
@@ -128,6 +146,18 @@ class NativeLane:
         """Block until a lane step finishes computing here (True), or `timeout_s` passes; False at
         once when none finished within the last `timeout_s` (the lane is quiet). Releases the GIL."""
         return bool(self._lib.ggswarm_lane_wait_step(self._handle(), max(1, int(timeout_s * 1e3))))
+
+    def take_batches(self) -> tuple[list[LaneBatch], int]:
+        """The batches computed since the last call, oldest first, and how many of them the library
+        had to drop unread (its log holds BATCH_LOG)."""
+        if self._batch_buf is None:
+            self._batch_buf = (ggswarm_lane_batch * BATCH_LOG)()
+        buf, dropped = self._batch_buf, ctypes.c_uint64(0)
+        n = int(self._lib.ggswarm_lane_take_batches(self._handle(), buf, BATCH_LOG, ctypes.byref(dropped)))
+        if n < 0:
+            raise ValueError(self._lib.ggswarm_last_error().decode(errors="replace"))
+        out = [LaneBatch(b.t_done, b.wait_s, b.compute_s, b.steps, b.positions, b.sampled) for b in buf[:n]]
+        return out, int(dropped.value)
 
     def _handle(self) -> int | None:
         if not self._h:

@@ -20,7 +20,7 @@ from agent.backends.ggswarm_abi import ggswarm_sampling as ggswarm_sampling
 from agent.defaults import env_int
 from agent.wire.frames import HiddenDtype, numpy_dtype
 
-GGSWARM_API_VERSION = 8
+GGSWARM_API_VERSION = 9
 
 GGSWARM_OK = 0
 GGSWARM_E_INVALID_ARG = -1

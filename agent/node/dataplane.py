@@ -120,7 +120,8 @@ class DataPlane(FrameAdmission, ChainForwarding, LaneAdmission):
             "bytes_out": 0,
         }
         self.started = time.time()
-        self.metrics = NodeMetrics(self.stats)  # GET /metrics (agent/node/metrics.py)
+        # GET /metrics (agent/node/metrics.py); the lane's batches are taken in before each scrape
+        self.metrics = NodeMetrics(self.stats, before_read=self.take_lane_batches)
 
     # -- shard management (called by the CLI or the control agent) --------------------------------
     def load_shard(
@@ -190,6 +191,7 @@ class DataPlane(FrameAdmission, ChainForwarding, LaneAdmission):
             s.draining = True
 
     def stats(self) -> dict[str, Any]:
+        self.take_lane_batches()  # the lane's own steps count in the figures below
         return {
             "node_id": self.node_id,
             "version": __version__,
@@ -480,6 +482,7 @@ class DataPlane(FrameAdmission, ChainForwarding, LaneAdmission):
             n = self.sessions.expire(evictable=self._evictable)
             if n:
                 log.info("expired %d idle sessions", n)
+            self.take_lane_batches()
 
     async def _on_startup(self, app: web.Application) -> None:
         app[_SWEEPER] = asyncio.create_task(self._sweeper(app))

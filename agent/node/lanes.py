@@ -42,6 +42,7 @@ from agent.wire.sampling import SamplingParams
 if TYPE_CHECKING:
     from agent.backends.lane import NativeLane
     from agent.node.dataplane import Shard
+    from agent.node.metrics import NodeMetrics
     from agent.wire.frames import ChainHop
 
 log = logging.getLogger("agent.node.lanes")
@@ -88,6 +89,8 @@ class LaneAdmission:
     shards: dict[ShardKey, Shard]
     sessions: SessionTable
     node_id: str
+    metrics: NodeMetrics
+    counters: dict[str, int]
 
     def __init__(self) -> None:
         self.lane_host: str | None = None  # the data plane's bind address (start_dataplane sets it)
@@ -102,6 +105,7 @@ class LaneAdmission:
             "lane_refusals": 0,
             "lane_take_offs": 0,
             "lane_steps_done": 0,
+            "lane_batches_dropped": 0,  # batches the library's log overwrote before take_lane_batches
         }
 
     async def _exchange_next(self, nxt: ChainHop, body: bytes, limit: int, bundle: bool = False) -> bytes:
@@ -132,6 +136,22 @@ class LaneAdmission:
                 with contextlib.suppress(NativeError, ValueError):
                     running += s.lane.lane.stats(s.lane.lane_id).steps
         return self.lane_counters["lane_steps_done"] + running
+
+    def take_lane_batches(self) -> None:
+        """Count the batches the lane computed since the last call into the node's metrics and token
+        counters, as the scheduler counts the Python path's: they ran on libggswarm's threads. Called
+        before the figures are read (stats, a scrape) and by the sweeper, so the library's log never fills."""
+        if self._lane is None:
+            return
+        batches, dropped = self._lane.take_batches()
+        for b in batches:
+            self.metrics.batch(b.steps, b.positions, b.compute_s, at=b.t_done)
+            self.metrics.queue_wait(b.wait_s, at=b.t_done)
+            self.counters["tokens_in"] += b.positions
+            self.counters["tokens_out"] += b.sampled
+        if dropped:
+            self.lane_counters["lane_batches_dropped"] += dropped
+            log.warning("the lane's batch log overwrote %d batches before they were counted", dropped)
 
     def _lane_bind_host(self) -> str:
         """Where the lane listens: the data plane's address, its any-address and name forms as IPv4."""
@@ -166,6 +186,7 @@ class LaneAdmission:
         for s in list(self._laned.values()):
             self.take_off_lane(s)
         if self._lane is not None:
+            self.take_lane_batches()
             self._lane.close()
             self._lane = None
 

@@ -100,6 +100,12 @@ class _Buckets:
         return out
 
 
+def _when(at: float | None) -> float:
+    """A figure's time on time.monotonic()'s clock: `at`, never later than now."""
+    now = time.monotonic()
+    return now if at is None else min(at, now)
+
+
 def _le(bound: float) -> str:
     """A bucket bound as prometheus_client writes it (its formatter is untyped)."""
     return str(floatToGoString(bound))  # type: ignore[no-untyped-call]  # prometheus_client ships no hints for it
@@ -127,8 +133,11 @@ class _HistogramCollector(Collector):
 class NodeMetrics:
     """The metrics of one data plane, and the aiohttp view that serves them."""
 
-    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+    def __init__(
+        self, stats: Callable[[], dict[str, Any]], before_read: Callable[[], None] | None = None
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._before_read = before_read  # brings in figures recorded elsewhere (the native lane's)
         r = self.registry
         self._step: Series = {("decode",): _Buckets(STEP_BUCKETS), ("prefill",): _Buckets(STEP_BUCKETS)}
         self._decode_step, self._prefill_step = self._step[("decode",)], self._step[("prefill",)]
@@ -190,16 +199,18 @@ class NodeMetrics:
     def step(self, n_tokens: int, seconds: float) -> None:
         (self._decode_step if n_tokens == 1 else self._prefill_step).observe(seconds)
 
-    def queue_wait(self, seconds: float) -> None:
+    def queue_wait(self, seconds: float, at: float | None = None) -> None:
+        """A frame waited `seconds` for its shard; `at`: when (time.monotonic(); default now)."""
         self._wait.observe(seconds)
-        self._waits.append((time.monotonic(), seconds))
+        self._waits.append((_when(at), seconds))
 
-    def batch(self, steps: int, tokens: int, seconds: float) -> None:
-        """One backend call of `steps` sessions' steps, `tokens` positions in all, computing `seconds`."""
+    def batch(self, steps: int, tokens: int, seconds: float, at: float | None = None) -> None:
+        """One backend call of `steps` sessions' steps, `tokens` positions in all, computing `seconds`,
+        done `at` (time.monotonic(); default now)."""
         self._batch_steps.observe(steps)
         self._batch_tokens.observe(tokens)
         self._batch_seconds.observe(seconds)
-        self._batches.append((time.monotonic(), steps, tokens, seconds))
+        self._batches.append((_when(at), steps, tokens, seconds))
         self.batches_total += 1
 
     def batch_stats(self, window_s: float = WINDOW_S) -> dict[str, float | int]:
@@ -236,6 +247,8 @@ class NodeMetrics:
 
     # -- exposition ---------------------------------------------------------------------------------
     def render(self) -> bytes:
+        if self._before_read is not None:
+            self._before_read()
         return generate_latest(self.registry)
 
     async def view(self, request: web.Request) -> web.Response:  # noqa: ARG002 - aiohttp's signature

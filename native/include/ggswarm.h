@@ -44,6 +44,8 @@
  *   8 - lane bundles: one lane frame may carry the steps of up to GGSWARM_LANE_MAX_BUNDLE sessions on
  *       one window, run as one ggswarm_forward_many batch and sent on as one bundle (docs/lane.md);
  *       ggswarm_lane_wait_step, for an owner pacing its own long work between the lane's steps.
+ *   9 - ggswarm_lane_take_batches: the batches the lane computed (steps, positions, tokens sampled, lock
+ *       wait, compute), so the owner's telemetry counts lane work beside its own.
  */
 #ifndef GGSWARM_H
 #define GGSWARM_H
@@ -55,7 +57,7 @@
 extern "C" {
 #endif
 
-#define GGSWARM_API_VERSION 8
+#define GGSWARM_API_VERSION 9
 
 #if defined(_WIN32)
 #define GGSWARM_API __declspec(dllexport)
@@ -353,13 +355,34 @@ GGSWARM_API ggswarm_status ggswarm_lane_stats_get(ggswarm_lane * lane, uint64_t 
 /* Take every session of a model off the lane (call before ggswarm_model_free); returns how many. */
 GGSWARM_API int32_t ggswarm_lane_drop_model(ggswarm_lane * lane, const ggswarm_model * model);
 
-/* Stop listening, close every connection, wait for the lane's threads and free it. NULL is ignored. */
 /* v8: block until a lane step (or bundle) finishes computing on this hop, or timeout_ms passes.
  * Returns 1 when one finished; 0 on timeout, or at once when none finished within the last timeout_ms
  * (the lane is quiet: nothing to make room for). The owner calls it before a prompt's chunk, so that
  * the chunk computes while the lane's sessions are at other hops instead of holding them here. */
 GGSWARM_API int32_t ggswarm_lane_wait_step(ggswarm_lane * lane, int32_t timeout_ms);
 
+/* v9: one batch the lane computed on this hop (a lone step or a bundle), as ggswarm_lane_take_batches
+ * hands it over. */
+typedef struct ggswarm_lane_batch {
+    double t_done;                  /* when it finished computing: CLOCK_MONOTONIC seconds (Linux) */
+    double wait_s;                  /* waiting for the model handle (the owner's own call running on it) */
+    double compute_s;               /* the forward call, under the handle's lock */
+    int32_t steps;                  /* sessions' steps that ran (1 for a lone step) */
+    int32_t positions;              /* token positions they computed */
+    int32_t sampled;                /* tokens sampled (the last window: one per step that ran; else 0) */
+    int32_t reserved;
+} ggswarm_lane_batch;
+
+/* batches kept for ggswarm_lane_take_batches; when full, the oldest is overwritten (and counted) */
+#define GGSWARM_LANE_BATCH_LOG 16384
+
+/* v9: move the oldest of the batches computed since the last call (at most max) into out; returns how
+ * many, or -1 on bad arguments. dropped (may be NULL) gets how many were overwritten unread since the last
+ * call that asked for it. The owner takes them now and then (a few times a minute is plenty). */
+GGSWARM_API int32_t ggswarm_lane_take_batches(ggswarm_lane * lane, ggswarm_lane_batch * out, int32_t max,
+                                              uint64_t * dropped);
+
+/* Stop listening, close every connection, wait for the lane's threads and free it. NULL is ignored. */
 GGSWARM_API void ggswarm_lane_free(ggswarm_lane * lane);
 
 #ifdef __cplusplus

@@ -298,14 +298,28 @@ void run_step(ggswarm_lane * lane, Worker & w, int fd, LaneSession & s, const He
         b.hidden_out_count = n_rows;
     }
     b.compute_s_out = &compute_s;
-    ggswarm_status st = ggswarm_forward(m, s.cfg.sid, &b);
+    ggswarm_lane_batch done{};
+    ggswarm_status st;
+    {
+        const auto tw = Clock::now();
+        GGSWARM_LOCK(m);  // taken here (it is recursive) to tell the wait for the handle from the compute
+        const auto tc = Clock::now();
+        st = ggswarm_forward(m, s.cfg.sid, &b);
+        const auto te = Clock::now();
+        done.t_done = std::chrono::duration<double>(te.time_since_epoch()).count();
+        done.wait_s = seconds(tw, tc);
+        done.compute_s = seconds(tc, te);
+    }
     if (st != GGSWARM_OK) {
         if (m->is_last()) s.history.resize(s.history.size() - (size_t)n);
         send_error(error_fd(s, fd), s, in, st, 0, ggswarm_last_error(), w.out);
         return;
     }
     s.steps++;
-    note_pass(lane);
+    done.steps = 1;
+    done.positions = n;
+    done.sampled = m->is_last() ? 1 : 0;
+    note_pass(lane, done);
     // this hop's timing pair, after the earlier hops' (direct mode) or before the later ones' (relay)
     uint8_t own[8];
     put_u32(own, (uint32_t)(compute_s * 1e6));
@@ -514,11 +528,19 @@ void fill_stats(LaneSession & s, ggswarm_lane_stats * out) {
 
 }  // namespace ggswarm::lanes
 
-void ggswarm::lanes::note_pass(ggswarm_lane * lane) {
+void ggswarm::lanes::note_pass(ggswarm_lane * lane, const ggswarm_lane_batch & done) {
     {
         std::lock_guard<std::mutex> lk(lane->pass_mu);
         lane->passes++;
         lane->last_pass = Clock::now();
+        const size_t cap = lane->log.size();
+        if (lane->log_count == cap) {  // full: the oldest goes, counted
+            lane->log_head = (lane->log_head + 1) % cap;
+            lane->log_count--;
+            lane->log_dropped++;
+        }
+        lane->log[(lane->log_head + lane->log_count) % cap] = done;
+        lane->log_count++;
     }
     lane->pass_cv.notify_all();
 }
@@ -548,6 +570,13 @@ ggswarm_status ggswarm_lane_open(const char * bind_host, int32_t port, ggswarm_l
     }
     auto * lane = new (std::nothrow) ggswarm_lane();
     if (!lane) { close(fd); return fail(nullptr, GGSWARM_E_NO_MEMORY, "out of memory"); }
+    try {
+        lane->log.resize(GGSWARM_LANE_BATCH_LOG);
+    } catch (const std::bad_alloc &) {
+        delete lane;
+        close(fd);
+        return fail(nullptr, GGSWARM_E_NO_MEMORY, "out of memory");
+    }
     lane->listen_fd = fd;
     lane->port = ntohs(a.sin_port);
     lane->acceptor = std::thread(accept_loop, lane);
@@ -556,6 +585,24 @@ ggswarm_status ggswarm_lane_open(const char * bind_host, int32_t port, ggswarm_l
 }
 
 int32_t ggswarm_lane_port(const ggswarm_lane * lane) { return lane ? lane->port : -1; }
+
+int32_t ggswarm_lane_take_batches(ggswarm_lane * lane, ggswarm_lane_batch * out, int32_t max, uint64_t * dropped) {
+    if (!lane || max < 0 || (max > 0 && !out)) {
+        fail(nullptr, GGSWARM_E_INVALID_ARG, "lane is NULL, or max < 0, or out is NULL");
+        return -1;
+    }
+    std::lock_guard<std::mutex> lk(lane->pass_mu);
+    const size_t cap = lane->log.size();
+    const size_t n = std::min(lane->log_count, (size_t)max);
+    for (size_t i = 0; i < n; ++i) out[i] = lane->log[(lane->log_head + i) % cap];
+    lane->log_head = cap ? (lane->log_head + n) % cap : 0;
+    lane->log_count -= n;
+    if (dropped) {
+        *dropped = lane->log_dropped;
+        lane->log_dropped = 0;
+    }
+    return (int32_t)n;
+}
 
 ggswarm_status ggswarm_lane_add(ggswarm_lane * lane, const ggswarm_lane_session * cfg) {
     if (!lane || !cfg || !cfg->model) return fail(nullptr, GGSWARM_E_INVALID_ARG, "lane, session or model is NULL");

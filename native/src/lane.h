@@ -10,6 +10,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -160,11 +161,18 @@ struct ggswarm_lane {
     uint64_t passes = 0;
     int waiters = 0;  // callers inside ggswarm_lane_wait_step
     std::chrono::steady_clock::time_point last_pass{};
+    // v9: the batches computed, under pass_mu, until the owner takes them (ggswarm_lane_take_batches):
+    // a ring of GGSWARM_LANE_BATCH_LOG, allocated at open so the hot path only writes into it
+    std::vector<ggswarm_lane_batch> log;
+    size_t log_head = 0, log_count = 0;  // oldest entry, entries held
+    uint64_t log_dropped = 0;            // overwritten unread since the owner last asked
 };
 
 namespace ggswarm::lanes {
-// A step (or bundle) finished computing on this hop: wake whoever paces work around the lane.
-void note_pass(ggswarm_lane * lane);
+// A step (or bundle) finished computing on this hop: log it, and wake whoever paces work around the lane.
+void note_pass(ggswarm_lane * lane, const ggswarm_lane_batch & done);
+// Seconds between two points of the lane's clock.
+inline double seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
 }  // namespace ggswarm::lanes
 
 namespace ggswarm::lanes {

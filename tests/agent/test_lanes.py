@@ -59,6 +59,7 @@ async def test_a_lone_session_decodes_on_the_lane_with_the_tokens_of_the_python_
         want = await _tokens(plain)
     finally:
         await plain.close()
+    batches_before, tokens_before = dp.metrics.batches_total, dp.stats()["tokens_out"]
     c = _client(url, manifest, signing_key)
     try:
         got = await _tokens(c)
@@ -74,6 +75,9 @@ async def test_a_lone_session_decodes_on_the_lane_with_the_tokens_of_the_python_
     stats = dp.stats()
     assert stats["lane_sessions"] == 0  # closing the session took it off
     assert stats["lane_steps"] == len(want) - 1  # counted though they bypassed the Python path
+    # and in the telemetry: every token served, the prompt's batch and each lane step's batch
+    assert stats["tokens_out"] - tokens_before == len(want)
+    assert dp.metrics.batches_total - batches_before == len(want)
 
 
 async def test_an_expired_session_is_taken_off_the_lane_first(

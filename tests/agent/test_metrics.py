@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import aiohttp
 import pytest
@@ -101,3 +102,22 @@ def test_errors_are_counted_by_code(code: str) -> None:
     got = samples(m.render().decode())
     assert got[("gguf_swarm_agent_errors_total", (("code", code),))] == 2
     assert got[("gguf_swarm_agent_tokens_served_total", ())] == 3
+
+
+def test_batches_recorded_elsewhere_are_taken_in_before_a_scrape_and_kept_at_their_own_time() -> None:
+    # the native lane's batches, say: they ran off the event loop, and are counted when figures are read
+    pending = [(3, 3, 0.004, time.monotonic() - 120.0), (8, 8, 0.006, None)]
+
+    def take_in() -> None:
+        while pending:
+            steps, tokens, seconds, at = pending.pop(0)
+            m.batch(steps, tokens, seconds, at=at)
+
+    m = NodeMetrics(lambda: {}, before_read=take_in)
+    got = samples(m.render().decode())
+    assert got[("gguf_swarm_agent_batch_steps_count", ())] == 2
+    assert got[("gguf_swarm_agent_batch_steps_sum", ())] == 11
+    stats = m.batch_stats()  # the last minute's: the batch done two minutes ago is not in it
+    assert stats["batches"] == 1 and stats["avg_steps"] == 8 and stats["batches_total"] == 2
+    m.batch(1, 1, 0.001, at=time.monotonic() + 3600.0)  # a time ahead of the clock counts as now
+    assert m.batch_stats()["batches"] == 2

@@ -125,6 +125,7 @@ async def test_sessions_sharing_a_transport_decode_on_the_lanes_in_bundles_with_
     texts = [*prompts, prompts[0][:-3], prompts[1] + prompts[0][-4:]]  # four prompts of different lengths
     refs = await references(nodes, signing_key, manifest, texts)
     before = [health(sp)["lane_steps"] for sp in nodes]
+    tokens_before = health(nodes[-1])["tokens_out"]
     transport = HopTransport()
     clients = [client(nodes, signing_key, manifest, True, transport) for _ in texts]
     try:
@@ -145,3 +146,7 @@ async def test_sessions_sharing_a_transport_decode_on_the_lanes_in_bundles_with_
         health(sp)["lane_steps"] - b >= sum(c.lane.steps for c in clients)
         for sp, b in zip(nodes, before, strict=True)
     )
+    # and the hops' telemetry shows it: every token served, bundles as batches of several steps
+    after = [health(sp) for sp in nodes]
+    assert after[-1]["tokens_out"] - tokens_before >= sum(len(g) for g in got), seen
+    assert all(h["batching"]["max_steps"] >= 2 for h in after), [h["batching"] for h in after]

@@ -139,6 +139,11 @@ def test_a_route_decoded_over_lanes_gives_the_tokens_of_direct_calls(
     # off the lane again, the session goes on by direct calls where the lane left it
     stats = [lane.remove(i) for lane, i in zip(route.lanes, route.ids, strict=True)]
     assert [s.steps for s in stats] == [N_NEW - 1] * 3
+    # each lone step is logged on each hop as a batch of one; the last hop sampled its token
+    for hop, lane in enumerate(route.lanes):
+        batches, dropped = lane.take_batches()
+        assert [(b.steps, b.positions, b.sampled) for b in batches] == [(1, 1, int(hop == 2))] * (N_NEW - 1)
+        assert dropped == 0 and all(b.compute_s > 0 for b in batches)
     assert list(stats[2].appended) == got[:-1]  # the last window's history: each step's input id
     while len(got) < N_NEW + 4:
         got.append(

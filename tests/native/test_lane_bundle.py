@@ -124,6 +124,7 @@ def _step(r: Route, conn: socket.socket, which: list[int]) -> list[LaneAnswer | 
 def test_sessions_bundled_through_three_lanes_get_the_tokens_each_gets_alone(
     route: Route, alone: list[list[int]]
 ) -> None:
+    t_start = time.monotonic()
     with route.connect() as conn:
         for t in range(N_NEW - 1):
             # sessions join and leave the bundle: all four, then three, and one steps alone at times
@@ -141,6 +142,17 @@ def test_sessions_bundled_through_three_lanes_get_the_tokens_each_gets_alone(
     stats = [route.lanes[2].remove(s.ids[2]) for s in route.sessions]
     assert [st.steps for st in stats] == [N_NEW - 1] * 4
     assert [list(st.appended) for st in stats] == [s.tokens[:-1] for s in route.sessions]
+    # each hop logged every bundle it computed, as one batch of its members' steps, for the telemetry
+    sizes = [n for t in range(N_NEW - 1) for n in ([4] if t % 3 != 2 else [3, 1])]
+    t_end = time.monotonic()
+    for hop, lane in enumerate(route.lanes):
+        batches, dropped = lane.take_batches()
+        assert [b.steps for b in batches] == sizes and dropped == 0, hop
+        assert [b.positions for b in batches] == sizes  # one position per decode step
+        assert [b.sampled for b in batches] == (sizes if hop == 2 else [0] * len(sizes))
+        assert all(t_start <= b.t_done <= t_end for b in batches)  # on time.monotonic()'s clock
+        assert all(b.compute_s > 0 and b.wait_s >= 0 for b in batches)
+        assert lane.take_batches() == ([], 0)  # taken once
 
 
 def _bundle_head(count: int, payload_len: int, lane_id: int = 0) -> bytes:
@@ -195,6 +207,8 @@ def test_a_bundle_member_that_fails_at_a_later_hop_is_taken_back_and_the_others_
         out = _step(route, conn, [0, 1])
     assert all(isinstance(o, LaneError) and o.hop == 2 for o in out)
     assert route.lengths(0) == [len(s0.prompt)] * 3 and route.lengths(1) == [len(s1.prompt)] * 3
+    # the first two hops computed the bundle (and took it back); the last refused it unread
+    assert [[b.steps for b in lane.take_batches()[0]] for lane in route.lanes] == [[2], [2], []]
     # session 0 goes on exact, alone in its bundles now; a position that does not follow fails alone
     s2 = route.sessions[2]
     with route.connect() as conn:
@@ -205,6 +219,8 @@ def test_a_bundle_member_that_fails_at_a_later_hop_is_taken_back_and_the_others_
         assert isinstance(out[0], LaneAnswer) and out[0].token == alone[0][1]
         assert isinstance(out[1], LaneError) and out[1].hop == 0 and not out[1].refused
         assert route.lengths(2) == [s2_pos] * 3
+    # a member that failed is not counted among the batch's steps
+    assert [[b.steps for b in lane.take_batches()[0]] for lane in route.lanes] == [[1], [1], [1]]
 
 
 def test_waiting_for_the_lanes_next_step_returns_when_one_passes_and_at_once_when_it_is_quiet(
