@@ -299,17 +299,8 @@ void run_step(ggswarm_lane * lane, Worker & w, int fd, LaneSession & s, const He
     }
     b.compute_s_out = &compute_s;
     ggswarm_lane_batch done{};
-    ggswarm_status st;
-    {
-        const auto tw = Clock::now();
-        GGSWARM_LOCK(m);  // taken here (it is recursive) to tell the wait for the handle from the compute
-        const auto tc = Clock::now();
-        st = ggswarm_forward(m, s.cfg.sid, &b);
-        const auto te = Clock::now();
-        done.t_done = std::chrono::duration<double>(te.time_since_epoch()).count();
-        done.wait_s = seconds(tw, tc);
-        done.compute_s = seconds(tc, te);
-    }
+    ggswarm_status st = GGSWARM_OK;
+    timed_under_lock(m, done, [&] { st = ggswarm_forward(m, s.cfg.sid, &b); });
     if (st != GGSWARM_OK) {
         if (m->is_last()) s.history.resize(s.history.size() - (size_t)n);
         send_error(error_fd(s, fd), s, in, st, 0, ggswarm_last_error(), w.out);

@@ -173,6 +173,18 @@ namespace ggswarm::lanes {
 void note_pass(ggswarm_lane * lane, const ggswarm_lane_batch & done);
 // Seconds between two points of the lane's clock.
 inline double seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
+// Run `compute` under m's lock (recursive: the forward calls take it again), timing the wait for the
+// lock apart from the compute into `done` (its t_done, wait_s and compute_s).
+template <class F> void timed_under_lock(ggswarm_model * m, ggswarm_lane_batch & done, F && compute) {
+    const auto tw = Clock::now();
+    GGSWARM_LOCK(m);
+    const auto tc = Clock::now();
+    compute();
+    const auto te = Clock::now();
+    done.t_done = std::chrono::duration<double>(te.time_since_epoch()).count();
+    done.wait_s = seconds(tw, tc);
+    done.compute_s = seconds(tc, te);
+}
 }  // namespace ggswarm::lanes
 
 namespace ggswarm::lanes {

@@ -262,19 +262,12 @@ bool serve_bundle(ggswarm_lane * lane, Worker & w, int fd, const Header & outer)
         sids[i] = s.cfg.sid;
     }
     ggswarm_lane_batch done{};
-    {
-        const auto tw = Clock::now();
-        GGSWARM_LOCK(m);  // the per-step messages stay ours until read
-        const auto tc = Clock::now();
+    timed_under_lock(m, done, [&] {  // the per-step messages are read under the lock: they stay ours till then
         ggswarm_forward_many(m, (int32_t)k, sids.data(), batches.data(), statuses.data());
-        const auto te = Clock::now();
-        done.t_done = std::chrono::duration<double>(te.time_since_epoch()).count();
-        done.wait_s = seconds(tw, tc);
-        done.compute_s = seconds(tc, te);
         for (size_t i = 0; i < k; ++i) {
             if (statuses[i] != GGSWARM_OK) fail_member(ms[i], statuses[i], 0, ggswarm_forward_many_error(m, (int32_t)i));
         }
-    }
+    });
     const uint32_t handler_us = (uint32_t)(std::chrono::duration<double>(Clock::now() - t0).count() * 1e6);
     std::vector<size_t> ran;
     for (size_t i = 0; i < k; ++i) {
