@@ -44,9 +44,10 @@ def _read_key_arg(value: str) -> str:
 # -- inspect ----------------------------------------------------------------------------------------
 def cmd_inspect(args: argparse.Namespace) -> int:
     from agent.artifacts.manifest import ManifestError, build_manifest, format_manifest
+    from agent.backends.check import with_executor_check
 
     try:
-        m = build_manifest(args.model)
+        m = with_executor_check(build_manifest(args.model), args.model)
     except ManifestError as e:
         return _fail(str(e))
     print(m.to_json() if args.json else format_manifest(m))

@@ -88,6 +88,9 @@ class Manifest:
     mtp_layers: int = 0  # multi-token-prediction blocks after the trunk; their tensors are "last" role
     layer_groups: list[tuple[int, int]] = field(default_factory=list)  # [start, end) never split
     leading_dense_layers: int = 0
+    # why the native executor refuses the file although its architecture is in its table ("": it opens
+    # it, or it was not asked); set by agent.backends.check from libggswarm's own reading of the header
+    executor_problem: str = ""
     _by_name: dict[str, TensorInfo] = field(default_factory=dict, compare=False, repr=False)
 
     def tensor(self, name: str) -> TensorInfo:
@@ -117,7 +120,10 @@ class Manifest:
     @property
     def servable_problem(self) -> str:
         """Why this agent cannot serve the model layer by layer ("" when it can)."""
-        return servable_problem(self.architecture)
+        arch = servable_problem(self.architecture)
+        if arch or not self.executor_problem:
+            return arch
+        return f"not servable by this agent: the native executor refuses the file: {self.executor_problem}"
 
     @property
     def token_id_layers(self) -> int:

@@ -67,6 +67,25 @@ class _Builder:
     def flag(self, key: str, value: bool) -> None:
         self.kv.append((f"{self.arch}.{key}", bool(value), "bool"))
 
+    def text(self, key: str, value: str) -> None:
+        self.kv.append((f"{self.arch}.{key}", str(value), "str"))
+
+    def f32s(self, key: str, values: list[float]) -> None:
+        self.kv.append((f"{self.arch}.{key}", [float(v) for v in values], "f32[]"))
+
+    def rope_scaling(self, fields: dict[str, str | float | int]) -> None:
+        """Replace every rope.scaling.* key with `fields` (type: string, original_context_length: u32,
+        the rest f32), as llama.cpp's converter writes them."""
+        self.kv = [kv for kv in self.kv if not kv[0].startswith(f"{self.arch}.rope.scaling.")]
+        for name, value in fields.items():
+            key = f"rope.scaling.{name}"
+            if name == "type":
+                self.text(key, str(value))
+            elif name == "original_context_length":
+                self.u32(key, int(value))
+            else:
+                self.f32(key, float(value))
+
     def u32s(self, key: str, values: list[int]) -> None:
         self.kv.append((f"{self.arch}.{key}", [int(v) for v in values], "u32[]"))
 
@@ -242,6 +261,16 @@ def _qwen35moe(b: _Builder, n_layers: int, vocab: int, mtp: bool) -> None:
     _qwen35_family(b, n_layers, vocab, mtp, moe=True)
 
 
+# DeepSeek-V4-Flash's rope.scaling.* keys as its GGUFs carry them (rope.freq_base 10000 is _common's).
+DEEPSEEK4_FLASH_ROPE_SCALING: dict[str, str | float | int] = {
+    "type": "yarn",
+    "factor": 16.0,
+    "original_context_length": 65536,
+    "yarn_beta_fast": 32.0,
+    "yarn_beta_slow": 1.0,
+}
+
+
 def deepseek4_compress_ratios(n_layers: int) -> list[int]:
     """Per-layer compression ratios of the tiny deepseek4: 0 (raw window only), 4 and 128 in turn."""
     return [(0, 4, 128)[i % 3] for i in range(n_layers)]
@@ -266,13 +295,15 @@ def _deepseek4(b: _Builder, n_layers: int, vocab: int, mtp: bool, hash_layers: i
     b.f32("expert_weights_scale", 1.5)
     b.flag("expert_weights_norm", True)
     b.u32("expert_gating_func", 4)  # sqrt(softplus): the only scoring the loader accepts
-    b.f32("swiglu_clamp_exp", 10.0)
+    # per layer, as llama.cpp's converter writes it (the MTP block included); read with get_key_or_arr
+    b.f32s("swiglu_clamp_exp", [10.0] * n_all)
     b.u32("attention.indexer.head_count", idx_heads)
     b.u32("attention.indexer.key_length", idx_len)
     b.u32("attention.indexer.top_k", 8)
     b.u32("attention.output_group_count", o_groups)
     b.u32("attention.output_lora_rank", o_lora)
     b.f32("attention.compress_rope_freq_base", 160000.0)
+    b.rope_scaling(DEEPSEEK4_FLASH_ROPE_SCALING)  # YaRN, applied in the compressing layers only
     b.u32("hyper_connection.count", hc)
     b.u32("hyper_connection.sinkhorn_iterations", 20)
     b.f32("hyper_connection.epsilon", 1e-6)
@@ -343,7 +374,7 @@ def _glm_dsa(b: _Builder, n_layers: int, vocab: int, mtp: bool) -> None:
     n_expert, n_used, n_ff_exp, n_ff, dense_lead = 4, 2, 32, 128, 1
     idx_heads, idx_len = 2, 64  # power of two >= 64
     n_all = n_layers + (1 if mtp else 0)
-    _common(b, n_all, n_head, 1, n_ff)
+    _common(b, n_all, n_head, 1, n_ff, rope_base=8_000_000.0)  # GLM-5.2's base
     b.u32("attention.key_length", kv_lora + n_rot)
     b.u32("attention.value_length", kv_lora)
     b.u32("attention.key_length_mla", nope + n_rot)
@@ -482,13 +513,19 @@ def write_tiny_gguf(
     mtp: bool = False,
     tokenizer_from: str | os.PathLike[str] | None = None,
     hash_layers: int | None = None,
+    rope_scaling: dict[str, str | float | int] | None = None,
+    swiglu_clamp: float | list[float] | None = None,
 ) -> Path:
     """Write a tiny random-weight GGUF of `arch` to `path`; the same arguments give the same bytes.
 
     `mtp` adds one multi-token-prediction block after the trunk (`nextn_predict_layers` = 1), for the
     architectures that have one. The tokenizer is copied from SmolLM2's packaged GGUF unless
     `tokenizer_from` names another file. `hash_layers` (deepseek4 only, default 1): how many leading
-    layers route their experts by token id.
+    layers route their experts by token id. `rope_scaling` replaces the file's rope.scaling.* keys
+    (deepseek4 carries DeepSeek-V4-Flash's YaRN keys by default; `{}` writes none), e.g.
+    `{"type": "yarn", "factor": 4, "original_context_length": 32768}` as Qwen3's long-context files.
+    `swiglu_clamp` (deepseek4): the experts' SwiGLU limit, one number or a list written as given
+    (default 10.0 per layer, as an array like llama.cpp's converter writes it).
     """
     from gguf import GGUFValueType, GGUFWriter
 
@@ -519,18 +556,38 @@ def write_tiny_gguf(
         _deepseek4(b, layers, vocab, mtp, hash_layers)
     else:
         _BUILDERS[arch](b, layers, vocab, mtp)
+    if rope_scaling is not None:
+        b.rope_scaling(rope_scaling)
+    if swiglu_clamp is not None:
+        if arch != "deepseek4":
+            raise TinyModelError("swiglu_clamp applies to deepseek4 only")
+        key = f"{arch}.swiglu_clamp_exp"
+        b.kv = [kv for kv in b.kv if kv[0] != key]
+        if isinstance(swiglu_clamp, list):
+            b.f32s("swiglu_clamp_exp", swiglu_clamp)
+        else:
+            b.f32("swiglu_clamp_exp", swiglu_clamp)
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     w = GGUFWriter(str(out), arch)
     w.add_name(f"tiny-{arch}-{layers}L-{dtype}-seed{seed}")
     w.add_uint32("general.file_type", _FILE_TYPE[dtype])
-    scalar = {"u32": GGUFValueType.UINT32, "f32": GGUFValueType.FLOAT32, "bool": GGUFValueType.BOOL}
+    scalar = {
+        "u32": GGUFValueType.UINT32,
+        "f32": GGUFValueType.FLOAT32,
+        "bool": GGUFValueType.BOOL,
+        "str": GGUFValueType.STRING,
+    }
+    element = {
+        "u32[]": GGUFValueType.UINT32,
+        "i32[]": GGUFValueType.INT32,
+        "f32[]": GGUFValueType.FLOAT32,
+    }
     for key, value, kind in b.kv:
         if kind in scalar:
             w.add_key_value(key, value, scalar[kind])
         else:
-            sub = GGUFValueType.UINT32 if kind == "u32[]" else GGUFValueType.INT32
-            w.add_key_value(key, value, GGUFValueType.ARRAY, sub)
+            w.add_key_value(key, value, GGUFValueType.ARRAY, element[kind])
     for key, value, vtype, sub in tok:
         w.add_key_value(key, value, vtype, sub)
     rng = np.random.default_rng(seed)

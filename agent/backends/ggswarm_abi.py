@@ -162,6 +162,10 @@ def bind(lib: ctypes.CDLL) -> None:
     lib.ggswarm_model_free.argtypes = [ggswarm_model_p]
     lib.ggswarm_model_free.restype = None
 
+    # ggswarm_status ggswarm_check_file(const char * path);  (v10)
+    lib.ggswarm_check_file.argtypes = [ctypes.c_char_p]
+    lib.ggswarm_check_file.restype = c_status
+
     # const char * ggswarm_model_last_error(const ggswarm_model * model);
     lib.ggswarm_model_last_error.argtypes = [ggswarm_model_p]
     lib.ggswarm_model_last_error.restype = ctypes.c_char_p

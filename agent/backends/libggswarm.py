@@ -20,7 +20,7 @@ from agent.backends.ggswarm_abi import ggswarm_sampling as ggswarm_sampling
 from agent.defaults import env_int
 from agent.wire.frames import HiddenDtype, numpy_dtype
 
-GGSWARM_API_VERSION = 9
+GGSWARM_API_VERSION = 10
 
 GGSWARM_OK = 0
 GGSWARM_E_INVALID_ARG = -1
@@ -166,6 +166,16 @@ def is_available() -> bool:
     except OSError:
         return False
     return True
+
+
+def check_file(path: str | os.PathLike[str]) -> str:
+    """Why the executor would refuse to open `path` ("" when it opens it): its header, hyper-parameters
+    and every layer's tensor table, checked from the metadata alone (ggswarm_check_file)."""
+    lib = load_library()
+    st = lib.ggswarm_check_file(os.fsencode(path))
+    if st == GGSWARM_OK:
+        return ""
+    return (lib.ggswarm_last_error() or b"").decode("utf-8", "replace") or f"libggswarm status {st}"
 
 
 def _check(status: int, message: bytes | None) -> None:

@@ -46,6 +46,9 @@
  *       ggswarm_lane_wait_step, for an owner pacing its own long work between the lane's steps.
  *   9 - ggswarm_lane_take_batches: the batches the lane computed (steps, positions, tokens sampled, lock
  *       wait, compute), so the owner's telemetry counts lane work beside its own.
+ *  10 - ggswarm_check_file: whether the executor opens a file (its metadata, RoPE scaling and every
+ *       layer's tensor table), without loading weights; what "servable" means for inspect and placement.
+ *       RoPE scaling as llama.cpp reads it (YaRN included); deepseek4's per-layer clamps.
  */
 #ifndef GGSWARM_H
 #define GGSWARM_H
@@ -57,7 +60,7 @@
 extern "C" {
 #endif
 
-#define GGSWARM_API_VERSION 9
+#define GGSWARM_API_VERSION 10
 
 #if defined(_WIN32)
 #define GGSWARM_API __declspec(dllexport)
@@ -186,6 +189,12 @@ GGSWARM_API ggswarm_status ggswarm_model_open(const char * path, int32_t layer_s
 
 /* Free the model, its sessions and their KV. NULL is ignored. */
 GGSWARM_API void ggswarm_model_free(ggswarm_model * model);
+
+/* Whether ggswarm_model_open would accept `path` for any window: the header, the architecture's
+ * hyper-parameters (with llama.cpp's types and fallbacks) and every layer's tensors (names, shapes,
+ * types) are checked from the metadata alone; no weight is read, so a partly downloaded file works.
+ * GGSWARM_OK, or the error open would give (message in ggswarm_last_error). */
+GGSWARM_API ggswarm_status ggswarm_check_file(const char * path);
 
 /* Message of the last failed call on this handle ("" when none). */
 GGSWARM_API const char * ggswarm_model_last_error(const ggswarm_model * model);

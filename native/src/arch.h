@@ -27,6 +27,11 @@ struct Hp {
     bool opt_int(const char * key, int64_t * out) const;      // false when absent (or not an integer)
     bool opt_float(const char * key, double * out) const;     // false when absent
     bool opt_str(const char * key, std::string * out) const;  // false when absent
+    // a bool (GGUF BOOL, or an integer as 0 / not 0): 1 read, 0 absent, -1 present in another form
+    int opt_bool(const char * key, bool * out) const;
+    // llama.cpp's get_key_or_arr for floats: one number for every layer, or an f32 array of exactly n;
+    // 1 read, 0 absent, -1 present in another form (a wrong length included)
+    int per_layer_float(const char * key, int32_t n, std::vector<float> * out) const;
     // a per-layer array of integers or bools (n values) or one value for every layer; false when absent
     bool per_layer(const char * key, int32_t n, std::vector<int64_t> * out) const;
     // an integer array (i32/u32 elements) of any length; false when missing or of another type
@@ -37,6 +42,10 @@ struct Hp {
 // head_dim (key_length = value_length), rope dimension (whole head), rms epsilon, rope base and linear
 // scaling, context length. Fills m and every m->lhp[il] with KV state and the model's rope base.
 ggswarm_status read_attention_hparams(ggswarm_model * m, const Hp & hp);
+
+// rope.freq_base and RoPE scaling as llama.cpp reads them (m->rope_base, m->rope); read_hparams calls it
+// before the architecture's reader and gives every layer the model's values, which readers may override.
+ggswarm_status read_rope_scaling(ggswarm_model * m, const Hp & hp);
 
 // --- tensors ----------------------------------------------------------------------------------------------
 

@@ -132,23 +132,19 @@ const char * ggswarm_model_last_error(const ggswarm_model * model) {
     return model ? model->error.c_str() : "model handle is NULL";
 }
 
-ggswarm_status ggswarm_model_open(const char * path, int32_t layer_start, int32_t layer_end, int32_t n_threads,
-                                  ggswarm_budget * budget, const char * model_id, ggswarm_model ** out) {
-    g_last_error.clear();
-#ifdef GGSWARM_OWN_THREADPOOL
-    static std::once_flag log_once;
-    std::call_once(log_once, [] { ggml_log_set(ggml_warnings_only, nullptr); });
-#endif
-    if (!out) return fail(nullptr, GGSWARM_E_INVALID_ARG, "out is NULL");
-    *out = nullptr;
+}  // extern "C"
+
+namespace {
+
+// The file's header, hyper-parameters and window range into a new handle (*out), before anything is
+// allocated for weights: what ggswarm_model_open and ggswarm_check_file share. layer_end -1: the whole model.
+ggswarm_status open_header(const char * path, int32_t layer_start, int32_t layer_end, ggswarm::Meta & meta,
+                           ggswarm_model ** out, uint64_t * file_size) {
     if (!path) return fail(nullptr, GGSWARM_E_INVALID_ARG, "path is NULL");
-    if (n_threads <= 0 || n_threads > 1024) {
-        return fail(nullptr, GGSWARM_E_INVALID_ARG, "n_threads must be in 1..1024, got %d", n_threads);
-    }
     struct stat st;
     if (stat(path, &st) != 0) return fail(nullptr, GGSWARM_E_IO, "cannot open %s: %s", path, strerror(errno));
     if (!S_ISREG(st.st_mode)) return fail(nullptr, GGSWARM_E_IO, "%s is not a regular file", path);
-    const uint64_t file_size = (uint64_t)st.st_size;
+    *file_size = (uint64_t)st.st_size;
     {
         FILE * fp = fopen(path, "rb");
         if (!fp) return fail(nullptr, GGSWARM_E_IO, "cannot open %s: %s", path, strerror(errno));
@@ -159,7 +155,6 @@ ggswarm_status ggswarm_model_open(const char * path, int32_t layer_start, int32_
             return fail(nullptr, GGSWARM_E_FORMAT, "%s is not a GGUF file (bad magic)", path);
         }
     }
-    Meta meta;
     gguf_init_params gp = {true, &meta.ctx};
     meta.g = gguf_init_from_file(path, gp);
     if (!meta.g) return fail(nullptr, GGSWARM_E_FORMAT, "%s: malformed GGUF header, metadata or tensor table", path);
@@ -173,6 +168,7 @@ ggswarm_status ggswarm_model_open(const char * path, int32_t layer_start, int32_
     };
     ggswarm_status s = read_hparams(m, meta);
     if (s) return bail(s);
+    if (layer_end == -1) layer_end = m->n_layers_total;
     if (!(0 <= layer_start && layer_start < layer_end && layer_end <= m->n_layers_total)) {
         return bail(fail(m, GGSWARM_E_RANGE, "layer range %d:%d is outside 0:%d (need 0 <= start < end <= %d)",
                          layer_start, layer_end, m->n_layers_total, m->n_layers_total));
@@ -186,6 +182,37 @@ ggswarm_status ggswarm_model_open(const char * path, int32_t layer_start, int32_
                          (long long)emb->ne[0], (long long)emb->ne[1], m->d_model));
     }
     m->n_vocab = (int32_t)emb->ne[1];
+    *out = m;
+    return GGSWARM_OK;
+}
+
+}  // namespace
+
+extern "C" {
+
+ggswarm_status ggswarm_model_open(const char * path, int32_t layer_start, int32_t layer_end, int32_t n_threads,
+                                  ggswarm_budget * budget, const char * model_id, ggswarm_model ** out) {
+    g_last_error.clear();
+#ifdef GGSWARM_OWN_THREADPOOL
+    static std::once_flag log_once;
+    std::call_once(log_once, [] { ggml_log_set(ggml_warnings_only, nullptr); });
+#endif
+    if (!out) return fail(nullptr, GGSWARM_E_INVALID_ARG, "out is NULL");
+    *out = nullptr;
+    if (n_threads <= 0 || n_threads > 1024) {
+        return fail(nullptr, GGSWARM_E_INVALID_ARG, "n_threads must be in 1..1024, got %d", n_threads);
+    }
+    if (layer_end < 0) return fail(nullptr, GGSWARM_E_RANGE, "layer range %d:%d is invalid", layer_start, layer_end);
+    Meta meta;
+    ggswarm_model * m = nullptr;
+    uint64_t file_size = 0;
+    if (ggswarm_status s = open_header(path, layer_start, layer_end, meta, &m, &file_size)) return s;
+    auto bail = [&](ggswarm_status s) {
+        g_last_error = m->error;
+        delete m;
+        return s;
+    };
+    ggswarm_status s;
     if (budget) {
         std::lock_guard<std::mutex> lock(budget->mu);
         ++budget->refs;
@@ -200,6 +227,18 @@ ggswarm_status ggswarm_model_open(const char * path, int32_t layer_start, int32_
     if (m->model_id.size() > 71) m->model_id.resize(71);
     *out = m;
     return GGSWARM_OK;
+}
+
+ggswarm_status ggswarm_check_file(const char * path) {
+    g_last_error.clear();
+    Meta meta;
+    ggswarm_model * m = nullptr;
+    uint64_t file_size = 0;
+    if (ggswarm_status s = open_header(path, 0, -1, meta, &m, &file_size)) return s;
+    const ggswarm_status s = check_window(m, meta);
+    if (s) g_last_error = m->error;
+    delete m;
+    return s;
 }
 
 void ggswarm_model_free(ggswarm_model * model) { delete model; }

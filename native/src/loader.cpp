@@ -77,6 +77,35 @@ ggswarm_status Hp::need_int(const char * key, int64_t lo, int64_t hi, int32_t * 
 }
 
 bool Hp::opt_int(const char * key, int64_t * out) const { return get_int(g, prefix + key, out); }
+
+int Hp::opt_bool(const char * key, bool * out) const {
+    const int64_t id = gguf_find_key(g, (prefix + key).c_str());
+    if (id < 0) return 0;
+    if (gguf_get_kv_type(g, id) == GGUF_TYPE_BOOL) {
+        *out = gguf_get_val_bool(g, id);
+        return 1;
+    }
+    int64_t v = 0;
+    if (!get_int(g, prefix + key, &v)) return -1;
+    *out = v != 0;
+    return 1;
+}
+
+int Hp::per_layer_float(const char * key, int32_t n, std::vector<float> * out) const {
+    const int64_t id = gguf_find_key(g, (prefix + key).c_str());
+    if (id < 0) return 0;
+    if (gguf_get_kv_type(g, id) != GGUF_TYPE_ARRAY) {
+        double v = 0;
+        if (!get_float(g, prefix + key, &v)) return -1;
+        out->assign(n, (float)v);
+        return 1;
+    }
+    // llama.cpp's get_key_or_arr: an array holds exactly one value per layer of the file
+    if (gguf_get_arr_type(g, id) != GGUF_TYPE_FLOAT32 || (int64_t)gguf_get_arr_n(g, id) != n) return -1;
+    const float * d = static_cast<const float *>(gguf_get_arr_data(g, id));
+    out->assign(d, d + n);
+    return 1;
+}
 bool Hp::opt_float(const char * key, double * out) const { return get_float(g, prefix + key, out); }
 bool Hp::opt_str(const char * key, std::string * out) const { return get_str(g, prefix + key, out); }
 
@@ -147,7 +176,83 @@ ggswarm_status read_hparams(ggswarm_model * m, const Meta & meta) {
     int64_t v = 0;
     if (hp.opt_int("context_length", &v) && v > 0) m->n_ctx_train = (int32_t)std::min<int64_t>(v, INT32_MAX);
     m->n_ctx_max = std::min(m->n_ctx_train, (int32_t)GGSWARM_MAX_CONTEXT);
-    return m->archp->read_hparams(m, hp);
+    if ((st = read_rope_scaling(m, hp))) return st;
+    for (LayerHp & l : m->lhp) {
+        l.rope_base = m->rope_base;
+        l.rope_scale = m->rope.freq_scale;
+        l.rope_ext = m->rope.ext_factor;
+        l.rope_attn = m->rope.attn_factor;
+    }
+    if ((st = m->archp->read_hparams(m, hp))) return st;
+    const RopeScaling & r = m->rope;
+    if (r.ext_factor != 0.0f || r.freq_scale != 1.0f) {  // the set-up a user compares with llama.cpp's log
+        fprintf(stderr,
+                "libggswarm: %s rope: base %g, scaling %s, freq_scale %g, ext_factor %g, attn_factor %g, "
+                "beta %g/%g, n_ctx_orig %d\n",
+                m->arch.c_str(), (double)m->rope_base, r.type.c_str(), (double)r.freq_scale, (double)r.ext_factor,
+                (double)r.attn_factor, (double)r.beta_fast, (double)r.beta_slow, r.n_ctx_orig);
+    }
+    return GGSWARM_OK;
+}
+
+// RoPE scaling with llama.cpp's keys, types and fallbacks (llama_model::load_hparams, then the context's
+// defaults): type absent = linear; factor from rope.scaling.factor, else rope.scale_linear, 0 = none;
+// YaRN sets ext_factor 1 and an attn_factor that cancels ggml's own magnitude correction (net 1, times
+// rope.scaling.attn_factor); the original context falls back to context_length. llama.cpp reads no
+// yarn_beta_* keys (it uses 32 / 1): a file whose values differ is refused rather than run differently.
+ggswarm_status read_rope_scaling(ggswarm_model * m, const Hp & hp) {
+    const char * a = hp.prefix.c_str();
+    RopeScaling & r = m->rope;
+    r = RopeScaling{};
+    double f = 0;
+    m->rope_base = 10000.0f;
+    if (hp.has("rope.freq_base")) {
+        if (!hp.opt_float("rope.freq_base", &f) || !(f > 0)) return fail(m, GGSWARM_E_FORMAT, "%srope.freq_base is not a positive number", a);
+        m->rope_base = (float)f;
+    }
+    if (hp.has("rope.scaling.type") && !hp.opt_str("rope.scaling.type", &r.type)) {
+        return fail(m, GGSWARM_E_FORMAT, "%srope.scaling.type is not a string", a);
+    }
+    if (r.type != "none" && r.type != "linear" && r.type != "yarn" && r.type != "longrope") {
+        return fail(m, GGSWARM_E_FORMAT, "%srope.scaling.type '%s' is unknown (llama.cpp knows none, linear, yarn, longrope)",
+                    a, r.type.c_str());
+    }
+    double factor = 0;
+    const char * fkey = hp.has("rope.scaling.factor") ? "rope.scaling.factor" : "rope.scale_linear";
+    if (hp.has(fkey) && (!hp.opt_float(fkey, &factor) || factor < 0 || !std::isfinite(factor))) {
+        return fail(m, GGSWARM_E_FORMAT, "%s%s is not a non-negative number", a, fkey);
+    }
+    r.freq_scale = factor == 0.0 ? 1.0f : (float)(1.0 / factor);
+    if (r.type == "none") r.freq_scale = 1.0f;
+    r.n_ctx_orig = m->n_ctx_train;
+    int64_t v = 0;
+    if (hp.has("rope.scaling.original_context_length")) {
+        if (!hp.opt_int("rope.scaling.original_context_length", &v) || v < 0 || v > INT32_MAX) {
+            return fail(m, GGSWARM_E_FORMAT, "%srope.scaling.original_context_length is not a context length", a);
+        }
+        if (v > 0) r.n_ctx_orig = (int32_t)v;
+    }
+    double rope_attn = 1.0;
+    if (hp.has("rope.scaling.attn_factor") && !hp.opt_float("rope.scaling.attn_factor", &rope_attn)) {
+        return fail(m, GGSWARM_E_FORMAT, "%srope.scaling.attn_factor is not a number", a);
+    }
+    const struct { const char * key; double llama; } betas[] = {{"rope.scaling.yarn_beta_fast", 32.0},
+                                                               {"rope.scaling.yarn_beta_slow", 1.0}};
+    for (const auto & bk : betas) {
+        if (hp.has(bk.key) && (!hp.opt_float(bk.key, &f) || f != bk.llama)) {
+            return fail(m, GGSWARM_E_UNSUPPORTED, "%s%s must be %g: llama.cpp ignores the key and uses %g", a, bk.key,
+                        bk.llama, bk.llama);
+        }
+    }
+    if (r.type == "yarn") {
+        r.ext_factor = 1.0f;
+        // llama.cpp: mscale(factor) = 1 + 0.1 ln(factor), divided by ggml's own 1 + 0.1 ln(1 / freq_scale)
+        const float fac = 1.0f / r.freq_scale;
+        const float mscale = fac <= 1.0f ? 1.0f : 0.1f * logf(fac) + 1.0f;
+        r.attn_factor = mscale / (1.0f + 0.1f * logf(fac));
+    }
+    r.attn_factor *= (float)rope_attn;
+    return GGSWARM_OK;
 }
 
 ggswarm_status read_attention_hparams(ggswarm_model * m, const Hp & hp) {
@@ -188,21 +293,7 @@ ggswarm_status read_attention_hparams(ggswarm_model * m, const Hp & hp) {
         return fail(m, GGSWARM_E_FORMAT, "%sattention.layer_norm_rms_epsilon is missing", a);
     }
     m->eps = (float)f;
-    m->rope_base = hp.opt_float("rope.freq_base", &f) ? (float)f : 10000.0f;
-    std::string scaling = "none";
-    hp.opt_str("rope.scaling.type", &scaling);
-    if (scaling == "linear") {
-        if (hp.opt_float("rope.scaling.factor", &f) && f > 0) m->rope_freq_scale = (float)(1.0 / f);
-    } else if (scaling != "none" && !scaling.empty()) {
-        return fail(m, GGSWARM_E_UNSUPPORTED, "rope scaling '%s' is not supported by the native backend",
-                    scaling.c_str());
-    }
-    if (hp.opt_float("rope.scale_linear", &f) && f > 0) m->rope_freq_scale = (float)(1.0 / f);
-    for (LayerHp & l : m->lhp) {
-        l.state = StateKind::KV;
-        l.rope_base = m->rope_base;
-        l.rope_scale = m->rope_freq_scale;
-    }
+    for (LayerHp & l : m->lhp) l.state = StateKind::KV;  // RoPE: read_rope_scaling's, set before
     return GGSWARM_OK;
 }
 
@@ -268,8 +359,8 @@ bool matmul_ok(const ggswarm_model * m, const ggml_tensor * src, ggml_backend_bu
 
 }  // namespace
 
-ggswarm_status load_weights(ggswarm_model * m, const Meta & meta, const char * path, uint64_t file_size) {
-    Wants wants;
+// The tensors of the window [layer_start, layer_end) with their expected shapes, into wants.
+ggswarm_status want_window(ggswarm_model * m, const Meta & meta, Wants & wants) {
     wants.g = meta.g;
     const int64_t d = m->d_model;
     if (m->is_first()) wants.need("token_embd.weight", {d, m->n_vocab}, &m->tok_embd);
@@ -289,6 +380,50 @@ ggswarm_status load_weights(ggswarm_model * m, const Meta & meta, const char * p
         }
         m->archp->want_layer(m, il, m->layers[il - m->layer_start], wants);
     }
+    return GGSWARM_OK;
+}
+
+// A wanted tensor against the file's table: present (unless optional: *src stays null), of the
+// expected shape, f32 when it is a vector (norms, biases).
+ggswarm_status resolve_want(ggswarm_model * m, const Meta & meta, const Wants::Item & w, const ggml_tensor ** src,
+                            int64_t * tid) {
+    *src = nullptr;
+    *tid = gguf_find_tensor(meta.g, w.name.c_str());
+    if (*tid < 0) return w.optional ? GGSWARM_OK : fail(m, GGSWARM_E_FORMAT, "tensor %s is missing", w.name.c_str());
+    const ggml_tensor * t = ggml_get_tensor(meta.ctx, w.name.c_str());
+    if (!t) return fail(m, GGSWARM_E_FORMAT, "tensor %s has no metadata", w.name.c_str());
+    for (int i = 0; i < GGML_MAX_DIMS; ++i) {
+        int64_t expect = i < (int)w.shape.size() ? w.shape[i] : 1;
+        if (t->ne[i] != expect) {
+            return fail(m, GGSWARM_E_FORMAT, "tensor %s has shape [%lld, %lld, %lld, %lld], expected dim %d = %lld",
+                        w.name.c_str(), (long long)t->ne[0], (long long)t->ne[1], (long long)t->ne[2],
+                        (long long)t->ne[3], i, (long long)expect);
+        }
+    }
+    if (w.shape.size() == 1 && t->type != GGML_TYPE_F32) {
+        return fail(m, GGSWARM_E_UNSUPPORTED, "tensor %s has type %s; norms and biases must be f32", w.name.c_str(),
+                    ggml_type_name(t->type));
+    }
+    *src = t;
+    return GGSWARM_OK;
+}
+
+ggswarm_status check_window(ggswarm_model * m, const Meta & meta) {
+    Wants wants;
+    ggswarm_status st = want_window(m, meta, wants);
+    for (const Wants::Item & w : wants.items) {
+        if (st) break;
+        const ggml_tensor * src;
+        int64_t tid;
+        st = resolve_want(m, meta, w, &src, &tid);
+    }
+    m->layers.clear();
+    return st;
+}
+
+ggswarm_status load_weights(ggswarm_model * m, const Meta & meta, const char * path, uint64_t file_size) {
+    Wants wants;
+    if (ggswarm_status st = want_window(m, meta, wants)) return st;
     const std::vector<Wants::Item> & want = wants.items;
     ggml_init_params ip = {ggml_tensor_overhead() * (want.size() + 4), nullptr, true};
     m->wctx = ggml_init(ip);
@@ -297,26 +432,10 @@ ggswarm_status load_weights(ggswarm_model * m, const Meta & meta, const char * p
     ggml_backend_buffer_type_t extra = repack_buft(m);
     std::vector<std::pair<ggml_tensor *, int64_t>> to_read;  // tensor, gguf id
     for (const Wants::Item & w : want) {
-        int64_t tid = gguf_find_tensor(meta.g, w.name.c_str());
-        if (tid < 0) {
-            if (w.optional) continue;
-            return fail(m, GGSWARM_E_FORMAT, "tensor %s is missing", w.name.c_str());
-        }
-        const ggml_tensor * src = ggml_get_tensor(meta.ctx, w.name.c_str());
-        if (!src) return fail(m, GGSWARM_E_FORMAT, "tensor %s has no metadata", w.name.c_str());
-        for (int i = 0; i < GGML_MAX_DIMS; ++i) {
-            int64_t expect = i < (int)w.shape.size() ? w.shape[i] : 1;
-            if (src->ne[i] != expect) {
-                return fail(m, GGSWARM_E_FORMAT, "tensor %s has shape [%lld, %lld, %lld, %lld], expected dim %d = %lld",
-                            w.name.c_str(), (long long)src->ne[0], (long long)src->ne[1], (long long)src->ne[2],
-                            (long long)src->ne[3], i, (long long)expect);
-            }
-        }
-        bool is_vec = w.shape.size() == 1;
-        if (is_vec && src->type != GGML_TYPE_F32) {
-            return fail(m, GGSWARM_E_UNSUPPORTED, "tensor %s has type %s; norms and biases must be f32", w.name.c_str(),
-                        ggml_type_name(src->type));
-        }
+        const ggml_tensor * src;
+        int64_t tid;
+        if (ggswarm_status st = resolve_want(m, meta, w, &src, &tid)) return st;
+        if (!src) continue;  // optional and absent
         // matrices the CPU's repacked layout can multiply go there, as llama.cpp places them (the same
         // kernels, so the same numbers, and faster); token_embd stays (get_rows reads it)
         const bool repack = extra && w.shape.size() >= 2 && w.name != "token_embd.weight" && matmul_ok(m, src, extra);

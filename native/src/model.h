@@ -71,7 +71,20 @@ struct LayerHp {
     StateKind state = StateKind::KV;
     bool swa = false;  // attends only the last n_swa positions (ggswarm_model::n_swa)
     float rope_base = 10000.0f;
-    float rope_scale = 1.0f;
+    float rope_scale = 1.0f;   // freq_scale: 1 / rope.scaling.factor (1: none)
+    float rope_ext = 0.0f;     // YaRN's ext_factor: 1 where YaRN applies to this layer, else 0
+    float rope_attn = 1.0f;    // ggml's attn_factor for this layer's RoPE (YaRN's magnitude, net of ggml's)
+};
+
+// RoPE scaling as llama.cpp's context sets it up from the file (llama_context's cparams): the scaling
+// type (absent: linear), 1 / factor, YaRN's ext_factor, attn_factor, betas and original context.
+struct RopeScaling {
+    std::string type = "linear";
+    float freq_scale = 1.0f;
+    float ext_factor = 0.0f;
+    float attn_factor = 1.0f;  // llama.cpp's cparams.yarn_attn_factor (times rope.scaling.attn_factor)
+    float beta_fast = 32.0f, beta_slow = 1.0f;
+    int32_t n_ctx_orig = 0;  // rope.scaling.original_context_length, else context_length
 };
 
 // One session's state on the model's device: per layer of the window, the tensors of its state kind
@@ -198,8 +211,9 @@ struct ggswarm_model {
     int32_t n_layers_total = 0, layer_start = 0, layer_end = 0;
     int32_t d_model = 0, n_vocab = 0, n_head = 0, n_head_kv = 0, head_dim = 0, n_ff = 0, n_rot = 0;
     int32_t n_ctx_train = 0, n_ctx_max = 0, n_threads = 1;
-    float eps = 1e-5f, rope_base = 10000.0f, rope_freq_scale = 1.0f;
+    float eps = 1e-5f, rope_base = 10000.0f;
     int rope_mode = GGML_ROPE_TYPE_NORMAL;
+    ggswarm::RopeScaling rope;  // read once by the loader (read_rope_scaling); layers copy what applies to them
     int32_t n_swa = 0;           // sliding window of the layers whose LayerHp::swa is set
     float embd_scale = 0.0f;     // first window: token embeddings times this (0: not scaled; gemma3)
     float logit_softcap = 0.0f;  // last window: logits = c * tanh(logits / c) (0: none)
@@ -289,6 +303,9 @@ ggswarm_status fail(const ggswarm_model * m, ggswarm_status code, const char * f
 ggswarm_status ok(const ggswarm_model * m);
 
 // loading (loader.cpp)
+// Every tensor the window [m->layer_start, m->layer_end) needs is in the file's table with the expected
+// shape and type; nothing is allocated (ggswarm_check_file).
+ggswarm_status check_window(ggswarm_model * m, const Meta & meta);
 ggswarm_status read_hparams(ggswarm_model * m, const Meta & meta);
 ggswarm_status load_weights(ggswarm_model * m, const Meta & meta, const char * path, uint64_t file_size);
 std::string fingerprint(const char * path, uint64_t data_off, uint64_t file_size);

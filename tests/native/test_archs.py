@@ -39,8 +39,13 @@ def _packaged(name: str) -> Callable[[Path], str]:
     return get
 
 
-def _tiny(arch: str) -> Callable[[Path], str]:
-    return lambda d: str(write_tiny_gguf(arch, d / f"{arch}.gguf"))
+def _tiny(arch: str, **kw: object) -> Callable[[Path], str]:
+    return lambda d: str(write_tiny_gguf(arch, d / f"{arch}.gguf", **kw))  # type: ignore[arg-type]
+
+
+# Qwen3's 128K files declare YaRN (factor 4 over 32K); scaled down so the text's 320 positions sit in
+# the ramp between extrapolated and interpolated frequencies
+QWEN3_YARN = {"type": "yarn", "factor": 4.0, "original_context_length": 256}
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,7 @@ CASES = [
     # tiny: global layer 5 of 6, sliding window 32 (the text and the greedy run go past it)
     Case("gemma3-tiny", "gemma3", _tiny("gemma3"), ((0, 2), (2, 5), (5, 6))),
     Case("qwen3", "qwen3", _tiny("qwen3"), ((0, 1), (1, 3), (3, 4))),
+    Case("qwen3-yarn", "qwen3", _tiny("qwen3", rope_scaling=QWEN3_YARN), ((0, 1), (1, 3), (3, 4))),
 ]
 
 

@@ -8,6 +8,7 @@ from celery import shared_task
 from django.db import transaction
 
 from agent.artifacts.manifest import ManifestError, build_manifest
+from agent.backends.check import with_executor_check
 from webapp.catalog.models import ModelArtifact
 from webapp.catalog.services import build_torrent
 from webapp.core.channels import notify_fleet
@@ -29,7 +30,7 @@ def build_artifact_manifest(artifact_id: int) -> str:
         return "another worker got there first"
     a = ModelArtifact.objects.get(pk=artifact_id)
     try:
-        m = build_manifest(a.path)
+        m = with_executor_check(build_manifest(a.path), a.path)
     except ManifestError as e:
         ModelArtifact.objects.filter(pk=artifact_id).update(state=ModelArtifact.State.FAILED, error=str(e))
         return "failed"

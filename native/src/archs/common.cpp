@@ -22,8 +22,8 @@ ggml_tensor * linear(ggml_context * c, ggml_tensor * w, ggml_tensor * b, ggml_te
 ggml_tensor * rope(Build & b, int32_t il, ggml_tensor * x) {
     const ggswarm_model * m = b.m;
     const LayerHp & h = b.hp(il);
-    return ggml_rope_ext(b.c, x, b.g.inp_pos, m->rope_freqs, m->n_rot, m->rope_mode, m->n_ctx_train, h.rope_base,
-                         h.rope_scale, 0.0f, 1.0f, 32.0f, 1.0f);
+    return ggml_rope_ext(b.c, x, b.g.inp_pos, m->rope_freqs, m->n_rot, m->rope_mode, m->rope.n_ctx_orig, h.rope_base,
+                         h.rope_scale, h.rope_ext, h.rope_attn, m->rope.beta_fast, m->rope.beta_slow);
 }
 
 Qkv qkv(Build & b, int32_t il, ggml_tensor * cur) {

@@ -24,7 +24,8 @@ struct Dsv4 : ArchData {
     int32_t n_expert = 0, n_used = 0, n_ff_exp = 0, n_shexp = 1;
     int32_t idx_heads = 0, idx_len = 0, top_k = 0;
     int32_t hc = 4, sinkhorn = 1, hash_layers = 0;
-    float hc_eps = 1e-6f, w_scale = 1.0f, clamp_exp = 0.0f, clamp_shexp = 0.0f, comp_base = 10000.0f;
+    float hc_eps = 1e-6f, w_scale = 1.0f, comp_base = 10000.0f;
+    std::vector<float> clamp_exp, clamp_shexp;  // per layer of the file (0: no clamp)
     bool norm_w = true;
     std::vector<int32_t> ratio;  // per layer: 0, 4 or 128
 };
@@ -90,21 +91,26 @@ ggswarm_status read(ggswarm_model * m, const Hp & hp) {
         return fail(m, GGSWARM_E_FORMAT, "%sattention.layer_norm_rms_epsilon is missing", a);
     }
     m->eps = (float)f;
-    m->rope_base = hp.opt_float("rope.freq_base", &f) ? (float)f : 10000.0f;
     if (!hp.opt_float("attention.compress_rope_freq_base", &f)) {
         return fail(m, GGSWARM_E_FORMAT, "%sattention.compress_rope_freq_base is missing", a);
     }
     h->comp_base = (float)f;
     if (hp.opt_float("hyper_connection.epsilon", &f)) h->hc_eps = (float)f;
-    if (hp.opt_float("expert_weights_scale", &f) && f != 0.0) h->w_scale = (float)f;
-    h->clamp_exp = hp.opt_float("swiglu_clamp_exp", &f) ? (float)f : 0.0f;
-    h->clamp_shexp = hp.opt_float("swiglu_clamp_shexp", &f) ? (float)f : h->clamp_exp;
-    int64_t v = 0;
-    if (hp.opt_int("expert_weights_norm", &v)) h->norm_w = v != 0;
-    std::string scaling;
-    if (hp.opt_str("rope.scaling.type", &scaling) && scaling != "none" && !scaling.empty()) {
-        return fail(m, GGSWARM_E_UNSUPPORTED, "rope scaling '%s' is not supported for deepseek4 yet", scaling.c_str());
+    // llama.cpp reads both clamps with get_key_or_arr (one value or one per layer of the file, the MTP
+    // blocks included) and requires the first; the shared experts' falls back to the routed ones'
+    int got = hp.per_layer_float("swiglu_clamp_exp", n_all, &h->clamp_exp);
+    if (got <= 0) {
+        return fail(m, GGSWARM_E_FORMAT, "%sswiglu_clamp_exp is %s (one number, or an f32 array of %d: one per layer)", a,
+                    got ? "malformed" : "missing", n_all);
     }
+    got = hp.per_layer_float("swiglu_clamp_shexp", n_all, &h->clamp_shexp);
+    if (got < 0) return fail(m, GGSWARM_E_FORMAT, "%sswiglu_clamp_shexp: one number, or an f32 array of %d", a, n_all);
+    if (got == 0) h->clamp_shexp = h->clamp_exp;
+    if (hp.opt_bool("expert_weights_norm", &h->norm_w) <= 0) {
+        return fail(m, GGSWARM_E_FORMAT, "%sexpert_weights_norm is missing or not a bool", a);
+    }
+    if (!hp.opt_float("expert_weights_scale", &f)) return fail(m, GGSWARM_E_FORMAT, "%sexpert_weights_scale is missing", a);
+    if (f != 0.0) h->w_scale = (float)f;
     std::vector<int64_t> ratios;
     if (!hp.int_array("attention.compress_ratios", &ratios) || (int32_t)ratios.size() < m->n_layers_total) {
         return fail(m, GGSWARM_E_FORMAT, "%sattention.compress_ratios (one per layer) is missing or short", a);
@@ -116,8 +122,14 @@ ggswarm_status read(ggswarm_model * m, const Hp & hp) {
         h->ratio.push_back((int32_t)ratios[i]);
         m->lhp[i].state = StateKind::Dsv4;
         m->lhp[i].swa = true;
-        m->lhp[i].rope_base = ratios[i] ? h->comp_base : m->rope_base;
-        m->lhp[i].rope_scale = 1.0f;
+        // llama.cpp's rule: compressing layers rope at the compress base with the file's scaling (YaRN in
+        // the real files, with an attn_factor that cancels ggml's magnitude: net 1); ratio-0 layers plainly
+        LayerHp & l = m->lhp[i];
+        const bool scaled = ratios[i] != 0;
+        l.rope_base = scaled ? h->comp_base : m->rope_base;
+        l.rope_scale = scaled ? m->rope.freq_scale : 1.0f;
+        l.rope_ext = scaled ? m->rope.ext_factor : 0.0f;
+        l.rope_attn = l.rope_ext == 0.0f ? 1.0f : 1.0f / (1.0f + 0.1f * logf(1.0f / l.rope_scale));
     }
     m->n_ff = h->n_ff_exp;
     m->n_streams = h->hc;
@@ -394,13 +406,18 @@ void set_inputs(ggswarm_model * m, Graph & g, int32_t pos, int32_t nc) {
 
 ggml_tensor * ex(const Layer & L, const char * name) { return L.extra.at(name); }
 
-// RoPE of the last n_rot channels of x [hd, heads, n] (the first hd - n_rot pass through)
-ggml_tensor * rope_tail(Build & b, ggml_tensor * x, ggml_tensor * pos, float base, bool back = false) {
+// RoPE of the last n_rot channels of x [hd, heads, n] (the first hd - n_rot pass through), with layer
+// il's base, scale and YaRN (deepseek4's per-layer rule, read)
+ggml_tensor * rope_tail(Build & b, int32_t il, ggml_tensor * x, ggml_tensor * pos, bool back = false) {
     const int32_t nr = dsv4(b.m).n_rot;
-    ggml_tensor * r = back ? ggml_rope_ext_back(b.c, x, pos, nullptr, nr, GGML_ROPE_TYPE_NORMAL, 0, base, 1.0f, 0.0f,
-                                                1.0f, 0.0f, 0.0f)
-                           : ggml_rope_ext(b.c, x, pos, nullptr, nr, GGML_ROPE_TYPE_NORMAL, 0, base, 1.0f, 0.0f, 1.0f,
-                                           0.0f, 0.0f);
+    const LayerHp & l = b.m->lhp[il];
+    const RopeScaling & rs = b.m->rope;
+    const int32_t orig = l.rope_ext != 0.0f ? rs.n_ctx_orig : 0;
+    const float bf = l.rope_ext != 0.0f ? rs.beta_fast : 0.0f, bs = l.rope_ext != 0.0f ? rs.beta_slow : 0.0f;
+    ggml_tensor * r = back ? ggml_rope_ext_back(b.c, x, pos, nullptr, nr, GGML_ROPE_TYPE_NORMAL, orig, l.rope_base,
+                                                l.rope_scale, l.rope_ext, l.rope_attn, bf, bs)
+                           : ggml_rope_ext(b.c, x, pos, nullptr, nr, GGML_ROPE_TYPE_NORMAL, orig, l.rope_base,
+                                           l.rope_scale, l.rope_ext, l.rope_attn, bf, bs);
     return ggml_rope_set_offset(r, (int)(x->ne[0] - nr));
 }
 
@@ -517,7 +534,7 @@ ggml_tensor * compress(Build & b, int32_t il, ggml_tensor * cur, ggml_tensor * w
     ggml_tensor * comp = ggml_sum_rows(c, ggml_mul(c, vals, scores));  // [1, width, nb]
     comp = ggml_cont(c, ggml_permute(c, comp, 1, 0, 2, 3));            // [width, 1, nb]
     comp = rms(c, comp, norm, b.m->eps);
-    comp = rope_tail(b, comp, in[overlap ? kCpos4 : kCpos128], dsv4(b.m).comp_base);
+    comp = rope_tail(b, il, comp, in[overlap ? kCpos4 : kCpos128]);
     ggml_tensor * cc = ggml_set_rows(c, comp_cache, ggml_reshape_2d(c, comp, width, nb), in[overlap ? kWrite4 : kWrite128]);
     const int64_t span = n_comp_span(b.n_kv, b.cap, r);
     return ggml_view_2d(c, cc, width, span, cc->nb[1], 0);
@@ -533,7 +550,7 @@ ggml_tensor * indexer_mask(Build & b, int32_t il, ggml_tensor * qr, ggml_tensor 
     const int64_t n = b.n, ih = h.idx_heads, il_ = h.idx_len;
     ggml_tensor * mask = b.g.arch_in[kMask4];
     ggml_tensor * q = ggml_reshape_3d(c, ggml_mul_mat(c, ex(L, "idx_q_b"), qr), il_, ih, n);
-    q = rope_tail(b, q, b.g.inp_pos, h.comp_base);
+    q = rope_tail(b, il, q, b.g.inp_pos);
     ggml_tensor * w = ggml_scale(c, ggml_mul_mat(c, ex(L, "idx_proj"), cur), 1.0f / sqrtf((float)(il_ * ih)));
     w = ggml_reshape_3d(c, ggml_cont(c, ggml_transpose(c, w)), 1, n, ih);  // [1, n, heads]
     ggml_tensor * k = ggml_cast(c, idx_k, GGML_TYPE_F32);                    // [il_, span]
@@ -561,12 +578,11 @@ ggml_tensor * attention_dsv4(Build & b, int32_t il, ggml_tensor * cur) {
     const std::vector<ggml_tensor *> & in = b.g.arch_in;
     const int64_t hd = m->head_dim, nh = m->n_head, n = b.n;
     const int32_t r = h.ratio[il];
-    const float base = m->lhp[il].rope_base;
     ggml_tensor * qr = rms(c, ggml_mul_mat(c, ex(L, "wq_a"), cur), ex(L, "q_a_norm"), m->eps);
     ggml_tensor * q = ggml_reshape_3d(c, ggml_mul_mat(c, ex(L, "wq_b"), qr), hd, nh, n);
-    q = rope_tail(b, ggml_rms_norm(c, q, m->eps), b.g.inp_pos, base);
+    q = rope_tail(b, il, ggml_rms_norm(c, q, m->eps), b.g.inp_pos);
     ggml_tensor * kv = rms(c, ggml_mul_mat(c, ex(L, "wkv"), cur), ex(L, "kv_norm"), m->eps);
-    kv = rope_tail(b, ggml_reshape_3d(c, kv, hd, 1, n), b.g.inp_pos, base);
+    kv = rope_tail(b, il, ggml_reshape_3d(c, kv, hd, 1, n), b.g.inp_pos);
     ggml_tensor * raw = ggml_set_rows(c, st[0], ggml_reshape_2d(c, kv, hd, n), in[kKidx]);
     raw = ggml_cast(c, ggml_view_2d(c, raw, hd, b.n_kv, raw->nb[1], 0), GGML_TYPE_F32);
     ggml_tensor * k_all = raw, * mask = in[kMaskRaw];
@@ -589,7 +605,7 @@ ggml_tensor * attention_dsv4(Build & b, int32_t il, ggml_tensor * cur) {
     ggml_soft_max_add_sinks(kq, ex(L, "sinks"));
     ggml_tensor * o = ggml_mul_mat(c, ggml_cont(c, ggml_transpose(c, k_all)), kq);  // [hd, n, heads]
     o = ggml_cont(c, ggml_permute(c, o, 0, 2, 1, 3));                            // [hd, heads, n]
-    o = rope_tail(b, o, b.g.inp_pos, base, true);                                // undo V's RoPE
+    o = rope_tail(b, il, o, b.g.inp_pos, true);                               // undo V's RoPE
     // grouped output projection: each group of heads through its own low-rank map, then one more
     const int64_t gd = hd * nh / h.o_groups;
     o = ggml_permute(c, ggml_reshape_3d(c, o, gd, h.o_groups, n), 0, 2, 1, 3);  // [gd, n, groups]
@@ -628,12 +644,12 @@ ggml_tensor * ffn(Build & b, int32_t il, ggml_tensor * x) {
     ggml_tensor * x3 = ggml_reshape_3d(c, x, d, 1, n);
     ggml_tensor * up = ggml_mul_mat_id(c, L.ffn_up_exps, x3, sel);
     ggml_tensor * gate = ggml_mul_mat_id(c, L.ffn_gate_exps, x3, sel);
-    ggml_tensor * e = ggml_mul_mat_id(c, L.ffn_down_exps, swiglu(c, gate, up, h.clamp_exp), sel);  // [d, n_used, n]
+    ggml_tensor * e = ggml_mul_mat_id(c, L.ffn_down_exps, swiglu(c, gate, up, h.clamp_exp[il]), sel);  // [d, n_used, n]
     e = ggml_mul(c, e, w);
     ggml_tensor * sum = ggml_view_2d(c, e, d, n, e->nb[2], 0);
     for (int32_t i = 1; i < h.n_used; ++i) sum = ggml_add(c, sum, ggml_view_2d(c, e, d, n, e->nb[2], (size_t)i * e->nb[1]));
     if (h.n_used == 1) sum = ggml_cont(c, sum);
-    ggml_tensor * sh = swiglu(c, ggml_mul_mat(c, L.ffn_gate_shexp, x), ggml_mul_mat(c, L.ffn_up_shexp, x), h.clamp_shexp);
+    ggml_tensor * sh = swiglu(c, ggml_mul_mat(c, L.ffn_gate_shexp, x), ggml_mul_mat(c, L.ffn_up_shexp, x), h.clamp_shexp[il]);
     return ggml_add(c, sum, ggml_mul_mat(c, L.ffn_down_shexp, sh));
 }
 

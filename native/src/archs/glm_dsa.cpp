@@ -89,13 +89,6 @@ ggswarm_status read(ggswarm_model * m, const Hp & hp) {
         return fail(m, GGSWARM_E_FORMAT, "%sattention.layer_norm_rms_epsilon is missing", a);
     }
     m->eps = (float)f;
-    m->rope_base = hp.opt_float("rope.freq_base", &f) ? (float)f : 10000.0f;
-    std::string scaling = "none";
-    hp.opt_str("rope.scaling.type", &scaling);
-    if (scaling != "none" && !scaling.empty()) {
-        return fail(m, GGSWARM_E_UNSUPPORTED, "glm-dsa with rope scaling '%s' is not supported by the native backend",
-                    scaling.c_str());
-    }
     const int32_t nl = m->n_layers_total;
     std::vector<int64_t> types;
     if (hp.has("attention.indexer.types")) {
@@ -116,8 +109,6 @@ ggswarm_status read(ggswarm_model * m, const Hp & hp) {
     for (int32_t il = 0; il < nl; ++il) {
         LayerHp & l = m->lhp[il];
         l.state = kLatent;
-        l.rope_base = m->rope_base;
-        l.rope_scale = 1.0f;
     }
     m->arch_data = d;
     return GGSWARM_OK;
@@ -289,7 +280,11 @@ ggml_tensor * mla_attention(Build & b, int32_t il, ggml_tensor * cur, ggml_tenso
     ggml_tensor * vp = ggml_permute(c, vview, 0, 2, 1, 3);
     ggml_tensor * kq = ggml_mul_mat(c, kp, qp);  // [n_kv, n, nh]
     ggml_prec_set_acc(kq, GGML_PREC_F32);
-    const float kq_scale = 1.0f / sqrtf((float)d.k_mla);
+    // llama.cpp pre-scales by YaRN's magnitude squared: attn_factor with ggml's own correction undone
+    // (glm-dsa reads no yarn_log_multiplier); 1 for files without rope scaling
+    const RopeScaling & rs = b.m->rope;
+    const float mscale = rs.attn_factor * (1.0f + 0.1f * logf(1.0f / rs.freq_scale));
+    const float kq_scale = mscale * mscale / sqrtf((float)d.k_mla);
     kq = ggml_soft_max_ext(c, kq, sparse, kq_scale, 0.0f);
     ggml_tensor * vt = ggml_cont(c, ggml_transpose(c, vp));
     ggml_tensor * kqv = ggml_mul_mat(c, vt, kq);                 // [lora, n, nh]

@@ -85,11 +85,6 @@ ggswarm_status read(ggswarm_model * m, const Hp & hp) {
         return fail(m, GGSWARM_E_FORMAT, "%sattention.layer_norm_rms_epsilon is missing", a);
     }
     m->eps = (float)f;
-    m->rope_base = hp.opt_float("rope.freq_base", &f) ? (float)f : 10000.0f;
-    std::string scaling;
-    if (hp.opt_str("rope.scaling.type", &scaling) && scaling != "none" && !scaling.empty()) {
-        return fail(m, GGSWARM_E_UNSUPPORTED, "rope scaling '%s' is not supported for %s", scaling.c_str(), m->arch.c_str());
-    }
     for (int32_t i = 0; i < m->n_layers_total; ++i) {
         // ggml's conv over the state takes an f32 kernel (llama.cpp's converter keeps it f32)
         const int64_t tid = gguf_find_tensor(hp.g, blk(i, "ssm_conv1d.weight").c_str());
@@ -98,8 +93,6 @@ ggswarm_status read(ggswarm_model * m, const Hp & hp) {
                         blk(i, "ssm_conv1d.weight").c_str(), ggml_type_name(gguf_get_tensor_type(hp.g, tid)));
         }
         m->lhp[i].state = rec[i] ? StateKind::Recurrent : StateKind::KV;
-        m->lhp[i].rope_base = m->rope_base;
-        m->lhp[i].rope_scale = 1.0f;
     }
     m->arch_data = h;
     return GGSWARM_OK;
@@ -155,8 +148,9 @@ ggml_tensor * imrope(Build & b, int32_t il, ggml_tensor * x) {
     const ggswarm_model * m = b.m;
     int sections[4];
     memcpy(sections, hybrid_of(m)->sections, sizeof(sections));
-    return ggml_rope_multi(b.c, x, b.g.inp_pos, nullptr, m->n_rot, sections, m->rope_mode, m->n_ctx_train,
-                           b.hp(il).rope_base, b.hp(il).rope_scale, 0.0f, 1.0f, 32.0f, 1.0f);
+    const LayerHp & h = b.hp(il);
+    return ggml_rope_multi(b.c, x, b.g.inp_pos, nullptr, m->n_rot, sections, m->rope_mode, m->rope.n_ctx_orig,
+                           h.rope_base, h.rope_scale, h.rope_ext, h.rope_attn, m->rope.beta_fast, m->rope.beta_slow);
 }
 
 // Full attention: q and its gate from one projection ([q | gate] per head), q/k RMS norms, RoPE, the
