@@ -188,3 +188,55 @@ def test_inspect_calls_a_file_the_executor_refuses_not_servable(native_lib: None
     assert again.servable_problem == checked.servable_problem
     ok = write_tiny_gguf("deepseek4", tmp_path / "ok.gguf")
     assert with_executor_check(build_manifest(ok, hash_tensors=False), ok).servable_problem == ""
+
+
+# The generic path: every architecture whose real files may declare YaRN (Qwen3's long-context files do;
+# GLM's pre-scale its attention by YaRN's magnitude) rotates as llama.cpp does. Scaled down: factor 4
+# over an original context of 256, so the 300 positions sit in the ramp between extrapolated and
+# interpolated frequencies.
+SMALL_YARN = {"type": "yarn", "factor": 4.0, "original_context_length": 256}
+GENERIC = {
+    # (layers, windows: glm-dsa's start at full-indexer layers; qwen35's cross recurrent and attention)
+    "glm-dsa": (9, [(0, 3), (3, 6), (6, 9)]),
+    "qwen35": (8, [(0, 3), (3, 4), (4, 8)]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", sorted(GENERIC))
+def test_yarn_in_other_architectures_agrees_with_llama_cpp_over_three_hops(
+    native_lib: None, arch: str, tmp_path: Path
+) -> None:
+    llama_cpp = pytest.importorskip("llama_cpp")
+    n_layers, splits = GENERIC[arch]
+    path = str(write_tiny_gguf(arch, tmp_path / f"{arch}.gguf", n_layers=n_layers, rope_scaling=SMALL_YARN))
+    plain = str(write_tiny_gguf(arch, tmp_path / "plain.gguf", n_layers=n_layers))
+    hops = [NativeModel(path, a, b, n_threads=2) for a, b in splits]
+    try:
+        flash = hops[0].info.decode_kernels == -2  # its attention mode decides llama.cpp's, as in test_archs
+        refs = []
+        for p in (path, plain):
+            llm = llama_cpp.Llama(
+                model_path=p, logits_all=True, n_ctx=1024, n_threads=2, flash_attn=flash, verbose=False
+            )
+            try:
+                ids = _text_ids(llm, 300)
+                llm.eval(ids)
+                refs.append(np.asarray(llm.scores[:300], dtype=np.float32))
+            finally:
+                llm.close()
+        sids = open_sessions(hops)
+        try:
+            got = logits_rows(native_forward(hops, sids, 0, ids), 300)
+        finally:
+            close_sessions(hops, sids)
+    finally:
+        for h in hops:
+            h.close()
+    ref, unscaled = refs
+    agree = float((got.argmax(1) == ref.argmax(1)).mean())
+    diff = float(np.abs(got - ref).max())
+    print(f"\n{arch} yarn: top-1 {agree:.4f}, max |logit diff| {diff:.3g}")
+    assert float(np.abs(ref - unscaled).max()) > 0.1  # YaRN moves llama.cpp's logits here
+    assert agree >= 0.995
+    assert diff <= MAX_LOGIT_DIFF

@@ -82,9 +82,9 @@ ggswarm_status read(ggswarm_model * m, const Hp & hp) {
     }
     double f = 0;
     if (hp.opt_float("expert_weights_scale", &f)) d->w_scale = (float)f;
-    const int64_t kn = gguf_find_key(hp.g, (hp.prefix + "expert_weights_norm").c_str());
-    if (kn >= 0 && gguf_get_kv_type(hp.g, kn) == GGUF_TYPE_BOOL) d->norm_w = gguf_get_val_bool(hp.g, kn);
-    else if (hp.opt_int("expert_weights_norm", &v)) d->norm_w = v != 0;
+    if (hp.opt_bool("expert_weights_norm", &d->norm_w) < 0) {
+        return fail(m, GGSWARM_E_FORMAT, "%sexpert_weights_norm is not a bool", a);
+    }
     if (!hp.opt_float("attention.layer_norm_rms_epsilon", &f)) {
         return fail(m, GGSWARM_E_FORMAT, "%sattention.layer_norm_rms_epsilon is missing", a);
     }
