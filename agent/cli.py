@@ -124,6 +124,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         node_id,
         public_key,
         kv_budget_bytes=int(args.kv_budget_mb * (1 << 20)),
+        cache_type=args.cache_type,
         session_ttl_s=args.session_ttl,
     )
     try:
@@ -269,6 +270,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--node-id")
     s.add_argument("--threads", type=int, default=defaults.N_THREADS)
     s.add_argument("--kv-budget-mb", type=float, default=defaults.KV_BUDGET_BYTES / (1 << 20))
+    s.add_argument(
+        "--cache-type",
+        choices=defaults.CACHE_TYPES,
+        default=defaults.CACHE_TYPE,
+        help="native shards' attention caches, like llama.cpp's --cache-type-k (f32: deepseek4 only)",
+    )
     s.add_argument("--session-ttl", type=float, default=defaults.SESSION_TTL_S)
     s.set_defaults(func=cmd_serve)
 

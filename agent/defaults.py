@@ -21,6 +21,10 @@ N_THREADS = 2
 DATAPLANE_HOST = "127.0.0.1"
 # A node's KV cache budget, shared by all its shards.
 KV_BUDGET_BYTES = 1 << 30
+# The attention caches' type on native shards, like llama.cpp's --cache-type-k: "f16" (its default) or
+# "f32" where the architecture keeps it (deepseek4).
+CACHE_TYPES = ("f16", "f32")
+CACHE_TYPE = "f16"
 # An idle session's KV is freed after this long (a route that stopped talking).
 SESSION_TTL_S = 1800.0
 # Longest context a route client asks its hops to hold.

@@ -146,31 +146,46 @@ def _mla(
     return layers, groups
 
 
+# llama.cpp's micro-batch (n_ubatch) and the executor's (native/src/model.h kUBatch): the raw window's
+# ring also holds one micro-batch's new rows
+_UBATCH = 512
+_MAX_CONTEXT = 131072  # the product's cap (GGSWARM_MAX_CONTEXT)
+
+
+def _pad256(n: int) -> int:
+    return max(256, -(-n // 256) * 256)
+
+
 def _deepseek4(hp: dict[str, Any], n_layers: int) -> list[LayerDescription]:
-    # As native/src/archs/deepseek4.cpp keeps it (parts()), not as llama.cpp does: every cache is f32
-    # and per position (no 128-token raw window, no compressor ring), so truncate is exact without
-    # checkpoints. Placement and the hand-off size bound must count these bytes, which the node budget
-    # is charged; a leaner layout there would shrink them here too.
+    # As native/src/archs/deepseek4.cpp keeps it (parts()), which is as llama.cpp keeps it
+    # (llama-kv-cache-dsv4.cpp): the raw K (K = V) in a ring of GGML_PAD(min(n_ctx, n_swa + n_ubatch),
+    # 256) slots; per block of `ratio` positions one compressed K entry (and an indexer K entry at
+    # ratio 4); the compressor's and indexer's kv and score rows, f32, in rings of the last two blocks
+    # (ratio 4, whose windows overlap) or of the block being filled (ratio 128). The K caches take the
+    # node's cache type (f16 by default, as llama.cpp's); the compressor rows are f32 in both.
     head = _int(hp, "attention.key_length")
     idx_len = _int(hp, "attention.indexer.key_length")
     ratios = hp.get("attention.compress_ratios")
     hash_layers = _int(hp, "hash_layer_count")
+    n_ctx = min(_int(hp, "context_length", _MAX_CONTEXT) or _MAX_CONTEXT, _MAX_CONTEXT)
+    raw_rows = _pad256(min(n_ctx, _int(hp, "attention.sliding_window") + _UBATCH))
     out = []
     for i in range(n_layers):
         ratio = int(ratios[i]) if isinstance(ratios, list) and i < len(ratios) else 0
-        parts = [StatePart("raw_k", head, f32=True)]  # K = V: one cache serves both
+        parts = [StatePart("raw_k", raw_rows * head, fixed=True)]
         if ratio == _DSV4_CSA:
+            rows = 2 * _DSV4_CSA
             parts += [
-                StatePart("compressed_k", head, ratio=ratio, f32=True),
-                StatePart("indexer_k", idx_len, ratio=ratio, f32=True),
-                # the compressor's kv and score rows ([2 head] each) and the indexer's, per position
-                StatePart("compressor", 2 * 2 * head, f32=True),
-                StatePart("indexer_compressor", 2 * 2 * idx_len, f32=True),
+                StatePart("compressed_k", head, ratio=ratio),
+                StatePart("indexer_k", idx_len, ratio=ratio),
+                # the compressor's kv and score rows ([2 head] each) and the indexer's ([2 idx_len])
+                StatePart("compressor", rows * 2 * 2 * head, fixed=True, f32=True),
+                StatePart("indexer_compressor", rows * 2 * 2 * idx_len, fixed=True, f32=True),
             ]
         elif ratio == _DSV4_HCA:
             parts += [
-                StatePart("compressed_k", head, ratio=ratio, f32=True),
-                StatePart("compressor", 2 * head, f32=True),
+                StatePart("compressed_k", head, ratio=ratio),
+                StatePart("compressor", _DSV4_HCA * 2 * head, fixed=True, f32=True),
             ]
         out.append(
             LayerDescription("compressed_kv" if ratio else "kv", parts, needs_token_ids=i < hash_layers)

@@ -392,6 +392,17 @@ class NativeModel:
         self._call(self._lib.ggswarm_session_checkpoints, sid, buf, count.value, ctypes.byref(count))
         return list(buf[: count.value])
 
+    def set_cache_type(self, cache_type: str) -> None:
+        """The attention caches' type for sessions opened from now on: "f16" (the default, as
+        llama.cpp's) or "f32" where the architecture keeps it (deepseek4), like llama.cpp's
+        --cache-type-k; refused while a session is open."""
+        types = {"f32": 0, "f16": 1}
+        if cache_type not in types:
+            raise NativeError(
+                GGSWARM_E_INVALID_ARG, f"cache type {cache_type!r} is not one of {sorted(types)}"
+            )
+        self._call(self._lib.ggswarm_set_cache_type, types[cache_type])
+
     def kv_bytes(self, sid: int = -1) -> int:
         n = ctypes.c_uint64()
         self._call(self._lib.ggswarm_kv_bytes, sid, ctypes.byref(n))

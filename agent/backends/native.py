@@ -42,7 +42,8 @@ class NativeBackend(Backend):
         none, no limit), model_id (identity written into KV snapshots; default the manifest's sha256),
         checkpoint_every / checkpoints_max (windows with recurrent layers: a recurrent-state checkpoint
         every N positions, at most M per session; default GGSWARM_CHECKPOINT_EVERY /
-        GGSWARM_CHECKPOINTS_MAX, else the library's 256 / 8). Options other backends take
+        GGSWARM_CHECKPOINTS_MAX, else the library's 256 / 8), cache_type ("f16", the default, or
+        "f32" where the architecture keeps it: defaults.CACHE_TYPES). Options other backends take
         (kv_budget_bytes, n_batch, ...) are ignored."""
         budget = options.get("kv_budget")
         if budget is not None and not isinstance(budget, NativeBudget):
@@ -75,6 +76,12 @@ class NativeBackend(Backend):
         self.sessions: dict[SessionId, int] = {}
         # plain-attention architectures run a batch of sessions' steps as one graph (forward_batch)
         self.batches_sessions = self.model.batches_sessions
+        cache_type = str(options.get("cache_type") or "f16")
+        try:
+            self.model.set_cache_type(cache_type)
+        except NativeError as e:
+            self.model.close()
+            raise BackendError(f"cache type {cache_type!r}: {e}") from None
         every = options.get("checkpoint_every", os.environ.get("GGSWARM_CHECKPOINT_EVERY"))
         most = options.get("checkpoints_max", os.environ.get("GGSWARM_CHECKPOINTS_MAX"))
         if every is not None or most is not None:

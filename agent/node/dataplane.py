@@ -97,8 +97,10 @@ class DataPlane(FrameAdmission, ChainForwarding, LaneAdmission):
         batching: bool | None = None,
         max_batch_tokens: int = MAX_BATCH_TOKENS,
         chunk_tokens: int = CHUNK_TOKENS,
+        cache_type: str = defaults.CACHE_TYPE,
     ) -> None:
         self.node_id = node_id
+        self.cache_type = cache_type  # native shards' attention caches (defaults.CACHE_TYPES)
         # per-shard step batching (agent/node/scheduler.py): None = where the backend batches sessions
         self.batching, self.max_batch_tokens, self.chunk_tokens = batching, max_batch_tokens, chunk_tokens
         FrameAdmission.__init__(self)  # per-address, per-token and buffered-bytes limits
@@ -145,7 +147,7 @@ class DataPlane(FrameAdmission, ChainForwarding, LaneAdmission):
         budget: dict[str, object] = {"kv_budget_bytes": self.sessions.budget_bytes}
         if backend == "native":
             try:
-                budget = {"kv_budget": self.sessions.native_budget()}
+                budget = {"kv_budget": self.sessions.native_budget(), "cache_type": self.cache_type}
             except OSError as e:  # the library is not built or has another API version
                 raise BackendError(f"native backend unavailable: {e}") from None
         be = load_backend(backend, spec, **budget)

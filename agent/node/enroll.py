@@ -86,6 +86,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         cfg.node_id,
         public_key,
         kv_budget_bytes=int(args.kv_budget_mb * (1 << 20)),
+        cache_type=args.cache_type,
         client_ssl=node_tls.client() if node_tls else None,
     )
 
@@ -153,6 +154,12 @@ def add_control_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser
     s.add_argument("--advertise-url", help="data plane URL other nodes and the control plane use")
     s.add_argument("--threads", type=int, default=defaults.N_THREADS)
     s.add_argument("--kv-budget-mb", type=float, default=defaults.KV_BUDGET_BYTES / (1 << 20))
+    s.add_argument(
+        "--cache-type",
+        choices=defaults.CACHE_TYPES,
+        default=defaults.CACHE_TYPE,
+        help="native shards' attention caches, like llama.cpp's --cache-type-k (f32: deepseek4 only)",
+    )
     s.add_argument(
         "--torrent-listen",
         default=defaults.TORRENT_LISTEN,

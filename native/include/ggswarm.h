@@ -49,6 +49,9 @@
  *  10 - ggswarm_check_file: whether the executor opens a file (its metadata, RoPE scaling and every
  *       layer's tensor table), without loading weights; what "servable" means for inspect and placement.
  *       RoPE scaling as llama.cpp reads it (YaRN included); deepseek4's per-layer clamps.
+ *       ggswarm_set_cache_type: the attention caches' type, like llama.cpp's --cache-type-k (f16 by
+ *       default; deepseek4 also f32); deepseek4's state held as llama.cpp holds it (rings: the raw
+ *       window and the compressor rows; a truncate past them goes to a checkpoint or to 0).
  */
 #ifndef GGSWARM_H
 #define GGSWARM_H
@@ -246,6 +249,12 @@ GGSWARM_API ggswarm_status ggswarm_session_checkpoints(const ggswarm_model * mod
 
 /* KV bytes held by one session, or by all sessions of this handle when sid < 0 (v4: recurrent state
  * and checkpoints included). */
+/* (v10) The type of the window's attention caches for the sessions opened after it: GGSWARM_TYPE_F16
+ * (the default, as llama.cpp's) or GGSWARM_TYPE_F32 where the architecture keeps it (deepseek4);
+ * GGSWARM_E_UNSUPPORTED otherwise, GGSWARM_E_INVALID_ARG while a session is open. Recurrent states and
+ * compressor rows stay f32, as in llama.cpp. */
+GGSWARM_API ggswarm_status ggswarm_set_cache_type(ggswarm_model * model, int32_t type);
+
 GGSWARM_API ggswarm_status ggswarm_kv_bytes(const ggswarm_model * model, int64_t sid, uint64_t * out_bytes);
 
 /* Extra KV bytes the budget must have free for the session to hold n_positions (1 .. its max_tokens):

@@ -169,6 +169,8 @@ struct Arch {
     // true when build_window uses only row-wise ops and attention()/keep_last() per layer (no set_inputs,
     // one position per token), so ggswarm_forward_many may run several sessions' rows in one graph
     bool batches = false;
+    // the cache types (bits 1 << ggml_type) its state kinds keep, ggswarm_set_cache_type; f16 for all
+    uint32_t cache_types = 1u << GGML_TYPE_F16;
 };
 
 // Architectures register themselves from their own unit: `static ArchRegistration reg(&kMyArch);`.
@@ -201,6 +203,13 @@ struct StateOps {
     void (*save)(const ggswarm_model * m, int32_t il, const std::vector<ggml_tensor *> & t, int32_t len, uint8_t * p);
     void (*load)(const ggswarm_model * m, int32_t il, const std::vector<ggml_tensor *> & t, int32_t len,
                  const uint8_t * p);
+    // The part of the state that cannot be cut back to an earlier position (a recurrent state, a ring),
+    // as a checkpoint at len positions keeps it: its bytes and copying it out (save) or back (null: none).
+    uint64_t (*ckpt_bytes)(const ggswarm_model * m, int32_t il, int32_t len) = nullptr;
+    void (*ckpt_io)(const ggswarm_model * m, int32_t il, const std::vector<ggml_tensor *> & t, int32_t len,
+                    uint8_t * p, bool save) = nullptr;
+    // Whether the live state can go back to `target` positions without a checkpoint (null: always).
+    bool (*rewinds_to)(const ggswarm_model * m, int32_t il, const Session & s, int32_t target) = nullptr;
 };
 void register_state_kind(const StateOps * ops);
 struct StateRegistration {

@@ -27,7 +27,7 @@ struct SnapHeader {
     int32_t n_layers_total;
     int32_t n_head_kv;
     int32_t head_dim;
-    int32_t kv_type;  // ggml_type of K and V (GGML_TYPE_F16)
+    int32_t kv_type;  // ggml_type of the attention caches (ggswarm_model::cache_type)
     int32_t n_pos;
     int32_t reserved;
     uint64_t payload_bytes;
@@ -280,6 +280,7 @@ ggswarm_status ensure_capacity(ggswarm_model * m, Session & s, int32_t need) {
         }
     }
     n.ckpts = s.ckpts;
+    n.ring_lo = s.ring_lo;
     s.release();  // its bytes now belong to n: the charge above was the difference
     s = n;
     return GGSWARM_OK;
@@ -344,6 +345,23 @@ ggswarm_status ggswarm_session_truncate(ggswarm_model * m, int64_t sid, int32_t 
     // recurrent state goes back only to a checkpoint: the session may end shorter (ggswarm_session_len)
     int32_t kind = 0;
     rewind(m, *s, n_tokens, &kind);
+    return ok(m);
+}
+
+ggswarm_status ggswarm_set_cache_type(ggswarm_model * m, int32_t type) {
+    GGSWARM_LOCK(m);
+    if (!m) return fail(nullptr, GGSWARM_E_INVALID_ARG, "model is NULL");
+    const ggml_type t = type == GGSWARM_TYPE_F32 ? GGML_TYPE_F32 : type == GGSWARM_TYPE_F16 ? GGML_TYPE_F16 : GGML_TYPE_COUNT;
+    if (t == GGML_TYPE_COUNT) return fail(m, GGSWARM_E_INVALID_ARG, "cache type %d is not GGSWARM_TYPE_F32 or _F16", type);
+    if (!(m->archp->cache_types & (1u << t))) {
+        return fail(m, GGSWARM_E_UNSUPPORTED, "%s keeps its caches in f16 only in this build, not %s", m->arch.c_str(),
+                    ggml_type_name(t));
+    }
+    if (!m->sessions.empty()) {
+        return fail(m, GGSWARM_E_INVALID_ARG, "the cache type changes only while no session is open (%zu are)",
+                    m->sessions.size());
+    }
+    m->cache_type = t;
     return ok(m);
 }
 
@@ -415,7 +433,7 @@ ggswarm_status ggswarm_session_snapshot(const ggswarm_model * m, int64_t sid, vo
     h.n_layers_total = m->n_layers_total;
     h.n_head_kv = m->n_head_kv;
     h.head_dim = m->head_dim;
-    h.kv_type = GGML_TYPE_F16;
+    h.kv_type = m->cache_type;
     h.n_pos = s->len;
     h.payload_bytes = payload;
     uint8_t * p = static_cast<uint8_t *>(buf) + sizeof(SnapHeader);
@@ -469,9 +487,9 @@ ggswarm_status ggswarm_session_restore(ggswarm_model * m, int64_t sid, const voi
                         h.n_kv_layers, h.n_recurrent_layers, n_kv, n_rec);
         }
     }
-    if (h.n_head_kv != m->n_head_kv || h.head_dim != m->head_dim || h.kv_type != GGML_TYPE_F16) {
-        return fail(m, GGSWARM_E_MISMATCH, "snapshot KV shape (%d heads x %d, type %d) does not match (%d x %d, f16)",
-                    h.n_head_kv, h.head_dim, h.kv_type, m->n_head_kv, m->head_dim);
+    if (h.n_head_kv != m->n_head_kv || h.head_dim != m->head_dim || h.kv_type != m->cache_type) {
+        return fail(m, GGSWARM_E_MISMATCH, "snapshot KV shape (%d heads x %d, type %d) does not match (%d x %d, %s)",
+                    h.n_head_kv, h.head_dim, h.kv_type, m->n_head_kv, m->head_dim, ggml_type_name(m->cache_type));
     }
     if (h.n_pos < 0 || h.n_pos > sp->max_tokens) {
         return fail(m, GGSWARM_E_RANGE, "snapshot holds %d positions; the session cap is %d", h.n_pos, sp->max_tokens);
@@ -495,6 +513,7 @@ ggswarm_status ggswarm_session_restore(ggswarm_model * m, int64_t sid, const voi
     }
     drop_checkpoints(m, s);
     s.len = h.n_pos;
+    s.ring_lo = h.n_pos;  // rings hold what n_pos needs (the snapshot's), older slots nothing
     return ok(m);
 }
 

@@ -97,7 +97,10 @@ struct Session {
     ggml_backend_buffer_t buf = nullptr;
     std::vector<std::vector<ggml_tensor *>> state;
     uint64_t bytes = 0;
-    std::shared_ptr<Checkpoints> ckpts;  // windows with recurrent layers (recurrent.h); kept across growth
+    std::shared_ptr<Checkpoints> ckpts;  // windows with fixed-size state (recurrent.h); kept across growth
+    // rings (deepseek4's raw window and compressor rows) hold positions from here on (up to their size):
+    // a rewind to a checkpoint or to 0 leaves older slots stale
+    int32_t ring_lo = 0;
 
     void release() {
         if (buf) ggml_backend_buffer_free(buf);
@@ -222,7 +225,14 @@ struct ggswarm_model {
     int32_t n_pos_per_token = 1;  // 4 for multi-section RoPE (positions of the t, h, w sections, then 0)
     int32_t n_streams = 1;   // boundary rows per token are d_model x n_streams (deepseek4's hyper-connections: 4)
     int32_t ids_layers = 0;  // layers [0, ids_layers) read the token ids (deepseek4's hash-routed experts)
-    int32_t nodes_per_layer = 128;  // graph capacity per window layer (deepseek4's hyper-connections need more)
+    int32_t nodes_per_layer = 128;
+    // checkpoints of the state that cannot be cut back (recurrent states, rings; recurrent.cpp): every
+    // `ckpt_every` positions (0: only at the ends of multi-token forward calls), at most `ckpt_max` per
+    // session (the oldest dropped first)
+    int32_t ckpt_every = 256;
+    int32_t ckpt_max = 8;
+    // the attention caches' type (ggswarm_set_cache_type; the architecture says which it keeps)
+    ggml_type cache_type = GGML_TYPE_F16;  // graph capacity per window layer (deepseek4's hyper-connections need more)
     int64_t d_io() const { return (int64_t)d_model * n_streams; }
     bool needs_ids() const { return layer_start < ids_layers; }
     // How attention runs (ggswarm_model_info.decode_kernels, chosen at open): 1: CPU decode steps use

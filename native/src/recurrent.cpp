@@ -52,28 +52,41 @@ void rec_load(const ggswarm_model * m, int32_t il, const std::vector<ggml_tensor
     ggml_backend_tensor_set(t[1], p + ggml_nbytes(t[0]), 0, ggml_nbytes(t[1]));
 }
 
+uint64_t rec_ckpt_bytes(const ggswarm_model * m, int32_t il, int32_t len) { return hybrid_of(m)->layer_state_bytes(); }
+
+void rec_ckpt_io(const ggswarm_model * m, int32_t il, const std::vector<ggml_tensor *> & t, int32_t len, uint8_t * p,
+                 bool save) {
+    if (save) rec_save(m, il, t, len, p);
+    else rec_load(m, il, t, len, p);
+}
+
+// a recurrent state is the state at s.len and nowhere else
+bool rec_rewinds_to(const ggswarm_model * m, int32_t il, const Session & s, int32_t target) { return target == s.len; }
+
 const StateOps kRecurrentState = {StateKind::Recurrent, "recurrent", 2, rec_plan, rec_carry, rec_per_token,
-                                  rec_snapshot_bytes, rec_save, rec_load};
+                                  rec_snapshot_bytes, rec_save, rec_load, rec_ckpt_bytes, rec_ckpt_io,
+                                  rec_rewinds_to};
 StateRegistration reg_recurrent(&kRecurrentState);
 
 // --- checkpoints ------------------------------------------------------------------------------------------
 
-uint64_t window_state_bytes(const ggswarm_model * m) {
+// Bytes of a checkpoint of the window's fixed-size state at len positions.
+uint64_t window_state_bytes(const ggswarm_model * m, int32_t len) {
     uint64_t b = 0;
     for (int32_t il = m->layer_start; il < m->layer_end; ++il) {
-        if (m->lhp[il].state == StateKind::Recurrent) b += hybrid_of(m)->layer_state_bytes();
+        const StateOps * ops = state_ops(m->lhp[il].state);
+        if (ops->ckpt_io) b += ops->ckpt_bytes(m, il, len);
     }
     return b;
 }
 
-// Copy the window's recurrent states to p (save) or from p (load).
-void states_io(const ggswarm_model * m, Session & s, uint8_t * p, bool save) {
+// Copy the window's fixed-size state at len positions to p (save) or from p (load).
+void states_io(const ggswarm_model * m, Session & s, int32_t len, uint8_t * p, bool save) {
     for (int32_t il = m->layer_start; il < m->layer_end; ++il) {
-        if (m->lhp[il].state != StateKind::Recurrent) continue;
-        const std::vector<ggml_tensor *> & t = s.state[(size_t)(il - m->layer_start)];
-        if (save) rec_save(m, il, t, 1, p);
-        else rec_load(m, il, t, 1, p);
-        p += hybrid_of(m)->layer_state_bytes();
+        const StateOps * ops = state_ops(m->lhp[il].state);
+        if (!ops->ckpt_io) continue;
+        ops->ckpt_io(m, il, s.state[(size_t)(il - m->layer_start)], len, p, save);
+        p += ops->ckpt_bytes(m, il, len);
     }
 }
 
@@ -97,9 +110,9 @@ void reset_states(const ggswarm_model * m, Session & s) {
 
 }  // namespace
 
-bool has_recurrent(const ggswarm_model * m) {
+bool has_fixed_state(const ggswarm_model * m) {
     for (int32_t il = m->layer_start; il < m->layer_end; ++il) {
-        if (m->lhp[il].state == StateKind::Recurrent) return true;
+        if (state_ops(m->lhp[il].state)->ckpt_io) return true;
     }
     return false;
 }
@@ -113,14 +126,13 @@ void drop_checkpoints(ggswarm_model * m, Session & s) {
 }
 
 void take_checkpoint(ggswarm_model * m, Session & s) {
-    const Hybrid * h = hybrid_of(m);
-    if (!h || h->ckpt_max <= 0 || !has_recurrent(m) || s.state.empty() || s.len <= 0) return;
+    if (m->ckpt_max <= 0 || !has_fixed_state(m) || s.state.empty() || s.len <= 0) return;
     if (!s.ckpts) s.ckpts = std::make_shared<Checkpoints>();
     Checkpoints & c = *s.ckpts;
     while (!c.list.empty() && c.list.back().pos > s.len) drop_at(m, c, c.list.size() - 1);
     if (!c.list.empty() && c.list.back().pos == s.len) return;
-    const uint64_t need = window_state_bytes(m);
-    while ((int32_t)c.list.size() >= h->ckpt_max) drop_at(m, c, 0);
+    const uint64_t need = window_state_bytes(m, s.len);
+    while ((int32_t)c.list.size() >= m->ckpt_max) drop_at(m, c, 0);
     while (!budget_charge(m->budget, need)) {
         if (c.list.empty()) return;  // no room: this position has no checkpoint
         drop_at(m, c, 0);
@@ -128,41 +140,45 @@ void take_checkpoint(ggswarm_model * m, Session & s) {
     Checkpoint k;
     k.pos = s.len;
     k.data.resize(need);
-    states_io(m, s, k.data.data(), true);
+    states_io(m, s, s.len, k.data.data(), true);
     c.list.push_back(std::move(k));
     c.bytes += need;
 }
 
 int32_t checkpoint_chunk(const ggswarm_model * m, int32_t pos, int32_t nc) {
-    const Hybrid * h = hybrid_of(m);
-    if (!h || h->ckpt_every <= 0 || !has_recurrent(m)) return nc;
-    const int32_t next = (pos / h->ckpt_every + 1) * h->ckpt_every;
+    if (m->ckpt_every <= 0 || !has_fixed_state(m)) return nc;
+    const int32_t next = (pos / m->ckpt_every + 1) * m->ckpt_every;
     return std::min(nc, next - pos);
 }
 
 void checkpoint_after_chunk(ggswarm_model * m, Session & s) {
-    const Hybrid * h = hybrid_of(m);
-    if (h && h->ckpt_every > 0 && s.len % h->ckpt_every == 0) take_checkpoint(m, s);
+    if (m->ckpt_every > 0 && s.len % m->ckpt_every == 0) take_checkpoint(m, s);
 }
 
 void rewind(ggswarm_model * m, Session & s, int32_t target, int32_t * kind) {
-    if (!has_recurrent(m)) {
+    *kind = kTruncExact;
+    bool live = true;  // the live state can go back to target by itself
+    for (int32_t il = m->layer_start; il < m->layer_end && live; ++il) {
+        const StateOps * ops = state_ops(m->lhp[il].state);
+        live = !ops->rewinds_to || ops->rewinds_to(m, il, s, target);
+    }
+    if (live) {
         s.len = target;
-        *kind = kTruncExact;
+        s.ring_lo = std::min(s.ring_lo, target);
         return;
     }
-    *kind = kTruncExact;
-    if (target == s.len) return;  // the live state is the state at target
     *kind = kTruncCheckpoint;
     Checkpoints * c = s.ckpts.get();
     while (c && !c->list.empty() && c->list.back().pos > target) drop_at(m, *c, c->list.size() - 1);
     if (c && !c->list.empty()) {
-        states_io(m, s, c->list.back().data.data(), false);
         s.len = c->list.back().pos;
+        states_io(m, s, s.len, c->list.back().data.data(), false);
+        s.ring_lo = s.len;  // the checkpoint brought back what s.len needs; older ring slots are stale
         return;
     }
     reset_states(m, s);
     s.len = 0;
+    s.ring_lo = 0;
     *kind = target > 0 ? kTruncFromZero : kTruncExact;
 }
 
@@ -195,10 +211,8 @@ ggswarm_status ggswarm_set_checkpoints(ggswarm_model * m, int32_t every_n_tokens
         return fail(m, GGSWARM_E_INVALID_ARG, "checkpoint interval %d or count %d is out of range (>= 0; count <= 1024)",
                     every_n_tokens, max_per_session);
     }
-    Hybrid * h = hybrid_of(m);
-    if (!h) return ok(m);  // no recurrent layers: nothing to checkpoint
-    h->ckpt_every = every_n_tokens;
-    h->ckpt_max = max_per_session;
+    m->ckpt_every = every_n_tokens;
+    m->ckpt_max = max_per_session;
     for (auto & kv : m->sessions) {
         Checkpoints * c = kv.second.ckpts.get();
         while (c && (int32_t)c->list.size() > max_per_session) drop_at(m, *c, 0);

@@ -15,7 +15,7 @@ namespace ggswarm {
 
 struct Checkpoint {
     int32_t pos = 0;
-    std::vector<uint8_t> data;  // the window's recurrent layers in order: conv state, then recurrent state
+    std::vector<uint8_t> data;  // per layer with fixed-size state, in order, what its StateOps::ckpt_io writes
 };
 
 struct Checkpoints {
@@ -28,8 +28,9 @@ constexpr int32_t kTruncExact = 0;
 constexpr int32_t kTruncCheckpoint = 1;
 constexpr int32_t kTruncFromZero = 2;
 
-// True when the window has a recurrent layer (its sessions keep checkpoints).
-bool has_recurrent(const ggswarm_model * m);
+// True when the window has state that cannot be cut back to any position (recurrent states, rings):
+// its sessions keep checkpoints.
+bool has_fixed_state(const ggswarm_model * m);
 // Checkpoint bytes the session holds (already in the budget).
 uint64_t checkpoint_bytes(const Session & s);
 // Credit the budget with the session's checkpoints and drop them (free_kv, restore).
@@ -41,8 +42,9 @@ void take_checkpoint(ggswarm_model * m, Session & s);
 int32_t checkpoint_chunk(const ggswarm_model * m, int32_t pos, int32_t nc);
 // After a micro-batch that ended at s.len: a checkpoint when s.len is a multiple of the interval.
 void checkpoint_after_chunk(ggswarm_model * m, Session & s);
-// Bring the session back to at most `target` positions: KV-only windows exactly; windows with recurrent
-// layers to the newest checkpoint at or before target (or 0). Sets s.len; *kind as above.
+// Bring the session back to at most `target` positions: exactly where every layer's live state can go
+// there (KV caches always; rings while they still hold what target needs); else to the newest
+// checkpoint at or before target (or 0). Sets s.len; *kind as above.
 void rewind(ggswarm_model * m, Session & s, int32_t target, int32_t * kind);
 
 }  // namespace ggswarm

@@ -212,12 +212,16 @@ def test_deepseek4_seam_is_four_streams_wide_and_layers_follow_their_compress_ra
     assert names[0] == ["raw_k"]
     assert names[1] == ["raw_k", "compressed_k", "indexer_k", "compressor", "indexer_compressor"]
     assert names[2] == ["raw_k", "compressed_k", "compressor"]
-    # f32 and per position, as native/src/archs/deepseek4.cpp keeps them (hd 64, indexer 64 here):
-    # raw K hd; ratio 4: hd / 4 + indexer 64 / 4 + rows 4 hd + 4 x 64; ratio 128: hd / 128 + rows 2 hd
+    # as native/src/archs/deepseek4.cpp (and llama.cpp) keeps them (hd 64, indexer 64 here): the raw K
+    # in a ring of pad256(16 + 512) = 768 slots and the compressed entries per block, in the cache type
+    # (f16: 2 bytes); the compressor rows in f32 rings of 8 (ratio 4) or 128 (ratio 128) slots
     n = 1024
-    assert m.layers[0].state_bytes(n) == 4 * 64 * n
-    assert m.layers[1].state_bytes(n) == 4 * (64 * n + 64 * n // 4 + 64 * n // 4 + 4 * 64 * n + 4 * 64 * n)
-    assert m.layers[2].state_bytes(n) == 4 * (64 * n + 64 * n // 128 + 2 * 64 * n)
+    assert m.layers[0].state_bytes(n) == 2 * 768 * 64
+    assert m.layers[1].state_bytes(n) == 2 * (768 * 64 + 64 * n // 4 + 64 * n // 4) + 4 * 8 * (
+        4 * 64 + 4 * 64
+    )
+    assert m.layers[2].state_bytes(n) == 2 * (768 * 64 + 64 * n // 128) + 4 * 128 * 2 * 64
+    assert m.layers[1].state_bytes(4 * n) - m.layers[1].state_bytes(n) == 2 * (64 + 64) * 3 * n // 4
     assert m.roles["last"][:2] == ["output_norm.weight", "output.weight"]
     assert {"output_hc_fn.weight", "output_hc_base.weight", "output_hc_scale.weight"} <= set(m.roles["last"])
 

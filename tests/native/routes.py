@@ -130,6 +130,8 @@ from agent.backends.libggswarm import NativeModel
 path, splits, files = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
 start, n, tok, ids_everywhere = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), sys.argv[7] == "1"
 hops = [NativeModel(path, a, b, n_threads=2) for a, b in splits]
+for h in hops:
+    h.set_cache_type(sys.argv[8])
 sids = [h.open_session(1024) for h in hops]
 for h, s, f in zip(hops, sids, files):
     h.restore(s, open(f, "rb").read())
@@ -154,10 +156,11 @@ def continue_in_another_process(
     n: int,
     tok: int,
     ids_everywhere: bool = False,
+    cache_type: str = "f16",
 ) -> list[list[object]]:
     """Restore each hop's snapshot file in a fresh process and decode `n` greedy steps from `tok` at
     `start`: [[token, first 64 logits], ...]. ids_everywhere: every hop also takes the token ids
-    (deepseek4's hash-routed layers)."""
+    (deepseek4's hash-routed layers); cache_type: the hops' (as the snapshots' were taken)."""
     import json
     import subprocess
     import sys
@@ -170,6 +173,7 @@ def continue_in_another_process(
         str(n),
         str(tok),
         "1" if ids_everywhere else "0",
+        cache_type,
     ]
     out = subprocess.run(
         [sys.executable, "-c", _CONTINUE_CHILD, *args], capture_output=True, text=True, cwd=REPO, check=True

@@ -28,9 +28,10 @@ TEXT = REPO / "tests" / "data" / "teacher_forcing_en.txt"
 # ratios per layer: 0, 4, 128, 0, 4, 128. The seams sit after a ratio-4 layer and after a ratio-0
 # layer, so each hop holds a different mix of the three state kinds (the first also the hash layer).
 SPLITS = [(0, 2), (2, 4), (4, 6)]
-# llama.cpp with f32 caches (type_k = type_v = 0), as libggswarm keeps deepseek4's: the logits agree
-# to ~3e-5 (f32 rounding of a different op order); with llama.cpp's default f16 caches one position in
-# 300 flips an expert or top-k choice
+# both with f32 caches (llama.cpp's type_k = type_v = 0, the hops' set_cache_type("f32")): the logits
+# agree to ~3e-5 (f32 rounding of a different op order); the default f16 caches, against llama.cpp's,
+# are checked over 600 positions in test_rope_scaling.py (an f16 rounding now and then flips an expert
+# or top-k choice there)
 MAX_LOGIT_DIFF = 1e-3
 N_POSITIONS = 300  # > 128: ratio-128 blocks complete; the 16-position window slides; top-8 of > 8 entries
 
@@ -45,6 +46,8 @@ def gguf(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def hops(native_lib: None, gguf: str) -> Iterator[list[NativeModel]]:
     models = [NativeModel(gguf, a, b, n_threads=2) for a, b in SPLITS]
+    for m in models:
+        m.set_cache_type("f32")  # as llama.cpp below (type_k = 0): the logits agree to ~3e-5
     yield models
     for m in models:
         m.close()
@@ -94,6 +97,7 @@ def test_one_hop_agrees_with_llama_cpp_when_teacher_forced(
     gguf: str, text_ids: list[int], reference: np.ndarray
 ) -> None:
     with NativeModel(gguf, 0, 6, n_threads=2) as whole:
+        whole.set_cache_type("f32")
         sid = whole.open_session(1024)
         got = logits_rows(native_forward([whole], [sid], 0, text_ids, ids_everywhere=True), len(text_ids))
     agree = float((got.argmax(1) == reference.argmax(1)).mean())
@@ -155,21 +159,25 @@ def test_prefill_in_chunks_equals_one_shot_prefill(hops: list[NativeModel], text
 def test_an_edited_history_continues_with_the_logits_of_a_fresh_prefill(
     hops: list[NativeModel], text_ids: list[int]
 ) -> None:
-    # every state is kept per position or per block, so a truncate is exact on every hop: cut inside a
-    # ratio-4 block and inside the second ratio-128 block
+    # the raw window and the compressor rows are rings (as llama.cpp keeps them): an edit further back
+    # than they reach goes back to the newest checkpoint before it (every 64 positions here) and the
+    # route re-prefills from there; cut inside a ratio-4 block and inside the second ratio-128 block
     first, edited_from = text_ids[:270], 201
     history = text_ids[:edited_from] + text_ids[20:80]
+    for h in hops:
+        h.set_checkpoints(64, 8)
     sids = open_sessions(hops)
     try:
         native_forward(hops, sids, 0, first, logits=False, ids_everywhere=True)
         for h, s in zip(hops, sids, strict=True):
-            assert h.truncate_to(s, edited_from) == (edited_from, "exact")
+            assert h.truncate_to(s, edited_from) == (192, "checkpoint")
         got = logits_rows(
-            native_forward(hops, sids, edited_from, history[edited_from:], ids_everywhere=True),
-            len(history) - edited_from,
-        )
+            native_forward(hops, sids, 192, history[192:], ids_everywhere=True), len(history) - 192
+        )[edited_from - 192 :]
     finally:
         close_sessions(hops, sids)
+        for h in hops:
+            h.set_checkpoints(256, 8)
     sids = open_sessions(hops)
     try:
         fresh = logits_rows(native_forward(hops, sids, 0, history, ids_everywhere=True), len(history))[
@@ -213,7 +221,9 @@ def test_a_snapshot_restored_in_another_process_continues_identically(
             t, pos = here[-1][0], pos + 1
     finally:
         close_sessions(hops, sids)
-    there = continue_in_another_process(gguf, SPLITS, files, len(prompt), 8, tok, ids_everywhere=True)
+    there = continue_in_another_process(
+        gguf, SPLITS, files, len(prompt), 8, tok, ids_everywhere=True, cache_type="f32"
+    )
     assert [t for t, _ in there] == [t for t, _ in here]
     assert np.array_equal(np.asarray([lg for _, lg in there]), np.asarray([lg for _, lg in here]))
 
@@ -240,6 +250,8 @@ def test_hash_routed_layers_after_the_first_hop_agree_with_llama_cpp_when_given_
     finally:
         llm.close()
     hops = [NativeModel(path, a, b, n_threads=2) for a, b in SPLITS]
+    for h in hops:
+        h.set_cache_type("f32")
     try:
         sids = open_sessions(hops)
         got = logits_rows(native_forward(hops, sids, 0, ids, ids_everywhere=True), len(ids))

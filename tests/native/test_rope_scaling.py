@@ -5,7 +5,6 @@ is read, and the manifest's "servable" follows it."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -30,22 +29,23 @@ REPO = Path(__file__).resolve().parents[2]
 TEXTS = [REPO / "tests" / "data" / n for n in ("teacher_forcing_en.txt", "native_lighthouse.txt")]
 SPLITS = [(0, 2), (2, 4), (4, 6)]  # ratios 0, 4 | 128, 0 | 4, 128: every state kind on both sides of a seam
 N_POSITIONS = 600  # past the 16-position raw window, many ratio-4 blocks and four ratio-128 blocks
-MAX_LOGIT_DIFF = 1e-3  # f32 caches on both sides (test_deepseek4.py says why)
+MAX_LOGIT_DIFF = 1e-3  # with f32 caches on both sides (test_deepseek4.py says why)
 NO_ORIG_CTX = {k: v for k, v in DEEPSEEK4_FLASH_ROPE_SCALING.items() if k != "original_context_length"}
 # alternating limits, one per layer of the file: 0.5 clamps most gate and up values of the tiny model
 BITING_CLAMPS = [10.0, 0.5, 10.0, 0.5, 10.0, 0.5]
 
 
-def _llama(path: str):  # noqa: ANN202
+def _llama(path: str, cache_type: str = "f32"):  # noqa: ANN202
     llama_cpp = pytest.importorskip("llama_cpp")
+    kv = {"f32": 0, "f16": 1}[cache_type]  # ggml type ids, as llama.cpp's type_k / type_v take them
     return llama_cpp.Llama(
         model_path=path,
         logits_all=True,
         n_ctx=1024,
         n_threads=2,
         flash_attn=False,
-        type_k=0,
-        type_v=0,
+        type_k=kv,
+        type_v=kv,
         verbose=False,
     )
 
@@ -68,25 +68,26 @@ def variant(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     return str(write_tiny_gguf("deepseek4", d / "deepseek4.gguf", **VARIANTS[request.param]))  # type: ignore[arg-type]
 
 
-@pytest.fixture(scope="module")
-def variant_llama(variant: str) -> Iterator[object]:
-    llm = _llama(variant)
-    yield llm
-    llm.close()
-
-
 @pytest.mark.slow
+@pytest.mark.parametrize("cache_type", ["f16", "f32"])
 def test_three_hops_agree_with_llama_cpp_over_six_hundred_positions(
-    native_lib: None,
-    variant: str,
-    variant_llama,  # noqa: ANN001
+    native_lib: None, variant: str, cache_type: str
 ) -> None:
-    ids = _text_ids(variant_llama, N_POSITIONS)
-    variant_llama.reset()
-    variant_llama.eval(ids)
-    ref = np.asarray(variant_llama.scores[:N_POSITIONS], dtype=np.float32)
+    """Both with the same cache type: f16 (llama.cpp's default and the node's) or f32. In f32 the
+    logits agree to ~5e-5; in f16 a value that rounds differently now and then flips an expert or a
+    top-k choice, so the bar is llama.cpp's own: the same argmax nearly everywhere, the same greedy text."""
+    llm = _llama(variant, cache_type)
+    try:
+        ids = _text_ids(llm, N_POSITIONS)
+        llm.eval(ids)
+        ref = np.array(llm.scores[:N_POSITIONS], dtype=np.float32)  # a copy: greedy reuses the buffer
+        want_greedy = llama_greedy(llm, ids[:120], 32)
+    finally:
+        llm.close()
     hops = [NativeModel(variant, a, b, n_threads=2) for a, b in SPLITS]
     try:
+        for h in hops:
+            h.set_cache_type(cache_type)
         sids = open_sessions(hops)
         try:
             got = logits_rows(native_forward(hops, sids, 0, ids, ids_everywhere=True), N_POSITIONS)
@@ -98,10 +99,11 @@ def test_three_hops_agree_with_llama_cpp_over_six_hundred_positions(
             h.close()
     agree = float((got.argmax(1) == ref.argmax(1)).mean())
     diff = float(np.abs(got - ref).max())
-    print(f"\n{Path(variant).parent.name}: top-1 {agree:.4f}, max |logit diff| {diff:.3g}")
+    print(f"\n{Path(variant).parent.name} {cache_type}: top-1 {agree:.4f}, max |logit diff| {diff:.3g}")
     assert agree >= 0.995
-    assert diff <= MAX_LOGIT_DIFF
-    assert greedy == llama_greedy(variant_llama, ids[:120], 32)
+    assert greedy == want_greedy
+    if cache_type == "f32":
+        assert diff <= MAX_LOGIT_DIFF
 
 
 @pytest.mark.slow

@@ -6,9 +6,10 @@
 // Between layers flow 4 hyper-connection streams of d_model each (the boundary row is 4 x d_model);
 // every layer attends a raw sliding window of single-head K (K = V) plus, on compressing layers, a
 // compressed K cache: ratio 4 ("CSA") with overlapping blocks and a lightning indexer that picks the
-// top-k compressed entries, ratio 128 ("HCA") over all of them. The compressor's inputs (a kv row and a
-// score row per position) are kept per position, not in a ring of the last blocks as llama.cpp keeps
-// them, so every tensor of the state is indexed by position or block and a truncate is exact.
+// top-k compressed entries, ratio 128 ("HCA") over all of them. The state is held as llama.cpp holds
+// it: the raw window and the compressor's inputs (a kv row and a score row per position) in rings of the
+// last positions, the compressed caches per block; going back further than the rings reach takes a
+// checkpoint (see "the state kind" below).
 
 #include <algorithm>
 #include <cmath>
@@ -32,15 +33,30 @@ struct Dsv4 : ArchData {
 
 const Dsv4 & dsv4(const ggswarm_model * m) { return *static_cast<const Dsv4 *>(m->arch_data.get()); }
 
-constexpr ggml_type kCacheType = GGML_TYPE_F32;
+// llama.cpp rotates a cache's K (and the queries, and the attention output back) by an orthonormal
+// Walsh-Hadamard matrix where its rows are as wide as the indexer's keys (always the indexer's own
+// cache; for the others a quirk of small files, where head_dim = indexer key length) or where the
+// cache is quantized (llama-kv-cache.cpp, attn_rot_k). In f32 the rotation changes nothing but
+// rounding; in f16 it decides what is rounded, so the cache must hold what llama.cpp's holds.
+bool rotates(const ggswarm_model * m, int64_t width) {
+    return width == dsv4(m).idx_len || (ggml_is_quantized(m->cache_type) && width % 64 == 0);
+}
+// llama.cpp's rotation size for rows of width n: the largest power of two >= 64 dividing n
+int64_t rot_size(int64_t n) {
+    int64_t r = 64;
+    do r *= 2; while (n % r == 0);
+    return r / 2;
+}
+
 constexpr int32_t kCsa = 4;
 constexpr int32_t kHca = 128;
 
 int64_t pad256(int64_t n) { return std::max<int64_t>(256, (n + 255) / 256 * 256); }
-// compressed entries a session of cap positions holds: every block, a scratch entry for the blocks a
-// graph computes but that do not complete (never visible), padded as llama.cpp pads its mask
-int64_t n_comp(int64_t cap, int32_t r) { return pad256(cap / r + 1); }
-// compressed entries a graph attending n_kv positions reads
+// compressed entries a session of cap positions holds: every block, and a scratch entry for the blocks
+// a graph computes but that do not complete (never visible)
+int64_t n_comp(int64_t cap, int32_t r) { return cap / r + 1; }
+// compressed entries a graph attending n_kv positions reads: padded as llama.cpp pads its mask, within
+// what the session holds
 int64_t n_comp_span(int64_t n_kv, int64_t cap, int32_t r) { return std::min(pad256(n_kv / r + 1), n_comp(cap, r)); }
 // blocks that can complete among nc new positions
 int64_t n_blocks(int64_t nc, int32_t r) { return nc / r + 1; }
@@ -198,96 +214,179 @@ void want(const ggswarm_model * m, int32_t il, Layer & L, Wants & w) {
 }
 
 // --- the state kind --------------------------------------------------------------------------------------
-// Per layer (caches in kCacheType, f32): raw K [hd, cap] (K = V). Ratio 4 adds compressed K [hd, n_comp],
-// compressor rows kv and score [2 hd, cap] f32, indexer K [idx_len, n_comp] and indexer rows [2 idx_len, cap] f32;
-// ratio 128 adds compressed K and compressor rows [hd, cap]. Rows and raw K are per position, compressed
-// entries per block of ratio positions: a prefix of len positions is len rows and len / ratio entries.
+// Per layer, as llama.cpp keeps it (src/llama-kv-cache-dsv4.cpp): the raw K (K = V) in a ring of
+// raw_rows() slots, the last positions only (the window attends n_swa of them; the ring also holds a
+// micro-batch's new rows); ratio 4 adds compressed K and indexer K, one entry per block of 4 positions,
+// and the compressor's and the indexer's kv and score rows ([2 width] each, f32) in rings of 8 slots
+// (the block being filled and the one before, which the overlapping windows read); ratio 128 adds
+// compressed K per block of 128 and its compressor rows ([width] each, f32) in rings of 128 slots. A
+// position's row sits in slot position % slots. Entries are a prefix (a truncate keeps len / ratio of
+// them); the rings are not, so going back further than they still hold takes a checkpoint (recurrent.h).
+
+enum class Lay { Raw, Rows, Entries };
 
 struct Part {
     int64_t width;
     ggml_type type;
-    int32_t per;  // positions per row: 1 or the ratio
+    int32_t ratio;  // the layer's compression ratio (1 for the raw window)
+    Lay lay;
 };
+
+// llama.cpp's raw window: GGML_PAD(min(n_ctx, n_swa + n_ubatch), 256) slots
+int64_t raw_rows(const ggswarm_model * m) { return pad256(std::min<int64_t>(m->n_ctx_max, (int64_t)m->n_swa + kUBatch)); }
+// compressor rows a ratio keeps: the block being filled, and the one before where windows overlap
+int64_t ring_rows(int32_t r) { return r == kCsa ? 2 * kCsa : kHca; }
+// the first position whose compressor row a session of len positions still needs
+int64_t rows_from(int32_t r, int64_t len) {
+    return r == kCsa ? std::max<int64_t>(0, len / kCsa * kCsa - kCsa) : len / kHca * kHca;
+}
 
 std::vector<Part> parts(const ggswarm_model * m, int32_t il) {
     const Dsv4 & h = dsv4(m);
     const int64_t hd = m->head_dim, ix = h.idx_len;
-    std::vector<Part> p = {{hd, kCacheType, 1}};
+    const ggml_type kCacheType = m->cache_type;  // the node's, like llama.cpp's --cache-type-k (f16 default)
+    std::vector<Part> p = {{hd, kCacheType, 1, Lay::Raw}};
     if (h.ratio[il] == kCsa) {
-        p.push_back({hd, kCacheType, kCsa});
-        p.push_back({2 * hd, GGML_TYPE_F32, 1});
-        p.push_back({2 * hd, GGML_TYPE_F32, 1});
-        p.push_back({ix, kCacheType, kCsa});
-        p.push_back({2 * ix, GGML_TYPE_F32, 1});
-        p.push_back({2 * ix, GGML_TYPE_F32, 1});
+        p.push_back({hd, kCacheType, kCsa, Lay::Entries});
+        p.push_back({2 * hd, GGML_TYPE_F32, kCsa, Lay::Rows});
+        p.push_back({2 * hd, GGML_TYPE_F32, kCsa, Lay::Rows});
+        p.push_back({ix, kCacheType, kCsa, Lay::Entries});
+        p.push_back({2 * ix, GGML_TYPE_F32, kCsa, Lay::Rows});
+        p.push_back({2 * ix, GGML_TYPE_F32, kCsa, Lay::Rows});
     } else if (h.ratio[il] == kHca) {
-        p.push_back({hd, kCacheType, kHca});
-        p.push_back({hd, GGML_TYPE_F32, 1});
-        p.push_back({hd, GGML_TYPE_F32, 1});
+        p.push_back({hd, kCacheType, kHca, Lay::Entries});
+        p.push_back({hd, GGML_TYPE_F32, kHca, Lay::Rows});
+        p.push_back({hd, GGML_TYPE_F32, kHca, Lay::Rows});
     }
     return p;
 }
 
-int64_t part_rows(const Part & p, int64_t cap) { return p.per == 1 ? cap : n_comp(cap, p.per); }
-size_t part_prefix(const Part & p, int32_t len) { return (size_t)(len / p.per) * ggml_row_size(p.type, p.width); }
+int64_t part_rows(const ggswarm_model * m, const Part & p, int64_t cap) {
+    switch (p.lay) {
+        case Lay::Raw: return raw_rows(m);
+        case Lay::Rows: return ring_rows(p.ratio);
+        default: return n_comp(cap, p.ratio);
+    }
+}
+
+// The positions [from, len) whose rows a ring part holds for a session of len positions.
+int64_t ring_from(const ggswarm_model * m, const Part & p, int64_t len) {
+    return p.lay == Lay::Raw ? std::max<int64_t>(0, len - m->n_swa) : rows_from(p.ratio, len);
+}
+
+size_t row_bytes(const Part & p) { return ggml_row_size(p.type, p.width); }
+
+// Bytes of a part at len positions as a snapshot (and, for rings, a checkpoint) holds it.
+size_t part_bytes(const ggswarm_model * m, const Part & p, int32_t len) {
+    const int64_t rows = p.lay == Lay::Entries ? len / p.ratio : len - ring_from(m, p, len);
+    return (size_t)rows * row_bytes(p);
+}
+
+// Copy a ring part's rows of positions [from(len), len), in position order, out to p or in from p.
+void ring_io(const ggswarm_model * m, const Part & p, ggml_tensor * t, int32_t len, uint8_t * buf, bool save) {
+    const int64_t rows = t->ne[1], rb = (int64_t)row_bytes(p);
+    for (int64_t q = ring_from(m, p, len); q < len;) {
+        const int64_t slot = q % rows, run = std::min<int64_t>(len - q, rows - slot);  // up to the ring's end
+        if (save) ggml_backend_tensor_get(t, buf, (size_t)(slot * rb), (size_t)(run * rb));
+        else ggml_backend_tensor_set(t, buf, (size_t)(slot * rb), (size_t)(run * rb));
+        buf += run * rb;
+        q += run;
+    }
+}
 
 void st_plan(const ggswarm_model * m, int32_t il, int64_t cap, ggml_context * ctx, std::vector<ggml_tensor *> & out) {
-    for (const Part & p : parts(m, il)) out.push_back(ggml_new_tensor_2d(ctx, p.type, p.width, part_rows(p, cap)));
+    for (const Part & p : parts(m, il)) out.push_back(ggml_new_tensor_2d(ctx, p.type, p.width, part_rows(m, p, cap)));
 }
 
 void st_carry(const ggswarm_model * m, int32_t il, const std::vector<ggml_tensor *> & from,
               const std::vector<ggml_tensor *> & to, int32_t len) {
     const std::vector<Part> ps = parts(m, il);
     std::vector<uint8_t> tmp;
-    for (size_t i = 0; i < ps.size(); ++i) {
-        tmp.resize(part_prefix(ps[i], len));
+    for (size_t i = 0; i < ps.size(); ++i) {  // rings keep their shape: copied whole; entries: the prefix
+        tmp.resize(ps[i].lay == Lay::Entries ? part_bytes(m, ps[i], len) : ggml_nbytes(from[i]));
         if (tmp.empty()) continue;
         ggml_backend_tensor_get(from[i], tmp.data(), 0, tmp.size());
         ggml_backend_tensor_set(to[i], tmp.data(), 0, tmp.size());
     }
 }
 
+// Only the entries grow with the context; the rings are fixed (ggswarm_model_info.kv_bytes_per_token).
 uint64_t st_per_token(const ggswarm_model * m, int32_t il) {
     uint64_t b = 0;
-    for (const Part & p : parts(m, il)) b += (ggml_row_size(p.type, p.width) + p.per - 1) / p.per;
+    for (const Part & p : parts(m, il)) {
+        if (p.lay == Lay::Entries) b += (row_bytes(p) + p.ratio - 1) / p.ratio;
+    }
     return b;
 }
 
 uint64_t st_snapshot_bytes(const ggswarm_model * m, int32_t il, int32_t len) {
     uint64_t b = 0;
-    for (const Part & p : parts(m, il)) b += part_prefix(p, len);
+    for (const Part & p : parts(m, il)) b += part_bytes(m, p, len);
     return b;
 }
 
-void st_save(const ggswarm_model * m, int32_t il, const std::vector<ggml_tensor *> & t, int32_t len, uint8_t * p) {
+// A snapshot: per part, the entries' prefix or the rings' rows that position len onwards reads.
+void st_io(const ggswarm_model * m, int32_t il, const std::vector<ggml_tensor *> & t, int32_t len, uint8_t * p,
+           bool save, bool rings_only) {
     const std::vector<Part> ps = parts(m, il);
     for (size_t i = 0; i < ps.size(); ++i) {
-        const size_t n = part_prefix(ps[i], len);
-        if (n) ggml_backend_tensor_get(t[i], p, 0, n);
+        const size_t n = part_bytes(m, ps[i], len);
+        if (ps[i].lay != Lay::Entries) ring_io(m, ps[i], t[i], len, p, save);
+        else if (rings_only) continue;
+        else if (n && save) ggml_backend_tensor_get(t[i], p, 0, n);
+        else if (n) ggml_backend_tensor_set(t[i], p, 0, n);
         p += n;
     }
+}
+
+void st_save(const ggswarm_model * m, int32_t il, const std::vector<ggml_tensor *> & t, int32_t len, uint8_t * p) {
+    st_io(m, il, t, len, p, true, false);
 }
 
 void st_load(const ggswarm_model * m, int32_t il, const std::vector<ggml_tensor *> & t, int32_t len, const uint8_t * p) {
-    const std::vector<Part> ps = parts(m, il);
-    for (size_t i = 0; i < ps.size(); ++i) {
-        const size_t n = part_prefix(ps[i], len);
-        if (n) ggml_backend_tensor_set(t[i], p, 0, n);
-        p += n;
-    }
+    st_io(m, il, t, len, const_cast<uint8_t *>(p), false, false);
 }
 
-const StateOps kDsv4State = {StateKind::Dsv4, "dsv4", 7, st_plan, st_carry, st_per_token, st_snapshot_bytes, st_save, st_load};
+// A checkpoint holds the rings' rows only: the entries are a prefix the live state keeps.
+uint64_t st_ckpt_bytes(const ggswarm_model * m, int32_t il, int32_t len) {
+    uint64_t b = 0;
+    for (const Part & p : parts(m, il)) {
+        if (p.lay != Lay::Entries) b += part_bytes(m, p, len);
+    }
+    return b;
+}
+
+void st_ckpt_io(const ggswarm_model * m, int32_t il, const std::vector<ggml_tensor *> & t, int32_t len, uint8_t * p,
+                bool save) {
+    st_io(m, il, t, len, p, save, true);
+}
+
+// The rings still hold what target needs when no slot it reads was written over since, nor lost to a
+// rewind (s.ring_lo): a retried decode step or a few positions back, not a long edit.
+bool st_rewinds_to(const ggswarm_model * m, int32_t il, const Session & s, int32_t target) {
+    if (target == s.len) return true;
+    for (const Part & p : parts(m, il)) {
+        if (p.lay == Lay::Entries) continue;
+        const int64_t rows = part_rows(m, p, s.cap);
+        if (ring_from(m, p, target) < std::max<int64_t>(s.ring_lo, (int64_t)s.len - rows)) return false;
+    }
+    return true;
+}
+
+const StateOps kDsv4State = {StateKind::Dsv4, "dsv4",          7,           st_plan,         st_carry,
+                             st_per_token,    st_snapshot_bytes, st_save,   st_load,         st_ckpt_bytes,
+                             st_ckpt_io,      st_rewinds_to};
 StateRegistration reg_state(&kDsv4State);
 
 // --- inputs (Graph::arch_in) -----------------------------------------------------------------------------
 
 enum In {
-    kKidx,      // i64 [n]: row of each new position
-    kMaskRaw,   // f32 [n_kv, n]: the sliding window
+    kKidx,      // i64 [n]: raw ring slot of each new position
+    kMaskRaw,   // f32 [raw span, n]: the sliding window over the ring's slots
     kApe4,      // i32 [n]: position % 4
     kApe128,    // i32 [n]: position % 128
-    kRead4,     // i32 [2 * 4 * nb4]: rows of the previous blocks, then of the completing blocks
+    kRead4,     // i32 [2 * 4 * nb4]: rows of the previous blocks, then of the completing blocks (rows of
+                //   the ring, then the graph's new rows, as compress() concatenates them)
     kBias4,     // f32 [1, 8, nb4]: -inf for the first block's missing previous rows
     kWrite4,    // i64 [nb4]: the completing blocks' entries (or the scratch entry)
     kCpos4,     // i32 [nb4]: their first position (their RoPE position)
@@ -296,8 +395,15 @@ enum In {
     kWrite128,  // i64 [nb128]
     kCpos128,   // i32 [nb128]
     kMask128,   // f32 [nc128, n]
+    kRows4,     // i64 [min(n, 8)]: ring slots of the last new positions, whose rows the ring keeps
+    kRows128,   // i64 [min(n, 128)]
+    kRotIdx,    // f32 [r, r]: the Hadamard rotation of indexer-key-wide rows (rot_size(idx_len))
+    kRotHead,   // f32 [r, r]: of head-wide rows, where rotates(head_dim) (else unused)
     kInputs
 };
+
+// The raw ring's slots a graph of span n_kv attends: the whole ring once positions wrap around it.
+int64_t raw_span(const ggswarm_model * m, int64_t n_kv) { return std::min(n_kv, raw_rows(m)); }
 
 ggml_tensor * input(ggml_context * c, ggml_type t, int64_t a, int64_t b = 1, int64_t e = 1) {
     ggml_tensor * x = ggml_new_tensor_3d(c, t, a, b, e);
@@ -311,7 +417,7 @@ void make_inputs(Build & b) {
     std::vector<ggml_tensor *> & in = b.g.arch_in;
     in.assign(kInputs, nullptr);
     in[kKidx] = input(c, GGML_TYPE_I64, n);
-    in[kMaskRaw] = input(c, GGML_TYPE_F32, b.n_kv, n);
+    in[kMaskRaw] = input(c, GGML_TYPE_F32, raw_span(b.m, b.n_kv), n);
     in[kApe4] = input(c, GGML_TYPE_I32, n);
     in[kApe128] = input(c, GGML_TYPE_I32, n);
     const int64_t nb4 = n_blocks(n, kCsa), nb128 = n_blocks(n, kHca);
@@ -324,6 +430,40 @@ void make_inputs(Build & b) {
     in[kWrite128] = input(c, GGML_TYPE_I64, nb128);
     in[kCpos128] = input(c, GGML_TYPE_I32, nb128);
     in[kMask128] = input(c, GGML_TYPE_F32, n_comp_span(b.n_kv, b.cap, kHca), n);
+    in[kRows4] = input(c, GGML_TYPE_I64, std::min<int64_t>(n, ring_rows(kCsa)));
+    in[kRows128] = input(c, GGML_TYPE_I64, std::min<int64_t>(n, ring_rows(kHca)));
+    const int64_t ri = rot_size(dsv4(b.m).idx_len), rh = rot_size(b.m->head_dim);
+    in[kRotIdx] = input(c, GGML_TYPE_F32, ri, ri);
+    in[kRotHead] = input(c, GGML_TYPE_F32, rh, rh);
+}
+
+// llama.cpp's orthonormal Walsh-Hadamard matrix of size n (a power of two): H[0][0] = 1 / sqrt(n), then
+// each doubling copies the block right and down and negates it on the diagonal
+std::vector<float> hadamard(int64_t n) {
+    std::vector<float> h((size_t)(n * n), 0.0f);
+    h[0] = 1.0 / sqrtf((float)n);
+    for (int64_t s = 1; s < n; s *= 2) {
+        for (int64_t i = 0; i < s; ++i) {
+            for (int64_t j = 0; j < s; ++j) {
+                const float v = h[(size_t)(i * n + j)];
+                h[(size_t)((i + s) * n + j)] = v;
+                h[(size_t)(i * n + j + s)] = v;
+                h[(size_t)((i + s) * n + j + s)] = -v;
+            }
+        }
+    }
+    return h;
+}
+
+// x [.., ..] rotated in chunks of rot's size (llama.cpp's llama_mul_mat_hadamard, with ggml's hint that
+// src0 is a Hadamard matrix, so the same kernel runs)
+ggml_tensor * rotate(Build & b, ggml_tensor * x, ggml_tensor * rot) {
+    const int64_t n = rot->ne[0];
+    ggml_tensor * r = ggml_is_contiguous(x) ? ggml_reshape_2d(b.c, x, n, ggml_nelements(x) / n)
+                                            : ggml_cont_2d(b.c, x, n, ggml_nelements(x) / n);
+    r = ggml_mul_mat(b.c, rot, r);
+    ggml_mul_mat_set_hint(r, GGML_HINT_SRC0_IS_HADAMARD);
+    return ggml_reshape_4d(b.c, r, x->ne[0], x->ne[1], x->ne[2], x->ne[3]);
 }
 
 template <typename T>
@@ -334,8 +474,10 @@ void put(ggml_tensor * t, const std::vector<T> & v) {
 // The compression plan of ratio r for positions [pos, pos + nc): per block slot its entry, first
 // position and source rows (overlapping: the previous block's rows first, then the block's own).
 void set_comp(const Graph & g, int32_t r, int32_t pos, int32_t nc, In read, In write, In cpos, In bias) {
-    const int64_t nb = n_blocks(nc, r), scratch = n_comp(g.key.cap, r) - 1;
+    const int64_t nb = n_blocks(nc, r), scratch = n_comp(g.key.cap, r) - 1, ring = ring_rows(r);
     const bool overlap = bias != kInputs;
+    // a row of position q in compress()'s concatenation: its ring slot if older than the graph, else new
+    auto row = [&](int32_t q) { return (int32_t)(q < pos ? q % ring : ring + (q - pos)); };
     std::vector<int64_t> wr(nb, scratch);
     std::vector<int32_t> cp(nb, 0), rd((overlap ? 2 : 1) * r * nb, 0);
     std::vector<float> bi(overlap ? 2 * r * nb : 0, 0.0f);
@@ -347,11 +489,11 @@ void set_comp(const Graph & g, int32_t r, int32_t pos, int32_t nc, In read, In w
         cp[i] = start;
         for (int32_t k = 0; k < r; ++k) {
             if (overlap) {
-                rd[i * r + k] = j > 0 ? start - r + k : 0;
+                rd[i * r + k] = j > 0 ? row(start - r + k) : 0;
                 if (j == 0) bi[i * 2 * r + k] = -INFINITY;
-                rd[nb * r + i * r + k] = start + k;
+                rd[nb * r + i * r + k] = row(start + k);
             } else {
-                rd[i * r + k] = start + k;
+                rd[i * r + k] = row(start + k);
             }
         }
         ++i;
@@ -373,12 +515,21 @@ void set_comp_mask(ggswarm_model * m, ggml_tensor * t, int32_t r, int32_t pos, i
     put(t, m->mask_host);
 }
 
+// The ring slots of the last min(nc, ring) new positions (their rows are what the ring keeps).
+void set_ring_writes(ggml_tensor * t, int32_t pos, int32_t nc, int64_t ring) {
+    const int64_t k = std::min<int64_t>(nc, ring);
+    std::vector<int64_t> slots(k);
+    for (int64_t i = 0; i < k; ++i) slots[i] = (pos + nc - k + i) % ring;
+    put(t, slots);
+}
+
 void set_inputs(ggswarm_model * m, Graph & g, int32_t pos, int32_t nc) {
     std::vector<ggml_tensor *> & in = g.arch_in;
+    const int64_t rr = raw_rows(m);
     std::vector<int64_t> kidx(nc);
     std::vector<int32_t> a4(nc), a128(nc);
     for (int32_t t = 0; t < nc; ++t) {
-        kidx[t] = pos + t;
+        kidx[t] = (pos + t) % rr;
         a4[t] = (pos + t) % kCsa;
         a128[t] = (pos + t) % kHca;
     }
@@ -386,12 +537,15 @@ void set_inputs(ggswarm_model * m, Graph & g, int32_t pos, int32_t nc) {
     put(in[kApe4], a4);
     put(in[kApe128], a128);
     if (in[kMaskRaw]->buffer) {
-        const int64_t w = in[kMaskRaw]->ne[0];
+        // slot j holds the newest position q <= top with q = j (mod ring), after this graph's writes
+        const int64_t w = in[kMaskRaw]->ne[0], top = pos + nc - 1;
         m->mask_host.assign((size_t)w * nc, -INFINITY);
-        for (int32_t i = 0; i < nc; ++i) {
-            const int64_t p = pos + i;
-            for (int64_t j = std::max<int64_t>(0, p - m->n_swa + 1); j <= std::min(p, w - 1); ++j) {
-                m->mask_host[(size_t)i * w + j] = 0.0f;
+        for (int64_t j = 0; j < w; ++j) {
+            const int64_t q = top - (((top - j) % rr) + rr) % rr;
+            if (q < 0) continue;
+            for (int32_t i = 0; i < nc; ++i) {
+                const int64_t p = pos + i;
+                if (q <= p && q > p - m->n_swa) m->mask_host[(size_t)i * w + j] = 0.0f;
             }
         }
         put(in[kMaskRaw], m->mask_host);
@@ -400,6 +554,11 @@ void set_inputs(ggswarm_model * m, Graph & g, int32_t pos, int32_t nc) {
     set_comp(g, kHca, pos, nc, kRead128, kWrite128, kCpos128, kInputs);
     set_comp_mask(m, in[kMask4], kCsa, pos, nc);
     set_comp_mask(m, in[kMask128], kHca, pos, nc);
+    set_ring_writes(in[kRows4], pos, nc, ring_rows(kCsa));
+    set_ring_writes(in[kRows128], pos, nc, ring_rows(kHca));
+    for (In k : {kRotIdx, kRotHead}) {
+        if (in[k]->buffer) put(in[k], hadamard(in[k]->ne[0]));
+    }
 }
 
 // --- graph pieces ----------------------------------------------------------------------------------------
@@ -498,23 +657,28 @@ ggml_tensor * hc_post(Build & b, ggml_tensor * f, ggml_tensor * res, const HcMix
     return out;
 }
 
-// One compressor: per-position rows (kv, score + the position's ape row) written to the session's row
-// caches, then for each block slot a softmax over its rows (per channel) of the score, weighting the kv
-// rows; RMS norm, RoPE at the block's first position, written to the compressed cache. Returns the
-// compressed cache after the write, viewed over the graph's span.
+// One compressor: per-position rows (kv, score + the position's ape row), after the ring's rows of the
+// positions before the graph; then for each block slot a softmax over its rows (per channel) of the
+// score, weighting the kv rows; RMS norm, RoPE at the block's first position, written to the compressed
+// cache. The ring keeps the last rows (read before they are written over: the write takes them from the
+// concatenation). Returns the compressed cache after the write, viewed over the graph's span.
 ggml_tensor * compress(Build & b, int32_t il, ggml_tensor * cur, ggml_tensor * w_kv, ggml_tensor * w_gate,
                        ggml_tensor * ape, ggml_tensor * norm, int64_t width, int32_t r, ggml_tensor * comp_cache,
-                       ggml_tensor * kv_cache, ggml_tensor * sc_cache) {
+                       ggml_tensor * kv_ring, ggml_tensor * sc_ring) {
     ggml_context * c = b.c;
     const std::vector<ggml_tensor *> & in = b.g.arch_in;
     const bool overlap = r == kCsa;
-    const int64_t nb = n_blocks(b.n, r);
+    const int64_t nb = n_blocks(b.n, r), ring = kv_ring->ne[1], keep = std::min<int64_t>(b.n, ring);
     ggml_tensor * kv = ggml_mul_mat(c, w_kv, cur);
     ggml_tensor * sc = ggml_add(c, ggml_mul_mat(c, w_gate, cur), ggml_get_rows(c, ape, in[overlap ? kApe4 : kApe128]));
-    ggml_tensor * kvc = ggml_set_rows(c, kv_cache, kv, in[kKidx]);
-    ggml_tensor * scc = ggml_set_rows(c, sc_cache, sc, in[kKidx]);
-    ggml_tensor * rows_kv = ggml_get_rows(c, kvc, in[overlap ? kRead4 : kRead128]);
-    ggml_tensor * rows_sc = ggml_get_rows(c, scc, in[overlap ? kRead4 : kRead128]);
+    ggml_tensor * all_kv = ggml_concat(c, kv_ring, kv, 1);  // [rw, ring + n]
+    ggml_tensor * all_sc = ggml_concat(c, sc_ring, sc, 1);
+    for (auto [all, dst] : {std::pair{all_kv, kv_ring}, std::pair{all_sc, sc_ring}}) {
+        ggml_tensor * last = ggml_view_2d(c, all, all->ne[0], keep, all->nb[1], (size_t)(ring + b.n - keep) * all->nb[1]);
+        ggml_build_forward_expand(b.g.gf, ggml_set_rows(c, dst, last, in[overlap ? kRows4 : kRows128]));
+    }
+    ggml_tensor * rows_kv = ggml_get_rows(c, all_kv, in[overlap ? kRead4 : kRead128]);
+    ggml_tensor * rows_sc = ggml_get_rows(c, all_sc, in[overlap ? kRead4 : kRead128]);
     ggml_tensor * vals, * scores;
     if (overlap) {
         const int64_t nr = r * nb;
@@ -535,6 +699,7 @@ ggml_tensor * compress(Build & b, int32_t il, ggml_tensor * cur, ggml_tensor * w
     comp = ggml_cont(c, ggml_permute(c, comp, 1, 0, 2, 3));            // [width, 1, nb]
     comp = rms(c, comp, norm, b.m->eps);
     comp = rope_tail(b, il, comp, in[overlap ? kCpos4 : kCpos128]);
+    if (rotates(b.m, width)) comp = rotate(b, comp, in[width == dsv4(b.m).idx_len ? kRotIdx : kRotHead]);
     ggml_tensor * cc = ggml_set_rows(c, comp_cache, ggml_reshape_2d(c, comp, width, nb), in[overlap ? kWrite4 : kWrite128]);
     const int64_t span = n_comp_span(b.n_kv, b.cap, r);
     return ggml_view_2d(c, cc, width, span, cc->nb[1], 0);
@@ -550,11 +715,11 @@ ggml_tensor * indexer_mask(Build & b, int32_t il, ggml_tensor * qr, ggml_tensor 
     const int64_t n = b.n, ih = h.idx_heads, il_ = h.idx_len;
     ggml_tensor * mask = b.g.arch_in[kMask4];
     ggml_tensor * q = ggml_reshape_3d(c, ggml_mul_mat(c, ex(L, "idx_q_b"), qr), il_, ih, n);
-    q = rope_tail(b, il, q, b.g.inp_pos);
+    q = rotate(b, rope_tail(b, il, q, b.g.inp_pos), b.g.arch_in[kRotIdx]);  // the indexer's cache always rotates
     ggml_tensor * w = ggml_scale(c, ggml_mul_mat(c, ex(L, "idx_proj"), cur), 1.0f / sqrtf((float)(il_ * ih)));
     w = ggml_reshape_3d(c, ggml_cont(c, ggml_transpose(c, w)), 1, n, ih);  // [1, n, heads]
-    ggml_tensor * k = ggml_cast(c, idx_k, GGML_TYPE_F32);                    // [il_, span]
-    ggml_tensor * kq = ggml_mul_mat(c, k, ggml_permute(c, q, 0, 2, 1, 3));   // [span, n, heads]
+    // the cache's own type, as llama.cpp multiplies it (an f16 cache rounds q to f16 in the product)
+    ggml_tensor * kq = ggml_mul_mat(c, idx_k, ggml_permute(c, q, 0, 2, 1, 3));  // [span, n, heads]
     kq = ggml_mul(c, ggml_relu(c, kq), w);
     ggml_tensor * score = ggml_sum_rows(c, ggml_cont(c, ggml_permute(c, kq, 1, 2, 0, 3)));  // [1, span, n]
     score = ggml_add(c, ggml_reshape_2d(c, score, mask->ne[0], n), mask);
@@ -583,20 +748,26 @@ ggml_tensor * attention_dsv4(Build & b, int32_t il, ggml_tensor * cur) {
     q = rope_tail(b, il, ggml_rms_norm(c, q, m->eps), b.g.inp_pos);
     ggml_tensor * kv = rms(c, ggml_mul_mat(c, ex(L, "wkv"), cur), ex(L, "kv_norm"), m->eps);
     kv = rope_tail(b, il, ggml_reshape_3d(c, kv, hd, 1, n), b.g.inp_pos);
+    const bool rot = rotates(m, hd);
+    ggml_tensor * rot_head = rot ? in[kRotHead] : nullptr;  // rot_size(hd) == rot_size(idx_len) when hd == idx_len
+    if (rot) {
+        q = rotate(b, q, rot_head);
+        kv = rotate(b, kv, rot_head);
+    }
     ggml_tensor * raw = ggml_set_rows(c, st[0], ggml_reshape_2d(c, kv, hd, n), in[kKidx]);
-    raw = ggml_cast(c, ggml_view_2d(c, raw, hd, b.n_kv, raw->nb[1], 0), GGML_TYPE_F32);
+    raw = ggml_view_2d(c, raw, hd, raw_span(m, b.n_kv), raw->nb[1], 0);  // in the cache type, as llama.cpp reads it
     ggml_tensor * k_all = raw, * mask = in[kMaskRaw];
     if (r == kCsa) {
         ggml_tensor * comp = compress(b, il, cur, ex(L, "comp_kv"), ex(L, "comp_gate"), ex(L, "comp_ape"),
                                       ex(L, "comp_norm"), hd, r, st[1], st[2], st[3]);
         ggml_tensor * idx_k = compress(b, il, cur, ex(L, "idx_kv"), ex(L, "idx_gate"), ex(L, "idx_ape"),
                                        ex(L, "idx_norm"), h.idx_len, r, st[4], st[5], st[6]);
-        k_all = ggml_concat(c, raw, ggml_cast(c, comp, GGML_TYPE_F32), 1);
+        k_all = ggml_concat(c, raw, comp, 1);
         mask = ggml_concat(c, mask, indexer_mask(b, il, qr, cur, idx_k), 0);
     } else if (r == kHca) {
         ggml_tensor * comp = compress(b, il, cur, ex(L, "comp_kv"), ex(L, "comp_gate"), ex(L, "comp_ape"),
                                       ex(L, "comp_norm"), hd, r, st[1], st[2], st[3]);
-        k_all = ggml_concat(c, raw, ggml_cast(c, comp, GGML_TYPE_F32), 1);
+        k_all = ggml_concat(c, raw, comp, 1);
         mask = ggml_concat(c, mask, in[kMask128], 0);
     }
     // one K = V head shared by every query head, with a per-head sink in the softmax
@@ -605,6 +776,7 @@ ggml_tensor * attention_dsv4(Build & b, int32_t il, ggml_tensor * cur) {
     ggml_soft_max_add_sinks(kq, ex(L, "sinks"));
     ggml_tensor * o = ggml_mul_mat(c, ggml_cont(c, ggml_transpose(c, k_all)), kq);  // [hd, n, heads]
     o = ggml_cont(c, ggml_permute(c, o, 0, 2, 1, 3));                            // [hd, heads, n]
+    if (rot) o = rotate(b, o, rot_head);                                         // back (H H = I)
     o = rope_tail(b, il, o, b.g.inp_pos, true);                               // undo V's RoPE
     // grouped output projection: each group of heads through its own low-rank map, then one more
     const int64_t gd = hd * nh / h.o_groups;
@@ -688,7 +860,8 @@ ggml_tensor * build(Build & b, ggml_tensor * x) {
     return weigh_streams(b, ggml_reshape_3d(c, ggml_cont(c, x), d, hc, nt), pre);
 }
 
-const Arch kDeepseek4 = {"deepseek4", read, want, build, set_inputs};
+// caches in f16 (llama.cpp's default) or f32 (llama.cpp's type_k = 0), ggswarm_set_cache_type
+const Arch kDeepseek4 = {"deepseek4", read, want, build, set_inputs, false, (1u << GGML_TYPE_F16) | (1u << GGML_TYPE_F32)};
 ArchRegistration reg(&kDeepseek4);
 
 }  // namespace

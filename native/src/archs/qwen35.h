@@ -18,10 +18,6 @@ struct Hybrid : ArchData {
     int32_t n_expert = 0, n_used = 0, n_ff_exp = 0, n_ff_shexp = 0;
     float w_scale = 1.0f;
     int sections[4] = {0, 0, 0, 0};
-    // checkpoints of the recurrent state (recurrent.cpp): every `ckpt_every` positions (0: only at the
-    // ends of multi-token forward calls), at most `ckpt_max` per session (the oldest dropped first)
-    int32_t ckpt_every = 256;
-    int32_t ckpt_max = 8;
 
     int64_t key_dim() const { return (int64_t)d_state * n_group; }
     int64_t value_dim() const { return (int64_t)d_state * dt_rank; }
