@@ -228,3 +228,29 @@ def test_going_back_lands_where_the_rings_allow_and_continues_as_a_fresh_prefill
             h.set_checkpoints(256, 8)
     assert where == [(landed, kind)] * len(hops)
     assert float(np.abs(got - _fresh(hops, history, target)).max()) <= MAX_LOGIT_DIFF
+
+
+def test_a_nodes_cache_type_reaches_its_native_shards_and_an_unsupported_one_is_refused_at_load(
+    gguf: str, tmp_path: Path
+) -> None:
+    from agent.artifacts.manifest import build_manifest
+    from agent.backends.base import BackendError, ShardSpec
+    from agent.backends.native import NativeBackend
+
+    spec = ShardSpec(gguf, 0, 2, build_manifest(gguf, hash_tensors=False), n_threads=1)
+    sizes = {}
+    for cache_type in ("f16", "f32"):
+        be = NativeBackend(spec, cache_type=cache_type)
+        try:
+            sid = be.model.open_session(256)
+            be.model.forward(sid, 0, token_ids=np.arange(100, 356, dtype=np.int32))
+            sizes[cache_type] = be.model.kv_bytes(sid)
+        finally:
+            be.close()
+    # layer 0 holds the raw ring, layer 1 also ratio-4 entries and f32 compressor rings: the K caches
+    # double in f32, the rings of f32 rows do not
+    assert sizes["f16"] < sizes["f32"] < 2 * sizes["f16"]
+    qwen3 = str(write_tiny_gguf("qwen3", tmp_path / "qwen3.gguf"))
+    qspec = ShardSpec(qwen3, 0, 4, build_manifest(qwen3, hash_tensors=False), n_threads=1)
+    with pytest.raises(BackendError, match="f16 only"):
+        NativeBackend(qspec, cache_type="f32")
