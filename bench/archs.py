@@ -44,7 +44,7 @@ class BenchArch:
     key: str
     model: Callable[[Path], Path]
     splits: tuple[tuple[int, int], ...]
-    f32_cache: bool = False  # llama.cpp keeps f32 K/V, as libggswarm keeps this architecture's state
+    cache_type: str = "f16"  # both sides' attention caches: llama.cpp's default, and the node's
 
 
 def _packaged(name: str) -> Callable[[Path], Path]:
@@ -71,7 +71,7 @@ ARCHS = [
         ((0, 3), (3, 6), (6, 9)),
     ),
     # ratios 0, 4, 128, 0, 4, 128: each hop holds a different mix of raw, compressed and indexer state
-    BenchArch("deepseek4", _tiny("deepseek4"), ((0, 2), (2, 4), (4, 6)), f32_cache=True),
+    BenchArch("deepseek4", _tiny("deepseek4"), ((0, 2), (2, 4), (4, 6))),
 ]
 
 
@@ -123,9 +123,13 @@ def bench_arch(row: BenchArch, workdir: Path, threads: int, n_decode: int, round
 
     path = str(row.model(workdir))
     manifest = build_manifest(path, hash_tensors=False)
-    hops = [NativeBackend(ShardSpec(path, a, b, manifest, n_threads=threads)) for a, b in row.splits]
+    hops = [
+        NativeBackend(ShardSpec(path, a, b, manifest, n_threads=threads), cache_type=row.cache_type)
+        for a, b in row.splits
+    ]
     flash = hops[0].model.info.decode_kernels == -2
-    cache = {"type_k": 0, "type_v": 0} if row.f32_cache else {}
+    kv = {"f16": 1, "f32": 0}[row.cache_type]  # ggml type ids, as llama.cpp's type_k / type_v take them
+    cache = {"type_k": kv, "type_v": kv}
     out: dict[str, float] = {}
     try:
         ref = llama_cpp.Llama(
