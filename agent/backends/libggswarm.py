@@ -149,6 +149,9 @@ def load_library() -> ctypes.CDLL:
         _load_error = f"{path} is not built (run `bash native/build.sh`)"
         raise OSError(_load_error)
     _preload_ggml()
+    # a ggml assertion aborts the process; its default backtrace attaches gdb, which can hang the node
+    # instead of letting it exit (and its supervisor restart it)
+    os.environ.setdefault("GGML_NO_BACKTRACE", "1")
     lib = ctypes.CDLL(str(path))
     bind(lib)
     version = lib.ggswarm_api_version()

@@ -56,6 +56,7 @@ struct Wants {
         std::vector<int64_t> shape;
         bool optional;
         ggml_tensor ** dst;
+        bool plain = false;  // never in the CPU's repacked layout (the graph views it in another shape)
     };
     std::vector<Item> items;
     const gguf_context * g = nullptr;
@@ -65,6 +66,10 @@ struct Wants {
     }
     void opt(const std::string & name, std::vector<int64_t> shape, ggml_tensor ** dst) {
         items.push_back({name, std::move(shape), true, dst});
+    }
+    // A matrix the graph reshapes (llama.cpp loads it in that shape, which is never repacked).
+    void need_plain(const std::string & name, std::vector<int64_t> shape, ggml_tensor ** dst) {
+        items.push_back({name, std::move(shape), false, dst, true});
     }
     bool in_file(const std::string & name) const { return gguf_find_tensor(g, name.c_str()) >= 0; }
 };

@@ -438,7 +438,8 @@ ggswarm_status load_weights(ggswarm_model * m, const Meta & meta, const char * p
         if (!src) continue;  // optional and absent
         // matrices the CPU's repacked layout can multiply go there, as llama.cpp places them (the same
         // kernels, so the same numbers, and faster); token_embd stays (get_rows reads it)
-        const bool repack = extra && w.shape.size() >= 2 && w.name != "token_embd.weight" && matmul_ok(m, src, extra);
+        const bool repack = extra && !w.plain && w.shape.size() >= 2 && w.name != "token_embd.weight" &&
+                            matmul_ok(m, src, extra);
         ggml_tensor * t = ggml_new_tensor(repack ? m->wctx_extra : m->wctx, src->type, (int)w.shape.size(), src->ne);
         ggml_set_name(t, w.name.c_str());
         *w.dst = t;

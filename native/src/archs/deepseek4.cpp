@@ -167,7 +167,9 @@ void want(const ggswarm_model * m, int32_t il, Layer & L, Wants & w) {
     w.need(blk(il, "attn_q_b.weight"), {h.q_lora, nh * hd}, x("wq_b"));
     w.need(blk(il, "attn_kv.weight"), {d, hd}, x("wkv"));
     w.need(blk(il, "attn_kv_a_norm.weight"), {hd}, x("kv_norm"));
-    w.need(blk(il, "attn_output_a.weight"), {nh * hd / h.o_groups, (int64_t)h.o_lora * h.o_groups}, x("wo_a"));
+    // [gd, o_lora x groups] in the file, viewed per group as [gd, o_lora, groups] (llama.cpp loads it 3-D):
+    // a repacked Q4_K matrix cannot be viewed so (ggml's repack asserts 2-D operands)
+    w.need_plain(blk(il, "attn_output_a.weight"), {nh * hd / h.o_groups, (int64_t)h.o_lora * h.o_groups}, x("wo_a"));
     w.need(blk(il, "attn_output_b.weight"), {(int64_t)h.o_groups * h.o_lora, d}, x("wo_b"));
     w.need(blk(il, "hc_attn_fn.weight"), {hcd, mix}, x("hc_attn_fn"));
     w.need(blk(il, "hc_attn_base.weight"), {mix}, x("hc_attn_base"));
