@@ -1,7 +1,7 @@
 # The handful of verbs: setup, up, test, lint, bench, native.
 PY := .venv/bin/python
 
-.PHONY: setup up test test-fast lint format bench native
+.PHONY: setup up test test-fast lint format bench native native-cuda
 
 setup:
 	bash scripts/setup.sh
@@ -29,3 +29,7 @@ bench:
 
 native:
 	bash native/build.sh
+
+# libggswarm on a CUDA ggml (sm_89 + sm_90) in native/build-cuda/; docs/native.md "The CUDA build"
+native-cuda:
+	bash native/build_cuda.sh
