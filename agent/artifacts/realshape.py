@@ -19,13 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from agent.artifacts.tiny import (
-    DEEPSEEK4_FLASH_ROPE_SCALING,
-    _Builder,
-    _Tensor,
-    _tokenizer_fields,
-    _values,
-)
+from agent.artifacts import layouts
+from agent.artifacts.layouts import Builder, Tensor
+from agent.artifacts.tiny import _tokenizer_fields, _values
 
 ARCHITECTURES = ("deepseek4", "glm-dsa", "qwen35moe")
 MODEL_NAMES = {
@@ -43,113 +39,15 @@ class RealShapeError(ValueError):
     """The requested real-shaped file cannot be built; the message says why."""
 
 
-def _common(b: _Builder, ctx: int, d: int, n_all: int, n_head: int, n_kv: int, n_ff: int, eps: float) -> None:
-    b.u32("context_length", ctx)
-    b.u32("embedding_length", d)
-    b.u32("block_count", n_all)
-    b.u32("feed_forward_length", n_ff)
-    b.u32("attention.head_count", n_head)
-    b.u32("attention.head_count_kv", n_kv)
-    b.f32("attention.layer_norm_rms_epsilon", eps)
-
-
-def _moe(b: _Builder, i: int, d: int, n_expert: int, ff: int, ff_sh: int) -> None:
-    b.t(f"blk.{i}.ffn_gate_inp.weight", d, n_expert)
-    b.t(f"blk.{i}.ffn_gate_exps.weight", d, ff, n_expert)
-    b.t(f"blk.{i}.ffn_up_exps.weight", d, ff, n_expert)
-    b.t(f"blk.{i}.ffn_down_exps.weight", ff, d, n_expert)
-    b.t(f"blk.{i}.ffn_gate_shexp.weight", d, ff_sh)
-    b.t(f"blk.{i}.ffn_up_shexp.weight", d, ff_sh)
-    b.t(f"blk.{i}.ffn_down_shexp.weight", ff_sh, d)
-
-
-def _nextn(b: _Builder, i: int, d: int) -> None:
-    b.t(f"blk.{i}.nextn.eh_proj.weight", 2 * d, d)
-    for n in ("enorm", "hnorm", "shared_head_norm"):
-        b.norm(f"blk.{i}.nextn.{n}.weight", d)
-
-
-def _embd(b: _Builder, d: int, vocab: int) -> None:
-    b.t("token_embd.weight", d, vocab, kind="head")
-    b.norm("output_norm.weight", d)
-    b.t("output.weight", d, vocab, kind="head")
-
-
-def _deepseek4(b: _Builder, vocab: int) -> None:
+def _deepseek4(b: Builder, vocab: int) -> None:
     """DeepSeek-V4-Flash: 43 layers + 1 MTP block, 4 hyper-connection streams, ratios 0/0 then 4/128."""
-    d, n_layers, head, n_head, n_rot, q_lora, o_groups, o_lora = 4096, 43, 512, 64, 64, 1024, 8, 1024
-    n_expert, n_used, ff, hc, idx_heads, idx_len, hash_layers = 256, 6, 2048, 4, 64, 128, 3
-    n_all = n_layers + 1
-    _common(b, 1048576, d, n_all, n_head, 1, ff, 1e-6)
-    b.f32("rope.freq_base", 10000.0)
-    b.u32("attention.key_length", head)
-    b.u32("attention.value_length", head)
-    b.u32("rope.dimension_count", n_rot)
-    b.u32("attention.q_lora_rank", q_lora)
-    b.u32("attention.sliding_window", 128)
-    b.u32("expert_count", n_expert)
-    b.u32("expert_used_count", n_used)
-    b.u32("expert_feed_forward_length", ff)
-    b.u32("expert_shared_count", 1)
-    b.f32("expert_weights_scale", 1.5)  # est.
-    b.flag("expert_weights_norm", True)
-    b.u32("expert_gating_func", 4)
-    b.f32s("swiglu_clamp_exp", [10.0] * n_all)
-    b.u32("attention.indexer.head_count", idx_heads)
-    b.u32("attention.indexer.key_length", idx_len)
-    b.u32("attention.indexer.top_k", 512)  # est.
-    b.u32("attention.output_group_count", o_groups)
-    b.u32("attention.output_lora_rank", o_lora)
-    b.f32("attention.compress_rope_freq_base", 160000.0)
-    b.rope_scaling(DEEPSEEK4_FLASH_ROPE_SCALING)
-    b.u32("hyper_connection.count", hc)
-    b.u32("hyper_connection.sinkhorn_iterations", 20)
-    b.f32("hyper_connection.epsilon", 1e-6)
-    b.u32("hash_layer_count", hash_layers)
-    ratios = [0, 0] + [4 if i % 2 == 0 else 128 for i in range(2, n_layers)] + [0]
-    b.u32s("attention.compress_ratios", ratios)
-    b.u32("nextn_predict_layers", 1)
-    _embd(b, d, vocab)
-    mix = (2 + hc) * hc
-    b.t("output_hc_fn.weight", hc * d, hc, kind="small")
-    b.t("output_hc_base.weight", hc, kind="small")
-    b.t("output_hc_scale.weight", 1, kind="small")
-    for i in range(n_all):
-        b.norm(f"blk.{i}.attn_norm.weight", d)
-        b.t(f"blk.{i}.attn_sinks.weight", n_head, kind="small")
-        b.t(f"blk.{i}.attn_q_a.weight", d, q_lora)
-        b.norm(f"blk.{i}.attn_q_a_norm.weight", q_lora)
-        b.t(f"blk.{i}.attn_q_b.weight", q_lora, n_head * head)
-        b.t(f"blk.{i}.attn_kv.weight", d, head)
-        b.norm(f"blk.{i}.attn_kv_a_norm.weight", head)
-        b.t(f"blk.{i}.attn_output_a.weight", n_head * head // o_groups, o_lora * o_groups)
-        b.t(f"blk.{i}.attn_output_b.weight", o_groups * o_lora, d)
-        for part in ("attn", "ffn"):
-            b.t(f"blk.{i}.hc_{part}_fn.weight", hc * d, mix, kind="small")
-            b.t(f"blk.{i}.hc_{part}_base.weight", mix, kind="small")
-            b.t(f"blk.{i}.hc_{part}_scale.weight", 3, kind="small")
-        ratio = ratios[i]
-        if ratio:
-            coff = 2 if ratio == 4 else 1
-            b.t(f"blk.{i}.attn_compressor_kv.weight", d, coff * head)
-            b.t(f"blk.{i}.attn_compressor_gate.weight", d, coff * head)
-            b.t(f"blk.{i}.attn_compressor_ape.weight", coff * head, ratio, kind="small")
-            b.norm(f"blk.{i}.attn_compressor_norm.weight", head)
-            if ratio == 4:
-                b.t(f"blk.{i}.indexer.proj.weight", d, idx_heads)
-                b.t(f"blk.{i}.indexer.attn_q_b.weight", q_lora, idx_heads * idx_len)
-                b.t(f"blk.{i}.indexer_compressor_kv.weight", d, 2 * idx_len)
-                b.t(f"blk.{i}.indexer_compressor_gate.weight", d, 2 * idx_len)
-                b.t(f"blk.{i}.indexer_compressor_ape.weight", 2 * idx_len, ratio, kind="small")
-                b.norm(f"blk.{i}.indexer_compressor_norm.weight", idx_len)
-        if i < hash_layers:
-            b.t(f"blk.{i}.ffn_gate_tid2eid.weight", n_used, vocab, kind="ids", high=n_expert)
-        else:
-            b.t(f"blk.{i}.exp_probs_b.bias", n_expert, kind="small")
-        b.norm(f"blk.{i}.ffn_norm.weight", d)
-        _moe(b, i, d, n_expert, ff, ff)
-        if i >= n_layers:
-            _nextn(b, i, d)
+    ratios = (0, 0) + tuple(4 if i % 2 == 0 else 128 for i in range(2, 43))
+    dims = layouts.Dsv4Dims(
+        d=4096, n_layers=43, vocab=vocab, ratios=ratios, ctx=1048576, head=512, n_head=64, n_rot=64,
+        q_lora=1024, o_groups=8, o_lora=1024, n_expert=256, n_used=6, n_ff_exp=2048, hc=4,
+        idx_heads=64, idx_len=128, top_k=512, swa=128, hash_layers=3, w_scale=1.5, mtp=True,
+    )  # fmt: skip
+    layouts.deepseek4(b, dims)  # top_k 512 and w_scale 1.5: est.
 
 
 def glm52_indexer_types(n_layers: int = 78) -> list[int]:
@@ -157,115 +55,27 @@ def glm52_indexer_types(n_layers: int = 78) -> list[int]:
     return [1 if i < 2 or (i - 2) % 4 == 0 else 0 for i in range(n_layers)]
 
 
-def _glm_dsa(b: _Builder, vocab: int) -> None:
+def _glm_dsa(b: Builder, vocab: int) -> None:
     """GLM-5.2: 78 layers (3 dense) + MTP, MLA latent KV, DSA indexer shared by groups of four."""
-    d, n_layers, n_head, q_lora, kv_lora, n_rot, nope, v_head = 6144, 78, 64, 2048, 512, 64, 192, 256
-    n_expert, n_used, ff_exp, n_ff, dense, idx_heads, idx_len = 256, 8, 2048, 12288, 3, 32, 128
-    n_all = n_layers + 1
-    _common(b, 1048576, d, n_all, n_head, 1, n_ff, 1e-5)
-    b.f32("rope.freq_base", 8_000_000.0)
-    b.u32("attention.key_length", kv_lora + n_rot)
-    b.u32("attention.value_length", kv_lora)
-    b.u32("attention.key_length_mla", nope + n_rot)
-    b.u32("attention.value_length_mla", v_head)
-    b.u32("rope.dimension_count", n_rot)
-    b.u32("attention.q_lora_rank", q_lora)
-    b.u32("attention.kv_lora_rank", kv_lora)
-    b.u32("expert_count", n_expert)
-    b.u32("expert_used_count", n_used)
-    b.u32("expert_feed_forward_length", ff_exp)
-    b.u32("expert_shared_count", 1)
-    b.u32("leading_dense_block_count", dense)
-    b.f32("expert_weights_scale", 2.5)
-    b.flag("expert_weights_norm", True)
-    b.u32("expert_gating_func", 2)
-    b.u32("attention.indexer.head_count", idx_heads)
-    b.u32("attention.indexer.key_length", idx_len)
-    b.u32("attention.indexer.top_k", 2048)
-    types = glm52_indexer_types(n_layers)
-    b.u32s("attention.indexer.types", types)
-    b.u32("nextn_predict_layers", 1)
-    _embd(b, d, vocab)
-    for i in range(n_all):
-        b.norm(f"blk.{i}.attn_norm.weight", d)
-        b.norm(f"blk.{i}.attn_q_a_norm.weight", q_lora)
-        b.norm(f"blk.{i}.attn_kv_a_norm.weight", kv_lora)
-        b.t(f"blk.{i}.attn_q_a.weight", d, q_lora)
-        b.t(f"blk.{i}.attn_q_b.weight", q_lora, n_head * (nope + n_rot))
-        b.t(f"blk.{i}.attn_kv_a_mqa.weight", d, kv_lora + n_rot)
-        b.t(f"blk.{i}.attn_k_b.weight", nope, kv_lora, n_head)
-        b.t(f"blk.{i}.attn_v_b.weight", kv_lora, v_head, n_head)
-        b.t(f"blk.{i}.attn_output.weight", n_head * v_head, d)
-        b.norm(f"blk.{i}.ffn_norm.weight", d)
-        if i >= n_layers or types[i]:
-            b.norm(f"blk.{i}.indexer.k_norm.weight", idx_len)
-            b.t(f"blk.{i}.indexer.k_norm.bias", idx_len, kind="small")
-            b.t(f"blk.{i}.indexer.proj.weight", d, idx_heads)
-            b.t(f"blk.{i}.indexer.attn_k.weight", d, idx_len)
-            b.t(f"blk.{i}.indexer.attn_q_b.weight", q_lora, idx_heads * idx_len)
-        if i < dense:
-            b.t(f"blk.{i}.ffn_gate.weight", d, n_ff)
-            b.t(f"blk.{i}.ffn_up.weight", d, n_ff)
-            b.t(f"blk.{i}.ffn_down.weight", n_ff, d)
-        else:
-            b.t(f"blk.{i}.exp_probs_b.bias", n_expert, kind="small")
-            _moe(b, i, d, n_expert, ff_exp, ff_exp)
-        if i >= n_layers:
-            _nextn(b, i, d)
+    dims = layouts.GlmDims(
+        d=6144, n_layers=78, vocab=vocab, types=tuple(glm52_indexer_types(78)), ctx=1048576, eps=1e-5,
+        n_head=64, q_lora=2048, kv_lora=512, n_rot=64, nope=192, v_head=256, n_expert=256, n_used=8,
+        n_ff_exp=2048, n_ff=12288, dense_lead=3, idx_heads=32, idx_len=128, top_k=2048, mtp=True,
+    )  # fmt: skip
+    layouts.glm_dsa(b, dims)
 
 
-def _qwen35moe(b: _Builder, vocab: int) -> None:
+def _qwen35moe(b: Builder, vocab: int) -> None:
     """Qwen3.5-397B-A17B: 60 layers (3 gated delta-net : 1 gated attention) + MTP, 512 experts top-10."""
-    d, n_layers, n_head, n_kv, head, interval = 4096, 60, 32, 2, 256, 4
-    d_state, n_group, dt_rank, d_conv = 128, 16, 64, 4
-    n_expert, n_used, ff = 512, 10, 1024
-    n_all = n_layers + 1
-    _common(b, 262144, d, n_all, n_head, n_kv, ff, 1e-6)
-    b.f32("rope.freq_base", 10_000_000.0)
-    b.u32("attention.key_length", head)
-    b.u32("attention.value_length", head)
-    b.u32("rope.dimension_count", 64)
-    b.i32s("rope.dimension_sections", [11, 11, 10, 0])
-    b.u32("ssm.conv_kernel", d_conv)
-    b.u32("ssm.state_size", d_state)
-    b.u32("ssm.group_count", n_group)
-    b.u32("ssm.time_step_rank", dt_rank)
-    b.u32("ssm.inner_size", d_state * dt_rank)
-    b.u32("full_attention_interval", interval)
-    b.u32("nextn_predict_layers", 1)
-    b.u32("expert_count", n_expert)
-    b.u32("expert_used_count", n_used)
-    b.u32("expert_feed_forward_length", ff)
-    b.u32("expert_shared_feed_forward_length", ff)
-    _embd(b, d, vocab)
-    key_dim, value_dim = d_state * n_group, d_state * dt_rank
-    for i in range(n_all):
-        b.norm(f"blk.{i}.attn_norm.weight", d)
-        b.norm(f"blk.{i}.post_attention_norm.weight", d)
-        if i >= n_layers or (i + 1) % interval == 0:
-            b.t(f"blk.{i}.attn_q.weight", d, 2 * n_head * head)
-            b.t(f"blk.{i}.attn_k.weight", d, n_kv * head)
-            b.t(f"blk.{i}.attn_v.weight", d, n_kv * head)
-            b.t(f"blk.{i}.attn_output.weight", n_head * head, d)
-            b.norm(f"blk.{i}.attn_q_norm.weight", head)
-            b.norm(f"blk.{i}.attn_k_norm.weight", head)
-        else:
-            b.t(f"blk.{i}.attn_qkv.weight", d, 2 * key_dim + value_dim)
-            b.t(f"blk.{i}.attn_gate.weight", d, value_dim)
-            b.t(f"blk.{i}.ssm_conv1d.weight", d_conv, 2 * key_dim + value_dim, kind="small")
-            b.t(f"blk.{i}.ssm_dt.bias", dt_rank, kind="small")
-            b.t(f"blk.{i}.ssm_a", dt_rank, kind="neg")
-            b.t(f"blk.{i}.ssm_beta.weight", d, dt_rank)
-            b.t(f"blk.{i}.ssm_alpha.weight", d, dt_rank)
-            b.norm(f"blk.{i}.ssm_norm.weight", d_state)
-            b.t(f"blk.{i}.ssm_out.weight", value_dim, d)
-        _moe(b, i, d, n_expert, ff, ff)
-        b.t(f"blk.{i}.ffn_gate_inp_shexp.weight", d)
-        if i >= n_layers:
-            _nextn(b, i, d)
+    dims = layouts.Qwen35Dims(
+        d=4096, n_layers=60, vocab=vocab, moe=True, ctx=262144, head=256, n_head=32, n_kv=2, n_ff=1024,
+        interval=4, n_rot=64, sections=(11, 11, 10, 0), d_state=128, n_group=16, dt_rank=64, d_conv=4,
+        n_expert=512, n_used=10, n_ff_exp=1024, mtp=True,
+    )  # fmt: skip
+    layouts.qwen35(b, dims)
 
 
-_BUILDERS: dict[str, Callable[[_Builder, int], None]] = {
+_BUILDERS: dict[str, Callable[[Builder, int], None]] = {
     "deepseek4": _deepseek4,
     "glm-dsa": _glm_dsa,
     "qwen35moe": _qwen35moe,
@@ -277,7 +87,7 @@ def _more_bits(i: int, n: int) -> bool:
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
-def qtype_name(t: _Tensor, n_all: int) -> str:
+def qtype_name(t: Tensor, n_all: int) -> str:
     """The ggml type llama.cpp's Q4_K_M quantizer (llama_tensor_get_type, n_expert != 8) gives `t`."""
     if t.kind == "ids":
         return "I32"
@@ -309,7 +119,7 @@ _BLOCKS = {
 }
 
 
-def _nbytes(t: _Tensor, qtype: str) -> int:
+def _nbytes(t: Tensor, qtype: str) -> int:
     n = int(np.prod(t.ne))
     if qtype in ("F32", "I32"):
         return 4 * n
@@ -333,7 +143,7 @@ def _pool(qtype: str, ne0: int, rng: np.random.Generator, nbytes: int = 8 << 20)
 
 def _write_tensor(
     fh: Any,
-    t: _Tensor,
+    t: Tensor,
     qtype: str,
     nbytes: int,
     rng: np.random.Generator,
@@ -353,11 +163,11 @@ def _write_tensor(
         left -= len(chunk)
 
 
-def tensor_plan(arch: str) -> tuple[_Builder, list[tuple[_Tensor, str, int]]]:
+def tensor_plan(arch: str) -> tuple[Builder, list[tuple[Tensor, str, int]]]:
     """The metadata builder and (tensor, ggml type name, bytes) of every tensor of `arch`'s real file."""
     if arch not in _BUILDERS:
         raise RealShapeError(f"no real-shaped generator for {arch!r}; known: {', '.join(ARCHITECTURES)}")
-    b = _Builder(arch)
+    b = Builder(arch)
     _BUILDERS[arch](b, VOCAB[arch])
     n_all = next(int(v) for k, v, _ in b.kv if k == f"{arch}.block_count")
     plan = []
@@ -401,7 +211,7 @@ def write_realshape_gguf(
     """Write `arch`'s real-shaped file to `path` as a sparse file; only the trunk layers in
     `layers_with_data` (and the embedding and output head when `head`) hold bytes, plus the small
     non-layer tensors (norms, DeepSeek-V4's output hyper-connection). Returns the path."""
-    from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+    from gguf import GGMLQuantizationType, GGUFWriter
 
     b, plan = tensor_plan(arch)
     data_layers = set(layers_with_data)
@@ -411,14 +221,7 @@ def write_realshape_gguf(
     w.add_name(f"realshape-{MODEL_NAMES[arch]}-Q4_K_M")
     w.add_uint32("general.file_type", _FTYPE_Q4_K_M)
     w.add_uint32("general.quantization_version", 2)
-    scalar = {"u32": GGUFValueType.UINT32, "f32": GGUFValueType.FLOAT32, "bool": GGUFValueType.BOOL}
-    scalar["str"] = GGUFValueType.STRING
-    element = {"u32[]": GGUFValueType.UINT32, "i32[]": GGUFValueType.INT32, "f32[]": GGUFValueType.FLOAT32}
-    for key, value, kind in b.kv:
-        if kind in scalar:
-            w.add_key_value(key, value, scalar[kind])
-        else:
-            w.add_key_value(key, value, GGUFValueType.ARRAY, element[kind])
+    layouts.write_kv(w, b)
     for key, value, vtype, sub in _padded_tokenizer(VOCAB[arch], tokenizer_from):
         w.add_key_value(key, value, vtype, sub)
     offsets, total = [], 0

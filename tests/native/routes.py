@@ -99,6 +99,35 @@ def logits_rows(r: dict, n: int) -> np.ndarray:
     return np.asarray(r["logits"], dtype=np.float32).reshape(n, -1)
 
 
+def llama_with_cache(path: str, cache_type: str = "f32", n_ctx: int = 1024):  # noqa: ANN201 - llama_cpp.Llama
+    """llama-cpp-python on `path` with every logit kept and its attention caches in `cache_type` ("f16",
+    its default, or "f32"), flash attention off: the oracle of windows run with the same cache type."""
+    import pytest
+
+    llama_cpp = pytest.importorskip("llama_cpp")
+    kv = {"f32": 0, "f16": 1}[cache_type]  # ggml type ids, as llama.cpp's type_k / type_v take them
+    return llama_cpp.Llama(
+        model_path=path,
+        logits_all=True,
+        n_ctx=n_ctx,
+        n_threads=2,
+        flash_attn=False,
+        type_k=kv,
+        type_v=kv,
+        verbose=False,
+    )
+
+
+def native_hops(path: str, splits: list[tuple[int, int]], cache_type: str = "f16") -> list:  # noqa: ANN001
+    """NativeModel windows of `path` at `splits` (2 threads), their caches in `cache_type`."""
+    from agent.backends.libggswarm import NativeModel
+
+    hops = [NativeModel(path, a, b, n_threads=2) for a, b in splits]
+    for h in hops:
+        h.set_cache_type(cache_type)
+    return hops
+
+
 def llama_greedy(llama, prompt: list[int], n: int) -> list[int]:  # noqa: ANN001 - llama_cpp.Llama
     """n greedy tokens of llama-cpp-python after `prompt` (argmax of its scores)."""
     llama.reset()

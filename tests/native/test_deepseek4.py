@@ -17,9 +17,11 @@ from tests.native.routes import (
     close_sessions,
     continue_in_another_process,
     llama_greedy,
+    llama_with_cache,
     logits_rows,
     native_forward,
     native_greedy,
+    native_hops,
     open_sessions,
 )
 
@@ -45,9 +47,7 @@ def gguf(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def hops(native_lib: None, gguf: str) -> Iterator[list[NativeModel]]:
-    models = [NativeModel(gguf, a, b, n_threads=2) for a, b in SPLITS]
-    for m in models:
-        m.set_cache_type("f32")  # as llama.cpp below (type_k = 0): the logits agree to ~3e-5
+    models = native_hops(gguf, SPLITS, "f32")  # as llama.cpp below (type_k = 0): the logits agree to ~3e-5
     yield models
     for m in models:
         m.close()
@@ -55,17 +55,7 @@ def hops(native_lib: None, gguf: str) -> Iterator[list[NativeModel]]:
 
 @pytest.fixture(scope="module")
 def llama(gguf: str):  # noqa: ANN201
-    llama_cpp = pytest.importorskip("llama_cpp")
-    llm = llama_cpp.Llama(
-        model_path=gguf,
-        logits_all=True,
-        n_ctx=1024,
-        n_threads=2,
-        flash_attn=False,
-        type_k=0,
-        type_v=0,
-        verbose=False,
-    )
+    llm = llama_with_cache(gguf, "f32")
     yield llm
     llm.close()
 

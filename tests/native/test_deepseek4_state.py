@@ -18,8 +18,10 @@ from agent.backends.libggswarm import NativeError, NativeModel
 from tests.native.routes import (
     close_sessions,
     continue_in_another_process,
+    llama_with_cache,
     logits_rows,
     native_forward,
+    native_hops,
     open_sessions,
 )
 
@@ -41,9 +43,7 @@ def gguf(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def hops(native_lib: None, gguf: str) -> Iterator[list[NativeModel]]:
-    models = [NativeModel(gguf, a, b, n_threads=2) for a, b in SPLITS]
-    for m in models:
-        m.set_cache_type("f32")  # as llama.cpp below, so the logits agree tightly
+    models = native_hops(gguf, SPLITS, "f32")  # as llama.cpp below, so the logits agree tightly
     yield models
     for m in models:
         m.close()
@@ -51,17 +51,7 @@ def hops(native_lib: None, gguf: str) -> Iterator[list[NativeModel]]:
 
 @pytest.fixture(scope="module")
 def llama(gguf: str):  # noqa: ANN201
-    llama_cpp = pytest.importorskip("llama_cpp")
-    llm = llama_cpp.Llama(
-        model_path=gguf,
-        logits_all=True,
-        n_ctx=1024,
-        n_threads=2,
-        flash_attn=False,
-        type_k=0,
-        type_v=0,
-        verbose=False,
-    )
+    llm = llama_with_cache(gguf, "f32")
     yield llm
     llm.close()
 

@@ -18,6 +18,7 @@ from agent.backends.libggswarm import NativeError, NativeModel
 from tests.native.routes import (
     close_sessions,
     llama_greedy,
+    llama_with_cache,
     logits_rows,
     native_forward,
     native_greedy,
@@ -33,21 +34,6 @@ MAX_LOGIT_DIFF = 1e-3  # with f32 caches on both sides (test_deepseek4.py says w
 NO_ORIG_CTX = {k: v for k, v in DEEPSEEK4_FLASH_ROPE_SCALING.items() if k != "original_context_length"}
 # alternating limits, one per layer of the file: 0.5 clamps most gate and up values of the tiny model
 BITING_CLAMPS = [10.0, 0.5, 10.0, 0.5, 10.0, 0.5]
-
-
-def _llama(path: str, cache_type: str = "f32"):  # noqa: ANN202
-    llama_cpp = pytest.importorskip("llama_cpp")
-    kv = {"f32": 0, "f16": 1}[cache_type]  # ggml type ids, as llama.cpp's type_k / type_v take them
-    return llama_cpp.Llama(
-        model_path=path,
-        logits_all=True,
-        n_ctx=1024,
-        n_threads=2,
-        flash_attn=False,
-        type_k=kv,
-        type_v=kv,
-        verbose=False,
-    )
 
 
 def _text_ids(llama, n: int) -> list[int]:  # noqa: ANN001
@@ -76,7 +62,7 @@ def test_three_hops_agree_with_llama_cpp_over_six_hundred_positions(
     """Both with the same cache type: f16 (llama.cpp's default and the node's) or f32. In f32 the
     logits agree to ~5e-5; in f16 a value that rounds differently now and then flips an expert or a
     top-k choice, so the bar is llama.cpp's own: the same argmax nearly everywhere, the same greedy text."""
-    llm = _llama(variant, cache_type)
+    llm = llama_with_cache(variant, cache_type)
     try:
         ids = _text_ids(llm, N_POSITIONS)
         llm.eval(ids)
@@ -117,7 +103,7 @@ def test_the_keys_change_what_llama_cpp_computes(tmp_path: Path) -> None:
     }
     logits = {}
     for name, path in files.items():
-        llm = _llama(str(path))
+        llm = llama_with_cache(str(path))
         try:
             ids = _text_ids(llm, 300)
             llm.eval(ids)
