@@ -9,7 +9,7 @@ the control plane refuse the rest with `servable_problem`'s message.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 # What the native executor runs today. Extend it (with the C architecture table, native/src/archs/)
@@ -156,6 +156,24 @@ def _pad256(n: int) -> int:
     return max(256, -(-n // 256) * 256)
 
 
+def _swa_windows(arch: str, hp: dict[str, Any], n_layers: int) -> list[int]:
+    """Per layer, the ring a sliding-window layer keeps (GGML_PAD(min(n_ctx, n_swa + n_ubatch), 256)),
+    or 0 (the whole context); gemma3's pattern as its loader reads it (an array of per-layer flags, else
+    every `sliding_window_pattern`-th layer is global, default 6)."""
+    n_swa = _int(hp, "attention.sliding_window")
+    if arch != "gemma3" or n_swa <= 0:
+        return [0] * n_layers
+    n_ctx = min(_int(hp, "context_length", _MAX_CONTEXT) or _MAX_CONTEXT, _MAX_CONTEXT)
+    ring = _pad256(min(n_ctx, n_swa + _UBATCH))
+    pattern = hp.get("attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):
+        swa = [bool(pattern[i]) if i < len(pattern) else False for i in range(n_layers)]
+    else:
+        every = int(pattern)
+        swa = [every == 0 or i % every < every - 1 for i in range(n_layers)]
+    return [ring if swa[i] else 0 for i in range(n_layers)]
+
+
 def _deepseek4(hp: dict[str, Any], n_layers: int) -> list[LayerDescription]:
     # As native/src/archs/deepseek4.cpp keeps it (parts()), which is as llama.cpp keeps it
     # (llama-kv-cache-dsv4.cpp): the raw K (K = V) in a ring of GGML_PAD(min(n_ctx, n_swa + n_ubatch),
@@ -212,9 +230,13 @@ def describe(
         # hyper-connections: the residual travels as `count` streams of d_model between layers
         boundary_dim = d_model * _int(hp, "hyper_connection.count", 4)
     else:
-        # Sliding-window layers (gemma) are counted at the whole context: the native executor keeps
-        # every position (no ring cache yet, docs/native.md), and the node budget is charged for them.
-        layers = [LayerDescription("kv", _kv_parts(hp, i, d_model)) for i in range(n_layers)]
+        # Sliding-window layers (gemma3) keep a ring of their last positions, as llama.cpp's SWA cache
+        # (native/src/kv.cpp swa_rows): counted at that window, the others at the whole context.
+        windows = _swa_windows(arch, hp, n_layers)
+        layers = [
+            LayerDescription("kv", [replace(p, window=windows[i]) for p in _kv_parts(hp, i, d_model)])
+            for i in range(n_layers)
+        ]
     return ArchDescription(
         n_layers=n_layers,
         mtp_layers=mtp,

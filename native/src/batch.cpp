@@ -22,7 +22,7 @@ ggml_tensor * attention_many(Build & b, int32_t il, ggml_tensor * q, ggml_tensor
     Graph & g = b.g;
     ggml_context * c = b.c;
     const int64_t hd = m->head_dim, dkv = m->d_kv();
-    const bool swa = b.hp(il).swa && m->n_swa > 0;
+    const bool swa = swa_ring(m, il);  // its cache a ring: the member's ring indices, span and mask
     ggml_tensor * out = nullptr;
     for (GraphMember & mb : g.members) {
         const int32_t n = mb.n;
@@ -31,25 +31,27 @@ ggml_tensor * attention_many(Build & b, int32_t il, ggml_tensor * q, ggml_tensor
         ggml_tensor * kj = ggml_view_2d(c, k, dkv, n, k->nb[2], (size_t)mb.off * k->nb[2]);
         ggml_tensor * kc = mb.state[b.local(il)][0];
         ggml_tensor * vc = mb.state[b.local(il)][1];
-        ggml_tensor * k_put = ggml_set_rows(c, kc, kj, mb.kidx);
+        ggml_tensor * kidx = swa ? mb.kidx_swa : mb.kidx;
+        const int32_t n_kv = swa ? (int32_t)std::min<int64_t>(mb.n_kv, swa_rows(m, mb.cap)) : mb.n_kv;
+        ggml_tensor * k_put = ggml_set_rows(c, kc, kj, kidx);
         ggml_build_forward_expand(g.gf, k_put);
         ggml_tensor * v_put;
         if (m->flash()) {
             ggml_tensor * vj = ggml_view_2d(c, v, dkv, n, v->nb[1], (size_t)mb.off * v->nb[1]);
-            v_put = ggml_set_rows(c, vc, vj, mb.kidx);
+            v_put = ggml_set_rows(c, vc, vj, kidx);
         } else {
             ggml_tensor * vj = ggml_view_2d(c, v, 1, (int64_t)n * dkv, ggml_element_size(v), (size_t)mb.off * v->nb[1]);
-            v_put = ggml_set_rows(c, ggml_reshape_2d(c, vc, 1, ggml_nelements(vc)), vj, mb.vidx);
+            v_put = ggml_set_rows(c, ggml_reshape_2d(c, vc, 1, ggml_nelements(vc)), vj, swa ? mb.vidx_swa : mb.vidx);
         }
         ggml_build_forward_expand(g.gf, v_put);
         ggml_tensor * mask = swa ? mb.mask_swa : mb.mask;
         ggml_tensor * o;
         if (m->flash()) {
-            o = flash_attention(c, qj, kc, vc, mask, n, mb.n_kv, kq_scale);
+            o = flash_attention(c, qj, kc, vc, mask, n, n_kv, kq_scale);
         } else if (kernel_step(m, n) && !swa) {
             o = kernel_attention(c, qj, kc, vc, mb.pos, mb.n_kv, k_put, v_put, kq_scale);
         } else {
-            o = ops_attention(c, qj, kc, vc, mask, n, mb.n_kv, kq_scale);
+            o = ops_attention(c, qj, kc, vc, mask, n, n_kv, kq_scale);
         }
         out = out ? ggml_concat(c, out, o, 1) : o;
     }
@@ -98,9 +100,13 @@ void build_many(ggswarm_model * m, Graph & g, const GraphKey & key, size_t size)
         // masks as graph.cpp makes them: one row per head on a decode step with ggml's ops
         const int64_t rows = !m->flash() && decode_rows(mb.n) ? m->n_head : mb.n;
         if (any_full && !kernel_step(m, mb.n)) mb.mask = input(mt, mb.n_kv, rows);
-        if (any_swa) mb.mask_swa = input(mt, mb.n_kv, rows);
+        if (any_swa) mb.mask_swa = input(mt, std::min<int64_t>(mb.n_kv, swa_rows(m, mb.cap)), rows);
         mb.kidx = input(GGML_TYPE_I64, mb.n, 1);
         if (!m->flash()) mb.vidx = input(GGML_TYPE_I64, (int64_t)mb.n * m->d_kv(), 1);
+        if (any_swa) {
+            mb.kidx_swa = input(GGML_TYPE_I64, mb.n, 1);
+            if (!m->flash()) mb.vidx_swa = input(GGML_TYPE_I64, (int64_t)mb.n * m->d_kv(), 1);
+        }
         mb.pos = ggml_view_1d(c, g.inp_pos, 1, (size_t)off * sizeof(int32_t));
         for (int32_t il = m->layer_start; il < m->layer_end; ++il) {
             mb.state.emplace_back();
@@ -206,22 +212,13 @@ ggswarm_status run_group(ggswarm_model * m, const std::vector<int32_t> & idx, co
         const GraphMember & mb = g.members[j];
         const int32_t n = mb.n, pos = b.pos_start, cap = ss[j]->cap;
         last_rows.push_back(mb.off + n - 1);
-        m->kidx_host.resize(n);
-        for (int32_t t = 0; t < n; ++t) m->kidx_host[t] = pos + t;
-        ggml_backend_tensor_set(mb.kidx, m->kidx_host.data(), 0, sizeof(int64_t) * n);
-        if (mb.vidx) {
-            m->vidx_host.resize((size_t)n * m->d_kv());
-            for (int32_t t = 0; t < n; ++t) {
-                int64_t * vi = m->vidx_host.data() + (size_t)t * m->d_kv();
-                for (int32_t ch = 0; ch < m->d_kv(); ++ch) vi[ch] = (int64_t)ch * cap + pos + t;
-            }
-            ggml_backend_tensor_set(mb.vidx, m->vidx_host.data(), 0, sizeof(int64_t) * m->vidx_host.size());
-        }
+        set_cache_idx(m, mb.kidx, mb.vidx, pos, n, cap);
+        set_cache_idx(m, mb.kidx_swa, mb.vidx_swa, pos, n, swa_rows(m, cap));
         m->pos_host.resize(n);
         for (int32_t t = 0; t < n; ++t) m->pos_host[t] = pos + t;
         ggml_backend_tensor_set(g.inp_pos, m->pos_host.data(), sizeof(int32_t) * mb.off, sizeof(int32_t) * n);
         if (mb.mask) set_mask(m, mb.mask, pos, n, mb.n_kv, 0);
-        if (mb.mask_swa) set_mask(m, mb.mask_swa, pos, n, mb.n_kv, m->n_swa);
+        if (mb.mask_swa) set_mask(m, mb.mask_swa, pos, n, (int32_t)mb.mask_swa->ne[0], m->n_swa, swa_rows(m, cap));
         const int64_t nh = (int64_t)n * d;
         if (g.inp_tokens) {
             ggml_backend_tensor_set(g.inp_tokens, b.token_ids, sizeof(int32_t) * mb.off, sizeof(int32_t) * n);

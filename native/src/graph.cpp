@@ -46,7 +46,7 @@ void build_graph(ggswarm_model * m, Graph & g, int32_t n, int32_t n_kv, int32_t 
             ggml_set_input(g.inp_mask);
         }
         if (any_swa) {
-            g.inp_mask_swa = ggml_new_tensor_2d(c, mt, n_kv, rows);
+            g.inp_mask_swa = ggml_new_tensor_2d(c, mt, std::min<int64_t>(n_kv, swa_rows(m, cap)), rows);
             ggml_set_input(g.inp_mask_swa);
         }
         g.inp_kidx = ggml_new_tensor_1d(c, GGML_TYPE_I64, n);
@@ -54,6 +54,14 @@ void build_graph(ggswarm_model * m, Graph & g, int32_t n, int32_t n_kv, int32_t 
         if (!m->flash()) {
             g.inp_vidx = ggml_new_tensor_1d(c, GGML_TYPE_I64, (int64_t)n * m->d_kv());
             ggml_set_input(g.inp_vidx);
+        }
+        if (any_swa) {
+            g.inp_kidx_swa = ggml_new_tensor_1d(c, GGML_TYPE_I64, n);
+            ggml_set_input(g.inp_kidx_swa);
+            if (!m->flash()) {
+                g.inp_vidx_swa = ggml_new_tensor_1d(c, GGML_TYPE_I64, (int64_t)n * m->d_kv());
+                ggml_set_input(g.inp_vidx_swa);
+            }
         }
     }
     for (int32_t il = m->layer_start; il < m->layer_end; ++il) {
@@ -203,14 +211,17 @@ ggswarm_status graph_for(ggswarm_model * m, const GraphKey & key, const Session 
 // Fill a mask input for new positions [pos, pos + nc) over n_kv cached ones: 0 where a position may
 // attend (causal; within the last `window` positions when window > 0, as llama.cpp's standard sliding
 // window: p - j < window), -inf elsewhere. Decode steps repeat the row once per head (decode_rows).
-void set_mask(ggswarm_model * m, ggml_tensor * mask, int32_t pos, int32_t nc, int32_t n_kv, int32_t window) {
+void set_mask(ggswarm_model * m, ggml_tensor * mask, int32_t pos, int32_t nc, int32_t n_kv, int32_t window,
+              int64_t ring) {
     const int32_t mask_rows = (int32_t)mask->ne[1];
+    const int64_t top = (int64_t)pos + nc - 1;
     m->mask_host.resize((size_t)mask_rows * n_kv);
     for (int32_t i = 0; i < (decode_rows(nc) ? 1 : mask_rows); ++i) {
         float * row = m->mask_host.data() + (size_t)i * n_kv;
-        const int32_t lim = pos + i;
+        const int64_t lim = pos + i;
         for (int32_t j = 0; j < n_kv; ++j) {
-            row[j] = j <= lim && (window <= 0 || lim - j < window) ? 0.0f : -INFINITY;
+            const int64_t q = ring > 0 ? top - (((top - j) % ring) + ring) % ring : j;  // the slot's position
+            row[j] = q >= 0 && q <= lim && (window <= 0 || lim - q < window) ? 0.0f : -INFINITY;
         }
     }
     for (int32_t i = 1; decode_rows(nc) && i < mask_rows; ++i) {
@@ -222,6 +233,23 @@ void set_mask(ggswarm_model * m, ggml_tensor * mask, int32_t pos, int32_t nc, in
         ggml_backend_tensor_set(mask, m->mask_f16.data(), 0, sizeof(ggml_fp16_t) * m->mask_f16.size());
     } else {
         ggml_backend_tensor_set(mask, m->mask_host.data(), 0, sizeof(float) * m->mask_host.size());
+    }
+}
+
+void set_cache_idx(ggswarm_model * m, ggml_tensor * kidx, ggml_tensor * vidx, int32_t pos, int32_t nc, int64_t rows) {
+    // a window of only sliding-window layers (or none) leaves the other kind's indices unused, unallocated
+    if (kidx && kidx->buffer) {
+        m->kidx_host.resize(nc);
+        for (int32_t t = 0; t < nc; ++t) m->kidx_host[t] = (pos + t) % rows;
+        ggml_backend_tensor_set(kidx, m->kidx_host.data(), 0, sizeof(int64_t) * m->kidx_host.size());
+    }
+    if (vidx && vidx->buffer) {  // transposed V: one element index per (position, channel)
+        m->vidx_host.resize((size_t)nc * m->d_kv());
+        for (int32_t t = 0; t < nc; ++t) {
+            int64_t * vi = m->vidx_host.data() + (size_t)t * m->d_kv();
+            for (int32_t ch = 0; ch < m->d_kv(); ++ch) vi[ch] = (int64_t)ch * rows + (pos + t) % rows;
+        }
+        ggml_backend_tensor_set(vidx, m->vidx_host.data(), 0, sizeof(int64_t) * m->vidx_host.size());
     }
 }
 
@@ -255,19 +283,8 @@ ggswarm_status forward_chunk(ggswarm_model * m, Session & s, const ggswarm_batch
     g.last_use = ++m->graph_clock;
     m->graph = gp;
     bind_state(g, s);
-    if (g.inp_kidx) {
-        m->kidx_host.resize(nc);
-        for (int32_t t = 0; t < nc; ++t) m->kidx_host[t] = pos + t;
-        ggml_backend_tensor_set(g.inp_kidx, m->kidx_host.data(), 0, sizeof(int64_t) * m->kidx_host.size());
-    }
-    if (g.inp_vidx) {  // transposed V: one element index per (position, channel)
-        m->vidx_host.resize((size_t)nc * m->d_kv());
-        for (int32_t t = 0; t < nc; ++t) {
-            int64_t * vi = m->vidx_host.data() + (size_t)t * m->d_kv();
-            for (int32_t ch = 0; ch < m->d_kv(); ++ch) vi[ch] = (int64_t)ch * s.cap + pos + t;
-        }
-        ggml_backend_tensor_set(g.inp_vidx, m->vidx_host.data(), 0, sizeof(int64_t) * m->vidx_host.size());
-    }
+    set_cache_idx(m, g.inp_kidx, g.inp_vidx, pos, nc, s.cap);
+    set_cache_idx(m, g.inp_kidx_swa, g.inp_vidx_swa, pos, nc, swa_rows(m, s.cap));
     // multi-section RoPE: the text position in the first three sections, 0 in the fourth
     m->pos_host.assign((size_t)nc * m->n_pos_per_token, 0);
     for (int32_t sec = 0; sec < std::min(m->n_pos_per_token, 3); ++sec) {
@@ -275,7 +292,9 @@ ggswarm_status forward_chunk(ggswarm_model * m, Session & s, const ggswarm_batch
     }
     ggml_backend_tensor_set(g.inp_pos, m->pos_host.data(), 0, sizeof(int32_t) * m->pos_host.size());
     if (g.inp_mask) set_mask(m, g.inp_mask, pos, nc, n_kv, 0);
-    if (g.inp_mask_swa) set_mask(m, g.inp_mask_swa, pos, nc, n_kv, m->n_swa);
+    if (g.inp_mask_swa) {
+        set_mask(m, g.inp_mask_swa, pos, nc, (int32_t)g.inp_mask_swa->ne[0], m->n_swa, swa_rows(m, s.cap));
+    }
     if (m->archp->set_inputs) m->archp->set_inputs(m, g, pos, nc);
     const int64_t n_hidden = (int64_t)nc * d;
     if (g.inp_tokens) {

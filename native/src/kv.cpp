@@ -71,6 +71,15 @@ int64_t round_up(int64_t n, int64_t pad) { return (n + pad - 1) / pad * pad; }
 
 int64_t pad_kv(int64_t n) { return round_up(n, kKvPad); }
 
+bool swa_ring(const ggswarm_model * m, int32_t il) {
+    const LayerHp & h = m->lhp[il];
+    return h.state == StateKind::KV && h.swa && m->n_swa > 0;
+}
+
+int64_t swa_rows(const ggswarm_model * m, int64_t cap) {
+    return std::min<int64_t>(cap, pad_kv(std::min<int64_t>(m->n_ctx_max, (int64_t)m->n_swa + kUBatch)));
+}
+
 // A CPU decode step runs attention.cpp's kernels: no mask input (they write -inf past the new
 // position themselves), and a span padded only to their 64-position step, since padding adds exact
 // zeros to softmax's and the values' sums and so changes nothing but the work done (kernel_step).
@@ -138,79 +147,115 @@ uint64_t payload_bytes(const ggswarm_model * m, int32_t len) {
     return b;
 }
 
-// --- the KV state kind: K [d_kv, cap] and V^T [cap, d_kv] f16 (V [d_kv, cap] in flash mode) ----------------
+// --- the KV state kind: K [d_kv, rows] and V^T [rows, d_kv] f16 (V [d_kv, rows] in flash mode), rows the
+// capacity, or a sliding-window layer's ring (swa_rows: position p in slot p % rows) ---------------------
+
+int64_t kv_rows(const ggswarm_model * m, int32_t il, int64_t cap) { return swa_ring(m, il) ? swa_rows(m, cap) : cap; }
 
 void kv_plan(const ggswarm_model * m, int32_t il, int64_t cap, ggml_context * ctx, std::vector<ggml_tensor *> & out) {
-    out.push_back(ggml_new_tensor_2d(ctx, GGML_TYPE_F16, m->d_kv(), cap));
-    out.push_back(m->flash() ? ggml_new_tensor_2d(ctx, GGML_TYPE_F16, m->d_kv(), cap)
-                             : ggml_new_tensor_2d(ctx, GGML_TYPE_F16, cap, m->d_kv()));
+    const int64_t rows = kv_rows(m, il, cap);
+    out.push_back(ggml_new_tensor_2d(ctx, GGML_TYPE_F16, m->d_kv(), rows));
+    out.push_back(m->flash() ? ggml_new_tensor_2d(ctx, GGML_TYPE_F16, m->d_kv(), rows)
+                             : ggml_new_tensor_2d(ctx, GGML_TYPE_F16, rows, m->d_kv()));
+}
+
+// The positions [from, len) a layer's cache holds for its next position: all, or a ring's window.
+int64_t kv_from(const ggswarm_model * m, int32_t il, int32_t len) {
+    return swa_ring(m, il) ? std::max<int64_t>(0, (int64_t)len - m->n_swa) : 0;
+}
+
+// Copy positions [from, len) of a cache of `rows` slots between K/V tensors t and a host buffer p, K rows
+// then V transposed (per channel, the positions in order), in position order; up to 2 runs per slot wrap.
+void kv_io(const ggswarm_model * m, const std::vector<ggml_tensor *> & t, int64_t from, int64_t len, uint8_t * p,
+           bool save) {
+    const int64_t rows = t[0]->ne[1], dkv = m->d_kv();
+    const size_t krow = (size_t)dkv * sizeof(ggml_fp16_t), h = sizeof(ggml_fp16_t);
+    auto runs = [&](auto && fn) {
+        for (int64_t q = from; q < len;) {
+            const int64_t slot = q % rows, run = std::min<int64_t>(len - q, rows - slot);
+            fn(slot, run);
+            q += run;
+        }
+    };
+    auto io = [&](ggml_tensor * x, size_t off, size_t n) {
+        if (save) ggml_backend_tensor_get(x, p, off, n);
+        else ggml_backend_tensor_set(x, p, off, n);
+        p += n;
+    };
+    runs([&](int64_t slot, int64_t run) { io(t[0], (size_t)slot * krow, (size_t)run * krow); });
+    if (m->flash()) {  // V rows per position like K; the payload keeps V transposed in every mode
+        std::vector<ggml_fp16_t> rowsv((size_t)(len - from) * dkv);
+        auto * hv = reinterpret_cast<uint8_t *>(rowsv.data());
+        if (save) {
+            size_t o = 0;
+            runs([&](int64_t slot, int64_t run) {
+                ggml_backend_tensor_get(t[1], hv + o, (size_t)slot * krow, (size_t)run * krow);
+                o += (size_t)run * krow;
+            });
+            auto * out = reinterpret_cast<ggml_fp16_t *>(p);
+            for (int64_t r = 0; r < dkv; ++r) {
+                for (int64_t j = 0; j < len - from; ++j) out[r * (len - from) + j] = rowsv[(size_t)(j * dkv + r)];
+            }
+        } else {
+            const auto * in = reinterpret_cast<const ggml_fp16_t *>(p);
+            for (int64_t r = 0; r < dkv; ++r) {
+                for (int64_t j = 0; j < len - from; ++j) rowsv[(size_t)(j * dkv + r)] = in[r * (len - from) + j];
+            }
+            size_t o = 0;
+            runs([&](int64_t slot, int64_t run) {
+                ggml_backend_tensor_set(t[1], hv + o, (size_t)slot * krow, (size_t)run * krow);
+                o += (size_t)run * krow;
+            });
+        }
+        p += (size_t)(len - from) * krow;
+        return;
+    }
+    for (int64_t r = 0; r < dkv; ++r) {
+        runs([&](int64_t slot, int64_t run) { io(t[1], (size_t)r * t[1]->nb[1] + (size_t)slot * h, (size_t)run * h); });
+    }
 }
 
 void kv_carry(const ggswarm_model * m, int32_t il, const std::vector<ggml_tensor *> & from,
               const std::vector<ggml_tensor *> & to, int32_t len) {
-    const size_t row = (size_t)m->d_kv() * sizeof(ggml_fp16_t);
-    std::vector<uint8_t> tmp((size_t)len * row);
-    ggml_backend_tensor_get(from[0], tmp.data(), 0, (size_t)len * row);
-    ggml_backend_tensor_set(to[0], tmp.data(), 0, (size_t)len * row);
-    if (m->flash()) {  // V rows per position, like K
-        ggml_backend_tensor_get(from[1], tmp.data(), 0, (size_t)len * row);
-        ggml_backend_tensor_set(to[1], tmp.data(), 0, (size_t)len * row);
+    if (from[0]->ne[1] == to[0]->ne[1]) {  // a ring that keeps its size: whole
+        for (size_t i = 0; i < 2; ++i) {
+            std::vector<uint8_t> tmp(ggml_nbytes(from[i]));
+            ggml_backend_tensor_get(from[i], tmp.data(), 0, tmp.size());
+            ggml_backend_tensor_set(to[i], tmp.data(), 0, tmp.size());
+        }
         return;
     }
-    const size_t vrow = (size_t)len * sizeof(ggml_fp16_t);
-    for (int32_t r = 0; r < m->d_kv(); ++r) {
-        ggml_backend_tensor_get(from[1], tmp.data(), (size_t)r * from[1]->nb[1], vrow);
-        ggml_backend_tensor_set(to[1], tmp.data(), (size_t)r * to[1]->nb[1], vrow);
-    }
+    // growth: the first len positions (a ring smaller than its full size never wrapped)
+    std::vector<uint8_t> tmp((size_t)len * 2 * m->d_kv() * sizeof(ggml_fp16_t));
+    kv_io(m, from, 0, len, tmp.data(), true);
+    kv_io(m, to, 0, len, tmp.data(), false);
 }
 
 uint64_t kv_per_token(const ggswarm_model * m, int32_t il) { return 2ULL * (uint64_t)m->d_kv() * sizeof(ggml_fp16_t); }
 
-uint64_t kv_snapshot_bytes(const ggswarm_model * m, int32_t il, int32_t len) { return (uint64_t)len * kv_per_token(m, il); }
+// A snapshot holds what the next position reads: every position, or a ring's window.
+uint64_t kv_snapshot_bytes(const ggswarm_model * m, int32_t il, int32_t len) {
+    return (uint64_t)(len - kv_from(m, il, len)) * kv_per_token(m, il);
+}
 
-// The payload holds K rows then V transposed in every attention mode, so a snapshot restores anywhere.
 void kv_save(const ggswarm_model * m, int32_t il, const std::vector<ggml_tensor *> & t, int32_t len, uint8_t * p) {
-    const size_t krow = (size_t)m->d_kv() * sizeof(ggml_fp16_t);
-    const size_t vrow = (size_t)len * sizeof(ggml_fp16_t);
-    ggml_backend_tensor_get(t[0], p, 0, (size_t)len * krow);
-    p += (size_t)len * krow;
-    if (m->flash()) {
-        std::vector<ggml_fp16_t> rows((size_t)len * m->d_kv());
-        ggml_backend_tensor_get(t[1], rows.data(), 0, (size_t)len * krow);
-        auto * out = reinterpret_cast<ggml_fp16_t *>(p);
-        for (int32_t r = 0; r < m->d_kv(); ++r) {
-            for (int32_t j = 0; j < len; ++j) out[(size_t)r * len + j] = rows[(size_t)j * m->d_kv() + r];
-        }
-        return;
-    }
-    for (int32_t r = 0; r < m->d_kv(); ++r) {
-        ggml_backend_tensor_get(t[1], p, (size_t)r * t[1]->nb[1], vrow);
-        p += vrow;
-    }
+    kv_io(m, t, kv_from(m, il, len), len, p, true);
 }
 
 void kv_load(const ggswarm_model * m, int32_t il, const std::vector<ggml_tensor *> & t, int32_t len,
              const uint8_t * p) {
-    const size_t krow = (size_t)m->d_kv() * sizeof(ggml_fp16_t);
-    const size_t vrow = (size_t)len * sizeof(ggml_fp16_t);
-    ggml_backend_tensor_set(t[0], p, 0, (size_t)len * krow);
-    p += (size_t)len * krow;
-    if (m->flash()) {
-        std::vector<ggml_fp16_t> rows((size_t)len * m->d_kv());
-        const auto * in = reinterpret_cast<const ggml_fp16_t *>(p);
-        for (int32_t r = 0; r < m->d_kv(); ++r) {
-            for (int32_t j = 0; j < len; ++j) rows[(size_t)j * m->d_kv() + r] = in[(size_t)r * len + j];
-        }
-        ggml_backend_tensor_set(t[1], rows.data(), 0, (size_t)len * krow);
-        return;
-    }
-    for (int32_t r = 0; r < m->d_kv(); ++r) {
-        ggml_backend_tensor_set(t[1], p, (size_t)r * t[1]->nb[1], vrow);
-        p += vrow;
-    }
+    kv_io(m, t, kv_from(m, il, len), len, const_cast<uint8_t *>(p), false);
 }
 
-const StateOps kKvState = {StateKind::KV, "kv", 2, kv_plan, kv_carry, kv_per_token, kv_snapshot_bytes, kv_save, kv_load};
+// A ring goes back by itself while it still holds the target's window; further back the session goes
+// to 0 (these windows keep no checkpoints: llama.cpp's SWA cache cannot go back either).
+bool kv_rewinds_to(const ggswarm_model * m, int32_t il, const Session & s, int32_t target) {
+    if (!swa_ring(m, il) || target == s.len) return true;
+    return kv_from(m, il, target) >= std::max<int64_t>(s.ring_lo, (int64_t)s.len - kv_rows(m, il, s.cap));
+}
+
+const StateOps kKvState = {StateKind::KV, "kv",     2,       kv_plan, kv_carry, kv_per_token, kv_snapshot_bytes,
+                           kv_save,        kv_load, nullptr, nullptr, kv_rewinds_to};
 StateRegistration reg_kv(&kKvState);
 
 // Capacity that holds `need` positions: a multiple of kKvPad, so the attention always spans whole

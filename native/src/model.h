@@ -133,6 +133,8 @@ struct GraphMember {
     ggml_tensor * mask_swa = nullptr;
     ggml_tensor * kidx = nullptr;
     ggml_tensor * vidx = nullptr;
+    ggml_tensor * kidx_swa = nullptr;  // the sliding-window layers' rings
+    ggml_tensor * vidx_swa = nullptr;
     ggml_tensor * pos = nullptr;  // a view of the graph's inp_pos at its first row (the decode kernels read it)
     std::vector<std::vector<ggml_tensor *>> state;
 };
@@ -155,6 +157,8 @@ struct Graph {
     ggml_tensor * inp_mask_swa = nullptr;  // sliding-window layers' mask (also on kernel decode steps)
     ggml_tensor * inp_kidx = nullptr;  // row of each new position in K
     ggml_tensor * inp_vidx = nullptr;  // element index of each new (channel, position) in transposed V
+    ggml_tensor * inp_kidx_swa = nullptr;  // the same in the sliding-window layers' rings
+    ggml_tensor * inp_vidx_swa = nullptr;
     ggml_tensor * out = nullptr;
     ggml_tensor * out_prob = nullptr;  // last window: softmax of the final position's logits
     std::vector<std::vector<ggml_tensor *>> state;  // per layer: leaves bound to a session's s.state
@@ -338,8 +342,17 @@ ggswarm_status ensure_capacity(ggswarm_model * m, Session & s, int32_t need);
 
 // compute (graph.cpp), shared with batch.cpp
 constexpr int32_t kUBatch = 512;  // positions per micro-batch (bounded compute memory, like llama.cpp's n_ubatch)
+// Sliding-window attention layers keep K and V in a ring, as llama.cpp's SWA cache: GGML_PAD(min(n_ctx,
+// n_swa + n_ubatch), 256) slots (at most the session's capacity); position p in slot p % slots.
+bool swa_ring(const ggswarm_model * m, int32_t il);
+int64_t swa_rows(const ggswarm_model * m, int64_t cap);
 ggswarm_status validate_step(ggswarm_model * m, const Session & s, const ggswarm_batch * b);
-void set_mask(ggswarm_model * m, ggml_tensor * mask, int32_t pos, int32_t nc, int32_t n_kv, int32_t window);
+// The attention mask for positions [pos, pos + nc) over n_kv cache slots: causal, within `window` when
+// > 0; `ring` > 0: slot j holds the newest position q <= pos + nc - 1 with q = j (mod ring)
+void set_mask(ggswarm_model * m, ggml_tensor * mask, int32_t pos, int32_t nc, int32_t n_kv, int32_t window,
+              int64_t ring = 0);
+// The K row and transposed-V element indices of positions [pos, pos + nc) in a cache of `rows` slots
+void set_cache_idx(ggswarm_model * m, ggml_tensor * kidx, ggml_tensor * vidx, int32_t pos, int32_t nc, int64_t rows);
 // a new graph of `size` nodes in g (its context and metadata) and its input rows for n positions: the
 // token ids' embeddings on the first window, else the incoming hidden rows
 ggml_tensor * graph_input(ggswarm_model * m, Graph & g, size_t size, int64_t n);

@@ -165,17 +165,18 @@ def tiny_manifest(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
     return get
 
 
-def test_attention_layers_keep_kv_and_gemma3_sliding_layers_are_counted_at_every_position(
+def test_attention_layers_keep_kv_and_gemma3_sliding_layers_are_counted_at_their_ring(
     tiny_manifest,
 ) -> None:  # noqa: ANN001
     llama = tiny_manifest("llama")
     assert [layer.state_kind for layer in llama.layers] == ["kv"] * 4
     assert [(p.name, p.elements, p.window) for p in llama.layers[0].state] == [("k", 32, 0), ("v", 32, 0)]
     gemma = tiny_manifest("gemma3")
-    # the native executor keeps every position of a sliding-window layer (no ring cache): counted so
-    assert [layer.state[0].window for layer in gemma.layers] == [0] * 6
-    assert gemma.layers[0].state_bytes(4096) == 128 * gemma.layers[0].state_bytes(32)
-    assert gemma.layers[0].state_bytes(4096) == gemma.layers[5].state_bytes(4096)
+    # five sliding-window layers keep a ring of pad256(32 + 512) = 768 positions, as llama.cpp's SWA
+    # cache and the native executor keep them; the global sixth keeps every position
+    assert [layer.state[0].window for layer in gemma.layers] == [768] * 5 + [0]
+    assert gemma.layers[0].state_bytes(4096) == gemma.layers[0].state_bytes(768) == 768 * 2 * 16 * 2
+    assert gemma.layers[5].state_bytes(4096) == 4096 * 2 * 16 * 2
 
 
 def test_delta_net_layers_are_recurrent_with_fixed_conv_and_ssm_state(tiny_manifest) -> None:  # noqa: ANN001

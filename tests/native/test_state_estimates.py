@@ -1,8 +1,8 @@
 """The manifest's per-layer state estimate (placement, audits, the hand-off size bound) matches what the
 native executor really keeps: a snapshot of n positions of a window is the manifest's figure, give or
 take the snapshot's headers, for every state kind (f16 KV, gemma3's sliding layers, qwen35's recurrent
-state, glm-dsa's latents); deepseek4's rings and per-block caches are what a session holds, of which a
-snapshot carries only what the next position reads."""
+state, glm-dsa's latents); deepseek4's rings and per-block caches and gemma3's sliding-window rings are
+what a session holds, of which a snapshot carries only what the next position reads."""
 
 from __future__ import annotations
 
@@ -35,15 +35,19 @@ def test_a_snapshot_of_n_positions_is_the_manifests_state_estimate_at_n(
         model.close()
     estimate = sum(layer.state_bytes(N_POSITIONS) for layer in manifest.layers)
     # never more than the hand-off bound allows (a bigger snapshot would be refused as too large),
-    # and not far below it either (placement would then reserve memory nobody uses); deepseek4's
-    # snapshot is its rings' tails, the held state is checked below
+    # and not far below it either (placement would then reserve memory nobody uses); the snapshot of a
+    # ring (deepseek4's, gemma3's sliding-window layers) is its window, the held state is checked below
     assert snap <= estimate + SNAPSHOT_HEADER_SLACK, (snap, estimate)
-    if arch != "deepseek4":
+    if arch not in RINGS:
         assert snap >= 0.9 * estimate, (snap, estimate)
 
 
-def test_deepseek4s_held_state_is_the_manifests_estimate(native_lib: None, tmp_path) -> None:  # noqa: ANN001
-    path = write_tiny_gguf("deepseek4", tmp_path / "deepseek4.gguf")
+RINGS = ("deepseek4", "gemma3")
+
+
+@pytest.mark.parametrize("arch", RINGS)
+def test_a_rings_held_state_is_the_manifests_estimate(native_lib: None, tmp_path, arch: str) -> None:  # noqa: ANN001
+    path = write_tiny_gguf(arch, tmp_path / f"{arch}.gguf")
     manifest = build_manifest(str(path), hash_tensors=False)
     n = 1024
     model = NativeModel(str(path), 0, manifest.n_layers, n_threads=2)

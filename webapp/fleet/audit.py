@@ -109,9 +109,8 @@ def render_audit(d: dict[str, Any], fleets: Sequence[Fleet], spec_path: str) -> 
         "## Per-session state (as this agent's native executor keeps it)",
         "",
         "f16 KV caches (the node's default cache type); recurrent states and compressor rows in f32. "
-        "deepseek4 is held as llama.cpp holds it (raw window and compressor rows in rings, compressed "
-        "caches per block); gemma-style sliding-window layers still keep every position (no ring yet), "
-        "so their figures are upper ones next to llama.cpp's layout.",
+        "Held as llama.cpp holds it: deepseek4's raw window and compressor rows and sliding-window "
+        "layers' K/V in rings, compressed caches per block.",
         "",
         "| kind | per layer at 8K | per layer at 128K | per token at 128K |",
         "|---|---|---|---|",

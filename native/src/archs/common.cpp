@@ -47,23 +47,26 @@ ggml_tensor * attention(Build & b, int32_t il, ggml_tensor * q, ggml_tensor * k,
     // attention); index inputs instead of view offsets keep the graph independent of the position
     ggml_tensor * kc = b.state(il)[0];
     ggml_tensor * vc = b.state(il)[1];
-    ggml_tensor * k_put = ggml_set_rows(c, kc, ggml_reshape_2d(c, k, dkv, n), g.inp_kidx);
+    // a sliding-window layer's cache is a ring (swa_rows slots): its own indices, span and mask
+    const bool swa = swa_ring(m, il);
+    ggml_tensor * kidx = swa ? g.inp_kidx_swa : g.inp_kidx;
+    const int32_t n_kv = swa ? (int32_t)std::min<int64_t>(b.n_kv, swa_rows(m, b.cap)) : b.n_kv;
+    ggml_tensor * k_put = ggml_set_rows(c, kc, ggml_reshape_2d(c, k, dkv, n), kidx);
     ggml_build_forward_expand(g.gf, k_put);
     ggml_tensor * v_put;
     if (m->flash()) {
-        v_put = ggml_set_rows(c, vc, ggml_reshape_2d(c, v, dkv, n), g.inp_kidx);
+        v_put = ggml_set_rows(c, vc, ggml_reshape_2d(c, v, dkv, n), kidx);
     } else {
         ggml_tensor * v_elems = ggml_reshape_2d(c, vc, 1, ggml_nelements(vc));
-        v_put = ggml_set_rows(c, v_elems, ggml_reshape_2d(c, v, 1, (int64_t)n * dkv), g.inp_vidx);
+        v_put = ggml_set_rows(c, v_elems, ggml_reshape_2d(c, v, 1, (int64_t)n * dkv), swa ? g.inp_vidx_swa : g.inp_vidx);
     }
     ggml_build_forward_expand(g.gf, v_put);
-    const bool swa = b.hp(il).swa && m->n_swa > 0;
     ggml_tensor * mask = swa ? g.inp_mask_swa : g.inp_mask;
-    if (m->flash()) return flash_attention(c, q, kc, vc, mask, n, b.n_kv, kq_scale);
+    if (m->flash()) return flash_attention(c, q, kc, vc, mask, n, n_kv, kq_scale);
     // the kernels attend every position up to the new one: a sliding-window layer takes ggml's ops and
     // its mask instead (the same numbers as the kernels wherever the window covers the whole span)
     if (kernel_step(m, n) && !swa) return kernel_attention(c, q, kc, vc, g.inp_pos, b.n_kv, k_put, v_put, kq_scale);
-    return ops_attention(c, q, kc, vc, mask, n, b.n_kv, kq_scale);
+    return ops_attention(c, q, kc, vc, mask, n, n_kv, kq_scale);
 }
 
 void keep_last(Build & b, int32_t il, ggml_tensor ** cur, ggml_tensor ** x) {
