@@ -210,6 +210,37 @@ def continue_in_another_process(
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def here_and_in_another_process(
+    gguf: str,
+    hops: list,  # noqa: ANN001 - NativeModel hops
+    splits: list[tuple[int, int]],
+    prompt: list[int],
+    tmp_path: Path,
+    ids_everywhere: bool = False,
+    cache_type: str = "f16",
+) -> tuple[list[list[object]], list[list[object]]]:
+    """Prefill `prompt`, snapshot every hop to a file, decode 8 greedy steps here; then restore the files
+    in a fresh process and decode the same 8 there: ([[token, first 64 logits], ...] here, there)."""
+    sids = open_sessions(hops)
+    try:
+        tok = int(native_forward(hops, sids, 0, prompt, False, ids_everywhere)["token"])
+        files = []
+        for i, (h, s) in enumerate(zip(hops, sids, strict=True)):
+            f = tmp_path / f"hop{i}.snap"
+            f.write_bytes(h.snapshot(s))
+            files.append(str(f))
+        here: list[list[object]] = []
+        t, pos = tok, len(prompt)
+        for _ in range(8):
+            r = native_forward(hops, sids, pos, [t], True, ids_everywhere)
+            here.append([int(r["token"]), logits_rows(r, 1)[0, :64].tolist()])
+            t, pos = int(r["token"]), pos + 1
+    finally:
+        close_sessions(hops, sids)
+    there = continue_in_another_process(gguf, splits, files, len(prompt), 8, tok, ids_everywhere, cache_type)
+    return here, there
+
+
 def lane_refusal(conn) -> str:  # noqa: ANN001 - a socket to a lane
     """The message of the refusal a lane sent on `conn` (it closes the connection after one)."""
     from agent.wire.lane import FRAME_HEAD, KIND_REFUSAL

@@ -17,7 +17,7 @@ from agent.artifacts.tiny import deepseek4_compress_ratios, write_tiny_gguf
 from agent.backends.libggswarm import NativeError, NativeModel
 from tests.native.routes import (
     close_sessions,
-    continue_in_another_process,
+    here_and_in_another_process,
     llama_with_cache,
     logits_rows,
     native_forward,
@@ -146,24 +146,8 @@ def test_the_cache_type_is_refused_while_a_session_is_open_and_for_an_f16_only_a
 def test_a_snapshot_after_the_wrap_continues_identically_in_another_process(
     gguf: str, hops: list[NativeModel], ids: list[int], tmp_path: Path
 ) -> None:
-    prompt = ids[:801]  # past the raw ring's wrap, mid ratio-4 block, mid ratio-128 block
-    sids = open_sessions(hops)
-    try:
-        tok = int(native_forward(hops, sids, 0, prompt, logits=False, ids_everywhere=True)["token"])
-        files = []
-        for i, (h, s) in enumerate(zip(hops, sids, strict=True)):
-            f = tmp_path / f"hop{i}.snap"
-            f.write_bytes(h.snapshot(s))
-            files.append(str(f))
-        here, t, pos = [], tok, len(prompt)
-        for _ in range(8):
-            r = native_forward(hops, sids, pos, [t], ids_everywhere=True)
-            here.append([int(r["token"]), logits_rows(r, 1)[0, :64].tolist()])
-            t, pos = here[-1][0], pos + 1
-    finally:
-        close_sessions(hops, sids)
-    there = continue_in_another_process(
-        gguf, SPLITS, files, len(prompt), 8, tok, ids_everywhere=True, cache_type="f32"
+    here, there = here_and_in_another_process(
+        gguf, hops, SPLITS, ids[:801], tmp_path, ids_everywhere=True, cache_type="f32"
     )
     assert [t for t, _ in there] == [t for t, _ in here]
     assert np.array_equal(np.asarray([lg for _, lg in there]), np.asarray([lg for _, lg in here]))
