@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from agent.wire.frames import CONTEXT_CAP
+
 # What the native executor runs today. Extend it (with the C architecture table, native/src/archs/)
 # when an architecture's layer windows are proved against llama.cpp (tests/native/test_archs.py).
 SERVABLE_ARCHITECTURES: frozenset[str] = frozenset(
@@ -149,10 +151,13 @@ def _mla(
 # llama.cpp's micro-batch (n_ubatch) and the executor's (native/src/model.h kUBatch): the raw window's
 # ring also holds one micro-batch's new rows
 _UBATCH = 512
-_MAX_CONTEXT = 131072  # the product's cap (GGSWARM_MAX_CONTEXT)
 
 
-def _pad256(n: int) -> int:
+def _window_ring(hp: dict[str, Any]) -> int:
+    """The slots of a sliding window's ring, as llama.cpp sizes its SWA cache and the executor its rings
+    (native/src/kv.cpp swa_rows): GGML_PAD(min(n_ctx, n_swa + n_ubatch), 256), n_ctx the file's capped."""
+    n_ctx = min(_int(hp, "context_length", CONTEXT_CAP) or CONTEXT_CAP, CONTEXT_CAP)
+    n = min(n_ctx, _int(hp, "attention.sliding_window") + _UBATCH)
     return max(256, -(-n // 256) * 256)
 
 
@@ -163,8 +168,7 @@ def _swa_windows(arch: str, hp: dict[str, Any], n_layers: int) -> list[int]:
     n_swa = _int(hp, "attention.sliding_window")
     if arch != "gemma3" or n_swa <= 0:
         return [0] * n_layers
-    n_ctx = min(_int(hp, "context_length", _MAX_CONTEXT) or _MAX_CONTEXT, _MAX_CONTEXT)
-    ring = _pad256(min(n_ctx, n_swa + _UBATCH))
+    ring = _window_ring(hp)
     pattern = hp.get("attention.sliding_window_pattern", 6)
     if isinstance(pattern, list):
         swa = [bool(pattern[i]) if i < len(pattern) else False for i in range(n_layers)]
@@ -185,8 +189,7 @@ def _deepseek4(hp: dict[str, Any], n_layers: int) -> list[LayerDescription]:
     idx_len = _int(hp, "attention.indexer.key_length")
     ratios = hp.get("attention.compress_ratios")
     hash_layers = _int(hp, "hash_layer_count")
-    n_ctx = min(_int(hp, "context_length", _MAX_CONTEXT) or _MAX_CONTEXT, _MAX_CONTEXT)
-    raw_rows = _pad256(min(n_ctx, _int(hp, "attention.sliding_window") + _UBATCH))
+    raw_rows = _window_ring(hp)
     out = []
     for i in range(n_layers):
         ratio = int(ratios[i]) if isinstance(ratios, list) and i < len(ratios) else 0

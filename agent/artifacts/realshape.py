@@ -21,7 +21,7 @@ import numpy as np
 
 from agent.artifacts import layouts
 from agent.artifacts.layouts import Builder, Tensor
-from agent.artifacts.tiny import _tokenizer_fields, _values
+from agent.artifacts.tiny import tensor_values, tokenizer_fields
 
 ARCHITECTURES = ("deepseek4", "glm-dsa", "qwen35moe")
 MODEL_NAMES = {
@@ -150,10 +150,10 @@ def _write_tensor(
     pools: dict[tuple[str, int], bytes],
 ) -> None:
     if qtype in ("F32", "I32"):
-        fh.write(np.ascontiguousarray(_values(t, rng)).tobytes())
+        fh.write(np.ascontiguousarray(tensor_values(t, rng)).tobytes())
         return
     if qtype == "F16":
-        fh.write((_values(t, rng)).astype(np.float16).tobytes())
+        fh.write((tensor_values(t, rng)).astype(np.float16).tobytes())
         return
     pool = pools.setdefault((qtype, t.ne[0]), _pool(qtype, t.ne[0], rng))
     left = nbytes
@@ -184,7 +184,7 @@ def _padded_tokenizer(vocab: int, source: str | os.PathLike[str] | None) -> list
         from agent.artifacts.packaged import packaged_model_path
 
         source = packaged_model_path("smollm2")
-    fields = _tokenizer_fields(Path(source).resolve())
+    fields = tokenizer_fields(Path(source).resolve())
     n_tok = len(next(v for k, v, *_ in fields if k == "tokenizer.ggml.tokens"))
     if n_tok > vocab:
         raise RealShapeError(f"the tokenizer has {n_tok} tokens, more than the vocabulary {vocab}")

@@ -150,7 +150,7 @@ _BUILDERS: dict[str, Callable[[Builder, int, int, bool], None]] = {
 _MTP_ARCHS = ("qwen35", "qwen35moe", "deepseek4", "glm-dsa")
 
 
-def _values(t: Tensor, rng: np.random.Generator) -> np.ndarray[Any, Any]:
+def tensor_values(t: Tensor, rng: np.random.Generator) -> np.ndarray[Any, Any]:
     shape = tuple(reversed(t.ne))  # numpy order is ggml's reversed
     if t.kind == "ids":
         # each token routes to n_used distinct experts
@@ -191,7 +191,7 @@ def _encode(
 
 
 @functools.lru_cache(maxsize=4)
-def _tokenizer_fields(source: Path) -> tuple[tuple[str, Any, Any, Any], ...]:
+def tokenizer_fields(source: Path) -> tuple[tuple[str, Any, Any, Any], ...]:
     """(key, value, type, array element type) of every tokenizer.* field of `source`.
 
     Cached: reading SmolLM2's 49k tokens and merges takes seconds, and a test session writes many files.
@@ -254,7 +254,7 @@ def write_tiny_gguf(
         from agent.artifacts.packaged import packaged_model_path
 
         tokenizer_from = packaged_model_path("smollm2")
-    tok = _tokenizer_fields(Path(tokenizer_from).resolve())
+    tok = tokenizer_fields(Path(tokenizer_from).resolve())
     vocab = len(next(v for k, v, *_ in tok if k == "tokenizer.ggml.tokens"))
 
     b = Builder(arch)
@@ -285,7 +285,7 @@ def write_tiny_gguf(
         w.add_key_value(key, value, vtype, sub)
     rng = np.random.default_rng(seed)
     for t in b.tensors:
-        arr, raw = _encode(t.name, t.kind, _values(t, rng), dtype)
+        arr, raw = _encode(t.name, t.kind, tensor_values(t, rng), dtype)
         w.add_tensor(t.name, arr, raw_dtype=raw)
     try:
         w.write_header_to_file()

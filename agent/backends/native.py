@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from agent import defaults
 from agent.backends.base import (
     AdmissionError,
     Backend,
@@ -76,7 +77,7 @@ class NativeBackend(Backend):
         self.sessions: dict[SessionId, int] = {}
         # plain-attention architectures run a batch of sessions' steps as one graph (forward_batch)
         self.batches_sessions = self.model.batches_sessions
-        cache_type = str(options.get("cache_type") or "f16")
+        cache_type = str(options.get("cache_type") or defaults.CACHE_TYPE)
         try:
             self.model.set_cache_type(cache_type)
         except NativeError as e:

@@ -247,7 +247,8 @@ void set_cache_idx(ggswarm_model * m, ggml_tensor * kidx, ggml_tensor * vidx, in
         m->vidx_host.resize((size_t)nc * m->d_kv());
         for (int32_t t = 0; t < nc; ++t) {
             int64_t * vi = m->vidx_host.data() + (size_t)t * m->d_kv();
-            for (int32_t ch = 0; ch < m->d_kv(); ++ch) vi[ch] = (int64_t)ch * rows + (pos + t) % rows;
+            const int64_t slot = (pos + t) % rows;
+            for (int32_t ch = 0; ch < m->d_kv(); ++ch) vi[ch] = (int64_t)ch * rows + slot;
         }
         ggml_backend_tensor_set(vidx, m->vidx_host.data(), 0, sizeof(int64_t) * m->vidx_host.size());
     }

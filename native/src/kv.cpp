@@ -76,9 +76,11 @@ bool swa_ring(const ggswarm_model * m, int32_t il) {
     return h.state == StateKind::KV && h.swa && m->n_swa > 0;
 }
 
-int64_t swa_rows(const ggswarm_model * m, int64_t cap) {
-    return std::min<int64_t>(cap, pad_kv(std::min<int64_t>(m->n_ctx_max, (int64_t)m->n_swa + kUBatch)));
+int64_t window_ring(const ggswarm_model * m) {
+    return pad_kv(std::min<int64_t>(m->n_ctx_max, (int64_t)m->n_swa + kUBatch));
 }
+
+int64_t swa_rows(const ggswarm_model * m, int64_t cap) { return std::min<int64_t>(cap, window_ring(m)); }
 
 // A CPU decode step runs attention.cpp's kernels: no mask input (they write -inf past the new
 // position themselves), and a span padded only to their 64-position step, since padding adds exact

@@ -344,7 +344,9 @@ ggswarm_status ensure_capacity(ggswarm_model * m, Session & s, int32_t need);
 constexpr int32_t kUBatch = 512;  // positions per micro-batch (bounded compute memory, like llama.cpp's n_ubatch)
 // Sliding-window attention layers keep K and V in a ring, as llama.cpp's SWA cache: GGML_PAD(min(n_ctx,
 // n_swa + n_ubatch), 256) slots (at most the session's capacity); position p in slot p % slots.
+// window_ring is that size at full capacity (deepseek4's raw window is sized the same way).
 bool swa_ring(const ggswarm_model * m, int32_t il);
+int64_t window_ring(const ggswarm_model * m);
 int64_t swa_rows(const ggswarm_model * m, int64_t cap);
 ggswarm_status validate_step(ggswarm_model * m, const Session & s, const ggswarm_batch * b);
 // The attention mask for positions [pos, pos + nc) over n_kv cache slots: causal, within `window` when

@@ -29,6 +29,8 @@ struct Dsv4 : ArchData {
     std::vector<float> clamp_exp, clamp_shexp;  // per layer of the file (0: no clamp)
     bool norm_w = true;
     std::vector<int32_t> ratio;  // per layer: 0, 4 or 128
+    // llama.cpp's Hadamard rotations of indexer-key-wide and head-wide rows (see rotates()), made once
+    std::vector<float> rot_idx, rot_head;
 };
 
 const Dsv4 & dsv4(const ggswarm_model * m) { return *static_cast<const Dsv4 *>(m->arch_data.get()); }
@@ -60,6 +62,24 @@ int64_t n_comp(int64_t cap, int32_t r) { return cap / r + 1; }
 int64_t n_comp_span(int64_t n_kv, int64_t cap, int32_t r) { return std::min(pad256(n_kv / r + 1), n_comp(cap, r)); }
 // blocks that can complete among nc new positions
 int64_t n_blocks(int64_t nc, int32_t r) { return nc / r + 1; }
+
+// llama.cpp's orthonormal Walsh-Hadamard matrix of size n (a power of two): H[0][0] = 1 / sqrt(n), then
+// each doubling copies the block right and down and negates it on the diagonal
+std::vector<float> hadamard(int64_t n) {
+    std::vector<float> h((size_t)(n * n), 0.0f);
+    h[0] = 1.0 / sqrtf((float)n);
+    for (int64_t s = 1; s < n; s *= 2) {
+        for (int64_t i = 0; i < s; ++i) {
+            for (int64_t j = 0; j < s; ++j) {
+                const float v = h[(size_t)(i * n + j)];
+                h[(size_t)((i + s) * n + j)] = v;
+                h[(size_t)(i * n + j + s)] = v;
+                h[(size_t)((i + s) * n + j + s)] = -v;
+            }
+        }
+    }
+    return h;
+}
 
 ggswarm_status read(ggswarm_model * m, const Hp & hp) {
     const char * a = hp.prefix.c_str();
@@ -152,6 +172,8 @@ ggswarm_status read(ggswarm_model * m, const Hp & hp) {
     m->ids_layers = std::min(h->hash_layers, m->n_layers_total);
     m->nodes_per_layer = 1200 + 16 * h->sinkhorn * 2;
     m->rope_mode = GGML_ROPE_TYPE_NORMAL;
+    h->rot_idx = hadamard(rot_size(h->idx_len));
+    h->rot_head = hadamard(rot_size(m->head_dim));
     m->arch_data = h;
     return GGSWARM_OK;
 }
@@ -234,8 +256,8 @@ struct Part {
     Lay lay;
 };
 
-// llama.cpp's raw window: GGML_PAD(min(n_ctx, n_swa + n_ubatch), 256) slots
-int64_t raw_rows(const ggswarm_model * m) { return pad256(std::min<int64_t>(m->n_ctx_max, (int64_t)m->n_swa + kUBatch)); }
+// llama.cpp's raw window: GGML_PAD(min(n_ctx, n_swa + n_ubatch), 256) slots, whatever the capacity
+int64_t raw_rows(const ggswarm_model * m) { return window_ring(m); }
 // compressor rows a ratio keeps: the block being filled, and the one before where windows overlap
 int64_t ring_rows(int32_t r) { return r == kCsa ? 2 * kCsa : kHca; }
 // the first position whose compressor row a session of len positions still needs
@@ -439,24 +461,6 @@ void make_inputs(Build & b) {
     in[kRotHead] = input(c, GGML_TYPE_F32, rh, rh);
 }
 
-// llama.cpp's orthonormal Walsh-Hadamard matrix of size n (a power of two): H[0][0] = 1 / sqrt(n), then
-// each doubling copies the block right and down and negates it on the diagonal
-std::vector<float> hadamard(int64_t n) {
-    std::vector<float> h((size_t)(n * n), 0.0f);
-    h[0] = 1.0 / sqrtf((float)n);
-    for (int64_t s = 1; s < n; s *= 2) {
-        for (int64_t i = 0; i < s; ++i) {
-            for (int64_t j = 0; j < s; ++j) {
-                const float v = h[(size_t)(i * n + j)];
-                h[(size_t)((i + s) * n + j)] = v;
-                h[(size_t)(i * n + j + s)] = v;
-                h[(size_t)((i + s) * n + j + s)] = -v;
-            }
-        }
-    }
-    return h;
-}
-
 // x [.., ..] rotated in chunks of rot's size (llama.cpp's llama_mul_mat_hadamard, with ggml's hint that
 // src0 is a Hadamard matrix, so the same kernel runs)
 ggml_tensor * rotate(Build & b, ggml_tensor * x, ggml_tensor * rot) {
@@ -558,9 +562,9 @@ void set_inputs(ggswarm_model * m, Graph & g, int32_t pos, int32_t nc) {
     set_comp_mask(m, in[kMask128], kHca, pos, nc);
     set_ring_writes(in[kRows4], pos, nc, ring_rows(kCsa));
     set_ring_writes(in[kRows128], pos, nc, ring_rows(kHca));
-    for (In k : {kRotIdx, kRotHead}) {
-        if (in[k]->buffer) put(in[k], hadamard(in[k]->ne[0]));
-    }
+    const Dsv4 & h = dsv4(m);
+    put(in[kRotIdx], h.rot_idx);
+    put(in[kRotHead], h.rot_head);
 }
 
 // --- graph pieces ----------------------------------------------------------------------------------------
