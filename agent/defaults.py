@@ -21,10 +21,15 @@ N_THREADS = 2
 DATAPLANE_HOST = "127.0.0.1"
 # A node's KV cache budget, shared by all its shards.
 KV_BUDGET_BYTES = 1 << 30
-# The attention caches' type on native shards, like llama.cpp's --cache-type-k: "f16" (its default) or
-# "f32" where the architecture keeps it (deepseek4).
-CACHE_TYPES = ("f16", "f32")
+# The attention caches' type on native shards, like llama.cpp's --cache-type-k/-v: "f16" (its default),
+# "f32" where the architecture keeps it (deepseek4), "q8_0" / "q4_0" where it keeps them (with flash
+# attention, as llama.cpp's quantized V requires).
+CACHE_TYPES = ("f16", "f32", "q8_0", "q4_0")
 CACHE_TYPE = "f16"
+# Flash attention on native shards, like llama.cpp's -fa: "auto" (on for a GPU, off for a CPU, where
+# llama.cpp's default non-flash path runs; on wherever the cache is quantized), "on" or "off".
+FLASH_ATTN_MODES = ("auto", "on", "off")
+FLASH_ATTN = "auto"
 # An idle session's KV is freed after this long (a route that stopped talking).
 SESSION_TTL_S = 1800.0
 # Longest context a route client asks its hops to hold.

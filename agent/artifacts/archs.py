@@ -21,6 +21,9 @@ SERVABLE_ARCHITECTURES: frozenset[str] = frozenset(
 )
 
 STATE_KINDS = ("kv", "recurrent", "latent_kv", "compressed_kv")
+# Bytes per cached element in each attention-cache type a node may run (defaults.CACHE_TYPES): ggml's
+# q8_0 keeps 32 values in 34 bytes, q4_0 in 18.
+CACHE_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
 # Gated delta-net hybrids: recurrent layers with full attention every N-th layer.
 _DELTA_NET = ("qwen35", "qwen35moe", "qwen3next")
 _MLA = ("deepseek2", "deepseek32", "glm-dsa")

@@ -118,6 +118,30 @@ def _qwen35moe(b: Builder, n_layers: int, vocab: int, mtp: bool) -> None:
     layouts.qwen35(b, layouts.Qwen35Dims(D_MODEL, n_layers, vocab, moe=True, mtp=mtp))
 
 
+def _wide_heads(arch: str, b: Builder, n_layers: int, vocab: int, mtp: bool) -> None:
+    """Heads as quantized caches need them (whole q8_0 blocks, a multiple of 64 that llama.cpp's Hadamard
+    rotation takes), in the real files' proportions: Qwen3.5 rotates a quarter of its head (64 of 256),
+    GLM-5's latent row (512 + 64 = 576) rotates in blocks of 64, as 160 + 32 = 192 does."""
+    if arch in ("qwen35", "qwen35moe"):
+        dims = layouts.Qwen35Dims(
+            D_MODEL,
+            n_layers,
+            vocab,
+            moe=arch == "qwen35moe",
+            mtp=mtp,
+            head=64,
+            n_rot=16,
+            sections=(3, 3, 2, 0),
+        )
+        layouts.qwen35(b, dims)
+    else:
+        types = tuple(glm_dsa_indexer_types(n_layers))
+        layouts.glm_dsa(b, layouts.GlmDims(D_MODEL, n_layers, vocab, types, mtp=mtp, kv_lora=160, n_rot=32))
+
+
+_WIDE_HEADS_ARCHS = ("qwen35", "qwen35moe", "glm-dsa")  # the others' tiny heads are 64 wide already
+
+
 def deepseek4_compress_ratios(n_layers: int) -> list[int]:
     """Per-layer compression ratios of the tiny deepseek4: 0 (raw window only), 4 and 128 in turn."""
     return [(0, 4, 128)[i % 3] for i in range(n_layers)]
@@ -223,6 +247,7 @@ def write_tiny_gguf(
     hash_layers: int | None = None,
     rope_scaling: dict[str, str | float | int] | None = None,
     swiglu_clamp: float | list[float] | None = None,
+    wide_heads: bool = False,
 ) -> Path:
     """Write a tiny random-weight GGUF of `arch` to `path`; the same arguments give the same bytes.
 
@@ -233,7 +258,8 @@ def write_tiny_gguf(
     (deepseek4 carries DeepSeek-V4-Flash's YaRN keys by default; `{}` writes none), e.g.
     `{"type": "yarn", "factor": 4, "original_context_length": 32768}` as Qwen3's long-context files.
     `swiglu_clamp` (deepseek4): the experts' SwiGLU limit, one number or a list written as given
-    (default 10.0 per layer, as an array like llama.cpp's converter writes it).
+    (default 10.0 per layer, as an array like llama.cpp's converter writes it). `wide_heads` (qwen35,
+    qwen35moe, glm-dsa): attention heads wide enough for q8_0 / q4_0 caches (see _wide_heads).
     """
     from gguf import GGUFWriter
 
@@ -262,6 +288,10 @@ def write_tiny_gguf(
         if arch != "deepseek4" or not 0 <= hash_layers <= layers:
             raise TinyModelError(f"hash_layers applies to deepseek4 only, 0..{layers}")
         _deepseek4(b, layers, vocab, mtp, hash_layers)
+    elif wide_heads:
+        if arch not in _WIDE_HEADS_ARCHS:
+            raise TinyModelError(f"wide_heads applies to {', '.join(_WIDE_HEADS_ARCHS)} only")
+        _wide_heads(arch, b, layers, vocab, mtp)
     else:
         _BUILDERS[arch](b, layers, vocab, mtp)
     if rope_scaling is not None:

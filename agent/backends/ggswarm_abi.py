@@ -224,6 +224,9 @@ def bind(lib: ctypes.CDLL) -> None:
     # ggswarm_status ggswarm_set_cache_type(ggswarm_model * model, int32_t type);  (v10)
     lib.ggswarm_set_cache_type.argtypes = [ggswarm_model_p, ctypes.c_int32]
     lib.ggswarm_set_cache_type.restype = c_status
+    # ggswarm_status ggswarm_set_flash_attention(ggswarm_model * model, int32_t on);  (v11)
+    lib.ggswarm_set_flash_attention.argtypes = [ggswarm_model_p, ctypes.c_int32]
+    lib.ggswarm_set_flash_attention.restype = c_status
 
     # ggswarm_status ggswarm_kv_bytes(const ggswarm_model * model, int64_t sid, uint64_t * out_bytes);
     lib.ggswarm_kv_bytes.argtypes = [ggswarm_model_p, ctypes.c_int64, u64p]

@@ -20,7 +20,7 @@ from agent.backends.ggswarm_abi import ggswarm_sampling as ggswarm_sampling
 from agent.defaults import env_int
 from agent.wire.frames import HiddenDtype, numpy_dtype
 
-GGSWARM_API_VERSION = 10
+GGSWARM_API_VERSION = 11
 
 GGSWARM_OK = 0
 GGSWARM_E_INVALID_ARG = -1
@@ -49,6 +49,8 @@ STATUS_NAMES = {
 
 GGSWARM_TYPE_F32 = 0
 GGSWARM_TYPE_F16 = 1
+GGSWARM_TYPE_Q8_0 = 2
+GGSWARM_TYPE_Q4_0 = 3
 GGSWARM_MAX_CONTEXT = 131072
 GGSWARM_MAX_BATCH = 4096
 GGSWARM_MAX_STEPS = 256  # steps (sessions) per ggswarm_forward_many call
@@ -397,14 +399,36 @@ class NativeModel:
 
     def set_cache_type(self, cache_type: str) -> None:
         """The attention caches' type for sessions opened from now on: "f16" (the default, as
-        llama.cpp's) or "f32" where the architecture keeps it (deepseek4), like llama.cpp's
-        --cache-type-k; refused while a session is open."""
-        types = {"f32": 0, "f16": 1}
+        llama.cpp's), "f32" where the architecture keeps it (deepseek4), "q8_0" or "q4_0" where it
+        keeps them (K and V alike, with flash attention, as llama.cpp's --cache-type-k/-v); refused
+        while a session is open."""
+        types = {
+            "f32": GGSWARM_TYPE_F32,
+            "f16": GGSWARM_TYPE_F16,
+            "q8_0": GGSWARM_TYPE_Q8_0,
+            "q4_0": GGSWARM_TYPE_Q4_0,
+        }
         if cache_type not in types:
             raise NativeError(
                 GGSWARM_E_INVALID_ARG, f"cache type {cache_type!r} is not one of {sorted(types)}"
             )
         self._call(self._lib.ggswarm_set_cache_type, types[cache_type])
+        # the attention mode follows a quantized cache (flash attention), the bytes per token the type
+        self._refresh_info()
+
+    def set_flash_attention(self, on: bool) -> None:
+        """Flash attention on or off for the steps run from now on, like llama.cpp's -fa on|off (never
+        calling it keeps the open-time "auto": on for a GPU, off for a CPU); refused while a session is
+        open, and off with a quantized cache."""
+        self._call(self._lib.ggswarm_set_flash_attention, 1 if on else 0)
+        self._refresh_info()
+
+    def _refresh_info(self) -> None:
+        info = ggswarm_model_info()
+        self._call(self._lib.ggswarm_model_info_get, ctypes.byref(info))
+        self.info = info
+        self.decode_kernels = info.decode_kernels == 1
+        self.kv_bytes_per_token = info.kv_bytes_per_token
 
     def kv_bytes(self, sid: int = -1) -> int:
         n = ctypes.c_uint64()

@@ -43,9 +43,11 @@ class NativeBackend(Backend):
         none, no limit), model_id (identity written into KV snapshots; default the manifest's sha256),
         checkpoint_every / checkpoints_max (windows with recurrent layers: a recurrent-state checkpoint
         every N positions, at most M per session; default GGSWARM_CHECKPOINT_EVERY /
-        GGSWARM_CHECKPOINTS_MAX, else the library's 256 / 8), cache_type ("f16", the default, or
-        "f32" where the architecture keeps it: defaults.CACHE_TYPES). Options other backends take
-        (kv_budget_bytes, n_batch, ...) are ignored."""
+        GGSWARM_CHECKPOINTS_MAX, else the library's 256 / 8), cache_type ("f16", the default, "f32"
+        where the architecture keeps it, "q8_0" / "q4_0": defaults.CACHE_TYPES), flash_attn ("auto",
+        the default: the library's choice at open, flash on a GPU and off on a CPU; "on"; "off": like
+        llama.cpp's -fa; a quantized cache needs flash attention, so "auto" turns it on there and "off"
+        is refused). Options other backends take (kv_budget_bytes, n_batch, ...) are ignored."""
         budget = options.get("kv_budget")
         if budget is not None and not isinstance(budget, NativeBudget):
             raise BackendError(f"kv_budget must be a NativeBudget, not {type(budget).__name__}")
@@ -83,6 +85,16 @@ class NativeBackend(Backend):
         except NativeError as e:
             self.model.close()
             raise BackendError(f"cache type {cache_type!r}: {e}") from None
+        flash = str(options.get("flash_attn") or defaults.FLASH_ATTN)
+        if flash not in defaults.FLASH_ATTN_MODES:
+            self.model.close()
+            raise BackendError(f"flash_attn {flash!r} is not one of {', '.join(defaults.FLASH_ATTN_MODES)}")
+        if flash != "auto":
+            try:
+                self.model.set_flash_attention(flash == "on")
+            except NativeError as e:
+                self.model.close()
+                raise BackendError(f"flash attention {flash!r} with cache type {cache_type!r}: {e}") from None
         every = options.get("checkpoint_every", os.environ.get("GGSWARM_CHECKPOINT_EVERY"))
         most = options.get("checkpoints_max", os.environ.get("GGSWARM_CHECKPOINTS_MAX"))
         if every is not None or most is not None:

@@ -52,6 +52,12 @@
  *       ggswarm_set_cache_type: the attention caches' type, like llama.cpp's --cache-type-k (f16 by
  *       default; deepseek4 also f32); deepseek4's state held as llama.cpp holds it (rings: the raw
  *       window and the compressor rows; a truncate past them goes to a checkpoint or to 0).
+ *  11 - quantized attention caches: GGSWARM_TYPE_Q8_0 and GGSWARM_TYPE_Q4_0 for ggswarm_set_cache_type,
+ *       as llama.cpp's --cache-type-k/-v q8_0|q4_0 (flash attention, and llama.cpp's Hadamard
+ *       rotations of the cached rows, follow: ggswarm_model_info.decode_kernels -2); snapshots of such
+ *       caches hold their quantized rows (V per position). ggswarm_set_flash_attention: llama.cpp's
+ *       flash-attention switch per handle; a CPU without AVX-512 now runs ggml's non-flash ops by default
+ *       (llama.cpp's default path), not flash attention.
  */
 #ifndef GGSWARM_H
 #define GGSWARM_H
@@ -63,7 +69,7 @@
 extern "C" {
 #endif
 
-#define GGSWARM_API_VERSION 10
+#define GGSWARM_API_VERSION 11
 
 #if defined(_WIN32)
 #define GGSWARM_API __declspec(dllexport)
@@ -85,9 +91,11 @@ typedef int32_t ggswarm_status;
 #define GGSWARM_E_MISMATCH -9      /* a snapshot belongs to another model / range / shape */
 #define GGSWARM_E_NO_MEMORY -10    /* a host or device allocation failed */
 
-/* element types of hidden-state buffers */
+/* element types of hidden-state buffers (f32, f16) and of attention caches (all four) */
 #define GGSWARM_TYPE_F32 0
 #define GGSWARM_TYPE_F16 1
+#define GGSWARM_TYPE_Q8_0 2
+#define GGSWARM_TYPE_Q4_0 3
 
 /* hard product cap on positions per session, whatever the model allows */
 #define GGSWARM_MAX_CONTEXT 131072
@@ -247,13 +255,24 @@ GGSWARM_API ggswarm_status ggswarm_session_checkpoints(const ggswarm_model * mod
                                                        int32_t * positions, int32_t capacity,
                                                        int32_t * out_count);
 
+/* (v10) The type of the window's attention caches for the sessions opened after it: GGSWARM_TYPE_F16
+ * (the default, as llama.cpp's), GGSWARM_TYPE_F32 where the architecture keeps it (deepseek4), (v11)
+ * GGSWARM_TYPE_Q8_0 or GGSWARM_TYPE_Q4_0 where it keeps them (K and V alike: llama.cpp's
+ * --cache-type-k/-v with flash attention on, which a quantized V requires there); GGSWARM_E_UNSUPPORTED
+ * otherwise, GGSWARM_E_INVALID_ARG while a session is open. Recurrent states and compressor rows stay
+ * f32, as in llama.cpp. */
+GGSWARM_API ggswarm_status ggswarm_set_cache_type(ggswarm_model * model, int32_t type);
+
+/* (v11) Flash attention on (1) or off (0) for the steps run from now on, like llama.cpp's -fa on|off: on
+ * runs ggml_flash_attn_ext as llama.cpp builds it (ggswarm_model_info.decode_kernels -2), off llama.cpp's
+ * non-flash ops (or, on an AVX-512 CPU, the decode kernels that the open-time check proved identical to
+ * them). Not calling it keeps the choice made at open ("auto": flash on a GPU, off on a CPU). Refused
+ * while a session is open, and off with a quantized cache (llama.cpp requires flash attention for a
+ * quantized V). */
+GGSWARM_API ggswarm_status ggswarm_set_flash_attention(ggswarm_model * model, int32_t on);
+
 /* KV bytes held by one session, or by all sessions of this handle when sid < 0 (v4: recurrent state
  * and checkpoints included). */
-/* (v10) The type of the window's attention caches for the sessions opened after it: GGSWARM_TYPE_F16
- * (the default, as llama.cpp's) or GGSWARM_TYPE_F32 where the architecture keeps it (deepseek4);
- * GGSWARM_E_UNSUPPORTED otherwise, GGSWARM_E_INVALID_ARG while a session is open. Recurrent states and
- * compressor rows stay f32, as in llama.cpp. */
-GGSWARM_API ggswarm_status ggswarm_set_cache_type(ggswarm_model * model, int32_t type);
 
 GGSWARM_API ggswarm_status ggswarm_kv_bytes(const ggswarm_model * model, int64_t sid, uint64_t * out_bytes);
 

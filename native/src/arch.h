@@ -105,6 +105,14 @@ ggml_tensor * linear(ggml_context * c, ggml_tensor * w, ggml_tensor * b, ggml_te
 // RoPE of x [hd, heads, n] at the graph's positions with layer il's base and scale (m->rope_mode).
 ggml_tensor * rope(Build & b, int32_t il, ggml_tensor * x);
 
+// llama.cpp's Hadamard rotations (llama-kv-cache.cpp, llama_mul_mat_hadamard): the orthonormal
+// Walsh-Hadamard matrix of order n (a power of two; H H = I), the order it takes for rows of width n
+// (the largest power of two >= 64 dividing n), and x rotated by rot in chunks of rot's order along
+// dimension 0 (with ggml's hint that src0 is a Hadamard matrix, so the same kernel runs).
+std::vector<float> hadamard(int64_t n);
+int64_t rot_size(int64_t n);
+ggml_tensor * rotate(ggml_context * c, ggml_tensor * x, ggml_tensor * rot);
+
 // q, k, v of layer il from the normed input: q [hd, n_head, n], k [hd, n_head_kv, n], v [hd * n_head_kv, n].
 struct Qkv {
     ggml_tensor * q, * k, * v;
@@ -177,6 +185,9 @@ struct Arch {
     // the cache types (bits 1 << ggml_type) its state kinds keep, ggswarm_set_cache_type; f16 for all
     uint32_t cache_types = 1u << GGML_TYPE_F16;
 };
+
+// What the KV state kind keeps (kv.cpp): f16, and q8_0 / q4_0 as llama.cpp's quantized caches.
+constexpr uint32_t kKvCacheTypes = (1u << GGML_TYPE_F16) | (1u << GGML_TYPE_Q8_0) | (1u << GGML_TYPE_Q4_0);
 
 // Architectures register themselves from their own unit: `static ArchRegistration reg(&kMyArch);`.
 void register_arch(const Arch * a);

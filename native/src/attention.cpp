@@ -287,9 +287,9 @@ bool decode_attention_supported(int64_t head_dim) {
 ggml_tensor * flash_attention(ggml_context * c, ggml_tensor * q, ggml_tensor * kc, ggml_tensor * vc, ggml_tensor * mask,
                               int32_t n, int32_t n_kv, float kq_scale) {
     const int64_t hd = q->ne[0], nh = q->ne[1], nkv = kc->ne[0] / hd;
-    const size_t head = hd * sizeof(ggml_fp16_t);
-    ggml_tensor * k = ggml_view_3d(c, kc, hd, n_kv, nkv, kc->nb[1], head, 0);  // [hd, n_kv, nkv]
-    ggml_tensor * v = ggml_view_3d(c, vc, hd, n_kv, nkv, vc->nb[1], head, 0);
+    // a head's bytes in the cache type (quantized blocks run along the head: whole blocks per head)
+    ggml_tensor * k = ggml_view_3d(c, kc, hd, n_kv, nkv, kc->nb[1], ggml_row_size(kc->type, hd), 0);  // [hd, n_kv, nkv]
+    ggml_tensor * v = ggml_view_3d(c, vc, hd, n_kv, nkv, vc->nb[1], ggml_row_size(vc->type, hd), 0);
     ggml_tensor * qp = ggml_permute(c, q, 0, 2, 1, 3);  // [hd, n, nh]
     ggml_tensor * o = ggml_flash_attn_ext(c, qp, k, v, mask, kq_scale, 0.0f, 0.0f);  // [hd, nh, n]
     ggml_prec_set_acc(o, GGML_PREC_F32);

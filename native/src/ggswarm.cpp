@@ -58,22 +58,18 @@ bool env_set(const char * name) {
     return v && *v && strcmp(v, "0") != 0;
 }
 
-// How this handle computes attention (docs/native.md, "Attention modes"). On a CPU whose ggml build
-// and hardware have AVX-512, decode steps run attention.cpp's kernels if, checked now on random data
-// of this model's head shape, they give ggml's bits; every other step runs ggml's mul_mat/soft_max
-// ops, which reproduce llama.cpp's default path. Where the kernels cannot run (GPU devices, CPUs
-// without AVX-512) every step runs ggml_flash_attn_ext, as llama.cpp does with flash attention on.
-// Environment, read here: GGSWARM_GGML_ATTENTION=1 forces ggml's ops; GGSWARM_ATTENTION=flash forces
-// flash attention; GGSWARM_KERNEL_SELFCHECK=corrupt (tests only) makes the self-check fail.
-void choose_attention(ggswarm_model * m, const char * path) {
-    const char * mode = getenv("GGSWARM_ATTENTION");
+}  // namespace
+
+// The non-flash mode of this handle (docs/native.md, "Attention modes"): on a CPU whose ggml build and
+// hardware have AVX-512, decode steps run attention.cpp's kernels if, checked now on random data of this
+// model's head shape, they give ggml's bits; every other step (and every step elsewhere) runs ggml's
+// mul_mat/soft_max ops, which reproduce llama.cpp's default (flash attention off) path. Environment:
+// GGSWARM_GGML_ATTENTION=1 forces ggml's ops; GGSWARM_KERNEL_SELFCHECK=corrupt (tests only) makes the
+// self-check fail.
+void choose_non_flash(ggswarm_model * m, const char * path) {
     const bool cpu = ggml_backend_dev_type(m->dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
-    if (env_set("GGSWARM_GGML_ATTENTION")) {
-        m->decode_kernels = 0;
-    } else if ((mode && strcmp(mode, "flash") == 0) || !cpu || !decode_attention_cpu()) {
-        m->decode_kernels = -2;
-    } else if (!decode_attention_supported(m->head_dim)) {
-        m->decode_kernels = 0;  // an AVX-512 CPU, and a head size the kernels do not take
+    if (env_set("GGSWARM_GGML_ATTENTION") || !cpu || !decode_attention_supported(m->head_dim)) {
+        m->decode_kernels = 0;  // ggml's ops: no AVX-512, a GPU, or a head size the kernels do not take
     } else {
         const char * hook = getenv("GGSWARM_KERNEL_SELFCHECK");
         const bool corrupt = hook && strcmp(hook, "corrupt") == 0;
@@ -85,6 +81,21 @@ void choose_attention(ggswarm_model * m, const char * path) {
             fprintf(stderr, "libggswarm: %s: decode attention kernels off, ggml's ops used instead: self-check: %s\n",
                     path, why.c_str());
         }
+    }
+}
+
+namespace {
+
+// The mode at open ("auto", like llama.cpp's -fa auto on the devices it resolves for): flash attention
+// on a GPU, as llama.cpp turns it on there; the non-flash mode on a CPU, llama.cpp's default path there
+// (llama-cpp-python's flash_attn=False); GGSWARM_ATTENTION=flash forces flash attention.
+void choose_attention(ggswarm_model * m, const char * path) {
+    const char * mode = getenv("GGSWARM_ATTENTION");
+    const bool cpu = ggml_backend_dev_type(m->dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
+    if ((mode && strcmp(mode, "flash") == 0) || !cpu) {
+        m->decode_kernels = -2;
+    } else {
+        choose_non_flash(m, path);
     }
 }
 
@@ -102,6 +113,8 @@ ggswarm_model::~ggswarm_model() {
     if (wctx) ggml_free(wctx);
     if (wbuf_extra) ggml_backend_buffer_free(wbuf_extra);
     if (wctx_extra) ggml_free(wctx_extra);
+    if (rot_buf) ggml_backend_buffer_free(rot_buf);
+    if (rot_ctx) ggml_free(rot_ctx);
     if (backend_cpu && backend_cpu != backend) ggml_backend_free(backend_cpu);
     if (backend) ggml_backend_free(backend);
 #ifdef GGSWARM_OWN_THREADPOOL
@@ -223,6 +236,7 @@ ggswarm_status ggswarm_model_open(const char * path, int32_t layer_start, int32_
     if ((s = init_sched(m))) return bail(s);
     apply_threads(m, n_threads);
     choose_attention(m, path);
+    m->chosen_attention = m->decode_kernels;
     m->model_id = (model_id && *model_id) ? std::string(model_id) : fingerprint(path, gguf_get_data_offset(meta.g), file_size);
     if (m->model_id.size() > 71) m->model_id.resize(71);
     *out = m;

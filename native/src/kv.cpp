@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 #include <new>
+#include <string>
 
 #include "arch.h"
 #include "recurrent.h"
@@ -149,17 +150,20 @@ uint64_t payload_bytes(const ggswarm_model * m, int32_t len) {
     return b;
 }
 
-// --- the KV state kind: K [d_kv, rows] and V^T [rows, d_kv] f16 (V [d_kv, rows] in flash mode), rows the
-// capacity, or a sliding-window layer's ring (swa_rows: position p in slot p % rows) ---------------------
+// --- the KV state kind: K [d_kv, rows] and V^T [rows, d_kv] in the cache type (V [d_kv, rows] in flash mode,
+// always so for a quantized cache), rows the capacity, or a sliding-window layer's ring (swa_rows: position
+// p in slot p % rows) -------------------------------------------------------------------------------------
 
 int64_t kv_rows(const ggswarm_model * m, int32_t il, int64_t cap) { return swa_ring(m, il) ? swa_rows(m, cap) : cap; }
 
 void kv_plan(const ggswarm_model * m, int32_t il, int64_t cap, ggml_context * ctx, std::vector<ggml_tensor *> & out) {
     const int64_t rows = kv_rows(m, il, cap);
-    out.push_back(ggml_new_tensor_2d(ctx, GGML_TYPE_F16, m->d_kv(), rows));
-    out.push_back(m->flash() ? ggml_new_tensor_2d(ctx, GGML_TYPE_F16, m->d_kv(), rows)
-                             : ggml_new_tensor_2d(ctx, GGML_TYPE_F16, rows, m->d_kv()));
+    out.push_back(ggml_new_tensor_2d(ctx, m->cache_type, m->d_kv(), rows));
+    out.push_back(m->flash() ? ggml_new_tensor_2d(ctx, m->cache_type, m->d_kv(), rows)
+                             : ggml_new_tensor_2d(ctx, m->cache_type, rows, m->d_kv()));
 }
+
+uint64_t kv_per_token(const ggswarm_model * m, int32_t il) { return 2ULL * ggml_row_size(m->cache_type, m->d_kv()); }
 
 // The positions [from, len) a layer's cache holds for its next position: all, or a ring's window.
 int64_t kv_from(const ggswarm_model * m, int32_t il, int32_t len) {
@@ -167,11 +171,13 @@ int64_t kv_from(const ggswarm_model * m, int32_t il, int32_t len) {
 }
 
 // Copy positions [from, len) of a cache of `rows` slots between K/V tensors t and a host buffer p, K rows
-// then V transposed (per channel, the positions in order), in position order; up to 2 runs per slot wrap.
+// then V, in position order; up to 2 runs per slot wrap. V is transposed in the payload (per channel, the
+// positions in order) whatever the attention mode, so f16 snapshots move between modes; a quantized V
+// stays in rows (its blocks run along the channels).
 void kv_io(const ggswarm_model * m, const std::vector<ggml_tensor *> & t, int64_t from, int64_t len, uint8_t * p,
            bool save) {
     const int64_t rows = t[0]->ne[1], dkv = m->d_kv();
-    const size_t krow = (size_t)dkv * sizeof(ggml_fp16_t), h = sizeof(ggml_fp16_t);
+    const size_t krow = ggml_row_size(t[0]->type, dkv), h = ggml_type_size(t[1]->type);
     auto runs = [&](auto && fn) {
         for (int64_t q = from; q < len;) {
             const int64_t slot = q % rows, run = std::min<int64_t>(len - q, rows - slot);
@@ -185,27 +191,31 @@ void kv_io(const ggswarm_model * m, const std::vector<ggml_tensor *> & t, int64_
         p += n;
     };
     runs([&](int64_t slot, int64_t run) { io(t[0], (size_t)slot * krow, (size_t)run * krow); });
-    if (m->flash()) {  // V rows per position like K; the payload keeps V transposed in every mode
-        std::vector<ggml_fp16_t> rowsv((size_t)(len - from) * dkv);
-        auto * hv = reinterpret_cast<uint8_t *>(rowsv.data());
+    if (ggml_is_quantized(t[1]->type)) {
+        runs([&](int64_t slot, int64_t run) { io(t[1], (size_t)slot * krow, (size_t)run * krow); });
+        return;
+    }
+    if (m->flash()) {
+        std::vector<uint8_t> rowsv((size_t)(len - from) * krow);
+        auto transpose = [&](const uint8_t * in, uint8_t * out, bool to_channels) {
+            for (int64_t r = 0; r < dkv; ++r) {
+                for (int64_t j = 0; j < len - from; ++j) {
+                    const size_t pos_major = (size_t)(j * dkv + r) * h, ch_major = (size_t)(r * (len - from) + j) * h;
+                    memcpy(out + (to_channels ? ch_major : pos_major), in + (to_channels ? pos_major : ch_major), h);
+                }
+            }
+        };
+        size_t o = 0;
         if (save) {
-            size_t o = 0;
             runs([&](int64_t slot, int64_t run) {
-                ggml_backend_tensor_get(t[1], hv + o, (size_t)slot * krow, (size_t)run * krow);
+                ggml_backend_tensor_get(t[1], rowsv.data() + o, (size_t)slot * krow, (size_t)run * krow);
                 o += (size_t)run * krow;
             });
-            auto * out = reinterpret_cast<ggml_fp16_t *>(p);
-            for (int64_t r = 0; r < dkv; ++r) {
-                for (int64_t j = 0; j < len - from; ++j) out[r * (len - from) + j] = rowsv[(size_t)(j * dkv + r)];
-            }
+            transpose(rowsv.data(), p, true);
         } else {
-            const auto * in = reinterpret_cast<const ggml_fp16_t *>(p);
-            for (int64_t r = 0; r < dkv; ++r) {
-                for (int64_t j = 0; j < len - from; ++j) rowsv[(size_t)(j * dkv + r)] = in[r * (len - from) + j];
-            }
-            size_t o = 0;
+            transpose(p, rowsv.data(), false);
             runs([&](int64_t slot, int64_t run) {
-                ggml_backend_tensor_set(t[1], hv + o, (size_t)slot * krow, (size_t)run * krow);
+                ggml_backend_tensor_set(t[1], rowsv.data() + o, (size_t)slot * krow, (size_t)run * krow);
                 o += (size_t)run * krow;
             });
         }
@@ -228,12 +238,10 @@ void kv_carry(const ggswarm_model * m, int32_t il, const std::vector<ggml_tensor
         return;
     }
     // growth: the first len positions (a ring smaller than its full size never wrapped)
-    std::vector<uint8_t> tmp((size_t)len * 2 * m->d_kv() * sizeof(ggml_fp16_t));
+    std::vector<uint8_t> tmp((size_t)len * kv_per_token(m, il));
     kv_io(m, from, 0, len, tmp.data(), true);
     kv_io(m, to, 0, len, tmp.data(), false);
 }
-
-uint64_t kv_per_token(const ggswarm_model * m, int32_t il) { return 2ULL * (uint64_t)m->d_kv() * sizeof(ggml_fp16_t); }
 
 // A snapshot holds what the next position reads: every position, or a ring's window.
 uint64_t kv_snapshot_bytes(const ggswarm_model * m, int32_t il, int32_t len) {
@@ -395,20 +403,115 @@ ggswarm_status ggswarm_session_truncate(ggswarm_model * m, int64_t sid, int32_t 
     return ok(m);
 }
 
+namespace {
+
+// llama.cpp's rotations of a quantized cache's rows (llama-kv-cache.cpp attn_rot_k, attn_rot_v): K (and
+// the queries) by the largest Hadamard order dividing the head, V by order 64, where the head is a
+// multiple of 64; kept on the model's device as constants the graphs read.
+ggswarm_status make_rotations(ggswarm_model * m) {
+    if (m->rot_buf) ggml_backend_buffer_free(m->rot_buf);
+    if (m->rot_ctx) ggml_free(m->rot_ctx);
+    m->rot_buf = nullptr;
+    m->rot_ctx = nullptr;
+    m->rot_k = m->rot_v = nullptr;
+    if (!ggml_is_quantized(m->cache_type) || m->head_dim % 64 != 0) return GGSWARM_OK;
+    ggml_init_params ip = {2 * ggml_tensor_overhead(), nullptr, true};
+    m->rot_ctx = ggml_init(ip);
+    if (!m->rot_ctx) return fail(m, GGSWARM_E_NO_MEMORY, "cannot create the rotation context");
+    const int64_t rk = rot_size(m->head_dim), rv = 64;
+    m->rot_k = ggml_new_tensor_2d(m->rot_ctx, GGML_TYPE_F32, rk, rk);
+    m->rot_v = ggml_new_tensor_2d(m->rot_ctx, GGML_TYPE_F32, rv, rv);
+    m->rot_buf = ggml_backend_alloc_ctx_tensors_from_buft(m->rot_ctx, m->buft);
+    if (!m->rot_buf) return fail(m, GGSWARM_E_NO_MEMORY, "cannot allocate the rotation matrices");
+    const std::vector<float> hk = hadamard(rk), hv = hadamard(rv);
+    ggml_backend_tensor_set(m->rot_k, hk.data(), 0, hk.size() * sizeof(float));
+    ggml_backend_tensor_set(m->rot_v, hv.data(), 0, hv.size() * sizeof(float));
+    return GGSWARM_OK;
+}
+
+ggml_type cache_ggml_type(int32_t type) {
+    switch (type) {
+        case GGSWARM_TYPE_F32: return GGML_TYPE_F32;
+        case GGSWARM_TYPE_F16: return GGML_TYPE_F16;
+        case GGSWARM_TYPE_Q8_0: return GGML_TYPE_Q8_0;
+        case GGSWARM_TYPE_Q4_0: return GGML_TYPE_Q4_0;
+        default: return GGML_TYPE_COUNT;
+    }
+}
+
+}  // namespace
+
 ggswarm_status ggswarm_set_cache_type(ggswarm_model * m, int32_t type) {
     GGSWARM_LOCK(m);
     if (!m) return fail(nullptr, GGSWARM_E_INVALID_ARG, "model is NULL");
-    const ggml_type t = type == GGSWARM_TYPE_F32 ? GGML_TYPE_F32 : type == GGSWARM_TYPE_F16 ? GGML_TYPE_F16 : GGML_TYPE_COUNT;
-    if (t == GGML_TYPE_COUNT) return fail(m, GGSWARM_E_INVALID_ARG, "cache type %d is not GGSWARM_TYPE_F32 or _F16", type);
+    const ggml_type t = cache_ggml_type(type);
+    if (t == GGML_TYPE_COUNT) return fail(m, GGSWARM_E_INVALID_ARG, "cache type %d is not a GGSWARM_TYPE_*", type);
     if (!(m->archp->cache_types & (1u << t))) {
-        return fail(m, GGSWARM_E_UNSUPPORTED, "%s keeps its caches in f16 only in this build, not %s", m->arch.c_str(),
-                    ggml_type_name(t));
+        std::string kept;
+        for (ggml_type k : {GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_Q8_0, GGML_TYPE_Q4_0}) {
+            if (m->archp->cache_types & (1u << k)) kept += std::string(kept.empty() ? "" : ", ") + ggml_type_name(k);
+        }
+        return fail(m, GGSWARM_E_UNSUPPORTED, "%s keeps its caches in %s in this build, not %s", m->arch.c_str(),
+                    kept.c_str(), ggml_type_name(t));
     }
     if (!m->sessions.empty()) {
         return fail(m, GGSWARM_E_INVALID_ARG, "the cache type changes only while no session is open (%zu are)",
                     m->sessions.size());
     }
+    // llama.cpp's checks for a quantized cache: whole blocks per head (K and V)
+    if (ggml_is_quantized(t) && m->head_dim % ggml_blck_size(t) != 0) {
+        return fail(m, GGSWARM_E_UNSUPPORTED, "cache type %s with block size %lld does not divide the head size %d",
+                    ggml_type_name(t), (long long)ggml_blck_size(t), m->head_dim);
+    }
+    const ggml_type before = m->cache_type;
     m->cache_type = t;
+    if (ggml_is_quantized(t)) {  // and whole blocks per row of every state tensor in that type
+        Session probe;
+        ggswarm_status st = plan_state(m, kKvPad, probe);
+        for (size_t i = 0; !st && i < probe.state.size(); ++i) {
+            for (const ggml_tensor * x : probe.state[i]) {
+                if (x->type == t && x->ne[0] % ggml_blck_size(t) != 0) {
+                    st = fail(m, GGSWARM_E_UNSUPPORTED, "cache type %s with block size %lld does not divide the %lld-wide rows of layer %d",
+                              ggml_type_name(t), (long long)ggml_blck_size(t), (long long)x->ne[0], m->layer_start + (int32_t)i);
+                    break;
+                }
+            }
+        }
+        probe.release();
+        if (st) {
+            m->cache_type = before;
+            return st;
+        }
+    }
+    if (ggswarm_status st = make_rotations(m)) {
+        m->cache_type = before;
+        make_rotations(m);
+        return st;
+    }
+    // a quantized V needs flash attention in llama.cpp (llama_init_from_model turns it on, or refuses)
+    m->decode_kernels = ggml_is_quantized(t) ? -2 : m->chosen_attention;
+    m->graphs.clear();  // built for the former state types and attention mode
+    m->graph = nullptr;
+    return ok(m);
+}
+
+ggswarm_status ggswarm_set_flash_attention(ggswarm_model * m, int32_t on) {
+    GGSWARM_LOCK(m);
+    if (!m) return fail(nullptr, GGSWARM_E_INVALID_ARG, "model is NULL");
+    if (on != 0 && on != 1) return fail(m, GGSWARM_E_INVALID_ARG, "flash attention is 1 (on) or 0 (off), not %d", on);
+    if (!m->sessions.empty()) {
+        return fail(m, GGSWARM_E_INVALID_ARG, "the attention mode changes only while no session is open (%zu are)",
+                    m->sessions.size());
+    }
+    if (!on && ggml_is_quantized(m->cache_type)) {
+        return fail(m, GGSWARM_E_INVALID_ARG, "a quantized V cache (%s) requires flash attention, as in llama.cpp",
+                    ggml_type_name(m->cache_type));
+    }
+    if (on) m->decode_kernels = -2;
+    else choose_non_flash(m, m->model_id.c_str());
+    m->chosen_attention = m->decode_kernels;
+    m->graphs.clear();  // built for the former attention mode (mask type, V layout)
+    m->graph = nullptr;
     return ok(m);
 }
 

@@ -236,13 +236,22 @@ struct ggswarm_model {
     int32_t ckpt_every = 256;
     int32_t ckpt_max = 8;
     // the attention caches' type (ggswarm_set_cache_type; the architecture says which it keeps)
-    ggml_type cache_type = GGML_TYPE_F16;  // graph capacity per window layer (deepseek4's hyper-connections need more)
+    ggml_type cache_type = GGML_TYPE_F16;
+    // llama.cpp's Hadamard rotations of quantized KV caches (llama-kv-cache.cpp attn_rot_k/attn_rot_v):
+    // queries and keys by rot_k, values by rot_v and the attention output back by it; null when the
+    // caches are not quantized or the head size is no multiple of 64. Made by ggswarm_set_cache_type.
+    ggml_tensor * rot_k = nullptr;
+    ggml_tensor * rot_v = nullptr;
+    ggml_context * rot_ctx = nullptr;
+    ggml_backend_buffer_t rot_buf = nullptr;
     int64_t d_io() const { return (int64_t)d_model * n_streams; }
     bool needs_ids() const { return layer_start < ids_layers; }
     // How attention runs (ggswarm_model_info.decode_kernels, chosen at open): 1: CPU decode steps use
     // attention.cpp's kernels (see kernel_step); 0: ggml's ops; -1: ggml's ops, the kernels failed the
     // self-check at open; -2: ggml_flash_attn_ext on every step, with the V cache not transposed
     int32_t decode_kernels = 0;
+    // decode_kernels for caches that are not quantized: chosen at open, or by ggswarm_set_flash_attention
+    int32_t chosen_attention = 0;
     ggswarm_budget * budget = nullptr;  // the node's KV budget (a reference), or none
     uint64_t weight_bytes = 0;
     uint64_t graph_builds = 0;
@@ -337,6 +346,10 @@ Session * find_session(const ggswarm_model * m, int64_t sid);
 ggswarm_status no_session(const ggswarm_model * m, int64_t sid);
 int64_t pad_kv(int64_t n);
 bool kernel_step(const ggswarm_model * m, int32_t n);
+// ggswarm.cpp: set m->decode_kernels to the non-flash mode this device and head size take (the decode
+// kernels where the open-time self-check proves them identical to ggml's ops, else the ops); `what`
+// names the model in a failed self-check's message
+void choose_non_flash(ggswarm_model * m, const char * what);
 int64_t kernel_span(int64_t n);
 ggswarm_status ensure_capacity(ggswarm_model * m, Session & s, int32_t need);
 

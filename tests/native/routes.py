@@ -1,4 +1,5 @@
-"""Helpers that drive chains of backends in-process like a route client would (tests and bench)."""
+"""Helpers that drive chains of backends in-process like a route client would, for the native tests
+(`route_forward` is agent/dev/chain.py's, which the benchmarks use too)."""
 
 from __future__ import annotations
 
@@ -7,35 +8,11 @@ from pathlib import Path
 import numpy as np
 
 from agent.backends.base import Backend
+from agent.dev.chain import route_forward
 from agent.wire.ids import SessionId
 from agent.wire.sampling import SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def route_forward(
-    hops: list[Backend],
-    sid: SessionId,
-    pos: int,
-    ids: list[int],
-    sampling: SamplingParams | None = None,
-    history: list[int] | None = None,
-    want_logits: bool = False,
-):  # noqa: ANN201 - ForwardResult of the last hop
-    """Push `ids` at position `pos` through every hop; returns the last hop's ForwardResult."""
-    res = hops[0].forward(
-        sid,
-        pos,
-        token_ids=np.asarray(ids, dtype=np.int32),
-        sampling=sampling,
-        history=history,
-        want_logits=want_logits and len(hops) == 1,
-    )
-    for hop in hops[1:]:
-        res = hop.forward(
-            sid, pos, hidden=res.hidden, sampling=sampling, history=history, want_logits=want_logits
-        )
-    return res
 
 
 def generate(
@@ -101,17 +78,19 @@ def logits_rows(r: dict, n: int) -> np.ndarray:
 
 def llama_with_cache(path: str, cache_type: str = "f32", n_ctx: int = 1024):  # noqa: ANN201 - llama_cpp.Llama
     """llama-cpp-python on `path` with every logit kept and its attention caches in `cache_type` ("f16",
-    its default, or "f32"), flash attention off: the oracle of windows run with the same cache type."""
+    its default, "f32", or quantized "q8_0" / "q4_0"), flash attention off, or on for a quantized cache
+    (llama.cpp refuses a quantized V without it): the oracle of windows run with the same cache type."""
     import pytest
 
     llama_cpp = pytest.importorskip("llama_cpp")
-    kv = {"f32": 0, "f16": 1}[cache_type]  # ggml type ids, as llama.cpp's type_k / type_v take them
+    # ggml type ids, as llama.cpp's type_k / type_v take them
+    kv = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8}[cache_type]
     return llama_cpp.Llama(
         model_path=path,
         logits_all=True,
         n_ctx=n_ctx,
         n_threads=2,
-        flash_attn=False,
+        flash_attn=cache_type.startswith("q"),
         type_k=kv,
         type_v=kv,
         verbose=False,

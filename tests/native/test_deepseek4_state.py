@@ -129,7 +129,7 @@ def test_a_sessions_bytes_are_the_rings_and_the_blocks_not_a_row_per_position(
         assert held < per_position / 2
 
 
-def test_the_cache_type_is_refused_while_a_session_is_open_and_for_an_f16_only_architecture(
+def test_the_cache_type_is_refused_while_a_session_is_open_and_f32_where_the_architecture_keeps_no_f32(
     gguf: str, tmp_path: Path
 ) -> None:
     with NativeModel(gguf, 0, 2, n_threads=1) as m:
@@ -139,7 +139,7 @@ def test_the_cache_type_is_refused_while_a_session_is_open_and_for_an_f16_only_a
         m.close_session(sid)
         m.set_cache_type("f32")
     qwen3 = write_tiny_gguf("qwen3", tmp_path / "qwen3.gguf")
-    with NativeModel(str(qwen3), 0, 4, n_threads=1) as m, pytest.raises(NativeError, match="f16 only"):
+    with NativeModel(str(qwen3), 0, 4, n_threads=1) as m, pytest.raises(NativeError, match="in f16, q8_0, q4_0 in this build, not f32"):
         m.set_cache_type("f32")
 
 
@@ -226,5 +226,5 @@ def test_a_nodes_cache_type_reaches_its_native_shards_and_an_unsupported_one_is_
     assert sizes["f16"] < sizes["f32"] < 2 * sizes["f16"]
     qwen3 = str(write_tiny_gguf("qwen3", tmp_path / "qwen3.gguf"))
     qspec = ShardSpec(qwen3, 0, 4, build_manifest(qwen3, hash_tensors=False), n_threads=1)
-    with pytest.raises(BackendError, match="f16 only"):
+    with pytest.raises(BackendError, match="not f32"):
         NativeBackend(qspec, cache_type="f32")

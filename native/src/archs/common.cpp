@@ -26,6 +26,38 @@ ggml_tensor * rope(Build & b, int32_t il, ggml_tensor * x) {
                          h.rope_scale, h.rope_ext, h.rope_attn, m->rope.beta_fast, m->rope.beta_slow);
 }
 
+std::vector<float> hadamard(int64_t n) {
+    std::vector<float> h((size_t)(n * n), 0.0f);
+    h[0] = 1.0 / sqrtf((float)n);
+    for (int64_t s = 1; s < n; s *= 2) {  // each doubling copies the block right and down, negated on the diagonal
+        for (int64_t i = 0; i < s; ++i) {
+            for (int64_t j = 0; j < s; ++j) {
+                const float v = h[(size_t)(i * n + j)];
+                h[(size_t)((i + s) * n + j)] = v;
+                h[(size_t)(i * n + j + s)] = v;
+                h[(size_t)((i + s) * n + j + s)] = -v;
+            }
+        }
+    }
+    return h;
+}
+
+int64_t rot_size(int64_t n) {
+    int64_t r = 64;
+    do r *= 2;
+    while (n % r == 0);
+    return r / 2;
+}
+
+ggml_tensor * rotate(ggml_context * c, ggml_tensor * x, ggml_tensor * rot) {
+    const int64_t r = rot->ne[0];
+    ggml_tensor * y = ggml_is_contiguous(x) ? ggml_reshape_2d(c, x, r, ggml_nelements(x) / r)
+                                            : ggml_cont_2d(c, x, r, ggml_nelements(x) / r);
+    y = ggml_mul_mat(c, rot, y);
+    ggml_mul_mat_set_hint(y, GGML_HINT_SRC0_IS_HADAMARD);
+    return ggml_reshape_4d(c, y, x->ne[0], x->ne[1], x->ne[2], x->ne[3]);
+}
+
 Qkv qkv(Build & b, int32_t il, ggml_tensor * cur) {
     const Layer & L = b.layer(il);
     const ggswarm_model * m = b.m;
@@ -36,8 +68,28 @@ Qkv qkv(Build & b, int32_t il, ggml_tensor * cur) {
     return r;
 }
 
+namespace {
+
+ggml_tensor * attend(Build & b, int32_t il, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, float kq_scale);
+
+}  // namespace
+
+// A quantized cache holds rotated rows, as llama.cpp's (build_attn): queries and keys by rot_k, values by
+// rot_v, and the output rotated back by rot_v (H H = I).
 ggml_tensor * attention(Build & b, int32_t il, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, float kq_scale) {
-    if (!b.g.members.empty()) return attention_many(b, il, q, k, v, kq_scale);
+    const ggswarm_model * m = b.m;
+    if (m->rot_k) {
+        q = rotate(b.c, q, m->rot_k);
+        k = rotate(b.c, k, m->rot_k);
+    }
+    if (m->rot_v) v = rotate(b.c, v, m->rot_v);
+    ggml_tensor * o = b.g.members.empty() ? attend(b, il, q, k, v, kq_scale) : attention_many(b, il, q, k, v, kq_scale);
+    return m->rot_v ? rotate(b.c, o, m->rot_v) : o;
+}
+
+namespace {
+
+ggml_tensor * attend(Build & b, int32_t il, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, float kq_scale) {
     ggswarm_model * m = b.m;
     Graph & g = b.g;
     ggml_context * c = b.c;
@@ -68,6 +120,8 @@ ggml_tensor * attention(Build & b, int32_t il, ggml_tensor * q, ggml_tensor * k,
     if (kernel_step(m, n) && !swa) return kernel_attention(c, q, kc, vc, g.inp_pos, b.n_kv, k_put, v_put, kq_scale);
     return ops_attention(c, q, kc, vc, mask, n, n_kv, kq_scale);
 }
+
+}  // namespace
 
 void keep_last(Build & b, int32_t il, ggml_tensor ** cur, ggml_tensor ** x) {
     if (!b.g.members.empty()) {  // several sessions: their final rows, by index (inp_last)

@@ -43,13 +43,6 @@ const Dsv4 & dsv4(const ggswarm_model * m) { return *static_cast<const Dsv4 *>(m
 bool rotates(const ggswarm_model * m, int64_t width) {
     return width == dsv4(m).idx_len || (ggml_is_quantized(m->cache_type) && width % 64 == 0);
 }
-// llama.cpp's rotation size for rows of width n: the largest power of two >= 64 dividing n
-int64_t rot_size(int64_t n) {
-    int64_t r = 64;
-    do r *= 2; while (n % r == 0);
-    return r / 2;
-}
-
 constexpr int32_t kCsa = 4;
 constexpr int32_t kHca = 128;
 
@@ -62,24 +55,6 @@ int64_t n_comp(int64_t cap, int32_t r) { return cap / r + 1; }
 int64_t n_comp_span(int64_t n_kv, int64_t cap, int32_t r) { return std::min(pad256(n_kv / r + 1), n_comp(cap, r)); }
 // blocks that can complete among nc new positions
 int64_t n_blocks(int64_t nc, int32_t r) { return nc / r + 1; }
-
-// llama.cpp's orthonormal Walsh-Hadamard matrix of size n (a power of two): H[0][0] = 1 / sqrt(n), then
-// each doubling copies the block right and down and negates it on the diagonal
-std::vector<float> hadamard(int64_t n) {
-    std::vector<float> h((size_t)(n * n), 0.0f);
-    h[0] = 1.0 / sqrtf((float)n);
-    for (int64_t s = 1; s < n; s *= 2) {
-        for (int64_t i = 0; i < s; ++i) {
-            for (int64_t j = 0; j < s; ++j) {
-                const float v = h[(size_t)(i * n + j)];
-                h[(size_t)((i + s) * n + j)] = v;
-                h[(size_t)(i * n + j + s)] = v;
-                h[(size_t)((i + s) * n + j + s)] = -v;
-            }
-        }
-    }
-    return h;
-}
 
 ggswarm_status read(ggswarm_model * m, const Hp & hp) {
     const char * a = hp.prefix.c_str();
@@ -461,17 +436,6 @@ void make_inputs(Build & b) {
     in[kRotHead] = input(c, GGML_TYPE_F32, rh, rh);
 }
 
-// x [.., ..] rotated in chunks of rot's size (llama.cpp's llama_mul_mat_hadamard, with ggml's hint that
-// src0 is a Hadamard matrix, so the same kernel runs)
-ggml_tensor * rotate(Build & b, ggml_tensor * x, ggml_tensor * rot) {
-    const int64_t n = rot->ne[0];
-    ggml_tensor * r = ggml_is_contiguous(x) ? ggml_reshape_2d(b.c, x, n, ggml_nelements(x) / n)
-                                            : ggml_cont_2d(b.c, x, n, ggml_nelements(x) / n);
-    r = ggml_mul_mat(b.c, rot, r);
-    ggml_mul_mat_set_hint(r, GGML_HINT_SRC0_IS_HADAMARD);
-    return ggml_reshape_4d(b.c, r, x->ne[0], x->ne[1], x->ne[2], x->ne[3]);
-}
-
 template <typename T>
 void put(ggml_tensor * t, const std::vector<T> & v) {
     if (t && t->buffer) ggml_backend_tensor_set(t, v.data(), 0, sizeof(T) * v.size());
@@ -705,7 +669,7 @@ ggml_tensor * compress(Build & b, int32_t il, ggml_tensor * cur, ggml_tensor * w
     comp = ggml_cont(c, ggml_permute(c, comp, 1, 0, 2, 3));            // [width, 1, nb]
     comp = rms(c, comp, norm, b.m->eps);
     comp = rope_tail(b, il, comp, in[overlap ? kCpos4 : kCpos128]);
-    if (rotates(b.m, width)) comp = rotate(b, comp, in[width == dsv4(b.m).idx_len ? kRotIdx : kRotHead]);
+    if (rotates(b.m, width)) comp = rotate(b.c, comp, in[width == dsv4(b.m).idx_len ? kRotIdx : kRotHead]);
     ggml_tensor * cc = ggml_set_rows(c, comp_cache, ggml_reshape_2d(c, comp, width, nb), in[overlap ? kWrite4 : kWrite128]);
     const int64_t span = n_comp_span(b.n_kv, b.cap, r);
     return ggml_view_2d(c, cc, width, span, cc->nb[1], 0);
@@ -721,14 +685,15 @@ ggml_tensor * indexer_mask(Build & b, int32_t il, ggml_tensor * qr, ggml_tensor 
     const int64_t n = b.n, ih = h.idx_heads, il_ = h.idx_len;
     ggml_tensor * mask = b.g.arch_in[kMask4];
     ggml_tensor * q = ggml_reshape_3d(c, ggml_mul_mat(c, ex(L, "idx_q_b"), qr), il_, ih, n);
-    q = rotate(b, rope_tail(b, il, q, b.g.inp_pos), b.g.arch_in[kRotIdx]);  // the indexer's cache always rotates
+    q = rotate(b.c, rope_tail(b, il, q, b.g.inp_pos), b.g.arch_in[kRotIdx]);  // the indexer's cache always rotates
     ggml_tensor * w = ggml_scale(c, ggml_mul_mat(c, ex(L, "idx_proj"), cur), 1.0f / sqrtf((float)(il_ * ih)));
-    w = ggml_reshape_3d(c, ggml_cont(c, ggml_transpose(c, w)), 1, n, ih);  // [1, n, heads]
-    // the cache's own type, as llama.cpp multiplies it (an f16 cache rounds q to f16 in the product)
-    ggml_tensor * kq = ggml_mul_mat(c, idx_k, ggml_permute(c, q, 0, 2, 1, 3));  // [span, n, heads]
-    kq = ggml_mul(c, ggml_relu(c, kq), w);
-    ggml_tensor * score = ggml_sum_rows(c, ggml_cont(c, ggml_permute(c, kq, 1, 2, 0, 3)));  // [1, span, n]
-    score = ggml_add(c, ggml_reshape_2d(c, score, mask->ne[0], n), mask);
+    // llama.cpp's fused op (cparams.fused_lid, on for every context): the keys read back to f32 in
+    // whatever type the cache holds, the sum over heads of relu(q . k) * w, plus the mask (f16, exact)
+    const int64_t span = idx_k->ne[1];
+    ggml_tensor * keys = ggml_view_4d(c, idx_k, il_, 1, span, 1, idx_k->nb[1], idx_k->nb[1], idx_k->nb[1] * span, 0);
+    ggml_tensor * score = ggml_lightning_indexer(c, ggml_reshape_4d(c, q, il_, ih, n, 1), keys,
+                                                 ggml_reshape_4d(c, w, ih, n, 1, 1), ggml_cast(c, mask, GGML_TYPE_F16));
+    score = ggml_reshape_2d(c, score, span, n);  // [span, n]
     const int64_t k_top = std::min<int64_t>(mask->ne[0], h.top_k);
     ggml_tensor * top = ggml_cont(c, ggml_top_k(c, score, (int)k_top));  // [k_top, n]
     ggml_tensor * all = ggml_fill(c, mask, -INFINITY);
@@ -757,8 +722,8 @@ ggml_tensor * attention_dsv4(Build & b, int32_t il, ggml_tensor * cur) {
     const bool rot = rotates(m, hd);
     ggml_tensor * rot_head = rot ? in[kRotHead] : nullptr;  // rot_size(hd) == rot_size(idx_len) when hd == idx_len
     if (rot) {
-        q = rotate(b, q, rot_head);
-        kv = rotate(b, kv, rot_head);
+        q = rotate(b.c, q, rot_head);
+        kv = rotate(b.c, kv, rot_head);
     }
     ggml_tensor * raw = ggml_set_rows(c, st[0], ggml_reshape_2d(c, kv, hd, n), in[kKidx]);
     raw = ggml_view_2d(c, raw, hd, raw_span(m, b.n_kv), raw->nb[1], 0);  // in the cache type, as llama.cpp reads it
@@ -777,12 +742,24 @@ ggml_tensor * attention_dsv4(Build & b, int32_t il, ggml_tensor * cur) {
         mask = ggml_concat(c, mask, in[kMask128], 0);
     }
     // one K = V head shared by every query head, with a per-head sink in the softmax
-    ggml_tensor * kq = ggml_mul_mat(c, k_all, ggml_permute(c, q, 0, 2, 1, 3));  // [N, n, heads]
-    kq = ggml_soft_max_ext(c, kq, mask, 1.0f / sqrtf((float)hd), 0.0f);
-    ggml_soft_max_add_sinks(kq, ex(L, "sinks"));
-    ggml_tensor * o = ggml_mul_mat(c, ggml_cont(c, ggml_transpose(c, k_all)), kq);  // [hd, n, heads]
-    o = ggml_cont(c, ggml_permute(c, o, 0, 2, 1, 3));                            // [hd, heads, n]
-    if (rot) o = rotate(b, o, rot_head);                                         // back (H H = I)
+    ggml_tensor * o;
+    if (ggml_is_quantized(m->cache_type)) {
+        // llama.cpp runs a quantized cache with flash attention (it requires it for V, here K itself):
+        // the mask in f16 (0 and -inf, exact), the sinks on the fused op
+        const int64_t N = k_all->ne[1];
+        ggml_tensor * kv3 = ggml_view_3d(c, k_all, hd, N, 1, k_all->nb[1], k_all->nb[1] * N, 0);  // [hd, N, 1]
+        o = ggml_flash_attn_ext(c, ggml_permute(c, q, 0, 2, 1, 3), kv3, kv3, ggml_cast(c, mask, GGML_TYPE_F16),
+                                1.0f / sqrtf((float)hd), 0.0f, 0.0f);  // [hd, heads, n]
+        ggml_flash_attn_ext_add_sinks(o, ex(L, "sinks"));
+        ggml_prec_set_acc(o, GGML_PREC_F32);
+    } else {
+        ggml_tensor * kq = ggml_mul_mat(c, k_all, ggml_permute(c, q, 0, 2, 1, 3));  // [N, n, heads]
+        kq = ggml_soft_max_ext(c, kq, mask, 1.0f / sqrtf((float)hd), 0.0f);
+        ggml_soft_max_add_sinks(kq, ex(L, "sinks"));
+        o = ggml_mul_mat(c, ggml_cont(c, ggml_transpose(c, k_all)), kq);  // [hd, n, heads]
+        o = ggml_cont(c, ggml_permute(c, o, 0, 2, 1, 3));                // [hd, heads, n]
+    }
+    if (rot) o = rotate(b.c, o, rot_head);                                         // back (H H = I)
     o = rope_tail(b, il, o, b.g.inp_pos, true);                               // undo V's RoPE
     // grouped output projection: each group of heads through its own low-rank map, then one more
     const int64_t gd = hd * nh / h.o_groups;
@@ -866,8 +843,8 @@ ggml_tensor * build(Build & b, ggml_tensor * x) {
     return weigh_streams(b, ggml_reshape_3d(c, ggml_cont(c, x), d, hc, nt), pre);
 }
 
-// caches in f16 (llama.cpp's default) or f32 (llama.cpp's type_k = 0), ggswarm_set_cache_type
-const Arch kDeepseek4 = {"deepseek4", read, want, build, set_inputs, false, (1u << GGML_TYPE_F16) | (1u << GGML_TYPE_F32)};
+// caches in f16 (llama.cpp's default), f32 (llama.cpp's type_k = 0), q8_0 or q4_0, ggswarm_set_cache_type
+const Arch kDeepseek4 = {"deepseek4", read, want, build, set_inputs, false, kKvCacheTypes | (1u << GGML_TYPE_F32)};
 ArchRegistration reg(&kDeepseek4);
 
 }  // namespace

@@ -85,7 +85,7 @@ ggml_tensor * build(Build & b, ggml_tensor * x) {
     return x;
 }
 
-const Arch kGemma3 = {"gemma3", read, want, build, nullptr, true};
+const Arch kGemma3 = {"gemma3", read, want, build, nullptr, true, kKvCacheTypes};
 ArchRegistration reg(&kGemma3);
 
 }  // namespace

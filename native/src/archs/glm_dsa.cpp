@@ -180,24 +180,6 @@ ggml_tensor * hadamard(ggml_context * c, int64_t n) {
     return h;
 }
 
-// x [L, heads, n] times the Hadamard matrix rot [r, r] in blocks of r columns.
-ggml_tensor * rotate(ggml_context * c, ggml_tensor * x, ggml_tensor * rot) {
-    const int64_t r = rot->ne[0];
-    ggml_tensor * y = ggml_is_contiguous(x) ? ggml_reshape_2d(c, x, r, ggml_nelements(x) / r)
-                                            : ggml_cont_2d(c, x, r, ggml_nelements(x) / r);
-    y = ggml_mul_mat(c, rot, y);
-    ggml_mul_mat_set_hint(y, GGML_HINT_SRC0_IS_HADAMARD);
-    return ggml_reshape_4d(c, y, x->ne[0], x->ne[1], x->ne[2], x->ne[3]);
-}
-
-// The rotation block llama.cpp uses for an indexer key length: the largest power of two >= 64 dividing it.
-int64_t rot_block(int64_t len) {
-    int64_t r = 64;
-    do {
-        r *= 2;
-    } while (len % r == 0);
-    return r / 2;
-}
 
 // The causal mask of the window's new positions over the attended span, [n_kv, n] f32: 0 where cache
 // row j <= the position, -inf elsewhere; computed in the graph from the positions (log(1 - step(j - p))).
@@ -278,17 +260,27 @@ ggml_tensor * mla_attention(Build & b, int32_t il, ggml_tensor * cur, ggml_tenso
     ggml_tensor * qp = ggml_permute(c, Q, 0, 2, 1, 3);
     ggml_tensor * kp = ggml_permute(c, kview, 0, 2, 1, 3);
     ggml_tensor * vp = ggml_permute(c, vview, 0, 2, 1, 3);
-    ggml_tensor * kq = ggml_mul_mat(c, kp, qp);  // [n_kv, n, nh]
-    ggml_prec_set_acc(kq, GGML_PREC_F32);
     // llama.cpp pre-scales by YaRN's magnitude squared: attn_factor with ggml's own correction undone
     // (glm-dsa reads no yarn_log_multiplier); 1 for files without rope scaling
     const RopeScaling & rs = b.m->rope;
     const float mscale = rs.attn_factor * (1.0f + 0.1f * logf(1.0f / rs.freq_scale));
     const float kq_scale = mscale * mscale / sqrtf((float)d.k_mla);
-    kq = ggml_soft_max_ext(c, kq, sparse, kq_scale, 0.0f);
-    ggml_tensor * vt = ggml_cont(c, ggml_transpose(c, vp));
-    ggml_tensor * kqv = ggml_mul_mat(c, vt, kq);                 // [lora, n, nh]
-    kqv = ggml_mul_mat(c, extra(L, "attn_v_b"), kqv);            // [v_mla, n, nh]
+    ggml_tensor * kqv;
+    if (ggml_is_quantized(m->cache_type)) {
+        // llama.cpp runs a quantized cache with flash attention (the mask in f16: 0 and -inf, exact);
+        // its latent cache is not rotated (build_attn for the DSA input applies no k_rot)
+        ggml_tensor * o = ggml_flash_attn_ext(c, qp, kp, vp, ggml_cast(c, sparse, GGML_TYPE_F16), kq_scale, 0.0f, 0.0f);
+        ggml_flash_attn_ext_set_n_kv_max(o, (int32_t)top_k->ne[0]);
+        ggml_prec_set_acc(o, GGML_PREC_F32);
+        kqv = ggml_permute(c, o, 0, 2, 1, 3);  // [lora, nh, n] -> [lora, n, nh]
+    } else {
+        ggml_tensor * kq = ggml_mul_mat(c, kp, qp);  // [n_kv, n, nh]
+        ggml_prec_set_acc(kq, GGML_PREC_F32);
+        kq = ggml_soft_max_ext(c, kq, sparse, kq_scale, 0.0f);
+        ggml_tensor * vt = ggml_cont(c, ggml_transpose(c, vp));
+        kqv = ggml_mul_mat(c, vt, kq);  // [lora, n, nh]
+    }
+    kqv = ggml_mul_mat(c, extra(L, "attn_v_b"), kqv);  // [v_mla, n, nh]
     ggml_tensor * out = ggml_permute(c, kqv, 0, 2, 1, 3);
     out = ggml_cont_2d(c, out, out->ne[0] * out->ne[1], out->ne[2] * out->ne[3]);
     return ggml_mul_mat(c, L.wo, out);
@@ -337,7 +329,7 @@ ggml_tensor * build(Build & b, ggml_tensor * x) {
         ggml_tensor * cur = rms(c, x, L.attn_norm, m->eps);
         ggml_tensor * qr = rms(c, ggml_mul_mat(c, extra(L, "attn_q_a"), cur), extra(L, "attn_q_a_norm"), m->eps);
         if (d.full[il]) {
-            if (!rot) rot = hadamard(c, rot_block(d.idx_len));
+            if (!rot) rot = hadamard(c, rot_size(d.idx_len));
             top_k = indexer_top_k(b, il, cur, qr, mask, rot);
         }
         cur = mla_attention(b, il, cur, qr, top_k, mask);
@@ -350,11 +342,11 @@ ggml_tensor * build(Build & b, ggml_tensor * x) {
     return x;
 }
 
-const Arch kGlmDsa = {"glm-dsa", read, want, build};
+const Arch kGlmDsa = {"glm-dsa", read, want, build, nullptr, false, kKvCacheTypes};
 ArchRegistration reg(&kGlmDsa);
 
-// --- the latent state kind: per position one latent row (f16), and on full-indexer layers one
-// indexer-K row (f16); rows are whole positions, so growth, truncation and snapshots are exact -------
+// --- the latent state kind: per position one latent row, and on full-indexer layers one indexer-K row,
+// both in the cache type; rows are whole positions, so growth, truncation and snapshots are exact -------
 
 std::vector<int64_t> row_elems(const ggswarm_model * m, int32_t il) {
     const Dsa & d = dsa(m);
@@ -364,7 +356,7 @@ std::vector<int64_t> row_elems(const ggswarm_model * m, int32_t il) {
 }
 
 void lat_plan(const ggswarm_model * m, int32_t il, int64_t cap, ggml_context * ctx, std::vector<ggml_tensor *> & out) {
-    for (int64_t e : row_elems(m, il)) out.push_back(ggml_new_tensor_2d(ctx, GGML_TYPE_F16, e, cap));
+    for (int64_t e : row_elems(m, il)) out.push_back(ggml_new_tensor_2d(ctx, m->cache_type, e, cap));
 }
 
 void lat_carry(const ggswarm_model * m, int32_t il, const std::vector<ggml_tensor *> & from,
@@ -380,7 +372,7 @@ void lat_carry(const ggswarm_model * m, int32_t il, const std::vector<ggml_tenso
 
 uint64_t lat_per_token(const ggswarm_model * m, int32_t il) {
     uint64_t b = 0;
-    for (int64_t e : row_elems(m, il)) b += (uint64_t)e * sizeof(ggml_fp16_t);
+    for (int64_t e : row_elems(m, il)) b += ggml_row_size(m->cache_type, e);
     return b;
 }
 

@@ -39,9 +39,9 @@ ggml_tensor * build(Build & b, ggml_tensor * x) {
     return x;
 }
 
-const Arch kLlama = {"llama", read, want, build, nullptr, true};
-const Arch kMistral = {"mistral", read, want, build, nullptr, true};
-const Arch kQwen2 = {"qwen2", read, want, build, nullptr, true};
+const Arch kLlama = {"llama", read, want, build, nullptr, true, kKvCacheTypes};
+const Arch kMistral = {"mistral", read, want, build, nullptr, true, kKvCacheTypes};
+const Arch kQwen2 = {"qwen2", read, want, build, nullptr, true, kKvCacheTypes};
 ArchRegistration reg_llama(&kLlama);
 ArchRegistration reg_mistral(&kMistral);
 ArchRegistration reg_qwen2(&kQwen2);

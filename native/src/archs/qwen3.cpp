@@ -40,7 +40,7 @@ ggml_tensor * build(Build & b, ggml_tensor * x) {
     return x;
 }
 
-const Arch kQwen3 = {"qwen3", read, want, build, nullptr, true};
+const Arch kQwen3 = {"qwen3", read, want, build, nullptr, true, kKvCacheTypes};
 ArchRegistration reg(&kQwen3);
 
 }  // namespace

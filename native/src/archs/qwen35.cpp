@@ -270,8 +270,8 @@ ggml_tensor * build(Build & b, ggml_tensor * x) {
     return x;
 }
 
-const Arch kQwen35 = {"qwen35", read, want, build};
-const Arch kQwen35Moe = {"qwen35moe", read, want, build};
+const Arch kQwen35 = {"qwen35", read, want, build, nullptr, false, kKvCacheTypes};
+const Arch kQwen35Moe = {"qwen35moe", read, want, build, nullptr, false, kKvCacheTypes};
 ArchRegistration reg_qwen35(&kQwen35);
 ArchRegistration reg_qwen35moe(&kQwen35Moe);
 
