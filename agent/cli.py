@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from agent import __version__, defaults, logsafe
 from agent.eventloop import loop_name, run_loop
+from agent.node.config import add_native_arguments
 from agent.wire import frames
 from agent.wire.ids import SessionId
 
@@ -84,10 +85,11 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 # Commands that compute for a route. libgomp (OpenMP: llama-cpp-python's ggml is built with it, and
 # torch) keeps a finished graph's worker threads spinning (its default GOMP_SPINCOUNT of 300,000)
 # before they sleep. A hop that has just answered would spin on the core the route's next hop needs
-# (bench/idle_threads.py), so serving processes cap the spin at 10,000 iterations (tens of us): idle
+# (bench/archive/idle_threads.py), so serving processes cap the spin at 10,000 iterations (tens of us): idle
 # workers sleep almost at once. Not OMP_WAIT_POLICY=PASSIVE: ggml's barrier between the ops of a
 # graph is an OpenMP barrier, and passive waits put every thread to sleep at every op (llama.cpp
-# decode 126 -> 44 tok/s on SmolLM2, docs/benchmarks.md "Served route"). An operator's setting wins.
+# decode 126 -> 44 tok/s on SmolLM2, docs/benchmarks-log.md "Quiet re-run and a correction"). An
+# operator's setting wins.
 SERVING_COMMANDS = ("serve", "run", "launch")
 IDLE_THREADS_ENV = {"GOMP_SPINCOUNT": "10000"}
 
@@ -125,6 +127,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         public_key,
         kv_budget_bytes=int(args.kv_budget_mb * (1 << 20)),
         cache_type=args.cache_type,
+        flash_attn=args.flash_attn,
         session_ttl_s=args.session_ttl,
     )
     try:
@@ -270,12 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--node-id")
     s.add_argument("--threads", type=int, default=defaults.N_THREADS)
     s.add_argument("--kv-budget-mb", type=float, default=defaults.KV_BUDGET_BYTES / (1 << 20))
-    s.add_argument(
-        "--cache-type",
-        choices=defaults.CACHE_TYPES,
-        default=defaults.CACHE_TYPE,
-        help="native shards' attention caches, like llama.cpp's --cache-type-k (f32: deepseek4 only)",
-    )
+    add_native_arguments(s)
     s.add_argument("--session-ttl", type=float, default=defaults.SESSION_TTL_S)
     s.set_defaults(func=cmd_serve)
 

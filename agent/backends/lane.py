@@ -138,10 +138,6 @@ class NativeLane:
         n = min(out.n_appended, cap)
         return LaneStats(out.steps, out.next_step, out.idle_s, bool(out.busy), tuple(buf[:n]))
 
-    def drop_model(self, model: NativeModel) -> int:
-        """Take every session of `model` off the lane (before the model is freed)."""
-        return int(self._lib.ggswarm_lane_drop_model(self._handle(), model._h.value))  # noqa: SLF001
-
     def wait_step(self, timeout_s: float) -> bool:
         """Block until a lane step finishes computing here (True), or `timeout_s` passes; False at
         once when none finished within the last `timeout_s` (the lane is quiet). Releases the GIL."""

@@ -6,7 +6,7 @@ from typing import Any
 
 from aiohttp import web
 
-from agent.node.steps import DataPlaneError
+from agent.node.errors import DataPlaneError
 from agent.wire.frames import (
     MAX_FRAME_BYTES,
     MAX_TAIL_BYTES,
@@ -15,7 +15,7 @@ from agent.wire.frames import (
     check_request_header,
     peek_request,
 )
-from agent.wire.routetoken import TokenError, TokenVerifier
+from agent.wire.routetoken import RouteClaims, TokenError, TokenVerifier
 
 # Requests handled at once, per client address and per route token (429 beyond), and frame bytes
 # buffered at once on the whole node (503 beyond): a flood waits in nobody's memory.
@@ -25,19 +25,19 @@ INFLIGHT_BYTES = 256 << 20
 
 
 class FrameAdmission:
-    """The limits every frame passes before it is buffered; DataPlane mixes it in and sets the node's id
-    and token verifier."""
+    """The limits every frame passes before it is buffered, POST and stream alike, and the route-token
+    check for this node's id."""
 
-    node_id: str
-    verifier: TokenVerifier
-
-    def __init__(self) -> None:
+    def __init__(self, node_id: str, verifier: TokenVerifier) -> None:
+        self.node_id = node_id
+        self.verifier = verifier
         self._per_ip: dict[str, int] = {}
         self._per_token: dict[bytes, int] = {}
-        self._inflight_bytes = 0
+        self.inflight_bytes = 0  # frame bytes reserved by frames not yet answered
 
-    def authorise_token(self, session: bytes, token: bytes) -> None:
-        """The token check alone, before a body is read: forged, expired or foreign tokens cost no buffer."""
+    def authorise(self, session: bytes, token: bytes) -> RouteClaims:
+        """The token check alone, also before a body is read: forged, expired or foreign tokens cost no
+        buffer. The claims say which shard and next hop the token grants."""
         try:
             claims = self.verifier.verify(token)
         except TokenError as e:
@@ -46,8 +46,9 @@ class FrameAdmission:
             raise DataPlaneError(403, "wrong_node", f"route token is for node {claims.node!r}, not this node")
         if claims.session != session:
             raise DataPlaneError(403, "wrong_session", "route token is for another session")
+        return claims
 
-    async def _admit_frame(self, request: web.Request) -> tuple[bytes, int, bytes]:
+    async def admit_post(self, request: web.Request) -> tuple[bytes, int, bytes]:
         """Check length, header and token from the frame's first bytes; reserve its buffer. Returns the
         token (its concurrency slot taken), the frame length (reserved in inflight bytes) and the
         bytes read so far."""
@@ -90,16 +91,16 @@ class FrameAdmission:
 
     def release_frame(self, ip: str, token: bytes, reserved: int) -> None:
         """Give back what take_ip_slot and reserve_frame took for one frame (token b"": none)."""
-        _release(self._per_ip, ip)
+        release_slot(self._per_ip, ip)
         if token:
-            _release(self._per_token, token)
-        self._inflight_bytes -= reserved
+            release_slot(self._per_token, token)
+        self.inflight_bytes -= reserved
 
     def reserve_frame(self, session: bytes, token: bytes, n: int) -> None:
         """Authorise a frame's token and take its slots (POST and stream alike): one of the token's
         PER_TOKEN_CONCURRENCY frames and `n` of the node's INFLIGHT_BYTES; the caller gives both back
         when the frame is answered."""
-        self.authorise_token(session, token)
+        self.authorise(session, token)
         if self._per_token.get(token, 0) >= PER_TOKEN_CONCURRENCY:
             raise DataPlaneError(
                 429,
@@ -107,13 +108,13 @@ class FrameAdmission:
                 f"more than {PER_TOKEN_CONCURRENCY} frames at once for one route token",
             )
         self._per_token[token] = self._per_token.get(token, 0) + 1
-        if self._inflight_bytes + n > INFLIGHT_BYTES:
-            _release(self._per_token, token)
+        if self.inflight_bytes + n > INFLIGHT_BYTES:
+            release_slot(self._per_token, token)
             raise DataPlaneError(503, "busy", "this node is receiving too many frames at once; retry shortly")
-        self._inflight_bytes += n
+        self.inflight_bytes += n
 
 
-def _release(counts: dict[Any, int], key: object) -> None:
+def release_slot(counts: dict[Any, int], key: object) -> None:
     """One fewer held for `key` (its entry gone at zero, so idle peers and tokens cost no memory)."""
     left = counts.get(key, 0) - 1
     if left > 0:

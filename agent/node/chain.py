@@ -1,4 +1,4 @@
-"""Chain mode: push a hop's output to the next hop its route token names and relay that hop's answer back."""
+"""The node's client side: chain mode pushes a hop's output to the next hop its token names, relays the answer."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector
 
-from agent.node.sessions import SessionState, SessionTable, ShardKey
-from agent.node.steps import DataPlaneError, needs_ids
+from agent.node.errors import DataPlaneError
+from agent.node.sessions import SessionState, SessionTable
+from agent.node.steps import needs_ids
 from agent.wire.bundle import BUNDLE_STEP_TOKENS
 from agent.wire.frames import (
     ChainHop,
@@ -31,28 +32,34 @@ from agent.wire.stream import CHAIN_MAX_ANSWER, FrameStreams
 from agent.wire.tls import node_dns_name
 
 if TYPE_CHECKING:
-    from agent.node.dataplane import Shard
+    from agent.node.shard import Shard
 
 _ERROR_BODY_MAX = 4096  # of a next hop's error answer, read to relay its code and message
 
 
-class ChainForwarding:
-    """The data plane's client side towards next hops; DataPlane mixes it in (its shards say whether a
-    later layer needs the token ids)."""
+class NextHops:
+    """The node's client side: next hops in chain mode (pooled streams, POST behind them), and the one
+    outgoing HTTP session that KV hand-offs use too. The session table says whether other sessions'
+    small steps may travel with a step as one bundle."""
 
-    shards: dict[ShardKey, Shard]
-    sessions: SessionTable
-
-    def __init__(self, client_ssl: ssl.SSLContext | None) -> None:
+    def __init__(self, client_ssl: ssl.SSLContext | None, sessions: SessionTable) -> None:
         # mutual TLS towards next hops (chain mode): the swarm CA only, and the node id the token names
         self.client_ssl = client_ssl
+        self.sessions = sessions
         self._client: ClientSession | None = None
         self._streams: FrameStreams | None = None  # chain mode: pooled streams to next hops
 
-    async def _continue_chain(
-        self, req: Request, s: SessionState, local: bytes, t_start: float, compute_us: int
+    async def continue_chain(
+        self,
+        req: Request,
+        s: SessionState,
+        shard: Shard | None,
+        local: bytes,
+        t_start: float,
+        compute_us: int,
     ) -> bytes:
-        """Chain mode: push this hop's output to the next hop and relay its answer back."""
+        """Chain mode: push this hop's output to the next hop and relay its answer back. `shard` (the
+        session's, None once unloaded) says whether a later layer needs the token ids."""
         chain = s.chain if (req.chain or req.chain_cached) else None
         if not chain:
             handler_us = int((time.perf_counter() - t_start) * 1e6)
@@ -71,9 +78,7 @@ class ChainForwarding:
             sampling=req.sampling,
             history=req.ids().tolist() if req.kind == Kind.IDS else req.history,
             # layers further down that route by token id get the ids with the hidden states
-            token_ids=_ids_for_next(req, self.shards.get(s.shard_key))
-            if out.kind in (Kind.F16, Kind.F32)
-            else None,
+            token_ids=_ids_for_next(req, shard) if out.kind in (Kind.F16, Kind.F32) else None,
             want_logits=req.want_logits,
             f16_out=req.f16_out,
             # The full chain travels once per route; later steps only say "as before".
@@ -88,7 +93,7 @@ class ChainForwarding:
         # Small steps of sessions this hop answered together go on together, as one bundle (their
         # next hop batches them as it came); a node holding one session sends it alone, at once.
         bundle = out.n_tokens <= BUNDLE_STEP_TOKENS and not req.want_logits and len(self.sessions) > 1
-        data = await self._exchange_next(nxt, encode_request(fwd), limit, bundle)
+        data = await self.exchange(nxt, encode_request(fwd), limit, bundle)
         try:
             step = response_step(data)
         except FrameError as e:
@@ -99,10 +104,10 @@ class ChainForwarding:
         # travels back up the route, as it came, with this hop's timing in front.
         return with_prepended_timing(data, Timing(compute_us, handler_us))
 
-    async def _exchange_next(self, nxt: ChainHop, body: bytes, limit: int, bundle: bool = False) -> bytes:
+    async def exchange(self, nxt: ChainHop, body: bytes, limit: int, bundle: bool = False) -> bytes:
         """Send `body` to the next hop and return its answer (status 200, at most `limit` bytes), or
         DataPlaneError (502, or the next hop's own refusal)."""
-        client = await self._http()
+        client = await self.http()
         url = nxt.url.rstrip("/") + "/v1/frame"
         try:
             # Pinned: the swarm CA only, and the certificate must name the node the next token is for
@@ -144,7 +149,7 @@ class ChainForwarding:
             return self.client_ssl
         return True  # plain http: aiohttp ignores it
 
-    async def _http(self) -> ClientSession:
+    async def http(self) -> ClientSession:
         """The node's one outgoing HTTP session (next hops here, KV hand-offs in handoff.py)."""
         if self._client is None or self._client.closed:
             self._client = ClientSession(
@@ -153,6 +158,17 @@ class ChainForwarding:
                 skip_auto_headers=("User-Agent",),
             )
         return self._client
+
+    async def close_streams(self) -> None:
+        """Close the pooled streams to next hops: a chain through this node ends here too."""
+        if self._streams is not None:
+            await self._streams.close()
+
+    async def close(self) -> None:
+        """Close the streams, then the HTTP session (the data plane's cleanup)."""
+        await self.close_streams()
+        if self._client is not None:
+            await self._client.close()
 
 
 def _ids_for_next(req: Request, shard: Shard | None) -> np.ndarray | None:

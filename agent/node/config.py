@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import stat
@@ -10,6 +11,8 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from agent import defaults
 
 CONFIG_VERSION = 1
 
@@ -41,6 +44,16 @@ def default_config_path() -> Path:
         return Path(env)
     base = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
     return base / "gguf-swarm" / "node.json"
+
+
+def default_data_dir(create: bool = True) -> Path:
+    """Where model files go: $GGUF_SWARM_DATA, else $XDG_DATA_HOME/gguf-swarm (~/.local/share/gguf-swarm);
+    made unless `create` is False (`doctor` only looks)."""
+    base = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
+    d = Path(os.environ.get("GGUF_SWARM_DATA") or base / "gguf-swarm")
+    if create:
+        d.mkdir(parents=True, exist_ok=True)
+    return d
 
 
 def save_config(cfg: NodeConfig, path: Path) -> None:
@@ -108,3 +121,21 @@ def post_json(
     if not isinstance(data, dict):
         raise ConfigError(f"{url} answered something other than a JSON object")
     return data
+
+
+def add_native_arguments(parser: argparse.ArgumentParser) -> None:
+    """The native shards' settings `agent serve` and `agent run` share: llama.cpp's cache type and
+    flash-attention switch, with its defaults."""
+    parser.add_argument(
+        "--cache-type",
+        choices=defaults.CACHE_TYPES,
+        default=defaults.CACHE_TYPE,
+        help="native shards' attention caches, like llama.cpp's --cache-type-k/-v (f32: deepseek4 only;"
+        " q8_0/q4_0 turn flash attention on)",
+    )
+    parser.add_argument(
+        "--flash-attn",
+        choices=defaults.FLASH_ATTN_MODES,
+        default=defaults.FLASH_ATTN,
+        help="like llama.cpp's -fa: auto (on for a GPU, off for a CPU), on, off",
+    )

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import platform
 import socket
 import time
@@ -564,11 +563,3 @@ class ControlAgent:
             task.cancel()
         await asyncio.to_thread(self.host.unload_shard, cmd.model_sha256, cmd.layer_start, cmd.layer_end)
         await self._report(aid, "unloaded", 0.0)
-
-
-def default_data_dir() -> Path:
-    """Where model files go: $GGUF_SWARM_DATA, else $XDG_DATA_HOME/gguf-swarm (~/.local/share/gguf-swarm)."""
-    base = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
-    d = Path(os.environ.get("GGUF_SWARM_DATA") or base / "gguf-swarm")
-    d.mkdir(parents=True, exist_ok=True)
-    return d

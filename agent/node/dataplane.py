@@ -5,12 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import json
 import logging
 import os
 import ssl
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -21,25 +19,18 @@ from agent.artifacts.manifest import Manifest
 from agent.backends import load_backend
 from agent.backends.base import AdmissionError, Backend, BackendError, ShardSpec
 from agent.eventloop import running_loop_name
-
-# Admission limits and chain forwarding are mixed into DataPlane from their own modules; the names
-# below stay importable from here, where stream.py and the tests take them.
-from agent.node.admission import INFLIGHT_BYTES as INFLIGHT_BYTES
-from agent.node.admission import PER_IP_CONCURRENCY as PER_IP_CONCURRENCY
-from agent.node.admission import PER_TOKEN_CONCURRENCY as PER_TOKEN_CONCURRENCY
 from agent.node.admission import FrameAdmission
-from agent.node.admission import _release as _release
-from agent.node.chain import ChainForwarding
-from agent.node.handoff import register_handoff
-from agent.node.lanes import LaneAdmission
+from agent.node.chain import NextHops
+from agent.node.errors import DataPlaneError, error_response
+from agent.node.handoff import Handoff
+from agent.node.lanes import NodeLane
 from agent.node.metrics import NodeMetrics
 from agent.node.scheduler import CHUNK_TOKENS, MAX_BATCH_TOKENS, ShardScheduler
-from agent.node.sessions import SessionState, SessionTable, ShardKey
-from agent.node.steps import DataPlaneError as DataPlaneError  # where handlers and stream.py take it
+from agent.node.sessions import SessionState, SessionTable
+from agent.node.shard import Shard, Shards, evictable
 from agent.node.steps import frame_step, local_answer, run_step
-from agent.node.stream import register_stream
+from agent.node.stream import StreamView
 from agent.wire.frames import (
-    CONTEXT_CAP,
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
     FrameError,
@@ -61,31 +52,11 @@ _SWEEPER: web.AppKey[asyncio.Task[None]] = web.AppKey("sweeper", asyncio.Task)
 RETRY_CACHE_MAX = 64 << 10
 
 
-@dataclass
-class Shard:
-    """A loaded layer range, the lock that serialises calls into its backend, and its step scheduler."""
-
-    spec: ShardSpec
-    backend_name: str
-    backend: Backend
-    lock: asyncio.Lock
-    scheduler: ShardScheduler
-    draining: bool = False
-
-    @property
-    def key(self) -> ShardKey:
-        return (self.spec.manifest.sha256, self.spec.layer_start, self.spec.layer_end)
-
-    @property
-    def max_positions(self) -> int:
-        model_ctx = self.spec.manifest.context_length or CONTEXT_CAP
-        return min(CONTEXT_CAP, model_ctx)
-
-
-class DataPlane(FrameAdmission, ChainForwarding, LaneAdmission):
-    """All shards and sessions of one node, behind one aiohttp application; the frame limits come from
-    FrameAdmission (admission.py), the next-hop client from ChainForwarding (chain.py), the native
-    decode lane from LaneAdmission (lanes.py)."""
+class DataPlane:
+    """All shards and sessions of one node, behind one aiohttp application. It owns the shards, the
+    session table and the counters, and hands them to its parts: the frame limits (`admission`,
+    admission.py), the client side towards next hops (`hops`, chain.py), the native decode lane
+    (`lane`, lanes.py), the WebSocket endpoint (stream.py) and the hand-off endpoints (handoff.py)."""
 
     def __init__(
         self,
@@ -98,20 +69,21 @@ class DataPlane(FrameAdmission, ChainForwarding, LaneAdmission):
         max_batch_tokens: int = MAX_BATCH_TOKENS,
         chunk_tokens: int = CHUNK_TOKENS,
         cache_type: str = defaults.CACHE_TYPE,
+        flash_attn: str = defaults.FLASH_ATTN,
     ) -> None:
         self.node_id = node_id
-        self.cache_type = cache_type  # native shards' attention caches (defaults.CACHE_TYPES)
+        # native shards' attention caches and flash-attention switch (defaults.CACHE_TYPES, FLASH_ATTN_MODES)
+        self.cache_type, self.flash_attn = cache_type, flash_attn
         # per-shard step batching (agent/node/scheduler.py): None = where the backend batches sessions
         self.batching, self.max_batch_tokens, self.chunk_tokens = batching, max_batch_tokens, chunk_tokens
-        FrameAdmission.__init__(self)  # per-address, per-token and buffered-bytes limits
-        ChainForwarding.__init__(self, client_ssl)  # next hops: client_ssl, pooled streams
-        LaneAdmission.__init__(self)  # the native decode lane, opened on first use
         self.public_key = public_key  # also verifies hand-off tokens (agent/node/handoff.py)
         self.verifier = TokenVerifier(public_key)
+        # per-address, per-token and buffered-bytes limits, checked before a frame's body is read
+        self.admission = FrameAdmission(node_id, self.verifier)
         # set by a drain in move mode: existing sessions answer 503 draining so clients move them
         self.move_sessions = False
         self.sessions = SessionTable(kv_budget_bytes, session_ttl_s)
-        self.shards: dict[ShardKey, Shard] = {}
+        self.shards: Shards = {}
         self.counters = {
             "frames": 0,
             "bundles": 0,  # stream messages carrying several sessions' frames (agent/wire/bundle.py)
@@ -122,8 +94,11 @@ class DataPlane(FrameAdmission, ChainForwarding, LaneAdmission):
             "bytes_out": 0,
         }
         self.started = time.time()
-        # GET /metrics (agent/node/metrics.py); the lane's batches are taken in before each scrape
-        self.metrics = NodeMetrics(self.stats, before_read=self.take_lane_batches)
+        # GET /metrics (agent/node/metrics.py); the lane's batches are taken in before each scrape (the
+        # lane, made next, counts its batches into these metrics)
+        self.metrics = NodeMetrics(self.stats, before_read=lambda: self.lane.take_batches())
+        self.hops = NextHops(client_ssl, self.sessions)  # next hops: mutual TLS, pooled streams
+        self.lane = NodeLane(self.metrics, self.counters, self.hops)  # opened on first use
 
     # -- shard management (called by the CLI or the control agent) --------------------------------
     def load_shard(
@@ -147,7 +122,11 @@ class DataPlane(FrameAdmission, ChainForwarding, LaneAdmission):
         budget: dict[str, object] = {"kv_budget_bytes": self.sessions.budget_bytes}
         if backend == "native":
             try:
-                budget = {"kv_budget": self.sessions.native_budget(), "cache_type": self.cache_type}
+                budget = {
+                    "kv_budget": self.sessions.native_budget(),
+                    "cache_type": self.cache_type,
+                    "flash_attn": self.flash_attn,
+                }
             except OSError as e:  # the library is not built or has another API version
                 raise BackendError(f"native backend unavailable: {e}") from None
         be = load_backend(backend, spec, **budget)
@@ -159,7 +138,7 @@ class DataPlane(FrameAdmission, ChainForwarding, LaneAdmission):
 
     def _scheduler(self, backend: Backend, lock: asyncio.Lock) -> ShardScheduler:
         def admit(s: SessionState, extra: int) -> None:
-            self.sessions.admit(s, extra, lambda v: self._evictable(v, shard_of(s)))
+            self.sessions.admit(s, extra, lambda v: evictable(self.shards, v, shard_of(s)))
 
         def shard_of(s: SessionState) -> Shard | None:
             return self.shards.get(s.shard_key)
@@ -174,8 +153,8 @@ class DataPlane(FrameAdmission, ChainForwarding, LaneAdmission):
             chunk_tokens=self.chunk_tokens,
             # sessions on the node's lane decode outside this queue: a prompt beside them runs in
             # small chunks, so their steps wait for one chunk at most (lanes.py)
-            decoding_elsewhere=lambda: bool(self._laned),
-            pace=self.pace_for_lane,
+            decoding_elsewhere=self.lane.decoding,
+            pace=self.lane.pace,
         )
 
     def unload_shard(self, model_sha256: str, layer_start: int, layer_end: int) -> bool:
@@ -189,11 +168,18 @@ class DataPlane(FrameAdmission, ChainForwarding, LaneAdmission):
         return True
 
     def drain(self) -> None:
+        """Refuse new sessions on every shard (an update, the control plane)."""
         for s in self.shards.values():
             s.draining = True
 
+    def drain_and_move(self) -> None:
+        """Drain, and answer existing sessions' next step 503 draining, so their clients move them
+        (POST /v1/drain, handoff.py)."""
+        self.drain()
+        self.move_sessions = True
+
     def stats(self) -> dict[str, Any]:
-        self.take_lane_batches()  # the lane's own steps count in the figures below
+        self.lane.take_batches()  # the lane's own steps count in the figures below
         return {
             "node_id": self.node_id,
             "version": __version__,
@@ -205,18 +191,15 @@ class DataPlane(FrameAdmission, ChainForwarding, LaneAdmission):
             # every byte the node holds for its sessions: KV plus the stored answers retries get
             "retry_cache_bytes": self.sessions.retry_bytes(),
             "held_bytes": self.sessions.used_bytes() + self.sessions.retry_bytes(),
-            "inflight_bytes": self._inflight_bytes,
+            "inflight_bytes": self.admission.inflight_bytes,
             "evictions": self.sessions.evictions,
             "expirations": self.sessions.expirations,
             # time prefill chunks waited for decoding sessions to ride with (scheduler._hold_chunks)
             "chunk_hold_s": round(sum(s.scheduler.held_s for s in self.shards.values()), 3),
             # batch size, queue wait and compute per backend call over the last minute (metrics.py)
             "batching": self.metrics.batch_stats(),
-            # the native decode lane (lanes.py): its port once open, sessions on it now
-            "lane_port": self._lane.port if self._lane is not None else None,
-            "lane_sessions": len(self._laned),
-            "lane_steps": self.lane_steps(),
-            **{k: v for k, v in self.lane_counters.items() if k != "lane_steps_done"},
+            # the native decode lane (lanes.py): its port once open, sessions on it now, its counters
+            **self.lane.stats(),
             "shards": [
                 {
                     "model_sha256": s.spec.manifest.sha256,
@@ -238,14 +221,7 @@ class DataPlane(FrameAdmission, ChainForwarding, LaneAdmission):
 
     # -- request handling -------------------------------------------------------------------------
     def _authorise(self, req: Request) -> tuple[RouteClaims, Shard]:
-        try:
-            claims = self.verifier.verify(req.token)
-        except TokenError as e:
-            raise DataPlaneError(401, "bad_token", str(e)) from None
-        if claims.node != self.node_id:
-            raise DataPlaneError(403, "wrong_node", f"route token is for node {claims.node!r}, not this node")
-        if claims.session != req.session:
-            raise DataPlaneError(403, "wrong_session", "route token is for another session")
+        claims = self.admission.authorise(req.session, req.token)
         shard = self.shards.get((claims.model_sha256, claims.layer_start, claims.layer_end))
         if shard is None:
             raise DataPlaneError(
@@ -303,25 +279,20 @@ class DataPlane(FrameAdmission, ChainForwarding, LaneAdmission):
             async with shard.lock:  # between batches: none of the session's steps is running
                 key = (SessionId(req.session), shard.key)
                 shard.scheduler.drop_session(key, "the session was closed while its step was queued")
-                self._laned.pop(key, None)
+                self.lane.drop(key)
                 self.sessions.close(key)
             return encode_response(Response(step=req.step, kind=Kind.NONE))
         s = self._session(req, shard)
         if req.op == Op.LANE:
-            return await self._admit_lane(req, shard, s)
+            return await self.lane.admit(req, shard, s)
         if s.lane is not None:
             # a frame on the Python path takes its session off the lane (its history comes back);
             # other sessions stay on theirs, and their steps run beside this one (lanes.py)
-            self.take_off_lane(s)
+            self.lane.take_off(s)
         if req.op == Op.TRUNCATE:
             async with shard.lock:
                 return self._truncate(req, s)
         return await self._forward(req, body, shard, s)
-
-    def _evictable(self, s: SessionState, holding: Shard | None = None) -> bool:
-        """Whether `s` may be closed now, by a caller holding `holding`'s lock: its shard is idle."""
-        shard = self.shards.get(s.shard_key)
-        return shard is None or shard is holding or not shard.lock.locked()
 
     def _open(self, req: Request, shard: Shard) -> bytes:
         sid = SessionId(req.session)
@@ -346,7 +317,7 @@ class DataPlane(FrameAdmission, ChainForwarding, LaneAdmission):
         state = SessionState(sid=sid, shard_key=shard.key, backend=shard.backend, max_tokens=max_tokens)
         try:
             self.sessions.admit(
-                state, shard.backend.kv_open_bytes(max_tokens), lambda v: self._evictable(v, shard)
+                state, shard.backend.kv_open_bytes(max_tokens), lambda v: evictable(self.shards, v, shard)
             )
             shard.backend.open_session(sid, max_tokens)
         except AdmissionError as e:
@@ -386,7 +357,7 @@ class DataPlane(FrameAdmission, ChainForwarding, LaneAdmission):
             if retry and s.last_output:
                 # A retry of the step we already applied: answer again, never append KV twice.
                 local = s.last_output
-                return await self._continue_chain(req, s, local, t_start, 0)
+                return await self.hops.continue_chain(req, s, self.shards.get(s.shard_key), local, t_start, 0)
             if retry and s.retry_pos == req.pos_start:
                 # Its answer was too big to keep: roll the KV back to where the step began, apply again.
                 async with shard.lock:
@@ -423,7 +394,10 @@ class DataPlane(FrameAdmission, ChainForwarding, LaneAdmission):
         s.last_output = local if len(local) <= RETRY_CACHE_MAX else b""
         s.retry_pos, s.retry_history = req.pos_start, history_len
         self.metrics.step(req.n_tokens, time.perf_counter() - t_start)
-        return await self._continue_chain(req, s, local, t_start, int(res.compute_s * 1e6))
+        compute_us = int(res.compute_s * 1e6)
+        return await self.hops.continue_chain(
+            req, s, self.shards.get(s.shard_key), local, t_start, compute_us
+        )
 
     # -- aiohttp wiring -----------------------------------------------------------------------------
     async def _frame_view(self, request: web.Request) -> web.StreamResponse:
@@ -431,28 +405,24 @@ class DataPlane(FrameAdmission, ChainForwarding, LaneAdmission):
         length and its route token, all checked before the body is read."""
         ip = request.remote or "?"
         try:
-            self.take_ip_slot(ip)
+            self.admission.take_ip_slot(ip)
         except DataPlaneError as e:
-            self.counters["errors"] += 1
-            self.metrics.error(e.code)
-            return _error(e.status, e.code, e.message)
+            return self._refused(e)
         token = b""
         reserved = 0
         try:
             try:
-                token, reserved, head = await self._admit_frame(request)
+                token, reserved, head = await self.admission.admit_post(request)
                 body = head + await request.content.readexactly(reserved - len(head))
             except DataPlaneError as e:
-                self.counters["errors"] += 1
-                self.metrics.error(e.code)
-                return _error(e.status, e.code, e.message)
+                return self._refused(e)
             except (asyncio.IncompleteReadError, ConnectionError):
-                self.counters["errors"] += 1
-                self.metrics.error("bad_frame")
-                return _error(400, "bad_frame", "the frame ended before its Content-Length")
+                return self._refused(
+                    DataPlaneError(400, "bad_frame", "the frame ended before its Content-Length")
+                )
             return await self._frame_response(body)
         finally:
-            self.release_frame(ip, token, reserved)
+            self.admission.release_frame(ip, token, reserved)
 
     async def answer_frame(self, body: bytes) -> bytes:
         """The response frame to a request frame whose limits were checked (POST and stream alike);
@@ -469,11 +439,15 @@ class DataPlane(FrameAdmission, ChainForwarding, LaneAdmission):
         try:
             out = await self.answer_frame(body)
         except DataPlaneError as e:
-            self.counters["errors"] += 1
-            self.metrics.error(e.code)
-            return _error(e.status, e.code, e.message)
+            return self._refused(e)
         self.counters["bytes_out"] += len(out)
         return web.Response(body=out, content_type="application/octet-stream")
+
+    def _refused(self, e: DataPlaneError) -> web.Response:
+        """A refused POST, counted (the stream endpoint counts its own the same way)."""
+        self.counters["errors"] += 1
+        self.metrics.error(e.code)
+        return error_response(e.status, e.code, e.message)
 
     async def _health_view(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "event_loop": running_loop_name(), **self.stats()})
@@ -481,10 +455,10 @@ class DataPlane(FrameAdmission, ChainForwarding, LaneAdmission):
     async def _sweeper(self, app: web.Application) -> None:  # noqa: ARG002
         while True:
             await asyncio.sleep(5.0)
-            n = self.sessions.expire(evictable=self._evictable)
+            n = self.sessions.expire(evictable=lambda v: evictable(self.shards, v))
             if n:
                 log.info("expired %d idle sessions", n)
-            self.take_lane_batches()
+            self.lane.take_batches()
 
     async def _on_startup(self, app: web.Application) -> None:
         app[_SWEEPER] = asyncio.create_task(self._sweeper(app))
@@ -493,28 +467,28 @@ class DataPlane(FrameAdmission, ChainForwarding, LaneAdmission):
         app[_SWEEPER].cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await app[_SWEEPER]
-        if self._streams is not None:
-            await self._streams.close()
-        if self._client is not None:
-            await self._client.close()
-        self.close_lane()
+        await self.hops.close()
+        self.lane.close()
 
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_FRAME_BYTES)
         app.router.add_post("/v1/frame", self._frame_view)
         app.router.add_get("/v1/health", self._health_view)
         app.router.add_get("/metrics", self.metrics.view)
-        register_stream(app, self)  # the same frames over a WebSocket (agent/node/stream.py)
-        register_handoff(app, self)
+        # the same frames over a WebSocket (agent/node/stream.py)
+        StreamView(self.admission, self.answer_frame, self.counters, self.metrics, self.hops).register(app)
+        Handoff(
+            node_id=self.node_id,
+            public_key=self.public_key,
+            shards=self.shards,
+            sessions=self.sessions,
+            lane=self.lane,
+            hops=self.hops,
+            drain=self.drain_and_move,
+        ).register(app)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
-
-
-def _error(status: int, code: str, message: str) -> web.Response:
-    return web.Response(
-        status=status, text=json.dumps({"error": code, "message": message}), content_type="application/json"
-    )
 
 
 INSECURE_ENV = "GGSWARM_INSECURE_PLAIN_HTTP"
@@ -540,7 +514,7 @@ async def start_dataplane(
             host,
             port,
         )
-    dp.lane_host = host  # a lane opened later listens where the data plane does
+    dp.lane.host = host  # a lane opened later listens where the data plane does
     runner = web.AppRunner(dp.make_app(), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True, ssl_context=ssl_context)

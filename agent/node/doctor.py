@@ -145,10 +145,10 @@ def check_control_plane(server: str, timeout_s: float = HEALTH_TIMEOUT_S) -> Che
 
 
 def run_checks(args: argparse.Namespace) -> list[Check]:
-    from agent.node.config import ConfigError, default_config_path, load_config
+    from agent.node.config import ConfigError, default_config_path, default_data_dir, load_config
 
     checks = [Check("version", OK, f"gguf-swarm-agent {__version__}, Python {sys.version.split()[0]}")]
-    data_dir = Path(args.data_dir) if args.data_dir else _default_data_dir()
+    data_dir = Path(args.data_dir) if args.data_dir else default_data_dir(create=False)
     for name, group in (
         ("backends", check_backends),
         ("devices", check_devices),
@@ -175,11 +175,6 @@ def run_checks(args: argparse.Namespace) -> list[Check]:
     else:
         checks.append(Check("control plane", WARN, "no --server and no node config: not checked"))
     return checks
-
-
-def _default_data_dir() -> Path:
-    base = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
-    return Path(os.environ.get("GGUF_SWARM_DATA") or base / "gguf-swarm")
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:

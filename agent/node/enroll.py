@@ -15,7 +15,9 @@ from agent.eventloop import run_loop
 from agent.node.config import (
     ConfigError,
     NodeConfig,
+    add_native_arguments,
     default_config_path,
+    default_data_dir,
     load_config,
     post_json,
     save_config,
@@ -61,7 +63,7 @@ def cmd_enroll(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from agent.node.control import AgentRejected, ControlAgent, default_data_dir
+    from agent.node.control import AgentRejected, ControlAgent
     from agent.node.dataplane import DataPlane, start_dataplane
     from agent.node.update import EXIT_RESTART, Updater
     from agent.wire.routetoken import TokenError, load_public_key
@@ -87,6 +89,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         public_key,
         kv_budget_bytes=int(args.kv_budget_mb * (1 << 20)),
         cache_type=args.cache_type,
+        flash_attn=args.flash_attn,
         client_ssl=node_tls.client() if node_tls else None,
     )
 
@@ -154,12 +157,7 @@ def add_control_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser
     s.add_argument("--advertise-url", help="data plane URL other nodes and the control plane use")
     s.add_argument("--threads", type=int, default=defaults.N_THREADS)
     s.add_argument("--kv-budget-mb", type=float, default=defaults.KV_BUDGET_BYTES / (1 << 20))
-    s.add_argument(
-        "--cache-type",
-        choices=defaults.CACHE_TYPES,
-        default=defaults.CACHE_TYPE,
-        help="native shards' attention caches, like llama.cpp's --cache-type-k (f32: deepseek4 only)",
-    )
+    add_native_arguments(s)
     s.add_argument(
         "--torrent-listen",
         default=defaults.TORRENT_LISTEN,

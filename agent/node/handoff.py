@@ -25,18 +25,24 @@ import os
 import signal
 import struct
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from aiohttp import ClientError, ClientTimeout, web
 
 from agent.backends.base import AdmissionError, BackendError
-from agent.node.sessions import SessionState
+from agent.node.errors import DataPlaneError, error_response
+from agent.node.sessions import SessionState, SessionTable
+from agent.node.shard import Shard, Shards, evictable
 from agent.wire.handofftoken import HandoffClaims, HandoffTokenError, verify_handoff
 from agent.wire.ids import SessionId
 
 if TYPE_CHECKING:
-    from agent.node.dataplane import DataPlane, Shard
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+    from agent.node.chain import NextHops
+    from agent.node.lanes import NodeLane
 
 log = logging.getLogger("agent.node.handoff")
 
@@ -49,12 +55,8 @@ SNAPSHOT_HEADER_SLACK = 4096
 EXPORT_TIMEOUT_S = 30.0
 
 
-class HandoffError(Exception):
+class HandoffError(DataPlaneError):
     """A hand-off refused or failed; `status` and `code` go back to the caller as JSON."""
-
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message = status, code, message
 
 
 def snapshot_bound(shard: Shard, n_positions: int) -> int:
@@ -70,12 +72,25 @@ def encode_import(max_tokens: int, history: list[int], snapshot: bytes) -> bytes
 
 
 class Handoff:
-    """The hand-off and drain endpoints of one data plane."""
+    """The hand-off and drain endpoints of one data plane, handed its node's id and route-token key,
+    shards, sessions, lane (a session leaves it before its snapshot), client side (the push to the
+    replacement) and `drain` (every shard draining, sessions told to move)."""
 
-    def __init__(self, dp: DataPlane) -> None:
-        self.dp = dp
-        self.exported = 0
-        self.imported = 0
+    def __init__(
+        self,
+        *,
+        node_id: str,
+        public_key: Ed25519PublicKey,
+        shards: Shards,
+        sessions: SessionTable,
+        lane: NodeLane,
+        hops: NextHops,
+        drain: Callable[[], None],
+    ) -> None:
+        self.node_id, self.public_key = node_id, public_key
+        self.shards, self.sessions, self.lane, self.hops = shards, sessions, lane, hops
+        self._drain_shards = drain
+        # the task stopping the node once drained: held here, as the loop keeps only a weak reference
         self._drain_task: asyncio.Task[None] | None = None
 
     def _claims(self, token_b64: str) -> HandoffClaims:
@@ -84,12 +99,12 @@ class Handoff:
         except ValueError:
             raise HandoffError(401, "bad_token", "hand-off token is not base64") from None
         try:
-            return verify_handoff(self.dp.public_key, token)
+            return verify_handoff(self.public_key, token)
         except HandoffTokenError as e:
             raise HandoffError(401, "bad_token", str(e)) from None
 
     def _shard(self, c: HandoffClaims) -> Shard:
-        shard = self.dp.shards.get((c.model_sha256, c.layer_start, c.layer_end))
+        shard = self.shards.get((c.model_sha256, c.layer_start, c.layer_end))
         if shard is None:
             raise HandoffError(
                 403,
@@ -103,7 +118,7 @@ class Handoff:
         """Push the session's snapshot to `target`; then free it here, unless `keep` (a warm copy for
         the route client's recovery, this node goes on serving the session)."""
         c = self._claims(token_b64)
-        if c.src != self.dp.node_id:
+        if c.src != self.node_id:
             raise HandoffError(403, "wrong_node", f"hand-off token is from node {c.src!r}, not this node")
         if not target.startswith(("http://", "https://")) or len(target) > 512:
             raise HandoffError(400, "bad_target", "target must be an http(s) URL")
@@ -111,16 +126,16 @@ class Handoff:
         key = (SessionId(c.session), shard.key)
         t0 = time.perf_counter()
         async with shard.lock:  # no step of this session (or any other on the shard) runs meanwhile
-            s = self.dp.sessions.get(key)
+            s = self.sessions.get(key)
             if s is None:
                 raise HandoffError(404, "unknown_session", "unknown session (expired, evicted or moved)")
-            self.dp.take_off_lane(s)  # a snapshot of a session the lane may step meanwhile would be torn
+            self.lane.take_off(s)  # a snapshot of a session the lane may step meanwhile would be torn
             try:
                 snap = shard.backend.snapshot(s.sid)
             except BackendError as e:
                 raise HandoffError(409, "no_snapshot", str(e)) from None
             body = encode_import(s.max_tokens, list(s.history), snap)
-        http = await self.dp._http()
+        http = await self.hops.http()
         url = target.rstrip("/") + "/v1/handoff/import"
         try:
             async with http.post(
@@ -138,8 +153,7 @@ class Handoff:
             )
         if not keep:  # the replacement holds it now: free ours (its client no longer steps here)
             async with shard.lock:
-                self.dp.sessions.close(key)
-        self.exported += 1
+                self.sessions.close(key)
         out: dict[str, Any] = json.loads(data)
         out["export_ms"] = round((time.perf_counter() - t0) * 1e3, 2)
         return out
@@ -147,7 +161,7 @@ class Handoff:
     # -- import: this node takes a session ------------------------------------------------------------
     async def import_(self, request: web.Request) -> dict[str, Any]:
         c = self._claims(request.headers.get(TOKEN_HEADER, ""))
-        if c.dst != self.dp.node_id:
+        if c.dst != self.node_id:
             raise HandoffError(403, "wrong_node", f"hand-off token is for node {c.dst!r}, not this node")
         shard = self._shard(c)
         if shard.draining:
@@ -175,7 +189,7 @@ class Handoff:
         state = SessionState(sid=sid, shard_key=shard.key, backend=shard.backend, max_tokens=max_tokens)
         # Room is made (or refused) before the snapshot is read into memory.
         try:
-            self.dp.sessions.admit(state, snap_len, lambda v: self.dp._evictable(v, shard))
+            self.sessions.admit(state, snap_len, lambda v: evictable(self.shards, v, shard))
         except AdmissionError as e:
             raise HandoffError(503, "kv_budget", str(e)) from None
         try:
@@ -186,11 +200,11 @@ class Handoff:
         if hashlib.sha256(snap).digest() != digest:
             raise HandoffError(400, "bad_hash", "snapshot sha256 does not match")
         async with shard.lock:
-            held = self.dp.sessions.get(key)
+            held = self.sessions.get(key)
             if held is not None:
                 if held.busy:
                     raise HandoffError(409, "session_busy", "this node is running a step of the session")
-                self.dp.sessions.close(key)  # an older copy (a warm spare's): the newer one replaces it
+                self.sessions.close(key)  # an older copy (a warm spare's): the newer one replaces it
             try:
                 shard.backend.open_session(sid, max_tokens)
             except AdmissionError as e:
@@ -205,35 +219,35 @@ class Handoff:
                 status = 503 if isinstance(e, AdmissionError) else 400
                 raise HandoffError(status, "restore", str(e)) from None
             state.history = np.frombuffer(hist_raw, dtype="<i4").tolist()
-            self.dp.sessions.add(state)
-        self.imported += 1
+            self.sessions.add(state)
         return {"session_len": n, "bytes": snap_len}
 
     # -- drain: move every session away, then stop ---------------------------------------------------
     async def drain(self, deadline_s: float, exit_when_empty: bool) -> dict[str, Any]:
-        self.dp.drain()
-        self.dp.move_sessions = True
-        log.info("draining: %d sessions to move within %.0f s", len(self.dp.sessions), deadline_s)
+        self._drain_shards()
+        log.info("draining: %d sessions to move within %.0f s", len(self.sessions), deadline_s)
         if exit_when_empty:
             self._drain_task = asyncio.get_running_loop().create_task(self._stop_when_empty(deadline_s))
-        return {"sessions": len(self.dp.sessions), "deadline_s": deadline_s}
+        return {"sessions": len(self.sessions), "deadline_s": deadline_s}
 
     async def _stop_when_empty(self, deadline_s: float) -> None:
         end = time.monotonic() + deadline_s
-        while len(self.dp.sessions) and time.monotonic() < end:
+        while len(self.sessions) and time.monotonic() < end:
             await asyncio.sleep(0.1)
-        log.info("drained (%d sessions left): stopping", len(self.dp.sessions))
+        log.info("drained (%d sessions left): stopping", len(self.sessions))
         os.kill(os.getpid(), signal.SIGTERM)  # `serve` stops on SIGTERM like on Ctrl-C
 
     # -- aiohttp wiring --------------------------------------------------------------------------------
     async def _export_view(self, request: web.Request) -> web.Response:
         if request.content_length is None or request.content_length > 4096:
-            return _error(413, "too_large", "export request must be a small JSON object")
+            return error_response(413, "too_large", "export request must be a small JSON object")
         try:
             body = json.loads(await request.read())
             token, target, keep = str(body["token"]), str(body["target"]), bool(body.get("keep", False))
         except (ValueError, KeyError, TypeError, AttributeError):
-            return _error(400, "bad_request", 'expected {"token": base64, "target": url, "keep": bool}')
+            return error_response(
+                400, "bad_request", 'expected {"token": base64, "target": url, "keep": bool}'
+            )
         return await self._answer(self.export(token, target, keep))
 
     async def _import_view(self, request: web.Request) -> web.Response:
@@ -241,13 +255,13 @@ class Handoff:
 
     async def _drain_view(self, request: web.Request) -> web.Response:
         if not _loopback(request.remote):
-            return _error(403, "forbidden", "drain is only accepted from this machine")
+            return error_response(403, "forbidden", "drain is only accepted from this machine")
         try:
             body = json.loads(await request.read() or b"{}")
             deadline_s = float(body.get("deadline_s", 60.0))
             exit_when_empty = bool(body.get("exit", False))
         except (ValueError, TypeError, AttributeError):
-            return _error(400, "bad_request", 'expected {"deadline_s": seconds, "exit": bool}')
+            return error_response(400, "bad_request", 'expected {"deadline_s": seconds, "exit": bool}')
         return await self._answer(self.drain(deadline_s, exit_when_empty))
 
     async def _answer(self, work: Any) -> web.Response:
@@ -255,7 +269,7 @@ class Handoff:
             out = await work
         except HandoffError as e:
             log.info("hand-off refused: %s %s", e.code, e.message)
-            return _error(e.status, e.code, e.message)
+            return error_response(e.status, e.code, e.message)
         return web.json_response(out)
 
     def register(self, app: web.Application) -> None:
@@ -268,16 +282,3 @@ def _loopback(remote: str | None) -> bool:
     with contextlib.suppress(ValueError):
         return remote is not None and ipaddress.ip_address(remote).is_loopback
     return False
-
-
-def _error(status: int, code: str, message: str) -> web.Response:
-    return web.Response(
-        status=status, text=json.dumps({"error": code, "message": message}), content_type="application/json"
-    )
-
-
-def register_handoff(app: web.Application, dp: DataPlane) -> Handoff:
-    """Add the hand-off and drain routes of `dp` to its application."""
-    h = Handoff(dp)
-    h.register(app)
-    return h

@@ -8,12 +8,11 @@ to hop without Python, alone or bundled with other sessions' steps (one batch pe
 frame of the session, a close, an eviction or an expiry takes it off the lane again, syncing what the
 lane appended to its history. Other sessions' steps run on the Python path beside the lane; a prompt
 among them goes in small chunks, each paced to start just after the lane's sessions passed this hop
-(`pace_for_lane`, called by the shard's scheduler), so they wait behind one small chunk at most.
+(`NodeLane.pace`, called by the shard's scheduler), so they wait behind one small chunk at most.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
 import logging
 import os
@@ -22,8 +21,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from agent.backends.libggswarm import NativeError
-from agent.node.sessions import SessionKey, SessionState, SessionTable, ShardKey
-from agent.node.steps import DataPlaneError
+from agent.node.errors import DataPlaneError
+from agent.node.sessions import SessionKey, SessionState
 from agent.wire.frames import (
     LANE_INFO,
     FrameError,
@@ -41,9 +40,9 @@ from agent.wire.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from agent.backends.lane import NativeLane
-    from agent.node.dataplane import Shard
+    from agent.node.chain import NextHops
     from agent.node.metrics import NodeMetrics
-    from agent.wire.frames import ChainHop
+    from agent.node.shard import Shard
 
 log = logging.getLogger("agent.node.lanes")
 LANE_ENV = "GGSWARM_LANE"  # 0: this node never opens a lane
@@ -62,19 +61,26 @@ class LaneSlot:
 
     lane: NativeLane
     lane_id: int
-    owner: LaneAdmission
+    owner: NodeLane
 
     def take_off(self, s: SessionState) -> None:
         """Back to the Python path: off the lane (after its step in flight), history synced."""
         s.lane = None
-        self.owner.forget_lane(s)
+        self.owner.forget(s)
         try:
             st = self.lane.remove(self.lane_id)
         except (NativeError, ValueError):  # already gone (the lane was closed)
             return
         s.history.extend(st.appended)
         s.last_used = max(s.last_used, time.monotonic() - st.idle_s)
-        self.owner.lane_counters["lane_steps_done"] += st.steps
+        self.owner.counters["lane_steps_done"] += st.steps
+
+    def steps(self) -> int:
+        """Steps the session ran on the lane so far (0 once the lane is gone)."""
+        try:
+            return self.lane.stats(self.lane_id).steps
+        except (NativeError, ValueError):
+            return 0
 
     def idle_s(self) -> float:
         try:
@@ -83,39 +89,33 @@ class LaneSlot:
             return float("inf")
 
 
-class LaneAdmission:
-    """Op.LANE for DataPlane: the node's one lane (opened on first use) and who is on it."""
+class NodeLane:
+    """The node's one decode lane (opened on first use), who is on it, and Op.LANE's admission. Its
+    batches count into the node's `metrics` and `node_counters` (tokens); through `hops` an admission
+    asks the next hop's lane first."""
 
-    shards: dict[ShardKey, Shard]
-    sessions: SessionTable
-    node_id: str
-    metrics: NodeMetrics
-    counters: dict[str, int]
-
-    def __init__(self) -> None:
-        self.lane_host: str | None = None  # the data plane's bind address (start_dataplane sets it)
-        self.lane_enabled = os.environ.get(LANE_ENV, "1") != "0"
-        self.lane_pacing = os.environ.get(LANE_PACE_ENV, "1") != "0"
-        self._pace_window_end = 0.0  # chunks run without waiting until then (pace_for_lane)
+    def __init__(self, metrics: NodeMetrics, node_counters: dict[str, int], hops: NextHops) -> None:
+        self.metrics, self.node_counters, self.hops = metrics, node_counters, hops
+        self.host: str | None = None  # the data plane's bind address (start_dataplane sets it)
+        self.enabled = os.environ.get(LANE_ENV, "1") != "0"
+        self.pacing = os.environ.get(LANE_PACE_ENV, "1") != "0"
+        self._pace_window_end = 0.0  # chunks run without waiting until then (pace)
         self._lane: NativeLane | None = None
         self._laned: dict[SessionKey, SessionState] = {}
-        # lane_steps_done: steps run on the lane by sessions since taken off (lane_steps() adds the rest)
-        self.lane_counters = {
+        # lane_steps_done: steps run on the lane by sessions since taken off (steps() adds the rest)
+        self.counters = {
             "lane_admissions": 0,
             "lane_refusals": 0,
             "lane_take_offs": 0,
             "lane_steps_done": 0,
-            "lane_batches_dropped": 0,  # batches the library's log overwrote before take_lane_batches
+            "lane_batches_dropped": 0,  # batches the library's log overwrote before take_batches
         }
-
-    async def _exchange_next(self, nxt: ChainHop, body: bytes, limit: int, bundle: bool = False) -> bytes:
-        raise NotImplementedError  # ChainForwarding's, mixed in beside this class
 
     def _node_lane(self) -> NativeLane:
         if self._lane is None:
             from agent.backends.lane import NativeLane
 
-            host = self._lane_bind_host()
+            host = self._bind_host()
             raw = os.environ.get(LANE_PORT_ENV, "0")
             if not raw.isdigit() or int(raw) > 65535:
                 raise DataPlaneError(
@@ -128,16 +128,25 @@ class LaneAdmission:
             log.info("decode lane listening on %s:%d", host, self._lane.port)
         return self._lane
 
-    def lane_steps(self) -> int:
+    def steps(self) -> int:
         """Decode steps this node ran on its lane (they bypass the Python path's counters)."""
-        running = 0
-        for s in self._laned.values():
-            if s.lane is not None:
-                with contextlib.suppress(NativeError, ValueError):
-                    running += s.lane.lane.stats(s.lane.lane_id).steps
-        return self.lane_counters["lane_steps_done"] + running
+        running = sum(s.lane.steps() for s in self._laned.values() if isinstance(s.lane, LaneSlot))
+        return self.counters["lane_steps_done"] + running
 
-    def take_lane_batches(self) -> None:
+    def stats(self) -> dict[str, int | None]:
+        """The lane's figures in the node's stats: its port once open, sessions on it now, steps."""
+        return {
+            "lane_port": self._lane.port if self._lane is not None else None,
+            "lane_sessions": len(self._laned),
+            "lane_steps": self.steps(),
+            **{k: v for k, v in self.counters.items() if k != "lane_steps_done"},
+        }
+
+    def decoding(self) -> bool:
+        """Whether sessions are on the lane now (their steps decode outside the shards' schedulers)."""
+        return bool(self._laned)
+
+    def take_batches(self) -> None:
         """Count the batches the lane computed since the last call into the node's metrics and token
         counters, as the scheduler counts the Python path's: they ran on libggswarm's threads. Called
         before the figures are read (stats, a scrape) and by the sweeper, so the library's log never fills."""
@@ -147,54 +156,59 @@ class LaneAdmission:
         for b in batches:
             self.metrics.batch(b.steps, b.positions, b.compute_s, at=b.t_done)
             self.metrics.queue_wait(b.wait_s, at=b.t_done)
-            self.counters["tokens_in"] += b.positions
-            self.counters["tokens_out"] += b.sampled
+            self.node_counters["tokens_in"] += b.positions
+            self.node_counters["tokens_out"] += b.sampled
         if dropped:
-            self.lane_counters["lane_batches_dropped"] += dropped
+            self.counters["lane_batches_dropped"] += dropped
             log.warning("the lane's batch log overwrote %d batches before they were counted", dropped)
 
-    def _lane_bind_host(self) -> str:
+    def _bind_host(self) -> str:
         """Where the lane listens: the data plane's address, its any-address and name forms as IPv4."""
-        host = self.lane_host or "127.0.0.1"
+        host = self.host or "127.0.0.1"
         if host in ("", "::", "localhost"):
             return "0.0.0.0" if host == "::" else "127.0.0.1"  # noqa: S104 - where the data plane listens
         return host
 
-    def pace_for_lane(self) -> None:
+    def pace(self) -> None:
         """Before a prompt's chunk (blocking, in a worker thread): chunks run in the LANE_PACE_WINDOW_S
         after the lane's sessions passed this hop, while they are at other hops; later ones wait for
         their next pass (at most LANE_PACE_S), so a lane step never waits behind more than a chunk."""
         lane = self._lane  # the scheduler asks only while sessions are on it
-        if not self.lane_pacing or lane is None:
+        if not self.pacing or lane is None:
             return
         if time.monotonic() < self._pace_window_end:
             return
         if lane.wait_step(LANE_PACE_S):
             self._pace_window_end = time.monotonic() + LANE_PACE_WINDOW_S
 
-    def take_off_lane(self, s: SessionState) -> None:
+    def take_off(self, s: SessionState) -> None:
+        """Put `s` back on the Python path, if it is on the lane (a frame of it, a hand-off, a close)."""
         if s.lane is not None:
-            s.lane.take_off(s)  # calls forget_lane
+            s.lane.take_off(s)  # calls forget
         self._laned.pop(s.key, None)
 
-    def forget_lane(self, s: SessionState) -> None:
+    def forget(self, s: SessionState) -> None:
         """A session left the lane (whoever took it off: a frame, a close, an eviction, an expiry)."""
         if self._laned.pop(s.key, None) is not None:
-            self.lane_counters["lane_take_offs"] += 1
+            self.counters["lane_take_offs"] += 1
 
-    def close_lane(self) -> None:
+    def drop(self, key: SessionKey) -> None:
+        """Forget a session its caller is closing: the close takes it off the lane, no take-off is counted."""
+        self._laned.pop(key, None)
+
+    def close(self) -> None:
         for s in list(self._laned.values()):
-            self.take_off_lane(s)
+            self.take_off(s)
         if self._lane is not None:
-            self.take_lane_batches()
+            self.take_batches()
             self._lane.close()
             self._lane = None
 
-    async def _admit_lane(self, req: Request, shard: Shard, s: SessionState) -> bytes:
+    async def admit(self, req: Request, shard: Shard, s: SessionState) -> bytes:
         """Op.LANE: the next hop's lane first, then this hop's; answers this hop's LANE_INFO."""
-        why = self._lane_refusal(req, shard, s)
+        why = self._refusal(req, shard, s)
         if why:
-            self.lane_counters["lane_refusals"] += 1
+            self.counters["lane_refusals"] += 1
             raise DataPlaneError(409, "lane_unavailable", why)
         from agent.backends.lane import NextHop
         from agent.backends.libggswarm import sampling_struct
@@ -216,7 +230,7 @@ class LaneAdmission:
                 chain_cached=bool(rest),
                 f16_out=req.f16_out,
             )
-            data = await self._exchange_next(nxt, encode_request(fwd), response_limit(0, 1, False))
+            data = await self.hops.exchange(nxt, encode_request(fwd), response_limit(0, 1, False))
             try:
                 resp = decode_response(data)
             except FrameError as e:
@@ -234,7 +248,7 @@ class LaneAdmission:
                 raise DataPlaneError(409, "lane_unavailable", f"next hop {e}") from None
             nxt_hop = NextHop(host, port, lane_id, key, f16=req.f16_out)
         if s.busy or s.lane is not None:
-            self.take_off_lane(s)  # a fresh admission: new id and key
+            self.take_off(s)  # a fresh admission: new id and key
         lane = self._node_lane()
         lane_id, key = int.from_bytes(os.urandom(8), "little"), os.urandom(32)
         backend = shard.backend
@@ -245,23 +259,23 @@ class LaneAdmission:
                 p.temperature, p.top_k, p.top_p, p.min_p, p.repeat_penalty, p.repeat_last_n, p.seed
             )
             history = _penalised(s.history, p)
-        model, native_sid = backend.model, backend._sid(s.sid)  # type: ignore[attr-defined]  # why: _lane_refusal checked it is a NativeBackend
+        model, native_sid = backend.model, backend._sid(s.sid)  # type: ignore[attr-defined]  # why: _refusal checked it is a NativeBackend
         try:
             lane.add(model, native_sid, lane_id, key, nxt_hop, sampling=sampling, history=history)
         except NativeError as e:
             raise DataPlaneError(409, "lane_unavailable", f"lane admission failed: {e}") from None
         s.lane = LaneSlot(lane, lane_id, self)
         self._laned[s.key] = s
-        self.lane_counters["lane_admissions"] += 1
+        self.counters["lane_admissions"] += 1
         return encode_response(
             Response(step=req.step, kind=Kind.LANE, payload=LANE_INFO.pack(lane_id, lane.port, key))
         )
 
-    def _lane_refusal(self, req: Request, shard: Shard, s: SessionState) -> str:
+    def _refusal(self, req: Request, shard: Shard, s: SessionState) -> str:
         """Why the session cannot go on the lane now ("" when it can)."""
         from agent.backends.native import NativeBackend
 
-        if not self.lane_enabled:
+        if not self.enabled:
             return f"lanes are off on this node ({LANE_ENV}=0)"
         if not isinstance(shard.backend, NativeBackend):
             return f"the {shard.backend_name} backend has no lane"
@@ -270,7 +284,7 @@ class LaneAdmission:
         # other sessions' queued steps are no reason: they run beside the lane under the shard's lock,
         # and refusing here let sessions decoding in step refuse each other's admission for good
         try:
-            if ipaddress.ip_address(self._lane_bind_host()).version != 4:
+            if ipaddress.ip_address(self._bind_host()).version != 4:
                 return "the lane listens on IPv4 only"
         except ValueError:
             return "the lane listens on numeric IPv4 addresses only"

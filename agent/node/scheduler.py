@@ -54,7 +54,7 @@ CHUNK_TOKENS = 512  # = native kUBatch: chunk boundaries are the micro-batch bou
 BUSY_CHUNK_TOKENS = 16
 BUSY_CHUNK_ENV = "GGSWARM_BUSY_CHUNK_TOKENS"  # an operator's override, 1..CHUNK_TOKENS
 # While sessions decode on the node's lane, chunks are smaller still: they run paced between the lane's
-# passes (lanes.py pace_for_lane), several in the window after a pass, and a lane step arriving during
+# passes (lanes.py NodeLane.pace), several in the window after a pass, and a lane step arriving during
 # one waits this many positions at most
 LANE_CHUNK_TOKENS = 8
 BUSY_WINDOW_S = 1.0  # another session stepped on this shard this recently: it is decoding

@@ -6,7 +6,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from agent import defaults
 from agent.backends.base import AdmissionError, Backend
@@ -16,7 +16,15 @@ from agent.wire.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from agent.backends.libggswarm import NativeBudget
-    from agent.node.lanes import LaneSlot
+
+
+class LaneSeat(Protocol):
+    """A session's place on the node's decode lane, as the table uses it (lanes.py's LaneSlot): the
+    table closes and expires sessions, so it must take them off and read their idle time."""
+
+    def take_off(self, s: SessionState) -> None: ...
+
+    def idle_s(self) -> float: ...
 
 
 @dataclass
@@ -37,7 +45,7 @@ class SessionState:
     chain: list[ChainHop] | None = None  # next hops (chain mode), sent once per route, not per step
     busy: bool = False
     last_used: float = field(default_factory=time.monotonic)
-    lane: LaneSlot | None = None  # its decode steps run on the node's native lane (agent/node/lanes.py)
+    lane: LaneSeat | None = None  # its decode steps run on the node's native lane (agent/node/lanes.py)
 
     @property
     def key(self) -> SessionKey:
@@ -78,9 +86,6 @@ class SessionTable:
 
     def __contains__(self, sid: object) -> bool:
         return sid in self._sessions
-
-    def states(self) -> list[SessionState]:
-        return list(self._sessions.values())
 
     def get(self, key: SessionKey) -> SessionState | None:
         s = self._sessions.get(key)

@@ -12,6 +12,7 @@ import numpy as np
 
 from agent.artifacts.manifest import Manifest
 from agent.backends.base import AdmissionError, BackendError, ForwardResult, ShardSpec, StepInput
+from agent.node.errors import DataPlaneError
 from agent.node.scheduler import SessionBusy, ShardScheduler, StepDropped
 from agent.node.sessions import SessionState
 from agent.wire.frames import (
@@ -24,14 +25,6 @@ from agent.wire.frames import (
     hidden_kind,
     numpy_dtype,
 )
-
-
-class DataPlaneError(Exception):
-    """A refusal the data plane answers with `status` and a JSON body naming `code`."""
-
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message = status, code, message
 
 
 def frame_step(req: Request, spec: ShardSpec, boundary_dim: int, s: SessionState) -> StepInput:

@@ -15,16 +15,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
+from agent.node.admission import FrameAdmission, release_slot
+from agent.node.errors import DataPlaneError, error_response
 from agent.wire.bundle import BUNDLE_PROTOCOL, BUNDLE_STEP_TOKENS, decode_bundle, encode_answers, is_bundle
 from agent.wire.frames import REQ_HEADER, Flag, FrameError, check_request_header, peek_request
 from agent.wire.stream import STREAM_MAX_FRAME, STREAM_PATH, error_message
 
 if TYPE_CHECKING:
-    from agent.node.dataplane import DataPlane, DataPlaneError
+    from agent.node.chain import NextHops
+    from agent.node.metrics import NodeMetrics
 
 log = logging.getLogger("agent.node.stream")
 # Open streams per client address: each buffers at most one STREAM_MAX_FRAME message, so this bounds
@@ -32,26 +36,33 @@ log = logging.getLogger("agent.node.stream")
 MAX_STREAMS_PER_IP = 256
 
 
-def register_stream(app: web.Application, dp: DataPlane) -> None:
-    view = StreamView(dp)
-    app.router.add_get(STREAM_PATH, view.view)
-    app.on_shutdown.append(view.shutdown)
-
-
 class StreamView:
-    """The WebSocket endpoint of one data plane."""
+    """The WebSocket endpoint of one data plane: frames pass its `admission` as POSTs do, `answer_frame`
+    answers them, and they count in its `counters` and `metrics`. Its own chain streams (`hops`) close
+    first when the node stops."""
 
-    def __init__(self, dp: DataPlane) -> None:
-        self.dp = dp
+    def __init__(
+        self,
+        admission: FrameAdmission,
+        answer_frame: Callable[[bytes], Awaitable[bytes]],
+        counters: dict[str, int],
+        metrics: NodeMetrics,
+        hops: NextHops,
+    ) -> None:
+        self.admission, self.answer_frame = admission, answer_frame
+        self.counters, self.metrics, self.hops = counters, metrics, hops
         self.streams: dict[str, int] = {}
         self.open: set[web.WebSocketResponse] = set()
+
+    def register(self, app: web.Application) -> None:
+        app.router.add_get(STREAM_PATH, self.view)
+        app.on_shutdown.append(self.shutdown)
 
     async def shutdown(self, app: web.Application) -> None:  # noqa: ARG002
         """Before the server waits for its handlers: a stream's handler only ends when its socket does.
         This node's own chain streams close first (a chain through this node ends here too), then
         every client's, at once; a client that does not answer the close is cut after 1 s."""
-        if self.dp._streams is not None:
-            await self.dp._streams.close()
+        await self.hops.close_streams()
         socks = list(self.open)
         await asyncio.gather(
             *(ws.close(code=WSCloseCode.GOING_AWAY, message=b"node shutting down") for ws in socks),
@@ -59,11 +70,11 @@ class StreamView:
         )
 
     async def view(self, request: web.Request) -> web.StreamResponse:
-        from agent.node.dataplane import _error, _release
-
         ip = request.remote or "?"
         if self.streams.get(ip, 0) >= MAX_STREAMS_PER_IP:
-            return _error(429, "too_many_requests", f"more than {MAX_STREAMS_PER_IP} streams from {ip}")
+            return error_response(
+                429, "too_many_requests", f"more than {MAX_STREAMS_PER_IP} streams from {ip}"
+            )
         ws = web.WebSocketResponse(
             max_msg_size=STREAM_MAX_FRAME,
             compress=False,
@@ -88,7 +99,7 @@ class StreamView:
                 else:
                     await ws.send_str(answer.decode())
         finally:
-            _release(self.streams, ip)
+            release_slot(self.streams, ip)
             self.open.discard(ws)
         return ws
 
@@ -96,13 +107,11 @@ class StreamView:
         """(200, the answers) for a bundle's frames, each admitted and answered as if it had come alone
         and all submitted in this loop turn (so the shard's scheduler batches them together); (400,
         error JSON) for a malformed bundle, none of whose frames is run."""
-        from agent.node.dataplane import DataPlaneError
-
         try:
             frames = decode_bundle(data)
         except FrameError as e:
             return self._refuse(DataPlaneError(e.status, "bad_frame", str(e)))
-        self.dp.counters["bundles"] += 1
+        self.counters["bundles"] += 1
         answers = await asyncio.gather(*(self._answer_in_bundle(ip, bytes(f)) for f in frames))
         return 200, encode_answers(answers)
 
@@ -110,8 +119,6 @@ class StreamView:
         """A bundle's answer is held until its last frame is done, so it carries small steps only: a
         frame of more than BUNDLE_STEP_TOKENS positions or asking for logits is refused in its slot
         (a client sends those alone), which bounds what one bundle's answers can make a node hold."""
-        from agent.node.dataplane import DataPlaneError
-
         head = REQ_HEADER.unpack_from(body, 0)  # decode_bundle took frames of at least a header
         flags, n_tokens = head[3], head[7]
         if n_tokens > BUNDLE_STEP_TOKENS or flags & Flag.WANT_LOGITS:
@@ -127,11 +134,8 @@ class StreamView:
 
     async def answer(self, ip: str, body: bytes) -> tuple[int, bytes]:
         """(200, response frame) or (status, error JSON) for one message, limits first."""
-        from agent.node.dataplane import DataPlaneError
-
-        dp = self.dp
         try:
-            dp.take_ip_slot(ip)
+            self.admission.take_ip_slot(ip)
         except DataPlaneError as e:
             return self._refuse(e)
         token = b""
@@ -140,19 +144,16 @@ class StreamView:
             try:
                 token = self._admit(body)
                 reserved = len(body)
-                out = await dp.answer_frame(body)
+                out = await self.answer_frame(body)
             except DataPlaneError as e:
                 return self._refuse(e)
-            dp.counters["bytes_out"] += len(out)
+            self.counters["bytes_out"] += len(out)
             return 200, out
         finally:
-            dp.release_frame(ip, token, reserved)
+            self.admission.release_frame(ip, token, reserved)
 
     def _admit(self, body: bytes) -> bytes:
         """Header, length and route token of a whole message, then its concurrency slot and bytes."""
-        from agent.node.dataplane import DataPlaneError
-
-        dp = self.dp
         n = len(body)
         try:
             token_len, promised = check_request_header(body[: REQ_HEADER.size])
@@ -161,10 +162,10 @@ class StreamView:
             session, token, _ = peek_request(body[: REQ_HEADER.size + token_len])
         except FrameError as e:
             raise DataPlaneError(e.status, "bad_frame", str(e)) from None
-        dp.reserve_frame(session, token, n)
+        self.admission.reserve_frame(session, token, n)
         return token
 
     def _refuse(self, e: DataPlaneError) -> tuple[int, bytes]:
-        self.dp.counters["errors"] += 1
-        self.dp.metrics.error(e.code)
+        self.counters["errors"] += 1
+        self.metrics.error(e.code)
         return e.status, error_message(e.status, e.code, e.message).encode()

@@ -495,7 +495,7 @@ class Launcher:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from agent.node.control import default_data_dir
+    from agent.node.config import default_data_dir
 
     run_args = list(args.run_args)
     if run_args[:1] == ["--"]:

@@ -16,8 +16,10 @@ from aiohttp import ClientSession, web
 
 from agent.artifacts.manifest import Manifest, build_manifest
 from agent.artifacts.packaged import ModelNotFound, packaged_model_path
+from agent.node import admission
 from agent.node import dataplane as dp_mod
 from agent.node.dataplane import DataPlane, start_dataplane
+from agent.node.errors import DataPlaneError
 from agent.wire.frames import (
     MAX_LOGITS_BYTES,
     PROTOCOL_VERSION,
@@ -403,7 +405,7 @@ async def test_one_route_token_gets_at_most_a_few_frames_at_once(nodes, signing_
     body = ids_frame(tok, session, [1, 2, 3])
     # Stalled senders: header and token sent, the rest never comes. Each holds a slot.
     stalled = []
-    for _ in range(dp_mod.PER_TOKEN_CONCURRENCY):
+    for _ in range(admission.PER_TOKEN_CONCURRENCY):
         host, port = n.url.removeprefix("http://").split(":")
         reader, writer = await asyncio.open_connection(host, int(port))
         writer.write(
@@ -414,7 +416,7 @@ async def test_one_route_token_gets_at_most_a_few_frames_at_once(nodes, signing_
         stalled.append(writer)
     # Readiness: the node has admitted them all (polled, not slept).
     for _ in range(200):
-        if n.dp.stats()["inflight_bytes"] == dp_mod.PER_TOKEN_CONCURRENCY * len(body):
+        if n.dp.stats()["inflight_bytes"] == admission.PER_TOKEN_CONCURRENCY * len(body):
             break
         await asyncio.sleep(0.01)
     status, data = await post(n.url, body)
@@ -453,5 +455,5 @@ async def test_a_frame_without_content_length_or_with_a_lying_one_is_refused(
 def test_plain_http_is_refused_off_loopback_unless_told_loudly(monkeypatch, signing_key) -> None:  # noqa: ANN001
     monkeypatch.delenv(dp_mod.INSECURE_ENV, raising=False)
     dp = DataPlane("node-p", signing_key.public_key())
-    with pytest.raises(dp_mod.DataPlaneError, match="plain HTTP"):
+    with pytest.raises(DataPlaneError, match="plain HTTP"):
         asyncio.run(start_dataplane(dp, "0.0.0.0", free_port()))

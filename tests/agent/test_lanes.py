@@ -67,7 +67,7 @@ async def test_a_lone_session_decodes_on_the_lane_with_the_tokens_of_the_python_
             c.lane.steps,
             c.lane.fallbacks,
             c.lane.retry_in,
-            dp.lane_counters,
+            dp.lane.counters,
         )
     finally:
         await c.close()
@@ -89,7 +89,7 @@ async def test_an_expired_session_is_taken_off_the_lane_first(
         await _tokens(c, 4)
         assert dp.stats()["lane_sessions"] == 1
         assert dp.sessions.expire(now=time.monotonic() + dp.sessions.ttl_s + 60) == 1
-        assert dp.stats()["lane_sessions"] == 0 and dp.lane_counters["lane_take_offs"] == 1
+        assert dp.stats()["lane_sessions"] == 0 and dp.lane.counters["lane_take_offs"] == 1
     finally:
         await c.close()
 
@@ -97,7 +97,7 @@ async def test_an_expired_session_is_taken_off_the_lane_first(
 @pytest.mark.parametrize(
     ("setup", "why"),
     [
-        (lambda dp, mp: setattr(dp, "lane_enabled", False), "GGSWARM_LANE=0"),
+        (lambda dp, mp: setattr(dp.lane, "enabled", False), "GGSWARM_LANE=0"),
         (lambda dp, mp: mp.setenv("GGSWARM_LANE_PORT", "70000"), "GGSWARM_LANE_PORT='70000' is not a port"),
     ],
 )
@@ -148,7 +148,7 @@ async def test_sessions_share_the_lane_in_bundles_and_another_sessions_prompt_ru
         # another session's prompt (26 new positions) and decode steps run beside them on the Python
         # path, in the lane's small chunks: they stay on the lane
         await _tokens(other, 3, PROMPT * 3)
-        assert dp.stats()["lane_sessions"] == 2 and dp.lane_counters["lane_take_offs"] == 0
+        assert dp.stats()["lane_sessions"] == 2 and dp.lane.counters["lane_take_offs"] == 0
         # and go on there, exact
         steps = a.lane.steps + b.lane.steps
         more = await asyncio.gather(
