@@ -2,11 +2,14 @@
 
 For every architecture in ARCHS: teacher-forced top-1 agreement and max |logit diff| of the model split
 into 3 native hops against llama-cpp-python's full model, and greedy decode speed of those 3 hops
-relative to llama-cpp-python (interleaved rounds, best of each). Prints human-readable lines, then one
-JSON object as the last line with `<arch>_top1_agreement`, `<arch>_max_abs_logit_diff`,
-`<arch>_decode_ratio_3hop_vs_llamacpp` (and the tok/s behind the ratio) per architecture. Usage:
+relative to llama-cpp-python (interleaved rounds, best of each), with flash attention off and on
+(both sides alike: llama.cpp's -fa and the node's --flash-attn) and both sides' caches in one type.
+Prints human-readable lines, then one JSON object as the last line with `<arch>_top1_agreement`,
+`<arch>_max_abs_logit_diff`, `<arch>_decode_ratio_3hop_vs_llamacpp` (and the tok/s behind the ratio)
+per architecture for flash attention off, the same keys with a `_flash` suffix for on. Usage:
 
     .venv/bin/python bench/archs.py [--threads 2] [--decode-tokens 64] [--rounds 2] [--archs llama,gemma3]
+        [--flash-attn off,on] [--cache-type f16]
 """
 
 from __future__ import annotations
@@ -29,8 +32,8 @@ from agent.artifacts.manifest import build_manifest  # noqa: E402
 from agent.artifacts.packaged import packaged_model_path  # noqa: E402
 from agent.artifacts.tiny import write_tiny_gguf  # noqa: E402
 from agent.backends.base import ShardSpec  # noqa: E402
+from agent.dev.chain import route_forward  # noqa: E402
 from agent.wire.ids import SessionId  # noqa: E402
-from tests.native.routes import route_forward  # noqa: E402
 
 TEXT = REPO / "tests" / "data" / "teacher_forcing_en.txt"
 N_TEACHER = 256
@@ -72,6 +75,11 @@ ARCHS = [
     ),
     # ratios 0, 4, 128, 0, 4, 128: each hop holds a different mix of raw, compressed and indexer state
     BenchArch("deepseek4", _tiny("deepseek4"), ((0, 2), (2, 4), (4, 6))),
+    # mixtures of experts (the real models' key sets): seams right after the dense layer 0 (glm4moe,
+    # deepseek2) and between expert layers
+    BenchArch("qwen3moe", _tiny("qwen3moe"), ((0, 1), (1, 3), (3, 4))),
+    BenchArch("glm4moe", _tiny("glm4moe"), ((0, 1), (1, 3), (3, 4))),
+    BenchArch("deepseek2", _tiny("deepseek2"), ((0, 1), (1, 3), (3, 4))),
 ]
 
 
@@ -116,7 +124,13 @@ def native_decode(hops: list, prompt: list[int], n: int, sid: SessionId) -> tupl
             h.close_session(sid)
 
 
-def bench_arch(row: BenchArch, workdir: Path, threads: int, n_decode: int, rounds: int) -> dict[str, float]:
+# ggml type ids, as llama.cpp's type_k / type_v take them
+GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8}
+
+
+def bench_arch(
+    row: BenchArch, workdir: Path, threads: int, n_decode: int, rounds: int, flash_attn: str, cache_type: str
+) -> dict[str, float]:
     import llama_cpp
 
     from agent.backends.native import NativeBackend
@@ -124,11 +138,13 @@ def bench_arch(row: BenchArch, workdir: Path, threads: int, n_decode: int, round
     path = str(row.model(workdir))
     manifest = build_manifest(path, hash_tensors=False)
     hops = [
-        NativeBackend(ShardSpec(path, a, b, manifest, n_threads=threads), cache_type=row.cache_type)
+        NativeBackend(
+            ShardSpec(path, a, b, manifest, n_threads=threads), cache_type=cache_type, flash_attn=flash_attn
+        )
         for a, b in row.splits
     ]
     flash = hops[0].model.info.decode_kernels == -2
-    kv = {"f16": 1, "f32": 0}[row.cache_type]  # ggml type ids, as llama.cpp's type_k / type_v take them
+    kv = GGML_TYPES[cache_type]
     cache = {"type_k": kv, "type_v": kv}
     out: dict[str, float] = {}
     try:
@@ -192,7 +208,14 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--archs", default="", help="comma-separated keys of ARCHS (default: all)")
+    ap.add_argument("--flash-attn", default="off,on", help="comma-separated: off, on (default both)")
+    ap.add_argument("--cache-type", default="", help="both sides' caches (default: each row's, f16)")
     args = ap.parse_args()
+    modes = [m for m in args.flash_attn.split(",") if m]
+    if not modes or set(modes) - {"off", "on"}:
+        ap.error("--flash-attn takes off, on or off,on")
+    if args.cache_type and args.cache_type not in GGML_TYPES:
+        ap.error(f"--cache-type is one of {sorted(GGML_TYPES)}")
     keys = [k for k in args.archs.split(",") if k]
     unknown = set(keys) - {r.key for r in ARCHS}
     if unknown:
@@ -202,16 +225,22 @@ def main() -> None:
         for row in ARCHS:
             if keys and row.key not in keys:
                 continue
-            r = bench_arch(row, Path(tmp), args.threads, args.decode_tokens, args.rounds)
-            print(
-                f"{row.key}: top-1 {r['top1_agreement']:.4f}, max |logit diff| {r['max_abs_logit_diff']:.3g}, "
-                f"decode 3 hops {r['decode_tok_s_native_3hop']:.1f} tok/s vs llama-cpp-python "
-                f"{r['decode_tok_s_llamacpp']:.1f} (ratio {r['decode_ratio_3hop_vs_llamacpp']:.3f}), "
-                f"greedy equal {bool(r['greedy_equal'])}",
-                flush=True,
-            )
-            for k, v in r.items():
-                result[f"{row.key}_{k}"] = round(v, 6) if k != "greedy_equal" else int(v)
+            for mode in modes:
+                cache_type = args.cache_type or row.cache_type
+                r = bench_arch(
+                    row, Path(tmp), args.threads, args.decode_tokens, args.rounds, mode, cache_type
+                )
+                print(
+                    f"{row.key} (flash attention {mode}, {cache_type}): top-1 {r['top1_agreement']:.4f}, "
+                    f"max |logit diff| {r['max_abs_logit_diff']:.3g}, decode 3 hops "
+                    f"{r['decode_tok_s_native_3hop']:.1f} tok/s vs llama-cpp-python "
+                    f"{r['decode_tok_s_llamacpp']:.1f} (ratio {r['decode_ratio_3hop_vs_llamacpp']:.3f}), "
+                    f"greedy equal {bool(r['greedy_equal'])}",
+                    flush=True,
+                )
+                suffix = "_flash" if mode == "on" else ""
+                for k, v in r.items():
+                    result[f"{row.key}_{k}{suffix}"] = round(v, 6) if k != "greedy_equal" else int(v)
     print(json.dumps(result))
 
 

@@ -9,7 +9,7 @@
 # barrier inside a graph spins 500 rounds, yields 20 times, then sleeps on a futex
 # (GGSWARM_BARRIER_SPIN / GGSWARM_BARRIER_YIELD): an idle hop leaves the cores to the hop that computes,
 # and hops computing at once on fewer cores than threads do not burn the core a preempted peer needs.
-# Measured against the shared build in docs/benchmarks.md ("Own ggml with a sleeping barrier"). The CPU
+# Measured against the shared build in docs/benchmarks-log.md ("Own ggml with a sleeping barrier"). The CPU
 # flags are those llama-cpp-python is built with, so the logits stay bit-exact with llama.cpp:
 # GGML_NATIVE=ON (its default, -march=native), LLAMAFILE on, AMX off (scripts/setup.sh), then CMAKE_ARGS
 # as pip got them.

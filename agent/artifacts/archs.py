@@ -17,7 +17,20 @@ from agent.wire.frames import CONTEXT_CAP
 # What the native executor runs today. Extend it (with the C architecture table, native/src/archs/)
 # when an architecture's layer windows are proved against llama.cpp (tests/native/test_archs.py).
 SERVABLE_ARCHITECTURES: frozenset[str] = frozenset(
-    {"llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen35", "qwen35moe", "glm-dsa", "deepseek4"}
+    {
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "gemma3",
+        "qwen35",
+        "qwen35moe",
+        "glm-dsa",
+        "deepseek4",
+        "qwen3moe",
+        "glm4moe",
+        "deepseek2",
+    }
 )
 
 STATE_KINDS = ("kv", "recurrent", "latent_kv", "compressed_kv")

@@ -22,9 +22,20 @@ import numpy as np
 
 from agent.artifacts import layouts
 from agent.artifacts.layouts import DEEPSEEK4_FLASH_ROPE_SCALING as DEEPSEEK4_FLASH_ROPE_SCALING
-from agent.artifacts.layouts import Builder, Tensor
+from agent.artifacts.layouts import DEEPSEEK_V3_ROPE_SCALING, Builder, Tensor
 
-ARCHITECTURES = ("llama", "qwen3", "gemma3", "qwen35", "qwen35moe", "deepseek4", "glm-dsa")
+ARCHITECTURES = (
+    "llama",
+    "qwen3",
+    "gemma3",
+    "qwen35",
+    "qwen35moe",
+    "deepseek4",
+    "glm-dsa",
+    "qwen3moe",
+    "glm4moe",
+    "deepseek2",
+)
 DTYPES = ("f32", "f16", "q8_0")
 D_MODEL = 64
 DEFAULT_LAYERS = {
@@ -35,6 +46,9 @@ DEFAULT_LAYERS = {
     "qwen35moe": 8,
     "deepseek4": 6,
     "glm-dsa": 6,
+    "qwen3moe": 4,
+    "glm4moe": 4,  # layer 0 dense, then experts; plus the MTP block every GLM-4.5 file ends with
+    "deepseek2": 4,  # layer 0 dense, then grouped experts
 }
 _FILE_TYPE = {"f32": 0, "f16": 1, "q8_0": 7}
 # Only matmul weights take the file's dtype; these stay f32 (the graphs read them as f32).
@@ -162,6 +176,30 @@ def _glm_dsa(b: Builder, n_layers: int, vocab: int, mtp: bool) -> None:
     layouts.glm_dsa(b, layouts.GlmDims(D_MODEL, n_layers, vocab, types, mtp=mtp))
 
 
+def _qwen3moe(b: Builder, n_layers: int, vocab: int, mtp: bool) -> None:
+    # Qwen3-235B-A22B's proportions: 4 query heads per KV head, softmax over 8 experts (of 128), 2 used
+    layouts.qwen3moe(b, layouts.MoeDims(D_MODEL, n_layers, vocab))
+
+
+def _glm4moe(b: Builder, n_layers: int, vocab: int, mtp: bool) -> None:
+    # GLM-4.5's: RoPE on half of each head, eps 1e-5, rope base 1e6, one expert group (no group limit);
+    # its files always carry the MTP block
+    dims = layouts.MoeDims(D_MODEL, n_layers, vocab, ctx=131072, eps=1e-5, n_rot=32, groups=1, group_used=1)
+    layouts.glm4moe(b, dims)
+
+
+def _deepseek2(b: Builder, n_layers: int, vocab: int, mtp: bool) -> None:
+    # DeepSeek-V3's: a latent row of kv_lora + rope (64 + 32 here, 512 + 64 there: whole q8_0 blocks of
+    # both, as llama.cpp requires of K and V), experts in 4 groups of which the best 2 compete (8 groups,
+    # 4 there), YaRN factor 40 over a 4K original context
+    dims = layouts.MoeDims(
+        D_MODEL, n_layers, vocab, ctx=163840, rope_base=10000.0, n_head=4, n_kv=1, n_rot=32, groups=4,
+        group_used=2, kv_lora=64, mtp=mtp,
+    )  # fmt: skip
+    layouts.deepseek2(b, dims)
+    b.rope_scaling(DEEPSEEK_V3_ROPE_SCALING)
+
+
 _BUILDERS: dict[str, Callable[[Builder, int, int, bool], None]] = {
     "llama": _llama,
     "qwen3": _qwen3,
@@ -170,8 +208,12 @@ _BUILDERS: dict[str, Callable[[Builder, int, int, bool], None]] = {
     "qwen35moe": _qwen35moe,
     "deepseek4": _deepseek4,
     "glm-dsa": _glm_dsa,
+    "qwen3moe": _qwen3moe,
+    "glm4moe": _glm4moe,
+    "deepseek2": _deepseek2,
 }
-_MTP_ARCHS = ("qwen35", "qwen35moe", "deepseek4", "glm-dsa")
+# glm4moe is not listed: its files always end with the MTP block, `mtp` or not
+_MTP_ARCHS = ("qwen35", "qwen35moe", "deepseek4", "glm-dsa", "deepseek2")
 
 
 def tensor_values(t: Tensor, rng: np.random.Generator) -> np.ndarray[Any, Any]:
@@ -252,10 +294,11 @@ def write_tiny_gguf(
     """Write a tiny random-weight GGUF of `arch` to `path`; the same arguments give the same bytes.
 
     `mtp` adds one multi-token-prediction block after the trunk (`nextn_predict_layers` = 1), for the
-    architectures that have one. The tokenizer is copied from SmolLM2's packaged GGUF unless
+    architectures that have one (glm4moe always has it, as every GLM-4.5/4.6/4.7 file does). The tokenizer is copied from SmolLM2's packaged GGUF unless
     `tokenizer_from` names another file. `hash_layers` (deepseek4 only, default 1): how many leading
     layers route their experts by token id. `rope_scaling` replaces the file's rope.scaling.* keys
-    (deepseek4 carries DeepSeek-V4-Flash's YaRN keys by default; `{}` writes none), e.g.
+    (deepseek4 carries DeepSeek-V4-Flash's YaRN keys by default, deepseek2 DeepSeek-V3's; `{}` writes
+    none), e.g.
     `{"type": "yarn", "factor": 4, "original_context_length": 32768}` as Qwen3's long-context files.
     `swiglu_clamp` (deepseek4): the experts' SwiGLU limit, one number or a list written as given
     (default 10.0 per layer, as an array like llama.cpp's converter writes it). `wide_heads` (qwen35,
@@ -269,7 +312,7 @@ def write_tiny_gguf(
         )
     if dtype not in DTYPES:
         raise TinyModelError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    if mtp and arch not in _MTP_ARCHS:
+    if mtp and arch not in _MTP_ARCHS and arch != "glm4moe":
         raise TinyModelError(
             f"{arch} has no multi-token-prediction block (those that do: {', '.join(_MTP_ARCHS)})"
         )

@@ -38,10 +38,22 @@ struct Hp {
     bool int_array(const char * key, std::vector<int64_t> * out) const;
 };
 
+// What read_attention_hparams lets through beyond the llama layer: routed experts (the architecture
+// reads them, read_moe_hparams) and RoPE on the first rope.dimension_count channels of a head only.
+struct AttnOpts {
+    bool experts = false;
+    bool partial_rope = false;
+};
+
 // The attention hyper-parameters most decoder architectures share: feed_forward_length, head counts,
-// head_dim (key_length = value_length), rope dimension (whole head), rms epsilon, rope base and linear
-// scaling, context length. Fills m and every m->lhp[il] with KV state and the model's rope base.
-ggswarm_status read_attention_hparams(ggswarm_model * m, const Hp & hp);
+// head_dim (key_length = value_length), rope dimension (whole head unless opts.partial_rope), rms
+// epsilon, rope base and linear scaling, context length. Fills m and every m->lhp[il] with KV state and
+// the model's rope base; refuses experts unless opts.experts.
+ggswarm_status read_attention_hparams(ggswarm_model * m, const Hp & hp, AttnOpts opts = {});
+
+// Multi-token-prediction blocks (nextn_predict_layers) follow the trunk in block_count; the trunk never
+// runs them: drops them from m->n_layers_total and m->lhp.
+ggswarm_status drop_mtp_layers(ggswarm_model * m, const Hp & hp);
 
 // rope.freq_base and RoPE scaling as llama.cpp reads them (m->rope_base, m->rope); read_hparams calls it
 // before the architecture's reader and gives every layer the model's values, which readers may override.
@@ -143,13 +155,36 @@ ggml_tensor * glu_ffn(ggml_context * c, ggml_tensor * x, ggml_tensor * gate, ggm
 
 enum class Gating { Softmax, Sigmoid };
 
-// A mixture of experts on x [d, n]: router logits gate_inp.x, probabilities by `gating`, the top
-// n_used experts per position (weights renormalised to sum 1 when norm_w, then times w_scale), each a
-// gated FFN from the stacked expert tensors ([d, ff, n_expert], down [ff, d, n_expert]); with a shared
-// expert (sh_gate/sh_up/sh_down, may be null) added, scaled by sigmoid(sh_gate_inp.x) when sh_gate_inp
-// is set. Returns [d, n].
+// The routed-expert hyper-parameters as llama.cpp reads them (llama_hparams): expert_count,
+// expert_used_count, expert_feed_forward_length (else feed_forward_length / used), expert_shared_count,
+// leading_dense_block_count, expert_weights_scale / _norm, expert_gating_func (0 or absent: `gating`
+// as given, the architecture's default), expert_group_count / _used_count (DeepSeek-V3's group-limited
+// routing). Refuses gating functions other than softmax (1) and sigmoid (2).
+struct MoeHp {
+    int32_t n_expert = 0, n_used = 0, n_ff_exp = 0, n_shexp = 0, dense_lead = 0;
+    int32_t n_groups = 0, n_group_used = 0;
+    float w_scale = 0.0f;  // 0 or 1: none
+    bool norm_w = false;
+    Gating gating = Gating::Softmax;
+
+    bool dense(int32_t il) const { return il < dense_lead; }
+};
+ggswarm_status read_moe_hparams(ggswarm_model * m, const Hp & hp, MoeHp * e);
+// Layer il's router and stacked experts (gate, up, down), exp_probs_b.bias when `bias` (optional unless
+// `need_bias`), and the shared expert (n_shexp x n_ff_exp wide) when e.n_shexp > 0.
+void want_experts(const ggswarm_model * m, const MoeHp & e, int32_t il, Layer & L, Wants & w, bool bias,
+                  bool need_bias = false);
+
+// A mixture of experts on x [d, n] (llama.cpp's build_moe_ffn): router logits gate_inp.x, probabilities
+// by `gating`; the top n_used experts per position chosen by the probabilities plus exp_probs_b (when
+// set), among the n_group_used groups with the best two-expert sums when n_groups > 1; their weights
+// from the unbiased probabilities (renormalised to sum 1 when norm_w, then times w_scale unless 0 or
+// 1), each a gated FFN from the stacked expert tensors ([d, ff, n_expert], down [ff, d, n_expert]);
+// with a shared expert (sh_gate/sh_up/sh_down, may be null) added, scaled by sigmoid(sh_gate_inp.x)
+// when sh_gate_inp is set. Returns [d, n].
 struct Moe {
     ggml_tensor * gate_inp = nullptr;
+    ggml_tensor * exp_probs_b = nullptr;
     ggml_tensor * gate_exps = nullptr;
     ggml_tensor * up_exps = nullptr;
     ggml_tensor * down_exps = nullptr;
@@ -159,12 +194,15 @@ struct Moe {
     ggml_tensor * sh_down = nullptr;
     int32_t n_expert = 0;
     int32_t n_used = 0;
+    int32_t n_groups = 0, n_group_used = 0;
     Gating gating = Gating::Softmax;
     bool norm_w = true;
     float w_scale = 1.0f;
     Act act = Act::Silu;
 };
 ggml_tensor * moe_ffn(ggml_context * c, ggml_tensor * x, const Moe & p);
+// The Moe of layer il from its tensors (want_experts') and e; the shared expert left to the caller.
+Moe routed_experts(const MoeHp & e, const Layer & L);
 
 // --- the table ----------------------------------------------------------------------------------------------
 
@@ -184,6 +222,8 @@ struct Arch {
     bool batches = false;
     // the cache types (bits 1 << ggml_type) its state kinds keep, ggswarm_set_cache_type; f16 for all
     uint32_t cache_types = 1u << GGML_TYPE_F16;
+    // optional: refuse a quantized cache type llama.cpp refuses beyond the head size (MLA: the value head)
+    ggswarm_status (*check_cache_type)(ggswarm_model * m, ggml_type t) = nullptr;
 };
 
 // What the KV state kind keeps (kv.cpp): f16, and q8_0 / q4_0 as llama.cpp's quantized caches.

@@ -463,6 +463,9 @@ ggswarm_status ggswarm_set_cache_type(ggswarm_model * m, int32_t type) {
         return fail(m, GGSWARM_E_UNSUPPORTED, "cache type %s with block size %lld does not divide the head size %d",
                     ggml_type_name(t), (long long)ggml_blck_size(t), m->head_dim);
     }
+    if (ggml_is_quantized(t) && m->archp->check_cache_type) {
+        if (ggswarm_status st = m->archp->check_cache_type(m, t)) return st;
+    }
     const ggml_type before = m->cache_type;
     m->cache_type = t;
     if (ggml_is_quantized(t)) {  // and whole blocks per row of every state tensor in that type

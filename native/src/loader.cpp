@@ -255,11 +255,11 @@ ggswarm_status read_rope_scaling(ggswarm_model * m, const Hp & hp) {
     return GGSWARM_OK;
 }
 
-ggswarm_status read_attention_hparams(ggswarm_model * m, const Hp & hp) {
+ggswarm_status read_attention_hparams(ggswarm_model * m, const Hp & hp, AttnOpts opts) {
     const char * a = hp.prefix.c_str();
     ggswarm_status st;
     int64_t v = 0;
-    if (hp.opt_int("expert_count", &v) && v > 0) {
+    if (!opts.experts && hp.opt_int("expert_count", &v) && v > 0) {
         return fail(m, GGSWARM_E_UNSUPPORTED, "%s with %lld experts (MoE) is not supported by the native backend",
                     m->arch.c_str(), (long long)v);
     }
@@ -284,7 +284,7 @@ ggswarm_status read_attention_hparams(ggswarm_model * m, const Hp & hp) {
     }
     m->n_rot = m->head_dim;
     if (hp.opt_int("rope.dimension_count", &v)) m->n_rot = (int32_t)v;
-    if (m->n_rot != m->head_dim) {
+    if (m->n_rot != m->head_dim && !(opts.partial_rope && m->n_rot > 0 && m->n_rot < m->head_dim && m->n_rot % 2 == 0)) {
         return fail(m, GGSWARM_E_UNSUPPORTED, "partial rotary embedding (%d of %d dims) is not supported", m->n_rot,
                     m->head_dim);
     }
@@ -294,6 +294,20 @@ ggswarm_status read_attention_hparams(ggswarm_model * m, const Hp & hp) {
     }
     m->eps = (float)f;
     for (LayerHp & l : m->lhp) l.state = StateKind::KV;  // RoPE: read_rope_scaling's, set before
+    return GGSWARM_OK;
+}
+
+ggswarm_status drop_mtp_layers(ggswarm_model * m, const Hp & hp) {
+    int32_t nextn = 0;
+    if (hp.has("nextn_predict_layers")) {
+        if (ggswarm_status st = hp.need_int("nextn_predict_layers", 0, 16, &nextn)) return st;
+    }
+    if (nextn >= m->n_layers_total) {
+        return fail(m, GGSWARM_E_FORMAT, "%snextn_predict_layers %d >= block_count %d", hp.prefix.c_str(), nextn,
+                    m->n_layers_total);
+    }
+    m->n_layers_total -= nextn;
+    m->lhp.resize(m->n_layers_total);
     return GGSWARM_OK;
 }
 

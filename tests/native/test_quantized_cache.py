@@ -42,6 +42,10 @@ CASES = {
     "glm-dsa-q8_0": ("glm-dsa", {"wide_heads": True, "n_layers": 9}, [(0, 3), (3, 6), (6, 9)], "q8_0"),
     "qwen35-q8_0": ("qwen35", {"wide_heads": True}, [(0, 3), (3, 4), (4, 8)], "q8_0"),
     "qwen35moe-q4_0": ("qwen35moe", {"wide_heads": True}, [(0, 3), (3, 4), (4, 8)], "q4_0"),
+    # mixtures of experts (heads of 64; deepseek2's latent row 64 + 32, not rotated, as llama.cpp's MLA)
+    "qwen3moe-q8_0": ("qwen3moe", {}, [(0, 1), (1, 3), (3, 4)], "q8_0"),
+    "glm4moe-q8_0": ("glm4moe", {}, [(0, 1), (1, 3), (3, 4)], "q8_0"),
+    "deepseek2-q8_0": ("deepseek2", {}, [(0, 1), (1, 3), (3, 4)], "q8_0"),
 }
 
 
@@ -138,11 +142,11 @@ def test_gemma3s_quantized_sliding_window_rings_agree_with_llama_cpp_past_the_wr
 
 
 @pytest.mark.parametrize("cache_type", ["q8_0", "q4_0"])
-@pytest.mark.parametrize("arch", ["deepseek4", "glm-dsa", "qwen35"])
+@pytest.mark.parametrize("arch", ["deepseek4", "glm-dsa", "qwen35", "glm4moe", "deepseek2"])
 def test_the_bytes_a_session_holds_are_the_manifests_estimate_in_that_type(
     native_lib: None, tmp_path: Path, arch: str, cache_type: str
 ) -> None:
-    kwargs = {} if arch == "deepseek4" else {"wide_heads": True}
+    kwargs = {"wide_heads": True} if arch in ("glm-dsa", "qwen35") else {}
     path = write_tiny_gguf(arch, tmp_path / f"{arch}.gguf", **kwargs)  # type: ignore[arg-type]
     manifest = build_manifest(str(path), hash_tensors=False)
     n = 1024

@@ -236,7 +236,7 @@ def test_state_and_checkpoints_are_charged_to_the_node_budget(gguf: str, text_id
 
 def test_the_backend_takes_its_checkpoint_interval_from_its_options(gguf: str, text_ids: list[int]) -> None:
     from agent.artifacts.manifest import build_manifest
-    from agent.backends.base import ShardSpec
+    from agent.backends.base import ShardSpec, StepInput
     from agent.backends.native import NativeBackend
     from agent.wire.ids import SessionId
 
@@ -245,7 +245,7 @@ def test_the_backend_takes_its_checkpoint_interval_from_its_options(gguf: str, t
     sid = SessionId(bytes(16))
     try:
         be.open_session(sid, 1024)
-        be.forward(sid, 0, token_ids=np.asarray(text_ids[:250], dtype=np.int32))
+        be.forward(StepInput(sid, 0, token_ids=np.asarray(text_ids[:250], dtype=np.int32)))
         assert be.model.checkpoints(be.sessions[sid]) == [200, 250]  # 100 went first: at most 2
         assert be.truncate_to(sid, 230) == (200, "checkpoint")
         assert be.session_len(sid) == 200

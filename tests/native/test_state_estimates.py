@@ -1,7 +1,7 @@
 """The manifest's per-layer state estimate (placement, audits, the hand-off size bound) matches what the
 native executor really keeps: a snapshot of n positions of a window is the manifest's figure, give or
 take the snapshot's headers, for every state kind (f16 KV, gemma3's sliding layers, qwen35's recurrent
-state, glm-dsa's latents); deepseek4's rings and per-block caches and gemma3's sliding-window rings are
+state, glm-dsa's and deepseek2's latents, the MoE families' KV); deepseek4's rings and per-block caches and gemma3's sliding-window rings are
 what a session holds, of which a snapshot carries only what the next position reads."""
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ N_POSITIONS = 300  # past gemma3's 32-token window and deepseek4's ratio-128 blo
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen35", "glm-dsa", "deepseek4"])
+@pytest.mark.parametrize(
+    "arch", ["llama", "gemma3", "qwen35", "glm-dsa", "deepseek4", "qwen3moe", "glm4moe", "deepseek2"]
+)
 def test_a_snapshot_of_n_positions_is_the_manifests_state_estimate_at_n(
     native_lib: None, tmp_path, arch: str
 ) -> None:  # noqa: ANN001

@@ -145,18 +145,40 @@ ggml_tensor * glu_ffn(ggml_context * c, ggml_tensor * x, ggml_tensor * gate, ggm
     return ggml_mul_mat(c, down, h);
 }
 
+namespace {
+
+// DeepSeek-V3's group-limited routing: keep the selection scores of the n_group_used groups whose two
+// best experts score highest, -inf elsewhere; select [n_expert, n] -> the same.
+ggml_tensor * limit_to_groups(ggml_context * c, ggml_tensor * select, const Moe & p) {
+    const int64_t n = select->ne[1], per = p.n_expert / p.n_groups;
+    ggml_tensor * groups = ggml_reshape_3d(c, select, per, p.n_groups, n);
+    ggml_tensor * best2 = ggml_argsort_top_k(c, groups, 2);  // [2, n_groups, n]
+    ggml_tensor * score = ggml_get_rows(c, ggml_reshape_4d(c, groups, 1, per, p.n_groups, n), best2);
+    score = ggml_sum_rows(c, ggml_reshape_3d(c, score, 2, p.n_groups, n));  // [1, n_groups, n]
+    ggml_tensor * kept = ggml_argsort_top_k(c, ggml_reshape_2d(c, score, p.n_groups, n), p.n_group_used);
+    ggml_tensor * rows = ggml_get_rows(c, groups, kept);  // [per, n_group_used, n]
+    ggml_tensor * out = ggml_set_rows(c, ggml_fill(c, groups, -INFINITY), rows, kept);
+    return ggml_reshape_2d(c, out, p.n_expert, n);
+}
+
+}  // namespace
+
 ggml_tensor * moe_ffn(ggml_context * c, ggml_tensor * x, const Moe & p) {
     const int64_t d = x->ne[0], n = x->ne[1];
     ggml_tensor * logits = ggml_mul_mat(c, p.gate_inp, x);  // [n_expert, n]
     ggml_tensor * probs = p.gating == Gating::Sigmoid ? ggml_sigmoid(c, logits) : ggml_soft_max(c, logits);
-    ggml_tensor * sel = ggml_argsort_top_k(c, probs, p.n_used);  // [n_used, n] expert ids
+    // the selection bias chooses the experts; their weights stay the unbiased probabilities
+    ggml_tensor * select = p.exp_probs_b ? ggml_add(c, probs, p.exp_probs_b) : probs;
+    if (p.n_groups > 1 && n > 0) select = limit_to_groups(c, select, p);
+    ggml_tensor * sel = ggml_argsort_top_k(c, select, p.n_used);  // [n_used, n] expert ids
     ggml_tensor * w = ggml_get_rows(c, ggml_reshape_3d(c, probs, 1, p.n_expert, n), sel);  // [1, n_used, n]
     if (p.norm_w) {
         ggml_tensor * w2 = ggml_reshape_2d(c, w, p.n_used, n);
-        w2 = ggml_div(c, w2, ggml_sum_rows(c, w2));
+        // a sum below f16's smallest normal is clamped there, as llama.cpp does (exact otherwise)
+        w2 = ggml_div(c, w2, ggml_clamp(c, ggml_sum_rows(c, w2), 6.103515625e-5f, INFINITY));
         w = ggml_reshape_3d(c, w2, 1, p.n_used, n);
     }
-    if (p.w_scale != 1.0f) w = ggml_scale(c, w, p.w_scale);
+    if (p.w_scale != 0.0f && p.w_scale != 1.0f) w = ggml_scale(c, w, p.w_scale);
     ggml_tensor * x3 = ggml_reshape_3d(c, x, d, 1, n);
     ggml_tensor * up = ggml_mul_mat_id(c, p.up_exps, x3, sel);     // [ff, n_used, n]
     ggml_tensor * gate = ggml_mul_mat_id(c, p.gate_exps, x3, sel);
@@ -174,6 +196,84 @@ ggml_tensor * moe_ffn(ggml_context * c, ggml_tensor * x, const Moe & p) {
         sum = ggml_add(c, sum, sh);
     }
     return sum;
+}
+
+ggswarm_status read_moe_hparams(ggswarm_model * m, const Hp & hp, MoeHp * e) {
+    const char * a = hp.prefix.c_str();
+    ggswarm_status st;
+    if ((st = hp.need_int("expert_count", 1, 4096, &e->n_expert))) return st;
+    if ((st = hp.need_int("expert_used_count", 1, e->n_expert, &e->n_used))) return st;
+    int64_t v = 0;
+    if (hp.has("expert_feed_forward_length")) {
+        if ((st = hp.need_int("expert_feed_forward_length", 1, 1 << 22, &e->n_ff_exp))) return st;
+    } else if (m->n_ff > 0) {
+        e->n_ff_exp = m->n_ff / e->n_used;  // llama.cpp's fallback
+    } else {
+        return fail(m, GGSWARM_E_FORMAT, "%sexpert_feed_forward_length is missing", a);
+    }
+    if (hp.has("expert_shared_count") && (st = hp.need_int("expert_shared_count", 0, 64, &e->n_shexp))) return st;
+    if (hp.has("leading_dense_block_count")) {
+        if ((st = hp.need_int("leading_dense_block_count", 0, m->n_layers_total, &e->dense_lead))) return st;
+    }
+    if (hp.has("expert_group_count") && (st = hp.need_int("expert_group_count", 0, e->n_expert, &e->n_groups))) return st;
+    if (hp.has("expert_group_used_count")) {
+        if ((st = hp.need_int("expert_group_used_count", 0, e->n_expert, &e->n_group_used))) return st;
+    }
+    if (e->n_groups > 1 && (e->n_expert % e->n_groups != 0 || e->n_group_used < 1 || e->n_group_used >= e->n_groups ||
+                            e->n_expert / e->n_groups < 2)) {
+        return fail(m, GGSWARM_E_FORMAT, "%sexpert_group_count %d / expert_group_used_count %d do not fit %d experts", a,
+                    e->n_groups, e->n_group_used, e->n_expert);
+    }
+    double f = 0;
+    if (hp.has("expert_weights_scale") && !hp.opt_float("expert_weights_scale", &f)) {
+        return fail(m, GGSWARM_E_FORMAT, "%sexpert_weights_scale is not a number", a);
+    }
+    e->w_scale = (float)f;
+    if (hp.opt_bool("expert_weights_norm", &e->norm_w) < 0) {
+        return fail(m, GGSWARM_E_FORMAT, "%sexpert_weights_norm is not a bool", a);
+    }
+    if (hp.opt_int("expert_gating_func", &v) && v != 0) {
+        if (v != 1 && v != 2) {
+            return fail(m, GGSWARM_E_UNSUPPORTED, "%sexpert_gating_func %lld: only softmax (1) and sigmoid (2) are supported",
+                        a, (long long)v);
+        }
+        e->gating = v == 2 ? Gating::Sigmoid : Gating::Softmax;
+    }
+    m->nodes_per_layer = std::max(m->nodes_per_layer, 96 + 4 * e->n_used);  // a view and an add per expert used
+    return GGSWARM_OK;
+}
+
+void want_experts(const ggswarm_model * m, const MoeHp & e, int32_t il, Layer & L, Wants & w, bool bias, bool need_bias) {
+    const int64_t d = m->d_model, ne = e.n_expert, ff = e.n_ff_exp, sh = (int64_t)e.n_ff_exp * e.n_shexp;
+    w.need(blk(il, "ffn_gate_inp.weight"), {d, ne}, &L.ffn_gate_inp);
+    if (bias && need_bias) w.need(blk(il, "exp_probs_b.bias"), {ne}, &L.extra["exp_probs_b"]);
+    else if (bias) w.opt(blk(il, "exp_probs_b.bias"), {ne}, &L.extra["exp_probs_b"]);
+    w.need(blk(il, "ffn_gate_exps.weight"), {d, ff, ne}, &L.ffn_gate_exps);
+    w.need(blk(il, "ffn_up_exps.weight"), {d, ff, ne}, &L.ffn_up_exps);
+    w.need(blk(il, "ffn_down_exps.weight"), {ff, d, ne}, &L.ffn_down_exps);
+    if (sh > 0) {
+        w.need(blk(il, "ffn_gate_shexp.weight"), {d, sh}, &L.ffn_gate_shexp);
+        w.need(blk(il, "ffn_up_shexp.weight"), {d, sh}, &L.ffn_up_shexp);
+        w.need(blk(il, "ffn_down_shexp.weight"), {sh, d}, &L.ffn_down_shexp);
+    }
+}
+
+Moe routed_experts(const MoeHp & e, const Layer & L) {
+    Moe p;
+    p.gate_inp = L.ffn_gate_inp;
+    auto b = L.extra.find("exp_probs_b");
+    p.exp_probs_b = b == L.extra.end() ? nullptr : b->second;
+    p.gate_exps = L.ffn_gate_exps;
+    p.up_exps = L.ffn_up_exps;
+    p.down_exps = L.ffn_down_exps;
+    p.n_expert = e.n_expert;
+    p.n_used = e.n_used;
+    p.n_groups = e.n_groups;
+    p.n_group_used = e.n_group_used;
+    p.gating = e.gating;
+    p.norm_w = e.norm_w;
+    p.w_scale = e.w_scale;
+    return p;
 }
 
 // --- the tables ------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@
 // its reference graph runs, in which order), so the numbers follow llama.cpp's; no code is copied.
 //
 // Every layer keeps a latent cache row per position: the normed kv_lora compression followed by the
-// roped key part (StateKind::Latent); V is a view of its first kv_lora columns, and the absorbed
+// roped key part (mla.h's latent state kind); V is a view of its first kv_lora columns, and the absorbed
 // query attends it as one shared head. Full-indexer layers also keep an indexer-K row per position
 // and pick, per query, the top_k cached positions by the lightning indexer's score; shared-indexer
 // layers attend the top-k positions of the previous full-indexer layer. That index tensor never
@@ -17,16 +17,13 @@
 #include <vector>
 
 #include "arch.h"
+#include "archs/mla.h"
 
 namespace ggswarm {
 namespace {
 
-// This unit's state kind (registered below; model.h's StateKind names the shared ones).
-constexpr StateKind kLatent = static_cast<StateKind>(4);
-
-// What a glm-dsa handle knows beyond ggswarm_model's common fields (m->arch_data).
-struct Dsa : ArchData {
-    int32_t q_lora = 0, kv_lora = 0, nope = 0, k_mla = 0, v_mla = 0;
+// What a glm-dsa handle knows beyond MLA's (m->arch_data).
+struct Dsa : Mla {
     int32_t idx_heads = 0, idx_len = 0, top_k = 0;
     int32_t n_expert = 0, n_used = 0, n_ff_exp = 0, n_shexp = 0, dense_lead = 0;
     float w_scale = 1.0f;
@@ -34,7 +31,7 @@ struct Dsa : ArchData {
     bool sigmoid = true;
     std::vector<uint8_t> full;  // per layer of the model: 1 = full indexer, 0 = shares the previous one's
 
-    int64_t latent() const { return (int64_t)kv_lora + (k_mla - nope); }  // cached columns per position
+    int64_t second_row(int32_t il) const override { return full[il] ? idx_len : 0; }  // indexer keys
 };
 
 const Dsa & dsa(const ggswarm_model * m) { return *static_cast<const Dsa *>(m->arch_data.get()); }
@@ -116,7 +113,7 @@ ggswarm_status read(ggswarm_model * m, const Hp & hp) {
 
 void want(const ggswarm_model * m, int32_t il, Layer & L, Wants & w) {
     const Dsa & d = dsa(m);
-    const int64_t dm = m->d_model, nh = m->n_head;
+    const int64_t dm = m->d_model;
     if (il == m->layer_start && !d.full[il]) {
         // the planner never places a seam here; a window handed such a range is refused at open
         int32_t prev = il;
@@ -125,15 +122,7 @@ void want(const ggswarm_model * m, int32_t il, Layer & L, Wants & w) {
                    std::to_string(prev) + "'s indexer top-k; start windows at full-indexer layers)",
                {1}, &L.extra["refused"]);
     }
-    w.need(blk(il, "attn_norm.weight"), {dm}, &L.attn_norm);
-    w.need(blk(il, "attn_q_a_norm.weight"), {d.q_lora}, &L.extra["attn_q_a_norm"]);
-    w.need(blk(il, "attn_kv_a_norm.weight"), {d.kv_lora}, &L.extra["attn_kv_a_norm"]);
-    w.need(blk(il, "attn_q_a.weight"), {dm, d.q_lora}, &L.extra["attn_q_a"]);
-    w.need(blk(il, "attn_q_b.weight"), {d.q_lora, nh * d.k_mla}, &L.extra["attn_q_b"]);
-    w.need(blk(il, "attn_kv_a_mqa.weight"), {dm, d.latent()}, &L.extra["attn_kv_a_mqa"]);
-    w.need(blk(il, "attn_k_b.weight"), {d.nope, d.kv_lora, nh}, &L.extra["attn_k_b"]);
-    w.need(blk(il, "attn_v_b.weight"), {d.kv_lora, d.v_mla, nh}, &L.extra["attn_v_b"]);
-    w.need(blk(il, "attn_output.weight"), {nh * d.v_mla, dm}, &L.wo);
+    want_mla(m, il, L, w);
     w.need(blk(il, "ffn_norm.weight"), {dm}, &L.ffn_norm);
     if (d.full[il]) {
         w.need(blk(il, "indexer.k_norm.weight"), {d.idx_len}, &L.extra["indexer_k_norm"]);
@@ -181,16 +170,6 @@ ggml_tensor * hadamard(ggml_context * c, int64_t n) {
 }
 
 
-// The causal mask of the window's new positions over the attended span, [n_kv, n] f32: 0 where cache
-// row j <= the position, -inf elsewhere; computed in the graph from the positions (log(1 - step(j - p))).
-ggml_tensor * causal_mask(Build & b) {
-    ggml_context * c = b.c;
-    ggml_tensor * j = ggml_reshape_2d(c, ggml_arange(c, 0.0f, (float)b.n_kv, 1.0f), b.n_kv, 1);
-    ggml_tensor * p = ggml_reshape_2d(c, ggml_cast(c, b.g.inp_pos, GGML_TYPE_F32), 1, b.n);
-    ggml_tensor * later = ggml_step(c, ggml_sub(c, ggml_repeat_4d(c, j, b.n_kv, b.n, 1, 1), p));
-    return ggml_log(c, ggml_scale_bias(c, later, -1.0f, 1.0f));
-}
-
 // Lightning indexer of a full-indexer layer: appends the new positions' indexer keys to the cache and
 // returns the top-k cached positions per new position, [k, n] i32.
 // rot: the Hadamard block (one per graph, shared by its full-indexer layers).
@@ -223,31 +202,9 @@ ggml_tensor * indexer_top_k(Build & b, int32_t il, ggml_tensor * cur, ggml_tenso
 // MLA attention of layer il over the latent cache, restricted to top_k [k, n] (plus causality).
 ggml_tensor * mla_attention(Build & b, int32_t il, ggml_tensor * cur, ggml_tensor * qr, ggml_tensor * top_k,
                             ggml_tensor * mask) {
-    ggswarm_model * m = b.m;
     ggml_context * c = b.c;
-    const Dsa & d = dsa(m);
     const Layer & L = b.layer(il);
-    const int64_t n = b.n, nh = m->n_head, rot = m->n_rot, lora = d.kv_lora, lat = d.latent();
-    ggml_tensor * q = ggml_mul_mat(c, extra(L, "attn_q_b"), qr);  // [nh * k_mla, n]
-    const size_t qrow = ggml_row_size(q->type, d.k_mla);
-    ggml_tensor * q_nope = ggml_view_3d(c, q, d.nope, nh, n, qrow, qrow * nh, 0);
-    ggml_tensor * q_pe = ggml_view_3d(c, q, rot, nh, n, qrow, qrow * nh, ggml_row_size(q->type, d.nope));
-    ggml_tensor * kvpe = ggml_mul_mat(c, extra(L, "attn_kv_a_mqa"), cur);  // [lat, n]
-    const size_t krow = ggml_row_size(kvpe->type, lat);
-    ggml_tensor * kv = ggml_view_2d(c, kvpe, lora, n, krow, 0);
-    ggml_tensor * k_pe = ggml_view_3d(c, kvpe, rot, 1, n, krow, krow, ggml_row_size(kvpe->type, lora));
-    q_pe = rope(b, il, q_pe);
-    k_pe = rope(b, il, k_pe);
-    kv = rms(c, kv, extra(L, "attn_kv_a_norm"), m->eps);
-    // absorb wk_b into the query: attention runs over the latent rows as one shared head
-    ggml_tensor * qa = ggml_mul_mat(c, extra(L, "attn_k_b"), ggml_permute(c, q_nope, 0, 2, 1, 3));
-    qa = ggml_permute(c, qa, 0, 2, 1, 3);  // [lora, nh, n]
-    ggml_tensor * Q = ggml_concat(c, qa, q_pe, 0);
-    ggml_tensor * K = ggml_concat(c, ggml_reshape_3d(c, kv, lora, 1, n), k_pe, 0);
-    ggml_build_forward_expand(b.g.gf, Q);
-    ggml_build_forward_expand(b.g.gf, K);
-    ggml_tensor * cache = b.state(il)[0];
-    ggml_build_forward_expand(b.g.gf, ggml_set_rows(c, cache, ggml_reshape_2d(c, K, lat, n), b.g.inp_pos));
+    const MlaQk qk = mla_qk(b, il, cur, ggml_mul_mat(c, extra(L, "attn_q_b"), qr));
     // the sparse mask: -inf except at the top-k positions, plus causality
     ggml_tensor * all = ggml_fill(c, mask, -INFINITY);
     all = ggml_view_3d(c, all, 1, all->ne[0], all->ne[1], all->nb[0], all->nb[1], 0);
@@ -255,66 +212,37 @@ ggml_tensor * mla_attention(Build & b, int32_t il, ggml_tensor * cur, ggml_tenso
     ggml_tensor * sparse = ggml_set_rows(c, all, zeros, top_k);
     sparse = ggml_view_2d(c, sparse, sparse->ne[1], sparse->ne[2], sparse->nb[2], 0);
     sparse = ggml_add(c, sparse, mask);
-    ggml_tensor * kview = ggml_view_3d(c, cache, lat, 1, b.n_kv, cache->nb[1], cache->nb[1], 0);
-    ggml_tensor * vview = ggml_view_3d(c, cache, lora, 1, b.n_kv, cache->nb[1], cache->nb[1], 0);
-    ggml_tensor * qp = ggml_permute(c, Q, 0, 2, 1, 3);
-    ggml_tensor * kp = ggml_permute(c, kview, 0, 2, 1, 3);
-    ggml_tensor * vp = ggml_permute(c, vview, 0, 2, 1, 3);
     // llama.cpp pre-scales by YaRN's magnitude squared: attn_factor with ggml's own correction undone
     // (glm-dsa reads no yarn_log_multiplier); 1 for files without rope scaling
     const RopeScaling & rs = b.m->rope;
     const float mscale = rs.attn_factor * (1.0f + 0.1f * logf(1.0f / rs.freq_scale));
-    const float kq_scale = mscale * mscale / sqrtf((float)d.k_mla);
-    ggml_tensor * kqv;
-    if (ggml_is_quantized(m->cache_type)) {
-        // llama.cpp runs a quantized cache with flash attention (the mask in f16: 0 and -inf, exact);
-        // its latent cache is not rotated (build_attn for the DSA input applies no k_rot)
-        ggml_tensor * o = ggml_flash_attn_ext(c, qp, kp, vp, ggml_cast(c, sparse, GGML_TYPE_F16), kq_scale, 0.0f, 0.0f);
-        ggml_flash_attn_ext_set_n_kv_max(o, (int32_t)top_k->ne[0]);
-        ggml_prec_set_acc(o, GGML_PREC_F32);
-        kqv = ggml_permute(c, o, 0, 2, 1, 3);  // [lora, nh, n] -> [lora, n, nh]
-    } else {
-        ggml_tensor * kq = ggml_mul_mat(c, kp, qp);  // [n_kv, n, nh]
-        ggml_prec_set_acc(kq, GGML_PREC_F32);
-        kq = ggml_soft_max_ext(c, kq, sparse, kq_scale, 0.0f);
-        ggml_tensor * vt = ggml_cont(c, ggml_transpose(c, vp));
-        kqv = ggml_mul_mat(c, vt, kq);  // [lora, n, nh]
-    }
-    kqv = ggml_mul_mat(c, extra(L, "attn_v_b"), kqv);  // [v_mla, n, nh]
-    ggml_tensor * out = ggml_permute(c, kqv, 0, 2, 1, 3);
-    out = ggml_cont_2d(c, out, out->ne[0] * out->ne[1], out->ne[2] * out->ne[3]);
-    return ggml_mul_mat(c, L.wo, out);
+    const float kq_scale = mscale * mscale / sqrtf((float)dsa(b.m).k_mla);
+    // llama.cpp runs a quantized cache with flash attention (the mask in f16: 0 and -inf, exact); its
+    // latent cache is not rotated (build_attn for the DSA input applies no k_rot)
+    const bool flash = ggml_is_quantized(b.m->cache_type);
+    return ggml_mul_mat(c, L.wo, mla_attend(b, il, qk, sparse, flash, (int32_t)top_k->ne[0], kq_scale));
 }
 
 // Sigmoid-gated routed experts (selection biased by exp_probs_b, weights from the unbiased
 // probabilities, normalised and scaled) plus the shared expert.
 ggml_tensor * moe(Build & b, int32_t il, ggml_tensor * x) {
-    ggml_context * c = b.c;
     const Dsa & d = dsa(b.m);
     const Layer & L = b.layer(il);
-    const int64_t dm = x->ne[0], n = x->ne[1], ne = d.n_expert, nu = d.n_used;
-    ggml_tensor * probs = ggml_sigmoid(c, ggml_mul_mat(c, L.ffn_gate_inp, x));  // [ne, n]
-    ggml_tensor * bias = extra(L, "exp_probs_b");
-    ggml_tensor * select = bias ? ggml_add(c, probs, bias) : probs;
-    ggml_tensor * sel = ggml_argsort_top_k(c, select, (int)nu);  // [nu, n]
-    ggml_tensor * w = ggml_get_rows(c, ggml_reshape_3d(c, probs, 1, ne, n), sel);  // [1, nu, n]
-    if (d.norm_w) {
-        ggml_tensor * w2 = ggml_reshape_2d(c, w, nu, n);
-        ggml_tensor * sum = ggml_clamp(c, ggml_sum_rows(c, w2), 6.103515625e-5f, INFINITY);
-        w = ggml_reshape_3d(c, ggml_div(c, w2, sum), 1, nu, n);
-    }
-    if (d.w_scale != 0.0f && d.w_scale != 1.0f) w = ggml_scale(c, w, d.w_scale);
-    ggml_build_forward_expand(b.g.gf, w);
-    ggml_tensor * x3 = ggml_reshape_3d(c, x, dm, 1, n);
-    ggml_tensor * up = ggml_mul_mat_id(c, L.ffn_up_exps, x3, sel);
-    ggml_tensor * gate = ggml_mul_mat_id(c, L.ffn_gate_exps, x3, sel);
-    ggml_tensor * h = ggml_swiglu_split(c, gate, up);
-    ggml_tensor * out = ggml_mul(c, ggml_mul_mat_id(c, L.ffn_down_exps, h, sel), w);  // [dm, nu, n]
-    ggml_tensor * sum = ggml_view_2d(c, out, dm, n, out->nb[2], 0);
-    for (int64_t i = 1; i < nu; ++i) sum = ggml_add(c, sum, ggml_view_2d(c, out, dm, n, out->nb[2], (size_t)i * out->nb[1]));
-    if (nu == 1) sum = ggml_cont(c, sum);
-    if (L.ffn_up_shexp) sum = ggml_add(c, sum, glu_ffn(c, x, L.ffn_gate_shexp, L.ffn_up_shexp, L.ffn_down_shexp, Act::Silu));
-    return sum;
+    Moe p;
+    p.gate_inp = L.ffn_gate_inp;
+    p.exp_probs_b = extra(L, "exp_probs_b");
+    p.gate_exps = L.ffn_gate_exps;
+    p.up_exps = L.ffn_up_exps;
+    p.down_exps = L.ffn_down_exps;
+    p.sh_gate = L.ffn_gate_shexp;
+    p.sh_up = L.ffn_up_shexp;
+    p.sh_down = L.ffn_down_shexp;
+    p.n_expert = d.n_expert;
+    p.n_used = d.n_used;
+    p.gating = Gating::Sigmoid;
+    p.norm_w = d.norm_w;
+    p.w_scale = d.w_scale;
+    return moe_ffn(b.c, x, p);
 }
 
 ggml_tensor * build(Build & b, ggml_tensor * x) {
@@ -342,61 +270,8 @@ ggml_tensor * build(Build & b, ggml_tensor * x) {
     return x;
 }
 
-const Arch kGlmDsa = {"glm-dsa", read, want, build, nullptr, false, kKvCacheTypes};
+const Arch kGlmDsa = {"glm-dsa", read, want, build, nullptr, false, kKvCacheTypes, mla_check_cache_type};
 ArchRegistration reg(&kGlmDsa);
-
-// --- the latent state kind: per position one latent row, and on full-indexer layers one indexer-K row,
-// both in the cache type; rows are whole positions, so growth, truncation and snapshots are exact -------
-
-std::vector<int64_t> row_elems(const ggswarm_model * m, int32_t il) {
-    const Dsa & d = dsa(m);
-    std::vector<int64_t> r{d.latent()};
-    if (d.full[il]) r.push_back(d.idx_len);
-    return r;
-}
-
-void lat_plan(const ggswarm_model * m, int32_t il, int64_t cap, ggml_context * ctx, std::vector<ggml_tensor *> & out) {
-    for (int64_t e : row_elems(m, il)) out.push_back(ggml_new_tensor_2d(ctx, m->cache_type, e, cap));
-}
-
-void lat_carry(const ggswarm_model * m, int32_t il, const std::vector<ggml_tensor *> & from,
-               const std::vector<ggml_tensor *> & to, int32_t len) {
-    std::vector<uint8_t> tmp;
-    for (size_t i = 0; i < from.size(); ++i) {
-        const size_t bytes = (size_t)len * from[i]->nb[1];
-        tmp.resize(bytes);
-        ggml_backend_tensor_get(from[i], tmp.data(), 0, bytes);
-        ggml_backend_tensor_set(to[i], tmp.data(), 0, bytes);
-    }
-}
-
-uint64_t lat_per_token(const ggswarm_model * m, int32_t il) {
-    uint64_t b = 0;
-    for (int64_t e : row_elems(m, il)) b += ggml_row_size(m->cache_type, e);
-    return b;
-}
-
-uint64_t lat_snapshot_bytes(const ggswarm_model * m, int32_t il, int32_t len) { return (uint64_t)len * lat_per_token(m, il); }
-
-void lat_save(const ggswarm_model * m, int32_t il, const std::vector<ggml_tensor *> & t, int32_t len, uint8_t * p) {
-    for (ggml_tensor * x : t) {
-        const size_t bytes = (size_t)len * x->nb[1];
-        ggml_backend_tensor_get(x, p, 0, bytes);
-        p += bytes;
-    }
-}
-
-void lat_load(const ggswarm_model * m, int32_t il, const std::vector<ggml_tensor *> & t, int32_t len, const uint8_t * p) {
-    for (ggml_tensor * x : t) {
-        const size_t bytes = (size_t)len * x->nb[1];
-        ggml_backend_tensor_set(x, p, 0, bytes);
-        p += bytes;
-    }
-}
-
-const StateOps kLatentState = {kLatent, "latent", 2, lat_plan, lat_carry, lat_per_token, lat_snapshot_bytes,
-                               lat_save, lat_load};
-StateRegistration reg_latent(&kLatentState);
 
 }  // namespace
 }  // namespace ggswarm

@@ -1,0 +1,67 @@
+// qwen3moe (Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder-480B-A35B): the qwen3 layer (per-head RMS norms of
+// q and k before NEOX RoPE) with a softmax-routed mixture of experts in place of the FFN: the top
+// expert_used_count experts, their weights renormalised to sum 1 (llama.cpp passes norm_w = true and
+// reads no expert_weights_scale for it), no shared expert. The long-context files declare YaRN, which
+// the loader's RoPE scaling covers.
+
+#include <cmath>
+#include <memory>
+
+#include "arch.h"
+
+namespace ggswarm {
+namespace {
+
+struct Experts : ArchData {
+    MoeHp e;
+};
+
+const MoeHp & experts(const ggswarm_model * m) { return static_cast<const Experts *>(m->arch_data.get())->e; }
+
+ggswarm_status read(ggswarm_model * m, const Hp & hp) {
+    if (ggswarm_status st = read_attention_hparams(m, hp, {true, false})) return st;
+    auto d = std::make_shared<Experts>();
+    if (ggswarm_status st = read_moe_hparams(m, hp, &d->e)) return st;
+    d->e.gating = Gating::Softmax;  // as llama.cpp's graph hard-codes them, whatever the keys say
+    d->e.norm_w = true;
+    d->e.w_scale = 0.0f;
+    d->e.n_shexp = 0;
+    d->e.dense_lead = 0;
+    m->rope_mode = GGML_ROPE_TYPE_NEOX;
+    m->arch_data = d;
+    return GGSWARM_OK;
+}
+
+void want(const ggswarm_model * m, int32_t il, Layer & L, Wants & w) {
+    want_attention(m, il, L, w);
+    w.need(blk(il, "attn_q_norm.weight"), {m->head_dim}, &L.q_norm);
+    w.need(blk(il, "attn_k_norm.weight"), {m->head_dim}, &L.k_norm);
+    w.need(blk(il, "ffn_norm.weight"), {m->d_model}, &L.ffn_norm);
+    want_experts(m, experts(m), il, L, w, false);
+}
+
+ggml_tensor * build(Build & b, ggml_tensor * x) {
+    ggswarm_model * m = b.m;
+    ggml_context * c = b.c;
+    const float kq_scale = 1.0f / sqrtf((float)m->head_dim);
+    for (int32_t il = m->layer_start; il < m->layer_end; ++il) {
+        const Layer & L = b.layer(il);
+        ggml_tensor * cur = rms(c, x, L.attn_norm, m->eps);
+        Qkv a = qkv(b, il, cur);
+        ggml_tensor * q = rope(b, il, rms(c, a.q, L.q_norm, m->eps));
+        ggml_tensor * k = rope(b, il, rms(c, a.k, L.k_norm, m->eps));
+        cur = attention(b, il, q, k, a.v, kq_scale);
+        cur = linear(c, L.wo, L.bo, cur);
+        keep_last(b, il, &cur, &x);
+        ggml_tensor * h = ggml_add(c, cur, x);
+        cur = moe_ffn(c, rms(c, h, L.ffn_norm, m->eps), routed_experts(experts(m), L));
+        x = ggml_add(c, cur, h);
+    }
+    return x;
+}
+
+const Arch kQwen3Moe = {"qwen3moe", read, want, build, nullptr, true, kKvCacheTypes};
+ArchRegistration reg(&kQwen3Moe);
+
+}  // namespace
+}  // namespace ggswarm
