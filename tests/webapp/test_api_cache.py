@@ -6,6 +6,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from webapp.api.cache import Entry, PrefixCache
+from webapp.routing.answer import LiveRoute
 
 
 @dataclass
@@ -22,7 +23,7 @@ class Clock:
 
 
 def entry(key: int, history: list[int], model: int = 1) -> Entry:
-    return Entry(key, model, uuid.uuid4(), Held(history), [])
+    return Entry(key, LiveRoute(uuid.uuid4(), model, Held(history), [], 8192))
 
 
 def test_a_prompt_extending_a_cached_history_takes_that_entry_and_marks_it_busy() -> None:

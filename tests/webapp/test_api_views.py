@@ -20,7 +20,9 @@ from webapp.api.cache import PrefixCache, common_prefix
 from webapp.api.models import ApiUsage
 from webapp.api.params import parse_chat
 from webapp.fleet.models import Node, ShardAssignment
+from webapp.routing import session
 from webapp.routing.models import RouteSession
+from webapp.telemetry.models import GenerationRecord
 
 pytestmark = pytest.mark.django_db(transaction=True)
 ANSWER = " Paris is the capital of France."
@@ -38,6 +40,8 @@ class FakeRouteClient:
         self.history: list[int] = []
         self.hop_stats = [HopStats() for _ in hops]
         self.last_prefilled, self.mode = 0, "star"
+        self.last_truncate: dict[str, Any] = {}
+        self.recoveries: list[dict[str, Any]] = []
         self.last_response: Response | None = None
         self.closed, self.generating = False, False
         self.prefills: list[int] = []
@@ -80,7 +84,7 @@ class FakeRouteClient:
 def fresh(monkeypatch: pytest.MonkeyPatch, settings: Any) -> None:
     settings.REDIS_URL = ""  # rate windows in this process, per test
     FakeRouteClient.instances = []
-    monkeypatch.setattr(engine, "RouteClient", FakeRouteClient)
+    monkeypatch.setattr(session, "RouteClient", FakeRouteClient)
     monkeypatch.setattr(engine, "cache", PrefixCache(max_entries=8, max_per_key=2))
     monkeypatch.setattr(keys, "rate_limiter", keys.RateLimiter())
 
@@ -126,7 +130,7 @@ async def sse(r: Any) -> list[Any]:
 
 
 def tokenizer(artifact: Any) -> Any:
-    return engine.tokenizer_for(artifact.path)
+    return session.tokenizer_for(artifact.path)
 
 
 async def test_a_missing_a_malformed_and_a_revoked_key_get_401_in_openais_shape(
@@ -439,7 +443,7 @@ class EvictedRouteClient(FakeRouteClient):
 async def test_a_cached_route_that_fails_before_the_first_token_is_replaced_once(
     async_client: Any, api_key: tuple[str, Any], placed: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(engine, "RouteClient", EvictedRouteClient)
+    monkeypatch.setattr(session, "RouteClient", EvictedRouteClient)
     plain = api_key[0]
     one = await post(async_client, "/v1/chat/completions", {"model": placed.name, "messages": Q}, plain)
     turn2 = [*Q, {"role": "assistant", "content": ANSWER}, {"role": "user", "content": "And of Italy?"}]
@@ -477,7 +481,7 @@ class DyingRouteClient(FakeRouteClient):
 async def test_hops_out_of_capacity_give_503_overloaded_with_retry_after(
     async_client: Any, api_key: tuple[str, Any], placed: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(engine, "RouteClient", FullRouteClient)
+    monkeypatch.setattr(session, "RouteClient", FullRouteClient)
     r = await post(async_client, "/v1/chat/completions", {"model": placed.name, "messages": Q}, api_key[0])
     assert_error(r, 503, "overloaded")
     assert r["Retry-After"] == engine.RETRY_AFTER_S and FakeRouteClient.instances[0].closed
@@ -486,7 +490,7 @@ async def test_hops_out_of_capacity_give_503_overloaded_with_retry_after(
 async def test_a_route_failing_mid_stream_ends_the_stream_with_an_error_event(
     async_client: Any, api_key: tuple[str, Any], placed: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(engine, "RouteClient", DyingRouteClient)
+    monkeypatch.setattr(session, "RouteClient", DyingRouteClient)
     body = {"model": placed.name, "messages": Q, "stream": True}
     r = await post(async_client, "/v1/chat/completions", body, api_key[0])
     raw = b"".join([c async for c in r.streaming_content]).decode()
@@ -496,3 +500,5 @@ async def test_a_route_failing_mid_stream_ends_the_stream_with_an_error_event(
     assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1])
     assert FakeRouteClient.instances[0].closed
     assert (await database_sync_to_async(RouteSession.objects.get)()).state == RouteSession.State.BROKEN
+    record = await database_sync_to_async(GenerationRecord.objects.get)()
+    assert "hop 0 unreachable" in record.error and record.n_generated == 3, "the failure is on record"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -12,24 +11,49 @@ from channels.db import database_sync_to_async
 from channels.testing import WebsocketCommunicator
 from django.contrib.auth.models import AnonymousUser
 
-from agent.client.route import HopStats
+from agent.client.route import HopStats, RouteClient, RouteError
 from agent.wire.control import CLOSE_UNAUTHORIZED
 from webapp.fleet.models import Node, ShardAssignment
 from webapp.playground import consumers, live
 from webapp.playground.consumers import ChatConsumer
 from webapp.playground.models import Conversation, Message
+from webapp.routing import session as route_session
 from webapp.routing.models import RouteSession
 from webapp.telemetry.models import GenerationRecord
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-@dataclass
-class Event:
-    text: str = ""
-    token: int | None = None
-    done: bool = False
-    telemetry: dict[str, Any] = field(default_factory=dict)
+class FakeTokenizer:
+    """Stands in for ChatTokenizer: a prompt is one token per chat message, an answer one per part."""
+
+    eos_id = 0
+    eot_ids = {eos_id}
+    n_vocab = 1 << 30
+
+    def __init__(self) -> None:
+        self.ids: dict[str, int] = {}
+        self.texts: dict[int, str] = {}
+        self.messages: dict[int, dict[str, str]] = {}
+
+    def _id(self, key: str) -> int:
+        return self.ids.setdefault(key, len(self.ids) + 1)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        ids = [self._id(f"{m['role']}\0{m['content']}") for m in messages]
+        self.messages.update({t: dict(m) for t, m in zip(ids, messages, strict=True)})
+        return ids
+
+    def token(self, text: str) -> int:
+        t = self._id(text)
+        self.texts[t] = text
+        return t
+
+    def decode_bytes(self, ids: list[int]) -> bytes:
+        return "".join(self.texts[i] for i in ids).encode()
+
+    def is_end(self, token: int) -> bool:
+        return token in self.eot_ids
 
 
 class FakeRouteClient:
@@ -40,59 +64,63 @@ class FakeRouteClient:
     instances: list[FakeRouteClient] = []
     answer: tuple[str, ...] = ("Hel", "lo")
     step_s = 0.0
+    hop_telemetry = RouteClient.hop_telemetry  # the real per-hop figures, from hops and hop_stats
 
     def __init__(
         self,
         hops: list[Any],
-        tokenizer: Any,
+        tokenizer: FakeTokenizer,
         session_id: bytes | None = None,
         max_context: int = 8192,
         **options: Any,
     ) -> None:
-        self.hops, self.session_id, self.max_context = hops, session_id, max_context
-        self.options = options  # replacements: the failover provider the consumer passes
+        self.hops, self.tok, self.session_id, self.max_context = hops, tokenizer, session_id, max_context
+        self.options = options  # replacements: the failover provider the service passes
         self.calls: list[list[dict[str, str]]] = []
         self.closed, self.in_flight, self.generator_closed = False, False, False
         self.hop_stats = [HopStats() for _ in hops]
         self.history: list[int] = []
+        self.sampled = 0  # tokens handed out, the end token included
+        self.last_prefilled, self.mode, self.last_truncate = 0, "chain", {}
+        self.recoveries: list[dict[str, Any]] = []
         FakeRouteClient.instances.append(self)
 
-    async def _step(self) -> None:
+    async def _step(self, ids: list[int]) -> None:
         self.in_flight = True
         await asyncio.sleep(self.step_s)
         for s in self.hop_stats:
             s.compute_ms += 5
             s.network_ms += 1
-        self.history.append(len(self.history))
+        self.history.extend(ids)
         self.in_flight = False
 
-    async def chat(
-        self, messages: list[dict[str, str]], sampling: Any, max_tokens: int
-    ) -> AsyncIterator[Event]:
-        self.calls.append([dict(m) for m in messages])
+    async def generate(
+        self,
+        prompt: list[int],
+        sampling: Any,
+        max_tokens: int,
+        stop_ids: Any = None,
+        want_logits: bool = False,
+    ) -> AsyncIterator[tuple[int, float]]:
+        self.calls.append([self.tok.messages[t] for t in prompt])
         self.sampling, self.max_tokens = sampling, max_tokens
+        common = 0  # the prefix the hops keep; the last prompt position is always computed again
+        while common < min(len(self.history), len(prompt) - 1) and self.history[common] == prompt[common]:
+            common += 1
+        del self.history[common:]
+        self.last_prefilled = len(prompt) - common
+        tokens = [self.tok.token(part) for part in self.answer] + [self.tok.eos_id]
         try:
-            for i, part in enumerate(self.answer):
-                await self._step()
-                yield Event(text=part, token=i)
+            await self._step(prompt[common:])
+            for n, t in enumerate(tokens[:max_tokens]):
+                if n:
+                    await self._step([tokens[n - 1]])
+                self.sampled += 1
+                yield t, 0.0
+                if stop_ids and t in stop_ids:
+                    break
         finally:
             self.generator_closed = True
-        yield Event(
-            done=True,
-            telemetry={
-                "ttft_ms": 12.5,
-                "tok_s": 80.0,
-                "n_prompt": 10,
-                "n_prefilled": 10,
-                "n_reused": 0,
-                "n_generated": len(self.answer),
-                "wire_bytes": 100,
-                "hops": [
-                    {"url": h.url, "layers": [h.layer_start, h.layer_end], "compute_ms": 5, "network_ms": 1}
-                    for h in self.hops
-                ],
-            },
-        )
 
     async def close(self) -> None:
         self.closed = True
@@ -110,20 +138,19 @@ class HangingRouteClient(FakeRouteClient):
 
     answer = ("Hel", "lo", " world")
 
-    async def _step(self) -> None:
-        if len(self.history) >= 2:
+    async def _step(self, ids: list[int]) -> None:
+        if self.sampled >= 2:
             self.in_flight = True
             await asyncio.sleep(3600)
-        await super()._step()
+        await super()._step(ids)
 
 
 @pytest.fixture
 def fake_client(monkeypatch: pytest.MonkeyPatch) -> type[FakeRouteClient]:
-    import agent.client.route
-
     FakeRouteClient.instances = []
-    monkeypatch.setattr(agent.client.route, "RouteClient", FakeRouteClient)
-    monkeypatch.setattr(consumers, "_tokenizer", lambda path: object())
+    tok = FakeTokenizer()
+    monkeypatch.setattr(route_session, "RouteClient", FakeRouteClient)
+    monkeypatch.setattr(route_session, "tokenizer_for", lambda path: tok)
     monkeypatch.setattr(live, "PARK_S", 0.0)  # a socket's route closes with it unless a test parks it
     return FakeRouteClient
 
@@ -176,7 +203,10 @@ async def test_an_answer_streams_into_a_new_saved_conversation_and_turn_two_reus
     assert [e["type"] for e in events if e["type"] != "progress"] == ["start", "delta", "delta", "done"]
     start = events[0]
     assert start["created"] and start["title"] == "hi there" and start["context"] == 8192
-    assert done["text"] == "Hello" and done["telemetry"]["ttft_ms"] == 12.5 and not done["stopped"]
+    assert done["text"] == "Hello" and not done["stopped"]
+    t = done["telemetry"]
+    assert t["ttft_ms"] > 0 and t["n_generated"] == 2 and t["session"] == start["session"]
+    assert t["n_prompt"] == 2 and t["n_prefilled"] == 2 and not t["reused_route"]
     assert [b["layers"] for b in done["bars"]] == ["0–15", "15–30"]
     assert [(h["layer_start"], h["layer_end"]) for h in start["route"]] == [(0, 15), (15, 30)]
     cid = done["conversation"]
@@ -195,11 +225,12 @@ async def test_an_answer_streams_into_a_new_saved_conversation_and_turn_two_reus
         {"role": "user", "content": "again"},
     ]
     assert client.max_tokens == 8 and client.max_context == 8192
+    assert done2["telemetry"]["n_reused"] == 2, "turn 2 prefills only what the hops do not hold"
     msgs = await db(lambda: list(Message.objects.filter(conversation_id=cid).values_list("role", "content")))
     assert msgs == [("user", "hi there"), ("assistant", "Hello"), ("user", "again"), ("assistant", "Hello")]
     session = await db(RouteSession.objects.get)
     assert session.id.bytes == client.session_id and session.state == RouteSession.State.OPEN
-    assert session.n_turns == 2 and session.n_positions == 4
+    assert session.n_turns == 2 and session.n_positions == len(client.history)
     assert await db(GenerationRecord.objects.filter(session=session).count) == 2
     await ws.disconnect()
     assert client.closed
@@ -209,9 +240,7 @@ async def test_an_answer_streams_into_a_new_saved_conversation_and_turn_two_reus
 async def test_telemetry_bars_move_while_the_answer_streams(
     member: Any, placed: Any, fake_client: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import agent.client.route
-
-    monkeypatch.setattr(agent.client.route, "RouteClient", SlowRouteClient)
+    monkeypatch.setattr(route_session, "RouteClient", SlowRouteClient)
     monkeypatch.setattr(SlowRouteClient, "answer", tuple(f"w{i} " for i in range(40)))
     monkeypatch.setattr(consumers, "PROGRESS_S", 0.05)
     ws = chat_socket(member)
@@ -230,9 +259,7 @@ async def test_telemetry_bars_move_while_the_answer_streams(
 async def test_stop_ends_the_answer_between_steps_keeps_the_route_and_saves_the_partial_answer(
     member: Any, placed: Any, fake_client: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import agent.client.route
-
-    monkeypatch.setattr(agent.client.route, "RouteClient", SlowRouteClient)
+    monkeypatch.setattr(route_session, "RouteClient", SlowRouteClient)
     ws = chat_socket(member)
     await ws.connect()
     await ws.send_json_to({"type": "chat", "model": placed.pk, "message": "talk forever"})
@@ -244,15 +271,15 @@ async def test_stop_ends_the_answer_between_steps_keeps_the_route_and_saves_the_
     assert done["type"] == "done" and done["stopped"] and done["telemetry"]["stopped"]
     client = FakeRouteClient.instances[0]
     assert not client.in_flight and client.generator_closed and not client.closed
-    n = len(client.history)
+    n, held = client.sampled, len(client.history)
     assert 6 <= n < 100 and done["telemetry"]["n_generated"] == n
     assert done["text"].startswith("w0 w1 w2 w3 w4 w5 ")
     saved = await db(lambda: Message.objects.get(role="assistant"))
     assert saved.stopped and saved.content == done["text"]
     await asyncio.sleep(0.1)
-    assert len(client.history) == n, "nothing runs on the hops after Stop"
+    assert len(client.history) == held, "nothing runs on the hops after Stop"
     session = await db(RouteSession.objects.get)
-    assert session.state == RouteSession.State.OPEN and session.n_positions == n
+    assert session.state == RouteSession.State.OPEN and session.n_positions == held
 
     # The route (and its KV) carries on: turn 2 goes to the same client.
     monkeypatch.setattr(SlowRouteClient, "answer", ("ok",))
@@ -266,9 +293,7 @@ async def test_stop_ends_the_answer_between_steps_keeps_the_route_and_saves_the_
 async def test_stop_during_a_step_that_never_ends_abandons_it_and_closes_the_route(
     member: Any, placed: Any, fake_client: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import agent.client.route
-
-    monkeypatch.setattr(agent.client.route, "RouteClient", HangingRouteClient)
+    monkeypatch.setattr(route_session, "RouteClient", HangingRouteClient)
     monkeypatch.setattr(consumers, "STOP_GRACE_S", 0.2)
     ws = chat_socket(member)
     await ws.connect()
@@ -344,12 +369,13 @@ async def test_deleting_a_conversation_frees_its_parked_route(
     ("bad", "why"),
     [
         ("{", "malformed JSON"),
-        ('{"message": "hi"}', "model must be a number"),
+        ('{"message": "hi"}', "'model' is required"),
         ('{"model": 1, "message": ""}', "type a message first"),
-        ('{"model": 1, "message": "x", "temperature": "hot"}', "temperature must be a number"),
-        ('{"model": 1, "message": "x", "top_p": 1.5}', "top_p must be between 0 and 1"),
-        ('{"model": 1, "message": "x", "max_tokens": 0}', "max_tokens must be between 1 and 131072"),
-        ('{"model": 1, "message": "x", "seed": -1}', "seed must be between"),
+        ('{"model": 1, "message": "x", "temperature": "hot"}', "'temperature' must be a number"),
+        ('{"model": 1, "message": "x", "temperature": 3}', "'temperature' must be between 0 and 2, not 3"),
+        ('{"model": 1, "message": "x", "top_p": 1.5}', "'top_p' must be between 0 and 1, not 1.5"),
+        ('{"model": 1, "message": "x", "max_tokens": 0}', "'max_tokens' must be between 1 and 2147483648"),
+        ('{"model": 1, "message": "x", "seed": "1.5"}', "'seed' must be an integer"),
         ('{"model": 1, "message": "x", "system": 5}', "system prompt must be text"),
         ('{"type": "dance"}', "unknown message type"),
         ("[]", "unknown message type"),
@@ -413,23 +439,19 @@ async def test_a_model_that_is_not_placed_gets_a_clear_error_and_the_turn_is_for
 class DyingRouteClient(FakeRouteClient):
     """The first route dies after one delta (its own recovery gave up); later routes answer normally."""
 
-    async def chat(
-        self, messages: list[dict[str, str]], sampling: Any, max_tokens: int
-    ) -> AsyncIterator[Event]:
+    async def generate(self, prompt: list[int], *args: Any, **kw: Any) -> AsyncIterator[tuple[int, float]]:
         if len(FakeRouteClient.instances) == 1:
-            self.calls.append(messages)
-            yield Event(text="Hel", token=0)
+            self.calls.append([self.tok.messages[t] for t in prompt])
+            yield self.tok.token("Hel"), 0.0
             raise ConnectionResetError("hop 2 went away")
-        async for ev in super().chat(messages, sampling, max_tokens):
-            yield ev
+        async for x in super().generate(prompt, *args, **kw):
+            yield x
 
 
 async def test_a_route_whose_recovery_gives_up_ends_the_turn_with_a_clear_error_at_once(
     member: Any, placed: Any, fake_client: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import agent.client.route
-
-    monkeypatch.setattr(agent.client.route, "RouteClient", DyingRouteClient)
+    monkeypatch.setattr(route_session, "RouteClient", DyingRouteClient)
     ws = chat_socket(member)
     await ws.connect()
     await ws.send_json_to({"model": placed.pk, "message": "hi"})
@@ -440,6 +462,8 @@ async def test_a_route_whose_recovery_gives_up_ends_the_turn_with_a_clear_error_
     assert first.closed and callable(first.options["replacements"])
     states = await db(lambda: sorted(RouteSession.objects.values_list("state", flat=True)))
     assert states == ["broken"]
+    record = await db(GenerationRecord.objects.get)
+    assert "hop 2 went away" in record.error and record.n_generated == 1
     await ws.disconnect()
 
 
@@ -499,4 +523,38 @@ async def test_reopening_a_conversation_whose_route_is_gone_re_prefills_its_save
     ]
     states = await db(lambda: sorted(RouteSession.objects.values_list("state", flat=True)))
     assert states == ["closed", "open"]
+    await ws2.disconnect()
+
+
+class EvictedRouteClient(FakeRouteClient):
+    """A route whose hops dropped the session while it was parked: its next step fails."""
+
+    async def generate(self, prompt: list[int], *args: Any, **kw: Any) -> AsyncIterator[tuple[int, float]]:
+        if self.history:
+            raise RouteError("hop 0 answered 404 unknown_session", status=404, code="unknown_session", hop=0)
+        async for x in super().generate(prompt, *args, **kw):
+            yield x
+
+
+async def test_a_reclaimed_route_that_fails_before_the_first_token_is_replaced_once(
+    member: Any, placed: Any, fake_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(route_session, "RouteClient", EvictedRouteClient)
+    monkeypatch.setattr(live, "PARK_S", 60.0)
+    ws = chat_socket(member)
+    await ws.connect()
+    await ws.send_json_to({"model": placed.pk, "message": "remember me"})
+    _, done = await answer(ws)
+    await ws.disconnect()
+
+    ws2 = chat_socket(member)  # the reloaded page, after the hops forgot the session
+    await ws2.connect()
+    await ws2.send_json_to({"model": placed.pk, "conversation": done["conversation"], "message": "well?"})
+    events, again = await answer(ws2)
+    assert again["type"] == "done" and again["text"] == "Hello", "the user sees one answer"
+    assert not again["telemetry"]["reused_route"] and again["telemetry"]["n_reused"] == 0
+    first, second = FakeRouteClient.instances
+    assert first.closed and not second.closed
+    states = await db(lambda: dict(RouteSession.objects.values_list("id", "state")))
+    assert sorted(states.values()) == ["broken", "open"]
     await ws2.disconnect()

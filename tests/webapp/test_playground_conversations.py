@@ -6,16 +6,17 @@ from typing import Any
 
 import pytest
 
+from agent import defaults
 from agent.wire.frames import CONTEXT_CAP
 from webapp.playground.chat import (
     ChatRequestError,
     check_context,
-    model_context,
     parse_chat_request,
     parse_title,
     title_from,
 )
 from webapp.playground.models import Conversation, Message
+from webapp.routing.session import capacity_of
 
 
 @pytest.fixture
@@ -140,19 +141,31 @@ def test_a_chat_request_carries_every_sampling_control_and_the_system_prompt() -
     assert req.settings()["seed"] == 42 and req.settings()["max_tokens"] == 20000
     fresh = parse_chat_request({"model": 1, "message": "hi", "conversation": None, "temperature": ""})
     assert fresh.conversation_id is None and fresh.system is None and fresh.sampling.temperature == 0.0
+    assert fresh.sampling.seed == 0 and fresh.settings()["seed"] is None, "greedy needs no seed"
+
+
+def test_an_empty_seed_box_samples_afresh_and_is_remembered_empty() -> None:
+    seeds = {
+        parse_chat_request({"model": 1, "message": "hi", "temperature": "0.8"}).sampling.seed
+        for _ in range(4)
+    }
+    assert len(seeds) > 1
+    negative = parse_chat_request({"model": 1, "message": "hi", "seed": "-1"})
+    assert negative.sampling.seed == 2**64 - 1 and negative.settings()["seed"] == -1, "as the user typed it"
 
 
 @pytest.mark.parametrize(
     ("field", "value", "why"),
     [
-        ("max_tokens", CONTEXT_CAP + 1, "max_tokens must be between 1 and 131072"),
-        ("max_tokens", "1.5", "max_tokens must be a number"),
-        ("temperature", "nan", "temperature must be between"),
-        ("top_p", -0.1, "top_p must be between 0 and 1"),
-        ("top_k", 1001, "top_k must be between 0 and 1000"),
-        ("seed", 2**31, "seed must be between 0 and 2147483647"),
-        ("seed", True, "seed must be a number"),
-        ("conversation", "abc", "conversation must be a number"),
+        ("max_tokens", 2**31 + 1, "'max_tokens' must be between 1 and 2147483648"),
+        ("max_tokens", "1.5", "'max_tokens' must be an integer"),
+        ("temperature", "nan", "'temperature' must be between 0 and 2, not nan"),
+        ("temperature", "2.5", "'temperature' must be between 0 and 2, not 2.5"),
+        ("top_p", -0.1, "'top_p' must be between 0 and 1"),
+        ("top_k", 1001, "'top_k' must be between 0 and 1000"),
+        ("seed", 2**64, "'seed' must be between -9223372036854775808 and 18446744073709551615"),
+        ("seed", True, "'seed' must be an integer"),
+        ("conversation", "abc", "'conversation' must be an integer"),
         ("system", "x" * 16001, "system prompt longer than 16000 characters"),
     ],
 )
@@ -164,9 +177,13 @@ def test_a_bad_sampling_control_is_refused_with_a_message_that_names_it(
 
 
 def test_max_tokens_may_reach_the_models_own_context_capped_at_128k() -> None:
-    assert model_context({"context_length": 8192}) == 8192
-    assert model_context({"context_length": 1_000_000}) == CONTEXT_CAP
-    assert model_context({"context_length": 0}) == CONTEXT_CAP and model_context(None) == CONTEXT_CAP
+    assert capacity_of({"context_length": 8192}) == 8192
+    assert capacity_of({"context_length": 1_000_000}) == CONTEXT_CAP
+    assert capacity_of({"context_length": 0}) == defaults.MAX_CONTEXT == capacity_of(None)
+    with pytest.raises(ChatRequestError, match=f"exceeds this model's context of {CONTEXT_CAP} tokens"):
+        check_context(
+            parse_chat_request({"model": 1, "message": "hi", "max_tokens": CONTEXT_CAP + 1}), CONTEXT_CAP
+        )
     check_context(parse_chat_request({"model": 1, "message": "hi", "max_tokens": 8192}), 8192)
     with pytest.raises(ChatRequestError, match="exceeds this model's context of 8192 tokens"):
         check_context(parse_chat_request({"model": 1, "message": "hi", "max_tokens": 8193}), 8192)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -122,3 +123,13 @@ def test_the_cli_prints_a_plan_as_json(capsys: pytest.CaptureFixture[str]) -> No
     assert main(["plan", model, str(SPECS / "fleets" / "gpu-4x80gb.json"), "--context", "131072"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["error"] == "" and out["decode_tok_s"] > 0 and len(out["hops"]) == 4
+
+
+def test_the_audit_cli_writes_a_page_that_names_the_command_that_made_it(tmp_path: Path) -> None:
+    from webapp.fleet.audit import main as audit
+
+    spec, out = str(SPECS / "models" / "glm-5.2.json"), tmp_path / "glm.md"
+    assert audit([spec, "--out", str(out)]) == 0
+    page = out.read_text()
+    assert page.startswith("# Audit: GLM-5.2") and f"python -m webapp.fleet.audit {spec} --out" in page
+    assert "## Placement on sample fleets (predicted)" in page

@@ -10,12 +10,11 @@ and closed (KV freed on every hop) when dropped. Only the event loop thread touc
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from webapp.env import envint
+from webapp.routing.answer import LiveRoute
 
 MAX_ENTRIES = envint("API_PREFIX_CACHE_MAX", 32, minimum=0)
 MAX_PER_KEY = envint("API_PREFIX_CACHE_PER_KEY", 4, minimum=1)
@@ -33,13 +32,10 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 @dataclass
 class Entry:
-    """One live route session: its client (which holds the token history) and where it runs."""
+    """One key's live route (its client holds the token history), and when it was opened and last used."""
 
     key_id: int
-    artifact_id: int
-    session_id: uuid.UUID
-    client: Any  # agent.client.route.RouteClient
-    route: list[dict[str, Any]]
+    live: LiveRoute
     created: float = field(default_factory=time.monotonic)
     last_used: float = field(default_factory=time.monotonic)
     busy: bool = False
@@ -88,9 +84,9 @@ class PrefixCache:
         cutting back another conversation's KV."""
         best, best_n = None, 0
         for e in self.entries:
-            if e.busy or e.key_id != key_id or e.artifact_id != artifact_id:
+            if e.busy or e.key_id != key_id or e.live.artifact_id != artifact_id:
                 continue
-            held = list(e.client.history)
+            held = list(e.live.client.history)
             n = common_prefix(held, prompt)
             if n > best_n and 4 * n >= 3 * len(held):
                 best, best_n = e, n

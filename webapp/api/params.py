@@ -1,16 +1,17 @@
 """Parsing and validating OpenAI request bodies into one request type, and OpenAI's error shape.
 
-Pure functions (no Django, no I/O): the unit tests drive them directly.
+Pure functions (no Django, no I/O): the unit tests drive them directly. Sampling parameters and
+lengths go through the validator the playground uses too (webapp/routing/sampling.py).
 """
 
 from __future__ import annotations
 
 import json
-import secrets
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from agent.wire.sampling import SamplingParams
+from webapp.routing.sampling import LIMITS, Limit, ParamError, number, parse_sampling
 
 MAX_STOP = 4
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default: unseeded requests sample
@@ -85,15 +86,12 @@ def _is_num(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool)
 
 
-def _number(body: dict[str, Any], name: str, lo: float, hi: float, integer: bool = False) -> Any:
-    v = body.get(name)
-    if v is None:
-        return None
-    if not _is_num(v) or (integer and not (isinstance(v, int) or float(v).is_integer())):
-        raise bad(f"'{name}' must be {'an integer' if integer else 'a number'}", name, "invalid_type")
-    if not (lo <= v <= hi):
-        raise bad(f"'{name}' must be between {lo:g} and {hi:g}, not {v}", name)
-    return int(v) if integer else float(v)
+def _number(body: dict[str, Any], name: str, limit: Limit | None = None) -> Any:
+    """A numeric parameter within its limit (the shared one of that name unless given); None if absent."""
+    try:
+        return number(body, name, limit)
+    except ParamError as e:
+        raise bad(str(e), e.param, e.code) from None
 
 
 def _flag(body: dict[str, Any], name: str) -> bool:
@@ -180,24 +178,10 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
 
 
 def _sampling(body: dict[str, Any]) -> SamplingParams:
-    d = SamplingParams()
-    temperature = _number(body, "temperature", 0.0, 2.0)
-    top_p = _number(body, "top_p", 0.0, 1.0)
-    seed = _number(body, "seed", -(2**63), 2**64 - 1, integer=True)
-    t = DEFAULT_TEMPERATURE if temperature is None else temperature
-    if top_p == 0.0:
-        t = 0.0  # nothing but the most likely token can pass
-    if seed is None:
-        # Unseeded sampling differs from call to call, as with OpenAI; seeded sampling repeats exactly.
-        seed = secrets.randbits(63) if t > 0 else 0
-    return SamplingParams(
-        temperature=t,
-        top_k=_number(body, "top_k", 0, 1000, integer=True) or d.top_k,
-        top_p=d.top_p if top_p in (None, 0.0) else top_p,
-        min_p=_number(body, "min_p", 0.0, 1.0) or d.min_p,
-        repeat_penalty=_number(body, "repeat_penalty", 0.5, 2.0) or d.repeat_penalty,
-        seed=seed & (2**64 - 1),
-    )
+    try:
+        return parse_sampling(body, DEFAULT_TEMPERATURE)
+    except ParamError as e:
+        raise bad(str(e), e.param, e.code) from None
 
 
 def _common(body: dict[str, Any], kind: Literal["chat", "completion"]) -> dict[str, Any]:
@@ -205,9 +189,9 @@ def _common(body: dict[str, Any], kind: Literal["chat", "completion"]) -> dict[s
     if not isinstance(model, str) or not model:
         raise bad("'model' is required", "model", "missing_required_parameter")
     _refuse_unsupported(body)
-    max_tokens = _number(body, "max_tokens", 1, 2**31, integer=True)
+    max_tokens = _number(body, "max_tokens")
     if kind == "chat":
-        mct = _number(body, "max_completion_tokens", 1, 2**31, integer=True)
+        mct = _number(body, "max_completion_tokens", LIMITS["max_tokens"])
         if mct is not None:
             max_tokens = mct if max_tokens is None else min(max_tokens, mct)
     stream = _flag(body, "stream")
@@ -235,7 +219,7 @@ def parse_chat(body: dict[str, Any]) -> GenRequest:
     common = _common(body, "chat")
     messages = _messages(body.get("messages"))
     logprobs = _flag(body, "logprobs")
-    top = _number(body, "top_logprobs", 0, MAX_TOP_LOGPROBS_CHAT, integer=True)
+    top = _number(body, "top_logprobs", Limit(0, MAX_TOP_LOGPROBS_CHAT, integer=True))
     if top is not None and not logprobs:
         raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     return GenRequest(messages=messages, logprobs=logprobs, top_logprobs=top or 0, **common)
@@ -252,5 +236,5 @@ def parse_completion(body: dict[str, Any]) -> GenRequest:
             raise bad("'prompt' must be a string or a list of token ids (one prompt per request)", "prompt")
     elif not isinstance(prompt, str) or not prompt:
         raise bad("'prompt' must be a non-empty string", "prompt", "missing_required_parameter")
-    n = _number(body, "logprobs", 0, MAX_LOGPROBS_COMPLETION, integer=True)
+    n = _number(body, "logprobs", Limit(0, MAX_LOGPROBS_COMPLETION, integer=True))
     return GenRequest(prompt=prompt, logprobs=n is not None, top_logprobs=n or 0, **common)

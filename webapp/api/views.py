@@ -22,6 +22,7 @@ from webapp.api.engine import Generation, Piece
 from webapp.api.models import ApiKey
 from webapp.api.params import ApiError, GenRequest, parse_body, parse_chat, parse_completion
 from webapp.core.auth import login_required_403
+from webapp.routing import session
 
 log = logging.getLogger(__name__)
 ApiView = Callable[..., Coroutine[Any, Any, HttpResponseBase]]
@@ -92,7 +93,7 @@ def _model_row(a: Any) -> dict[str, Any]:
         "x_swarm": {
             "sha256": a.sha256,
             "n_layers": a.n_layers,
-            "context_length": engine._context_of(a),
+            "context_length": session.capacity_of(a.manifest),
             "architecture": a.architecture,
         },
     }

@@ -60,10 +60,6 @@ class Node(models.Model):
     def __str__(self) -> str:
         return f"{self.name} ({self.id})"
 
-    @property
-    def is_routable(self) -> bool:
-        return self.state == self.State.ONLINE and bool(self.dataplane_url)
-
 
 class EnrollmentToken(models.Model):
     """A one-time, expiring token an admin hands to a new node; only its hash is stored."""

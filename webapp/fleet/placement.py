@@ -137,9 +137,6 @@ class Plan:
     replicas: int
     notes: tuple[str, ...] = ()
 
-    def for_node(self, node_id: NodeId) -> list[Placement]:
-        return [p for p in self.placements if p.node_id == node_id]
-
 
 def device_free_bytes(
     host_free_bytes: int,

@@ -1,7 +1,8 @@
 """Placement simulator: model spec x fleet -> the real planner's placement, predicted decode tok/s and TTFT.
 
-    python -m webapp.fleet.simulate plan  MODEL.json FLEET.json [--quant Q4_K_M] [--context 8192]
-    python -m webapp.fleet.simulate audit MODEL.json [--fleets DIR] [--out PAGE.md]
+    python -m webapp.fleet.simulate plan MODEL.json FLEET.json [--quant Q4_K_M] [--context 8192]
+
+(Audit pages built on it: `python -m webapp.fleet.audit`, webapp/fleet/audit.py.)
 
 Pure functions underneath (no Django, no I/O but the CLI's). The model of one decode step is the route
 client's default (star) mode: the client calls each hop in turn, so a step costs, per hop, a round trip
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -362,8 +362,6 @@ def load_json(path: str | Path) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from webapp.fleet.audit import render_audit  # the page renderer is only the CLI's concern
-
     ap = argparse.ArgumentParser(prog="python -m webapp.fleet.simulate", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     pl = sub.add_parser("plan", help="place one model on one fleet and predict decode tok/s and TTFT (JSON)")
@@ -373,24 +371,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     pl.add_argument("--context", type=int, default=8192)
     pl.add_argument("--sessions", type=int, default=1)
     pl.add_argument("--prompt", type=int, default=512)
-    au = sub.add_parser(
-        "audit", help="render a model's audit page (markdown) from its spec and the sample fleets"
-    )
-    au.add_argument("model")
-    au.add_argument("--fleets", default=str(SPECS / "fleets"))
-    au.add_argument("--out", default="")
     args = ap.parse_args(argv)
-    if args.cmd == "plan":
-        spec = spec_from_dict(load_json(args.model), args.quant)
-        fleet = fleet_from_dict(load_json(args.fleet))
-        print(json.dumps(simulate(spec, fleet, args.context, args.sessions, args.prompt).to_dict(), indent=1))
-        return 0
-    fleets = [fleet_from_dict(load_json(p)) for p in sorted(Path(args.fleets).glob("*.json"))]
-    page = render_audit(load_json(args.model), fleets, args.model)
-    if args.out:
-        Path(args.out).write_text(page)
-    else:
-        sys.stdout.write(page)
+    spec = spec_from_dict(load_json(args.model), args.quant)
+    fleet = fleet_from_dict(load_json(args.fleet))
+    print(json.dumps(simulate(spec, fleet, args.context, args.sessions, args.prompt).to_dict(), indent=1))
     return 0
 
 

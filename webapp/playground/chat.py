@@ -5,14 +5,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from agent.wire.frames import CONTEXT_CAP
 from agent.wire.sampling import SamplingParams
+from webapp.routing.sampling import Limit, ParamError, number, parse_sampling
 
 MAX_MESSAGE_CHARS = 16000
 MAX_SYSTEM_CHARS = 16000
 DEFAULT_MAX_TOKENS = 512
 TITLE_CHARS = 120
 TITLE_FROM_MESSAGE_CHARS = 60
+ID = Limit(1, 2**62, integer=True)  # a model's or a conversation's primary key
 
 
 class ChatRequestError(ValueError):
@@ -32,35 +33,27 @@ class ChatRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     conversation_id: int | None = None
     system: str | None = None
+    seed: int | None = None  # as asked; None draws a fresh one for each answer at a temperature
 
     def settings(self) -> dict[str, Any]:
-        """What the conversation remembers so that reopening it restores the controls."""
-        return {"max_tokens": self.max_tokens, **asdict(self.sampling)}
-
-
-def _show(x: float) -> str:
-    return f"{x:g}" if isinstance(x, float) else str(x)
-
-
-def _number(v: Any, name: str, cast: type, lo: float, hi: float) -> Any:
-    if isinstance(v, bool):
-        raise ChatRequestError(f"{name} must be a number")
-    try:
-        x = cast(v)
-    except (TypeError, ValueError, OverflowError):
-        raise ChatRequestError(f"{name} must be a number") from None
-    if x != x or not (lo <= x <= hi):  # x != x: NaN
-        raise ChatRequestError(f"{name} must be between {_show(lo)} and {_show(hi)}")
-    return x
+        """What the conversation remembers so that reopening it restores the controls as they were."""
+        return {"max_tokens": self.max_tokens, **asdict(self.sampling), "seed": self.seed}
 
 
 def parse_id(v: Any, name: str) -> int:
-    return int(_number(v, name, int, 1, 2**62))
+    try:
+        n = number({name: v}, name, ID, form=True)
+    except ParamError as e:
+        raise ChatRequestError(str(e)) from None
+    if n is None:
+        raise ChatRequestError(f"'{name}' is required")
+    return int(n)
 
 
 def parse_chat_request(content: Any) -> ChatRequest:
-    """Validates a chat message; numbers may arrive as strings (form values). The model's own context
-    limit is checked later by `check_context`, once the model is known."""
+    """Validates a chat message; numbers may arrive as strings (form values). Sampling controls and
+    max_tokens have the API's ranges and messages (webapp/routing/sampling.py); the model's own context
+    is checked later by `check_context`, once the model is known."""
     if not isinstance(content, dict):
         raise ChatRequestError("a chat message must be a JSON object")
     message = content.get("message")
@@ -76,34 +69,21 @@ def parse_chat_request(content: Any) -> ChatRequest:
         raise ChatRequestError("the system prompt must be text")
     if system is not None and len(system) > MAX_SYSTEM_CHARS:
         raise ChatRequestError(f"system prompt longer than {MAX_SYSTEM_CHARS} characters")
-
-    def option(key: str, cast: type, lo: float, hi: float, default: float) -> Any:
-        v = content.get(key)
-        return default if v in (None, "") else _number(v, key, cast, lo, hi)
-
-    max_tokens = option("max_tokens", int, 1, CONTEXT_CAP, DEFAULT_MAX_TOKENS)
-    d = SamplingParams()
-    sampling = SamplingParams(
-        temperature=option("temperature", float, 0.0, 5.0, d.temperature),
-        top_k=option("top_k", int, 0, 1000, d.top_k),
-        top_p=option("top_p", float, 0.0, 1.0, d.top_p),
-        min_p=option("min_p", float, 0.0, 1.0, d.min_p),
-        repeat_penalty=option("repeat_penalty", float, 0.5, 2.0, d.repeat_penalty),
-        seed=option("seed", int, 0, 2**31 - 1, d.seed),
-    )
-    return ChatRequest(model_id, message, max_tokens, sampling, conversation_id, system)
+    try:
+        max_tokens = number(content, "max_tokens", form=True)
+        seed = number(content, "seed", form=True)
+        sampling = parse_sampling(content, form=True)
+    except ParamError as e:
+        raise ChatRequestError(str(e)) from None
+    max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else int(max_tokens)
+    seed = None if seed is None else int(seed)
+    return ChatRequest(model_id, message, max_tokens, sampling, conversation_id, system, seed)
 
 
-def model_context(manifest: dict[str, Any] | None) -> int:
-    """The model's own context length from its manifest, capped at the product-wide 128K."""
-    ctx = (manifest or {}).get("context_length") or 0
-    return min(int(ctx), CONTEXT_CAP) if isinstance(ctx, int) and ctx > 0 else CONTEXT_CAP
-
-
-def check_context(req: ChatRequest, context: int) -> None:
-    if req.max_tokens > context:
+def check_context(req: ChatRequest, capacity: int) -> None:
+    if req.max_tokens > capacity:
         raise ChatRequestError(
-            f"max_tokens {req.max_tokens} exceeds this model's context of {context} tokens"
+            f"max_tokens {req.max_tokens} exceeds this model's context of {capacity} tokens"
         )
 
 

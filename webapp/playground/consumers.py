@@ -1,8 +1,9 @@
 """The playground websocket (JSON): answers stream token by token over a conversation's sticky route.
 
-A conversation keeps one route session and RouteClient, so turn 2 prefills only the new tokens; when the
-socket goes the route is parked (webapp/playground/live.py) and a reload continues with the hops' KV.
-Stop ends generation between two steps, so every hop's KV still equals the client's token history.
+A conversation keeps one live route of the route-session service (webapp/routing/session.py), so turn 2
+prefills only the new tokens; when the socket goes the route is parked (webapp/playground/live.py) and a
+reload continues with the hops' KV. Stop ends generation between two steps, so every hop's KV still
+equals the client's token history.
 """
 
 from __future__ import annotations
@@ -11,23 +12,21 @@ import asyncio
 import contextlib
 import logging
 import time
-from functools import lru_cache
 from typing import Any
 
 from channels.db import database_sync_to_async
-from django.conf import settings
 
+from agent.client.tokenizer import TokenizerError
 from agent.wire.control import CLOSE_UNAUTHORIZED
 from webapp.catalog.models import ModelArtifact
-from webapp.core import dataplane_tls
 from webapp.core.consumers import BadMessage, SafeJsonConsumer
 from webapp.playground import store
 from webapp.playground.chat import ChatRequest, ChatRequestError, bars_json, parse_chat_request
-from webapp.playground.live import LiveRoute, close_live, parking
-from webapp.routing import services as routing
+from webapp.playground.live import parking
+from webapp.routing import session
+from webapp.routing.answer import AnswerSpec, LiveRoute
 from webapp.routing.chooser import NoRoute
 from webapp.routing.models import RouteSession
-from webapp.telemetry.services import record_generation
 
 log = logging.getLogger(__name__)
 
@@ -37,58 +36,29 @@ PROGRESS_S = 0.25  # how often the page's telemetry bars move while an answer st
 STOP_GRACE_S = 10.0
 
 
-@lru_cache(maxsize=8)
-def _tokenizer(path: str) -> Any:
-    from agent.client.tokenizer import ChatTokenizer
-
-    return ChatTokenizer(path)
-
-
-def _open(artifact_id: int, user: Any) -> tuple[ModelArtifact, RouteSession, list[routing.HopGrant], Any]:
-    artifact = ModelArtifact.objects.get(pk=artifact_id, state=ModelArtifact.State.READY)
-    session, hops = routing.open_route(artifact_id, user)
-    return artifact, session, hops, _tokenizer(artifact.path)
-
-
 class _Abandoned(Exception):
     """Stop came while a step was in flight and it did not finish in time: the route's KV is unknown."""
 
 
-def _hops(client: Any) -> list[dict[str, Any]]:
-    """Per-hop compute and network time of the answer so far (the client adds to them every step)."""
-    return [
-        {
-            "url": h.url,
-            "layers": [h.layer_start, h.layer_end],
-            "compute_ms": round(s.compute_ms, 2),
-            "network_ms": round(s.network_ms, 2),
-            "wall_ms": round(getattr(s, "wall_ms", 0.0), 2),
-        }
-        for h, s in zip(getattr(client, "hops", []), getattr(client, "hop_stats", []), strict=False)
-    ]
-
-
-def _so_far(client: Any, n_generated: int, t0: float, t_first: float | None) -> dict[str, Any]:
-    """Telemetry of an answer still streaming (or cut by Stop), in the shape of the final one."""
-    now = time.perf_counter()
-    decode_s = now - t_first if t_first is not None else 0.0
-    return {
-        "n_generated": n_generated,
-        "total_ms": round((now - t0) * 1e3, 1),
-        "ttft_ms": round((t_first - t0) * 1e3, 1) if t_first is not None else None,
-        "tok_s": round((n_generated - 1) / decode_s, 1) if n_generated > 1 and decode_s > 0 else 0.0,
-        "hops": _hops(client),
-    }
+def _cannot_answer(model: str, e: Exception) -> str:
+    if isinstance(e, TokenizerError):
+        return f"{model} cannot answer: {e}"
+    why = "it is no longer ready" if isinstance(e, ModelArtifact.DoesNotExist) else str(e)
+    return f"{model} is not placed so that it can answer: {why}. An admin can place it from the Models page."
 
 
 class ChatConsumer(SafeJsonConsumer):
-    """/ws/chat/: logged-in users only. Messages `chat`, `stop` and `reset`; see docs/control-plane.md."""
+    """/ws/chat/: logged-in users only. Messages `chat`, `stop` and `reset`; see docs/control-plane.md.
+
+    It is the route-session service's Holder for the socket: the live route of its conversation."""
 
     live: LiveRoute | None = None
+    live_conversation: int | None = None  # the conversation whose KV the live route holds
     live_dirty = False  # a step may be half-applied on the hops: close the route, never park it
     conversation_id: int | None = None  # the socket's current conversation
     task: asyncio.Task[None] | None = None
     turn = 0
+    shown = ""  # the text of the answer now streaming that the page already has
 
     async def connect(self) -> None:
         user = self.scope.get("user")
@@ -132,54 +102,46 @@ class ChatConsumer(SafeJsonConsumer):
         self.stop_event.clear()
         self.task = asyncio.create_task(self._answer(req, self.turn))
 
+    def adopt(self, live: LiveRoute) -> None:
+        self.live = live
+
+    def drop(self, live: LiveRoute) -> None:
+        if self.live is live:
+            self.live = None
+
     async def _leave_live(self, state: str = RouteSession.State.CLOSED) -> None:
         """Park the live route for a later reopen, or close it when its KV cannot be trusted."""
         live, self.live = self.live, None
+        dirty, self.live_dirty = self.live_dirty, False
         if live is None:
             return
-        dirty, self.live_dirty = self.live_dirty, False
-        kept = await database_sync_to_async(store.conversation_exists)(live.conversation_id)
-        if dirty or state != RouteSession.State.CLOSED or not kept:  # a deleted chat's KV goes at once
-            await close_live(live, state)
+        cid = self.live_conversation
+        if dirty or state != RouteSession.State.CLOSED or cid is None:
+            await session.close_live(live, state)
+        elif not await database_sync_to_async(store.conversation_exists)(cid):
+            await session.close_live(live, state)  # a deleted chat's KV goes at once
         else:
-            parking.park(live)
+            parking.park(cid, live)
 
-    async def _ensure_live(self, req: ChatRequest, turn: store.Turn) -> LiveRoute:
-        cid = turn.conversation_id
-        if self.live is not None and (self.live.conversation_id, self.live.artifact_id) == (
+    async def _route_answer(self, req: ChatRequest, turn: store.Turn) -> session.RouteAnswer:
+        """The turn's answer, on the route that holds its conversation's KV (this socket's or a parked
+        one) or else on a new route."""
+        target, cid = turn.target, turn.conversation_id
+        if self.live is not None and (self.live_conversation, self.live.artifact_id) != (
             cid,
-            req.model_id,
+            target.artifact_id,
         ):
-            return self.live
-        await self._leave_live()
-        live = parking.claim(cid, req.model_id)
-        if live is None:
-            from agent.client.route import Hop, RouteClient
-            from agent.client.transport import shared_transport
-
-            user = self.scope["user"]
-            artifact, session, grants, tokenizer = await database_sync_to_async(_open)(req.model_id, user)
-            hops = [Hop(g.url, g.layer_start, g.layer_end, g.token) for g in grants]
-            client = RouteClient(
-                hops,
-                tokenizer,
-                session_id=session.id.bytes,
-                max_context=turn.context,
-                token_id_layers=artifact.parsed_manifest.token_id_layers,  # deepseek4 hash layers
-                # a failed hop is replaced inside the client (snapshot hand-off or re-prefill): issue 14
-                replacements=routing.replacement_provider(session.id),
-                # one transport per process and TLS context: sessions' decode steps to a hop travel and run
-                # together (agent/client/transport.py)
-                transport=shared_transport(dataplane_tls.context_for([h.url for h in hops])),
-                # hidden states stay between the hops (chain), not through this process: settings.ROUTE_MODE
-                mode=settings.ROUTE_MODE,
-            )
-            live = LiveRoute(cid, req.model_id, session.id, client, session.hops, turn.context)
-        self.live = live
-        return live
+            await self._leave_live()
+        if self.live is None:
+            self.live = parking.claim(cid, target.artifact_id)
+        self.live_conversation = cid
+        tok = await session.load_tokenizer(target.path)
+        prompt = tok.encode_chat(turn.messages)
+        spec = AnswerSpec(req.sampling, req.max_tokens)
+        return session.RouteAnswer(target, self.scope["user"], tok, prompt, spec, self, self.live)
 
     async def _next(self, it: Any) -> Any:
-        """The next event of the answer, or None when Stop was pressed (after the step in flight ends)."""
+        """The next piece of the answer; after Stop, the step in flight gets STOP_GRACE_S to end."""
         step = asyncio.ensure_future(anext(it))
         stop = asyncio.ensure_future(self.stop_event.wait())
         try:
@@ -196,42 +158,27 @@ class ChatConsumer(SafeJsonConsumer):
             raise _Abandoned
         return step.result()  # StopAsyncIteration at the end of the answer
 
-    async def _stream(
-        self,
-        live: LiveRoute,
-        req: ChatRequest,
-        messages: list[dict[str, str]],
-        base: dict[str, Any],
-        shown: list[str],
-    ) -> tuple[str, dict[str, Any], bool]:
-        """Stream one answer; returns (text, telemetry, stopped). After a failover, text the user already
-        saw (`shown[0]`) is not sent again."""
-        text, telemetry, n = "", {}, 0
-        t0, t_first, last_progress = time.perf_counter(), None, 0.0
-        it = aiter(live.client.chat(messages, req.sampling, req.max_tokens))
+    async def _stream(self, run: session.RouteAnswer, base: dict[str, Any]) -> bool:
+        """Stream one answer to the page; True when Stop ended it."""
+        last_progress, stopped = 0.0, False
+        it = run.pieces()
         self.live_dirty = True
         try:
-            while not self.stop_event.is_set():
+            while True:
+                if self.stop_event.is_set():
+                    stopped = True
+                    break
                 try:
-                    ev = await self._next(it)
+                    piece = await self._next(it)
                 except StopAsyncIteration:
                     break
-                delta = getattr(ev, "text", "") or ""
-                if getattr(ev, "token", None) is not None or delta:
-                    n += 1
-                    t_first = t_first or time.perf_counter()
-                if delta:
-                    before, text = len(text), text + delta
-                    fresh = text[max(before, len(shown[0])) :]
-                    if fresh:
-                        shown[0] += fresh
-                        await self.send_json({**base, "type": "delta", "text": fresh})
-                if getattr(ev, "telemetry", None):
-                    telemetry = dict(ev.telemetry)
+                if piece.text:
+                    self.shown += piece.text
+                    await self.send_json({**base, "type": "delta", "text": piece.text})
                 now = time.perf_counter()
-                if now - last_progress >= PROGRESS_S and not telemetry:
+                if now - last_progress >= PROGRESS_S:
                     last_progress = now
-                    progress = _so_far(live.client, n, t0, t_first)
+                    progress = run.telemetry()
                     await self.send_json(
                         {**base, "type": "progress", "telemetry": progress, "bars": bars_json(progress)}
                     )
@@ -239,10 +186,7 @@ class ChatConsumer(SafeJsonConsumer):
             with contextlib.suppress(Exception):
                 await it.aclose()  # between steps: nothing is in flight, the KV equals the history
         self.live_dirty = False
-        stopped = self.stop_event.is_set() and not telemetry
-        if stopped:
-            telemetry = {**_so_far(live.client, n, t0, t_first), "stopped": True}
-        return text, telemetry, stopped
+        return stopped
 
     async def _abandon(self, turn: store.Turn) -> None:
         await database_sync_to_async(store.abandon_turn)(turn)
@@ -258,85 +202,61 @@ class ChatConsumer(SafeJsonConsumer):
         sampling continues identically, so the user sees one seamless answer); when that recovery gives
         up, the turn ends with an error at once."""
         base: dict[str, Any] = {"turn": turn_no}
-        user = self.scope["user"]
         try:
-            turn = await database_sync_to_async(store.begin_turn)(user, req)
+            turn = await database_sync_to_async(store.begin_turn)(self.scope["user"], req)
         except ChatRequestError as e:
             await self._turn_error(base, str(e))
             return
-        base["conversation"] = turn.conversation_id
-        self.conversation_id = turn.conversation_id
-        shown, started, text, stopped = [""], False, "", False
-        telemetry: dict[str, Any] = {}
+        base["conversation"] = self.conversation_id = turn.conversation_id
+        self.shown, closed = "", False
         try:
-            while True:
-                try:
-                    live = await self._ensure_live(req, turn)
-                except (NoRoute, ModelArtifact.DoesNotExist) as e:
-                    why = str(e) if isinstance(e, NoRoute) else "it is no longer ready"
-                    await self._abandon(turn)
-                    await self._turn_error(
-                        base,
-                        f"{turn.model_name} is not placed so that it can answer: {why}. "
-                        "An admin can place it from the Models page.",
-                    )
-                    return
-                if not started:
-                    started = True
-                    start = {
-                        **base,
-                        "type": "start",
-                        "title": turn.title,
-                        "created": turn.created,
-                        "session": str(live.session_id),
-                        "route": live.route,
-                        "context": live.context,
-                        "message": req.message,
-                    }
-                    await self.send_json(start)
-                try:
-                    text, telemetry, stopped = await self._stream(live, req, turn.messages, base, shown)
-                    break
-                except asyncio.CancelledError:
-                    raise
-                except _Abandoned:
-                    log.info("stop abandoned a step in flight on session %s; closing it", live.session_id)
-                    text, stopped, telemetry = shown[0], True, {"stopped": True, "route_closed": True}
-                    await self._leave_live()
-                    break
-                except Exception as e:  # noqa: BLE001 - the client's own recovery gave up: tell the user
-                    log.warning("generation failed on session %s", live.session_id, exc_info=True)
-                    await self._leave_live(RouteSession.State.BROKEN)
-                    await database_sync_to_async(record_generation)(
-                        live.session_id, req.model_id, user, {}, error=str(e)
-                    )
-                    await self._abandon(turn)
-                    await self._turn_error(
-                        base, f"the route failed and could not be recovered, so this answer is lost: {e}"
-                    )
-                    return
+            run = await self._route_answer(req, turn)
+            live = await run.open()
+            start = {
+                **base,
+                "type": "start",
+                "title": turn.title,
+                "created": turn.created,
+                "session": str(live.session_id),
+                "route": live.route,
+                "context": live.capacity,
+                "message": req.message,
+            }
+            await self.send_json(start)
+            stopped = await self._stream(run, base)
+            telemetry = {**run.telemetry(), "stopped": True} if stopped else run.telemetry()
         except asyncio.CancelledError:  # the socket went: keep what the user saw of the answer
-            if shown[0]:
+            if self.shown:
                 await asyncio.shield(
-                    database_sync_to_async(store.finish_turn)(turn, shown[0], {"stopped": True}, True)
+                    database_sync_to_async(store.finish_turn)(turn, self.shown, {"stopped": True}, True)
                 )
             raise
-        if self.live is live:  # still open: record what its hops hold
-            history = getattr(live.client, "history", None)
-            n_positions = (
-                len(history)
-                if isinstance(history, list)
-                else (int(telemetry.get("n_prompt", 0) or 0) + int(telemetry.get("n_generated", 0) or 0))
+        except _Abandoned:
+            log.info("stop abandoned a step in flight on session %s; closing it", live.session_id)
+            stopped, closed = True, True
+            telemetry = {**run.telemetry(), "stopped": True, "route_closed": True}
+            await self._leave_live()
+        except (NoRoute, ModelArtifact.DoesNotExist, TokenizerError) as e:
+            await self._leave_live()  # a route the socket holds is still sound: it waits parked
+            await self._abandon(turn)
+            await self._turn_error(base, _cannot_answer(turn.target.name, e))
+            return
+        except Exception as e:  # noqa: BLE001 - the client's own recovery gave up: tell the user
+            # a route the failure did not come from (the service closed that one) is closed as well
+            await self._leave_live(RouteSession.State.BROKEN)
+            await self._abandon(turn)
+            await self._turn_error(
+                base, f"the route failed and could not be recovered, so this answer is lost: {e}"
             )
-            await database_sync_to_async(routing.touch_session)(live.session_id, n_positions)
-        if not stopped:
-            await database_sync_to_async(record_generation)(live.session_id, req.model_id, user, telemetry)
-        message_id = await database_sync_to_async(store.finish_turn)(turn, text, telemetry, stopped)
+            return
+        if not closed:
+            await run.record(stopped)
+        message_id = await database_sync_to_async(store.finish_turn)(turn, self.shown, telemetry, stopped)
         done = {
             **base,
             "type": "done",
             "message": message_id,
-            "text": text,
+            "text": self.shown,
             "stopped": stopped,
             "telemetry": telemetry,
             "bars": bars_json(telemetry),

@@ -14,48 +14,16 @@ import contextlib
 import contextvars
 import logging
 import threading
-import uuid
 from dataclasses import dataclass
-from typing import Any
 
-from channels.db import database_sync_to_async
-
-from webapp.routing import services as routing
-from webapp.routing.models import RouteSession
+from webapp.routing.answer import LiveRoute
+from webapp.routing.session import close_later, close_live
 
 log = logging.getLogger(__name__)
 
 # Well under the agents' session TTL (agent.defaults.SESSION_TTL_S, 30 min), so a parked route's hops
 # still hold its KV when it is reclaimed. 0 closes a route as soon as its socket goes.
 PARK_S = 600.0
-
-
-@dataclass
-class LiveRoute:
-    """The open route of one conversation: its route session, client and hops, and the model's context."""
-
-    conversation_id: int
-    artifact_id: int
-    session_id: uuid.UUID
-    client: Any
-    route: list[dict[str, Any]]
-    context: int
-
-
-async def close_live(live: LiveRoute, state: str = RouteSession.State.CLOSED) -> None:
-    """Free the route's KV on every hop and record the session's end."""
-    try:
-        await live.client.close()
-    except Exception:  # noqa: BLE001 - a dead hop must not stop us from recording the close
-        log.warning("closing route session %s failed", live.session_id, exc_info=True)
-    await database_sync_to_async(routing.close_session)(live.session_id, state)
-
-
-async def _close_logged(live: LiveRoute) -> None:
-    try:
-        await close_live(live)
-    except Exception:  # noqa: BLE001 - a background close has nobody to tell but the log
-        log.exception("closing parked route session %s failed", live.session_id)
 
 
 @dataclass
@@ -71,20 +39,19 @@ class Parking:
     def __init__(self) -> None:
         self._lock = threading.Lock()  # `discard` comes from sync views in worker threads
         self._parked: dict[int, _Parked] = {}
-        self._closing: set[asyncio.Task[None]] = set()
 
     def __len__(self) -> int:
         return len(self._parked)
 
-    def park(self, live: LiveRoute) -> None:
+    def park(self, conversation_id: int, live: LiveRoute) -> None:
         loop = asyncio.get_running_loop()
         if PARK_S <= 0:
-            self._close_soon(live)
+            close_later([live])
             return
-        timer = loop.call_later(PARK_S, self._expire, live)
+        timer = loop.call_later(PARK_S, self._expire, conversation_id, live)
         with self._lock:
-            old = self._parked.pop(live.conversation_id, None)
-            self._parked[live.conversation_id] = _Parked(live, loop, timer)
+            old = self._parked.pop(conversation_id, None)
+            self._parked[conversation_id] = _Parked(live, loop, timer)
         if old is not None:  # two tabs on one conversation: the older route goes
             self._release(old)
 
@@ -114,19 +81,19 @@ class Parking:
             p.timer.cancel()
             await close_live(p.live)
 
-    def _expire(self, live: LiveRoute) -> None:
+    def _expire(self, conversation_id: int, live: LiveRoute) -> None:
         with self._lock:
-            p = self._parked.get(live.conversation_id)
+            p = self._parked.get(conversation_id)
             if p is None or p.live is not live:
                 return
-            del self._parked[live.conversation_id]
+            del self._parked[conversation_id]
         log.info("parked route session %s expired", live.session_id)
-        self._close_soon(live)
+        close_later([live])
 
     def _release(self, p: _Parked) -> None:
         def run() -> None:
             p.timer.cancel()
-            self._close_soon(p.live)
+            close_later([p.live])
 
         try:
             running = asyncio.get_running_loop()
@@ -138,11 +105,6 @@ class Parking:
         # A fresh context: the caller's (a sync view's thread) would make asgiref refuse our DB call.
         with contextlib.suppress(RuntimeError):  # its loop is gone (a test's): the agents' TTL frees it
             p.loop.call_soon_threadsafe(run, context=contextvars.Context())
-
-    def _close_soon(self, live: LiveRoute) -> None:
-        task = asyncio.get_running_loop().create_task(_close_logged(live), context=contextvars.Context())
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
 
 
 parking = Parking()

@@ -8,21 +8,21 @@ from typing import Any
 from django.db import transaction
 
 from webapp.catalog.models import ModelArtifact
-from webapp.playground.chat import ChatRequest, ChatRequestError, check_context, model_context, title_from
+from webapp.playground.chat import ChatRequest, ChatRequestError, check_context, title_from
 from webapp.playground.models import Conversation, Message
+from webapp.routing.session import Target, target_of
 
 
 @dataclass(frozen=True)
 class Turn:
-    """A user turn saved and ready to answer: the whole chat to send, and the model's context."""
+    """A user turn saved and ready to answer: the whole chat to send, and the model to answer it."""
 
     conversation_id: int
     title: str
     created: bool
     user_message_id: int
     messages: list[dict[str, str]]
-    context: int
-    model_name: str
+    target: Target
 
 
 def begin_turn(user: Any, req: ChatRequest) -> Turn:
@@ -32,8 +32,8 @@ def begin_turn(user: Any, req: ChatRequest) -> Turn:
         raise ChatRequestError(f"no model with id {req.model_id}")
     if artifact.state != ModelArtifact.State.READY:
         raise ChatRequestError(f"model {artifact.name} is not ready ({artifact.state})")
-    context = model_context(artifact.manifest)
-    check_context(req, context)
+    target = target_of(artifact)
+    check_context(req, target.capacity)
     with transaction.atomic():
         created = req.conversation_id is None
         if req.conversation_id is None:
@@ -52,7 +52,7 @@ def begin_turn(user: Any, req: ChatRequest) -> Turn:
         history = list(conv.messages.values_list("role", "content"))
     messages = [{"role": "system", "content": conv.system_prompt}] if conv.system_prompt.strip() else []
     messages += [{"role": r, "content": c} for r, c in history]
-    return Turn(conv.pk, conv.title, created, msg.pk, messages, context, artifact.name)
+    return Turn(conv.pk, conv.title, created, msg.pk, messages, target)
 
 
 def finish_turn(turn: Turn, text: str, telemetry: dict[str, Any], stopped: bool) -> int:

@@ -9,9 +9,10 @@ from django.views.decorators.http import require_GET, require_POST
 from webapp.catalog.models import ModelArtifact
 from webapp.core.auth import HtmxHttpRequest, login_required_403
 from webapp.playground import store
-from webapp.playground.chat import DEFAULT_MAX_TOKENS, ChatRequestError, model_context, parse_title
+from webapp.playground.chat import DEFAULT_MAX_TOKENS, ChatRequestError, parse_title
 from webapp.playground.live import parking
 from webapp.playground.models import Conversation
+from webapp.routing.session import capacity_of
 
 
 def _models() -> list[dict[str, object]]:
@@ -19,7 +20,7 @@ def _models() -> list[dict[str, object]]:
     ready = ModelArtifact.objects.filter(state=ModelArtifact.State.READY)
     placed = set(ready.filter(shards__state="ready").values_list("pk", flat=True))
     rows = [
-        {"id": m.pk, "name": m.name, "context": model_context(m.manifest), "placed": m.pk in placed}
+        {"id": m.pk, "name": m.name, "context": capacity_of(m.manifest), "placed": m.pk in placed}
         for m in ready
     ]
     return sorted(rows, key=lambda r: not r["placed"])

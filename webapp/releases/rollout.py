@@ -94,14 +94,6 @@ def report(node_state: str, agent_state: str) -> str | None:
     return REPORT_OUTCOME.get(agent_state, SENT)
 
 
-def can_pause(state: str) -> bool:
-    return state == RUNNING
-
-
-def can_resume(state: str) -> bool:
-    return state == PAUSED
-
-
 def rollback_targets(rows: list[tuple[str, str, str]], version: str) -> dict[str, list[str]]:
     """{version to go back to: [node ids]} for rows (node_id, state, from_version) of a rollout.
 

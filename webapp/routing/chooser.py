@@ -97,8 +97,3 @@ def choose_route(shards: Sequence[ShardCandidate], n_layers: int) -> list[ShardC
         route.append(hop)
         pos = hop.layer_start
     return route[::-1]
-
-
-def route_cost_ms(route: Sequence[ShardCandidate]) -> float:
-    unobserved = _median([s.layer_ms for s in route if s.layer_ms is not None])
-    return sum(hop_cost_ms(s, unobserved) for s in route)

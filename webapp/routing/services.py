@@ -151,41 +151,27 @@ def replace_hop(
     if not candidates:
         return None
     best = min(candidates, key=lambda c: (hop_cost_ms(c), c.node_id))
-    nxt = hops[index + 1] if index + 1 < len(hops) else None
     key = route_signing_key()
-    token = routetoken.mint(
-        key,
-        SessionId(session.id.bytes),
-        session.artifact.sha256,
-        layer_start,
-        layer_end,
-        best.node_id,
-        settings.ROUTE_TOKEN_TTL_S,
-        str(nxt.get("node", "")) if nxt else "",
-        str(nxt.get("url", "")) if nxt else "",
+    # its token names the hop after it; a warm spare (not recorded) gets one too, and so does the hop
+    # before it, minted again to name it: a chain route's hop forwards only to the hop its token names
+    planned = [
+        routetoken.RouteHop(
+            str(h.get("node", "")),
+            str(h.get("url", "")),
+            int(h.get("layer_start", 0)),
+            int(h.get("layer_end", 0)),
+        )
+        for h in hops
+    ]
+    planned[index] = routetoken.RouteHop(best.node_id, best.url, layer_start, layer_end)
+    token, previous = routetoken.mint_replacement(
+        key, SessionId(session.id.bytes), session.artifact.sha256, planned, index, settings.ROUTE_TOKEN_TTL_S
     )
     handoff = (
         mint_handoff(
             key, session.id.bytes, session.artifact.sha256, layer_start, layer_end, old_node, best.node_id
         )
         if old_node
-        else b""
-    )
-    # a warm spare (not recorded) gets one too: a chain route's hop before forwards to it once it takes over
-    prev = hops[index - 1] if index > 0 else None
-    previous = (
-        routetoken.mint(
-            key,
-            SessionId(session.id.bytes),
-            session.artifact.sha256,
-            int(prev.get("layer_start", 0)),
-            int(prev.get("layer_end", 0)),
-            str(prev.get("node", "")),
-            settings.ROUTE_TOKEN_TTL_S,
-            best.node_id,
-            best.url,
-        )
-        if prev is not None
         else b""
     )
     if record:
