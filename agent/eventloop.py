@@ -2,7 +2,7 @@
 
 A decode step crosses every hop's loop twice; uvloop's loop turns and socket calls cost less than
 asyncio's (bench/hop_floor.py and bench/served.py --ab-serve-env GGSWARM_EVENT_LOOP=asyncio,
-docs/benchmarks.md "The transport's floor, and the event loop"). An agent updated in place with --no-deps may lack uvloop: it
+docs/benchmarks-log.md "The transport's floor, and the event loop"). An agent updated in place with --no-deps may lack uvloop: it
 then runs on asyncio's loop, as before. GGSWARM_EVENT_LOOP=asyncio keeps the standard loop (an
 operator's A/B); GGSWARM_EVENT_LOOP=uvloop insists on uvloop (an error where it is not installed).
 """

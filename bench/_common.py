@@ -1,22 +1,17 @@
-"""Helpers shared by the benchmarks: real serve processes on 127.0.0.1 and health polling."""
+"""What the benchmarks share: their `agent serve` hops, started by agent/dev/cluster.py (the launcher the
+tests use too) with the benches' settings, and the aiohttp app of the bare relays."""
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from agent.procs import Process, free_port, spawn, stop, wait_http
+from agent.dev import cluster
+from agent.procs import Process
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def health(url: str) -> dict[str, Any]:
-    with urllib.request.urlopen(url + "/v1/health", timeout=5) as r:
-        return dict(json.loads(r.read()))
+KV_BUDGET_MB = 4096  # every bench hop's KV budget: long contexts and 8 sessions fit
+READY_S = 180.0  # how long a hop may take to answer /v1/health (a loaded 2-core machine)
 
 
 def start_serve(
@@ -31,44 +26,25 @@ def start_serve(
 ) -> tuple[Process, str, str]:
     """Start `agent serve` for one layer range and wait until it answers; (process, URL, node id).
     `repo`: the checkout whose agent runs (an A/B of two versions of the hop's code in one run)."""
-    port = free_port()
-    node = f"bench-{port}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "agent",
-        "serve",
-        "--model",
+    hop = cluster.start_serve(
         model,
-        "--layers",
         layers,
-        "--backend",
-        backend,
-        "--port",
-        str(port),
-        "--public-key",
-        public_key_b64,
-        "--node-id",
-        node,
-        "--threads",
-        str(threads),
-        "--kv-budget-mb",
-        "4096",
-    ]
-    env = {**os.environ, "PYTHONPATH": str(repo), **(extra_env or {})}
-    proc = spawn(cmd, logdir / f"serve-{port}.log", env=env, cwd=repo)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_http(url + "/v1/health", 180, procs=[proc])
-    except BaseException:
-        stop([proc])
-        raise
-    return proc, url, node
+        public_key=public_key_b64,
+        logdir=logdir,
+        backend=backend,
+        threads=threads,
+        kv_budget_mb=KV_BUDGET_MB,
+        node_prefix="bench",
+        extra_env=extra_env,
+        root=repo,
+        timeout_s=READY_S,
+    )
+    return hop.proc, hop.url, hop.node_id
 
 
 async def serve_forever(path: str, handle: Any, port: int) -> None:
     """An aiohttp app answering GET `path` with `handle` on 127.0.0.1:`port`, until cancelled (the bare
-    relays of bench/chain_legs.py and bench/hop_floor.py)."""
+    relays of bench/hop_floor.py and bench/archive/chain_legs.py)."""
     import asyncio
 
     from aiohttp import web

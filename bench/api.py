@@ -27,9 +27,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from agent.artifacts.packaged import packaged_model_path  # noqa: E402
-from agent.client.route import Hop, RouteClient  # noqa: E402
+from agent.client.recovery import minted_hops  # noqa: E402
+from agent.client.route import RouteClient  # noqa: E402
 from agent.client.tokenizer import ChatTokenizer  # noqa: E402
-from agent.wire.routetoken import load_private_key, mint  # noqa: E402
+from agent.wire.ids import SessionId  # noqa: E402
+from agent.wire.routetoken import RouteHop, load_private_key  # noqa: E402
 from agent.wire.sampling import SamplingParams  # noqa: E402
 
 STORY = [
@@ -77,17 +79,9 @@ async def route_stream(
     route: list[dict[str, Any]], sha256: str, key_path: Path, tok: ChatTokenizer, n: int
 ) -> tuple[float, int]:
     """(decode tok/s, tokens) of RouteClient.chat on `route`, timed as api_stream times the API."""
-    key = load_private_key(key_path)
-    session = os.urandom(16)
-    hops = [
-        Hop(
-            h["url"],
-            h["layer_start"],
-            h["layer_end"],
-            mint(key, session, sha256, h["layer_start"], h["layer_end"], h["node"], 600),
-        )
-        for h in route
-    ]
+    session = SessionId(os.urandom(16))
+    plan = [RouteHop(h["node"], h["url"], h["layer_start"], h["layer_end"]) for h in route]
+    hops = minted_hops(load_private_key(key_path), session, sha256, plan, 600)
     client = RouteClient(hops, tok, session_id=session)
     first = last = 0.0
     count = 0
@@ -112,7 +106,7 @@ def main() -> None:
 
     import openai
 
-    from tests.integration.swarm import control_plane
+    from webapp.devcluster import control_plane
 
     model_path = str(packaged_model_path("smollm2"))
     tok = ChatTokenizer(model_path)

@@ -47,14 +47,14 @@ def native_decode(be: NativeBackend, prompts: list[list[int]], steps: int) -> tu
     toks: list[list[int]] = []
     for sid, p in zip(sids, prompts, strict=True):
         be.open_session(sid, PROMPT_LEN + steps + 1)
-        r = be.forward(sid, 0, token_ids=np.asarray(p))
+        r = be.forward(StepInput(sid, 0, token_ids=np.asarray(p)))
         assert r.token is not None
         toks.append([r.token])
     t0 = time.perf_counter()
     for k in range(steps):
         pos = PROMPT_LEN + k
         if len(sids) == 1:
-            r = be.forward(sids[0], pos, token_ids=np.asarray(toks[0][-1:]))
+            r = be.forward(StepInput(sids[0], pos, token_ids=np.asarray(toks[0][-1:])))
             assert r.token is not None
             toks[0].append(r.token)
             continue

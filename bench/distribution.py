@@ -1,7 +1,7 @@
 """Distribution bench: 3 agents with overlapping layer ranges, torrent swarm vs plain HTTP from the origin.
 
 Both modes run on 127.0.0.1 against the same stand-in origin (aiohttp web seed + passkey tracker, the
-one the tests use). HTTP-only uses the agent's range fetcher (agent.artifacts.fetch.fetch_shard); torrent mode
+one the torrent tests use: webapp/devcluster.py). HTTP-only uses the agent's range fetcher (agent.artifacts.fetch.fetch_shard); torrent mode
 uses agent.artifacts.torrent.SwarmClient with the default "fallback" web-seed policy. All three agents start
 together in both modes. The last line printed is one JSON object.
 
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import secrets
 import sys
@@ -39,20 +38,7 @@ from agent.artifacts.torrent import (  # noqa: E402
     torrent_info,
     verify_tensors,
 )
-
-
-def _load_origin() -> Any:
-    spec = importlib.util.spec_from_file_location(
-        "torrent_origin", REPO / "tests/agent/test_torrent_origin.py"
-    )
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(mod)
-    return mod.Origin
-
-
-Origin = _load_origin()
+from webapp.devcluster import Origin  # noqa: E402  (the stand-in origin the torrent tests use)
 
 
 def _needed(manifest: Manifest, a: int, b: int) -> int:
@@ -148,7 +134,7 @@ def run_control_plane(
 
     from agent.artifacts.fetch import fetch_shard
     from agent.node.config import NodeConfig
-    from tests.integration.swarm import control_plane
+    from webapp.devcluster import control_plane
     from webapp.fleet.passkeys import derive_passkey
 
     secret = secrets.token_urlsafe(48)

@@ -62,6 +62,7 @@ class Hop:
 
     def compute(self, msg: bytes | memoryview) -> tuple[bytes | None, int, float]:
         """(the message for the next hop or None, the token on the last hop, compute seconds)."""
+        from agent.backends.base import StepInput
         from agent.wire.ids import SessionId
 
         sid, pos, tok = REQ.unpack_from(msg, 0)
@@ -74,7 +75,7 @@ class Hop:
         if not self.first:
             hidden = np.frombuffer(msg, dtype=np.float32, offset=REQ.size).reshape(1, -1)
         res = self.backend.forward(
-            SessionId(str(sid)), pos, token_ids=np.array([tok], dtype=np.int32), hidden=hidden
+            StepInput(SessionId(str(sid)), pos, token_ids=np.array([tok], dtype=np.int32), hidden=hidden)
         )
         if self.last:
             assert res.token is not None

@@ -24,9 +24,9 @@ from agent.artifacts.manifest import Manifest, build_manifest  # noqa: E402
 from agent.artifacts.packaged import packaged_model_path  # noqa: E402
 from agent.backends.base import ShardSpec  # noqa: E402
 from agent.backends.libggswarm import KERNEL_PAD, KV_PAD, padded_kv  # noqa: E402
+from agent.dev.chain import route_forward  # noqa: E402
 from agent.wire.ids import SessionId  # noqa: E402
 from bench._llamacpp import open_llama  # noqa: E402
-from tests.native.routes import route_forward  # noqa: E402
 
 TEXT = REPO / "tests" / "data" / "native_lighthouse.txt"
 SPLITS = [(0, 10), (10, 20), (20, 30)]

@@ -24,14 +24,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from agent.artifacts.manifest import build_manifest  # noqa: E402
 from agent.artifacts.packaged import packaged_model_path  # noqa: E402
 from agent.backends import available_backends, load_backend  # noqa: E402
-from agent.backends.base import ShardSpec  # noqa: E402
+from agent.backends.base import ShardSpec, StepInput  # noqa: E402
 from agent.client.recovery import minted_hops  # noqa: E402
 from agent.client.route import Hop, RouteClient  # noqa: E402
+from agent.dev.cluster import health  # noqa: E402
 from agent.procs import stop  # noqa: E402
 from agent.wire.ids import SessionId  # noqa: E402
 from agent.wire.routetoken import RouteHop, generate_key, public_key_b64  # noqa: E402
 from agent.wire.sampling import SamplingParams  # noqa: E402
-from bench._common import health, start_serve  # noqa: E402
+from bench._common import start_serve  # noqa: E402
 
 PROMPT_TEXT = "Write a long story about a lighthouse keeper who kept a log of every ship."
 
@@ -45,11 +46,11 @@ def bound_hops(key, session: bytes, sha256: str, hops: list[tuple[str, int, int,
 def decode_tok_s(backend, prompt: list[int], n: int) -> float:  # noqa: ANN001
     sid = SessionId(os.urandom(16))
     backend.open_session(sid, 4096)
-    r = backend.forward(sid, 0, token_ids=np.array(prompt), sampling=SamplingParams())
+    r = backend.forward(StepInput(sid, 0, token_ids=np.array(prompt), sampling=SamplingParams()))
     tok, pos = r.token, len(prompt)
     t0 = time.perf_counter()
     for _ in range(n):
-        r = backend.forward(sid, pos, token_ids=np.array([tok]), sampling=SamplingParams())
+        r = backend.forward(StepInput(sid, pos, token_ids=np.array([tok]), sampling=SamplingParams()))
         tok, pos = r.token, pos + 1
     dt = time.perf_counter() - t0
     backend.close_session(sid)
@@ -109,7 +110,7 @@ def main() -> None:
     single.open_session(sid, 4096)
     ids = np.random.default_rng(1).integers(100, 40000, size=2048)
     t0 = time.perf_counter()
-    single.forward(sid, 0, token_ids=ids, sampling=SamplingParams())
+    single.forward(StepInput(sid, 0, token_ids=ids, sampling=SamplingParams()))
     out["recompute_step_ms_ctx2048"] = round((time.perf_counter() - t0) * 1e3, 1)
     single.close_session(sid)
 

@@ -31,9 +31,9 @@ from agent.artifacts.manifest import build_manifest  # noqa: E402
 from agent.artifacts.packaged import packaged_model_path  # noqa: E402
 from agent.client.route import Hop, RouteClient  # noqa: E402
 from agent.node.dataplane import DataPlane, start_dataplane  # noqa: E402
+from agent.procs import free_port  # noqa: E402
 from agent.wire.routetoken import generate_key, mint  # noqa: E402
 from agent.wire.sampling import SamplingParams  # noqa: E402
-from tests.conftest import free_port  # noqa: E402
 
 
 def prompt(i: int, n: int = 32) -> list[int]:

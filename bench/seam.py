@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO))
 from agent.artifacts.manifest import build_manifest  # noqa: E402
 from agent.artifacts.packaged import packaged_model_path  # noqa: E402
 from agent.backends import load_backend  # noqa: E402
-from agent.backends.base import Backend, ShardSpec  # noqa: E402
+from agent.backends.base import Backend, ShardSpec, StepInput  # noqa: E402
 from agent.client.tokenizer import ChatTokenizer  # noqa: E402
 from agent.wire.frames import DEFAULT_HIDDEN_DTYPE, REQ_HEADER  # noqa: E402
 from agent.wire.ids import SessionId  # noqa: E402
@@ -202,7 +202,7 @@ def run(hops: list[Backend], ids: list[int], frames: list[tuple[int, int]], cand
             x: np.ndarray | None = None
             for i, h in enumerate(hops):
                 tok = np.asarray(ids[start : start + length], np.int32) if i == 0 else None
-                r = h.forward(sid, start, token_ids=tok, hidden=x, want_logits=h.spec.is_last)
+                r = h.forward(StepInput(sid, start, token_ids=tok, hidden=x, want_logits=h.spec.is_last))
                 if h.spec.is_last:
                     chunks.append(np.asarray(r.logits, np.float32).reshape(length, -1).copy())
                     continue

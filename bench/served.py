@@ -258,7 +258,7 @@ def playground(args: argparse.Namespace, tok: ChatTokenizer) -> dict[str, Any]:
     from aiohttp import ClientSession
 
     from agent.wire.routetoken import load_private_key
-    from tests.integration.swarm import control_plane
+    from webapp.devcluster import control_plane
 
     async def ws_answer(s: Any, n: int) -> tuple[float, int, list[dict[str, Any]]]:
         headers = {"Origin": s.base, "Cookie": f"sessionid={s.admin.cookie('sessionid')}"}

@@ -1,6 +1,6 @@
 """The placement simulator against real routes on 127.0.0.1 with link delay injected (prints JSON last).
 
-    python bench/simulator.py [--tokens 24] [--rounds 3] [--backend native] [--threads 1]
+    python bench/simulator.py [--tokens 24] [--rounds 3] [--backend native] [--threads 1] [--topologies 2:5,3:20]
 
 SmolLM2 is placed by the real planner on 2 and 3 equal loopback nodes; each hop runs as its own
 `agent serve` process behind a tiny TCP proxy that holds every forwarded chunk for the injected one-way
@@ -252,6 +252,15 @@ async def run(
     return out
 
 
+def topologies_arg(text: str) -> tuple[tuple[int, float], ...]:
+    """ "2:5,3:20" -> ((2, 5.0), (3, 20.0))."""
+    out = []
+    for item in text.split(","):
+        hops, delay = item.split(":")
+        out.append((int(hops), float(delay)))
+    return tuple(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=24)
@@ -259,10 +268,18 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     default = "native" if "native" in available_backends() else "torch"
     ap.add_argument("--backend", default=default)
+    ap.add_argument(
+        "--topologies",
+        type=topologies_arg,
+        default=TOPOLOGIES,
+        help="HOPS:DELAY_MS,... measured and predicted (default: all six); the calibration route always runs",
+    )
     args = ap.parse_args()
     path = str(packaged_model_path())
     manifest = build_manifest(path, hash_tensors=False)
-    out = asyncio.run(run(manifest, path, args.backend, args.threads, args.tokens, args.rounds))
+    out = asyncio.run(
+        run(manifest, path, args.backend, args.threads, args.tokens, args.rounds, args.topologies)
+    )
     print(json.dumps(out))
 
 

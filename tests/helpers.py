@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from agent.backends.base import Backend
+from agent.backends.base import Backend, StepInput
 from agent.wire.ids import SessionId
 from agent.wire.sampling import SamplingParams
 
@@ -45,11 +45,13 @@ def greedy_through(parts: list[Backend], prompt: list[int], n: int, sid: bytes =
             h = None
             for p in parts:
                 r = p.forward(
-                    session,
-                    pos,
-                    token_ids=np.array(ids) if h is None else None,
-                    hidden=h,
-                    sampling=SamplingParams(),
+                    StepInput(
+                        session,
+                        pos,
+                        token_ids=np.array(ids) if h is None else None,
+                        hidden=h,
+                        sampling=SamplingParams(),
+                    ),
                 )
                 h = r.hidden
             pos += len(ids)

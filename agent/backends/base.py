@@ -63,7 +63,14 @@ class ForwardResult:
 
 @dataclass
 class StepInput:
-    """One session's step inside a batch (Backend.forward_batch): forward()'s arguments, as data."""
+    """One session's step (Backend.forward, one of a batch in forward_batch): new positions
+    [pos_start, pos_start + n) appended to the session's KV.
+
+    The first shard takes `token_ids`; the others take `hidden` (f16 or f32 rows, as the frame
+    carried them, with the positions' `token_ids` where the window routes experts by token id).
+    `history` is the token ids the session has seen (for the repetition penalty on the last shard).
+    A non-last shard returns its hidden rows in `hidden_dtype` (f32: unrounded).
+    """
 
     sid: SessionId
     pos_start: int
@@ -113,40 +120,12 @@ class Backend(ABC):
         return n_tokens, "exact"
 
     @abstractmethod
-    def forward(
-        self,
-        sid: SessionId,
-        pos_start: int,
-        token_ids: np.ndarray | None = None,
-        hidden: np.ndarray | None = None,
-        sampling: SamplingParams | None = None,
-        history: list[int] | None = None,
-        want_logits: bool = False,
-        hidden_dtype: HiddenDtype = "f32",
-    ) -> ForwardResult:
-        """Run the range on new positions [pos_start, pos_start + n) appended to the session's KV.
-
-        The first shard takes `token_ids`; the others take `hidden` (f16 or f32 rows, as the frame
-        carried them). `history` is the token ids the session has seen (for the repetition penalty on
-        the last shard). A non-last shard returns its hidden rows in `hidden_dtype` (f32: unrounded).
-        """
+    def forward(self, step: StepInput) -> ForwardResult:
+        """Run the range on the step's new positions, appended to its session's KV (StepInput)."""
 
     # True when forward_batch runs the steps of several sessions as one computation (continuous
     # batching); False: it runs them one after another, and the data plane gains nothing by batching.
     batches_sessions: bool = False
-
-    def forward_step(self, st: StepInput) -> ForwardResult:
-        """forward() with its arguments as a StepInput."""
-        return self.forward(
-            st.sid,
-            st.pos_start,
-            token_ids=st.token_ids,
-            hidden=st.hidden,
-            sampling=st.sampling,
-            history=st.history,
-            want_logits=st.want_logits,
-            hidden_dtype=st.hidden_dtype,
-        )
 
     def forward_batch(self, steps: list[StepInput]) -> list[ForwardResult | BackendError]:
         """Run one step of each of several distinct sessions; results in order. A step that fails
@@ -155,7 +134,7 @@ class Backend(ABC):
         out: list[ForwardResult | BackendError] = []
         for st in steps:
             try:
-                out.append(self.forward_step(st))
+                out.append(self.forward(st))
             except AdmissionError:
                 raise
             except BackendError as e:

@@ -15,9 +15,9 @@ from agent.backends.base import (
     BackendError,
     ForwardResult,
     ShardSpec,
+    StepInput,
 )
 from agent.backends.sampling import sample
-from agent.wire.frames import HiddenDtype
 from agent.wire.ids import SessionId
 from agent.wire.sampling import SamplingParams
 
@@ -113,45 +113,39 @@ class LlamaCppBackend(Backend):
     def kv_open_bytes(self, max_tokens: int) -> int:
         return min(max_tokens, self.max_ctx) * self._kv_per_token
 
-    def forward(
-        self,
-        sid: SessionId,
-        pos_start: int,
-        token_ids: np.ndarray | None = None,
-        hidden: np.ndarray | None = None,
-        sampling: SamplingParams | None = None,
-        history: list[int] | None = None,
-        want_logits: bool = False,
-        hidden_dtype: HiddenDtype = "f32",
-    ) -> ForwardResult:
+    def forward(self, step: StepInput) -> ForwardResult:
         t0 = time.perf_counter()
-        s = self._s(sid)
-        if token_ids is None:
+        s = self._s(step.sid)
+        if step.token_ids is None:
             raise BackendError("the llamacpp backend takes token ids")
-        if pos_start != s.length:
-            raise BackendError(f"position {pos_start} does not follow the session's {s.length} positions")
-        ids = [int(x) for x in np.asarray(token_ids).reshape(-1)]
+        if step.pos_start != s.length:
+            raise BackendError(
+                f"position {step.pos_start} does not follow the session's {s.length} positions"
+            )
+        ids = [int(x) for x in np.asarray(step.token_ids).reshape(-1)]
         if not ids or min(ids) < 0 or max(ids) >= self.n_vocab:
             raise BackendError("token id out of vocabulary range")
-        if pos_start + len(ids) > s.n_ctx:
-            raise BackendError(f"position {pos_start + len(ids)} exceeds the session's limit of {s.n_ctx}")
+        if step.pos_start + len(ids) > s.n_ctx:
+            raise BackendError(
+                f"position {step.pos_start + len(ids)} exceeds the session's limit of {s.n_ctx}"
+            )
         all_logits: list[np.ndarray] = []
         for off in range(0, len(ids), self.n_batch):
             chunk = ids[off : off + self.n_batch]
-            self._batch.set_batch(chunk, n_past=pos_start + off, logits_all=want_logits)
+            self._batch.set_batch(chunk, n_past=step.pos_start + off, logits_all=step.want_logits)
             try:
                 s.ctx.decode(self._batch)
             except RuntimeError as e:
                 raise BackendError(f"llama_decode failed: {e}") from None
-            if want_logits:
+            if step.want_logits:
                 ptr = self._lc.llama_get_logits(s.ctx.ctx)
                 all_logits.append(np.ctypeslib.as_array(ptr, shape=(len(chunk), self.n_vocab)).copy())
-        s.length = pos_start + len(ids)
+        s.length = step.pos_start + len(ids)
         ptr = self._lc.llama_get_logits_ith(s.ctx.ctx, -1)
         last = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(self.n_vocab,))
-        tok, lp = sample(last, sampling or SamplingParams(), s.length - 1, history)
+        tok, lp = sample(last, step.sampling or SamplingParams(), s.length - 1, step.history)
         res = ForwardResult(token=tok, logprob=lp)
-        if want_logits:
+        if step.want_logits:
             res.logits = np.concatenate(all_logits)
         res.compute_s = time.perf_counter() - t0
         return res

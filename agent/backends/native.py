@@ -26,7 +26,6 @@ from agent.backends.libggswarm import (
     load_library,
     sampling_struct,
 )
-from agent.wire.frames import HiddenDtype
 from agent.wire.ids import SessionId
 from agent.wire.sampling import SamplingParams
 
@@ -169,19 +168,10 @@ class NativeBackend(Backend):
         except NativeError as e:
             raise _error(e) from None
 
-    def _step(
-        self,
-        sid: SessionId,
-        pos_start: int,
-        token_ids: np.ndarray | None,
-        hidden: np.ndarray | None,
-        sampling: SamplingParams | None,
-        history: list[int] | None,
-        want_logits: bool,
-        hidden_dtype: HiddenDtype,
-    ) -> dict[str, Any]:
-        """forward()'s arguments checked and converted for NativeModel.forward / forward_many."""
-        native_sid = self._sid(sid)
+    def _step(self, st: StepInput) -> dict[str, Any]:
+        """A step checked and converted to NativeModel.forward / forward_many's arguments."""
+        native_sid = self._sid(st.sid)
+        token_ids, hidden, history = st.token_ids, st.hidden, st.history
         if self.spec.is_first:
             if token_ids is None:
                 raise BackendError("the first shard takes token ids")
@@ -200,20 +190,20 @@ class NativeBackend(Backend):
                 raise BackendError(f"{len(token_ids)} token ids for {hidden.shape[0]} hidden rows")
         params = None
         if self.spec.is_last:
-            p = sampling or SamplingParams()
+            p = st.sampling or SamplingParams()
             params = sampling_struct(
                 p.temperature, p.top_k, p.top_p, p.min_p, p.repeat_penalty, p.repeat_last_n, p.seed
             )
             history = _penalised(history, p)
         return {
             "sid": native_sid,
-            "pos_start": pos_start,
+            "pos_start": st.pos_start,
             "token_ids": token_ids,
             "hidden": hidden,
             "sampling": params,
             "history": np.asarray(history, dtype=np.int32) if history else None,
-            "want_logits": want_logits,
-            "hidden_dtype": hidden_dtype,
+            "want_logits": st.want_logits,
+            "hidden_dtype": st.hidden_dtype,
         }
 
     @staticmethod
@@ -225,24 +215,14 @@ class NativeBackend(Backend):
             logits=out.get("logits") if want_logits else None,
         )
 
-    def forward(
-        self,
-        sid: SessionId,
-        pos_start: int,
-        token_ids: np.ndarray | None = None,
-        hidden: np.ndarray | None = None,
-        sampling: SamplingParams | None = None,
-        history: list[int] | None = None,
-        want_logits: bool = False,
-        hidden_dtype: HiddenDtype = "f32",
-    ) -> ForwardResult:
+    def forward(self, step: StepInput) -> ForwardResult:
         t0 = time.perf_counter()
-        args = self._step(sid, pos_start, token_ids, hidden, sampling, history, want_logits, hidden_dtype)
+        args = self._step(step)
         try:
             out = self.model.forward(**args)
         except NativeError as e:
             raise _error(e) from None
-        res = self._result(out, want_logits)
+        res = self._result(out, step.want_logits)
         res.compute_s = time.perf_counter() - t0
         return res
 
@@ -257,18 +237,7 @@ class NativeBackend(Backend):
         where: list[int] = []
         for i, st in enumerate(steps):
             try:
-                calls.append(
-                    self._step(
-                        st.sid,
-                        st.pos_start,
-                        st.token_ids,
-                        st.hidden,
-                        st.sampling,
-                        st.history,
-                        st.want_logits,
-                        st.hidden_dtype,
-                    )
-                )
+                calls.append(self._step(st))
                 where.append(i)
             except BackendError as e:
                 results[i] = e

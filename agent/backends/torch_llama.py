@@ -21,9 +21,10 @@ from agent.backends.base import (
     BackendError,
     ForwardResult,
     ShardSpec,
+    StepInput,
 )
 from agent.backends.sampling import sample
-from agent.wire.frames import HiddenDtype, numpy_dtype
+from agent.wire.frames import numpy_dtype
 from agent.wire.ids import SessionId
 from agent.wire.sampling import SamplingParams
 
@@ -229,38 +230,32 @@ class TorchLlamaBackend(Backend):
         return x
 
     @torch.inference_mode()
-    def forward(
-        self,
-        sid: SessionId,
-        pos_start: int,
-        token_ids: np.ndarray | None = None,
-        hidden: np.ndarray | None = None,
-        sampling: SamplingParams | None = None,
-        history: list[int] | None = None,
-        want_logits: bool = False,
-        hidden_dtype: HiddenDtype = "f32",
-    ) -> ForwardResult:
+    def forward(self, step: StepInput) -> ForwardResult:
         t0 = time.perf_counter()
-        kv = self._kv(sid)
-        if pos_start != kv.length:
-            raise BackendError(f"position {pos_start} does not follow the session's {kv.length} positions")
+        kv = self._kv(step.sid)
+        if step.pos_start != kv.length:
+            raise BackendError(
+                f"position {step.pos_start} does not follow the session's {kv.length} positions"
+            )
         if self.spec.is_first:
-            if token_ids is None:
+            if step.token_ids is None:
                 raise BackendError("first shard needs token ids")
             emb = self.tok_embd
             assert emb is not None  # loaded for every first shard (__init__)
-            ids = torch.from_numpy(np.asarray(token_ids, dtype=np.int64))
+            ids = torch.from_numpy(np.asarray(step.token_ids, dtype=np.int64))
             if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= emb.shape[0]:
                 raise BackendError("token id out of vocabulary range")
             x = emb[ids]
         else:
-            if hidden is None:
+            if step.hidden is None:
                 raise BackendError("this shard needs hidden states")
-            if hidden.ndim != 2 or hidden.shape[1] != self.d_model:
-                raise BackendError(f"hidden size mismatch: got {hidden.shape}, expected (n, {self.d_model})")
-            x = torch.from_numpy(np.ascontiguousarray(hidden, dtype=np.float32))
+            if step.hidden.ndim != 2 or step.hidden.shape[1] != self.d_model:
+                raise BackendError(
+                    f"hidden size mismatch: got {step.hidden.shape}, expected (n, {self.d_model})"
+                )
+            x = torch.from_numpy(np.ascontiguousarray(step.hidden, dtype=np.float32))
         n = x.shape[0]
-        end = pos_start + n
+        end = step.pos_start + n
         if end > kv.max_tokens:
             raise BackendError(f"position {end} exceeds the session's limit of {kv.max_tokens}")
         cap = kv.next_capacity(end)
@@ -271,19 +266,19 @@ class TorchLlamaBackend(Backend):
             kv.grow(cap)
         self._ensure_rope(end)
         for i, lw in enumerate(self.layers):
-            x = self._block(lw, i, x, kv, pos_start)
+            x = self._block(lw, i, x, kv, step.pos_start)
         kv.length = end
         res = ForwardResult()
         if self.spec.is_last:
-            h = self._rms(x if want_logits else x[-1:], self.out_norm)
+            h = self._rms(x if step.want_logits else x[-1:], self.out_norm)
             head = self.head
             assert head is not None  # loaded for every last shard (__init__)
             logits = h @ head.T
             last = logits[-1].numpy()
-            res.token, res.logprob = sample(last, sampling or SamplingParams(), end - 1, history)
-            if want_logits:
+            res.token, res.logprob = sample(last, step.sampling or SamplingParams(), end - 1, step.history)
+            if step.want_logits:
                 res.logits = logits.numpy()
         else:
-            res.hidden = x.numpy().astype(numpy_dtype(hidden_dtype), copy=False)
+            res.hidden = x.numpy().astype(numpy_dtype(step.hidden_dtype), copy=False)
         res.compute_s = time.perf_counter() - t0
         return res

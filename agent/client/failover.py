@@ -1,11 +1,4 @@
-"""How a route client survives a failed hop: replacement, KV restore, warm spares (agent/client/route.py).
-
-`Failover` is the half of RouteClient that runs when something went wrong: it asks the caller's
-ReplacementProvider for a hop covering the failed hop's layers, brings it to the positions the old
-hop held (a snapshot hand-off when the old hop still answers, else the copy a warm spare took plus
-the steps since, else a re-prefill of exactly the steps the hop took, from the inputs the client
-kept for every seam) and lets the step go on. It also keeps those warm spares up to date.
-"""
+"""How a route client survives a failed hop: replacement, KV restore, warm spares (docs/failover.md)."""
 
 from __future__ import annotations
 
@@ -13,51 +6,18 @@ import asyncio
 import base64
 import contextlib
 import time
-from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-from aiohttp import ClientError, ClientSession, ClientTimeout
+from aiohttp import ClientError, ClientTimeout
 
+from agent.client.errors import ContextLimitError, RouteError, RouteFailed
+from agent.client.link import RouteLink, Step
 from agent.client.recovery import STANDBY, Hop, RecoveryPolicy, Replacement, ReplacementProvider
-from agent.wire.frames import Kind, Op, Response
-from agent.wire.ids import SessionId
+from agent.wire.frames import Kind, Op, Request, Response, encode_request
 from agent.wire.routetoken import TokenError, decode_unverified
 
 PREFILL_CHUNK = 512
-
-
-class RouteError(Exception):
-    """A hop refused or failed a request; `status` and `code` come from the hop when it answered."""
-
-    def __init__(self, message: str, status: int = 0, code: str = "", hop: int = -1) -> None:
-        super().__init__(message)
-        self.status, self.code, self.hop = status, code, hop
-
-
-class ContextLimitError(RouteError):
-    """The conversation no longer fits the context cap (128K or the model's own limit)."""
-
-
-class RouteFailed(RouteError):
-    """Recovery gave up: no replacement for a range, or too many failures in a row (never retried)."""
-
-
-@dataclass
-class Step:
-    """One forward step as one hop took it: its input rows, kept so a replacement can take it again."""
-
-    pos: int
-    n: int
-    kind: Kind
-    dim: int
-    payload: bytes  # b"" once the seam cache is dropped (hop 0's token ids are always kept)
-
-    def cut(self, keep: int) -> Step:
-        """The first `keep` positions of the step (a truncate inside it)."""
-        per = len(self.payload) // self.n if self.n else 0
-        return Step(self.pos, keep, self.kind, self.dim, self.payload[: per * keep])
 
 
 def recoverable(e: RouteError) -> bool:
@@ -68,39 +28,92 @@ def recoverable(e: RouteError) -> bool:
 
 
 class Failover:
-    """Recovery and warm spares of a RouteClient (which defines the attributes and I/O below)."""
+    """Recovery and warm spares of one route client's session (agent/client/route.py).
 
-    hops: list[Hop]
-    session: SessionId
-    mode: str
-    kind: Kind
-    max_context: int
-    timeout_s: float
-    token_id_layers: int
-    replacements: ReplacementProvider | None
-    policy: RecoveryPolicy
-    history: list[int]
-    step: int
-    opened: bool
-    recoveries: list[dict[str, Any]]
-    checkpoints: int
-    _chain_sent: bool
-    _len: list[int]
-    _steps: list[list[Step]]
-    _seam_bytes: int
-    _seams_kept: bool
-    _rtt: list[deque[float]]
-    _resend_sampling: list[bool]
-    _pending_ids: list[int]
-    _standby: list[tuple[Replacement, int] | None]
-    _checkpointing: dict[int, asyncio.Task[None]]
-    _http: ClientSession
+    When a hop fails it asks the caller's ReplacementProvider for a hop covering the failed hop's
+    layers, brings it to the positions the old hop held (a snapshot hand-off when the old hop still
+    answers, else the copy a warm spare took plus the steps since, else a re-prefill of exactly the
+    steps the hop took, from the inputs kept for every seam) and lets the step go on. It also keeps
+    those warm spares up to date.
 
-    async def _post(self, i: int, body: bytes, timeout_s: float | None = None) -> Response:
-        raise NotImplementedError
+    It is handed the session's `link` (hops, frames, round trips) and its token `history` (the
+    client's list, read here: the client appends and cuts it), and keeps what a recovery needs: the
+    steps each hop took, in order, and the positions each holds. The client tells it about each step
+    (`record`, `cut`, `pending_ids`) and sends its frames through `call`."""
 
-    def _frame(self, i: int, op: Op, **fields: Any) -> bytes:
-        raise NotImplementedError
+    def __init__(
+        self,
+        link: RouteLink,
+        history: list[int],
+        mode: str,
+        max_context: int,
+        replacements: ReplacementProvider | None,
+        policy: RecoveryPolicy,
+    ) -> None:
+        n = len(link.hops)
+        self.link = link
+        self.history = history
+        self.mode = mode
+        self.max_context = max_context
+        self.replacements = replacements
+        self.policy = policy
+        self.pending_ids: list[int] = []  # the ids of the step in flight (not yet in history)
+        # one entry per recovery: hop, reason, method (snapshot / reprefill / reprefill_route), ms
+        self.recoveries: list[dict[str, Any]] = []
+        self.checkpoints = 0
+        self._len = [0] * n  # positions each hop holds
+        self._steps: list[list[Step]] = [[] for _ in range(n)]  # what each hop was given, in order
+        self._seam_bytes = 0
+        self._seams_kept = True
+        # warm spares: a copy of hop i's KV at some positions on another node (RecoveryPolicy.checkpoint_tokens)
+        self._standby: list[tuple[Replacement, int] | None] = [None] * n
+        self._checkpointing: dict[int, asyncio.Task[None]] = {}
+
+    def deadline(self, i: int, n_tokens: int) -> float:
+        """How long hop `i` gets for a step of `n_tokens`: derived from its own recent steps."""
+        p = self.policy
+        samples = self.link.rtt[i]
+        if self.replacements is None or n_tokens > p.small_step_tokens or len(samples) < p.deadline_samples:
+            return self.link.timeout_s
+        ordered = sorted(samples)
+        p95 = ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
+        return min(self.link.timeout_s, max(p.deadline_floor_s, p.deadline_factor * p95))
+
+    async def call(self, i: int, frame: Callable[[], bytes], n_tokens: int, bundle: bool = False) -> Response:
+        """Send hop `i` the frame `frame()` builds (rebuilt per attempt: a replacement changes the
+        token and the step number), recovering failed hops until it answers or recovery gives up.
+        `bundle`: a small step that may travel with other sessions' (a shared transport)."""
+        began = time.monotonic()
+        failures: list[str] = []
+        while True:
+            t0 = time.perf_counter()
+            try:
+                resp = await self.link.post(i, frame(), self.deadline(i, n_tokens), bundle)
+            except RouteError as e:
+                if self.replacements is None or not recoverable(e):
+                    raise
+                await self._recover_until_done(e, failures, began)
+                continue
+            if n_tokens <= self.policy.small_step_tokens:
+                self.link.rtt[i].append(time.perf_counter() - t0)
+            return resp
+
+    async def close(self) -> None:
+        """Stop the copies in flight and free the session's KV on its warm spares."""
+        for task in self._checkpointing.values():
+            task.cancel()
+        await asyncio.gather(*self._checkpointing.values(), return_exceptions=True)
+        for sb in self._standby:
+            if sb is not None:
+                spare = sb[0].hop
+                body = encode_request(Request(op=Op.CLOSE, session=self.link.session, token=spare.token))
+                with contextlib.suppress(ClientError, OSError, TimeoutError):
+                    async with self.link.http.post(
+                        spare.url.rstrip("/") + "/v1/frame",
+                        data=body,
+                        timeout=ClientTimeout(total=self.policy.deadline_floor_s * 2),
+                    ) as r:
+                        await r.read()
 
     async def _recover_until_done(self, err: RouteError, failures: list[str], began: float) -> None:
         """Replace the hop `err` names (and whatever fails while doing so) or raise RouteFailed."""
@@ -130,7 +143,7 @@ class Failover:
         assert self.replacements is not None
         t0 = time.perf_counter()
         started = time.monotonic()
-        if self.mode == "chain" and len(self.hops) > 1:
+        if self.mode == "chain" and len(self.link.hops) > 1:
             bad, alive = await self._chain_culprits(err)
         else:
             bad, alive = [err.hop if err.hop >= 0 else 0], err.status != 0
@@ -138,7 +151,7 @@ class Failover:
         replay = False
         provider_s = 0.0
         for i in bad:
-            old = self.hops[i]
+            old = self.link.hops[i]
             t1 = time.perf_counter()
             sb, self._standby[i] = self._standby[i], None
             task = self._checkpointing.pop(i, None)
@@ -153,7 +166,7 @@ class Failover:
             ):
                 rep, standby_n = Replacement(sb[0].hop, previous_token=sb[0].previous_token), sb[1]
             else:
-                rep, standby_n = await self.replacements(i, list(self.hops), str(err)), -1
+                rep, standby_n = await self.replacements(i, list(self.link.hops), str(err)), -1
             provider_s += time.perf_counter() - t1
             if rep is None:
                 raise RouteFailed(
@@ -169,21 +182,15 @@ class Failover:
                     code="bad_replacement",
                     hop=i,
                 )
-            self.hops[i] = rep.hop
-            if rep.previous_token and i > 0:  # chain mode: the hop before forwards to the new one
-                prev = self.hops[i - 1]
-                self.hops[i - 1] = Hop(prev.url, prev.layer_start, prev.layer_end, rep.previous_token)
-            self._rtt[i].clear()
-            self._resend_sampling[i] = True
-            self._chain_sent = False
+            self.link.replace(i, rep.hop, rep.previous_token)
             method = await self._restore(i, old, rep, alive, standby_n, len(bad) == 1)
             replay = replay or method == "reprefill_route"
             methods.append(method)
         if replay:
             await self._replay_route()
-        elif self.mode == "chain" and len(self.hops) > 1:
+        elif self.mode == "chain" and len(self.link.hops) > 1:
             # hops that took the failed step before the failure give it back: it is sent again
-            for j in range(len(self.hops)):
+            for j in range(len(self.link.hops)):
                 if j not in bad:
                     await self._truncate_hop(j, len(self.history))
         self.recoveries.append(
@@ -205,16 +212,16 @@ class Failover:
 
         async def alive(hop: Hop) -> bool:
             try:
-                async with self._http.get(hop.url.rstrip("/") + "/v1/health", timeout=t) as r:
+                async with self.link.http.get(hop.url.rstrip("/") + "/v1/health", timeout=t) as r:
                     return r.status == 200
             except (ClientError, OSError, TimeoutError):
                 return False
 
-        ok = await asyncio.gather(*(alive(h) for h in self.hops))
+        ok = await asyncio.gather(*(alive(h) for h in self.link.hops))
         dead = [j for j, up in enumerate(ok) if not up]
         if dead:
             return dead, False
-        named = [j for j, h in enumerate(self.hops) if j > 0 and h.url.rstrip("/") in str(err)]
+        named = [j for j, h in enumerate(self.link.hops) if j > 0 and h.url.rstrip("/") in str(err)]
         return named[-1:] or [max(err.hop, 0)], err.status != 0
 
     def _spare_fits(self, i: int, spare: Replacement) -> bool:
@@ -224,7 +231,8 @@ class Failover:
             return True
         try:
             return bool(spare.previous_token) and (
-                decode_unverified(spare.previous_token).node == decode_unverified(self.hops[i - 1].token).node
+                decode_unverified(spare.previous_token).node
+                == decode_unverified(self.link.hops[i - 1].token).node
             )
         except TokenError:
             return False
@@ -235,8 +243,9 @@ class Failover:
         """Bring the new hop `i` to the positions the old one held: snapshot hand-off, else the warm
         spare's copy plus a re-prefill of the steps after it (`standby_n` positions), else re-prefill.
         `alone`: no other hop failed with it (a chain route's spare needs its upstream hops alive)."""
+        link = self.link
         want = self._len[i]
-        if not self.opened:
+        if not link.opened:
             return "none"
         if want and alive and rep.handoff_token:
             n = await self._handoff(old, rep)
@@ -246,9 +255,9 @@ class Failover:
                 return "snapshot"
             if n is not None:  # fewer positions than the client counted: start that hop over
                 with contextlib.suppress(RouteError):
-                    await self._post(i, self._frame(i, Op.CLOSE), self.timeout_s)
-        resp = await self._post(i, self._frame(i, Op.OPEN, pos_start=self.max_context), self.timeout_s)
-        chain = self.mode == "chain" and len(self.hops) > 1
+                    await link.post(i, link.frame(i, Op.CLOSE), link.timeout_s)
+        resp = await link.post(i, link.frame(i, Op.OPEN, pos_start=self.max_context), link.timeout_s)
+        chain = self.mode == "chain" and len(link.hops) > 1
         replayable = not chain and (i == 0 or self._seams_kept)
         keep = 0  # positions the new hop already holds and keeps
         # a chain client holds no seams: the steps since the copy are hop 0's, replayed through the route
@@ -257,8 +266,7 @@ class Failover:
         if (replayable or (chain and alone)) and on_boundary and 0 < standby_n <= min(want, resp.session_len):
             keep = standby_n
         if resp.session_len > keep:  # a spare's copy past what is ours, or a node that was late: cut it
-            self.step += 1
-            await self._post(i, self._frame(i, Op.TRUNCATE, step=self.step, pos_start=keep), self.timeout_s)
+            await link.post(i, link.plain_frame(i, Op.TRUNCATE, keep), link.timeout_s)
         if not want:
             return "none"
         if chain and keep:
@@ -275,7 +283,7 @@ class Failover:
         if i > 0:
             self._seam_bytes -= sum(len(st.payload) for st in steps)
         for st in self._batches(steps):
-            await self._give(i, st, self.timeout_s)
+            await self._give(i, st, link.timeout_s)
         return "standby" if keep else "reprefill"
 
     def _batches(self, steps: list[Step]) -> list[Step]:
@@ -302,7 +310,7 @@ class Failover:
         serving it); the positions moved, or None."""
         body = {"token": base64.b64encode(rep.handoff_token).decode(), "target": rep.hop.url, "keep": keep}
         try:
-            async with self._http.post(
+            async with self.link.http.post(
                 old.url.rstrip("/") + "/v1/handoff/export",
                 json=body,
                 timeout=ClientTimeout(total=self.policy.handoff_timeout_s),
@@ -318,12 +326,11 @@ class Failover:
     async def _truncate_hop(self, i: int, n: int) -> int:
         """Hop `i` back to at most `n` positions; what it holds now (less where recurrent state only
         goes back to a checkpoint)."""
-        self.step += 1
-        resp = await self._post(i, self._frame(i, Op.TRUNCATE, step=self.step, pos_start=n), self.timeout_s)
-        self._cut(i, n)
+        resp = await self.link.post(i, self.link.plain_frame(i, Op.TRUNCATE, n), self.link.timeout_s)
+        self.cut(i, n)
         return min(n, resp.session_len)
 
-    def _cut(self, i: int, n: int) -> None:
+    def cut(self, i: int, n: int) -> None:
         """Forget hop `i`'s steps past position `n`."""
         kept: list[Step] = []
         for st in self._steps[i]:
@@ -342,50 +349,41 @@ class Failover:
             self._standby[i] = (sb[0], n)
 
     def _ids(self, pos: int, n: int) -> list[int]:
-        known = self.history + self._pending_ids
-        return known[pos : pos + n]
+        """The token ids at positions [pos, pos + n): the history's, then the step in flight's. Sliced
+        apart, as a replay asks for them once per step: joining the lists would cost the whole context."""
+        h = len(self.history)
+        return self.history[pos : pos + n] + self.pending_ids[max(0, pos - h) : max(0, pos + n - h)]
 
     async def _give(self, i: int, st: Step, timeout_s: float) -> Response:
         """Send hop `i` one recorded step again (re-prefill; the last hop's token is not used)."""
         if st.kind != Kind.IDS and not st.payload:
             raise RouteFailed("the seam cache was dropped: cannot re-prefill one hop", hop=i)
-        last = i == len(self.hops) - 1
-        # a hop holding layers that route experts by token id (deepseek4's hash layers) needs the ids
-        # with the hidden rows, on a replay as on the first pass (RouteClient._star_frame)
-        by_id = st.kind != Kind.IDS and self.hops[i].layer_start < self.token_id_layers
-        self.step += 1
-        resp = await self._post(
-            i,
-            self._frame(
-                i,
-                Op.FORWARD,
-                step=self.step,
-                pos_start=st.pos,
-                n_tokens=st.n,
-                kind=st.kind,
-                dim=st.dim,
-                f16_out=self.kind == Kind.F16,
-                history=self._ids(st.pos, st.n) if last else None,
-                token_ids=np.asarray(self._ids(st.pos, st.n), dtype="<i4") if by_id else None,
-                payload=st.payload,
-            ),
-            timeout_s,
-        )
-        self._record(i, st)
+        # the same frame as the first pass: the last hop's history, and the ids with the hidden rows to
+        # a hop whose layers route experts by token id (deepseek4's hash layers)
+        resp = await self.link.post(i, self.link.forward_frame(i, st, self._ids(st.pos, st.n)), timeout_s)
+        self.record(i, st)
         return resp
 
-    def _record(self, i: int, st: Step) -> None:
+    def record(self, i: int, st: Step) -> None:
+        """Hop `i` took `st` (kept so that a replacement can take it again)."""
         if i > 0 and self._seams_kept:
             self._seam_bytes += len(st.payload)
             if self._seam_bytes > self.policy.seam_cache_bytes:
                 # too much to keep: from now on a recovery re-prefills the whole route
                 self._seams_kept = False
-                for j in range(1, len(self.hops)):
+                for j in range(1, len(self.link.hops)):
                     self._steps[j] = [Step(s.pos, s.n, s.kind, s.dim, b"") for s in self._steps[j]]
                 self._seam_bytes = 0
         keep = i == 0 or self._seams_kept
         self._steps[i].append(st if keep else Step(st.pos, st.n, st.kind, st.dim, b""))
         self._len[i] = st.pos + st.n
+
+    def record_chain(self, st: Step) -> None:
+        """Chain mode: hop 0 took `st` and passed it on, so every hop holds its positions now; the seams
+        went from hop to hop, never through the client, so only hop 0's step is kept."""
+        self.record(0, st)
+        for j in range(len(self._len)):
+            self._len[j] = st.pos + st.n
 
     async def _replay_through(self, i: int, m: int) -> None:
         """Chain mode: hop `i` holds a spare's copy of the first `m` positions. The hops before it give
@@ -404,7 +402,7 @@ class Failover:
             for st in steps0:
                 cur = st
                 for j in range(i + 1):
-                    resp = await self._give(j, cur, self.timeout_s)
+                    resp = await self._give(j, cur, self.link.timeout_s)
                     cur = Step(st.pos, resp.n_tokens, resp.kind, resp.dim, bytes(resp.payload))
         except RouteError:
             self._steps[0] = taken
@@ -414,23 +412,23 @@ class Failover:
         """Re-prefill every hop from position 0 with the steps hop 0 took (chain mode, or no seams)."""
         want = list(self._len)
         if self.mode == "chain":
-            want = [len(self.history)] * len(self.hops)
+            want = [len(self.history)] * len(self.link.hops)
         steps0 = self._batches([st for st in self._steps[0] if st.pos + st.n <= want[0]])
-        for j in range(len(self.hops)):
+        for j in range(len(self.link.hops)):
             if self._len[j]:
                 await self._truncate_hop(j, 0)
             self._steps[j], self._len[j] = [], 0
         self._seam_bytes = 0
         for st in steps0:
             cur = st
-            for j in range(len(self.hops)):
+            for j in range(len(self.link.hops)):
                 if cur.pos + cur.n > want[j]:
                     break
-                resp = await self._give(j, cur, self.timeout_s)
+                resp = await self._give(j, cur, self.link.timeout_s)
                 cur = Step(st.pos, resp.n_tokens, resp.kind, resp.dim, bytes(resp.payload))
 
     # -- warm spares ------------------------------------------------------------------------------------
-    def _maybe_checkpoint(self, n_tokens: int) -> None:
+    def maybe_checkpoint(self, n_tokens: int) -> None:
         """Copy a hop's KV to a spare (in the background) once it has grown by checkpoint_tokens since
         the last copy: a hop that dies later then costs a re-prefill of only the steps after it. Only
         after a decode step, so a long prompt is copied once, when all of it is in."""
@@ -439,20 +437,20 @@ class Failover:
             return
         if n_tokens > self.policy.small_step_tokens:
             return
-        for i in range(len(self.hops)):
+        for i in range(len(self.link.hops)):
             sb = self._standby[i]
             if i not in self._checkpointing and self._len[i] - (sb[1] if sb else 0) >= every:
                 self._checkpointing[i] = asyncio.get_running_loop().create_task(self._checkpoint(i))
 
     async def _checkpoint(self, i: int) -> None:
         assert self.replacements is not None
-        hop = self.hops[i]
+        hop = self.link.hops[i]
         try:
-            rep = await self.replacements(i, list(self.hops), STANDBY)
+            rep = await self.replacements(i, list(self.link.hops), STANDBY)
             if rep is None or not rep.handoff_token or rep.hop.url == hop.url:
                 return
             n = await self._handoff(hop, rep, keep=True)
-            if n is not None and self.hops[i] is hop:
+            if n is not None and self.link.hops[i] is hop:
                 self._standby[i] = (rep, min(n, self._len[i]))
                 self.checkpoints += 1
         except (RouteError, ClientError, OSError, TimeoutError):

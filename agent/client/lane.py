@@ -20,11 +20,13 @@ import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 import numpy as np
 
-from agent.wire.frames import LANE_INFO, Kind, Response, Timing
+from agent.client.errors import RouteError
+from agent.client.link import RouteLink, Step
+from agent.wire.frames import LANE_INFO, Kind, Op, Response, Timing
 from agent.wire.lane import (
     FRAME_HEAD,
     MAX_BUNDLE,
@@ -41,10 +43,6 @@ from agent.wire.lane import (
     seal_bundle,
 )
 from agent.wire.stream import settle
-
-if TYPE_CHECKING:
-    from agent.client.failover import Step
-    from agent.client.route import RouteClient
 
 LANE_ENV = "GGSWARM_LANE"  # 0: route clients never ask for a lane
 # Python-path decode steps after a refusal before the lane is asked again (one Op.LANE round trip)
@@ -266,10 +264,25 @@ class LaneTicket:
 
 
 class LaneRoute:
-    """The lane state of one RouteClient: its admission, and whether to ask for one now."""
+    """The lane state of one RouteClient: its admission, and whether to ask for one now.
 
-    def __init__(self, enabled: bool) -> None:
+    It is handed the session's `link`, the transport's `streams`, the failover's per-hop `deadline`
+    (a failing hop is judged by its recent steps) and the client's `realign`, which brings every hop
+    back to a position after a step whose answer was lost."""
+
+    def __init__(
+        self,
+        enabled: bool,
+        link: RouteLink,
+        streams: LaneStreams,
+        deadline: Callable[[int, int], float],
+        realign: Callable[[int], Awaitable[None]],
+    ) -> None:
         self.enabled = enabled
+        self.link = link
+        self.streams = streams
+        self.deadline = deadline
+        self.realign = realign
         self.ticket: LaneTicket | None = None
         self.retry_in = 0  # refused or failed: Python-path steps until the lane is asked again
         self.hops_key: tuple[tuple[str, bytes], ...] = ()  # the route the lane was opened along
@@ -291,34 +304,34 @@ class LaneRoute:
         return False
 
     async def step(
-        self, rc: RouteClient, inp: Step, ids: list[int], send: bool, want_logits: bool
+        self, inp: Step, ids: list[int], send: bool, want_logits: bool, bundle: bool
     ) -> Response | None:
-        """Run a decode step over the lane; None: run it on the Python path."""
+        """Run a decode step over the lane; None: run it on the Python path. `bundle`: other route
+        clients share the transport, so the step may travel with theirs."""
         if not self.enabled or want_logits or send or not 1 <= inp.n <= MAX_TOKENS or self._blocked():
             return None
-        if len(rc.hops) > 1 and not (rc.mode == "chain" and rc._chain_sent):  # noqa: SLF001
+        link = self.link
+        if len(link.hops) > 1 and not link.chain_sent:
             return None  # the hops learn the chain from a Python chain step first
-        route = tuple((h.url, h.token) for h in rc.hops)
+        route = tuple((h.url, h.token) for h in link.hops)
         if self.ticket is not None and route != self.hops_key:  # a hop was replaced: the old lane is stale
             self.ticket = None
         if self.ticket is None:
-            self.ticket = await self._admit(rc)
+            self.ticket = await self._admit()
             if self.ticket is None:
                 self.retry_in = LANE_RETRY_STEPS
                 return None
             self.hops_key = route
             # bundles in flight at once: one per machine the route crosses (they pipeline across them)
-            self.machines = len({urllib.parse.urlsplit(h.url).hostname for h in rc.hops})
+            self.machines = len({urllib.parse.urlsplit(h.url).hostname for h in link.hops})
         t = self.ticket
         member = BundleMember(t.key, t.lane_id, t.next_step, inp.pos, np.asarray(ids, dtype=np.int32))
         t.next_step += 1  # spent whatever the answer: a sealed frame never runs twice
         t0 = time.perf_counter()
         try:
             ans = await asyncio.wait_for(
-                rc.transport.lanes.run(
-                    t.addr, member, bundle=rc.transport.users > 1, max_in_flight=self.machines
-                ),
-                rc._deadline(0, inp.n),  # noqa: SLF001 - a failing hop is judged by its recent steps
+                self.streams.run(t.addr, member, bundle=bundle, max_in_flight=self.machines),
+                self.deadline(0, inp.n),
             )
         except (LaneError, OSError, TimeoutError) as e:
             self.ticket = None
@@ -326,13 +339,12 @@ class LaneRoute:
             self.fallbacks += 1
             clean = isinstance(e, LaneError) and (e.refused or e.status != 0)
             if not clean:  # the step may have run on some hops: bring every hop back to the client's length
-                await rc.realign(inp.pos)
+                await self.realign(inp.pos)
             return None
         self.steps += 1
-        rc.step += 1
-        rc._rtt[0].append(time.perf_counter() - t0)  # noqa: SLF001
+        link.rtt[0].append(time.perf_counter() - t0)
         return Response(
-            step=rc.step,
+            step=link.next_step(),
             kind=Kind.TOKEN,
             session_len=ans.session_len,
             token=ans.token,
@@ -340,18 +352,23 @@ class LaneRoute:
             timings=[Timing(c, h) for c, h in ans.timings],
         )
 
-    async def _admit(self, rc: RouteClient) -> LaneTicket | None:
-        from agent.client.route import RouteError
+    def admit_frame(self) -> bytes:
+        """Op.LANE to hop 0: the hops admit the session to their lanes along the cached chain."""
+        link = self.link
+        return link.frame(
+            0, Op.LANE, step=link.next_step(), chain_cached=len(link.hops) > 1, f16_out=link.kind == Kind.F16
+        )
 
+    async def _admit(self) -> LaneTicket | None:
         try:
-            resp = await rc._post(0, rc._lane_frame())  # noqa: SLF001
+            resp = await self.link.post(0, self.admit_frame())
         except RouteError:
             return None
         if resp.kind != Kind.LANE:
             return None
         lane_id, port, key = LANE_INFO.unpack(resp.payload)
         try:
-            host = await ipv4_of(rc.hops[0].url)
+            host = await ipv4_of(self.link.hops[0].url)
         except LaneError:
             return None
         return LaneTicket((host, port), lane_id, key)

@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent.wire.handofftoken import mint_handoff
 from agent.wire.ids import SessionId
-from agent.wire.routetoken import RouteHop, TokenError, decode_unverified, mint, mint_route
+from agent.wire.routetoken import RouteHop, TokenError, decode_unverified, mint_replacement, mint_route
 
 
 @dataclass(frozen=True)
@@ -155,33 +155,19 @@ class ReplicaProvider:
                 for s in shards
             ):
                 continue
-            # each token names the hop after it (chain mode forwards only there)
-            nxt = (after.node, route[index + 1].url) if after is not None else ("", "")
-            token = mint(
-                self.key,
-                claims.session,
-                claims.model_sha256,
-                hop.layer_start,
-                hop.layer_end,
-                node,
-                self.ttl_s,
-                *nxt,
-            )
-            # a warm spare gets one too: in chain mode the hop before forwards to it once it takes over
-            previous = b""
+            # the replacement's token names the hop after it, and the hop before's is minted again to
+            # name the replacement (chain mode forwards only there); a warm spare gets both too
+            new = RouteHop(node, url, hop.layer_start, hop.layer_end)
+            window = [new]  # with its neighbours: what its token and the hop before's name
             if before is not None:
                 prev = route[index - 1]
-                previous = mint(
-                    self.key,
-                    claims.session,
-                    claims.model_sha256,
-                    prev.layer_start,
-                    prev.layer_end,
-                    before.node,
-                    self.ttl_s,
-                    node,
-                    url,
-                )
+                window.insert(0, RouteHop(before.node, prev.url, prev.layer_start, prev.layer_end))
+            if after is not None:
+                nxt = route[index + 1]
+                window.append(RouteHop(after.node, nxt.url, nxt.layer_start, nxt.layer_end))
+            token, previous = mint_replacement(
+                self.key, claims.session, claims.model_sha256, window, window.index(new), self.ttl_s
+            )
             handoff = b""
             if node != claims.node:
                 handoff = mint_handoff(

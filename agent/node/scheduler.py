@@ -49,7 +49,7 @@ CHUNK_TOKENS = 512  # = native kUBatch: chunk boundaries are the micro-batch bou
 # that arrives during a chunk waits for at most this many positions (tens of ms on a CPU), not 512
 # (about a second on two cores). 16 rather than 32: p95 inter-token latency of 4 decoding sessions while
 # a 2,000-token prompt arrived fell from 451 to 275 ms, the prompt took 36 s instead of 29 (bench/served.py
-# --itl-only A/B, docs/benchmarks.md). Exact for the native executor at any cut in ggml-ops attention
+# --itl-only A/B, docs/benchmarks-log.md). Exact for the native executor at any cut in ggml-ops attention
 # mode; in flash-attention mode a cut changes the rounding as llama.cpp's ubatch does (docs/protocol.md).
 BUSY_CHUNK_TOKENS = 16
 BUSY_CHUNK_ENV = "GGSWARM_BUSY_CHUNK_TOKENS"  # an operator's override, 1..CHUNK_TOKENS
@@ -60,14 +60,14 @@ LANE_CHUNK_TOKENS = 8
 BUSY_WINDOW_S = 1.0  # another session stepped on this shard this recently: it is decoding
 # Gathering a batch (ShardScheduler._gather). 8 sessions over 3 hops on 2 cores: batches of 3.4 steps
 # instead of 1.8, 99 instead of 88 tok/s in all; one session and the ITL under a long prompt unchanged
-# (docs/benchmarks.md, "Gathering a batch").
+# (docs/benchmarks-log.md, "Gathering a batch").
 GATHER_GAP_US = 1000  # wait at most this long after each arrival
 GATHER_GAP_ENV = "GGSWARM_BATCH_GATHER_US"  # an operator's override, 0 (off)..100000
 GATHER_SHARE = 0.25  # and in all at most this share of the latest batch's compute
 ACTIVE_S = 0.25  # a session stepped here this recently (or 4 batches' compute, if longer): it comes back
 # Small work runs on the event loop: a lone decoding session's step at once (ShardScheduler._run_inline),
 # and a batch of at most INLINE_TOKENS positions in the worker without a thread hand-off. 0 puts both
-# back on the paths they took before (an operator's A/B, docs/benchmarks.md "Small steps in place").
+# back on the paths they took before (an operator's A/B, docs/benchmarks-log.md "Small steps in place").
 INLINE_ENV = "GGSWARM_INLINE_SMALL_STEPS"
 # A prefill's chunk waits for the steps of sessions decoding beside it (ShardScheduler._hold_chunks):
 # until they are HOLD_FACTOR x their own period overdue (they stopped), never more than HOLD_MAX_S
@@ -283,7 +283,7 @@ class ShardScheduler:
             self._admit(owner, grow)
         t1 = time.perf_counter()
         try:
-            res = self.backend.forward_step(step)
+            res = self.backend.forward(step)
         except BackendError:
             self._truncate_back(step)  # as a failed batch: the session stays where the step began
             raise
@@ -305,9 +305,9 @@ class ShardScheduler:
             if self._admit is not None:
                 self._admit(owner, grow)
             if n <= INLINE_TOKENS:
-                res = self.backend.forward_step(step)
+                res = self.backend.forward(step)
             else:
-                res = await asyncio.to_thread(self.backend.forward_step, step)
+                res = await asyncio.to_thread(self.backend.forward, step)
             if self._observer is not None:
                 self._observer.batch(1, n, time.perf_counter() - t_start)
         return res
@@ -586,6 +586,6 @@ def _forward_batch(backend: Backend, steps: list[StepInput]) -> list[ForwardResu
     if len(steps) > 1:
         return backend.forward_batch(steps)
     try:
-        return [backend.forward_step(steps[0])]
+        return [backend.forward(steps[0])]
     except BackendError as e:
         return [e]

@@ -2,7 +2,7 @@
 
 The same frames, limits and answers as `POST /v1/frame` (agent/node/dataplane.py), without an HTTP
 request per frame: on this machine an aiohttp POST round trip costs ~650 us, a WebSocket message
-~90 us (bench/transport.py), and a decode step pays one per hop. A message is at most
+~90 us (bench/archive/transport.py), and a decode step pays one per hop. A message is at most
 STREAM_MAX_FRAME bytes (bigger frames go over POST, which checks the token before reading the body);
 its header, length and route token are checked before anything is decoded, and the per-address,
 per-token and node-wide buffered-bytes limits count it exactly as they count a POST. Messages on one

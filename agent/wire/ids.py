@@ -6,4 +6,3 @@ from typing import NewType
 
 SessionId = NewType("SessionId", bytes)  # 16 raw bytes (a UUID) on the wire
 NodeId = NewType("NodeId", str)
-ModelId = NewType("ModelId", str)  # sha256 hex of the GGUF file

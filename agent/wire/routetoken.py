@@ -17,6 +17,7 @@ import base64
 import struct
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,27 +118,52 @@ class RouteHop:
     layer_end: int
 
 
+def mint_hop(
+    key: Ed25519PrivateKey,
+    session: SessionId,
+    model_sha256: str,
+    route: Sequence[RouteHop],
+    index: int,
+    ttl_s: int = 3600,
+) -> bytes:
+    """The token of `route[index]`, naming the hop after it: the only place chain mode may forward to
+    (none after the last hop). Every route token a route or a replacement needs is minted here."""
+    h = route[index]
+    nxt = route[index + 1] if index + 1 < len(route) else None
+    return mint(
+        key,
+        session,
+        model_sha256,
+        h.layer_start,
+        h.layer_end,
+        h.node,
+        ttl_s,
+        nxt.node if nxt else "",
+        nxt.url if nxt else "",
+    )
+
+
 def mint_route(
     key: Ed25519PrivateKey, session: SessionId, model_sha256: str, hops: list[RouteHop], ttl_s: int = 3600
 ) -> list[bytes]:
-    """One token per hop, each naming the hop after it: the only place chain mode may forward to."""
-    out = []
-    for i, h in enumerate(hops):
-        nxt = hops[i + 1] if i + 1 < len(hops) else None
-        out.append(
-            mint(
-                key,
-                session,
-                model_sha256,
-                h.layer_start,
-                h.layer_end,
-                h.node,
-                ttl_s,
-                nxt.node if nxt else "",
-                nxt.url if nxt else "",
-            )
-        )
-    return out
+    """One token per hop, each naming the hop after it."""
+    return [mint_hop(key, session, model_sha256, hops, i, ttl_s) for i in range(len(hops))]
+
+
+def mint_replacement(
+    key: Ed25519PrivateKey,
+    session: SessionId,
+    model_sha256: str,
+    route: Sequence[RouteHop],
+    index: int,
+    ttl_s: int = 3600,
+) -> tuple[bytes, bytes]:
+    """`route[index]` has just replaced a failed hop (or is a warm spare for it): its token, and the
+    hop before's token minted again to name it (b"" at index 0), as a hop forwards only to the hop
+    its own token names. The rest of `route` keeps its tokens."""
+    token = mint_hop(key, session, model_sha256, route, index, ttl_s)
+    previous = mint_hop(key, session, model_sha256, route, index - 1, ttl_s) if index > 0 else b""
+    return token, previous
 
 
 def normalise_url(url: str) -> str:

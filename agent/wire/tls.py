@@ -14,7 +14,6 @@ import ipaddress
 import os
 import ssl
 from pathlib import Path
-from typing import Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -178,20 +177,6 @@ def client_context(cert_path: Path, key_path: Path, ca_path: Path) -> ssl.SSLCon
     ctx.check_hostname = True
     ctx.verify_mode = ssl.CERT_REQUIRED
     return ctx
-
-
-def peer_identity(peercert: dict[str, Any] | None) -> str:
-    """The `urn:ggswarm:...` URI of a verified peer certificate (ssl's getpeercert() form), or ""."""
-    for kind, value in (peercert or {}).get("subjectAltName", ()):
-        if kind == "URI" and str(value).startswith(("urn:ggswarm:",)):
-            return str(value)
-    return ""
-
-
-def peer_node_id(peercert: dict[str, Any] | None) -> str:
-    """The node id a verified peer certificate names, or "" (none, or not a node's certificate)."""
-    uri = peer_identity(peercert)
-    return uri[len(NODE_URI_PREFIX) :] if uri.startswith(NODE_URI_PREFIX) else ""
 
 
 def node_dns_name(node_id: str) -> str:

@@ -115,7 +115,7 @@ async def test_a_refused_lane_says_why_and_the_session_stays_on_the_python_path(
     try:
         await _tokens(c, 2)  # prefill and one Python step: the hop knows the session
         with pytest.raises(RouteError, match="lane_unavailable") as e:
-            await c._post(0, c._lane_frame())  # noqa: SLF001 - the frame the client sends
+            await c.link.post(0, c.lane.admit_frame())  # the frame the client sends
         assert why in str(e.value)
         more = await _tokens(c, 6)
     finally:
@@ -181,7 +181,7 @@ async def test_a_session_is_admitted_while_another_sessions_step_is_queued_on_th
             while not shard.scheduler.pending():
                 assert time.monotonic() < deadline and not task.done(), "the other prompt never queued"
                 await asyncio.sleep(0.005)
-            resp = await c._post(0, c._lane_frame())  # noqa: SLF001 - the frame the client sends
+            resp = await c.link.post(0, c.lane.admit_frame())  # the frame the client sends
         assert resp.kind == Kind.LANE and dp.stats()["lane_sessions"] == 1
         assert len(await task) == 2
     finally:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 
 from agent.wire.routetoken import (
+    RouteClaims,
     RouteHop,
     TokenError,
     TokenVerifier,
@@ -14,6 +16,7 @@ from agent.wire.routetoken import (
     generate_key,
     load_public_key,
     mint,
+    mint_replacement,
     mint_route,
     public_key_b64,
 )
@@ -76,6 +79,37 @@ def test_a_minted_route_binds_each_hop_to_the_next_and_the_last_to_none() -> Non
     assert (last.node, last.next_node, last.next_url) == ("node-b", "", "")
     # the URL is signed without its trailing slash, as a hop compares it
     assert decode_unverified(mint_route(key, b"s" * 16, SHA, hops[::-1])[0]).next_url == "http://a:1"
+
+
+def test_a_replacement_is_named_by_the_hop_before_it_and_names_the_hop_after_it() -> None:
+    key = generate_key()
+    route = [
+        RouteHop("node-a", "http://a:1", 0, 10),
+        RouteHop("node-spare", "http://spare:9/", 10, 20),  # has just replaced the middle hop
+        RouteHop("node-c", "http://c:3", 20, 30),
+    ]
+    token, previous = mint_replacement(key, b"s" * 16, SHA, route, 1)
+    new, before = (TokenVerifier(key.public_key()).verify(t) for t in (token, previous))
+    assert (new.node, new.layer_start, new.next_node, new.next_url) == (
+        "node-spare",
+        10,
+        "node-c",
+        "http://c:3",
+    )
+    assert (before.node, before.layer_start, before.next_node, before.next_url) == (
+        "node-a",
+        0,
+        "node-spare",
+        "http://spare:9",
+    )
+
+    # the same grants as a route minted whole (expiry aside: minted a moment apart); the first hop has
+    # no hop before it to mint again
+    def grant(t: bytes) -> RouteClaims:
+        return replace(decode_unverified(t), expiry=0)
+
+    assert [grant(previous), grant(token)] == [grant(t) for t in mint_route(key, b"s" * 16, SHA, route)[:2]]
+    assert mint_replacement(key, b"s" * 16, SHA, route, 0)[1] == b""
 
 
 def test_a_tampered_next_hop_breaks_the_signature_and_an_overlong_one_is_refused() -> None:

@@ -58,10 +58,15 @@ class RecordingBackend(Backend):
             gate, self.gate = self.gate, None
             assert gate.wait(10)
 
-    def forward(self, sid, pos_start, token_ids=None, hidden=None, **kw: object) -> ForwardResult:  # noqa: ANN001
+    def forward(self, step: StepInput) -> ForwardResult:
+        assert step.token_ids is not None
+        self._start([(step.sid, step.pos_start, len(step.token_ids))])
+        return self._run(step)
+
+    def _run(self, step: StepInput) -> ForwardResult:
+        """One step's work, alone or inside a batch."""
+        sid, pos_start, token_ids = step.sid, step.pos_start, step.token_ids
         assert token_ids is not None
-        if not kw.pop("_in_batch", False):
-            self._start([(sid, pos_start, len(token_ids))])
         kv = self.kv.get(sid)
         if kv is None or pos_start != len(kv):
             raise BackendError(f"position {pos_start} does not follow")
@@ -85,7 +90,7 @@ class RecordingBackend(Backend):
             if self.budget_after is not None and k == self.budget_after:
                 raise AdmissionError("KV budget exhausted inside the backend")
             try:
-                out.append(self.forward(st.sid, st.pos_start, token_ids=st.token_ids, _in_batch=True))
+                out.append(self._run(st))
             except BackendError as e:
                 out.append(e)
         return out

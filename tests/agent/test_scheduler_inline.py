@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 import agent.node.scheduler
-from agent.backends.base import AdmissionError, BackendError, ForwardResult
+from agent.backends.base import AdmissionError, BackendError, ForwardResult, StepInput
 from agent.node.scheduler import INLINE_TOKENS, ShardScheduler, inline_from_env
 from tests.agent.test_scheduler import POISON, Recorder, RecordingBackend, make, sid, step
 
@@ -31,11 +31,11 @@ class HalfWritingBackend(RecordingBackend):
     """Appends a failing step's positions before it raises, as a backend that fails midway through
     a graph would leave its KV."""
 
-    def forward(self, sid, pos_start, token_ids=None, hidden=None, **kw: object) -> ForwardResult:  # noqa: ANN001
-        if token_ids is not None and POISON in token_ids:
-            self.kv[sid].extend(int(t) for t in token_ids if t != POISON)
+    def _run(self, step: StepInput) -> ForwardResult:
+        if step.token_ids is not None and POISON in step.token_ids:
+            self.kv[step.sid].extend(int(t) for t in step.token_ids if t != POISON)
             raise BackendError("poisoned after writing")
-        return super().forward(sid, pos_start, token_ids, hidden, **kw)
+        return super()._run(step)
 
 
 class ThreadRecordingBackend(RecordingBackend):

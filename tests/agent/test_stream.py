@@ -59,7 +59,7 @@ async def test_a_route_over_streams_gives_the_tokens_it_gives_over_post(
     got = await _greedy(streamed, 6)
     monkeypatch.setenv(TRANSPORT_ENV, "http")
     posted = _client(url, signing_key, manifest)
-    assert not posted._streams.enabled
+    assert not posted.link.streams.enabled
     assert await _greedy(posted, 6) == got
     # both clients' frames were counted by the node, and no session is left behind
     assert dp.stats()["frames"] >= 2 * 7 and dp.stats()["sessions"] == 0
@@ -81,13 +81,13 @@ async def test_a_frame_bigger_than_a_stream_message_goes_over_post(node, manifes
     client = _client(url, signing_key, manifest)
     try:
         await client.open()
-        got = await client._streams.exchange(url, bytes(STREAM_MAX_FRAME + 1), 5.0)
+        got = await client.link.streams.exchange(url, bytes(STREAM_MAX_FRAME + 1), 5.0)
         assert got is None  # the caller posts it instead
         # a real step still travels over the stream
         before = dp.stats()["frames"]
         await client.forward(PROMPT, SamplingParams())
         assert dp.stats()["frames"] == before + 1
-        assert client._streams._idle  # the socket went back to the pool for the next step
+        assert client.link.streams._idle  # the socket went back to the pool for the next step
     finally:
         await client.close()
 
@@ -110,7 +110,7 @@ async def test_a_hop_without_a_stream_endpoint_is_reached_over_post(manifest, si
         with pytest.raises(RouteError) as e:
             await client.forward(PROMPT, SamplingParams())
         assert e.value.code == "bad_token" and "old node" in str(e.value)
-        assert url in client._streams._no_stream  # remembered: no upgrade is tried again
+        assert url in client.link.streams._no_stream  # remembered: no upgrade is tried again
     finally:
         await client.close()
         await runner.cleanup()
@@ -126,13 +126,13 @@ async def test_a_node_with_idle_streams_open_stops_promptly(model_path, manifest
     client = _client(f"http://127.0.0.1:{port}", signing_key, manifest)
     try:
         await client.forward(PROMPT, SamplingParams())
-        assert client._streams._idle  # an idle socket the node's handler is waiting on
+        assert client.link.streams._idle  # an idle socket the node's handler is waiting on
         t0 = time.monotonic()
         await runner.cleanup()  # aiohttp waits for handlers; the stream's ends only with its socket
         assert time.monotonic() - t0 < 5
     finally:
-        await client._streams.close()
-        await client._http.close()
+        await client.link.streams.close()
+        await client.link.http.close()
 
 
 async def test_a_next_hop_flooding_its_stream_answer_gets_502_and_the_hop_buffers_a_bounded_amount(

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import libtorrent as lt
 import pytest
-from test_torrent_origin import Origin
 
 from agent.artifacts.manifest import Manifest
 from agent.artifacts.pieces import pieces_bytes, pieces_for_ranges
@@ -24,6 +23,7 @@ from agent.artifacts.torrent import (
     shard_byte_ranges,
     verify_tensors,
 )
+from webapp.devcluster import Origin
 
 THIRDS = [(0, 10), (10, 20), (20, 30)]
 

@@ -13,13 +13,13 @@ from pathlib import Path
 import libtorrent as lt
 import pytest
 from aiohttp import ClientSession
-from test_torrent_origin import Origin
 
 from agent.artifacts import swarm_tls
 from agent.artifacts.fetch import FetchError, fetch_shard
 from agent.artifacts.manifest import Manifest
 from agent.artifacts.torrent import PeerCertificate, SwarmClient, create_torrent
 from agent.wire import tls
+from webapp.devcluster import Origin
 
 SIZE = 3 << 20
 PIECE = 256 << 10

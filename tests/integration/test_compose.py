@@ -26,8 +26,9 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.procs import Process, free_port, spawn, stop, wait_until
-from tests.integration.swarm import QUESTION, Swarm, _database, _drop
+from tests.integration.swarm import QUESTION, Swarm
 from webapp.core.adminclient import AdminClient
+from webapp.devcluster import database, drop_database
 
 pytestmark = pytest.mark.slow
 
@@ -259,7 +260,7 @@ def native(tmp_path: Path) -> Iterator[NativeRun]:
     if shutil.which("curl") is None:
         pytest.skip("the healthchecks run curl")
     cfg = render(env_file(tmp_path, **TEST_ENV, SWARM_METRICS_TOKEN="compose-metrics"))
-    db_url, db_name = _database()
+    db_url, db_name = database()
     run = NativeRun(cfg, tmp_path, db_url, os.environ["REDIS_URL"])
     try:
         yield run
@@ -269,7 +270,7 @@ def native(tmp_path: Path) -> Iterator[NativeRun]:
     finally:
         stop(run.procs, grace_s=15)
         if db_name:
-            _drop(db_name)
+            drop_database(db_name)
 
 
 async def test_every_service_runs_natively_from_the_compose_file_until_the_playground_answers(

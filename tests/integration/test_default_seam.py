@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from agent.backends import load_backend
-from agent.backends.base import ShardSpec
+from agent.backends.base import ShardSpec, StepInput
 from agent.client.recovery import minted_hops
 from agent.client.route import RouteClient
 from agent.client.tokenizer import ChatTokenizer
@@ -58,7 +58,9 @@ def one_process_logits(model_path: str, manifest, ids: list[int], schedule: str)
         out = []
         for start, length in frames(len(ids), schedule):
             r = backend.forward(
-                sid, start, token_ids=np.asarray(ids[start : start + length], np.int32), want_logits=True
+                StepInput(
+                    sid, start, token_ids=np.asarray(ids[start : start + length], np.int32), want_logits=True
+                )
             )
             out.append(np.asarray(r.logits, np.float32).reshape(length, -1).copy())
         return np.concatenate(out)

@@ -113,7 +113,7 @@ async def test_a_hung_hop_is_noticed_within_its_deadline_and_the_text_equals_an_
     marks: dict[str, float] = {}
 
     def hang() -> None:
-        marks["deadline"] = client._deadline(2, 1)
+        marks["deadline"] = client.failover.deadline(2, 1)
         marks["stopped"] = time.monotonic()
         os.kill(victim.proc.pid, signal.SIGSTOP)
         victim.stopped = True

@@ -231,7 +231,7 @@ def test_the_snapshot_header_has_the_documented_layout(native_lib: None, tiny: P
 
 def test_the_backend_turns_native_errors_into_backend_errors(native_lib: None, tiny: Path) -> None:
     from agent.artifacts.manifest import build_manifest
-    from agent.backends.base import AdmissionError, BackendError, ShardSpec
+    from agent.backends.base import AdmissionError, BackendError, ShardSpec, StepInput
     from agent.backends.native import NativeBackend
     from agent.wire.ids import SessionId
     from agent.wire.sampling import SamplingParams
@@ -247,30 +247,32 @@ def test_the_backend_turns_native_errors_into_backend_errors(native_lib: None, t
     first.open_session(sid, 64)
     last.open_session(sid, 64)
     with pytest.raises(BackendError, match="hidden size mismatch"):
-        last.forward(sid, 0, hidden=np.zeros((3, D - 1), dtype=np.float32))
+        last.forward(StepInput(sid, 0, hidden=np.zeros((3, D - 1), dtype=np.float32)))
     with pytest.raises(BackendError, match="takes token ids"):
-        first.forward(sid, 0, hidden=np.zeros((3, D), dtype=np.float32))
+        first.forward(StepInput(sid, 0, hidden=np.zeros((3, D), dtype=np.float32)))
     with pytest.raises(BackendError, match="unknown session"):
-        first.forward(SessionId(b"x" * 16), 0, token_ids=np.array([1]))
-    h = first.forward(sid, 0, token_ids=np.array([1, 2, 3])).hidden
-    res = last.forward(sid, 0, hidden=h, sampling=SamplingParams(temperature=0.7, seed=1), history=[1, 2, 3])
+        first.forward(StepInput(SessionId(b"x" * 16), 0, token_ids=np.array([1])))
+    h = first.forward(StepInput(sid, 0, token_ids=np.array([1, 2, 3]))).hidden
+    res = last.forward(
+        StepInput(sid, 0, hidden=h, sampling=SamplingParams(temperature=0.7, seed=1), history=[1, 2, 3])
+    )
     assert 0 <= res.token < VOCAB and res.logprob <= 0.0
     assert last.session_len(sid) == 3 and last.kv_bytes(sid) == last.kv_bytes() > 0
     other = SessionId(b"y" * 16)
     last.open_session(other, 256)  # 256 positions x 256 B more than the 100 kB budget has left
     with pytest.raises(AdmissionError, match="KV budget"):
-        last.forward(other, 0, hidden=np.zeros((200, D), dtype=np.float32))
+        last.forward(StepInput(other, 0, hidden=np.zeros((200, D), dtype=np.float32)))
     half = NativeBackend(ShardSpec(str(tiny), 0, 1, manifest, n_threads=1), n_batch=7)
     half.open_session(sid, 64)
-    h16 = half.forward(sid, 0, token_ids=np.array([1, 2, 3]), hidden_dtype="f16").hidden
+    h16 = half.forward(StepInput(sid, 0, token_ids=np.array([1, 2, 3]), hidden_dtype="f16")).hidden
     assert h16.dtype == np.float16 and np.array_equal(h16, h.astype(np.float16))
     # f16 rows go into the library as they are, and give exactly what their f32 values give
     rest = NativeBackend(ShardSpec(str(tiny), 1, 3, manifest, n_threads=1))
     a16, a32 = SessionId(b"p" * 16), SessionId(b"q" * 16)
     rest.open_session(a16, 64)
     rest.open_session(a32, 64)
-    got16 = rest.forward(a16, 0, hidden=h16, want_logits=True).logits
-    got32 = rest.forward(a32, 0, hidden=h16.astype(np.float32), want_logits=True).logits
+    got16 = rest.forward(StepInput(a16, 0, hidden=h16, want_logits=True)).logits
+    got32 = rest.forward(StepInput(a32, 0, hidden=h16.astype(np.float32), want_logits=True)).logits
     assert np.array_equal(got16, got32)
     rest.close()
     for be in (first, last, half):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from agent.artifacts.manifest import Manifest
-from agent.backends.base import ShardSpec
+from agent.backends.base import ShardSpec, StepInput
 from agent.backends.libggswarm import KERNEL_PAD, KV_PAD, NativeModel, padded_kv
 from agent.backends.native import NativeBackend
 from agent.wire.ids import SessionId
@@ -44,9 +44,9 @@ def _alone(model_path: str, manifest: Manifest, prompt: list[int]) -> list[int]:
     be = NativeBackend(ShardSpec(model_path, 0, 30, manifest, n_threads=2))
     sid = _sid(99)
     be.open_session(sid, 256)
-    out = [be.forward(sid, 0, token_ids=np.asarray(prompt)).token]
+    out = [be.forward(StepInput(sid, 0, token_ids=np.asarray(prompt))).token]
     for i in range(STEPS):
-        out.append(be.forward(sid, len(prompt) + i, token_ids=np.asarray(out[-1:])).token)
+        out.append(be.forward(StepInput(sid, len(prompt) + i, token_ids=np.asarray(out[-1:]))).token)
     be.close()
     return out
 
@@ -60,12 +60,15 @@ def test_two_sessions_alternating_decode_steps_build_each_shape_once_and_keep_th
         shard.open_session(sid, 256)
     before = shard.graph_builds
     got = [
-        [shard.forward(sid, 0, token_ids=np.asarray(p)).token] for sid, p in zip((a, b), PROMPTS, strict=True)
+        [shard.forward(StepInput(sid, 0, token_ids=np.asarray(p))).token]
+        for sid, p in zip((a, b), PROMPTS, strict=True)
     ]
     assert shard.graph_builds == before + 1  # one prefill shape, both sessions
     for i in range(STEPS):
         for out, sid in zip(got, (a, b), strict=True):
-            out.append(shard.forward(sid, len(PROMPTS[0]) + i, token_ids=np.asarray(out[-1:])).token)
+            out.append(
+                shard.forward(StepInput(sid, len(PROMPTS[0]) + i, token_ids=np.asarray(out[-1:]))).token
+            )
     assert got == want
     # one graph per attended span the steps went through (the cache holds 256 positions throughout)
     assert shard.graph_builds == before + 1 + len(_spans(shard, len(PROMPTS[0]), STEPS))
@@ -83,12 +86,13 @@ def test_sessions_of_different_lengths_taking_turns_build_each_of_their_shapes_o
         shard.open_session(sid, 256)
     before = shard.graph_builds
     got = [
-        [shard.forward(sid, 0, token_ids=np.asarray(p)).token] for sid, p in zip((a, b), prompts, strict=True)
+        [shard.forward(StepInput(sid, 0, token_ids=np.asarray(p))).token]
+        for sid, p in zip((a, b), prompts, strict=True)
     ]
     assert shard.graph_builds == before + 2  # two prefill shapes
     for i in range(STEPS):
         for out, sid, p in zip(got, (a, b), prompts, strict=True):
-            out.append(shard.forward(sid, len(p) + i, token_ids=np.asarray(out[-1:])).token)
+            out.append(shard.forward(StepInput(sid, len(p) + i, token_ids=np.asarray(out[-1:]))).token)
     assert got == want
     shapes = _spans(shard, len(prompts[0]), STEPS) | _spans(shard, len(prompts[1]), STEPS)
     assert shard.graph_builds == before + 2 + len(shapes)

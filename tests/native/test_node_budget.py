@@ -8,6 +8,7 @@ import numpy as np
 from aiohttp import ClientSession
 
 from agent.artifacts.manifest import Manifest
+from agent.backends.base import StepInput
 from agent.client.route import Hop, RouteClient, RouteError
 from agent.node.dataplane import DataPlane, start_dataplane
 from agent.procs import free_port
@@ -36,9 +37,9 @@ async def test_a_node_with_two_native_shards_refuses_a_session_that_would_take_i
     for shard in dp.shards.values():
         inner = shard.backend.forward
 
-        def spy(*args, _inner=inner, _name=f"{shard.spec.layer_start}:{shard.spec.layer_end}", **kw):  # noqa: ANN002, ANN003, ANN202
-            res = _inner(*args, **kw)
-            hidden = kw.get("hidden")
+        def spy(step: StepInput, _inner=inner, _name=f"{shard.spec.layer_start}:{shard.spec.layer_end}"):  # noqa: ANN001, ANN202
+            res = _inner(step)
+            hidden = step.hidden
             seen.append(
                 (
                     _name,

@@ -20,7 +20,7 @@ def run(be, threads: list[int], tag: int) -> list[np.ndarray]:  # noqa: ANN001 -
         be.model.set_threads(threads[k % len(threads)])
         be.open_session(s, 256)
         prompt = CHAT_PROMPT[: 20 + 7 * k]
-        r = be.forward_step(StepInput(s, 0, token_ids=np.array(prompt, dtype=np.int32), want_logits=True))
+        r = be.forward(StepInput(s, 0, token_ids=np.array(prompt, dtype=np.int32), want_logits=True))
         out.append(r.logits)
         toks.append(int(np.argmax(r.logits[-1])))
         pos.append(len(prompt))

@@ -6,7 +6,6 @@ import asyncio
 import os
 import secrets
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -18,8 +17,10 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from agent import defaults, procs
+from agent.dev import cluster
 from webapp.core.adminclient import AdminClient
 from webapp.core.files import write_once
+from webapp.devcluster import beat_command, web_command, worker_command
 
 ADMIN_USER = "admin"
 
@@ -148,42 +149,13 @@ class Command(BaseCommand):
         user.set_password(password)
         user.save()
 
-        py = sys.executable
         say(f"web server on {base} (logs in {logs})")
-        self._spawn(  # daphne behind webapp.serve: secrets are redacted from its access log
-            [
-                py,
-                "-m",
-                "webapp.serve",
-                "-b",
-                opts["host"],
-                "-p",
-                str(opts["port"]),
-                "webapp.asgi:application",
-            ],
-            logs / "web.log",
-        )
+        # daphne behind webapp.serve: secrets are redacted from its access log
+        self._spawn(web_command(opts["host"], opts["port"]), logs / "web.log")
         if not settings.CELERY_TASK_ALWAYS_EAGER:
             say("celery worker + beat (Redis broker)")
-            self._spawn(
-                [py, "-m", "celery", "-A", "webapp", "worker", "--pool", "solo", "-l", "INFO"],
-                logs / "worker.log",
-            )
-            self._spawn(
-                [
-                    py,
-                    "-m",
-                    "celery",
-                    "-A",
-                    "webapp",
-                    "beat",
-                    "-l",
-                    "INFO",
-                    "-s",
-                    str(settings.DATA_DIR / "celerybeat-schedule"),
-                ],
-                logs / "beat.log",
-            )
+            self._spawn(worker_command(), logs / "worker.log")
+            self._spawn(beat_command(settings.DATA_DIR / "celerybeat-schedule"), logs / "beat.log")
         try:
             procs.wait_http(base + "/healthz", 120, procs=self.procs, every_s=0.2)
         except procs.ProcessExited as e:
@@ -194,14 +166,10 @@ class Command(BaseCommand):
         admin = AdminClient(base)
         admin.login(ADMIN_USER, password)
         node_ids = [self._start_agent(i, base, admin, opts, logs) for i in range(1, opts["agents"] + 1)]
-        admin.wait_for(
-            f"{len(node_ids)} agents online",
-            lambda s: all(
-                any(n["id"] == nid and n["state"] == "online" and n["dataplane_url"] for n in s["nodes"])
-                for nid in node_ids
-            ),
-            120,
-        )
+        try:  # fails at once if an agent exits instead of coming online
+            cluster.wait_online(admin.status, node_ids, 120, procs=self.agents)
+        except procs.ProcessExited as e:
+            raise CommandError(f"{e}; see its log in {logs}") from None
         say(f"{len(node_ids)} agents online: {', '.join(node_ids)}")
 
         model = self._register(admin, opts["model"])
@@ -234,44 +202,18 @@ class Command(BaseCommand):
                 raise ConfigError("stale")
         except ConfigError:
             token = admin.create_enrollment_token(f"local agent {i}")
-            subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "agent",
-                    "enroll",
-                    "--server",
-                    base,
-                    "--token",
-                    token,
-                    "--name",
-                    f"agent-{i}",
-                    "--config",
-                    str(config),
-                    "--force",
-                ],
-                check=True,
-                cwd=settings.BASE_DIR,
-            )
+            cluster.enroll(base, token, config, name=f"agent-{i}", force=True, cwd=settings.BASE_DIR)
             cfg = load_config(config)
-        agent = self._spawn(
-            [
-                sys.executable,
-                "-m",
-                "agent",
-                "run",
-                "--config",
-                str(config),
-                "--data-dir",
-                str(home / "data"),
-                "--threads",
-                str(opts["threads"]),
-                "--torrent-listen",
-                "127.0.0.1:0",  # local agents: the swarm stays on loopback
-            ],
-            logs / f"agent-{i}.log",
+        # the launcher the tests and benches use; its torrent swarm stays on loopback
+        agent = cluster.start_run(
+            config,
+            private_log(logs / f"agent-{i}.log"),
+            data_dir=home / "data",
+            threads=opts["threads"],
+            cwd=settings.BASE_DIR,
         )
-        self.agents.append(agent)
+        self.procs.append(agent.proc)
+        self.agents.append(agent.proc)
         return cfg.node_id
 
     def _register(self, admin: AdminClient, package: str) -> dict[str, Any]:

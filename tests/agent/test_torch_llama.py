@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from agent.artifacts.manifest import Manifest
-from agent.backends.base import BackendError, ShardSpec
+from agent.backends.base import BackendError, ShardSpec, StepInput
 from agent.backends.torch_llama import TorchLlamaBackend
 from agent.wire.ids import SessionId
 from tests.helpers import CHAT_PROMPT as PROMPT
@@ -39,10 +39,10 @@ def test_a_decode_step_appends_exactly_one_position(
     b = shards["full"]
     b.open_session(SID, 256)
     try:
-        r = b.forward(SID, 0, token_ids=np.array(PROMPT))
+        r = b.forward(StepInput(SID, 0, token_ids=np.array(PROMPT)))
         assert b.session_len(SID) == len(PROMPT)
         for i in range(3):
-            r = b.forward(SID, len(PROMPT) + i, token_ids=np.array([r.token]))
+            r = b.forward(StepInput(SID, len(PROMPT) + i, token_ids=np.array([r.token])))
             assert b.session_len(SID) == len(PROMPT) + i + 1
     finally:
         b.close_session(SID)
@@ -52,7 +52,7 @@ def test_closing_a_session_returns_kv_memory_to_baseline(shards: dict[str, Torch
     b = shards["b"]
     baseline = b.kv_bytes()
     b.open_session(SID, 4096)
-    b.forward(SID, 0, hidden=np.zeros((300, 576), np.float32))
+    b.forward(StepInput(SID, 0, hidden=np.zeros((300, 576), np.float32)))
     assert b.kv_bytes(SID) >= 300 * 10 * 2 * 3 * 64 * 4  # 10 layers x K,V x 3 heads x 64 dims x f32
     b.close_session(SID)
     assert b.kv_bytes() == baseline
@@ -62,9 +62,9 @@ def test_truncating_then_recomputing_gives_the_same_logits(shards: dict[str, Tor
     b = shards["full"]
     b.open_session(SID, 256)
     try:
-        first = b.forward(SID, 0, token_ids=np.array(PROMPT), want_logits=True).logits
+        first = b.forward(StepInput(SID, 0, token_ids=np.array(PROMPT), want_logits=True)).logits
         b.truncate(SID, 10)
-        again = b.forward(SID, 10, token_ids=np.array(PROMPT[10:]), want_logits=True).logits
+        again = b.forward(StepInput(SID, 10, token_ids=np.array(PROMPT[10:]), want_logits=True)).logits
         assert np.allclose(first[10:], again, atol=1e-4)
     finally:
         b.close_session(SID)
@@ -75,19 +75,19 @@ def test_bad_inputs_raise_backend_errors(shards: dict[str, TorchLlamaBackend]) -
     b.open_session(SID, 8)
     try:
         with pytest.raises(BackendError, match="hidden size"):
-            b.forward(SID, 0, hidden=np.zeros((1, 100), np.float32))
+            b.forward(StepInput(SID, 0, hidden=np.zeros((1, 100), np.float32)))
         with pytest.raises(BackendError, match="does not follow"):
-            b.forward(SID, 5, hidden=np.zeros((1, 576), np.float32))
+            b.forward(StepInput(SID, 5, hidden=np.zeros((1, 576), np.float32)))
         with pytest.raises(BackendError, match="limit"):
-            b.forward(SID, 0, hidden=np.zeros((9, 576), np.float32))
+            b.forward(StepInput(SID, 0, hidden=np.zeros((9, 576), np.float32)))
         with pytest.raises(BackendError, match="unknown session"):
-            b.forward(SessionId(b"z" * 16), 0, hidden=np.zeros((1, 576), np.float32))
+            b.forward(StepInput(SessionId(b"z" * 16), 0, hidden=np.zeros((1, 576), np.float32)))
     finally:
         b.close_session(SID)
     with pytest.raises(BackendError, match="vocabulary"):
         shards["a"].open_session(SID, 8)
         try:
-            shards["a"].forward(SID, 0, token_ids=np.array([10**6]))
+            shards["a"].forward(StepInput(SID, 0, token_ids=np.array([10**6])))
         finally:
             shards["a"].close_session(SID)
 
@@ -108,7 +108,9 @@ def test_teacher_forced_top1_agrees_with_llama_cpp(
         p.open_session(sid, 1024)
     h = None
     for p in parts:
-        r = p.forward(sid, 0, token_ids=np.array(ids) if h is None else None, hidden=h, want_logits=True)
+        r = p.forward(
+            StepInput(sid, 0, token_ids=np.array(ids) if h is None else None, hidden=h, want_logits=True)
+        )
         h = r.hidden
     for p in parts:
         p.close_session(sid)

@@ -1,6 +1,6 @@
 """Round-trip cost of the candidate hop transports, no compute (prints JSON last).
 
-    python bench/transport.py [--n 2000] [--bytes 1400] [--gap-ms 0]
+    python bench/archive/transport.py [--n 2000] [--bytes 1400] [--gap-ms 0]
 
 A server process on 127.0.0.1 answers every message with a message of the same size, over: HTTP/1.1
 keep-alive POST (aiohttp client and server, as the data plane is now), a WebSocket (aiohttp, binary
@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from agent.procs import free_port, stop, wait_port  # noqa: E402
 

@@ -1,6 +1,6 @@
 """What a batch of rows costs against one row, native executor vs llama.cpp (prints JSON last).
 
-    python bench/batch_scaling.py [--threads 2] [--steps 30]
+    python bench/archive/batch_scaling.py [--threads 2] [--steps 30]
 
 Native: SmolLM2 window 10:20 (a middle hop), k sessions each stepping one position in one
 `forward_batch` call (continuous batching), and one session stepping k positions at once. llama.cpp:
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from agent.artifacts.manifest import build_manifest  # noqa: E402
 from agent.artifacts.packaged import packaged_model_path  # noqa: E402
@@ -43,7 +43,7 @@ def native(path: str, threads: int, steps: int) -> dict[str, float]:
             sids = [bytes([k, i]) * 8 for i in range(k)]
             for s in sids:
                 be.open_session(s, 1024)
-                be.forward_step(StepInput(s, 0, hidden=rng.standard_normal((PREFILL, d)).astype(np.float32)))
+                be.forward(StepInput(s, 0, hidden=rng.standard_normal((PREFILL, d)).astype(np.float32)))
             t0 = time.perf_counter()
             for j in range(steps):
                 batch = [
@@ -51,7 +51,7 @@ def native(path: str, threads: int, steps: int) -> dict[str, float]:
                     for s in sids
                 ]
                 if k == 1:
-                    be.forward_step(batch[0])
+                    be.forward(batch[0])
                 else:
                     be.forward_batch(batch)
             out[f"native_ms_{k}_sessions"] = round((time.perf_counter() - t0) / steps * 1e3, 3)
@@ -59,7 +59,7 @@ def native(path: str, threads: int, steps: int) -> dict[str, float]:
             pos = PREFILL + steps
             t0 = time.perf_counter()
             for _ in range(steps):
-                be.forward_step(StepInput(s, pos, hidden=rng.standard_normal((k, d)).astype(np.float32)))
+                be.forward(StepInput(s, pos, hidden=rng.standard_normal((k, d)).astype(np.float32)))
                 pos += k
             out[f"native_ms_1_session_{k}_rows"] = round((time.perf_counter() - t0) / steps * 1e3, 3)
             for s in sids:
@@ -93,11 +93,11 @@ def route_windows(path: str, threads: int, steps: int) -> dict[str, float]:
                 sids = [bytes([a, k, i]) + bytes(13) for i in range(k)]
                 for s in sids:
                     be.open_session(s, 1024)
-                    be.forward_step(step(s, 0, PREFILL))
+                    be.forward(step(s, 0, PREFILL))
                 t0 = time.perf_counter()
                 for j in range(steps):
                     batch = [step(s, PREFILL + j, 1) for s in sids]
-                    be.forward_step(batch[0]) if k == 1 else be.forward_batch(batch)
+                    be.forward(batch[0]) if k == 1 else be.forward_batch(batch)
                 out[f"window_{a}_{b}_ms_{k}_sessions"] = round((time.perf_counter() - t0) / steps * 1e3, 3)
                 for s in sids:
                     be.close_session(s)

@@ -1,6 +1,6 @@
 """What an idle hop costs the machine: CPU per decode step with OpenMP workers spinning vs sleeping.
 
-    python bench/idle_threads.py [--rounds 3] [--steps 60] [--gap-ms 30] [--worker-thread]
+    python bench/archive/idle_threads.py [--rounds 3] [--steps 60] [--gap-ms 30] [--worker-thread]
 
 One native hop (SmolLM2 layers 10:20, 2 threads) decodes one position per step and then waits
 `--gap-ms` (the other hops' turn in a 3-hop route), in a child process started with libgomp's default
@@ -22,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 CHILD = r"""
 import json, os, resource, sys, time
@@ -30,7 +30,7 @@ import numpy as np
 from agent.artifacts.manifest import build_manifest
 from agent.artifacts.packaged import packaged_model_path
 from agent.backends import load_backend
-from agent.backends.base import ShardSpec
+from agent.backends.base import ShardSpec, StepInput
 from agent.wire.ids import SessionId
 from agent.wire.sampling import SamplingParams
 
@@ -50,8 +50,8 @@ def cpu():
 
 def step(p):
     if in_thread:
-        return pool.submit(be.forward, sid, p, hidden=h, sampling=SamplingParams()).result()
-    return be.forward(sid, p, hidden=h, sampling=SamplingParams())
+        return pool.submit(be.forward, StepInput(sid, p, hidden=h, sampling=SamplingParams())).result()
+    return be.forward(StepInput(sid, p, hidden=h, sampling=SamplingParams()))
 
 for p in range(8):
     step(p)

@@ -1,6 +1,6 @@
 """Where a chain route's per-token overhead goes: the bare transport vs our code (prints JSON last).
 
-    python bench/chain_legs.py [--tokens 400] [--rounds 3] [--compute-ms 0]
+    python bench/archive/chain_legs.py [--tokens 400] [--rounds 3] [--compute-ms 0]
 
 Three figures per round, all ms per decode token over 3 hops on 127.0.0.1, one session:
 - `bare_relay_ms_per_token`: a client and three relay processes over aiohttp WebSockets, nothing but
@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from agent.procs import free_port, stop, wait_port  # noqa: E402

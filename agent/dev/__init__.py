@@ -1,0 +1,7 @@
+"""Development tooling the tests and the benchmarks share (and `make up` can); the running node never imports it.
+
+`cluster`: local agents as real processes (`agent serve` hops, enrolled `agent run` nodes), each polled
+until it is ready. `chain`: a route's hops driven in one process, as the route client would drive them.
+The control plane's side of a local cluster (web server, Celery, the stand-in origin) is
+`webapp/devcluster.py`, which starts its agents through `cluster`.
+"""
