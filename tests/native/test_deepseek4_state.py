@@ -139,7 +139,10 @@ def test_the_cache_type_is_refused_while_a_session_is_open_and_f32_where_the_arc
         m.close_session(sid)
         m.set_cache_type("f32")
     qwen3 = write_tiny_gguf("qwen3", tmp_path / "qwen3.gguf")
-    with NativeModel(str(qwen3), 0, 4, n_threads=1) as m, pytest.raises(NativeError, match="in f16, q8_0, q4_0 in this build, not f32"):
+    with (
+        NativeModel(str(qwen3), 0, 4, n_threads=1) as m,
+        pytest.raises(NativeError, match="in f16, q8_0, q4_0 in this build, not f32"),
+    ):
         m.set_cache_type("f32")
 
 
