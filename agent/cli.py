@@ -158,6 +158,7 @@ async def _discover_hops(urls: list[str], key_path: str, session: SessionId, ttl
     from aiohttp import ClientSession
 
     from agent.client.recovery import minted_hops
+    from agent.wire.httpjson import read_json
     from agent.wire.routetoken import RouteHop, load_private_key
 
     key = load_private_key(key_path)
@@ -166,7 +167,7 @@ async def _discover_hops(urls: list[str], key_path: str, session: SessionId, ttl
     async with ClientSession() as http:
         for url in urls:
             async with http.get(url.rstrip("/") + "/v1/health") as r:
-                info = await r.json()
+                info = await read_json(r)
             shard = next(
                 (
                     s
@@ -221,7 +222,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             session_id=session,
             mode=args.mode,
             hidden_dtype=args.hidden_dtype,
-            max_context=args.max_context,
+            capacity=args.capacity,
             replacements=provider,
         )
         try:
@@ -286,7 +287,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--mode", choices=list(defaults.ROUTE_MODES), default="star")
     s.add_argument("--hidden-dtype", choices=frames.HIDDEN_DTYPES, default=frames.DEFAULT_HIDDEN_DTYPE)
     s.add_argument("--max-tokens", type=int, default=128)
-    s.add_argument("--max-context", type=int, default=defaults.MAX_CONTEXT)
+    s.add_argument(
+        "--capacity",
+        type=int,
+        default=defaults.SESSION_CAPACITY,
+        help="positions the session may hold (prompt + completion)",
+    )
     s.add_argument("--temperature", type=float, default=0.0)
     s.add_argument("--top-k", type=int, default=0)
     s.add_argument("--top-p", type=float, default=1.0)

@@ -32,14 +32,20 @@ FLASH_ATTN_MODES = ("auto", "on", "off")
 FLASH_ATTN = "auto"
 # An idle session's KV is freed after this long (a route that stopped talking).
 SESSION_TTL_S = 1800.0
-# Longest context a route client asks its hops to hold.
-MAX_CONTEXT = 8192
+# Positions a route client asks its hops to hold for a session when the model does not say (its capacity).
+SESSION_CAPACITY = 8192
 # How a route client drives its hops: "star" (it sends every hop its input and reads every output) or
 # "chain" (hop 1 gets the ids, each hop pushes its output to the next, the last one's token comes back).
 ROUTE_MODES = ("star", "chain")
 # The control plane's playground and API route in chain mode: hidden states then travel only between
 # hops, never through the web process (issue 13; docs/protocol.md, "Star vs chain").
 CONTROL_PLANE_ROUTE_MODE = "chain"
+# A hop closes a connection that has not sent a whole request's headers this long after it opened or
+# after its last answer (and cuts a frame whose header and token take longer: agent/node/admission.py);
+# route clients and chain hops drop their idle pooled connections sooner, so they never send a request
+# on a connection the hop is closing.
+HOP_HEAD_TIMEOUT_S = 5.0
+HOP_CLIENT_IDLE_S = 3.0
 
 # --- control channel ---------------------------------------------------------------------------------
 # The control plane's web port (`make up`, SITE_URL).

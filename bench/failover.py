@@ -95,7 +95,7 @@ class Fleet:
 
 
 def client_for(
-    fleet: Fleet, sha: str, key: Any, max_context: int = 8192, policy: RecoveryPolicy | None = None
+    fleet: Fleet, sha: str, key: Any, capacity: int = 8192, policy: RecoveryPolicy | None = None
 ) -> RouteClient:
     session = os.urandom(16)
     plan = [RouteHop(node, url, a, b) for (url, node), (a, b) in zip(fleet.route(), RANGES, strict=True)]
@@ -106,7 +106,7 @@ def client_for(
         session_id=session,
         replacements=provider,
         recovery=policy or POLICY,
-        max_context=max_context,
+        capacity=capacity,
         mode=MODE,
     )
 
@@ -178,7 +178,7 @@ async def context_recoveries(
         # kill -9 without a warm copy (re-prefill from 0), kill -9 with one, and a drain (hand-off)
         for method in ("reprefill", "standby", "snapshot"):
             policy = replace(POLICY, checkpoint_tokens=0) if method == "reprefill" else POLICY
-            client = client_for(fleet, sha, key, max_context=context + 64, policy=policy)
+            client = client_for(fleet, sha, key, capacity=context + 64, policy=policy)
             hop = rng.randrange(len(RANGES))
             url = client.hops[hop].url
             victim = fleet.process(url)

@@ -71,7 +71,7 @@ async def route_decode(hops_for, prompt: list[int], n: int, mode: str) -> tuple[
 async def step_ms_at(hops_for, ctx: int, steps: int = 16) -> float:  # noqa: ANN001
     """Median decode step time once `ctx` positions are in every hop's KV."""
     session = os.urandom(16)
-    client = RouteClient(hops_for(session), session_id=session, mode="chain", max_context=ctx + steps + 1)
+    client = RouteClient(hops_for(session), session_id=session, mode="chain", capacity=ctx + steps + 1)
     rng = np.random.default_rng(0)
     ids = rng.integers(100, 40000, size=ctx).tolist()
     for off in range(0, ctx, 512):

@@ -100,7 +100,7 @@ class Route:
             total += int(fields[11]) + int(fields[12])  # utime, stime
         return total / tick
 
-    def client(self, max_context: int = 4096) -> RouteClient:
+    def client(self, capacity: int = 4096) -> RouteClient:
         session = os.urandom(16)
         plan = [RouteHop(n, u, a, b) for u, a, b, n in self.hops]
         hops = minted_hops(self.key, session, self.sha256, plan)
@@ -109,7 +109,7 @@ class Route:
             if self.http_only:
                 self.transport.streams.enabled = False
         return RouteClient(
-            hops, session_id=session, mode=self.mode, max_context=max_context, transport=self.transport
+            hops, session_id=session, mode=self.mode, capacity=capacity, transport=self.transport
         )
 
     async def close(self) -> None:
@@ -202,7 +202,7 @@ async def itl_under_prefill(route: Route, prompt: list[int], n: int) -> dict[str
     rng = np.random.default_rng(0)
     long_ids = rng.integers(100, 40000, size=LONG_PROMPT).tolist()
     clients = [route.client() for _ in range(ITL_SESSIONS)]
-    big = route.client(max_context=LONG_PROMPT + 64)
+    big = route.client(capacity=LONG_PROMPT + 64)
     try:
         toks = [r.token for r in await asyncio.gather(*(c.forward(prompt, GREEDY) for c in clients))]
         await big.open()

@@ -8,7 +8,7 @@ version (pyproject and `agent.__version__`, which the agent reports to the contr
 `pip wheel` on the copy, so the checkout is never written to. The wheel is tagged `py3-none-<platform>`:
 the library does not depend on the Python ABI, but it is built for this platform and against the ggml
 of llama-cpp-python 0.3.36 (the `llamacpp` extra pins it; the binding preloads that ggml at run time,
-see `agent.backends.libggswarm`).
+see `agent.backends.ggswarm_lib`).
 """
 
 from __future__ import annotations

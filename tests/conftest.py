@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -13,6 +14,18 @@ from agent.procs import free_port, stop
 from agent.wire.routetoken import generate_key, public_key_b64
 
 __all__ = ["free_port"]  # test modules import agent.procs' free_port from here
+
+
+def _redis_per_worker() -> None:
+    """Under pytest-xdist (scripts/test.sh) each worker gets its own Redis database, before Django or a
+    cluster reads REDIS_URL: two workers' control planes must not share Celery queues or channel groups."""
+    worker, url = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("REDIS_URL", "")
+    if worker.startswith("gw") and url.startswith("redis://"):
+        base = url.rsplit("/", 1)[0] if url.count("/") > 2 else url
+        os.environ["REDIS_URL"] = f"{base}/{1 + int(worker[2:])}"
+
+
+_redis_per_worker()
 
 
 @pytest.fixture(scope="session")

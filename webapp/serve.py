@@ -3,7 +3,8 @@
 Daphne writes its access log (request paths, so tracker passkeys) straight to stdout, outside logging;
 stdout and stderr are wrapped in `agent.logsafe.RedactingStream` before daphne starts, so the access
 log, Django's logging (whose handlers also carry the filter, see settings.LOGGING) and any stray print
-are redacted alike. `make up` and the integration harness start the web server this way.
+are redacted alike. Request bodies are bounded before they are read (webapp.core.serverlimit). `make up`
+and the integration harness start the web server this way.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ def main() -> None:
     sys.stderr = RedactingStream(sys.stderr)
     from daphne.cli import CommandLineInterface  # type: ignore[import-untyped]  # daphne ships no types
 
+    from webapp.core import serverlimit
+
+    serverlimit.install()  # bodies past their limit refused at header time, never read (issue 33)
     CommandLineInterface.entrypoint()
 
 

@@ -210,6 +210,31 @@ AUTHENTICATION_BACKENDS = [
 # listed here (host names or addresses; "*" allows any, e.g. behind NAT): docs/security.md.
 DATAPLANE_ALLOWED_HOSTS = envlist("DATAPLANE_ALLOWED_HOSTS", [])
 DATAPLANE_PROBE_TIMEOUT_S = envint("DATAPLANE_PROBE_TIMEOUT_S", 3, minimum=1)
+
+# --- issue 33: limits per user and per node (docs/security.md, "Limits per user", "Tracker poisoning") --
+# Requests a minute for all of a user's API keys together (each key keeps its own API_KEY_RATE_PER_MIN).
+API_USER_RATE_PER_MIN = envint("API_USER_RATE_PER_MIN", 120, minimum=1)
+# Active API keys a user may hold, and keys a user may create in an hour.
+API_KEYS_PER_USER = envint("API_KEYS_PER_USER", 10, minimum=1)
+API_KEY_CREATES_PER_HOUR = envint("API_KEY_CREATES_PER_HOUR", 20, minimum=1)
+# Answers a user may have running at once, API requests and playground answers together (429 beyond).
+USER_MAX_STREAMS = envint("USER_MAX_STREAMS", 3, minimum=1)
+# Route sessions (KV kept on the hops) a user may hold per web process; past it the oldest idle close.
+USER_MAX_ROUTE_SESSIONS = envint("USER_MAX_ROUTE_SESSIONS", 4, minimum=1)
+# Answers before their first token (prefills) at once per web process; the rest wait round-robin by user.
+ROUTE_PREFILLS_AT_ONCE = envint("ROUTE_PREFILLS_AT_ONCE", 4, minimum=1)
+# While a user prefills, decode steps of users running more answers wait this long at most (0: never).
+ROUTE_GIVE_WAY_MS = envint("ROUTE_GIVE_WAY_MS", 1000, minimum=0)
+# Tracker announces and scrapes a node may send a minute (refused with a failure reason beyond).
+TRACKER_ANNOUNCES_PER_MIN = envint("TRACKER_ANNOUNCES_PER_MIN", 30, minimum=1)
+# --- issue 33: prompts checked before tokenizing, tokenized off the event loop (webapp/routing/prompt.py)
+# A prompt may carry this many bytes per token of the model's context (text averages about 4), and at
+# most MAX_CHAT_MESSAGES messages (never more than the context's tokens); refused with a 400 past either.
+PROMPT_BYTES_PER_TOKEN = envint("PROMPT_BYTES_PER_TOKEN", 8, minimum=1)
+MAX_CHAT_MESSAGES = envint("MAX_CHAT_MESSAGES", 2048, minimum=1)
+# Threads rendering and tokenizing prompts, and prompts admitted to them at once (503 beyond) per process.
+TOKENIZE_THREADS = envint("TOKENIZE_THREADS", 2, minimum=1)
+TOKENIZE_QUEUE = envint("TOKENIZE_QUEUE", 8, minimum=1)
 if REDIS_URL:  # lockout counters shared by every web process
     CACHES = {
         "default": {

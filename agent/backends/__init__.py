@@ -26,7 +26,7 @@ def available_backends() -> list[str]:
     except ImportError:
         pass
     try:
-        from agent.backends import libggswarm as native
+        from agent.backends import ggswarm_lib as native
 
         if native.is_available():
             names.insert(0, "native")

@@ -96,8 +96,8 @@ class Backend(ABC):
         return self.spec.manifest.boundary_dim
 
     @abstractmethod
-    def open_session(self, sid: SessionId, max_tokens: int) -> None:
-        """Reserve per-session state able to grow to `max_tokens` positions."""
+    def open_session(self, sid: SessionId, capacity: int) -> None:
+        """Reserve per-session state able to grow to `capacity` positions."""
 
     @abstractmethod
     def close_session(self, sid: SessionId) -> None:
@@ -145,7 +145,7 @@ class Backend(ABC):
     def kv_bytes(self, sid: SessionId | None = None) -> int:
         """Bytes of KV held for one session, or for all sessions when `sid` is None."""
 
-    def kv_open_bytes(self, max_tokens: int) -> int:
+    def kv_open_bytes(self, capacity: int) -> int:
         """KV bytes reserved up front when a session opens (backends that preallocate)."""
         return 0
 

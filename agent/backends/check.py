@@ -6,7 +6,7 @@ import dataclasses
 import os
 
 from agent.artifacts.manifest import Manifest
-from agent.backends import libggswarm
+from agent.backends import ggswarm_lib
 
 
 def with_executor_check(manifest: Manifest, path: str | os.PathLike[str]) -> Manifest:
@@ -17,6 +17,6 @@ def with_executor_check(manifest: Manifest, path: str | os.PathLike[str]) -> Man
     is not built (a control plane without the native build) the architecture list is all there is to go
     by, and the manifest is returned unchanged.
     """
-    if manifest.servable_problem or not libggswarm.is_available():
+    if manifest.servable_problem or not ggswarm_lib.is_available():
         return manifest
-    return dataclasses.replace(manifest, executor_problem=libggswarm.check_file(path))
+    return dataclasses.replace(manifest, executor_problem=ggswarm_lib.check_file(path))

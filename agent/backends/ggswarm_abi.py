@@ -178,7 +178,7 @@ def bind(lib: ctypes.CDLL) -> None:
     lib.ggswarm_set_threads.argtypes = [ggswarm_model_p, ctypes.c_int32]
     lib.ggswarm_set_threads.restype = c_status
 
-    # ggswarm_status ggswarm_session_open(ggswarm_model * model, int32_t max_tokens, int64_t * out_sid);
+    # ggswarm_status ggswarm_session_open(ggswarm_model * model, int32_t capacity, int64_t * out_sid);
     lib.ggswarm_session_open.argtypes = [ggswarm_model_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int64)]
     lib.ggswarm_session_open.restype = c_status
 

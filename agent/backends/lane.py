@@ -16,7 +16,8 @@ from agent.backends.ggswarm_abi import (
     ggswarm_lane_stats,
     ggswarm_sampling,
 )
-from agent.backends.libggswarm import NativeModel, _check, load_library
+from agent.backends.ggswarm_lib import check_status, load_library
+from agent.backends.libggswarm import NativeModel
 from agent.wire.lane import KEY_BYTES
 
 MAX_CONTEXT = 131072  # GGSWARM_MAX_CONTEXT
@@ -74,7 +75,7 @@ class NativeLane:
     def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
         self._lib = load_library()
         self._h = ggswarm_lane_p()
-        _check(
+        check_status(
             self._lib.ggswarm_lane_open(host.encode(), int(port), ctypes.byref(self._h)),
             self._lib.ggswarm_last_error(),
         )
@@ -116,11 +117,13 @@ class NativeLane:
             cfg.n_history = int(hist.size)
         cfg.first_step = first_step
         cfg.answer_direct = 1 if direct else 0
-        _check(self._lib.ggswarm_lane_add(self._handle(), ctypes.byref(cfg)), self._lib.ggswarm_last_error())
+        check_status(
+            self._lib.ggswarm_lane_add(self._handle(), ctypes.byref(cfg)), self._lib.ggswarm_last_error()
+        )
 
     def stats(self, lane_id: int) -> LaneStats:
         out = ggswarm_lane_stats()
-        _check(
+        check_status(
             self._lib.ggswarm_lane_stats_get(self._handle(), lane_id, ctypes.byref(out)),
             self._lib.ggswarm_last_error(),
         )
@@ -131,7 +134,7 @@ class NativeLane:
         cap = MAX_CONTEXT  # no session appends more ids than it has positions
         buf = (ctypes.c_int32 * cap)()
         out = ggswarm_lane_stats()
-        _check(
+        check_status(
             self._lib.ggswarm_lane_remove(self._handle(), lane_id, ctypes.byref(out), buf, cap),
             self._lib.ggswarm_last_error(),
         )

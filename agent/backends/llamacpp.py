@@ -63,12 +63,12 @@ class LlamaCppBackend(Backend):
         self.sessions: dict[SessionId, _Session] = {}
         self._batch = LlamaBatch(n_tokens=n_batch, embd=0, n_seq_max=1, verbose=False)
 
-    def open_session(self, sid: SessionId, max_tokens: int) -> None:
+    def open_session(self, sid: SessionId, capacity: int) -> None:
         from llama_cpp._internals import LlamaContext
 
         if sid in self.sessions:
             raise BackendError("session already open")
-        n_ctx = min(max_tokens, self.max_ctx)
+        n_ctx = min(capacity, self.max_ctx)
         if self.kv_bytes() + n_ctx * self._kv_per_token > self.kv_budget_bytes:
             raise AdmissionError("KV budget exhausted on this node")
         cp = self._lc.llama_context_default_params()
@@ -110,8 +110,8 @@ class LlamaCppBackend(Backend):
             return self._s(sid).n_ctx * self._kv_per_token
         return sum(s.n_ctx for s in self.sessions.values()) * self._kv_per_token
 
-    def kv_open_bytes(self, max_tokens: int) -> int:
-        return min(max_tokens, self.max_ctx) * self._kv_per_token
+    def kv_open_bytes(self, capacity: int) -> int:
+        return min(capacity, self.max_ctx) * self._kv_per_token
 
     def forward(self, step: StepInput) -> ForwardResult:
         t0 = time.perf_counter()

@@ -17,15 +17,8 @@ from agent.backends.base import (
     ShardSpec,
     StepInput,
 )
-from agent.backends.libggswarm import (
-    GGSWARM_E_BUDGET,
-    GGSWARM_MAX_STEPS,
-    NativeBudget,
-    NativeError,
-    NativeModel,
-    load_library,
-    sampling_struct,
-)
+from agent.backends.ggswarm_lib import GGSWARM_E_BUDGET, GGSWARM_MAX_STEPS, NativeError, load_library
+from agent.backends.libggswarm import NativeBudget, NativeModel, sampling_struct
 from agent.wire.ids import SessionId
 from agent.wire.sampling import SamplingParams
 
@@ -111,11 +104,11 @@ class NativeBackend(Backend):
         except KeyError:
             raise BackendError("unknown session") from None
 
-    def open_session(self, sid: SessionId, max_tokens: int) -> None:
+    def open_session(self, sid: SessionId, capacity: int) -> None:
         if sid in self.sessions:
             raise BackendError("session already open")
         try:
-            self.sessions[sid] = self.model.open_session(int(max_tokens))
+            self.sessions[sid] = self.model.open_session(int(capacity))
         except NativeError as e:
             raise _error(e) from None
 

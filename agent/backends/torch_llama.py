@@ -48,37 +48,37 @@ class LayerWeights:
 class SessionKV:
     """One session's keys/values for every layer of the shard, stored in capacity-doubling buffers."""
 
-    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_tokens: int) -> None:
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int) -> None:
         self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
-        self.max_tokens = max_tokens
+        self.capacity = capacity
         self.length = 0
-        self.capacity = 0
+        self.allocated = 0
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
 
-    def bytes_for(self, capacity: int) -> int:
-        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * capacity * 4
+    def bytes_for(self, positions: int) -> int:
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * positions * 4
 
     @property
     def nbytes(self) -> int:
-        return self.bytes_for(self.capacity)
+        return self.bytes_for(self.allocated)
 
-    def next_capacity(self, needed: int) -> int:
-        if needed <= self.capacity:
-            return self.capacity
-        cap = max(needed, 2 * self.capacity, _KV_CHUNK)
+    def next_allocation(self, needed: int) -> int:
+        if needed <= self.allocated:
+            return self.allocated
+        cap = max(needed, 2 * self.allocated, _KV_CHUNK)
         cap = math.ceil(cap / _KV_CHUNK) * _KV_CHUNK
-        return min(cap, max(self.max_tokens, needed))
+        return min(cap, max(self.capacity, needed))
 
-    def grow(self, capacity: int) -> None:
-        shape = (self.n_kv_heads, capacity, self.head_dim)
+    def grow(self, positions: int) -> None:
+        shape = (self.n_kv_heads, positions, self.head_dim)
         new_k = [torch.empty(shape) for _ in range(self.n_layers)]
         new_v = [torch.empty(shape) for _ in range(self.n_layers)]
         if self.length:
             for i in range(self.n_layers):
                 new_k[i][:, : self.length] = self.k[i][:, : self.length]
                 new_v[i][:, : self.length] = self.v[i][:, : self.length]
-        self.k, self.v, self.capacity = new_k, new_v, capacity
+        self.k, self.v, self.allocated = new_k, new_v, positions
 
 
 def rope_tables(
@@ -161,10 +161,10 @@ class TorchLlamaBackend(Backend):
         self.sessions: dict[SessionId, SessionKV] = {}
 
     # -- sessions ---------------------------------------------------------------------------------
-    def open_session(self, sid: SessionId, max_tokens: int) -> None:
+    def open_session(self, sid: SessionId, capacity: int) -> None:
         if sid in self.sessions:
             raise BackendError("session already open")
-        self.sessions[sid] = SessionKV(len(self.layers), self.n_kv_heads, self.head_dim, max_tokens)
+        self.sessions[sid] = SessionKV(len(self.layers), self.n_kv_heads, self.head_dim, capacity)
 
     def close_session(self, sid: SessionId) -> None:
         self.sessions.pop(sid, None)
@@ -191,7 +191,7 @@ class TorchLlamaBackend(Backend):
 
     def kv_growth_bytes(self, sid: SessionId, new_len: int) -> int:
         kv = self._kv(sid)
-        return kv.bytes_for(kv.next_capacity(new_len)) - kv.nbytes
+        return kv.bytes_for(kv.next_allocation(new_len)) - kv.nbytes
 
     def _ensure_rope(self, n: int) -> None:
         if n > self._rope_len:
@@ -256,10 +256,10 @@ class TorchLlamaBackend(Backend):
             x = torch.from_numpy(np.ascontiguousarray(step.hidden, dtype=np.float32))
         n = x.shape[0]
         end = step.pos_start + n
-        if end > kv.max_tokens:
-            raise BackendError(f"position {end} exceeds the session's limit of {kv.max_tokens}")
-        cap = kv.next_capacity(end)
-        if cap != kv.capacity:
+        if end > kv.capacity:
+            raise BackendError(f"position {end} exceeds the session's limit of {kv.capacity}")
+        cap = kv.next_allocation(end)
+        if cap != kv.allocated:
             others = self.kv_bytes() - kv.nbytes
             if others + kv.bytes_for(cap) > self.kv_budget_bytes:
                 raise AdmissionError("KV budget exhausted on this node")

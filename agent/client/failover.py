@@ -6,8 +6,8 @@ import asyncio
 import base64
 import contextlib
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from aiohttp import ClientError, ClientTimeout
 
@@ -15,9 +15,13 @@ from agent.client.errors import ContextLimitError, RouteError, RouteFailed
 from agent.client.link import RouteLink, Step
 from agent.client.recovery import STANDBY, Hop, RecoveryPolicy, Replacement, ReplacementProvider
 from agent.wire.frames import Kind, Op, Request, Response, encode_request
+from agent.wire.httpjson import read_json
 from agent.wire.routetoken import TokenError, decode_unverified
 
 PREFILL_CHUNK = 512
+# The code of a RouteError naming a hop that does not answer its health check (stopped, hung or gone).
+STOPPED = "hop_stopped"
+T = TypeVar("T")
 
 
 def recoverable(e: RouteError) -> bool:
@@ -46,7 +50,7 @@ class Failover:
         link: RouteLink,
         history: list[int],
         mode: str,
-        max_context: int,
+        capacity: int,
         replacements: ReplacementProvider | None,
         policy: RecoveryPolicy,
     ) -> None:
@@ -54,7 +58,7 @@ class Failover:
         self.link = link
         self.history = history
         self.mode = mode
-        self.max_context = max_context
+        self.capacity = capacity
         self.replacements = replacements
         self.policy = policy
         self.pending_ids: list[int] = []  # the ids of the step in flight (not yet in history)
@@ -70,10 +74,11 @@ class Failover:
         self._checkpointing: dict[int, asyncio.Task[None]] = {}
 
     def deadline(self, i: int, n_tokens: int) -> float:
-        """How long hop `i` gets for a step of `n_tokens`: derived from its own recent steps."""
+        """How long hop `i` gets for a step of `n_tokens`: derived from its own recent steps (with or
+        without a replacement provider: a hung hop is reported as soon as it is noticed)."""
         p = self.policy
         samples = self.link.rtt[i]
-        if self.replacements is None or n_tokens > p.small_step_tokens or len(samples) < p.deadline_samples:
+        if n_tokens > p.small_step_tokens or len(samples) < p.deadline_samples:
             return self.link.timeout_s
         ordered = sorted(samples)
         p95 = ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
@@ -87,12 +92,14 @@ class Failover:
         failures: list[str] = []
         while True:
             t0 = time.perf_counter()
+            deadline = self.deadline(i, n_tokens)
             try:
-                resp = await self.link.post(i, frame(), self.deadline(i, n_tokens), bundle)
+                if self.replacements is None and deadline < self.link.timeout_s:
+                    resp = await self.watch(i, self.link.post(i, frame(), None, bundle), deadline)
+                else:
+                    resp = await self.link.post(i, frame(), deadline, bundle)
             except RouteError as e:
-                if self.replacements is None or not recoverable(e):
-                    raise
-                await self._recover_until_done(e, failures, began)
+                await self.fail(e, failures, began)
                 continue
             if n_tokens <= self.policy.small_step_tokens:
                 self.link.rtt[i].append(time.perf_counter() - t0)
@@ -114,6 +121,90 @@ class Failover:
                         timeout=ClientTimeout(total=self.policy.deadline_floor_s * 2),
                     ) as r:
                         await r.read()
+
+    async def fail(self, err: RouteError, failures: list[str] | None = None, began: float = 0.0) -> None:
+        """Hop `err.hop` failed a step: replace it (returns once the route can take the step again),
+        else raise the failure naming the hop that failed (in chain mode found by `named`)."""
+        if self.replacements is None or not recoverable(err):
+            raise await self.named(err)
+        await self._recover_until_done(err, [] if failures is None else failures, began or time.monotonic())
+
+    async def watch(self, i: int, step: Awaitable[T], deadline: float, what: str = "a step") -> T:
+        """Await `step` (sent to hop `i`) for a client without a replacement provider: past `deadline`
+        the hops it waits on (hop `i`; in chain mode the ones after it too) are asked for their health,
+        again every `deadline`; a hop that does not answer ends the step at once with an error naming it
+        (stopped, hung or gone), while hops that answer are waited for up to the client's `timeout_s`
+        (a slow hop, behind another session's long prompt say, is no failure without a replacement)."""
+        loop = asyncio.get_running_loop()
+        task = asyncio.ensure_future(step)
+        end = loop.time() + self.link.timeout_s
+        hop = self.link.hops[i]
+        among = range(i, len(self.link.hops)) if self.mode == "chain" else range(i, i + 1)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=max(0.0, min(deadline, end - loop.time())))
+                if done:
+                    return task.result()
+                late = RouteError(
+                    f"hop {i} ({hop.url}) did not answer {what} within {deadline:.2f} s",
+                    code="timeout",
+                    hop=i,
+                )
+                if loop.time() >= end:
+                    raise RouteError(
+                        f"hop {i} ({hop.url}) did not answer {what} within {self.link.timeout_s:.0f} s",
+                        code="timeout",
+                        hop=i,
+                    )
+                dead = await self._unanswered(among)
+                if dead:
+                    raise self._stopped(dead[0], late, always=True)
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    async def wait_lane(self, step: Awaitable[T], n_tokens: int) -> T:
+        """A decode step on hop 0's lane, against hop 0's deadline (`watch` without a provider); a late
+        one is a RouteError (code "timeout") naming hop 0, for `fail` to recover or name the culprit."""
+        deadline = self.deadline(0, n_tokens)
+        if self.replacements is None and deadline < self.link.timeout_s:
+            return await self.watch(0, step, deadline, "a lane step")
+        try:
+            return await asyncio.wait_for(step, deadline)
+        except TimeoutError:
+            url = self.link.hops[0].url
+            raise RouteError(
+                f"hop 0 ({url}) did not answer a lane step within {deadline:.2f} s", code="timeout", hop=0
+            ) from None
+
+    async def named(self, err: RouteError) -> RouteError:
+        """The failure as its reader should see it. In chain mode hop 0 answers for the whole route, so
+        its timeout or 5xx may be any later hop's: the first hop that does not answer its health check
+        is named instead (a stopped or dead hop; docs/failover.md)."""
+        if self.mode != "chain" or len(self.link.hops) < 2 or not recoverable(err) or err.hop < 0:
+            return err
+        if err.code == STOPPED:  # named already (watch)
+            return err
+        dead = await self._unanswered()
+        return self._stopped(dead[0], err) if dead else err
+
+    def _stopped(self, j: int, err: RouteError, always: bool = False) -> RouteError:
+        """`err` (noticed at hop `err.hop`) told as what it is: hop `j` stopped answering (`err` as it
+        is when it names hop `j` already, unless `always`)."""
+        if j == err.hop and not always:
+            return err
+        hop = self.link.hops[j]
+        try:
+            node = f", node {decode_unverified(hop.token).node}"
+        except TokenError:
+            node = ""
+        return RouteError(
+            f"hop {j} ({hop.url}{node}) stopped answering: no answer to its health check within "
+            f"{self.policy.probe_timeout_s:g} s ({err})",
+            code=STOPPED,
+            hop=j,
+        )
 
     async def _recover_until_done(self, err: RouteError, failures: list[str], began: float) -> None:
         """Replace the hop `err` names (and whatever fails while doing so) or raise RouteFailed."""
@@ -145,6 +236,8 @@ class Failover:
         started = time.monotonic()
         if self.mode == "chain" and len(self.link.hops) > 1:
             bad, alive = await self._chain_culprits(err)
+            if not alive:  # the failure is told as the first dead hop's, not hop 0's that noticed it
+                err = self._stopped(bad[0], err)
         else:
             bad, alive = [err.hop if err.hop >= 0 else 0], err.status != 0
         methods: list[str] = []
@@ -205,9 +298,9 @@ class Failover:
             }
         )
 
-    async def _chain_culprits(self, err: RouteError) -> tuple[list[int], bool]:
-        """Chain mode: the hops that do not answer their health check (dead), else the one the error
-        names (alive: it may hand its KV off)."""
+    async def _unanswered(self, among: range | None = None) -> list[int]:
+        """The hops (of `among`, default all) that do not answer their health check within
+        probe_timeout_s (asked together)."""
         t = ClientTimeout(total=self.policy.probe_timeout_s)
 
         async def alive(hop: Hop) -> bool:
@@ -217,8 +310,14 @@ class Failover:
             except (ClientError, OSError, TimeoutError):
                 return False
 
-        ok = await asyncio.gather(*(alive(h) for h in self.link.hops))
-        dead = [j for j, up in enumerate(ok) if not up]
+        which = list(among if among is not None else range(len(self.link.hops)))
+        ok = await asyncio.gather(*(alive(self.link.hops[j]) for j in which))
+        return [j for j, up in zip(which, ok, strict=True) if not up]
+
+    async def _chain_culprits(self, err: RouteError) -> tuple[list[int], bool]:
+        """Chain mode: the hops that do not answer their health check (dead), else the one the error
+        names (alive: it may hand its KV off)."""
+        dead = await self._unanswered()
         if dead:
             return dead, False
         named = [j for j, h in enumerate(self.link.hops) if j > 0 and h.url.rstrip("/") in str(err)]
@@ -256,7 +355,7 @@ class Failover:
             if n is not None:  # fewer positions than the client counted: start that hop over
                 with contextlib.suppress(RouteError):
                     await link.post(i, link.frame(i, Op.CLOSE), link.timeout_s)
-        resp = await link.post(i, link.frame(i, Op.OPEN, pos_start=self.max_context), link.timeout_s)
+        resp = await link.post(i, link.frame(i, Op.OPEN, pos_start=self.capacity), link.timeout_s)
         chain = self.mode == "chain" and len(link.hops) > 1
         replayable = not chain and (i == 0 or self._seams_kept)
         keep = 0  # positions the new hop already holds and keeps
@@ -317,7 +416,7 @@ class Failover:
             ) as r:
                 if r.status != 200:
                     return None
-                out = await r.json()
+                out = await read_json(r)  # bounded: a hostile hop's answer is a None, not a crash
         except (ClientError, OSError, TimeoutError, ValueError):
             return None
         n = out.get("session_len") if isinstance(out, dict) else None

@@ -266,22 +266,22 @@ class LaneTicket:
 class LaneRoute:
     """The lane state of one RouteClient: its admission, and whether to ask for one now.
 
-    It is handed the session's `link`, the transport's `streams`, the failover's per-hop `deadline`
-    (a failing hop is judged by its recent steps) and the client's `realign`, which brings every hop
-    back to a position after a step whose answer was lost."""
+    It is handed the session's `link`, the transport's `streams`, the failover's `wait` for a lane step
+    (against hop 0's deadline, judged by its recent steps: Failover.wait_lane) and the client's
+    `realign`, which brings every hop back to a position after a step whose answer was lost."""
 
     def __init__(
         self,
         enabled: bool,
         link: RouteLink,
         streams: LaneStreams,
-        deadline: Callable[[int, int], float],
+        wait: Callable[[Awaitable[LaneAnswer], int], Awaitable[LaneAnswer]],
         realign: Callable[[int], Awaitable[None]],
     ) -> None:
         self.enabled = enabled
         self.link = link
         self.streams = streams
-        self.deadline = deadline
+        self.wait = wait
         self.realign = realign
         self.ticket: LaneTicket | None = None
         self.retry_in = 0  # refused or failed: Python-path steps until the lane is asked again
@@ -307,7 +307,8 @@ class LaneRoute:
         self, inp: Step, ids: list[int], send: bool, want_logits: bool, bundle: bool
     ) -> Response | None:
         """Run a decode step over the lane; None: run it on the Python path. `bundle`: other route
-        clients share the transport, so the step may travel with theirs."""
+        clients share the transport, so the step may travel with theirs. RouteError (code "timeout")
+        when the step misses its deadline: the hops are brought back by the failover that handles it."""
         if not self.enabled or want_logits or send or not 1 <= inp.n <= MAX_TOKENS or self._blocked():
             return None
         link = self.link
@@ -329,11 +330,18 @@ class LaneRoute:
         t.next_step += 1  # spent whatever the answer: a sealed frame never runs twice
         t0 = time.perf_counter()
         try:
-            ans = await asyncio.wait_for(
-                self.streams.run(t.addr, member, bundle=bundle, max_in_flight=self.machines),
-                self.deadline(0, inp.n),
+            ans = await self.wait(
+                self.streams.run(t.addr, member, bundle=bundle, max_in_flight=self.machines), inp.n
             )
-        except (LaneError, OSError, TimeoutError) as e:
+        except RouteError:
+            # late: a hop of the route hangs (the lane relays hop to hop, so any of them). That is a
+            # failed hop as on the Python path, for the caller's failover to name and replace; trying
+            # the step again first would only wait for the same hop twice over (issue 33, item 7)
+            self.ticket = None
+            self.retry_in = LANE_RETRY_STEPS
+            self.fallbacks += 1
+            raise
+        except (LaneError, OSError) as e:
             self.ticket = None
             self.retry_in = LANE_RETRY_STEPS
             self.fallbacks += 1

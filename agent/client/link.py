@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -23,8 +22,11 @@ from agent.wire.frames import (
     encode_request,
 )
 from agent.wire.ids import SessionId
+from agent.wire.jsonlimits import loads_bounded
 from agent.wire.sampling import SamplingParams
 from agent.wire.stream import FrameStreams
+
+ERROR_BODY_MAX = 4096  # a hop's error answer is a short JSON object; more is not one of ours
 
 
 @dataclass
@@ -171,9 +173,11 @@ class RouteLink:
             raise RouteError(f"hop {i} ({hop.url}) unreachable: {e}", hop=i) from None
         if status != 200:
             try:
-                err = json.loads(data)
-                code, msg = err.get("error", ""), err.get("message", "")
-            except ValueError:
+                # a hop's error is a short JSON object: bounded, so a hostile hop's deep nesting is a
+                # RouteError naming the hop, never a RecursionError
+                err = loads_bounded(data, max_bytes=ERROR_BODY_MAX)
+                code, msg = str(err.get("error", ""))[:64], str(err.get("message", ""))[:400]
+            except (ValueError, AttributeError):
                 code, msg = "", data[:200].decode("utf-8", "replace")
             raise RouteError(
                 f"hop {i} ({hop.url}) answered {status} {code}: {msg}", status=status, code=code, hop=i

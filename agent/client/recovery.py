@@ -18,6 +18,7 @@ from aiohttp import ClientError, ClientSession, ClientTimeout
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent.wire.handofftoken import mint_handoff
+from agent.wire.httpjson import read_json
 from agent.wire.ids import SessionId
 from agent.wire.routetoken import RouteHop, TokenError, decode_unverified, mint_replacement, mint_route
 
@@ -118,8 +119,8 @@ class ReplicaProvider:
             async with http.get(url + "/v1/health") as r:
                 if r.status != 200:
                     return None
-                info: dict[str, object] = await r.json()
-                return info
+                info = await read_json(r)  # bounded: size and nesting (a node may be hostile)
+                return info if isinstance(info, dict) else None
         except (ClientError, OSError, TimeoutError, ValueError):
             return None
 

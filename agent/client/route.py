@@ -78,7 +78,7 @@ class RouteClient:
         session_id: bytes | None = None,
         mode: str = "star",
         hidden_dtype: HiddenDtype = DEFAULT_HIDDEN_DTYPE,
-        max_context: int = defaults.MAX_CONTEXT,
+        capacity: int = defaults.SESSION_CAPACITY,
         timeout_s: float = 120.0,
         replacements: ReplacementProvider | None = None,
         recovery: RecoveryPolicy | None = None,
@@ -103,7 +103,7 @@ class RouteClient:
             raise RouteError(f"mode must be 'chain' or 'star', not {mode!r}")
         self.tokenizer = tokenizer
         self.mode = mode
-        self.max_context = min(max_context, CONTEXT_CAP)
+        self.capacity = min(capacity, CONTEXT_CAP)
         self.history: list[int] = []  # token ids in every hop's KV, in order
         self.last_prefilled = 0
         self.last_truncate: dict[str, Any] = {}
@@ -125,13 +125,13 @@ class RouteClient:
             self.transport.streams,
         )
         self.failover = Failover(
-            self.link, self.history, mode, self.max_context, replacements, recovery or RecoveryPolicy()
+            self.link, self.history, mode, self.capacity, replacements, recovery or RecoveryPolicy()
         )
         self.lane = LaneRoute(
             lanes_wanted() if lane is None else lane,
             self.link,
             self.transport.lanes,
-            self.failover.deadline,
+            self.failover.wait_lane,
             self.realign,
         )
 
@@ -180,7 +180,7 @@ class RouteClient:
         if link.opened:
             return
         for i in range(len(link.hops)):
-            await self.failover.call(i, partial(link.plain_frame, i, Op.OPEN, self.max_context), 0)
+            await self.failover.call(i, partial(link.plain_frame, i, Op.OPEN, self.capacity), 0)
         link.opened = True
 
     async def close(self) -> None:
@@ -233,9 +233,9 @@ class RouteClient:
         """Append `ids` to the session on every hop; returns the last hop's answer (sampled token)."""
         if not ids:
             raise RouteError("nothing to forward")
-        if len(self.history) + len(ids) > self.max_context:
+        if len(self.history) + len(ids) > self.capacity:
             raise ContextLimitError(
-                f"context of {len(self.history) + len(ids)} tokens exceeds the limit of {self.max_context}"
+                f"context of {len(self.history) + len(ids)} tokens exceeds the limit of {self.capacity}"
             )
         await self.open()
         link, failover = self.link, self.failover
@@ -251,7 +251,11 @@ class RouteClient:
         bundle = inp.n <= BUNDLE_STEP_TOKENS and not want_logits and shared
         t0 = time.perf_counter()
         if self.mode == "chain" or len(link.hops) == 1:
-            laned = await self.lane.step(inp, ids, send, want_logits, shared)
+            try:
+                laned = await self.lane.step(inp, ids, send, want_logits, shared)
+            except RouteError as e:  # a lane step past its deadline: a hung hop, as on the Python path
+                await failover.fail(e)  # replaced (the hops brought back to the history), or raised
+                laned = None
             if laned is not None:
                 resp = laned
             else:
@@ -358,8 +362,8 @@ class RouteClient:
             yield token, logprob
             if (stop_ids and token in stop_ids) or n == max_tokens - 1:
                 break
-            if len(self.history) + 1 > self.max_context:
-                raise ContextLimitError(f"context limit of {self.max_context} tokens reached")
+            if len(self.history) + 1 > self.capacity:
+                raise ContextLimitError(f"context limit of {self.capacity} tokens reached")
             resp = await self.forward([token], sampling, want_logits=want_logits)
             token, logprob = self._sampled(resp)
 
@@ -371,9 +375,9 @@ class RouteClient:
             raise RouteError("chat needs a tokenizer")
         sampling = sampling or SamplingParams()
         prompt = self.tokenizer.encode_chat(messages)
-        if len(prompt) >= self.max_context:
+        if len(prompt) >= self.capacity:
             raise ContextLimitError(
-                f"prompt of {len(prompt)} tokens exceeds the context limit of {self.max_context}"
+                f"prompt of {len(prompt)} tokens exceeds the context limit of {self.capacity}"
             )
         self.hop_stats = [HopStats() for _ in self.hops]
         n_recoveries = len(self.recoveries)

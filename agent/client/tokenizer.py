@@ -1,10 +1,19 @@
-"""Tokenizer and chat template of a GGUF, via llama-cpp-python with vocab_only (no weights loaded)."""
+"""Tokenizer and chat template of a GGUF, via llama-cpp-python with vocab_only (no weights loaded).
+
+llama.cpp's tokenizer splits the text at special tokens first, and each split walks the fragment list
+from its head (`std::distance(buffer.begin(), it)` in `tokenizer_st_partition`), so one call costs the
+square of the special tokens in its text: a chat of 8,000 short messages took 2 s, 250,000 minutes.
+`encode` therefore cuts long texts just before a special token every `CHUNK_SPECIALS` of them and
+tokenizes the pieces separately (`SpecialSplitter`); llama.cpp tokenizes each fragment between special
+tokens on its own anyway, so the ids are the same (tests/agent/test_tokenizer_chunks.py checks it).
+"""
 
 from __future__ import annotations
 
 import ctypes
+import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     from llama_cpp.llama_types import ChatCompletionRequestMessage
@@ -38,6 +47,61 @@ def _silence_llama_log() -> None:
     llama_cpp.llama_log_set(_LOG_CALLBACK, None)
 
 
+# Special tokens per llama_tokenize call: the partition's cost grows with their square.
+CHUNK_SPECIALS = 64
+# Texts shorter than this hold too few special tokens to be worth scanning for cut points.
+CHUNK_MIN_BYTES = 16 << 10
+# llama_token_attr bits (llama.h): which tokens the partition splits at, and which eat the space before.
+_ATTR_UNKNOWN, _ATTR_CONTROL, _ATTR_USER_DEFINED, _ATTR_LSTRIP = 1 << 0, 1 << 3, 1 << 4, 1 << 7
+_PARTITIONING = _ATTR_UNKNOWN | _ATTR_CONTROL | _ATTR_USER_DEFINED
+_VOCAB_SPM, _VOCAB_BPE = 1, 2  # llama_vocab_type: the two whose fragments are tokenized independently
+
+
+def _trie_pattern(words: list[bytes]) -> bytes:
+    """A regular expression matching the longest of `words` at a position, as a trie: one step per byte
+    however many words share a prefix (a flat alternation tries them all at every '<')."""
+    trie: dict[int, Any] = {}
+    for w in words:
+        node = trie
+        for b in w:
+            node = node.setdefault(b, {})
+        node[-1] = {}  # a word ends here
+
+    def walk(node: dict[int, Any]) -> bytes:
+        branches = [re.escape(bytes([b])) + walk(child) for b, child in sorted(node.items()) if b != -1]
+        if not branches:
+            return b""
+        body = b"(?:" + b"|".join(branches) + b")"
+        return body + b"?" if -1 in node else body  # greedy: the longer word wins
+
+    return walk(trie)
+
+
+class SpecialSplitter:
+    """Cuts a text just before special tokens, so no piece holds more than `per_piece` of them.
+
+    A cut goes only before a token the partition matches there (the longest special token starting at
+    that byte, found left to right) and that does not strip the whitespace before it (LSTRIP)."""
+
+    def __init__(self, specials: dict[bytes, int], per_piece: int = CHUNK_SPECIALS) -> None:
+        words = sorted(specials, key=len, reverse=True)
+        self._pattern = re.compile(_trie_pattern(words), re.DOTALL) if words else None
+        self._cuttable = {w for w, attr in specials.items() if not attr & _ATTR_LSTRIP}
+        self.per_piece = per_piece
+
+    def pieces(self, text: bytes) -> list[bytes]:
+        if self._pattern is None:
+            return [text]
+        cuts, since_cut = [0], 0
+        for m in self._pattern.finditer(text):
+            since_cut += 1
+            if since_cut > self.per_piece and m.group() in self._cuttable and m.start() > cuts[-1]:
+                cuts.append(m.start())
+                since_cut = 1
+        cuts.append(len(text))
+        return [text[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
+
+
 class ChatTokenizer:
     """Turns chat messages into prompt token ids and generated ids back into text."""
 
@@ -67,6 +131,27 @@ class ChatTokenizer:
             eos = self._llm._model.token_get_text(self.eos_id) if self.eos_id >= 0 else ""
             self._formatter = Jinja2ChatFormatter(template=template, eos_token=eos, bos_token=bos)
         self.n_vocab = int(self._llm.n_vocab())
+        self._splitter = self._make_splitter()
+
+    def _make_splitter(self) -> SpecialSplitter | None:
+        """Where long texts may be cut between tokenizer calls; None when this vocabulary cannot be."""
+        import llama_cpp
+
+        vocab = self._llm._model.vocab
+        # SPM and BPE tokenize each fragment alone; an EOS appended per call would land mid-prompt.
+        if llama_cpp.llama_vocab_type(vocab) not in (
+            _VOCAB_SPM,
+            _VOCAB_BPE,
+        ) or llama_cpp.llama_vocab_get_add_eos(vocab):
+            return None
+        specials: dict[bytes, int] = {}
+        for i in range(self.n_vocab):
+            attr = int(llama_cpp.llama_vocab_get_attr(vocab, i))
+            if attr & _PARTITIONING:
+                text = bytes(llama_cpp.llama_vocab_get_text(vocab, i) or b"")
+                if text:
+                    specials[text] = specials.get(text, 0) | attr
+        return SpecialSplitter(specials)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
         """The prompt text for `messages`, ending with the assistant turn's opening."""
@@ -87,9 +172,17 @@ class ChatTokenizer:
         return self.encode(self.apply_chat_template(messages))
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """The ids of `text`, special tokens parsed; long texts in pieces (see the module docstring).
+        CPU-bound (seconds for megabytes): async callers run it off their event loop."""
         bos = self.add_bos if add_bos is None else add_bos
-        ids = self._llm.tokenize(text.encode(), add_bos=bos, special=True)
-        return [int(i) for i in ids]
+        raw = text.encode("utf-8", "replace")  # a lone surrogate (valid in JSON) becomes "?", never a 500
+        pieces = [raw]
+        if self._splitter is not None and len(raw) >= CHUNK_MIN_BYTES:
+            pieces = self._splitter.pieces(raw)
+        ids: list[int] = []
+        for n, piece in enumerate(pieces):
+            ids.extend(int(i) for i in self._llm.tokenize(piece, add_bos=bos and n == 0, special=True))
+        return ids
 
     def decode_bytes(self, ids: list[int]) -> bytes:
         return self._llm.detokenize(ids)

@@ -16,6 +16,7 @@ import weakref
 
 from aiohttp import ClientSession, ClientTimeout, TCPConnector
 
+from agent import defaults
 from agent.client.lane import LaneStreams
 from agent.wire.stream import FrameStreams
 
@@ -47,6 +48,8 @@ class HopTransport:
             connector=TCPConnector(
                 limit=TOTAL_CONNECTIONS,
                 limit_per_host=PER_HOP_CONNECTIONS,
+                # idle connections dropped before the hop's idle timer closes them (defaults.py)
+                keepalive_timeout=defaults.HOP_CLIENT_IDLE_S,
                 ssl=ssl_context if ssl_context is not None else True,
             ),
             timeout=ClientTimeout(total=timeout_s),

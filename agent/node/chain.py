@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import ssl
 import time
 from typing import TYPE_CHECKING, Any
@@ -10,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector
 
+from agent import defaults
 from agent.node.errors import DataPlaneError
 from agent.node.sessions import SessionState, SessionTable
 from agent.node.steps import needs_ids
@@ -27,6 +27,7 @@ from agent.wire.frames import (
     response_step,
     with_prepended_timing,
 )
+from agent.wire.jsonlimits import JsonLimitError, loads_bounded
 from agent.wire.routetoken import TokenError, decode_unverified
 from agent.wire.stream import CHAIN_MAX_ANSWER, FrameStreams
 from agent.wire.tls import node_dns_name
@@ -153,7 +154,8 @@ class NextHops:
         """The node's one outgoing HTTP session (next hops here, KV hand-offs in handoff.py)."""
         if self._client is None or self._client.closed:
             self._client = ClientSession(
-                connector=TCPConnector(limit=64),
+                # idle connections dropped before the next hop's idle timer closes them (defaults.py)
+                connector=TCPConnector(limit=64, keepalive_timeout=defaults.HOP_CLIENT_IDLE_S),
                 timeout=ClientTimeout(total=300),
                 skip_auto_headers=("User-Agent",),
             )
@@ -193,12 +195,14 @@ async def _read_bounded(r: Any, limit: int) -> bytes | None:
 
 
 def _downstream_error(status: int, body: bytes | None, url: str) -> DataPlaneError:
-    """A next hop's refusal, relayed as its code and message when it is one of ours, else a 502."""
+    """A next hop's refusal, relayed as its code and message when it is one of ours, else a 502 naming
+    the next hop (JSON nested too deep, malformed or not ours included: parsed bounded, never a 500)."""
     try:
-        err = json.loads(body or b"")
+        err = loads_bounded(body or b"", max_bytes=_ERROR_BODY_MAX)
         code, message = str(err["error"])[:64], str(err["message"])[:400]
-    except (ValueError, TypeError, KeyError):
-        return DataPlaneError(502, "downstream", f"next hop {url} answered {status}")
+    except (ValueError, TypeError, KeyError) as e:
+        why = f" ({e})" if isinstance(e, JsonLimitError) else ""
+        return DataPlaneError(502, "downstream", f"next hop {url} answered {status}{why}")
     if not 400 <= status <= 599 or status == 500:
         status = 502
     return DataPlaneError(status, code, f"next hop {url}: {message}")

@@ -13,8 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from agent import defaults
+from agent.wire.jsonlimits import loads_bounded
 
 CONFIG_VERSION = 1
+# The control plane's answer to enrollment: a small JSON object, read bounded in size and depth.
+ANSWER_MAX = 1 << 20
 
 
 class ConfigError(Exception):
@@ -109,10 +112,10 @@ def post_json(
     req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST", headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            data = json.loads(r.read())
+            data = loads_bounded(r.read(ANSWER_MAX + 1), max_bytes=ANSWER_MAX)
     except urllib.error.HTTPError as e:
         try:
-            reason = json.loads(e.read()).get("error", e.reason)
+            reason = loads_bounded(e.read(ANSWER_MAX + 1), max_bytes=ANSWER_MAX).get("error", e.reason)
         except (ValueError, AttributeError):
             reason = e.reason
         raise ConfigError(f"{refused} (HTTP {e.code}): {reason}") from None

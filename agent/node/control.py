@@ -56,6 +56,7 @@ from agent.wire.control import (
     Welcome,
     parse_server_message,
 )
+from agent.wire.httpjson import read_json
 
 if TYPE_CHECKING:
     from agent.artifacts.torrent import Progress as SwarmProgress
@@ -63,6 +64,8 @@ if TYPE_CHECKING:
     from agent.node.update import Updater
 
 log = logging.getLogger("agent.node.control")
+# A model's manifest from the control plane (one entry per tensor): read bounded like any peer's JSON.
+MANIFEST_MAX = 64 << 20
 
 
 class ShardHost(Protocol):
@@ -514,7 +517,7 @@ class ControlAgent:
             async with self._http.get(base + cmd.manifest_url, headers=self._headers) as r:
                 if r.status != 200:
                     raise FetchError(f"manifest: HTTP {r.status}")
-                manifest = Manifest.from_dict(await r.json())
+                manifest = Manifest.from_dict(await read_json(r, MANIFEST_MAX))
             if manifest.sha256 != sha:
                 raise FetchError("manifest names another model")
             swarm = self.swarm() if cmd.torrent_url else None

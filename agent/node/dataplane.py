@@ -19,7 +19,7 @@ from agent.artifacts.manifest import Manifest
 from agent.backends import load_backend
 from agent.backends.base import AdmissionError, Backend, BackendError, ShardSpec
 from agent.eventloop import running_loop_name
-from agent.node.admission import FrameAdmission
+from agent.node.admission import HEAD_TIMEOUT_S, FrameAdmission, Held
 from agent.node.chain import NextHops
 from agent.node.errors import DataPlaneError, error_response
 from agent.node.handoff import Handoff
@@ -192,6 +192,10 @@ class DataPlane:
             "retry_cache_bytes": self.sessions.retry_bytes(),
             "held_bytes": self.sessions.used_bytes() + self.sessions.retry_bytes(),
             "inflight_bytes": self.admission.inflight_bytes,
+            # requests and streams that have not shown a valid route token yet, and those cut for a
+            # newer one of their address (admission.py)
+            "anonymous": self.admission.anonymous.total(),
+            "anonymous_cut": self.admission.anonymous.cut,
             "evictions": self.sessions.evictions,
             "expirations": self.sessions.expirations,
             # time prefill chunks waited for decoding sessions to ride with (scheduler._hold_chunks)
@@ -276,6 +280,9 @@ class DataPlane:
             async with shard.lock:
                 return self._open(req, shard)
         if req.op == Op.CLOSE:
+            closing = self.sessions.get((SessionId(req.session), shard.key))
+            if closing is not None:  # off the lane first, its step in flight waited for off the loop
+                await self.lane.leave(closing)
             async with shard.lock:  # between batches: none of the session's steps is running
                 key = (SessionId(req.session), shard.key)
                 shard.scheduler.drop_session(key, "the session was closed while its step was queued")
@@ -287,8 +294,9 @@ class DataPlane:
             return await self.lane.admit(req, shard, s)
         if s.lane is not None:
             # a frame on the Python path takes its session off the lane (its history comes back);
-            # other sessions stay on theirs, and their steps run beside this one (lanes.py)
-            self.lane.take_off(s)
+            # other sessions stay on theirs, and their steps run beside this one (lanes.py); its step
+            # in flight is waited for off the event loop (a hung next hop must not stop this node)
+            await self.lane.leave(s)
         if req.op == Op.TRUNCATE:
             async with shard.lock:
                 return self._truncate(req, s)
@@ -309,17 +317,15 @@ class DataPlane:
                 )
             )
         cap = shard.max_positions
-        max_tokens = req.pos_start or cap
-        if max_tokens > cap:
-            raise DataPlaneError(
-                400, "context_cap", f"max_tokens {max_tokens} exceeds the context cap of {cap}"
-            )
-        state = SessionState(sid=sid, shard_key=shard.key, backend=shard.backend, max_tokens=max_tokens)
+        capacity = req.capacity or cap
+        if capacity > cap:
+            raise DataPlaneError(400, "context_cap", f"capacity {capacity} exceeds the context cap of {cap}")
+        state = SessionState(sid=sid, shard_key=shard.key, backend=shard.backend, capacity=capacity)
         try:
             self.sessions.admit(
-                state, shard.backend.kv_open_bytes(max_tokens), lambda v: evictable(self.shards, v, shard)
+                state, shard.backend.kv_open_bytes(capacity), lambda v: evictable(self.shards, v, shard)
             )
-            shard.backend.open_session(sid, max_tokens)
+            shard.backend.open_session(sid, capacity)
         except AdmissionError as e:
             raise DataPlaneError(503, "kv_budget", str(e)) from None
         except BackendError as e:
@@ -401,28 +407,34 @@ class DataPlane:
 
     # -- aiohttp wiring -----------------------------------------------------------------------------
     async def _frame_view(self, request: web.Request) -> web.StreamResponse:
-        """Limits first: per-address and per-token concurrency, node-wide buffered bytes, the frame's
-        length and its route token, all checked before the body is read."""
-        ip = request.remote or "?"
-        try:
-            self.admission.take_ip_slot(ip)
-        except DataPlaneError as e:
-            return self._refused(e)
-        token = b""
-        reserved = 0
+        """Limits first, in the order admission.py gives: the frame's length, its header and route token
+        (anonymous until then, against a deadline), its token's slot and buffered bytes, its body
+        (against a deadline), then its address's slot; a client too slow for a deadline is cut off."""
+        held = Held()
         try:
             try:
-                token, reserved, head = await self.admission.admit_post(request)
-                body = head + await request.content.readexactly(reserved - len(head))
+                body = await self.admission.receive_post(request, held)
             except DataPlaneError as e:
                 return self._refused(e)
+            except TimeoutError:
+                return await self._cut(request, "the frame did not arrive in time (a stalled client)")
             except (asyncio.IncompleteReadError, ConnectionError):
                 return self._refused(
                     DataPlaneError(400, "bad_frame", "the frame ended before its Content-Length")
                 )
             return await self._frame_response(body)
         finally:
-            self.admission.release_frame(ip, token, reserved)
+            self.admission.release(held)
+
+    async def _cut(self, request: web.Request, why: str) -> web.StreamResponse:
+        """Answer 408 and close the connection at once: its unread bytes are not waited for."""
+        resp = self._refused(DataPlaneError(408, "too_slow", why))
+        resp.force_close()
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            await resp.prepare(request)
+            await resp.write_eof()
+        request.protocol.force_close()  # no lingering read of a body that is not coming
+        return resp
 
     async def answer_frame(self, body: bytes) -> bytes:
         """The response frame to a request frame whose limits were checked (POST and stream alike);
@@ -515,7 +527,13 @@ async def start_dataplane(
             port,
         )
     dp.lane.host = host  # a lane opened later listens where the data plane does
-    runner = web.AppRunner(dp.make_app(), access_log=None)
+    # keepalive_timeout: a connection that has not sent a whole request's headers HEAD_TIMEOUT_S after
+    # it opened or after its last answer is closed (aiohttp's idle timer; no other header deadline), and
+    # a refused body is drained for at most as long (admission.py; hop clients drop idle connections
+    # sooner: defaults.HOP_CLIENT_IDLE_S)
+    runner = web.AppRunner(
+        dp.make_app(), access_log=None, keepalive_timeout=HEAD_TIMEOUT_S, lingering_time=HEAD_TIMEOUT_S
+    )
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True, ssl_context=ssl_context)
     await site.start()

@@ -41,7 +41,7 @@ def _mb(n: int) -> str:
 
 
 def check_backends() -> list[Check]:
-    from agent.backends import available_backends, libggswarm
+    from agent.backends import available_backends, ggswarm_lib
 
     names = available_backends()
     out = [
@@ -52,8 +52,8 @@ def check_backends() -> list[Check]:
         )
     ]
     try:
-        libggswarm.load_library()
-        out.append(Check("native library", OK, str(libggswarm.library_path())))
+        ggswarm_lib.load_library()
+        out.append(Check("native library", OK, str(ggswarm_lib.library_path())))
     except OSError as e:
         out.append(Check("native library", WARN, f"{e} (the native backend is off)"))
     return out

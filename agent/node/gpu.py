@@ -105,9 +105,9 @@ class GgmlDevice:
 
 def ggml_devices() -> list[GgmlDevice]:
     """The ggml devices of the ggml the native library runs on (raises OSError when it is not loadable)."""
-    from agent.backends import libggswarm
+    from agent.backends import ggswarm_lib
 
-    libggswarm.load_library()  # preloads llama-cpp-python's ggml, so the soname below is that one
+    ggswarm_lib.load_library()  # preloads llama-cpp-python's ggml, so the soname below is that one
     ggml = ctypes.CDLL("libggml.so.0")
     ggml.ggml_backend_dev_count.restype = ctypes.c_size_t
     ggml.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]

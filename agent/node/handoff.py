@@ -19,7 +19,6 @@ import base64
 import contextlib
 import hashlib
 import ipaddress
-import json
 import logging
 import os
 import signal
@@ -36,7 +35,9 @@ from agent.node.errors import DataPlaneError, error_response
 from agent.node.sessions import SessionState, SessionTable
 from agent.node.shard import Shard, Shards, evictable
 from agent.wire.handofftoken import HandoffClaims, HandoffTokenError, verify_handoff
+from agent.wire.httpjson import read_json
 from agent.wire.ids import SessionId
+from agent.wire.jsonlimits import loads_bounded
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("agent.node.handoff")
 
 TOKEN_HEADER = "X-Handoff-Token"
-# magic, max_tokens, n_history, snapshot bytes, sha256 of the snapshot
+# magic, capacity, n_history, snapshot bytes, sha256 of the snapshot
 IMPORT_HEAD = struct.Struct("<4sIIQ32s")
 IMPORT_MAGIC = b"GSKV"
 # Room for a snapshot's own header above the KV rows the range holds (native: 184 bytes).
@@ -65,10 +66,10 @@ def snapshot_bound(shard: Shard, n_positions: int) -> int:
     return SNAPSHOT_HEADER_SLACK + sum(layer.state_bytes(n_positions) for layer in layers)
 
 
-def encode_import(max_tokens: int, history: list[int], snapshot: bytes) -> bytes:
+def encode_import(capacity: int, history: list[int], snapshot: bytes) -> bytes:
     digest = hashlib.sha256(snapshot).digest()
     hist = np.asarray(history, dtype="<i4").tobytes()
-    return IMPORT_HEAD.pack(IMPORT_MAGIC, max_tokens, len(history), len(snapshot), digest) + hist + snapshot
+    return IMPORT_HEAD.pack(IMPORT_MAGIC, capacity, len(history), len(snapshot), digest) + hist + snapshot
 
 
 class Handoff:
@@ -129,12 +130,12 @@ class Handoff:
             s = self.sessions.get(key)
             if s is None:
                 raise HandoffError(404, "unknown_session", "unknown session (expired, evicted or moved)")
-            self.lane.take_off(s)  # a snapshot of a session the lane may step meanwhile would be torn
+            await self.lane.leave(s)  # a snapshot of a session the lane may step meanwhile would be torn
             try:
                 snap = shard.backend.snapshot(s.sid)
             except BackendError as e:
                 raise HandoffError(409, "no_snapshot", str(e)) from None
-            body = encode_import(s.max_tokens, list(s.history), snap)
+            body = encode_import(s.capacity, list(s.history), snap)
         http = await self.hops.http()
         url = target.rstrip("/") + "/v1/handoff/import"
         try:
@@ -144,17 +145,22 @@ class Handoff:
                 headers={TOKEN_HEADER: token_b64},
                 timeout=ClientTimeout(total=EXPORT_TIMEOUT_S),
             ) as r:
-                data = await r.read()
+                if r.status != 200:
+                    text = (await r.content.read(300)).decode("utf-8", "replace")
+                    raise HandoffError(502, "target_refused", f"{url} answered {r.status}: {text}")
+                try:
+                    out = await read_json(r)  # the target's answer: small, bounded in size and depth
+                except ValueError as e:
+                    raise HandoffError(
+                        502, "target_refused", f"{url} answered a malformed body: {e}"
+                    ) from None
         except (ClientError, OSError, TimeoutError) as e:
             raise HandoffError(502, "target_unreachable", f"{url} unreachable: {e}") from None
-        if r.status != 200:
-            raise HandoffError(
-                502, "target_refused", f"{url} answered {r.status}: {data[:300].decode('utf-8', 'replace')}"
-            )
         if not keep:  # the replacement holds it now: free ours (its client no longer steps here)
             async with shard.lock:
                 self.sessions.close(key)
-        out: dict[str, Any] = json.loads(data)
+        if not isinstance(out, dict):
+            raise HandoffError(502, "target_refused", f"{url} answered {type(out).__name__}, not an object")
         out["export_ms"] = round((time.perf_counter() - t0) * 1e3, 2)
         return out
 
@@ -170,13 +176,13 @@ class Handoff:
             head = await request.content.readexactly(IMPORT_HEAD.size)
         except asyncio.IncompleteReadError:
             raise HandoffError(400, "bad_frame", "hand-off body shorter than its header") from None
-        magic, max_tokens, n_hist, snap_len, digest = IMPORT_HEAD.unpack(head)
+        magic, capacity, n_hist, snap_len, digest = IMPORT_HEAD.unpack(head)
         if magic != IMPORT_MAGIC:
             raise HandoffError(400, "bad_frame", "not a hand-off body")
         cap = shard.max_positions
-        if not (0 < max_tokens <= cap) or n_hist > max_tokens:
-            raise HandoffError(400, "context_cap", f"max_tokens {max_tokens} / history {n_hist} beyond {cap}")
-        bound = snapshot_bound(shard, max_tokens)
+        if not (0 < capacity <= cap) or n_hist > capacity:
+            raise HandoffError(400, "context_cap", f"capacity {capacity} / history {n_hist} beyond {cap}")
+        bound = snapshot_bound(shard, capacity)
         if snap_len > bound:
             raise HandoffError(413, "too_large", f"snapshot of {snap_len} bytes exceeds this range's {bound}")
         expected = IMPORT_HEAD.size + 4 * n_hist + snap_len
@@ -186,7 +192,7 @@ class Handoff:
             )
         sid = SessionId(c.session)
         key = (sid, shard.key)
-        state = SessionState(sid=sid, shard_key=shard.key, backend=shard.backend, max_tokens=max_tokens)
+        state = SessionState(sid=sid, shard_key=shard.key, backend=shard.backend, capacity=capacity)
         # Room is made (or refused) before the snapshot is read into memory.
         try:
             self.sessions.admit(state, snap_len, lambda v: evictable(self.shards, v, shard))
@@ -206,7 +212,7 @@ class Handoff:
                     raise HandoffError(409, "session_busy", "this node is running a step of the session")
                 self.sessions.close(key)  # an older copy (a warm spare's): the newer one replaces it
             try:
-                shard.backend.open_session(sid, max_tokens)
+                shard.backend.open_session(sid, capacity)
             except AdmissionError as e:
                 raise HandoffError(503, "kv_budget", str(e)) from None
             except BackendError as e:
@@ -242,7 +248,7 @@ class Handoff:
         if request.content_length is None or request.content_length > 4096:
             return error_response(413, "too_large", "export request must be a small JSON object")
         try:
-            body = json.loads(await request.read())
+            body = loads_bounded(await request.read(), max_bytes=4096)
             token, target, keep = str(body["token"]), str(body["target"]), bool(body.get("keep", False))
         except (ValueError, KeyError, TypeError, AttributeError):
             return error_response(
@@ -257,7 +263,7 @@ class Handoff:
         if not _loopback(request.remote):
             return error_response(403, "forbidden", "drain is only accepted from this machine")
         try:
-            body = json.loads(await request.read() or b"{}")
+            body = loads_bounded(await request.read() or b"{}", max_bytes=4096)
             deadline_s = float(body.get("deadline_s", 60.0))
             exit_when_empty = bool(body.get("exit", False))
         except (ValueError, TypeError, AttributeError):

@@ -13,11 +13,12 @@ among them goes in small chunks, each paced to start just after the lane's sessi
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from agent.backends.libggswarm import NativeError
@@ -39,7 +40,7 @@ from agent.wire.lane import LaneError, ipv4_of
 from agent.wire.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from agent.backends.lane import NativeLane
+    from agent.backends.lane import LaneStats, NativeLane
     from agent.node.chain import NextHops
     from agent.node.metrics import NodeMetrics
     from agent.node.shard import Shard
@@ -55,34 +56,55 @@ LANE_PACE_WINDOW_S = 0.008
 LANE_PACE_ENV = "GGSWARM_LANE_PACE"  # 0: chunks do not wait for the lane (measurement)
 
 
-@dataclass
+@dataclass(eq=False)
 class LaneSlot:
-    """A session's place on the node's lane."""
+    """A session's place on the node's lane.
+
+    Taking a session off waits for its step in flight, and a lane step waits for the next hop's answer
+    (up to the library's downstream timeout when a next hop hangs): on the event loop that would stop
+    the whole node, health checks included, and a route client would blame this hop for the one
+    after it (issue 33, item 7). The loop uses `leave`, which waits in a worker thread."""
 
     lane: NativeLane
     lane_id: int
     owner: NodeLane
+    _leaving: asyncio.Future[None] | None = field(default=None, init=False, repr=False)
 
     def take_off(self, s: SessionState) -> None:
-        """Back to the Python path: off the lane (after its step in flight), history synced."""
+        """Back to the Python path: off the lane (after its step in flight: this blocks until it is
+        done), history synced. Outside a worker thread only where no step can be stuck (tests, close)."""
+        try:
+            st: LaneStats | None = self.lane.remove(self.lane_id)
+        except (NativeError, ValueError):  # already gone (the lane was closed)
+            st = None
+        self._settle(s, st)
+
+    async def leave(self, s: SessionState) -> None:
+        """take_off without holding the event loop: the removal waits in a worker thread, and every
+        caller meanwhile waits for the same one."""
+        if self._leaving is None:
+            self._leaving = asyncio.ensure_future(self._remove(s))
+        await asyncio.shield(self._leaving)
+
+    async def _remove(self, s: SessionState) -> None:
+        try:
+            st: LaneStats | None = await asyncio.to_thread(self.lane.remove, self.lane_id)
+        except (NativeError, ValueError):
+            st = None
+        self._settle(s, st)
+
+    def _settle(self, s: SessionState, st: LaneStats | None) -> None:
+        if s.lane is not self:  # settled already (a close took it off meanwhile)
+            return
         s.lane = None
         self.owner.forget(s)
-        try:
-            st = self.lane.remove(self.lane_id)
-        except (NativeError, ValueError):  # already gone (the lane was closed)
-            return
-        s.history.extend(st.appended)
-        s.last_used = max(s.last_used, time.monotonic() - st.idle_s)
-        self.owner.counters["lane_steps_done"] += st.steps
-
-    def steps(self) -> int:
-        """Steps the session ran on the lane so far (0 once the lane is gone)."""
-        try:
-            return self.lane.stats(self.lane_id).steps
-        except (NativeError, ValueError):
-            return 0
+        if st is not None:
+            s.history.extend(st.appended)
+            s.last_used = max(s.last_used, time.monotonic() - st.idle_s)
 
     def idle_s(self) -> float:
+        """Seconds since the session's last lane step (blocks while one is in flight: the session
+        table asks only for sessions that would otherwise expire)."""
         try:
             return self.lane.stats(self.lane_id).idle_s
         except (NativeError, ValueError):
@@ -102,12 +124,13 @@ class NodeLane:
         self._pace_window_end = 0.0  # chunks run without waiting until then (pace)
         self._lane: NativeLane | None = None
         self._laned: dict[SessionKey, SessionState] = {}
-        # lane_steps_done: steps run on the lane by sessions since taken off (steps() adds the rest)
+        # lane_steps: decode steps this node ran on its lane (they bypass the Python path's counters),
+        # counted from its batches by take_batches
         self.counters = {
             "lane_admissions": 0,
             "lane_refusals": 0,
             "lane_take_offs": 0,
-            "lane_steps_done": 0,
+            "lane_steps": 0,
             "lane_batches_dropped": 0,  # batches the library's log overwrote before take_batches
         }
 
@@ -128,18 +151,13 @@ class NodeLane:
             log.info("decode lane listening on %s:%d", host, self._lane.port)
         return self._lane
 
-    def steps(self) -> int:
-        """Decode steps this node ran on its lane (they bypass the Python path's counters)."""
-        running = sum(s.lane.steps() for s in self._laned.values() if isinstance(s.lane, LaneSlot))
-        return self.counters["lane_steps_done"] + running
-
     def stats(self) -> dict[str, int | None]:
-        """The lane's figures in the node's stats: its port once open, sessions on it now, steps."""
+        """The lane's figures in the node's stats: its port once open, sessions on it now, steps (from
+        the batches taken in: nothing here waits for a session's step in flight)."""
         return {
             "lane_port": self._lane.port if self._lane is not None else None,
             "lane_sessions": len(self._laned),
-            "lane_steps": self.steps(),
-            **{k: v for k, v in self.counters.items() if k != "lane_steps_done"},
+            **self.counters,
         }
 
     def decoding(self) -> bool:
@@ -158,6 +176,7 @@ class NodeLane:
             self.metrics.queue_wait(b.wait_s, at=b.t_done)
             self.node_counters["tokens_in"] += b.positions
             self.node_counters["tokens_out"] += b.sampled
+            self.counters["lane_steps"] += b.steps
         if dropped:
             self.counters["lane_batches_dropped"] += dropped
             log.warning("the lane's batch log overwrote %d batches before they were counted", dropped)
@@ -182,9 +201,19 @@ class NodeLane:
             self._pace_window_end = time.monotonic() + LANE_PACE_WINDOW_S
 
     def take_off(self, s: SessionState) -> None:
-        """Put `s` back on the Python path, if it is on the lane (a frame of it, a hand-off, a close)."""
+        """Put `s` back on the Python path, if it is on the lane, waiting here for its step in flight
+        (`leave` from the event loop)."""
         if s.lane is not None:
             s.lane.take_off(s)  # calls forget
+        self._laned.pop(s.key, None)
+
+    async def leave(self, s: SessionState) -> None:
+        """Put `s` back on the Python path, if it is on the lane (a frame of it, a hand-off, a close),
+        its step in flight waited for in a worker thread: the node goes on serving meanwhile."""
+        if isinstance(s.lane, LaneSlot):
+            await s.lane.leave(s)  # calls forget
+        elif s.lane is not None:
+            s.lane.take_off(s)
         self._laned.pop(s.key, None)
 
     def forget(self, s: SessionState) -> None:
@@ -248,7 +277,7 @@ class NodeLane:
                 raise DataPlaneError(409, "lane_unavailable", f"next hop {e}") from None
             nxt_hop = NextHop(host, port, lane_id, key, f16=req.f16_out)
         if s.busy or s.lane is not None:
-            self.take_off(s)  # a fresh admission: new id and key
+            await self.leave(s)  # a fresh admission: new id and key
         lane = self._node_lane()
         lane_id, key = int.from_bytes(os.urandom(8), "little"), os.urandom(32)
         backend = shard.backend

@@ -34,7 +34,7 @@ class SessionState:
     sid: SessionId
     shard_key: ShardKey
     backend: Backend
-    max_tokens: int
+    capacity: int
     last_step: int = 0
     last_digest: bytes = b""
     last_output: bytes = b""  # this hop's response for `last_step` if small (replayed on retry)
@@ -165,7 +165,9 @@ class SessionTable:
         """Close the idle sessions unused for longer than the TTL (and not vetoed by `evictable`)."""
         now = time.monotonic() if now is None else now
         for s in self._sessions.values():
-            if s.lane is not None:  # its steps on the lane count as use (the lane's clock is the real one)
+            # its steps on the lane count as use (the lane's clock is the real one); asked only of a
+            # session that would expire otherwise, as the lane answers after a step in flight
+            if s.lane is not None and now - s.last_used > self.ttl_s:
                 s.last_used = max(s.last_used, time.monotonic() - s.lane.idle_s())
         dead = [
             key

@@ -39,9 +39,9 @@ def frame_step(req: Request, spec: ShardSpec, boundary_dim: int, s: SessionState
             409, "bad_position", f"position {req.pos_start} does not follow the session's {cur} positions"
         )
     end = req.pos_start + req.n_tokens
-    if end > s.max_tokens:
+    if end > s.capacity:
         raise DataPlaneError(
-            400, "context_cap", f"position {end} is beyond the session's context cap of {s.max_tokens}"
+            400, "context_cap", f"position {end} is beyond the session's context cap of {s.capacity}"
         )
     ids = hidden = None
     if spec.is_first:

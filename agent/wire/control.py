@@ -16,10 +16,11 @@ Imports nothing of ours outside `agent.wire`.
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, RootModel, ValidationError, model_validator
+
+from agent.wire.jsonlimits import JsonLimitError, loads_bounded
 
 # 1: hello/heartbeat/progress/error from agents; welcome/load/unload/drain/resync/removed/error to them.
 PROTOCOL_VERSION = 1
@@ -370,7 +371,10 @@ def _parse(raw: object, root: type[RootModel[Any]], types: tuple[str, ...]) -> A
         if len(raw) > MAX_MESSAGE_BYTES:
             raise ControlError(f"message larger than {MAX_MESSAGE_BYTES} bytes")
         try:
-            raw = json.loads(raw)
+            # bounded: 100,000 nested brackets are refused before parsing, never a RecursionError
+            raw = loads_bounded(raw, max_bytes=MAX_MESSAGE_BYTES)
+        except JsonLimitError as e:
+            raise ControlError(str(e)) from None
         except (ValueError, UnicodeDecodeError) as e:
             raise ControlError(f"malformed JSON: {e}") from None
     if not isinstance(raw, dict):

@@ -139,6 +139,11 @@ class Request:
     token_ids: np.ndarray | None = None  # with a hidden payload: the positions' ids (Flag.TOKEN_IDS)
     payload: bytes | memoryview = b""
 
+    @property
+    def capacity(self) -> int:
+        """OPEN: the positions the session may grow to (0: the shard's cap), carried in `pos_start`."""
+        return self.pos_start
+
     def ids(self) -> np.ndarray:
         return np.frombuffer(self.payload, dtype="<i4", count=self.n_tokens)
 

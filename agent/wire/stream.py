@@ -23,6 +23,7 @@ from aiohttp import ClientSession, ClientWebSocketResponse, WSMessage, WSMsgType
 
 from agent.wire.bundle import BUNDLE_MAX_FRAMES, BUNDLE_PROTOCOL, HEAD, ITEM, decode_answers, encode_bundle
 from agent.wire.frames import FrameError
+from agent.wire.jsonlimits import loads_bounded
 
 STREAM_PATH = "/v1/stream"
 # Largest request frame sent over a stream: a decode step or a prefill chunk of a few hundred tokens.
@@ -299,9 +300,14 @@ def settle(future: asyncio.Future[T], outcome: T | BaseException) -> None:
         future.set_result(outcome)
 
 
+# An error message is a short JSON object (error_message): a longer or deeper text is not one of ours.
+ERROR_TEXT_MAX = 4096
+
+
 def _status_of(text: str) -> int:
+    """The status a hop's error text names; 502 for anything else (bounded: never a RecursionError)."""
     try:
-        status = int(json.loads(text)["status"])
+        status = int(loads_bounded(text, max_bytes=ERROR_TEXT_MAX)["status"])
     except (ValueError, TypeError, KeyError):
         return 502
     return status if 400 <= status <= 599 else 502

@@ -132,7 +132,7 @@ async def test_a_chain_over_mutual_tls_works_and_a_client_without_a_swarm_certif
         hops,
         session_id=session,
         mode="chain",
-        max_context=512,
+        capacity=512,
         ssl_context=pki.client(tls.client_identity("web")),
     )
     try:

@@ -34,7 +34,7 @@ class RecordingBackend(Backend):
         self.gate: threading.Event | None = None  # when set up, the next batch waits for it
         self.budget_after: int | None = None  # when set, forward_batch raises after that many steps
 
-    def open_session(self, sid: SessionId, max_tokens: int) -> None:
+    def open_session(self, sid: SessionId, capacity: int) -> None:
         self.kv[sid] = []
 
     def close_session(self, sid: SessionId) -> None:

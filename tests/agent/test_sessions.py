@@ -35,7 +35,7 @@ def add(
     table: SessionTable, be: FakeBackend, name: bytes, nbytes: int, shard: tuple[str, int, int] = SHARD
 ) -> SessionState:
     sid = SessionId(name * 16)
-    st = SessionState(sid=sid, shard_key=shard, backend=be, max_tokens=10)  # type: ignore[arg-type]
+    st = SessionState(sid=sid, shard_key=shard, backend=be, capacity=10)  # type: ignore[arg-type]
     table.admit(st, nbytes)
     be.bytes[sid] = nbytes
     table.add(st)
@@ -73,7 +73,7 @@ def test_one_session_id_on_two_shards_of_a_node_is_two_sessions() -> None:
     be, table = FakeBackend(), SessionTable(budget_bytes=100)
     sid = SessionId(b"s" * 16)
     for shard in (("m", 0, 15), ("m", 15, 30)):
-        table.add(SessionState(sid=sid, shard_key=shard, backend=be, max_tokens=10))  # type: ignore[arg-type]
+        table.add(SessionState(sid=sid, shard_key=shard, backend=be, capacity=10))  # type: ignore[arg-type]
     assert len(table) == 2
     table.close((sid, ("m", 0, 15)))
     assert (sid, ("m", 15, 30)) in table and len(table) == 1

@@ -181,7 +181,7 @@ async def test_route_clients_sharing_a_transport_bundle_their_steps_and_get_what
         session = os.urandom(16)
         plan = [RouteHop(n.dp.node_id, n.url, x, y) for n, (x, y) in ((a, (0, 2)), (b, (2, 4)))]
         hops = minted_hops(signing_key, session, manifest.sha256, plan)  # each names the next hop
-        return RouteClient(hops, session_id=session, max_context=256, transport=transport, mode=mode)
+        return RouteClient(hops, session_id=session, capacity=256, transport=transport, mode=mode)
 
     shared = HopTransport()
     together = [client(shared, mode) for _ in PROMPTS]
@@ -230,7 +230,7 @@ async def test_a_route_client_alone_on_a_shared_transport_does_not_wait_for_bund
     def client(transport: HopTransport) -> RouteClient:
         session = os.urandom(16)
         hop = Hop(node.url, 0, 4, mint(signing_key, session, manifest.sha256, 0, 4, node.dp.node_id))
-        return RouteClient([hop], session_id=session, max_context=256, transport=transport)
+        return RouteClient([hop], session_id=session, capacity=256, transport=transport)
 
     shared = HopTransport()
     alone = client(shared)

@@ -162,7 +162,7 @@ async def _route_greedy(
         for h in route
     ]
     # a small context: within every model's own (the tiny files train at 4096, under the default)
-    client = RouteClient(hops, tok, session_id=session, hidden_dtype=hidden_dtype, max_context=512)
+    client = RouteClient(hops, tok, session_id=session, hidden_dtype=hidden_dtype, capacity=512)
     ids, parts = [], []
     try:
         async for ev in client.chat([{"role": "user", "content": QUESTION}], SamplingParams(), MAX_TOKENS):

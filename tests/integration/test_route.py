@@ -141,7 +141,7 @@ async def test_prompts_beyond_the_context_limit_get_a_clear_error(
 ) -> None:  # noqa: ANN001
     session = os.urandom(16)
     client = RouteClient(
-        make_hops(route, signing_key, manifest, session), tokenizer, session_id=session, max_context=32
+        make_hops(route, signing_key, manifest, session), tokenizer, session_id=session, capacity=32
     )
     try:
         with pytest.raises(ContextLimitError, match="exceeds the context limit of 32"):

@@ -36,9 +36,9 @@ def generate(
     return out
 
 
-def open_sessions(hops: list, max_tokens: int = 1024) -> list[int]:  # noqa: ANN001 - NativeModel hops
+def open_sessions(hops: list, capacity: int = 1024) -> list[int]:  # noqa: ANN001 - NativeModel hops
     """One session per NativeModel hop; their ids in hop order."""
-    return [h.open_session(max_tokens) for h in hops]
+    return [h.open_session(capacity) for h in hops]
 
 
 def close_sessions(hops: list, sids: list[int]) -> None:  # noqa: ANN001

@@ -96,7 +96,7 @@ async def test_a_replaced_hash_routed_hop_is_replayed_with_the_token_ids_and_the
         return RouteClient(
             [Hop(n.url, a, b, t) for (n, (a, b)), t in zip(route, tokens, strict=True)],
             session_id=session,
-            max_context=1024,
+            capacity=1024,
             hidden_dtype="f32",
             token_id_layers=manifest.token_id_layers,
             replacements=ReplicaProvider([spare.url], signing_key, session),

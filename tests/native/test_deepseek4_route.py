@@ -63,7 +63,7 @@ async def test_token_ids_reach_a_downstream_hash_routed_window_in_star_and_chain
             hops,
             session_id=session,
             mode=mode,
-            max_context=1024,
+            capacity=1024,
             hidden_dtype="f32",
             token_id_layers=token_id_layers,
         )

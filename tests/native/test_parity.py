@@ -66,9 +66,9 @@ def text_ids(llama) -> list[int]:  # noqa: ANN001
     return llama.tokenize(TEXT.read_bytes(), add_bos=False)
 
 
-def _open(hops: list, sid: SessionId, max_tokens: int = 1024) -> None:
+def _open(hops: list, sid: SessionId, capacity: int = 1024) -> None:
     for h in hops:
-        h.open_session(sid, max_tokens)
+        h.open_session(sid, capacity)
 
 
 def _close(hops: list, sid: SessionId) -> None:

@@ -15,7 +15,8 @@ from agent.artifacts.archs import CACHE_TYPE_BYTES
 from agent.artifacts.manifest import build_manifest
 from agent.artifacts.packaged import ModelNotFound, packaged_model_path
 from agent.artifacts.tiny import write_tiny_gguf
-from agent.backends.libggswarm import GGSWARM_E_UNSUPPORTED, NativeError, NativeModel
+from agent.backends.ggswarm_lib import GGSWARM_E_UNSUPPORTED
+from agent.backends.libggswarm import NativeError, NativeModel
 from tests.native.routes import (
     close_sessions,
     here_and_in_another_process,

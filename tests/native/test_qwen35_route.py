@@ -43,7 +43,7 @@ async def test_an_edited_turn_goes_back_to_the_turn_checkpoint_and_answers_like_
         hops = [
             Hop(url, a, b, mint(signing_key, session, manifest.sha256, a, b, "node-q")) for a, b in SPLITS
         ]
-        return RouteClient(hops, session_id=session, max_context=1024)
+        return RouteClient(hops, session_id=session, capacity=1024)
 
     chat, fresh = client(), client()
     try:

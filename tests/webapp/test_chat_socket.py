@@ -71,10 +71,10 @@ class FakeRouteClient:
         hops: list[Any],
         tokenizer: FakeTokenizer,
         session_id: bytes | None = None,
-        max_context: int = 8192,
+        capacity: int = 8192,
         **options: Any,
     ) -> None:
-        self.hops, self.tok, self.session_id, self.max_context = hops, tokenizer, session_id, max_context
+        self.hops, self.tok, self.session_id, self.capacity = hops, tokenizer, session_id, capacity
         self.options = options  # replacements: the failover provider the service passes
         self.calls: list[list[dict[str, str]]] = []
         self.closed, self.in_flight, self.generator_closed = False, False, False
@@ -224,7 +224,7 @@ async def test_an_answer_streams_into_a_new_saved_conversation_and_turn_two_reus
         {"role": "assistant", "content": "Hello"},
         {"role": "user", "content": "again"},
     ]
-    assert client.max_tokens == 8 and client.max_context == 8192
+    assert client.max_tokens == 8 and client.capacity == 8192
     assert done2["telemetry"]["n_reused"] == 2, "turn 2 prefills only what the hops do not hold"
     msgs = await db(lambda: list(Message.objects.filter(conversation_id=cid).values_list("role", "content")))
     assert msgs == [("user", "hi there"), ("assistant", "Hello"), ("user", "again"), ("assistant", "Hello")]

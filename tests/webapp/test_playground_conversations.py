@@ -179,7 +179,7 @@ def test_a_bad_sampling_control_is_refused_with_a_message_that_names_it(
 def test_max_tokens_may_reach_the_models_own_context_capped_at_128k() -> None:
     assert capacity_of({"context_length": 8192}) == 8192
     assert capacity_of({"context_length": 1_000_000}) == CONTEXT_CAP
-    assert capacity_of({"context_length": 0}) == defaults.MAX_CONTEXT == capacity_of(None)
+    assert capacity_of({"context_length": 0}) == defaults.SESSION_CAPACITY == capacity_of(None)
     with pytest.raises(ChatRequestError, match=f"exceeds this model's context of {CONTEXT_CAP} tokens"):
         check_context(
             parse_chat_request({"model": 1, "message": "hi", "max_tokens": CONTEXT_CAP + 1}), CONTEXT_CAP

@@ -23,15 +23,19 @@ def _q(info_hash: bytes = IH, peer_id: bytes = b"-LT2110-aaaaaaaaaaaa", **kw: ob
 def _announce(
     query: str,
     ip: str = "10.0.0.1",
-    passkey: str = "good",
+    passkey: str | None = None,
     store: MemoryPeerStore | None = None,
     now: float = 1000.0,
 ) -> dict:
+    """Announce as the node of `passkey`; by default every peer id is its own node (a passkey is one
+    peer per torrent)."""
+    if passkey is None:
+        passkey = "good-" + logic.parse_query(query).get("peer_id", b"").hex()
     body = logic.announce(
         query,
         ip,
         passkey,
-        passkey_ok=lambda k: k == "good",
+        passkey_ok=lambda k: k.startswith("good"),
         torrent_known=lambda h: h in (IH, IH2),
         store=store if store is not None else MemoryPeerStore(),
         config=TrackerConfig(interval_s=60),
@@ -134,6 +138,56 @@ def test_a_peer_that_stops_or_goes_silent_is_no_longer_handed_out() -> None:
     assert len(_announce(_q(peer_id=b"C" * 20), store=store, now=1003.0)[b"peers"]) == 6
     ttl = TrackerConfig(interval_s=60).ttl_s
     assert _announce(_q(peer_id=b"D" * 20), store=store, now=1003.0 + ttl + 1)[b"peers"] == b""
+
+
+def test_a_node_is_one_peer_per_torrent_and_a_new_peer_id_replaces_its_old_one() -> None:
+    store = MemoryPeerStore()
+    for i in range(50):  # one passkey claiming fifty peers
+        _announce(
+            _q(peer_id=bytes([65 + i % 26]) * 19 + bytes([i]), port=7000 + i), passkey="good", store=store
+        )
+    reply = _announce(_q(peer_id=b"Z" * 20, numwant=200), store=store)
+    assert reply[b"peers"] == bytes([10, 0, 0, 1]) + (7049).to_bytes(2, "big"), "only its latest claim"
+    _announce(_q(peer_id=b"Y" * 20, event="stopped"), passkey="good", store=store)
+    assert _announce(_q(peer_id=b"Z" * 20), store=store)[b"peers"] == b"", "it stopped, whatever its id"
+
+
+def test_unverified_peers_come_after_verified_ones_and_never_outnumber_them() -> None:
+    def peer(i: int, verified: bool, age: float) -> logic.Peer:
+        return logic.Peer(bytes([i]) * 20, f"10.0.0.{i}", 7000 + i, 0, 1000.0 - age, i, verified)
+
+    live = [peer(i, False, 0.0) for i in range(1, 31)] + [peer(i, True, i) for i in range(40, 43)]
+    chosen = logic.favour_verified(live, 200)
+    assert [p.verified for p in chosen] == [True] * 3 + [False] * 3
+    assert [p.port for p in chosen[:3]] == [7040, 7041, 7042], "most recently seen first"
+    assert logic.favour_verified(live, 2) == chosen[:2]
+    assert logic.favour_verified([peer(1, False, 0.0)], 50) == [], "no verified peer: no unverified one"
+
+
+def test_a_limited_node_is_refused_with_a_failure_reason_and_others_are_not() -> None:
+    limiter = logic.MemoryAnnounceLimiter(per_min=3)
+
+    def ask(passkey: str, now: float) -> dict:
+        out = bdecode(
+            logic.announce(
+                _q(),
+                "10.0.0.1",
+                passkey,
+                passkey_ok=lambda k: True,
+                torrent_known=lambda h: True,
+                store=MemoryPeerStore(),
+                limiter=limiter,
+                now=now,
+            )
+        )
+        assert isinstance(out, dict)
+        return out
+
+    assert all(b"failure reason" not in ask("a", 60.0 + i) for i in range(3))
+    refused = ask("a", 64.0)[b"failure reason"]
+    assert refused.startswith(b"too many announces from this node: at most 3 a minute")
+    assert b"failure reason" not in ask("b", 65.0)
+    assert b"failure reason" not in ask("a", 120.0), "a new minute"
 
 
 def test_scrape_reports_counts_for_known_torrents_only() -> None:

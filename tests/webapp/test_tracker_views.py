@@ -35,8 +35,11 @@ def _fresh_peer_store(settings: Any) -> Iterator[None]:
     peer_store.cache_clear()
 
 
-def enroll(name: str) -> str:
-    return redeem_enrollment_token(create_enrollment_token(None)[0], name).node_id
+def enroll(name: str, address: str = "127.0.0.1") -> str:
+    """A node as it is when it announces: enrolled, online, its data plane checked at `address`."""
+    node_id = redeem_enrollment_token(create_enrollment_token(None)[0], name).node_id
+    Node.objects.filter(pk=node_id).update(state=Node.State.ONLINE, dataplane_url=f"http://{address}:9000")
+    return node_id
 
 
 def announce_query(info_hash: bytes, peer_id: bytes, port: int, **extra: str) -> str:

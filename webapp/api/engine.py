@@ -20,7 +20,7 @@ from webapp.api import keys
 from webapp.api.cache import Entry, PrefixCache
 from webapp.api.params import ApiError, GenRequest
 from webapp.catalog.models import ModelArtifact
-from webapp.routing import session
+from webapp.routing import prompt, quota, session
 from webapp.routing.answer import AnswerSpec, LiveRoute, TokenLogprob
 from webapp.routing.chooser import NoRoute
 from webapp.routing.session import RouteAnswer, Target
@@ -28,6 +28,20 @@ from webapp.routing.session import RouteAnswer, Target
 RETRY_AFTER_S = "2"
 
 cache = PrefixCache(max_age_s=settings.ROUTE_TOKEN_TTL_S * 0.8)
+
+
+def _reclaim(live: LiveRoute) -> bool:
+    """Give up a cached route for its user's route cap (webapp.routing.quota) when no request runs on it."""
+    for e in cache.entries:
+        if e.live is live:
+            if e.busy:
+                return False
+            cache.drop(e)
+            return True
+    return False
+
+
+quota.routes.add_reclaimer(_reclaim)
 
 
 def ready_models() -> list[ModelArtifact]:
@@ -151,15 +165,34 @@ class Generation:
         self.prompt: list[int] = []
         self.tok: ChatTokenizer | None = None
         self.run: RouteAnswer | None = None
+        self.stream: quota.StreamLease | None = None
 
     async def prepare(self) -> None:
+        """Everything before the answer streams; a refusal leaves nothing held."""
+        try:
+            # one of the user's answers at once (API and playground together), before any work (issue 33)
+            self.stream = await quota.hold_stream(self.key.user)
+        except quota.TooManyStreams as e:
+            raise ApiError(429, str(e), "requests", code="too_many_streams", headers=_retry()) from None
+        try:
+            await self._prepare()
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        """Give back the user's stream place (idempotent)."""
+        if self.stream is not None:
+            self.stream.release()
+
+    async def _prepare(self) -> None:
         try:
             self.tok = tok = await session.load_tokenizer(self.target.path)
         except TokenizerError as e:
             raise ApiError(
                 500, f"cannot load the model's tokenizer: {e}", "server_error", code="tokenizer"
             ) from None
-        self.prompt = self._encode(tok)
+        self.prompt = await self._encode(tok)
         max_tokens = _room(self.req, len(self.prompt), self.target.capacity)
         _close(cache.expired())
         self.entry, _ = cache.take(self.key.pk, self.target.artifact_id, self.prompt)
@@ -172,15 +205,24 @@ class Generation:
         except (NoRoute, ModelArtifact.DoesNotExist) as e:
             raise error_for(e, self.target.name) from None
 
-    def _encode(self, tok: ChatTokenizer) -> list[int]:
+    async def _encode(self, tok: ChatTokenizer) -> list[int]:
+        """The prompt's ids: its size checked first, then rendered and tokenized off the event loop
+        (webapp/routing/prompt.py, issue 33)."""
         req, param = self.req, "messages" if self.req.kind == "chat" else "prompt"
+        capacity = self.target.capacity
         try:
             if req.kind == "chat":
-                return tok.encode_chat(req.messages)
+                return await prompt.encode_chat(tok, req.messages, capacity)
             if isinstance(req.prompt, str):
-                return tok.encode(req.prompt)
+                return await prompt.encode_text(tok, req.prompt, capacity)
         except TokenizerError as e:
             raise ApiError(400, str(e), param=param, code="invalid_value") from None
+        except prompt.PromptError as e:
+            headers = _retry() if isinstance(e, prompt.PromptBusy) else None
+            kind = "server_error" if e.status >= 500 else "invalid_request_error"
+            raise ApiError(e.status, str(e), kind, param=param, code=e.code, headers=headers) from None
+        if len(req.prompt) > capacity:  # cheaper than the context check's message, same answer
+            _room(req, len(req.prompt), capacity)
         if max(req.prompt) >= tok.n_vocab:
             raise ApiError(400, f"token ids must be below {tok.n_vocab}", param=param, code="invalid_value")
         return list(req.prompt)
@@ -202,6 +244,8 @@ class Generation:
         try:
             async with contextlib.aclosing(run.pieces()) as pieces:
                 async for p in pieces:
+                    if self.stream is not None:
+                        await self.stream.keep()
                     yield Piece(p.text, [logprob_entry(tok, lp) for lp in p.logprobs])
             done = True
         except ROUTE_FAILURES as e:
@@ -214,6 +258,7 @@ class Generation:
                 n_out = run.answer.n_out if run.answer is not None else 0
                 usage = database_sync_to_async(keys.record_usage)(self.key.pk, len(self.prompt), n_out)
                 await asyncio.shield(usage)
+            self.release()  # the answer is over (or abandoned): the user's stream place is free
         a = run.answer
         assert a is not None and a.finish_reason is not None
         self.outcome = Outcome(a.finish_reason, len(self.prompt), a.n_out, a.telemetry())

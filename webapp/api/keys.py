@@ -1,12 +1,10 @@
-"""API key services: minting (secret shown once), bearer authentication, rate limits, usage counts."""
+"""API key services: minting (secret shown once), bearer authentication, rate limits per key and per
+user (every key of a user shares the owner's budget), caps on keys per user, usage counts."""
 
 from __future__ import annotations
 
 import hashlib
 import secrets
-import threading
-import time
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -15,6 +13,7 @@ from django.db.models import F, Sum
 from django.utils import timezone
 
 from webapp.api.models import ApiKey, ApiUsage
+from webapp.core.throttle import WindowCounter
 from webapp.env import envint
 
 KEY_PREFIX = "sk-swarm-"
@@ -63,49 +62,44 @@ def authenticate(authorization: str) -> ApiKey | None:
     return key
 
 
-@dataclass
-class _Window:
-    start: float
-    count: int
-
-
-class RateLimiter:
-    """Fixed one-minute windows per key: in Redis when REDIS_URL is set (shared by every web process),
-    else in this process."""
+class RateLimiter(WindowCounter):
+    """Fixed one-minute windows per key (`hit(key.pk, ...)`) and per user (`hit(f"user:{id}", ...)`): in
+    Redis when REDIS_URL is set (shared by every web process), else in this process."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._windows: dict[int, _Window] = {}
-        self._redis: Any = None
-
-    def _client(self) -> Any:
-        if self._redis is None:
-            import redis
-
-            self._redis = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=2)
-        return self._redis
-
-    def hit(self, key_id: int, limit: int) -> float:
-        """Count one request; returns 0 if allowed, else the seconds until the window resets."""
-        now = time.time()
-        window = int(now // 60)
-        if settings.REDIS_URL:
-            name = f"{settings.TRACKER_REDIS_PREFIX.rsplit(':', 1)[0]}:api-rate:{key_id}:{window}"
-            pipe = self._client().pipeline()
-            pipe.incr(name)
-            pipe.expire(name, 120)
-            count = int(pipe.execute()[0])
-        else:
-            with self._lock:
-                w = self._windows.get(key_id)
-                if w is None or w.start != window:
-                    w = self._windows[key_id] = _Window(window, 0)
-                w.count += 1
-                count = w.count
-        return 0.0 if count <= limit else max(1.0, (window + 1) * 60 - now)
+        super().__init__("api-rate")
 
 
 rate_limiter = RateLimiter()
+
+
+def user_limit_per_min() -> int:
+    """Requests a minute for all of one user's keys together (`API_USER_RATE_PER_MIN`)."""
+    return int(settings.API_USER_RATE_PER_MIN)
+
+
+def hit_user(user_id: int) -> float:
+    """Count one request against the user's budget; 0 if allowed, else seconds until it resets."""
+    return rate_limiter.hit(f"user:{user_id}", user_limit_per_min())
+
+
+class KeyLimit(Exception):
+    """A user may not create another key now; str(e) says why."""
+
+
+def check_new_key(user: Any) -> None:
+    """Raise KeyLimit when `user` holds `API_KEYS_PER_USER` active keys or has created
+    `API_KEY_CREATES_PER_HOUR` keys in this hour (each call counts one creation): keys share their
+    owner's budgets, and creating them is bounded too."""
+    most = int(settings.API_KEYS_PER_USER)
+    if ApiKey.objects.filter(user=user, revoked_at__isnull=True).count() >= most:
+        raise KeyLimit(f"you have {most} active keys, the most one user may hold; revoke one first")
+    per_hour = int(settings.API_KEY_CREATES_PER_HOUR)
+    if key_creations.hit(user.pk, per_hour, 3600):
+        raise KeyLimit(f"you created {per_hour} keys in this hour, the most one user may; try again later")
+
+
+key_creations = WindowCounter("api-key-create")
 
 
 def record_usage(key_id: int, tokens_in: int, tokens_out: int) -> None:

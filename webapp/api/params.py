@@ -6,10 +6,10 @@ lengths go through the validator the playground uses too (webapp/routing/samplin
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from agent.wire.jsonlimits import JsonLimitError, loads_bounded
 from agent.wire.sampling import SamplingParams
 from webapp.routing.sampling import LIMITS, Limit, ParamError, number, parse_sampling
 
@@ -72,9 +72,12 @@ class GenRequest:
     top_logprobs: int = 0
 
 
-def parse_body(raw: bytes) -> dict[str, Any]:
+def parse_body(raw: bytes, max_bytes: int | None = None) -> dict[str, Any]:
+    """The body as a JSON object, nested at most 64 deep (100,000 levels were a RecursionError, a 500)."""
     try:
-        body = json.loads(raw or b"null")
+        body = loads_bounded(raw or b"null", max_bytes=max_bytes)
+    except JsonLimitError as e:
+        raise bad(f"the request body is refused: {e}", code="invalid_json") from None
     except (ValueError, UnicodeDecodeError):
         raise bad("the request body is not valid JSON", code="invalid_json") from None
     if not isinstance(body, dict):
@@ -137,9 +140,11 @@ def _message_text(content: Any, i: int) -> str:
     raise bad(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
 
 
-def _messages(v: Any) -> list[dict[str, str]]:
+def _messages(v: Any, most: int | None = None) -> list[dict[str, str]]:
     if not isinstance(v, list) or not v:
         raise bad("'messages' must be a non-empty list", "messages", "invalid_type")
+    if most is not None and len(v) > most:  # before the loop: 250,000 messages were minutes of work
+        raise bad(f"{len(v)} messages; at most {most} are accepted", "messages")
     out = []
     for i, m in enumerate(v):
         if not isinstance(m, dict):
@@ -214,10 +219,10 @@ def _common(body: dict[str, Any], kind: Literal["chat", "completion"]) -> dict[s
     }
 
 
-def parse_chat(body: dict[str, Any]) -> GenRequest:
+def parse_chat(body: dict[str, Any], max_messages: int | None = None) -> GenRequest:
     """A /v1/chat/completions body; raises ApiError(400) with the offending parameter."""
     common = _common(body, "chat")
-    messages = _messages(body.get("messages"))
+    messages = _messages(body.get("messages"), max_messages)
     logprobs = _flag(body, "logprobs")
     top = _number(body, "top_logprobs", Limit(0, MAX_TOP_LOGPROBS_CHAT, integer=True))
     if top is not None and not logprobs:

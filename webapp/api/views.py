@@ -22,10 +22,11 @@ from webapp.api.engine import Generation, Piece
 from webapp.api.models import ApiKey
 from webapp.api.params import ApiError, GenRequest, parse_body, parse_chat, parse_completion
 from webapp.core.auth import login_required_403
-from webapp.routing import session
+from webapp.routing import prompt, session
 
 log = logging.getLogger(__name__)
 ApiView = Callable[..., Coroutine[Any, Any, HttpResponseBase]]
+PARSE_INLINE_BYTES = 64 << 10  # bodies up to this are parsed on the event loop (about a millisecond)
 
 
 def error_response(e: ApiError) -> JsonResponse:
@@ -48,6 +49,17 @@ def _auth(header: str) -> ApiKey:
         raise ApiError(
             429,
             f"Rate limit of {key.rate_limit_per_min} requests per minute reached for this key",
+            "requests",
+            code="rate_limit_exceeded",
+            headers={"Retry-After": str(int(wait + 0.999))},
+        )
+    # Every key of a user shares the owner's budget too: more keys do not buy more requests (issue 33).
+    wait = keys.hit_user(key.user_id)
+    if wait:
+        raise ApiError(
+            429,
+            f"Rate limit of {keys.user_limit_per_min()} requests per minute reached for your account "
+            "(all your API keys share it)",
             "requests",
             code="rate_limit_exceeded",
             headers={"Retry-After": str(int(wait + 0.999))},
@@ -238,14 +250,33 @@ async def _generate(request: HttpRequest, key: ApiKey, req: GenRequest) -> HttpR
     return JsonResponse(Shaper(gen).whole(pieces))
 
 
+def _parse_chat(raw: bytes) -> GenRequest:
+    return parse_chat(parse_body(raw, settings.MAX_REQUEST_BYTES), settings.MAX_CHAT_MESSAGES)
+
+
+def _parse_completion(raw: bytes) -> GenRequest:
+    return parse_completion(parse_body(raw, settings.MAX_REQUEST_BYTES))
+
+
+async def _parse(parse: Callable[[bytes], GenRequest], raw: bytes) -> GenRequest:
+    """Small bodies are parsed here; large ones (up to MAX_REQUEST_BYTES, a second of JSON and checks)
+    on the prompt pool, off the event loop (issue 33)."""
+    if len(raw) <= PARSE_INLINE_BYTES:
+        return parse(raw)
+    try:
+        return await prompt.pool().run(parse, raw)
+    except prompt.PromptBusy as e:
+        raise ApiError(503, str(e), "server_error", code=e.code, headers={"Retry-After": "2"}) from None
+
+
 @api_view("POST")
 async def chat_completions(request: HttpRequest, key: ApiKey) -> HttpResponseBase:
-    return await _generate(request, key, parse_chat(parse_body(request.body)))
+    return await _generate(request, key, await _parse(_parse_chat, request.body))
 
 
 @api_view("POST")
 async def completions(request: HttpRequest, key: ApiKey) -> HttpResponseBase:
-    return await _generate(request, key, parse_completion(parse_body(request.body)))
+    return await _generate(request, key, await _parse(_parse_completion, request.body))
 
 
 # -- web UI: API keys ---------------------------------------------------------------------------------
@@ -261,6 +292,9 @@ def _keys_page(request: HttpRequest, new_key: dict[str, str] | None = None) -> H
             "by_day": keys.usage_by_day(request.user),
             "new_key": new_key,
             "max_rate": keys.MAX_RATE_PER_MIN,
+            "user_rate": keys.user_limit_per_min(),
+            "user_streams": settings.USER_MAX_STREAMS,
+            "keys_per_user": settings.API_KEYS_PER_USER,
             "base_url": settings.SITE_URL + "/v1",
         },
     )
@@ -286,6 +320,11 @@ def key_create(request: HttpRequest) -> HttpResponse:
         return redirect("api:keys")
     if not name:
         flash.error(request, "give the key a name")
+        return redirect("api:keys")
+    try:
+        keys.check_new_key(request.user)
+    except keys.KeyLimit as e:
+        flash.error(request, str(e))
         return redirect("api:keys")
     plain, key = keys.create_key(request.user, name, rate)
     # Shown once, in this response only: neither the database nor the session ever holds it.

@@ -3,7 +3,6 @@ the enroll API."""
 
 from __future__ import annotations
 
-import json
 from datetime import timedelta
 from typing import Any
 
@@ -16,6 +15,7 @@ from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
 
+from agent.wire.jsonlimits import loads_bounded
 from webapp.catalog.models import ModelArtifact
 from webapp.core import dataplane_tls
 from webapp.core.auth import HtmxHttpRequest, staff_required
@@ -25,6 +25,10 @@ from webapp.fleet.models import Node, ShardAssignment
 from webapp.fleet.presenters import Series, history_hours, history_series, placement_bars
 from webapp.fleet.tasks import drain_node, place_model, remove_node, unplace_model
 from webapp.telemetry.services import samples_since
+
+# Enrollment and certificate requests: a token, a name, a CSR and a URL (8 KiB and 512 bytes at most).
+# Bounded and nested at most 64 deep (100,000 levels were a RecursionError, a 500; issue 33).
+MAX_NODE_JSON_BYTES = 64 << 10
 
 
 def fleet_history(hours: int = 1) -> dict[str, Series]:
@@ -128,7 +132,7 @@ def placement(request: HtmxHttpRequest) -> HttpResponse:
 def enroll_api(request: HttpRequest) -> JsonResponse:
     """POST {"token", "name"} -> {"node_id", "secret", "public_key"}; a token works once, before expiry."""
     try:
-        body = json.loads(request.body or b"{}")
+        body = loads_bounded(request.body or b"{}", max_bytes=MAX_NODE_JSON_BYTES)
         token, name = body["token"], body.get("name", "")
         if not isinstance(token, str) or not isinstance(name, str):
             raise TypeError
@@ -221,7 +225,7 @@ def certificate_api(request: HttpRequest) -> JsonResponse:
     if node is None:
         return JsonResponse({"error": "invalid or missing node credentials"}, status=401)
     try:
-        body = json.loads(request.body or b"{}")
+        body = loads_bounded(request.body or b"{}", max_bytes=MAX_NODE_JSON_BYTES)
         csr, url = body["csr"], body["dataplane_url"]
         if not isinstance(csr, str) or not isinstance(url, str) or len(csr) > 8192 or len(url) > 512:
             raise TypeError

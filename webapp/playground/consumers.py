@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import weakref
 from typing import Any
 
 from channels.db import database_sync_to_async
@@ -23,13 +24,14 @@ from webapp.core.consumers import BadMessage, SafeJsonConsumer
 from webapp.playground import store
 from webapp.playground.chat import ChatRequest, ChatRequestError, bars_json, parse_chat_request
 from webapp.playground.live import parking
-from webapp.routing import session
+from webapp.routing import prompt, quota, session
 from webapp.routing.answer import AnswerSpec, LiveRoute
 from webapp.routing.chooser import NoRoute
 from webapp.routing.models import RouteSession
 
 log = logging.getLogger(__name__)
 
+_sockets: weakref.WeakSet[ChatConsumer] = weakref.WeakSet()  # open sockets, for the user's route cap
 PROGRESS_S = 0.25  # how often the page's telemetry bars move while an answer streams
 # After Stop, how long the step in flight (a decode step, or the prompt's prefill) may take to
 # finish; past it the step is abandoned and the route closed, since a hop may or may not have applied it.
@@ -41,10 +43,17 @@ class _Abandoned(Exception):
 
 
 def _cannot_answer(model: str, e: Exception) -> str:
-    if isinstance(e, TokenizerError):
+    if isinstance(e, TokenizerError | prompt.PromptError):
         return f"{model} cannot answer: {e}"
     why = "it is no longer ready" if isinstance(e, ModelArtifact.DoesNotExist) else str(e)
     return f"{model} is not placed so that it can answer: {why}. An admin can place it from the Models page."
+
+
+def _reclaim(live: LiveRoute) -> bool:
+    return any(c.give_up_idle(live) for c in list(_sockets))
+
+
+quota.routes.add_reclaimer(_reclaim)
 
 
 class ChatConsumer(SafeJsonConsumer):
@@ -55,6 +64,7 @@ class ChatConsumer(SafeJsonConsumer):
     live: LiveRoute | None = None
     live_conversation: int | None = None  # the conversation whose KV the live route holds
     live_dirty = False  # a step may be half-applied on the hops: close the route, never park it
+    stream = quota.StreamLease(None, None)  # the running answer's place among the user's (issue 33)
     conversation_id: int | None = None  # the socket's current conversation
     task: asyncio.Task[None] | None = None
     turn = 0
@@ -66,6 +76,7 @@ class ChatConsumer(SafeJsonConsumer):
             await self.close(code=CLOSE_UNAUTHORIZED)
             return
         self.stop_event = asyncio.Event()
+        _sockets.add(self)
         await self.accept()
 
     async def disconnect(self, code: int) -> None:
@@ -109,6 +120,13 @@ class ChatConsumer(SafeJsonConsumer):
         if self.live is live:
             self.live = None
 
+    def give_up_idle(self, live: LiveRoute) -> bool:
+        """Hand the socket's route over to be closed for the user's route cap, unless an answer runs."""
+        if self.live is not live or (self.task is not None and not self.task.done()):
+            return False
+        self.live, self.live_dirty = None, False
+        return True
+
     async def _leave_live(self, state: str = RouteSession.State.CLOSED) -> None:
         """Park the live route for a later reopen, or close it when its KV cannot be trusted."""
         live, self.live = self.live, None
@@ -136,9 +154,10 @@ class ChatConsumer(SafeJsonConsumer):
             self.live = parking.claim(cid, target.artifact_id)
         self.live_conversation = cid
         tok = await session.load_tokenizer(target.path)
-        prompt = tok.encode_chat(turn.messages)
+        # sizes checked, then rendered and tokenized off the event loop (issue 33)
+        ids = await prompt.encode_chat(tok, turn.messages, target.capacity)
         spec = AnswerSpec(req.sampling, req.max_tokens)
-        return session.RouteAnswer(target, self.scope["user"], tok, prompt, spec, self, self.live)
+        return session.RouteAnswer(target, self.scope["user"], tok, ids, spec, self, self.live)
 
     async def _next(self, it: Any) -> Any:
         """The next piece of the answer; after Stop, the step in flight gets STOP_GRACE_S to end."""
@@ -172,6 +191,7 @@ class ChatConsumer(SafeJsonConsumer):
                     piece = await self._next(it)
                 except StopAsyncIteration:
                     break
+                await self.stream.keep()
                 if piece.text:
                     self.shown += piece.text
                     await self.send_json({**base, "type": "delta", "text": piece.text})
@@ -198,10 +218,22 @@ class ChatConsumer(SafeJsonConsumer):
         await self.send_json({**base, "type": "error", "error": text})
 
     async def _answer(self, req: ChatRequest, turn_no: int) -> None:
-        """Answer one turn. A hop failing mid-answer is replaced inside the route client (greedy or seeded
-        sampling continues identically, so the user sees one seamless answer); when that recovery gives
-        up, the turn ends with an error at once."""
+        """Answer one turn within the user's answers at once (API answers count too, issue 33)."""
         base: dict[str, Any] = {"turn": turn_no}
+        try:
+            self.stream = await quota.hold_stream(self.scope["user"])
+        except quota.TooManyStreams as e:
+            await self._turn_error(base, str(e))
+            return
+        try:
+            await self._answer_turn(req, base)
+        finally:
+            self.stream.release()
+
+    async def _answer_turn(self, req: ChatRequest, base: dict[str, Any]) -> None:
+        """A hop failing mid-answer is replaced inside the route client (greedy or seeded sampling
+        continues identically, so the user sees one seamless answer); when that recovery gives up, the
+        turn ends with an error at once."""
         try:
             turn = await database_sync_to_async(store.begin_turn)(self.scope["user"], req)
         except ChatRequestError as e:
@@ -236,7 +268,7 @@ class ChatConsumer(SafeJsonConsumer):
             stopped, closed = True, True
             telemetry = {**run.telemetry(), "stopped": True, "route_closed": True}
             await self._leave_live()
-        except (NoRoute, ModelArtifact.DoesNotExist, TokenizerError) as e:
+        except (NoRoute, ModelArtifact.DoesNotExist, TokenizerError, prompt.PromptError) as e:
             await self._leave_live()  # a route the socket holds is still sound: it waits parked
             await self._abandon(turn)
             await self._turn_error(base, _cannot_answer(turn.target.name, e))

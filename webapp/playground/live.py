@@ -4,7 +4,8 @@ A conversation's RouteClient holds the hops' KV. When its websocket goes away (a
 tab) the route is parked here for `PARK_S`, so reopening the conversation continues with the hops' KV
 instead of prefilling the whole history again. Parked routes are closed (KV freed on every hop) when
 their time is up or their conversation is deleted. This lives in the web server process: a reopen that
-lands in another process, or comes later, re-prefills.
+lands in another process, or comes later, re-prefills. Parked routes count against their user's
+route cap (webapp.routing.quota): past it the oldest idle ones are taken from here and closed.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import logging
 import threading
 from dataclasses import dataclass
 
+from webapp.routing import quota
 from webapp.routing.answer import LiveRoute
 from webapp.routing.session import close_later, close_live
 
@@ -67,6 +69,16 @@ class Parking:
         p.timer.cancel()
         return p.live
 
+    def reclaim(self, live: LiveRoute) -> bool:
+        """Take `live` out of the parking to be closed (its user's route cap, webapp.routing.quota)."""
+        with self._lock:
+            cid = next((c for c, p in self._parked.items() if p.live is live), None)
+            p = self._parked.pop(cid) if cid is not None else None
+        if p is None:
+            return False
+        p.timer.cancel()  # (its _expire would find nothing to close anyway)
+        return True
+
     def discard(self, conversation_id: int) -> None:
         """Close the parked route of a deleted conversation (safe from any thread)."""
         with self._lock:
@@ -108,3 +120,4 @@ class Parking:
 
 
 parking = Parking()
+quota.routes.add_reclaimer(parking.reclaim)  # closed tabs' routes count against their user's cap

@@ -27,7 +27,7 @@ from agent.client.transport import shared_transport
 from agent.wire.frames import CONTEXT_CAP
 from webapp.catalog.models import ModelArtifact
 from webapp.core import dataplane_tls
-from webapp.routing import services
+from webapp.routing import quota, services
 from webapp.routing.answer import Answer, AnswerSpec, LiveRoute, Piece
 from webapp.routing.models import RouteSession
 from webapp.telemetry.services import record_generation
@@ -40,7 +40,7 @@ _closing: set[asyncio.Task[None]] = set()
 def capacity_of(manifest: dict[str, Any] | None) -> int:
     """The context a route for this model opens with: its own context length, capped at 128K."""
     ctx = (manifest or {}).get("context_length") or 0
-    return min(ctx, CONTEXT_CAP) if isinstance(ctx, int) and ctx > 0 else defaults.MAX_CONTEXT
+    return min(ctx, CONTEXT_CAP) if isinstance(ctx, int) and ctx > 0 else defaults.SESSION_CAPACITY
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ async def open_live(target: Target, tok: ChatTokenizer, user: Any) -> LiveRoute:
         hops,
         tok,
         session_id=session.id.bytes,
-        max_context=target.capacity,
+        capacity=target.capacity,
         token_id_layers=target.token_id_layers,
         # one transport per process and TLS context: sessions' decode steps to a hop travel and run
         # together (agent/client/transport.py)
@@ -87,11 +87,14 @@ async def open_live(target: Target, tok: ChatTokenizer, user: Any) -> LiveRoute:
         mode=settings.ROUTE_MODE,
         replacements=services.replacement_provider(session.id),  # a failed hop is replaced mid-answer
     )
-    return LiveRoute(session.id, target.artifact_id, client, session.hops, target.capacity)
+    live = LiveRoute(session.id, target.artifact_id, client, session.hops, target.capacity)
+    quota.routes.add(user, live)  # counted against the user's USER_MAX_ROUTE_SESSIONS until closed
+    return live
 
 
 async def close_live(live: LiveRoute, state: str = RouteSession.State.CLOSED) -> None:
     """Free the route's KV on every hop and record the session's end."""
+    quota.routes.remove(live)
     try:
         await live.client.close()
     except Exception:  # noqa: BLE001 - a dead hop frees its KV by TTL; the session is still closed here
@@ -154,6 +157,9 @@ class RouteAnswer:
         if self.live is None:
             self.live = await open_live(self.target, self.tok, self.user)
             self.holder.adopt(self.live)
+            # past the user's cap the oldest idle routes close on their hops (issue 33)
+            close_later(quota.routes.over_cap(self.user, keep=self.live))
+        quota.routes.touch(self.live)
         return self.live
 
     async def pieces(self) -> AsyncGenerator[Piece, None]:
@@ -163,11 +169,19 @@ class RouteAnswer:
             live = await self.open()
             self.answer = Answer(live, self.tok, self.prompt, self.spec, self.reused)
             try:
-                # closed with this generator, so a caller that stops reading stops the route client too
-                async with contextlib.aclosing(self.answer.pieces()) as pieces:
+                # until its first piece (the prefill) an answer holds a place of the fair gate, where
+                # waiting answers are admitted round-robin by user; then its decode steps give way to
+                # the prefills of users running fewer answers (issue 33)
+                async with (
+                    quota.prefills().turn(quota.user_key(self.user)) as turn,
+                    # closed with this generator, so a caller that stops reading stops the route client
+                    contextlib.aclosing(self.answer.pieces()) as pieces,
+                ):
                     async for piece in pieces:
+                        turn.prefilled()
                         sent = True
                         yield piece
+                        await turn.pace()
                 return
             except (RouteError, OSError) as e:
                 log.warning("answer failed on route session %s", live.session_id, exc_info=True)

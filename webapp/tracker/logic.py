@@ -1,6 +1,9 @@
 """BitTorrent HTTP tracker as pure functions: bencoding, announce/scrape parsing, peer store.
 
-Passkeys are node credentials: `webapp.fleet.passkeys` derives and checks them.
+Passkeys are node credentials: `webapp.fleet.passkeys` derives and checks them. A passkey is one node,
+and a node is one peer per torrent: its latest announce replaces its earlier one whatever peer id or
+port it names, so one node cannot fill a swarm with made-up peers; announces per node are rate limited,
+and peer lists favour peers whose address is their node's enrolled one (issue 33, docs/security.md).
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 from urllib.parse import unquote_to_bytes
 
@@ -139,6 +142,13 @@ class Announce:
     event: str
     compact: bool
     numwant: int
+    node: str = ""  # who announced (one passkey, one node); "" keys the peer by its peer id
+    verified: bool = True  # the address is the node's enrolled one (see `Announcer`)
+
+    @property
+    def entry(self) -> str:
+        """The store's key for this announcer: its node (one peer per node and torrent), else its peer id."""
+        return self.node or self.peer_id.hex()
 
 
 @dataclass(frozen=True)
@@ -151,6 +161,56 @@ class Peer:
     left: int
     expires: float
     seq: int = 0
+    verified: bool = True
+
+
+@dataclass(frozen=True)
+class Announcer:
+    """Who a passkey belongs to, and whether the announce comes from that node's enrolled address (an
+    online node whose checked data-plane host is the connection's address): only such peers are
+    handed out freely, see `favour_verified`."""
+
+    node: str
+    verified: bool
+
+
+class AnnounceLimiter(Protocol):
+    """Announces (and scrapes) per node and minute: `allow` counts one and says whether it is within
+    `per_min`."""
+
+    @property
+    def per_min(self) -> int: ...
+
+    def allow(self, node: str, now: float) -> bool: ...
+
+
+class MemoryAnnounceLimiter:
+    """Fixed one-minute windows per node, in this process (the web uses Redis when it has it)."""
+
+    def __init__(self, per_min: int) -> None:
+        self.per_min = per_min
+        self._lock = threading.Lock()
+        self._windows: dict[str, tuple[int, int]] = {}
+
+    def allow(self, node: str, now: float) -> bool:
+        window = int(now // 60)
+        with self._lock:
+            start, count = self._windows.get(node, (window, 0))
+            count = count + 1 if start == window else 1
+            self._windows[node] = (window, count)
+            if len(self._windows) > 100_000:  # forget finished windows
+                self._windows = {k: v for k, v in self._windows.items() if v[0] == window}
+        return count <= self.per_min
+
+
+def favour_verified(live: Iterable[Peer], numwant: int) -> list[Peer]:
+    """Up to `numwant` peers, most recently seen first: every verified peer before any unverified one,
+    and never more unverified peers than verified ones in the list (a node that is not where its
+    enrollment says cannot outnumber the nodes that are)."""
+    ordered = sorted(live, key=lambda p: p.expires, reverse=True)
+    verified = [p for p in ordered if p.verified][:numwant]
+    room = min(numwant - len(verified), len(verified))
+    return verified + [p for p in ordered if not p.verified][:room]
 
 
 def parse_query(raw_query: str | bytes) -> dict[str, bytes]:
@@ -263,7 +323,7 @@ class PeerStore(Protocol):
     def peers(
         self, info_hash: bytes, exclude: bytes, numwant: int, now: float, before_seq: int | None = None
     ) -> list[Peer]:
-        """Live peers, most recently seen first; with before_seq only those that arrived earlier."""
+        """Live peers as `favour_verified` picks them; with before_seq only those that arrived earlier."""
         ...
 
     def counts(self, info_hash: bytes, now: float) -> tuple[int, int, int]:
@@ -276,16 +336,16 @@ class MemoryPeerStore:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._peers: dict[bytes, dict[bytes, Peer]] = {}
+        self._peers: dict[bytes, dict[str, Peer]] = {}  # info_hash -> announcer (`Announce.entry`) -> peer
         self._downloaded: dict[bytes, int] = {}
         self._arrivals: dict[bytes, int] = {}
 
     def update(self, a: Announce, now: float, ttl_s: float) -> int:
         with self._lock:
             swarm = self._peers.setdefault(a.info_hash, {})
-            old = swarm.get(a.peer_id)
+            old = swarm.get(a.entry)
             if a.event == "stopped":
-                swarm.pop(a.peer_id, None)
+                swarm.pop(a.entry, None)
                 return old.seq if old else 0
             if a.event == "completed":
                 self._downloaded[a.info_hash] = self._downloaded.get(a.info_hash, 0) + 1
@@ -293,10 +353,10 @@ class MemoryPeerStore:
                 self._arrivals[a.info_hash] = seq = self._arrivals.get(a.info_hash, 0) + 1
             else:
                 seq = old.seq
-            swarm[a.peer_id] = Peer(a.peer_id, a.ip, a.port, a.left, now + ttl_s, seq)
+            swarm[a.entry] = Peer(a.peer_id, a.ip, a.port, a.left, now + ttl_s, seq, a.verified)
             return seq
 
-    def _live(self, info_hash: bytes, now: float) -> dict[bytes, Peer]:
+    def _live(self, info_hash: bytes, now: float) -> dict[str, Peer]:
         swarm = self._peers.get(info_hash, {})
         for pid in [pid for pid, p in swarm.items() if p.expires <= now]:
             del swarm[pid]
@@ -308,11 +368,10 @@ class MemoryPeerStore:
         with self._lock:
             live = [
                 p
-                for pid, p in self._live(info_hash, now).items()
-                if pid != exclude and (before_seq is None or p.seq < before_seq)
+                for p in self._live(info_hash, now).values()
+                if p.peer_id != exclude and (before_seq is None or p.seq < before_seq)
             ]
-        live.sort(key=lambda p: p.expires, reverse=True)  # most recently seen first
-        return live[:numwant]
+        return favour_verified(live, numwant)
 
     def counts(self, info_hash: bytes, now: float) -> tuple[int, int, int]:
         with self._lock:
@@ -343,27 +402,60 @@ class TrackerConfig:
         return self.interval_s * 1.5 + 30  # one missed announce is forgiven
 
 
+def _who(
+    passkey: str,
+    remote_ip: str,
+    passkey_ok: Callable[[str], bool] | None,
+    identify: Callable[[str, str], Announcer | None] | None,
+) -> Announcer | None:
+    """The announcer behind a passkey: `identify` knows nodes and their addresses; with `passkey_ok`
+    alone the passkey itself stands for the node and every address counts as its own."""
+    if not passkey:
+        return None
+    if identify is not None:
+        return identify(passkey, remote_ip)
+    if passkey_ok is not None and passkey_ok(passkey):
+        return Announcer(node=passkey, verified=True)
+    return None
+
+
+def rate_failure(limiter: AnnounceLimiter) -> bytes:
+    return failure(
+        f"too many announces from this node: at most {limiter.per_min} a minute; "
+        "announce again after the interval"
+    )
+
+
 def announce(
     raw_query: str | bytes,
     remote_ip: str,
     passkey: str,
     *,
-    passkey_ok: Callable[[str], bool],
+    passkey_ok: Callable[[str], bool] | None = None,
+    identify: Callable[[str, str], Announcer | None] | None = None,
     torrent_known: Callable[[bytes], bool],
     store: PeerStore,
+    limiter: AnnounceLimiter | None = None,
     config: TrackerConfig = TrackerConfig(),  # noqa: B008 - frozen dataclass
     now: float | None = None,
 ) -> bytes:
-    """Answer one announce with a bencoded body (always HTTP 200; refusals carry `failure reason`)."""
-    if not passkey or not passkey_ok(passkey):
+    """Answer one announce with a bencoded body (always HTTP 200; refusals carry `failure reason`).
+
+    The passkey names the node (`identify`, or `passkey_ok` where the passkey is the node); the
+    `limiter` counts the node's announces before anything else is done for it."""
+    who = _who(passkey, remote_ip, passkey_ok, identify)
+    if who is None:
         return failure("unknown passkey")
+    t = time.time() if now is None else now
+    if limiter is not None and not limiter.allow(who.node, t):
+        return rate_failure(limiter)
     try:
         a = parse_announce(raw_query, remote_ip)
     except AnnounceError as e:
         return failure(str(e))
     if not torrent_known(a.info_hash):
         return failure("unregistered torrent")
-    t = time.time() if now is None else now
+    a = replace(a, node=who.node, verified=who.verified)
     seq = store.update(a, t, config.ttl_s)
     complete, incomplete, _ = store.counts(a.info_hash, t)
     body: dict[bytes | str, Bencodable] = {
@@ -391,14 +483,21 @@ def scrape(
     raw_query: str | bytes,
     passkey: str,
     *,
-    passkey_ok: Callable[[str], bool],
+    passkey_ok: Callable[[str], bool] | None = None,
+    identify: Callable[[str, str], Announcer | None] | None = None,
     torrent_known: Callable[[bytes], bool],
     store: PeerStore,
+    limiter: AnnounceLimiter | None = None,
+    remote_ip: str = "",
     now: float | None = None,
 ) -> bytes:
-    """Answer a scrape for the info_hash(es) in the query (known torrents only; none asked -> failure)."""
-    if not passkey or not passkey_ok(passkey):
+    """Answer a scrape for the info_hash(es) in the query (known torrents only; none asked -> failure);
+    it counts against the node's announce rate like an announce."""
+    who = _who(passkey, remote_ip, passkey_ok, identify)
+    if who is None:
         return failure("unknown passkey")
+    if limiter is not None and not limiter.allow(who.node, time.time() if now is None else now):
+        return rate_failure(limiter)
     hashes = [v for k, v in parse_query_multi(raw_query) if k == "info_hash"]
     if not hashes:
         return failure("missing info_hash (a full scrape is not offered)")

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from webapp.tracker.logic import Announce, Peer
+from webapp.tracker.logic import Announce, Peer, favour_verified
 
 
 class RedisPeerStore:
-    """Peers of a torrent in one Redis hash (peer id hex -> JSON); expired entries are dropped on read.
+    """Peers of a torrent in one Redis hash (announcer -> JSON: one entry per node, `Announce.entry`);
+    expired entries are dropped on read.
 
     The hash itself expires ttl_s after the last announce, so an abandoned torrent leaves nothing behind.
     """
@@ -21,12 +22,12 @@ class RedisPeerStore:
     def _key(self, info_hash: bytes, kind: str = "peers") -> str:
         return f"{self._prefix}:{kind}:{info_hash.hex()}"
 
-    def _seq(self, info_hash: bytes, pid: str, ttl_s: float) -> int:
+    def _seq(self, info_hash: bytes, entry: str, ttl_s: float) -> int:
         """The peer's arrival order: a fresh INCR claimed with HSETNX, or the one it already has."""
         seqs, arrivals = self._key(info_hash, "seq"), self._key(info_hash, "arrivals")
         seq = int(self._r.incr(arrivals))
-        if not self._r.hsetnx(seqs, pid, seq):
-            seq = int(self._r.hget(seqs, pid))
+        if not self._r.hsetnx(seqs, entry, seq):
+            seq = int(self._r.hget(seqs, entry))
         pipe = self._r.pipeline()
         pipe.expire(seqs, int(ttl_s) + 1)
         pipe.expire(arrivals, int(ttl_s) + 1)
@@ -34,14 +35,22 @@ class RedisPeerStore:
         return seq
 
     def update(self, a: Announce, now: float, ttl_s: float) -> int:
-        key, pid = self._key(a.info_hash), a.peer_id.hex()
+        key, entry = self._key(a.info_hash), a.entry
         if a.event == "stopped":
-            self._r.hdel(key, pid)
+            self._r.hdel(key, entry)
             return 0
-        seq = self._seq(a.info_hash, pid, ttl_s)
-        peer = {"ip": a.ip, "port": a.port, "left": a.left, "expires": now + ttl_s, "seq": seq}
+        seq = self._seq(a.info_hash, entry, ttl_s)
+        peer = {
+            "peer_id": a.peer_id.hex(),
+            "ip": a.ip,
+            "port": a.port,
+            "left": a.left,
+            "expires": now + ttl_s,
+            "seq": seq,
+            "verified": a.verified,
+        }
         pipe = self._r.pipeline()
-        pipe.hset(key, pid, json.dumps(peer))
+        pipe.hset(key, entry, json.dumps(peer))
         pipe.expire(key, int(ttl_s) + 1)
         if a.event == "completed":
             pipe.incr(self._key(a.info_hash, "downloaded"))
@@ -51,20 +60,21 @@ class RedisPeerStore:
     def _live(self, info_hash: bytes, now: float) -> list[Peer]:
         key = self._key(info_hash)
         live, dead = [], []
-        for pid, raw in self._r.hgetall(key).items():
+        for entry, raw in self._r.hgetall(key).items():
             d = json.loads(raw)
-            pid_hex = pid.decode() if isinstance(pid, bytes) else pid
+            name = entry.decode() if isinstance(entry, bytes) else entry
             if d["expires"] <= now:
-                dead.append(pid_hex)
+                dead.append(name)
             else:
                 live.append(
                     Peer(
-                        bytes.fromhex(pid_hex),
+                        bytes.fromhex(d.get("peer_id", name)),
                         d["ip"],
                         int(d["port"]),
                         int(d["left"]),
                         d["expires"],
                         d["seq"],
+                        bool(d.get("verified", True)),
                     )
                 )
         if dead:
@@ -79,8 +89,7 @@ class RedisPeerStore:
             for p in self._live(info_hash, now)
             if p.peer_id != exclude and (before_seq is None or p.seq < before_seq)
         ]
-        live.sort(key=lambda p: p.expires, reverse=True)  # most recently seen first
-        return live[:numwant]
+        return favour_verified(live, numwant)
 
     def counts(self, info_hash: bytes, now: float) -> tuple[int, int, int]:
         live = self._live(info_hash, now)

@@ -26,9 +26,10 @@ def announce(request: HttpRequest, passkey: str) -> HttpResponse:
             request.META.get("QUERY_STRING", ""),
             request.META.get("REMOTE_ADDR", ""),
             passkey,
-            passkey_ok=services.passkey_ok,
+            identify=services.identify,
             torrent_known=services.torrent_known,
             store=services.peer_store(),
+            limiter=services.announce_rate,
         )
     )
 
@@ -40,9 +41,11 @@ def scrape(request: HttpRequest, passkey: str) -> HttpResponse:
         logic.scrape(
             request.META.get("QUERY_STRING", ""),
             passkey,
-            passkey_ok=services.passkey_ok,
+            identify=services.identify,
             torrent_known=services.torrent_known,
             store=services.peer_store(),
+            limiter=services.announce_rate,
+            remote_ip=request.META.get("REMOTE_ADDR", ""),
         )
     )
 

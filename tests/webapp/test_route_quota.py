@@ -1,0 +1,123 @@
+"""The route-session service's per-user accounting (webapp/routing/quota.py): the fair admission of
+prefills, and the stream leases shared by web processes through Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any
+
+import pytest
+
+from webapp.routing.quota import FairGate, StreamSlots
+
+
+async def _admission_order(gate: FairGate, queued: list[str]) -> list[str]:
+    """Queue `queued` (user names, in arrival order) behind a held place; release one place at a time."""
+    admitted: list[str] = []
+
+    async def wait(name: str) -> None:
+        await gate.acquire(name[0])
+        admitted.append(name)
+
+    await gate.acquire("x")  # someone is prefilling
+    tasks = []
+    for name in queued:
+        tasks.append(asyncio.create_task(wait(name)))
+        await asyncio.sleep(0)  # each is queued before the next arrives
+    for _ in queued:
+        gate.release()
+        await asyncio.sleep(0)
+    await asyncio.gather(*tasks)
+    return admitted
+
+
+async def test_waiting_prefills_are_admitted_round_robin_by_user_not_in_arrival_order() -> None:
+    gate = FairGate(lambda: 1)
+    order = await _admission_order(gate, ["a1", "a2", "a3", "a4", "a5", "a6", "b1", "c1", "b2"])
+    # user a queued six prompts first; b and c each wait behind at most one of them, not all six
+    assert order == ["a1", "b1", "c1", "a2", "b2", "a3", "a4", "a5", "a6"]
+
+
+async def test_a_user_alone_is_admitted_at_once_up_to_the_capacity() -> None:
+    gate = FairGate(lambda: 3)
+    for _ in range(3):
+        await asyncio.wait_for(gate.acquire("a"), 0.1)
+    assert gate.active == 3
+    waiting = asyncio.create_task(gate.acquire("b"))
+    await asyncio.sleep(0)
+    assert not waiting.done() and gate.waiting() == 1
+    gate.release()
+    await asyncio.wait_for(waiting, 0.1)
+    assert gate.active == 3 and gate.waiting() == 0
+
+
+async def test_a_cancelled_waiter_passes_its_place_on_and_a_block_gives_its_place_back() -> None:
+    gate = FairGate(lambda: 1)
+    await gate.acquire("a")
+    b = asyncio.create_task(gate.acquire("b"))
+    c = asyncio.create_task(gate.acquire("c"))
+    await asyncio.sleep(0)
+    b.cancel()
+    await asyncio.gather(b, return_exceptions=True)
+    gate.release()
+    await asyncio.wait_for(c, 0.1)
+    assert gate.active == 1 and gate.waiting() == 0
+    gate.release()
+    assert gate.active == 0
+    async with gate.turn("d") as turn:
+        assert gate.active == 1
+        turn.prefilled()  # the first piece came: the place is free before the answer ends
+        assert gate.active == 0
+    assert gate.active == 0, "giving it back twice frees one place only"
+
+
+async def test_a_heavy_users_decode_steps_give_way_to_a_lighter_users_prefill_for_a_bounded_time(
+    settings: Any,
+) -> None:
+    gate = FairGate(lambda: 4)
+    async with gate.turn("a") as a1, gate.turn("a") as a2:
+        a1.prefilled()
+        a2.prefilled()
+        await asyncio.wait_for(a1.pace(), 0.1)  # nobody else prefills: no wait
+        async with gate.turn("b") as b:
+            stepped = asyncio.create_task(a1.pace())
+            await asyncio.sleep(0.05)
+            assert not stepped.done(), "user a (two answers) waits while user b (one) prefills"
+            b.prefilled()
+            await asyncio.wait_for(stepped, 0.1)
+            async with gate.turn("c") as c:
+                await asyncio.wait_for(b.pace(), 0.1)  # b and c run one answer each: neither waits
+                settings.ROUTE_GIVE_WAY_MS = 50
+                t0 = time.monotonic()
+                await a1.pace()  # c never finishes its prefill: a's step goes on after 50 ms
+                assert 0.04 <= time.monotonic() - t0 < 0.5
+                c.prefilled()
+    assert gate.running == {} and gate.prefilling == {} and gate.active == 0
+
+
+def test_stream_leases_are_shared_by_processes_in_redis_and_lapse_unless_renewed(settings: Any) -> None:
+    import redis
+
+    url = os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379/0"
+    try:
+        redis.Redis.from_url(url, socket_timeout=2).ping()
+    except redis.RedisError:
+        pytest.skip(f"no Redis at {url}")
+    settings.REDIS_URL = url
+    user = int.from_bytes(os.urandom(4), "big")
+    web1, web2 = StreamSlots(), StreamSlots()  # two web processes
+    first = web1.take(user, 2, 60)
+    assert first is not None and web2.take(user, 2, 60) is not None
+    assert web2.take(user, 2, 60) is None and web1.held(user) == 2
+    web1.give_back(user, first)
+    short = web2.take(user, 2, 0.2)
+    assert short is not None and web1.take(user, 2, 60) is None
+    time.sleep(0.3)
+    assert web1.take(user, 2, 60) is not None, "an answer that never gave its lease back lapsed"
+    renewed = web1.take(user, 3, 0.2)
+    assert renewed is not None
+    web1.renew(user, renewed, 60)
+    time.sleep(0.3)
+    assert web1.held(user) == 3
