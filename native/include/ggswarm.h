@@ -58,6 +58,8 @@
  *       caches hold their quantized rows (V per position). ggswarm_set_flash_attention: llama.cpp's
  *       flash-attention switch per handle; a CPU without AVX-512 now runs ggml's non-flash ops by default
  *       (llama.cpp's default path), not flash attention.
+ *  12 - capacity named capacity: ggswarm_session_open(model, capacity, ...) takes the positions a session
+ *       may grow to (was max_tokens, which the webapp uses for a completion's length); same ABI.
  */
 #ifndef GGSWARM_H
 #define GGSWARM_H
@@ -69,7 +71,7 @@
 extern "C" {
 #endif
 
-#define GGSWARM_API_VERSION 11
+#define GGSWARM_API_VERSION 12
 
 #if defined(_WIN32)
 #define GGSWARM_API __declspec(dllexport)
@@ -216,8 +218,8 @@ GGSWARM_API ggswarm_status ggswarm_model_info_get(const ggswarm_model * model, g
    far on this handle (its threadpool is kept). Results do not depend on the count. */
 GGSWARM_API ggswarm_status ggswarm_set_threads(ggswarm_model * model, int32_t n_threads);
 
-/* Open a session able to grow to max_tokens positions (1 .. n_ctx_max); KV is allocated on demand. */
-GGSWARM_API ggswarm_status ggswarm_session_open(ggswarm_model * model, int32_t max_tokens, int64_t * out_sid);
+/* Open a session able to grow to capacity positions (1 .. n_ctx_max); KV is allocated on demand. */
+GGSWARM_API ggswarm_status ggswarm_session_open(ggswarm_model * model, int32_t capacity, int64_t * out_sid);
 
 /* Close a session and free its KV. Unknown ids return GGSWARM_E_NO_SESSION. */
 GGSWARM_API ggswarm_status ggswarm_session_close(ggswarm_model * model, int64_t sid);
@@ -276,7 +278,7 @@ GGSWARM_API ggswarm_status ggswarm_set_flash_attention(ggswarm_model * model, in
 
 GGSWARM_API ggswarm_status ggswarm_kv_bytes(const ggswarm_model * model, int64_t sid, uint64_t * out_bytes);
 
-/* Extra KV bytes the budget must have free for the session to hold n_positions (1 .. its max_tokens):
+/* Extra KV bytes the budget must have free for the session to hold n_positions (1 .. its capacity):
  * 0 when its capacity already suffices. A forward call that grows the session needs no more than this
  * (it takes more, doubling the capacity, only when the budget has room). */
 GGSWARM_API ggswarm_status ggswarm_session_growth_bytes(const ggswarm_model * model, int64_t sid,
@@ -308,9 +310,9 @@ GGSWARM_API const char * ggswarm_forward_many_error(const ggswarm_model * model,
 GGSWARM_API ggswarm_status ggswarm_session_snapshot_size(const ggswarm_model * model, int64_t sid,
                                                          uint64_t * out_size);
 
-/* Serialise the session's KV (header + payload, see docs/native.md) into buf (capacity bytes). */
+/* Serialise the session's KV (header + payload, see docs/native.md) into buf (buf_size bytes). */
 GGSWARM_API ggswarm_status ggswarm_session_snapshot(const ggswarm_model * model, int64_t sid, void * buf,
-                                                    uint64_t capacity, uint64_t * out_written);
+                                                    uint64_t buf_size, uint64_t * out_written);
 
 /* Replace the session's KV with a snapshot. Fails with GGSWARM_E_MISMATCH naming the field when the
  * snapshot was taken from another model id, layer range or KV shape, and with GGSWARM_E_FORMAT when

@@ -352,9 +352,9 @@ ggswarm_status validate_step(ggswarm_model * m, const Session & s, const ggswarm
         return fail(m, GGSWARM_E_RANGE, "pos_start %d does not follow the session's %d positions (truncate first)",
                     b->pos_start, s.len);
     }
-    if ((int64_t)b->pos_start + n > s.max_tokens) {
+    if ((int64_t)b->pos_start + n > s.capacity) {
         return fail(m, GGSWARM_E_RANGE, "positions up to %lld exceed the session cap of %d tokens",
-                    (long long)b->pos_start + n, s.max_tokens);
+                    (long long)b->pos_start + n, s.capacity);
     }
     const int64_t n_hidden = (int64_t)n * m->d_io();
     if (m->is_first() || m->needs_ids()) {

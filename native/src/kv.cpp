@@ -151,7 +151,7 @@ uint64_t payload_bytes(const ggswarm_model * m, int32_t len) {
 }
 
 // --- the KV state kind: K [d_kv, rows] and V^T [rows, d_kv] in the cache type (V [d_kv, rows] in flash mode,
-// always so for a quantized cache), rows the capacity, or a sliding-window layer's ring (swa_rows: position
+// always so for a quantized cache), rows the allocation (Session::cap), or a sliding-window layer's ring (swa_rows: position
 // p in slot p % rows) -------------------------------------------------------------------------------------
 
 int64_t kv_rows(const ggswarm_model * m, int32_t il, int64_t cap) { return swa_ring(m, il) ? swa_rows(m, cap) : cap; }
@@ -269,9 +269,9 @@ const StateOps kKvState = {StateKind::KV, "kv",     2,       kv_plan, kv_carry, 
 StateRegistration reg_kv(&kKvState);
 
 // Capacity that holds `need` positions: a multiple of kKvPad, so the attention always spans whole
-// padded blocks, and no more than the session's max_tokens need.
+// padded blocks, and no more than the session's capacity need.
 int64_t min_capacity(const Session & s, int32_t need) {
-    return std::min<int64_t>(pad_kv(need), pad_kv(s.max_tokens));
+    return std::min<int64_t>(pad_kv(need), pad_kv(s.capacity));
 }
 
 }  // namespace
@@ -292,13 +292,13 @@ void free_kv(ggswarm_model * m, Session & s) {
     s.release();
 }
 
-// Make room for `need` positions, keeping the first s.len positions. The capacity doubles while the
+// Make room for `need` positions, keeping the first s.len positions. The allocation doubles while the
 // budget has room (fewer copies over a long generation), else grows to exactly what `need` takes,
 // which is what ggswarm_session_growth_bytes reports.
 ggswarm_status ensure_capacity(ggswarm_model * m, Session & s, int32_t need) {
     if (need <= s.cap) return GGSWARM_OK;
     const int64_t exact_cap = min_capacity(s, need);
-    const int64_t doubled_cap = std::max<int64_t>(exact_cap, std::min<int64_t>(2LL * s.cap, pad_kv(s.max_tokens)));
+    const int64_t doubled_cap = std::max<int64_t>(exact_cap, std::min<int64_t>(2LL * s.cap, pad_kv(s.capacity)));
     Session n;
     ggswarm_status st = plan_state(m, doubled_cap, n);
     if (st) return st;
@@ -326,7 +326,7 @@ ggswarm_status ensure_capacity(ggswarm_model * m, Session & s, int32_t need) {
     }
     ggml_backend_buffer_set_usage(n.buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
     ggml_backend_buffer_clear(n.buf, 0);  // padded positions are read (times a zero weight): keep them finite
-    n.max_tokens = s.max_tokens;
+    n.capacity = s.capacity;
     n.len = s.len;
     if (s.len > 0) {
         for (int32_t il = m->layer_start; il < m->layer_end; ++il) {
@@ -356,15 +356,15 @@ uint64_t ggswarm_model::kv_bytes_per_token() const {
 
 extern "C" {
 
-ggswarm_status ggswarm_session_open(ggswarm_model * m, int32_t max_tokens, int64_t * out_sid) {
+ggswarm_status ggswarm_session_open(ggswarm_model * m, int32_t capacity, int64_t * out_sid) {
     GGSWARM_LOCK(m);
     if (!m || !out_sid) return fail(m, GGSWARM_E_INVALID_ARG, "model or out_sid is NULL");
-    if (max_tokens <= 0 || max_tokens > m->n_ctx_max) {
-        return fail(m, GGSWARM_E_RANGE, "max_tokens %d is outside 1..%d (model context, capped at %d)", max_tokens,
+    if (capacity <= 0 || capacity > m->n_ctx_max) {
+        return fail(m, GGSWARM_E_RANGE, "capacity %d is outside 1..%d (model context, capped at %d)", capacity,
                     m->n_ctx_max, GGSWARM_MAX_CONTEXT);
     }
     Session s;
-    s.max_tokens = max_tokens;
+    s.capacity = capacity;
     const int64_t sid = m->next_sid++;
     m->sessions.emplace(sid, s);
     *out_sid = sid;
@@ -537,9 +537,9 @@ ggswarm_status ggswarm_session_growth_bytes(const ggswarm_model * m, int64_t sid
     if (!m || !out_bytes) return fail(m, GGSWARM_E_INVALID_ARG, "model or out_bytes is NULL");
     Session * s = find_session(m, sid);
     if (!s) return no_session(m, sid);
-    if (n_positions <= 0 || n_positions > s->max_tokens) {
+    if (n_positions <= 0 || n_positions > s->capacity) {
         return fail(m, GGSWARM_E_RANGE, "n_positions %d is outside 1..%d (the session cap)", n_positions,
-                    s->max_tokens);
+                    s->capacity);
     }
     if (n_positions <= s->cap) {
         *out_bytes = 0;
@@ -561,7 +561,7 @@ ggswarm_status ggswarm_session_snapshot_size(const ggswarm_model * m, int64_t si
     return ok(m);
 }
 
-ggswarm_status ggswarm_session_snapshot(const ggswarm_model * m, int64_t sid, void * buf, uint64_t capacity,
+ggswarm_status ggswarm_session_snapshot(const ggswarm_model * m, int64_t sid, void * buf, uint64_t buf_size,
                                         uint64_t * out_written) {
     GGSWARM_LOCK(m);
     if (!m || !buf) return fail(m, GGSWARM_E_INVALID_ARG, "model or buf is NULL");
@@ -569,9 +569,9 @@ ggswarm_status ggswarm_session_snapshot(const ggswarm_model * m, int64_t sid, vo
     if (!s) return no_session(m, sid);
     const uint64_t payload = payload_bytes(m, s->len);
     const uint64_t total = sizeof(SnapHeader) + payload;
-    if (capacity < total) {
+    if (buf_size < total) {
         return fail(m, GGSWARM_E_INVALID_ARG, "snapshot needs %llu bytes, buffer holds %llu",
-                    (unsigned long long)total, (unsigned long long)capacity);
+                    (unsigned long long)total, (unsigned long long)buf_size);
     }
     SnapHeader h;
     memset(&h, 0, sizeof(h));
@@ -644,8 +644,8 @@ ggswarm_status ggswarm_session_restore(ggswarm_model * m, int64_t sid, const voi
         return fail(m, GGSWARM_E_MISMATCH, "snapshot KV shape (%d heads x %d, type %d) does not match (%d x %d, %s)",
                     h.n_head_kv, h.head_dim, h.kv_type, m->n_head_kv, m->head_dim, ggml_type_name(m->cache_type));
     }
-    if (h.n_pos < 0 || h.n_pos > sp->max_tokens) {
-        return fail(m, GGSWARM_E_RANGE, "snapshot holds %d positions; the session cap is %d", h.n_pos, sp->max_tokens);
+    if (h.n_pos < 0 || h.n_pos > sp->capacity) {
+        return fail(m, GGSWARM_E_RANGE, "snapshot holds %d positions; the session cap is %d", h.n_pos, sp->capacity);
     }
     const uint64_t payload = payload_bytes(m, h.n_pos);
     if (h.payload_bytes != payload || size != sizeof(SnapHeader) + payload) {

@@ -90,9 +90,9 @@ struct RopeScaling {
 // One session's state on the model's device: per layer of the window, the tensors of its state kind
 // (KV: K [d_kv, cap] and V^T [cap, d_kv], f16, or V rows [d_kv, cap] in flash mode).
 struct Session {
-    int32_t max_tokens = 0;
+    int32_t capacity = 0;  // positions the session may grow to (ggswarm_session_open)
     int32_t len = 0;
-    int32_t cap = 0;
+    int32_t cap = 0;  // positions its state tensors are allocated for now (grows by doubling, up to capacity)
     ggml_context * ctx = nullptr;
     ggml_backend_buffer_t buf = nullptr;
     std::vector<std::vector<ggml_tensor *>> state;
