@@ -15,4 +15,21 @@ export REDIS_URL=${REDIS_URL:-redis://127.0.0.1:6379/0}
 
 bash scripts/lint.sh
 .venv/bin/python manage.py makemigrations --check --dry-run >/dev/null
-exec .venv/bin/python -m pytest -q -p no:cacheprovider --timeout=900 --durations=25 "$@"
+# Three pytest-xdist workers on two cores: most of the suite waits on processes it started (clusters,
+# hops, browsers), so a third worker fills the idle core time; a test file stays on one worker (its
+# module fixtures start one cluster). Each worker has its own Redis database (tests/conftest.py) and
+# each cluster its own PostgreSQL database; tests marked `serial` run alone afterwards.
+# PYTEST_WORKERS=0 runs everything in one process.
+workers=${PYTEST_WORKERS:-3}
+common=(-q -p no:cacheprovider --timeout=900 --durations=25)
+parallel=()
+[ "$workers" != 0 ] && parallel=(-n "$workers" --dist loadfile)
+rc=0
+.venv/bin/python -m pytest "${common[@]}" "${parallel[@]}" -m "not serial" "$@" || rc=$?
+# 5: the arguments selected no test of that kind (e.g. a single file)
+serial_rc=0
+.venv/bin/python -m pytest "${common[@]}" -m serial "$@" || serial_rc=$?
+[ "$rc" = 5 ] && [ "$serial_rc" != 5 ] && rc=0
+[ "$serial_rc" = 5 ] && serial_rc=0
+[ "$rc" = 0 ] && rc=$serial_rc
+exit "$rc"

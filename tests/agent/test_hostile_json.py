@@ -68,7 +68,9 @@ async def test_a_next_hop_streaming_json_nested_100k_deep_is_a_502_naming_it(
 
     app = web.Application()
     app.router.add_get(STREAM_PATH, hostile_stream)
-    runner = web.AppRunner(app)
+    runner = web.AppRunner(
+        app, shutdown_timeout=1.0
+    )  # the hop pools its socket to us: do not wait 60 s for it
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
@@ -141,7 +143,9 @@ async def test_the_agent_answers_a_control_command_nested_100k_deep_with_an_erro
     cp = ControlPlane(manifest, model_path)
     app = web.Application()
     app.router.add_get("/ws/agent/", cp.ws)
-    runner = web.AppRunner(app)
+    runner = web.AppRunner(
+        app, shutdown_timeout=1.0
+    )  # the hop pools its socket to us: do not wait 60 s for it
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()

@@ -26,7 +26,8 @@ from agent.wire.routetoken import load_private_key, mint
 from agent.wire.sampling import SamplingParams
 from tests.integration.swarm import PASSWORD, QUESTION, Swarm, control_plane
 
-pytestmark = pytest.mark.slow
+# serial: PostgreSQL is the machine's and restarting it cuts every other worker's connections (scripts/test.sh)
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 N_TOKENS = 64
 
 
