@@ -15,7 +15,7 @@ VPY=.venv/bin/python
 PIP=(.venv/bin/pip install --disable-pip-version-check -q)
 
 # native/build.sh patches and compiles its own ggml (pip's llama-cpp-python build brings its own cmake)
-# and links OpenSSL's libcrypto (the decode lane's AES-GCM, native/src/lane.cpp).
+# and links OpenSSL's libcrypto (the decode lane's AES-GCM, native/src/lane_wire.cpp).
 if ! { command -v cmake && command -v patch && [ -f /usr/include/openssl/evp.h ]; } >/dev/null \
     && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   log "cmake, patch and libssl-dev (native library)"

@@ -195,7 +195,7 @@ def _swa_windows(arch: str, hp: dict[str, Any], n_layers: int) -> list[int]:
 
 
 def _deepseek4(hp: dict[str, Any], n_layers: int) -> list[LayerDescription]:
-    # As native/src/archs/deepseek4.cpp keeps it (parts()), which is as llama.cpp keeps it
+    # As native/src/archs/deepseek4_state.cpp keeps it (parts()), which is as llama.cpp keeps it
     # (llama-kv-cache-dsv4.cpp): the raw K (K = V) in a ring of GGML_PAD(min(n_ctx, n_swa + n_ubatch),
     # 256) slots; per block of `ratio` positions one compressed K entry (and an indexer K entry at
     # ratio 4); the compressor's and indexer's kv and score rows, f32, in rings of the last two blocks

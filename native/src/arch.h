@@ -226,7 +226,7 @@ struct Arch {
     ggswarm_status (*check_cache_type)(ggswarm_model * m, ggml_type t) = nullptr;
 };
 
-// What the KV state kind keeps (kv.cpp): f16, and q8_0 / q4_0 as llama.cpp's quantized caches.
+// What the KV state kind keeps (kv_state.cpp): f16, and q8_0 / q4_0 as llama.cpp's quantized caches.
 constexpr uint32_t kKvCacheTypes = (1u << GGML_TYPE_F16) | (1u << GGML_TYPE_Q8_0) | (1u << GGML_TYPE_Q4_0);
 
 // Architectures register themselves from their own unit: `static ArchRegistration reg(&kMyArch);`.

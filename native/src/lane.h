@@ -1,5 +1,6 @@
-// The decode lane's internals shared by lane.cpp (connections, lone steps, the API) and lane_bundle.cpp
-// (bundles of several sessions' steps). Not part of the public interface (include/ggswarm.h).
+// The decode lane's internals shared by lane_wire.cpp (sealing, sockets, frames), lane_step.cpp (lone
+// steps), lane.cpp (connections, the API) and lane_bundle.cpp (bundles of several sessions' steps). Not
+// part of the public interface (include/ggswarm.h).
 #pragma once
 
 #include <arpa/inet.h>
@@ -112,6 +113,7 @@ struct Conn {
 bool gcm(bool enc, const uint8_t * key, uint32_t dir, uint64_t step, uint8_t * frame, uint8_t * payload, size_t len);
 bool send_all(int fd, const uint8_t * p, size_t n);
 int recv_all(int fd, uint8_t * p, size_t n, bool idle_ok, const std::atomic<bool> * stop);
+void set_timeouts(int fd, int secs);  // receive and send timeouts, TCP_NODELAY
 
 // One thread's state: its buffers and its connections to next hops (never shared between threads).
 struct Worker {
@@ -191,4 +193,8 @@ namespace ggswarm::lanes {
 // A bundle (kind 5) whose head is in `outer`: read, run as one batch, relayed, answered (lane_bundle.cpp).
 // false: the connection is to be closed (a refusal was sent, or it broke).
 bool serve_bundle(ggswarm_lane * lane, Worker & w, int fd, const Header & outer);
+// One opened request frame (payload in w.in) run as a step of s, answered upstream on fd (relay mode) or
+// by the route's last hop to the subscriber (direct mode) (lane_step.cpp).
+void run_step(ggswarm_lane * lane, Worker & w, int fd, LaneSession & s, const Header & in,
+              const std::shared_ptr<LaneSession> & sp);
 }  // namespace ggswarm::lanes

@@ -325,7 +325,7 @@ ggswarm_status fail(const ggswarm_model * m, ggswarm_status code, const char * f
     __attribute__((format(printf, 3, 4)));
 ggswarm_status ok(const ggswarm_model * m);
 
-// loading (loader.cpp)
+// loading (loader.cpp; read_hparams: hparams.cpp)
 // Every tensor the window [m->layer_start, m->layer_end) needs is in the file's table with the expected
 // shape and type; nothing is allocated (ggswarm_check_file).
 ggswarm_status check_window(ggswarm_model * m, const Meta & meta);

@@ -1,0 +1,338 @@
+// DeepSeek-V4's window graph: the hyper-connections, attention over the raw window and the compressed caches
+// (the compressors, the lightning indexer), the hash-routed and top-k experts, and the streams' head.
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "archs/deepseek4.h"
+
+namespace ggswarm {
+namespace deepseek4 {
+namespace {
+
+// --- graph pieces ----------------------------------------------------------------------------------------
+
+// llama.cpp rotates a cache's K (and the queries, and the attention output back) by an orthonormal
+// Walsh-Hadamard matrix where its rows are as wide as the indexer's keys (always the indexer's own
+// cache; for the others a quirk of small files, where head_dim = indexer key length) or where the
+// cache is quantized (llama-kv-cache.cpp, attn_rot_k). In f32 the rotation changes nothing but
+// rounding; in f16 it decides what is rounded, so the cache must hold what llama.cpp's holds.
+bool rotates(const ggswarm_model * m, int64_t width) {
+    return width == dsv4(m).idx_len || (ggml_is_quantized(m->cache_type) && width % 64 == 0);
+}
+
+ggml_tensor * ex(const Layer & L, const char * name) { return L.extra.at(name); }
+
+// RoPE of the last n_rot channels of x [hd, heads, n] (the first hd - n_rot pass through), with layer
+// il's base, scale and YaRN (deepseek4's per-layer rule, read)
+ggml_tensor * rope_tail(Build & b, int32_t il, ggml_tensor * x, ggml_tensor * pos, bool back = false) {
+    const int32_t nr = dsv4(b.m).n_rot;
+    const LayerHp & l = b.m->lhp[il];
+    const RopeScaling & rs = b.m->rope;
+    const int32_t orig = l.rope_ext != 0.0f ? rs.n_ctx_orig : 0;
+    const float bf = l.rope_ext != 0.0f ? rs.beta_fast : 0.0f, bs = l.rope_ext != 0.0f ? rs.beta_slow : 0.0f;
+    ggml_tensor * r = back ? ggml_rope_ext_back(b.c, x, pos, nullptr, nr, GGML_ROPE_TYPE_NORMAL, orig, l.rope_base,
+                                                l.rope_scale, l.rope_ext, l.rope_attn, bf, bs)
+                           : ggml_rope_ext(b.c, x, pos, nullptr, nr, GGML_ROPE_TYPE_NORMAL, orig, l.rope_base,
+                                           l.rope_scale, l.rope_ext, l.rope_attn, bf, bs);
+    return ggml_rope_set_offset(r, (int)(x->ne[0] - nr));
+}
+
+ggml_tensor * view1(ggml_context * c, ggml_tensor * t, int64_t n, int64_t off) {
+    return ggml_view_1d(c, t, n, ggml_row_size(t->type, off));
+}
+
+// Sinkhorn normalisation of comb [dst, src, n]: softmax over dst, then alternate column and row sums.
+ggml_tensor * sinkhorn(Build & b, ggml_tensor * comb) {
+    ggml_context * c = b.c;
+    const Dsv4 & h = dsv4(b.m);
+    comb = ggml_scale_bias(c, ggml_soft_max(c, comb), 1.0f, h.hc_eps);
+    auto cols = [&]() {
+        ggml_tensor * s = ggml_sum_rows(c, ggml_cont(c, ggml_permute(c, comb, 1, 0, 2, 3)));
+        s = ggml_permute(c, ggml_scale_bias(c, s, 1.0f, h.hc_eps), 1, 0, 2, 3);
+        comb = ggml_div(c, comb, s);
+    };
+    auto rows = [&]() { comb = ggml_div(c, comb, ggml_scale_bias(c, ggml_sum_rows(c, comb), 1.0f, h.hc_eps)); };
+    cols();
+    for (int32_t i = 1; i < h.sinkhorn; ++i) {
+        rows();
+        cols();
+    }
+    return comb;
+}
+
+// sum over streams of x [d, hc, n] weighted by w [hc, n]
+ggml_tensor * weigh_streams(Build & b, ggml_tensor * x, ggml_tensor * w) {
+    ggml_tensor * r = nullptr;
+    for (int64_t s = 0; s < x->ne[1]; ++s) {
+        ggml_tensor * xs = ggml_view_2d(b.c, x, x->ne[0], x->ne[2], x->nb[2], s * x->nb[1]);
+        ggml_tensor * ws = ggml_view_2d(b.c, w, 1, x->ne[2], w->nb[1], s * w->nb[0]);
+        ggml_tensor * t = ggml_mul(b.c, xs, ws);
+        r = r ? ggml_add(b.c, r, t) : t;
+    }
+    return r;
+}
+
+struct HcMix {
+    ggml_tensor * post;
+    ggml_tensor * comb;
+};
+
+// The hyper-connection read of x [d, hc, n]: mixing weights from the RMS-normed streams, the pre
+// weights' sum of the streams (returned, [d, n]), the post weights and the stream mixing matrix.
+ggml_tensor * hc_pre(Build & b, ggml_tensor * x, ggml_tensor * fn, ggml_tensor * scale, ggml_tensor * base, HcMix * out) {
+    ggml_context * c = b.c;
+    const Dsv4 & h = dsv4(b.m);
+    const int64_t hc = h.hc, n = x->ne[2];
+    ggml_tensor * flat = ggml_rms_norm(c, ggml_reshape_2d(c, x, x->ne[0] * hc, n), b.m->eps);
+    ggml_tensor * mix = ggml_mul_mat(c, fn, flat);  // [(2 + hc) hc, n]
+    auto part = [&](int64_t w, int64_t off, int64_t si) {
+        ggml_tensor * v = ggml_view_2d(c, mix, w, n, mix->nb[1], ggml_row_size(mix->type, off));
+        v = ggml_mul(c, v, view1(c, scale, 1, si));
+        return ggml_add(c, v, view1(c, base, w, off));
+    };
+    ggml_tensor * pre = ggml_scale_bias(c, ggml_sigmoid(c, part(hc, 0, 0)), 1.0f, h.hc_eps);
+    out->post = ggml_scale(c, ggml_sigmoid(c, part(hc, hc, 1)), 2.0f);
+    out->comb = sinkhorn(b, ggml_reshape_3d(c, part(hc * hc, 2 * hc, 2), hc, hc, n));
+    return weigh_streams(b, x, pre);
+}
+
+// The hyper-connection write: stream dst = f * post[dst] + sum_src residual[src] * comb[dst, src].
+ggml_tensor * hc_post(Build & b, ggml_tensor * f, ggml_tensor * res, const HcMix & mx) {
+    ggml_context * c = b.c;
+    const int64_t hc = res->ne[1], n = res->ne[2], d = res->ne[0];
+    ggml_tensor * out = nullptr;
+    for (int64_t dst = 0; dst < hc; ++dst) {
+        ggml_tensor * cur = ggml_mul(c, f, ggml_view_2d(c, mx.post, 1, n, mx.post->nb[1], dst * mx.post->nb[0]));
+        for (int64_t src = 0; src < hc; ++src) {
+            ggml_tensor * rs = ggml_view_2d(c, res, d, n, res->nb[2], src * res->nb[1]);
+            ggml_tensor * w = ggml_view_2d(c, mx.comb, 1, n, mx.comb->nb[2], dst * mx.comb->nb[0] + src * mx.comb->nb[1]);
+            cur = ggml_add(c, cur, ggml_mul(c, rs, w));
+        }
+        cur = ggml_reshape_3d(c, cur, d, 1, n);
+        out = out ? ggml_concat(c, out, cur, 1) : cur;
+    }
+    return out;
+}
+
+// One compressor: per-position rows (kv, score + the position's ape row), after the ring's rows of the
+// positions before the graph; then for each block slot a softmax over its rows (per channel) of the
+// score, weighting the kv rows; RMS norm, RoPE at the block's first position, written to the compressed
+// cache. The ring keeps the last rows (read before they are written over: the write takes them from the
+// concatenation). Returns the compressed cache after the write, viewed over the graph's span.
+ggml_tensor * compress(Build & b, int32_t il, ggml_tensor * cur, ggml_tensor * w_kv, ggml_tensor * w_gate,
+                       ggml_tensor * ape, ggml_tensor * norm, int64_t width, int32_t r, ggml_tensor * comp_cache,
+                       ggml_tensor * kv_ring, ggml_tensor * sc_ring) {
+    ggml_context * c = b.c;
+    const std::vector<ggml_tensor *> & in = b.g.arch_in;
+    const bool overlap = r == kCsa;
+    const int64_t nb = n_blocks(b.n, r), ring = kv_ring->ne[1], keep = std::min<int64_t>(b.n, ring);
+    ggml_tensor * kv = ggml_mul_mat(c, w_kv, cur);
+    ggml_tensor * sc = ggml_add(c, ggml_mul_mat(c, w_gate, cur), ggml_get_rows(c, ape, in[overlap ? kApe4 : kApe128]));
+    ggml_tensor * all_kv = ggml_concat(c, kv_ring, kv, 1);  // [rw, ring + n]
+    ggml_tensor * all_sc = ggml_concat(c, sc_ring, sc, 1);
+    for (auto [all, dst] : {std::pair{all_kv, kv_ring}, std::pair{all_sc, sc_ring}}) {
+        ggml_tensor * last = ggml_view_2d(c, all, all->ne[0], keep, all->nb[1], (size_t)(ring + b.n - keep) * all->nb[1]);
+        ggml_build_forward_expand(b.g.gf, ggml_set_rows(c, dst, last, in[overlap ? kRows4 : kRows128]));
+    }
+    ggml_tensor * rows_kv = ggml_get_rows(c, all_kv, in[overlap ? kRead4 : kRead128]);
+    ggml_tensor * rows_sc = ggml_get_rows(c, all_sc, in[overlap ? kRead4 : kRead128]);
+    ggml_tensor * vals, * scores;
+    if (overlap) {
+        const int64_t nr = r * nb;
+        auto half = [&](ggml_tensor * t, int64_t row0, int64_t col0) {
+            ggml_tensor * v = ggml_view_2d(c, t, width, nr, t->nb[1], row0 * t->nb[1] + ggml_row_size(t->type, col0));
+            return ggml_reshape_3d(c, ggml_cont(c, v), width, r, nb);
+        };
+        vals = ggml_concat(c, half(rows_kv, 0, 0), half(rows_kv, nr, width), 1);
+        scores = ggml_concat(c, half(rows_sc, 0, 0), half(rows_sc, nr, width), 1);
+        scores = ggml_add(c, scores, in[kBias4]);
+    } else {
+        vals = ggml_reshape_3d(c, rows_kv, width, r, nb);
+        scores = ggml_reshape_3d(c, rows_sc, width, r, nb);
+    }
+    vals = ggml_cont(c, ggml_permute(c, vals, 1, 0, 2, 3));  // [rows, width, nb]
+    scores = ggml_soft_max(c, ggml_cont(c, ggml_permute(c, scores, 1, 0, 2, 3)));
+    ggml_tensor * comp = ggml_sum_rows(c, ggml_mul(c, vals, scores));  // [1, width, nb]
+    comp = ggml_cont(c, ggml_permute(c, comp, 1, 0, 2, 3));            // [width, 1, nb]
+    comp = rms(c, comp, norm, b.m->eps);
+    comp = rope_tail(b, il, comp, in[overlap ? kCpos4 : kCpos128]);
+    if (rotates(b.m, width)) comp = rotate(b.c, comp, in[width == dsv4(b.m).idx_len ? kRotIdx : kRotHead]);
+    ggml_tensor * cc = ggml_set_rows(c, comp_cache, ggml_reshape_2d(c, comp, width, nb), in[overlap ? kWrite4 : kWrite128]);
+    const int64_t span = n_comp_span(b.n_kv, b.cap, r);
+    return ggml_view_2d(c, cc, width, span, cc->nb[1], 0);
+}
+
+// The lightning indexer's choice among the visible compressed entries: per position the top_k entries
+// by sum over indexer heads of relu(q_h . k) * w_h. Returns the attention mask over the compressed
+// span ([span, n]): 0 on the chosen visible entries, -inf elsewhere.
+ggml_tensor * indexer_mask(Build & b, int32_t il, ggml_tensor * qr, ggml_tensor * cur, ggml_tensor * idx_k) {
+    ggml_context * c = b.c;
+    const Dsv4 & h = dsv4(b.m);
+    const Layer & L = b.layer(il);
+    const int64_t n = b.n, ih = h.idx_heads, il_ = h.idx_len;
+    ggml_tensor * mask = b.g.arch_in[kMask4];
+    ggml_tensor * q = ggml_reshape_3d(c, ggml_mul_mat(c, ex(L, "idx_q_b"), qr), il_, ih, n);
+    q = rotate(b.c, rope_tail(b, il, q, b.g.inp_pos), b.g.arch_in[kRotIdx]);  // the indexer's cache always rotates
+    ggml_tensor * w = ggml_scale(c, ggml_mul_mat(c, ex(L, "idx_proj"), cur), 1.0f / sqrtf((float)(il_ * ih)));
+    // llama.cpp's fused op (cparams.fused_lid, on for every context): the keys read back to f32 in
+    // whatever type the cache holds, the sum over heads of relu(q . k) * w, plus the mask (f16, exact)
+    const int64_t span = idx_k->ne[1];
+    ggml_tensor * keys = ggml_view_4d(c, idx_k, il_, 1, span, 1, idx_k->nb[1], idx_k->nb[1], idx_k->nb[1] * span, 0);
+    ggml_tensor * score = ggml_lightning_indexer(c, ggml_reshape_4d(c, q, il_, ih, n, 1), keys,
+                                                 ggml_reshape_4d(c, w, ih, n, 1, 1), ggml_cast(c, mask, GGML_TYPE_F16));
+    score = ggml_reshape_2d(c, score, span, n);  // [span, n]
+    const int64_t k_top = std::min<int64_t>(mask->ne[0], h.top_k);
+    ggml_tensor * top = ggml_cont(c, ggml_top_k(c, score, (int)k_top));  // [k_top, n]
+    ggml_tensor * all = ggml_fill(c, mask, -INFINITY);
+    all = ggml_view_4d(c, all, 1, all->ne[0], all->ne[1], 1, all->nb[0], all->nb[1], all->nb[1] * all->ne[1], 0);
+    ggml_tensor * zeros = ggml_fill(c, ggml_new_tensor_4d(c, GGML_TYPE_F32, 1, k_top, n, 1), 0.0f);
+    ggml_tensor * sel = ggml_set_rows(c, all, zeros, top);
+    sel = ggml_view_2d(c, sel, mask->ne[0], n, sel->nb[2], 0);
+    return ggml_add(c, sel, mask);
+}
+
+// Attention of layer il on the normed stream sum cur [d, n]; returns the output projection [d, n].
+ggml_tensor * attention_dsv4(Build & b, int32_t il, ggml_tensor * cur) {
+    ggml_context * c = b.c;
+    const ggswarm_model * m = b.m;
+    const Dsv4 & h = dsv4(m);
+    const Layer & L = b.layer(il);
+    const std::vector<ggml_tensor *> & st = b.state(il);
+    const std::vector<ggml_tensor *> & in = b.g.arch_in;
+    const int64_t hd = m->head_dim, nh = m->n_head, n = b.n;
+    const int32_t r = h.ratio[il];
+    ggml_tensor * qr = rms(c, ggml_mul_mat(c, ex(L, "wq_a"), cur), ex(L, "q_a_norm"), m->eps);
+    ggml_tensor * q = ggml_reshape_3d(c, ggml_mul_mat(c, ex(L, "wq_b"), qr), hd, nh, n);
+    q = rope_tail(b, il, ggml_rms_norm(c, q, m->eps), b.g.inp_pos);
+    ggml_tensor * kv = rms(c, ggml_mul_mat(c, ex(L, "wkv"), cur), ex(L, "kv_norm"), m->eps);
+    kv = rope_tail(b, il, ggml_reshape_3d(c, kv, hd, 1, n), b.g.inp_pos);
+    const bool rot = rotates(m, hd);
+    ggml_tensor * rot_head = rot ? in[kRotHead] : nullptr;  // rot_size(hd) == rot_size(idx_len) when hd == idx_len
+    if (rot) {
+        q = rotate(b.c, q, rot_head);
+        kv = rotate(b.c, kv, rot_head);
+    }
+    ggml_tensor * raw = ggml_set_rows(c, st[0], ggml_reshape_2d(c, kv, hd, n), in[kKidx]);
+    raw = ggml_view_2d(c, raw, hd, raw_span(m, b.n_kv), raw->nb[1], 0);  // in the cache type, as llama.cpp reads it
+    ggml_tensor * k_all = raw, * mask = in[kMaskRaw];
+    if (r == kCsa) {
+        ggml_tensor * comp = compress(b, il, cur, ex(L, "comp_kv"), ex(L, "comp_gate"), ex(L, "comp_ape"),
+                                      ex(L, "comp_norm"), hd, r, st[1], st[2], st[3]);
+        ggml_tensor * idx_k = compress(b, il, cur, ex(L, "idx_kv"), ex(L, "idx_gate"), ex(L, "idx_ape"),
+                                       ex(L, "idx_norm"), h.idx_len, r, st[4], st[5], st[6]);
+        k_all = ggml_concat(c, raw, comp, 1);
+        mask = ggml_concat(c, mask, indexer_mask(b, il, qr, cur, idx_k), 0);
+    } else if (r == kHca) {
+        ggml_tensor * comp = compress(b, il, cur, ex(L, "comp_kv"), ex(L, "comp_gate"), ex(L, "comp_ape"),
+                                      ex(L, "comp_norm"), hd, r, st[1], st[2], st[3]);
+        k_all = ggml_concat(c, raw, comp, 1);
+        mask = ggml_concat(c, mask, in[kMask128], 0);
+    }
+    // one K = V head shared by every query head, with a per-head sink in the softmax
+    ggml_tensor * o;
+    if (ggml_is_quantized(m->cache_type)) {
+        // llama.cpp runs a quantized cache with flash attention (it requires it for V, here K itself):
+        // the mask in f16 (0 and -inf, exact), the sinks on the fused op
+        const int64_t N = k_all->ne[1];
+        ggml_tensor * kv3 = ggml_view_3d(c, k_all, hd, N, 1, k_all->nb[1], k_all->nb[1] * N, 0);  // [hd, N, 1]
+        o = ggml_flash_attn_ext(c, ggml_permute(c, q, 0, 2, 1, 3), kv3, kv3, ggml_cast(c, mask, GGML_TYPE_F16),
+                                1.0f / sqrtf((float)hd), 0.0f, 0.0f);  // [hd, heads, n]
+        ggml_flash_attn_ext_add_sinks(o, ex(L, "sinks"));
+        ggml_prec_set_acc(o, GGML_PREC_F32);
+    } else {
+        ggml_tensor * kq = ggml_mul_mat(c, k_all, ggml_permute(c, q, 0, 2, 1, 3));  // [N, n, heads]
+        kq = ggml_soft_max_ext(c, kq, mask, 1.0f / sqrtf((float)hd), 0.0f);
+        ggml_soft_max_add_sinks(kq, ex(L, "sinks"));
+        o = ggml_mul_mat(c, ggml_cont(c, ggml_transpose(c, k_all)), kq);  // [hd, n, heads]
+        o = ggml_cont(c, ggml_permute(c, o, 0, 2, 1, 3));                // [hd, heads, n]
+    }
+    if (rot) o = rotate(b.c, o, rot_head);                                         // back (H H = I)
+    o = rope_tail(b, il, o, b.g.inp_pos, true);                               // undo V's RoPE
+    // grouped output projection: each group of heads through its own low-rank map, then one more
+    const int64_t gd = hd * nh / h.o_groups;
+    o = ggml_permute(c, ggml_reshape_3d(c, o, gd, h.o_groups, n), 0, 2, 1, 3);  // [gd, n, groups]
+    ggml_tensor * wa = ggml_reshape_3d(c, ex(L, "wo_a"), gd, h.o_lora, h.o_groups);
+    ggml_tensor * oa = ggml_mul_mat(c, wa, o);                                   // [o_lora, n, groups]
+    oa = ggml_cont_2d(c, ggml_permute(c, oa, 0, 2, 1, 3), (int64_t)h.o_lora * h.o_groups, n);
+    return ggml_mul_mat(c, ex(L, "wo_b"), oa);
+}
+
+ggml_tensor * swiglu(ggml_context * c, ggml_tensor * g, ggml_tensor * u, float limit) {
+    return limit > 1e-6f ? ggml_swiglu_clamp(c, g, u, limit) : ggml_swiglu_split(c, g, u);
+}
+
+// The experts: sqrt(softplus) scores; hash layers take their experts from the token id, the others the
+// top n_used of score + bias; weights are the chosen scores, normalised and scaled; plus the shared expert.
+ggml_tensor * ffn(Build & b, int32_t il, ggml_tensor * x) {
+    ggml_context * c = b.c;
+    const Dsv4 & h = dsv4(b.m);
+    const Layer & L = b.layer(il);
+    const int64_t d = x->ne[0], n = x->ne[1];
+    ggml_tensor * logits = ggml_mul_mat(c, L.ffn_gate_inp, x);
+    ggml_tensor * probs = ggml_sqrt(c, ggml_softplus(c, logits));  // [n_expert, n]
+    ggml_tensor * sel;
+    if (il < h.hash_layers) {
+        sel = ggml_get_rows(c, ex(L, "tid2eid"), b.g.inp_tokens);  // [n_used, n]
+    } else {
+        sel = ggml_argsort_top_k(c, ggml_add(c, probs, ex(L, "exp_probs_b")), h.n_used);
+    }
+    ggml_tensor * w = ggml_get_rows(c, ggml_reshape_3d(c, probs, 1, h.n_expert, n), sel);  // [1, n_used, n]
+    if (h.norm_w) {
+        ggml_tensor * w2 = ggml_reshape_2d(c, w, h.n_used, n);
+        ggml_tensor * sum = ggml_clamp(c, ggml_sum_rows(c, w2), 6.103515625e-5f, INFINITY);
+        w = ggml_reshape_3d(c, ggml_div(c, w2, sum), 1, h.n_used, n);
+    }
+    if (h.w_scale != 1.0f) w = ggml_scale(c, w, h.w_scale);
+    ggml_tensor * x3 = ggml_reshape_3d(c, x, d, 1, n);
+    ggml_tensor * up = ggml_mul_mat_id(c, L.ffn_up_exps, x3, sel);
+    ggml_tensor * gate = ggml_mul_mat_id(c, L.ffn_gate_exps, x3, sel);
+    ggml_tensor * e = ggml_mul_mat_id(c, L.ffn_down_exps, swiglu(c, gate, up, h.clamp_exp[il]), sel);  // [d, n_used, n]
+    e = ggml_mul(c, e, w);
+    ggml_tensor * sum = ggml_view_2d(c, e, d, n, e->nb[2], 0);
+    for (int32_t i = 1; i < h.n_used; ++i) sum = ggml_add(c, sum, ggml_view_2d(c, e, d, n, e->nb[2], (size_t)i * e->nb[1]));
+    if (h.n_used == 1) sum = ggml_cont(c, sum);
+    ggml_tensor * sh = swiglu(c, ggml_mul_mat(c, L.ffn_gate_shexp, x), ggml_mul_mat(c, L.ffn_up_shexp, x), h.clamp_shexp[il]);
+    return ggml_add(c, sum, ggml_mul_mat(c, L.ffn_down_shexp, sh));
+}
+
+}  // namespace
+
+ggml_tensor * build(Build & b, ggml_tensor * x) {
+    ggswarm_model * m = b.m;
+    ggml_context * c = b.c;
+    const Dsv4 & h = dsv4(m);
+    const int64_t d = m->d_model, hc = h.hc;
+    make_inputs(b);
+    if (m->needs_ids() && !b.g.inp_tokens) {  // hash-routed layers after the first window: ids come with the hidden rows
+        b.g.inp_tokens = ggml_new_tensor_1d(c, GGML_TYPE_I32, b.n);
+        ggml_set_input(b.g.inp_tokens);
+    }
+    // the embedding repeated into the streams on the first window; the boundary rows otherwise
+    x = m->is_first() ? ggml_repeat_4d(c, ggml_reshape_3d(c, x, d, 1, b.n), d, hc, b.n, 1)
+                      : ggml_reshape_3d(c, x, d, hc, b.n);
+    for (int32_t il = m->layer_start; il < m->layer_end; ++il) {
+        const Layer & L = b.layer(il);
+        HcMix mx;
+        ggml_tensor * cur = hc_pre(b, x, ex(L, "hc_attn_fn"), ex(L, "hc_attn_scale"), ex(L, "hc_attn_base"), &mx);
+        cur = attention_dsv4(b, il, rms(c, cur, L.attn_norm, m->eps));
+        x = hc_post(b, cur, x, mx);
+        cur = hc_pre(b, x, ex(L, "hc_ffn_fn"), ex(L, "hc_ffn_scale"), ex(L, "hc_ffn_base"), &mx);
+        cur = ffn(b, il, rms(c, cur, L.ffn_norm, m->eps));
+        x = hc_post(b, cur, x, mx);
+    }
+    if (!m->is_last()) return ggml_reshape_2d(c, x, d * hc, b.n);
+    if (b.last_only && b.n > 1) x = ggml_view_3d(c, x, d, hc, 1, x->nb[1], x->nb[2], (size_t)(b.n - 1) * x->nb[2]);
+    // the head collapses the streams (the output norm and projection follow in graph.cpp)
+    const Layer & L = b.layer(m->layer_end - 1);
+    const int64_t nt = x->ne[2];
+    ggml_tensor * flat = ggml_rms_norm(c, ggml_cont_2d(c, x, d * hc, nt), m->eps);
+    ggml_tensor * mix = ggml_mul_mat(c, ex(L, "hc_head_fn"), flat);  // [hc, nt]
+    ggml_tensor * pre = ggml_add(c, ggml_mul(c, mix, ex(L, "hc_head_scale")), ex(L, "hc_head_base"));
+    pre = ggml_scale_bias(c, ggml_sigmoid(c, pre), 1.0f, h.hc_eps);
+    return weigh_streams(b, ggml_reshape_3d(c, ggml_cont(c, x), d, hc, nt), pre);
+}
+
+}  // namespace deepseek4
+}  // namespace ggswarm
