@@ -42,6 +42,12 @@ def start_serve(
     return hop.proc, hop.url, hop.node_id
 
 
+def cpu_kind() -> str:
+    """The CPU's widest vector extension from /proc/cpuinfo's flags: "avx512", "avx2" or "other"."""
+    flags = Path("/proc/cpuinfo").read_text().split()
+    return "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "other"
+
+
 async def serve_forever(path: str, handle: Any, port: int) -> None:
     """An aiohttp app answering GET `path` with `handle` on 127.0.0.1:`port`, until cancelled (the bare
     relays of bench/hop_floor.py and bench/archive/chain_legs.py)."""

@@ -9,11 +9,9 @@ through the hop goes on while they stall, and the hop closes every one of them w
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pytest
 from aiohttp import ClientSession, WSMsgType, web
@@ -23,9 +21,10 @@ from agent.artifacts.packaged import ModelNotFound, packaged_model_path
 from agent.client.recovery import Hop
 from agent.client.route import RouteClient
 from agent.dev.cluster import ServeHop, health, start_serve
+from agent.dev.hostile import STALL_KINDS, ids_frame, open_frame, stall, trickle
 from agent.node import admission
 from agent.node.dataplane import DataPlane, start_dataplane
-from agent.wire.frames import REQ_HEADER, Kind, Op, Request, encode_request
+from agent.wire.frames import REQ_HEADER
 from agent.wire.routetoken import mint, public_key_b64
 from agent.wire.sampling import SamplingParams
 from agent.wire.stream import STREAM_PATH
@@ -62,82 +61,6 @@ def hop(tiny, signing_key, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     h.stop()
 
 
-def open_frame(token: bytes, session: bytes) -> bytes:
-    return encode_request(Request(op=Op.OPEN, session=session, token=token))
-
-
-def ids_frame(token: bytes, session: bytes, ids: list[int]) -> bytes:
-    import numpy as np
-
-    payload = np.asarray(ids, dtype="<i4").tobytes()
-    return encode_request(
-        Request(
-            op=Op.FORWARD,
-            session=session,
-            token=token,
-            step=1,
-            n_tokens=len(ids),
-            kind=Kind.IDS,
-            payload=payload,
-        )
-    )
-
-
-@dataclass
-class Stalled:
-    """One stalled connection: what it sent, when it opened, when the hop closed it."""
-
-    kind: str
-    reader: asyncio.StreamReader
-    writer: asyncio.StreamWriter
-    opened: float
-    closed: float = 0.0
-
-    async def wait_closed(self, timeout_s: float) -> None:
-        """Read until the hop closes the connection (whatever it answered first)."""
-        with contextlib.suppress(ConnectionError, TimeoutError):
-            await asyncio.wait_for(_drain(self.reader), timeout_s)
-        self.closed = time.monotonic()
-
-
-async def _drain(reader: asyncio.StreamReader) -> None:
-    while await reader.read(1 << 16):
-        pass
-
-
-async def stall(url: str, kind: str, frame: bytes) -> Stalled:
-    """Open a connection to the hop at `url` and send the start of a request that never finishes."""
-    host, port = url.removeprefix("http://").split(":")
-    reader, writer = await asyncio.open_connection(host, int(port))
-    t0 = time.monotonic()
-    head = f"POST /v1/frame HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(frame)}\r\n\r\n".encode()
-    if kind == "headers only":
-        writer.write(head)
-    elif kind == "slow body":
-        writer.write(head + frame[: REQ_HEADER.size // 2])  # then a byte now and then (trickle below)
-    elif kind == "slow headers":
-        writer.write(f"POST /v1/frame HTTP/1.1\r\nHost: {host}\r\n".encode())
-    elif kind == "silent stream":
-        key = "dGhlIHNhbXBsZSBub25jZQ=="
-        writer.write(
-            f"GET {STREAM_PATH} HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-            f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n".encode()
-        )
-    await writer.drain()
-    return Stalled(kind, reader, writer, t0)
-
-
-async def trickle(stalled: list[Stalled], frame: bytes) -> None:
-    """Send the slow bodies one more byte a second (each still far from its Content-Length)."""
-    sent = REQ_HEADER.size // 2
-    while True:
-        await asyncio.sleep(1.0)
-        for s in stalled:
-            if s.kind == "slow body" and not s.writer.is_closing():
-                s.writer.write(frame[sent : sent + 1])
-        sent += 1
-
-
 async def until(cond, timeout_s: float = 10.0) -> None:  # noqa: ANN001
     """Poll `cond()` until it holds (readiness, never a guessed sleep)."""
     end = time.monotonic() + timeout_s
@@ -157,7 +80,7 @@ async def test_a_chat_through_a_hop_goes_on_while_64_stalled_clients_of_its_addr
     token = mint(signing_key, session, manifest.sha256, 0, 4, hop.node_id)
     frame = ids_frame(token, os.urandom(16), [1, 2, 3])  # a valid-looking frame, never sent whole
     n = admission.PER_IP_CONCURRENCY + 8
-    kinds = ["headers only", "slow body", "slow headers", "silent stream"]
+    kinds = list(STALL_KINDS)
     stalled = [await stall(hop.url, kind, frame) for kind in kinds for _ in range(n)]
     trickling = asyncio.create_task(trickle(stalled, frame))
     try:

@@ -42,15 +42,21 @@ def test_a_chat_of_8000_messages_tokenizes_in_linear_time_with_the_same_ids(tok:
     def chat(n: int) -> str:
         return tok.apply_chat_template([{"role": "user", "content": "x"} for _ in range(n)])
 
-    small, big = chat(2000), chat(8000)
-    t = time.perf_counter()
-    ids_small = tok.encode(small)
-    t_small = time.perf_counter() - t
-    t = time.perf_counter()
-    ids_big = tok.encode(big)
-    t_big = time.perf_counter() - t
-    # 4x the messages: about 4x the time (it was 8x, and 2 s, with llama.cpp's quadratic partition)
-    assert t_big < 6 * t_small + 0.05, (t_small, t_big)
+    small, big = chat(1000), chat(8000)
+
+    def fastest(text: str) -> tuple[float, list[int]]:  # the least disturbed of three (the CPU is shared)
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            ids = tok.encode(text)
+            times.append(time.perf_counter() - t)
+        return min(times), ids
+
+    t_small, ids_small = fastest(small)
+    t_big, ids_big = fastest(big)
+    # 8x the messages: about 8x the time, far from the ~64x of llama.cpp's quadratic partition (whose
+    # 2,000 -> 8,000 messages took 8x, 2 s)
+    assert t_big < 16 * t_small + 0.05, (t_small, t_big)
     assert ids_small == whole(tok, small) and ids_big == whole(tok, big)
 
 

@@ -8,22 +8,16 @@ from __future__ import annotations
 import http.client
 import json
 import socket
-import statistics
-import threading
 import time
-import urllib.parse
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
+from agent.dev.hostile import DEEP, GIB, MIB, HealthProbe, address, head, push, rss_mb, send_headers_only
 from tests.integration.swarm import Swarm, control_plane
 from tests.integration.test_openai_api import create_key
 
 pytestmark = pytest.mark.slow
-GIB = 1 << 30
-MIB = 1 << 20
-DEEP = "[" * 100_000 + "]" * 100_000
 
 
 @pytest.fixture(scope="module")
@@ -32,48 +26,10 @@ def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: str) -> Iterator
         yield s
 
 
-def address(s: Swarm) -> tuple[str, int]:
-    u = urllib.parse.urlsplit(s.base)
-    return u.hostname or "127.0.0.1", u.port or 80
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
-
-
-def head(path: str, *headers: str) -> bytes:
-    lines = [f"POST {path} HTTP/1.1", "Host: 127.0.0.1", "Content-Type: application/octet-stream", *headers]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode()
-
-
-def send_headers_only(s: Swarm, raw: bytes, timeout: float = 10) -> tuple[bytes, float, socket.socket]:
-    """Send a request's headers and no body; the server's first answer and how long it took."""
-    sock = socket.create_connection(address(s), timeout=timeout)
-    sock.sendall(raw)
-    t = time.perf_counter()
-    reply = sock.recv(4096)  # a timeout here is the old behaviour: waiting for the body
-    return reply, time.perf_counter() - t, sock
-
-
-def push(sock: socket.socket, total: int, chunk: bytes) -> int:
-    """Send up to `total` bytes of `chunk`s; how many went before the server's close stopped them."""
-    sent = 0
-    try:
-        while sent < total:
-            sock.sendall(chunk)
-            sent += len(chunk)
-    except OSError:  # reset, broken pipe or a timeout: the server stopped reading, as it should
-        pass
-    return sent
-
-
 def test_a_1_gib_anonymous_post_is_refused_before_its_body_is_sent_and_never_read(swarm: Swarm) -> None:
     assert swarm.web is not None
     before = rss_mb(swarm.web.pid)
-    reply, took, sock = send_headers_only(swarm, head("/healthz", f"Content-Length: {GIB}"))
+    reply, took, sock = send_headers_only(address(swarm.base), head("/healthz", f"Content-Length: {GIB}"))
     with sock:
         assert reply.startswith(b"HTTP/1.1 413"), reply
         assert b"Connection: close" in reply and took < 5
@@ -86,7 +42,7 @@ def test_a_1_gib_anonymous_post_is_refused_before_its_body_is_sent_and_never_rea
 def test_a_chunked_body_is_cut_off_with_413_once_it_passes_the_limit(swarm: Swarm) -> None:
     assert swarm.web is not None
     before = rss_mb(swarm.web.pid)
-    sock = socket.create_connection(address(swarm), timeout=10)
+    sock = socket.create_connection(address(swarm.base), timeout=10)
     with sock:
         sock.sendall(head("/api/agent/enroll", "Transfer-Encoding: chunked"))
         piece = b"%x\r\n%s\r\n" % (MIB, b"x" * MIB)
@@ -100,17 +56,19 @@ def test_a_chunked_body_is_cut_off_with_413_once_it_passes_the_limit(swarm: Swar
 def test_anonymous_and_forged_sessions_get_no_upload_allowance_and_staff_does(swarm: Swarm) -> None:
     big = f"Content-Length: {64 * GIB}"
     for cookie in ([], ["Cookie: sessionid=forged-session-key"]):
-        reply, took, sock = send_headers_only(swarm, head("/models/register", big, *cookie))
+        reply, took, sock = send_headers_only(address(swarm.base), head("/models/register", big, *cookie))
         sock.close()
         assert reply.startswith(b"HTTP/1.1 413"), (cookie, reply)  # was: read all 64 GiB, then login
         assert took < 5
     staff = [f"Cookie: sessionid={swarm.admin.cookie('sessionid')}", "Expect: 100-continue"]
-    reply, _, sock = send_headers_only(swarm, head("/models/register", big, *staff))
+    reply, _, sock = send_headers_only(address(swarm.base), head("/models/register", big, *staff))
     sock.close()
     assert reply.startswith(b"HTTP/1.1 100 Continue"), reply  # the upload limit, after the lookup
     # a staff body past MAX_REQUEST_BYTES is read and reaches the application (its CSRF check, 403)
     size = 33 * MIB
-    reply, _, sock = send_headers_only(swarm, head("/models/register", f"Content-Length: {size}", *staff))
+    reply, _, sock = send_headers_only(
+        address(swarm.base), head("/models/register", f"Content-Length: {size}", *staff)
+    )
     with sock:
         assert reply.startswith(b"HTTP/1.1 100 Continue"), reply
         assert push(sock, size, b"\0" * MIB) == size
@@ -120,7 +78,7 @@ def test_anonymous_and_forged_sessions_get_no_upload_allowance_and_staff_does(sw
 
 
 def test_requests_within_the_limits_are_served_as_before(swarm: Swarm) -> None:
-    c = http.client.HTTPConnection(*address(swarm), timeout=10)
+    c = http.client.HTTPConnection(*address(swarm.base), timeout=10)
     c.request("POST", "/api/agent/enroll", body=json.dumps({"token": "nope", "name": "x"}))
     r = c.getresponse()
     assert r.status in (400, 403) and b"error" in r.read()
@@ -129,31 +87,10 @@ def test_requests_within_the_limits_are_served_as_before(swarm: Swarm) -> None:
 
 
 def test_deep_json_to_anonymous_enrollment_is_a_400_from_the_real_server(swarm: Swarm) -> None:
-    c = http.client.HTTPConnection(*address(swarm), timeout=30)
+    c = http.client.HTTPConnection(*address(swarm.base), timeout=30)
     c.request("POST", "/api/agent/enroll", body=DEEP, headers={"Content-Type": "application/json"})
     r = c.getresponse()
     assert r.status == 400, r.read()[:300]  # was a 500
-
-
-class HealthProbe(threading.Thread):
-    """Times GET /healthz back to back, as every other user of the web would see it."""
-
-    def __init__(self, s: Swarm) -> None:
-        super().__init__(daemon=True)
-        self.addr, self.stop, self.ms = address(s), threading.Event(), list[float]()
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            c = http.client.HTTPConnection(*self.addr, timeout=60)
-            t = time.perf_counter()
-            c.request("GET", "/healthz")
-            c.getresponse().read()
-            self.ms.append((time.perf_counter() - t) * 1000)
-            c.close()
-            time.sleep(0.02)
-
-    def p99(self) -> float:
-        return statistics.quantiles(self.ms, n=100)[98] if len(self.ms) >= 2 else max(self.ms)
 
 
 def test_the_web_keeps_answering_while_one_key_sends_huge_long_and_deep_prompts(swarm: Swarm) -> None:
@@ -162,7 +99,7 @@ def test_the_web_keeps_answering_while_one_key_sends_huge_long_and_deep_prompts(
     model = swarm.model["name"]
 
     def chat(messages: object) -> tuple[int, dict[str, object]]:
-        c = http.client.HTTPConnection(*address(swarm), timeout=60)
+        c = http.client.HTTPConnection(*address(swarm.base), timeout=60)
         body = (
             json.dumps({"model": model, "messages": messages}) if not isinstance(messages, str) else messages
         )
@@ -175,7 +112,7 @@ def test_the_web_keeps_answering_while_one_key_sends_huge_long_and_deep_prompts(
         r = c.getresponse()
         return r.status, json.loads(r.read())
 
-    probe = HealthProbe(swarm)
+    probe = HealthProbe(address(swarm.base))
     probe.start()
     try:
         t = time.perf_counter()

@@ -15,6 +15,7 @@ from urllib.parse import quote_from_bytes
 
 import pytest
 
+from agent.dev.hostile import announce_query, compact_peers
 from webapp.fleet.models import Node
 from webapp.fleet.passkeys import node_passkey
 from webapp.fleet.services import create_enrollment_token, redeem_enrollment_token
@@ -48,21 +49,12 @@ def node_at(name: str, address: str, online: bool = True) -> str:
 def announce(
     client: Any, node_id: str, address: str, info_hash: bytes, peer_id: bytes, port: int, numwant: int = 50
 ) -> dict[bytes, Any]:
-    q = f"info_hash={quote_from_bytes(info_hash)}&peer_id={quote_from_bytes(peer_id)}&port={port}"
-    q += f"&uploaded=0&downloaded=0&left=1000&compact=1&numwant={numwant}"
+    q = announce_query(info_hash, peer_id, port, numwant)
     r = client.get(f"/tracker/{node_passkey(node_id)}/announce", QUERY_STRING=q, REMOTE_ADDR=address)
     assert r.status_code == 200
     body = bdecode(r.content)
     assert isinstance(body, dict)
     return body
-
-
-def addresses(body: dict[bytes, Any]) -> list[tuple[str, int]]:
-    raw = body[b"peers"]
-    return [
-        (".".join(str(b) for b in raw[i : i + 4]), int.from_bytes(raw[i + 4 : i + 6], "big"))
-        for i in range(0, len(raw), 6)
-    ]
 
 
 def test_a_node_claiming_300_made_up_peers_leaves_an_honest_node_at_least_90_percent_honest_peers(
@@ -79,7 +71,7 @@ def test_a_node_claiming_300_made_up_peers_leaves_an_honest_node_at_least_90_per
         announce(client, evil, source, ih, b"-FAKE00-" + b"%012d" % i, 20000 + i)
 
     asker = "10.0.0.1"
-    peers = addresses(announce(client, honest[asker], asker, ih, b"-GS0001-" + b"x" * 12, 6881, 200))
+    peers = compact_peers(announce(client, honest[asker], asker, ih, b"-GS0001-" + b"x" * 12, 6881, 200))
     honest_peers = [p for p in peers if p[0] in honest and p[0] != asker]
     assert len(honest_peers) == 19, peers
     assert len(honest_peers) / len(peers) >= 0.9, f"{len(peers) - len(honest_peers)} fake of {len(peers)}"
@@ -98,7 +90,7 @@ def test_peers_away_from_their_enrolled_address_never_outnumber_those_at_it(
         node_id = node_at(f"u{i}", f"10.1.0.{i}", online=i % 2 == 0)
         announce(client, node_id, f"10.2.0.{i}" if i % 2 == 0 else f"10.1.0.{i}", ih, b"u%019d" % i, 7000)
     asker = node_at("asker", "10.0.0.9")
-    peers = addresses(announce(client, asker, "10.0.0.9", ih, b"-GS0001-" + b"a" * 12, 6881, 200))
+    peers = compact_peers(announce(client, asker, "10.0.0.9", ih, b"-GS0001-" + b"a" * 12, 6881, 200))
     at_home = [p for p in peers if p[0].startswith("10.0.0.")]
     assert len(at_home) == 3 and peers[:3] == at_home, "verified peers come first"
     assert len(peers) - len(at_home) <= len(at_home)
