@@ -566,15 +566,7 @@ def main() -> None:
         tempfile.TemporaryDirectory(prefix="bench-abuse-") as tmp,
         control_plane(Path(tmp), DEFAULT_BACKEND=args.backend) as s,
     ):
-        for i in (1, 2):
-            config, _ = s.enroll(f"agent-{i}")
-            s.run_agent(f"agent-{i}", config)
-        s.online(list(s.agents))
-        s.register_smollm2()
-        code, body = s.admin.post(f"/models/{s.model['id']}/place", {"replicas": "1"})
-        if code != 200:
-            raise RuntimeError(body)
-        s.shards_ready()
+        s.serve_smollm2(2)
         model, users = s.model["name"], ("mallory", "eve", "alice")
         limits = shell(
             s,

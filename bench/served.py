@@ -309,15 +309,7 @@ def playground(args: argparse.Namespace, tok: ChatTokenizer) -> dict[str, Any]:
         tempfile.TemporaryDirectory(prefix="bench-served-") as tmp,
         control_plane(Path(tmp), DEFAULT_BACKEND="native") as s,
     ):
-        for i in (1, 2, 3):
-            config, _ = s.enroll(f"agent-{i}")
-            s.run_agent(f"agent-{i}", config)
-        s.online(list(s.agents))
-        s.register_smollm2()
-        code, body = s.admin.post(f"/models/{s.model['id']}/place", {"replicas": "1"})
-        if code != 200:
-            raise RuntimeError(body)
-        s.shards_ready()
+        s.serve_smollm2(3)
         _, _, route = asyncio.run(ws_answer(s, 4))  # warm-up, and the route the playground uses
         if any("node" not in h for h in route):
             raise RuntimeError(f"the playground's start event names no node per hop: {route}")

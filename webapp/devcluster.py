@@ -137,6 +137,20 @@ class Swarm:
             raise RuntimeError(f"smollm2: {self.model}")
         return self.model
 
+    def serve_smollm2(self, n_agents: int = 2) -> dict[str, Any]:
+        """`n_agents` enrolled `agent run` agents online, SmolLM2 registered and placed once across them,
+        its shards ready: the swarm `make up` gives, for tests and benches."""
+        for i in range(1, n_agents + 1):
+            config, _ = self.enroll(f"agent-{i}")
+            self.run_agent(f"agent-{i}", config)
+        self.online(list(self.agents))
+        self.register_smollm2()
+        code, body = self.admin.post(f"/models/{self.model['id']}/place", {"replicas": "1"})
+        if code != 200:
+            raise RuntimeError(f"placing smollm2 failed (HTTP {code}): {str(body)[:300]}")
+        self.shards_ready()
+        return self.model
+
     async def playground_chat(
         self,
         messages: list[str],

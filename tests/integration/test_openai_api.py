@@ -22,14 +22,7 @@ COUNTING = "Count from 1 to 300, one number per line, and nothing else."
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: str) -> Iterator[Swarm]:
     with control_plane(tmp_path_factory.mktemp("openai-api")) as s:
-        for i in (1, 2):
-            config, _ = s.enroll(f"agent-{i}")
-            s.run_agent(f"agent-{i}", config)
-        s.online(list(s.agents))
-        s.register_smollm2()
-        code, body = s.admin.post(f"/models/{s.model['id']}/place", {"replicas": "1"})
-        assert code == 200, body
-        s.shards_ready()
+        s.serve_smollm2(2)
         yield s
 
 
