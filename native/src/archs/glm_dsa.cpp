@@ -219,7 +219,7 @@ ggml_tensor * mla_attention(Build & b, int32_t il, ggml_tensor * cur, ggml_tenso
     const float kq_scale = mscale * mscale / sqrtf((float)dsa(b.m).k_mla);
     // llama.cpp runs a quantized cache with flash attention (the mask in f16: 0 and -inf, exact); its
     // latent cache is not rotated (build_attn for the DSA input applies no k_rot)
-    const bool flash = ggml_is_quantized(b.m->cache_type);
+    const bool flash = b.m->flash();  // the handle's mode: flash attention on (or a quantized cache) or off
     return ggml_mul_mat(c, L.wo, mla_attend(b, il, qk, sparse, flash, (int32_t)top_k->ne[0], kq_scale));
 }
 
