@@ -76,3 +76,33 @@ def test_the_scan_costs_less_than_parsing_a_wide_8_mb_body() -> None:
     json.loads(body)
     parse = time.perf_counter() - t
     assert scan < max(parse, 0.05), (scan, parse)
+
+
+def containers(o: Any) -> int:
+    if isinstance(o, list | dict):
+        children = o.values() if isinstance(o, dict) else o
+        return 1 + sum(containers(c) for c in children)
+    return 0
+
+
+def test_the_objects_and_arrays_counted_are_the_documents_own_whatever_its_strings_hold() -> None:
+    rng = random.Random(34)
+    for _ in range(2000):
+        doc = document(rng, rng.randint(0, 6))
+        n = containers(doc)
+        text = json.dumps(doc)
+        assert loads_bounded(text, max_containers=n) == doc
+        if n:
+            with pytest.raises(JsonLimitError, match=f"holds {n} objects and arrays; the limit is {n - 1}"):
+                loads_bounded(text, max_containers=n - 1)
+
+
+def test_a_body_of_250_000_messages_is_refused_without_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
+    body = json.dumps({"messages": [{"role": "user", "content": "{[x]}"}] * 250_000}).encode()
+
+    def no_parse(*a: Any, **k: Any) -> Any:
+        raise AssertionError("json.loads ran")
+
+    monkeypatch.setattr(json, "loads", no_parse)
+    with pytest.raises(JsonLimitError, match="holds 250002 objects and arrays; the limit is 17408"):
+        loads_bounded(body, max_containers=17_408)

@@ -83,6 +83,18 @@ async def test_more_messages_than_the_cap_are_refused_before_they_are_read(
     assert encodes == []
 
 
+async def test_a_body_of_250_000_messages_is_refused_before_its_json_is_parsed(
+    async_client: Any, api_key: str, artifact: Any, encodes: list[int], settings: Any
+) -> None:
+    """Its parse alone held the web's GIL for 157 ms (bench/abuse.py's worst stall): the objects are
+    counted by a byte scan first."""
+    r, body = await chat(async_client, api_key, artifact.name, [{"role": "user", "content": "x"}] * 250_000)
+    assert r.status_code == 400 and body["error"]["code"] == "invalid_json", body
+    most = 8 * settings.MAX_CHAT_MESSAGES + 1024
+    assert f"holds 250002 objects and arrays; the limit is {most}" in body["error"]["message"]
+    assert encodes == []
+
+
 async def test_a_long_chat_is_tokenized_off_the_event_loop_which_keeps_answering(
     async_client: Any, api_key: str, artifact: Any, encodes: list[int]
 ) -> None:

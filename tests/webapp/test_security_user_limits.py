@@ -100,11 +100,11 @@ def test_thirty_keys_of_one_user_share_the_users_requests_per_minute(
         r = client.get("/v1/models", headers=auth(plains[n % 30]))
         assert r.status_code in (200, 429)
         answered += r.status_code == 200
-    assert answered <= 1.1 * settings.API_USER_RATE_PER_MIN, f"{answered} answered in one minute"
+    assert answered == settings.API_USER_RATE_PER_MIN, f"{answered} answered in one minute"
     err = json.loads(r.content)["error"]
     assert err["code"] == "rate_limit_exceeded" and "all your API keys share it" in err["message"]
     assert 1 <= int(r["Retry-After"]) <= 60
-    keys.rate_limiter.clock = lambda: 6060.0  # the next minute
+    keys.rate_limiter.clock = lambda: 6060.0  # a minute after the first request
     assert client.get("/v1/models", headers=auth(plains[0])).status_code == 200
 
 

@@ -63,8 +63,8 @@ def authenticate(authorization: str) -> ApiKey | None:
 
 
 class RateLimiter(WindowCounter):
-    """Fixed one-minute windows per key (`hit(key.pk, ...)`) and per user (`hit(f"user:{id}", ...)`): in
-    Redis when REDIS_URL is set (shared by every web process), else in this process."""
+    """Sliding one-minute windows per key (`hit(key.pk, ...)`) and per user (`hit(f"user:{id}", ...)`):
+    in Redis when REDIS_URL is set (shared by every web process), else in this process."""
 
     def __init__(self) -> None:
         super().__init__("api-rate")
@@ -79,7 +79,7 @@ def user_limit_per_min() -> int:
 
 
 def hit_user(user_id: int) -> float:
-    """Count one request against the user's budget; 0 if allowed, else seconds until it resets."""
+    """Count one request against the user's budget; 0 if allowed, else seconds until one is."""
     return rate_limiter.hit(f"user:{user_id}", user_limit_per_min())
 
 

@@ -72,10 +72,12 @@ class GenRequest:
     top_logprobs: int = 0
 
 
-def parse_body(raw: bytes, max_bytes: int | None = None) -> dict[str, Any]:
-    """The body as a JSON object, nested at most 64 deep (100,000 levels were a RecursionError, a 500)."""
+def parse_body(raw: bytes, max_bytes: int | None = None, max_containers: int | None = None) -> dict[str, Any]:
+    """The body as a JSON object, nested at most 64 deep (100,000 levels were a RecursionError, a 500)
+    and holding at most `max_containers` objects and arrays, counted before parsing (a body of 250,000
+    messages held the web's GIL for its parse)."""
     try:
-        body = loads_bounded(raw or b"null", max_bytes=max_bytes)
+        body = loads_bounded(raw or b"null", max_bytes=max_bytes, max_containers=max_containers)
     except JsonLimitError as e:
         raise bad(f"the request body is refused: {e}", code="invalid_json") from None
     except (ValueError, UnicodeDecodeError):

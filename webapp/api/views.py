@@ -250,12 +250,19 @@ async def _generate(request: HttpRequest, key: ApiKey, req: GenRequest) -> HttpR
     return JsonResponse(Shaper(gen).whole(pieces))
 
 
+def max_body_containers() -> int:
+    """Objects and arrays a request body may hold: a message, its content parts and the parameters'
+    own, for the most messages a chat takes."""
+    return 8 * int(settings.MAX_CHAT_MESSAGES) + 1024
+
+
 def _parse_chat(raw: bytes) -> GenRequest:
-    return parse_chat(parse_body(raw, settings.MAX_REQUEST_BYTES), settings.MAX_CHAT_MESSAGES)
+    body = parse_body(raw, settings.MAX_REQUEST_BYTES, max_body_containers())
+    return parse_chat(body, settings.MAX_CHAT_MESSAGES)
 
 
 def _parse_completion(raw: bytes) -> GenRequest:
-    return parse_completion(parse_body(raw, settings.MAX_REQUEST_BYTES))
+    return parse_completion(parse_body(raw, settings.MAX_REQUEST_BYTES, max_body_containers()))
 
 
 async def _parse(parse: Callable[[bytes], GenRequest], raw: bytes) -> GenRequest:

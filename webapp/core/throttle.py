@@ -7,7 +7,7 @@ included, until the window passes. Counting per pair keeps one attacker from loc
 an account cheaply; the per-username ceiling stops a distributed guess. docs/security.md, "Login
 brute force".
 
-`WindowCounter` counts other events in fixed windows (API requests per key and per user, key
+`WindowCounter` limits other events in sliding windows (API requests per key and per user, key
 creation, tracker announces per node): docs/security.md, "Limits per user" and "Tracker poisoning".
 """
 
@@ -16,6 +16,8 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
+import uuid
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -89,48 +91,66 @@ def _succeeded(sender: Any, request: HttpRequest | None, user: Any, **_: Any) ->
     clear(user.get_username(), request)
 
 
-# -- fixed-window request counters (API keys and users, tracker announces: issue 33) -----------------
+# -- sliding-window request limits (API keys and users, key creation, tracker announces: issue 33) -----
+# One sorted set of admitted events' times per name: drop those older than the window, admit when fewer
+# than the limit remain, else answer how long until the oldest leaves it. Atomic in one script, so
+# concurrent web processes never admit past the limit.
+_SLIDING = """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', tonumber(ARGV[1]) - tonumber(ARGV[2]))
+if redis.call('ZCARD', KEYS[1]) < tonumber(ARGV[3]) then
+  redis.call('ZADD', KEYS[1], ARGV[1], ARGV[4])
+  redis.call('PEXPIRE', KEYS[1], math.ceil(tonumber(ARGV[2]) * 1000))
+  return '0'
+end
+local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+return tostring(tonumber(oldest[2]) + tonumber(ARGV[2]) - tonumber(ARGV[1]))
+"""
+
+
 class WindowCounter:
-    """Fixed windows of `window_s` seconds per name: in Redis when REDIS_URL is set (shared by every
-    web process), else in this process. `hit` counts one event and says how long to wait when it is
-    over the limit."""
+    """At most `limit` events per name in any `window_s` seconds (a sliding log, not clock windows: a
+    burst across a minute's end cannot pass twice the limit). In Redis when REDIS_URL is set (shared by
+    every web process), else in this process. Only admitted events are logged, so a client that keeps
+    knocking while refused is let in again as soon as its earlier requests age out."""
 
     def __init__(self, namespace: str) -> None:
         self.namespace = namespace
         self._lock = threading.Lock()
-        self._windows: dict[tuple[str, int], tuple[int, int]] = {}
+        self._logs: dict[tuple[str, int], deque[float]] = {}
         self._redis: Any = None
+        self._script: Any = None
         self.clock: Callable[[], float] = time.time
 
-    def _client(self) -> Any:
-        if self._redis is None:
+    def _run_script(self, key: str, now: float, window_s: int, limit: int) -> float:
+        if self._script is None:
             import redis
 
             self._redis = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=2)
-        return self._redis
+            self._script = self._redis.register_script(_SLIDING)
+        member = f"{now!r}:{uuid.uuid4().hex}"
+        return float(self._script(keys=[key], args=[repr(now), window_s, limit, member]))
 
-    def count(self, name: str, window_s: int = 60, now: float | None = None) -> int:
-        """Count one event under `name`; returns the window's count so far, this one included."""
-        window = int((self.clock() if now is None else now) // window_s)
+    def hit(self, name: str | int, limit: int, window_s: int = 60, now: float | None = None) -> float:
+        """Admit one event under `name` if fewer than `limit` were admitted in the last `window_s`
+        seconds: 0.0 when admitted, else the seconds until one is (at least 1)."""
+        now = self.clock() if now is None else now
+        if limit <= 0:
+            return float(window_s)
         if settings.REDIS_URL:
             prefix = settings.TRACKER_REDIS_PREFIX.rsplit(":", 1)[0]
-            key = f"{prefix}:{self.namespace}:{name}:{window}" + (f":{window_s}" if window_s != 60 else "")
-            pipe = self._client().pipeline()
-            pipe.incr(key)
-            pipe.expire(key, 2 * window_s)
-            return int(pipe.execute()[0])
-        with self._lock:
-            start, n = self._windows.get((name, window_s), (window, 0))
-            n = n + 1 if start == window else 1
-            self._windows[(name, window_s)] = (window, n)
-            if len(self._windows) > 100_000:  # forget finished windows
-                self._windows = {k: v for k, v in self._windows.items() if v[0] == window}
-            return n
+            wait = self._run_script(f"{prefix}:{self.namespace}:{name}:{window_s}", now, window_s, limit)
+        else:
+            wait = self._hit_here((str(name), window_s), now, window_s, limit)
+        return 0.0 if wait <= 0 else max(1.0, wait)
 
-    def hit(self, name: str | int, limit: int, window_s: int = 60) -> float:
-        """Count one event; 0 when it is within `limit` per window, else the seconds until the window
-        resets (at least 1)."""
-        now = self.clock()
-        if self.count(str(name), window_s, now) <= limit:
-            return 0.0
-        return max(1.0, (int(now // window_s) + 1) * window_s - now)
+    def _hit_here(self, key: tuple[str, int], now: float, window_s: int, limit: int) -> float:
+        with self._lock:
+            log = self._logs.setdefault(key, deque())
+            while log and log[0] <= now - window_s:
+                log.popleft()
+            if len(log) < limit:
+                log.append(now)
+                if len(self._logs) > 100_000:  # forget names with nothing left in their window
+                    self._logs = {k: v for k, v in self._logs.items() if v and v[-1] > now - k[1]}
+                return 0.0
+            return log[0] + window_s - now

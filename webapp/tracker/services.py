@@ -90,7 +90,7 @@ def identify(passkey: str, remote_ip: str) -> Announcer | None:
 
 
 class AnnounceRate:
-    """Announces and scrapes per node and minute (`TRACKER_ANNOUNCES_PER_MIN`), counted in Redis when
+    """Announces and scrapes per node in any minute (`TRACKER_ANNOUNCES_PER_MIN`), counted in Redis when
     the web has it (every web process shares the count)."""
 
     def __init__(self) -> None:
@@ -101,7 +101,7 @@ class AnnounceRate:
         return int(settings.TRACKER_ANNOUNCES_PER_MIN)
 
     def allow(self, node: str, now: float) -> bool:
-        return self.counter.count(node, 60, now) <= self.per_min
+        return self.counter.hit(node, self.per_min, 60, now) == 0.0
 
 
 announce_rate = AnnounceRate()
