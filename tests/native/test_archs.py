@@ -240,6 +240,9 @@ def test_prefill_in_chunks_equals_one_shot_prefill_and_llama_cpp_in_the_same_chu
         _close(hops, sid)
     got = np.concatenate(parts)
     llama.reset()
+    llama.eval(ids)
+    ref_whole = np.asarray(llama.scores[: len(ids)], dtype=np.float32).copy()
+    llama.reset()
     pos = 0
     for n in CHUNKS:
         llama.eval(ids[pos : pos + n])
@@ -248,20 +251,27 @@ def test_prefill_in_chunks_equals_one_shot_prefill_and_llama_cpp_in_the_same_chu
     agree = float((got.argmax(1) == whole.argmax(1)).mean())
     diff = float(np.abs(got - whole).max())
     ref_diff = float(np.abs(got - ref).max())
+    whole_diff = float(np.abs(whole - ref_whole).max())
+    # llama.cpp's own chunk-exactness on this build: ggml picks kernels by batch size and CPU (on AVX2
+    # an f16 matmul of one token skips tinyBLAS; flash attention tiles many queries and not few), so
+    # where llama.cpp's chunked and one-shot logits differ ours may too, and only there
+    llama_agree = float((ref.argmax(1) == ref_whole.argmax(1)).mean())
+    llama_exact = float(np.abs(ref - ref_whole).max()) <= MAX_LOGIT_DIFF
     print(
-        f"\n{case.name}: chunked vs one-shot prefill: top-1 agreement {agree:.4f}, max |logit diff| {diff:.3g};"
-        f" vs llama.cpp in the same chunks: max |logit diff| {ref_diff:.3g}"
+        f"\n{case.name}: chunked vs one-shot prefill: top-1 agreement {agree:.4f}, max |logit diff| {diff:.3g}"
+        f" (llama.cpp on this build: top-1 {llama_agree:.4f}, chunk-exact {llama_exact});"
+        f" vs llama.cpp in the same chunks {ref_diff:.3g}, one-shot vs llama.cpp one-shot {whole_diff:.3g};"
+        f" decode kernels {hops[0].model.info.decode_kernels}"
     )
     assert ref_diff <= MAX_LOGIT_DIFF
-    # ggml's CPU flash attention runs a tiled kernel (f32 accumulation) for batches of many queries and
-    # another (f16 value accumulation) for few, so there how a prompt is chunked changes the numbers, in
-    # llama.cpp exactly as here (SmolLM2: top-1 0.97, max diff 1.2; gemma3 0.96, 1.98); so do repacked
-    # weights (gemma3 with ggml's ops: 0.987, 0.93)
-    if case.chunk_exact and hops[0].model.info.decode_kernels != -2:
+    assert whole_diff <= MAX_LOGIT_DIFF
+    # repacked weights (gemma3 with ggml's ops: top-1 0.987, max diff 0.93) and the deepseek2/glm4moe
+    # tiny files' expert routing make chunking matter in llama.cpp too; their cases say so
+    if case.chunk_exact and llama_exact and hops[0].model.info.decode_kernels != -2:
         assert agree == 1.0
         assert diff <= MAX_LOGIT_DIFF
     else:
-        assert agree >= 0.95
+        assert agree >= min(0.95, llama_agree)
 
 
 SNAPSHOT_CASES = [c for c in CASES if c.arch in ("qwen3moe", "glm4moe", "deepseek2")]
