@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from agent import __version__, defaults, logsafe
-from agent.eventloop import loop_name, run_loop
+from agent.eventloop import run_loop
 from agent.node.config import add_native_arguments
 from agent.wire import frames
 from agent.wire.ids import SessionId
@@ -321,20 +321,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd in SERVING_COMMANDS:
         sleep_idle_threads()  # before the backend's libraries load (nothing above loads them)
         from agent.backends.libggswarm import check_barrier_env
-        from agent.node.scheduler import (
-            busy_chunk_from_env,
-            gather_gap_from_env,
-            hold_from_env,
-            inline_from_env,
-        )
+        from agent.node.scheduler import busy_chunk_from_env, gather_gap_from_env
 
         try:
             busy_chunk_from_env()  # a bad override is a clear error now, not at the first shard
             gather_gap_from_env()
-            inline_from_env()
-            hold_from_env()
             check_barrier_env()
-            loop_name()
         except ValueError as e:
             print(f"agent: error: {e}", file=sys.stderr)
             return 2

@@ -53,7 +53,6 @@ LANE_PORT_ENV = "GGSWARM_LANE_PORT"  # the lane's TCP port (default 0: one the s
 LANE_PACE_S = 0.06
 # after the lane's step passed, chunks run back to back this long (its sessions are at other hops)
 LANE_PACE_WINDOW_S = 0.008
-LANE_PACE_ENV = "GGSWARM_LANE_PACE"  # 0: chunks do not wait for the lane (measurement)
 
 
 @dataclass(eq=False)
@@ -120,7 +119,6 @@ class NodeLane:
         self.metrics, self.node_counters, self.hops = metrics, node_counters, hops
         self.host: str | None = None  # the data plane's bind address (start_dataplane sets it)
         self.enabled = os.environ.get(LANE_ENV, "1") != "0"
-        self.pacing = os.environ.get(LANE_PACE_ENV, "1") != "0"
         self._pace_window_end = 0.0  # chunks run without waiting until then (pace)
         self._lane: NativeLane | None = None
         self._laned: dict[SessionKey, SessionState] = {}
@@ -193,7 +191,7 @@ class NodeLane:
         after the lane's sessions passed this hop, while they are at other hops; later ones wait for
         their next pass (at most LANE_PACE_S), so a lane step never waits behind more than a chunk."""
         lane = self._lane  # the scheduler asks only while sessions are on it
-        if not self.pacing or lane is None:
+        if lane is None:
             return
         if time.monotonic() < self._pace_window_end:
             return

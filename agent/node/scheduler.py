@@ -42,7 +42,10 @@ import numpy as np
 from agent.backends.base import Backend, BackendError, ForwardResult, StepInput
 from agent.defaults import env_int
 
-INLINE_TOKENS = 16  # a lone step this short runs on the event loop; anything bigger in a thread
+# A lone decoding session's step this short runs on the event loop at once (ShardScheduler._run_inline),
+# and a batch this short in the worker without a thread hand-off: a few ms of compute cost less than
+# the hand-off and the wake-up after it (docs/benchmarks-log.md, "Small steps in place")
+INLINE_TOKENS = 16
 MAX_BATCH_TOKENS = 512  # positions per batch (one step alone may have up to CHUNK_TOKENS)
 CHUNK_TOKENS = 512  # = native kUBatch: chunk boundaries are the micro-batch boundaries of one call
 # While other sessions are decoding on the shard, a prefill runs in chunks this small: a decode step
@@ -65,15 +68,10 @@ GATHER_GAP_US = 1000  # wait at most this long after each arrival
 GATHER_GAP_ENV = "GGSWARM_BATCH_GATHER_US"  # an operator's override, 0 (off)..100000
 GATHER_SHARE = 0.25  # and in all at most this share of the latest batch's compute
 ACTIVE_S = 0.25  # a session stepped here this recently (or 4 batches' compute, if longer): it comes back
-# Small work runs on the event loop: a lone decoding session's step at once (ShardScheduler._run_inline),
-# and a batch of at most INLINE_TOKENS positions in the worker without a thread hand-off. 0 puts both
-# back on the paths they took before (an operator's A/B, docs/benchmarks-log.md "Small steps in place").
-INLINE_ENV = "GGSWARM_INLINE_SMALL_STEPS"
 # A prefill's chunk waits for the steps of sessions decoding beside it (ShardScheduler._hold_chunks):
 # until they are HOLD_FACTOR x their own period overdue (they stopped), never more than HOLD_MAX_S
 HOLD_FACTOR = 1.5
 HOLD_MAX_S = 0.1
-HOLD_ENV = "GGSWARM_CHUNK_HOLD"  # 0: a chunk runs alone while the decoders are elsewhere
 
 Admit = Callable[[Any, int], None]  # (the step's owner, KV bytes the batch adds so far) -> or raises
 
@@ -82,18 +80,6 @@ def busy_chunk_from_env(env: Mapping[str, str] | None = None) -> int:
     """BUSY_CHUNK_TOKENS, or the operator's GGSWARM_BUSY_CHUNK_TOKENS (ValueError when out of range)."""
     n = env_int(BUSY_CHUNK_ENV, 1, CHUNK_TOKENS, env)
     return BUSY_CHUNK_TOKENS if n is None else n
-
-
-def inline_from_env(env: Mapping[str, str] | None = None) -> bool:
-    """Whether small steps and batches run in place: yes, unless GGSWARM_INLINE_SMALL_STEPS=0
-    (ValueError when it is not 0 or 1)."""
-    return env_int(INLINE_ENV, 0, 1, env) != 0
-
-
-def hold_from_env(env: Mapping[str, str] | None = None) -> bool:
-    """Whether a prefill's chunk waits for decoding sessions to ride with: yes, unless
-    GGSWARM_CHUNK_HOLD=0 (ValueError when it is not 0 or 1)."""
-    return env_int(HOLD_ENV, 0, 1, env) != 0
 
 
 def gather_gap_from_env(env: Mapping[str, str] | None = None) -> int:
@@ -166,8 +152,6 @@ class ShardScheduler:
         chunk_tokens: int = CHUNK_TOKENS,
         busy_chunk_tokens: int | None = None,
         gather_gap_us: int | None = None,
-        inline: bool | None = None,
-        hold: bool | None = None,
         decoding_elsewhere: Callable[[], bool] | None = None,
         pace: Callable[[], object] | None = None,
     ) -> None:
@@ -189,8 +173,6 @@ class ShardScheduler:
         self.gather_gap_s = max(0, gap_us) / 1e6
         self._arrived = asyncio.Event()  # set by every submit: _gather waits on it
         self._last_compute_s = 0.0  # the latest batch's compute: bounds how long _gather may wait
-        self.inline = inline_from_env() if inline is None else inline
-        self.hold = hold_from_env() if hold is None else hold
         # session -> how often its small steps come back here (an average of the intervals): a session
         # decoding now is one whose next step is due (_decoders)
         self._period: dict[Hashable, float] = {}
@@ -221,7 +203,7 @@ class ShardScheduler:
         elif n > INLINE_TOKENS:
             self._period.pop(key, None)  # a prompt: it is not decoding (yet)
         # (asked before this step is recorded: "alone" means this session stepped here before)
-        alone = n <= INLINE_TOKENS and self.inline and self._alone(key, now)
+        alone = n <= INLINE_TOKENS and self._alone(key, now)
         self._last_step[key] = now
         if key in self._queue:
             # steps of one session are sequential; a second one now (a retry racing its original)
@@ -365,8 +347,6 @@ class ShardScheduler:
         than its chunks have computed, so sessions that decode slowly (or a client stepping slowly on
         purpose) can at most double another's prompt. A prefill with nobody decoding beside it, or
         whose neighbours have stopped, never waits; its first chunk never waits."""
-        if not self.hold:
-            return
         t0 = time.perf_counter()
         live = [p for p in self._queue.values() if not p.cancelled]
         if not live or any(p.n_tokens <= INLINE_TOKENS for p in live):
@@ -481,7 +461,7 @@ class ShardScheduler:
 
             results = await asyncio.to_thread(paced)
             t1 = started[0]
-        elif tokens <= INLINE_TOKENS and (len(inputs) == 1 or self.inline):
+        elif tokens <= INLINE_TOKENS:
             # a few positions compute in a few ms: a thread hand-off (and the loop's wake-up after
             # it) would cost more than the loop gains by staying free meanwhile, since in star mode
             # the next steps for this shard come only after these answers went round the route

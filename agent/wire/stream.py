@@ -37,8 +37,10 @@ STREAM_MAX_ANSWER = 64 << 20
 # prefill chunk's hidden states); an answer that may be bigger (logits) goes over POST, read in chunks
 # against its exact bound (docs/security.md, "bounded answers from the next hop").
 CHAIN_MAX_ANSWER = 4 << 20
+# "http": every frame is POSTed. Not only for measurements: a proxy in front of a hop that does not
+# pass WebSockets answers the upgrade with a status other than 404/405, which fails the frame instead
+# of falling back to POST.
 TRANSPORT_ENV = "GGSWARM_TRANSPORT"
-BUNDLES_ENV = "GGSWARM_BUNDLES"
 _IDLE_PER_HOP = 16  # sockets kept open per hop once their exchange is done
 # A frame bigger than this goes alone (a decode step with f32 hidden states is ~2.5 KB at 576 wide).
 BUNDLE_ITEM_MAX = 64 << 10
@@ -46,11 +48,6 @@ BUNDLE_ITEM_MAX = 64 << 10
 
 def streams_enabled() -> bool:
     return os.environ.get(TRANSPORT_ENV, "stream") != "http"
-
-
-def bundles_enabled() -> bool:
-    """GGSWARM_BUNDLES=0 sends every frame alone (measurement, a hop that mishandles bundles)."""
-    return os.environ.get(BUNDLES_ENV, "1") != "0"
 
 
 def error_message(status: int, code: str, message: str) -> str:
@@ -74,7 +71,7 @@ class FrameStreams:
         self._idle: dict[tuple[str, str | None], list[ClientWebSocketResponse]] = {}
         self._no_stream: set[str] = set()  # hops that answered the upgrade with 404/405: POST only
         self.enabled = streams_enabled()
-        self.bundling = bundling and bundles_enabled()
+        self.bundling = bundling
         self._no_bundle: set[str] = set()  # hops whose sockets did not agree to BUNDLE_PROTOCOL
         self._waiting: dict[tuple[str, str | None], _Turn] = {}  # frames of this loop turn, per hop
         self._flushing: set[asyncio.Task[None]] = set()

@@ -134,8 +134,8 @@ typedef struct ggswarm_model_info {
                                    head_dim % 64 == 0, GGSWARM_GGML_ATTENTION unset when opened, and
                                    checked against ggml's ops at open); 0: ggml's ops; -1: ggml's ops
                                    because that check found a bit differ (logged to stderr); -2:
-                                   ggml_flash_attn_ext on every step (GPU devices, CPUs without
-                                   AVX-512, GGSWARM_ATTENTION=flash; V cache not transposed) */
+                                   ggml_flash_attn_ext on every step (GPU devices at auto, flash
+                                   attention set on, a quantized cache; V cache not transposed) */
     uint64_t graph_builds;      /* window graphs built so far: one per new shape (batch size, attended
                                    span, KV capacity, last-only); sessions of one shape share it */
     int32_t batches_sessions;   /* v6: 1 when ggswarm_forward_many runs several sessions' steps in one

@@ -88,11 +88,10 @@ namespace {
 
 // The mode at open ("auto", like llama.cpp's -fa auto on the devices it resolves for): flash attention
 // on a GPU, as llama.cpp turns it on there; the non-flash mode on a CPU, llama.cpp's default path there
-// (llama-cpp-python's flash_attn=False); GGSWARM_ATTENTION=flash forces flash attention.
+// (llama-cpp-python's flash_attn=False). ggswarm_set_flash_attention (the node's --flash-attn) overrides it.
 void choose_attention(ggswarm_model * m, const char * path) {
-    const char * mode = getenv("GGSWARM_ATTENTION");
     const bool cpu = ggml_backend_dev_type(m->dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
-    if ((mode && strcmp(mode, "flash") == 0) || !cpu) {
+    if (!cpu) {
         m->decode_kernels = -2;
     } else {
         choose_non_flash(m, path);

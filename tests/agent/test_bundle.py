@@ -248,14 +248,11 @@ async def test_a_hop_that_did_not_agree_to_bundles_gets_every_frame_alone(stream
         await runner.cleanup()
 
 
-async def test_bundles_turned_off_by_the_environment_send_frames_alone(
-    hop: tuple[ScriptedHop, str], monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_streams_made_without_bundling_send_frames_alone(hop: tuple[ScriptedHop, str]) -> None:
+    # bench/served.py --ab-no-bundles measures against this
     h, url = hop
-    monkeypatch.setenv("GGSWARM_BUNDLES", "0")
     async with ClientSession() as http:
-        fs = FrameStreams(http, bundling=True)
-        assert not fs.bundling
+        fs = FrameStreams(http, bundling=False)
         try:
             await send_all(fs, url, range(3))
         finally:

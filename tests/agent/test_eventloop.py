@@ -1,4 +1,4 @@
-"""The agent's event loop (agent/eventloop.py): uvloop where installed, the operator's choice otherwise."""
+"""The agent's event loop (agent/eventloop.py): uvloop where installed, else asyncio's."""
 
 from __future__ import annotations
 
@@ -9,36 +9,22 @@ import urllib.request
 
 import pytest
 
-from agent.eventloop import EVENT_LOOP_ENV, loop_name, run_loop, running_loop_name
+from agent.eventloop import loop_name, run_loop, running_loop_name
 
 
 def test_uvloop_is_the_default_where_it_is_installed() -> None:
     assert importlib.util.find_spec("uvloop") is not None  # requirements.txt pins it
-    assert loop_name({}) == "uvloop"
+    assert loop_name() == "uvloop"
     assert run_loop(_which()) == "uvloop"
 
 
-def test_an_operator_can_keep_the_standard_loop(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert loop_name({EVENT_LOOP_ENV: "asyncio"}) == "asyncio"
-    monkeypatch.setenv(EVENT_LOOP_ENV, "asyncio")
-    assert run_loop(_which()) == "asyncio"
-
-
-def test_an_agent_without_uvloop_runs_on_asyncio_unless_uvloop_was_asked_for(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_an_agent_without_uvloop_runs_on_asyncio(monkeypatch: pytest.MonkeyPatch) -> None:
     real = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name == "uvloop" else real(name, *a)
     )
-    assert loop_name({}) == "asyncio"
-    with pytest.raises(ValueError, match="not installed"):
-        loop_name({EVENT_LOOP_ENV: "uvloop"})
-
-
-def test_an_unknown_loop_name_is_a_clear_error() -> None:
-    with pytest.raises(ValueError, match="GGSWARM_EVENT_LOOP must be one of uvloop, asyncio, not 'trio'"):
-        loop_name({EVENT_LOOP_ENV: "trio"})
+    assert loop_name() == "asyncio"
+    assert run_loop(_which()) == "asyncio"
 
 
 def test_a_served_hop_runs_on_uvloop_and_says_so(serve_factory) -> None:  # noqa: ANN001

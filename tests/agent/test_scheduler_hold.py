@@ -8,7 +8,7 @@ import time
 import pytest
 
 import agent.node.scheduler
-from agent.node.scheduler import ShardScheduler, hold_from_env
+from agent.node.scheduler import ShardScheduler
 from tests.agent.test_scheduler import RecordingBackend, sid, step
 
 AWAY_S = 0.01  # a decoding session's step is on the other hops this long between two of its steps here
@@ -26,9 +26,9 @@ class TimedBackend(RecordingBackend):
         time.sleep(self.per_position_s * sum(n for _, _, n in steps))
 
 
-def make(hold: bool, per_position_s: float = 0.002) -> tuple[ShardScheduler, RecordingBackend]:
+def make(per_position_s: float = 0.002) -> tuple[ShardScheduler, RecordingBackend]:
     be = TimedBackend(per_position_s)
-    sched = ShardScheduler(be, asyncio.Lock(), chunk_tokens=512, busy_chunk_tokens=16, hold=hold)
+    sched = ShardScheduler(be, asyncio.Lock(), chunk_tokens=512, busy_chunk_tokens=16)
     for i in range(3):
         be.open_session(sid(i), 4096)
     return sched, be
@@ -69,7 +69,7 @@ async def test_a_prefills_chunks_ride_with_the_decoding_sessions_steps(
     # a loaded machine may keep the decoder away longer than 1.5 of its usual periods: the chunks'
     # company is under test here, not the bound (the next tests)
     monkeypatch.setattr(agent.node.scheduler, "HOLD_FACTOR", 10.0)
-    sched, be = make(hold=True)
+    sched, be = make()
     batches = await prefill_beside_decoder(sched, be)
     assert len(batches) == 96 // 16
     # the first chunk has earned no wait yet (a prefill waits at most as long as it has computed);
@@ -78,15 +78,8 @@ async def test_a_prefills_chunks_ride_with_the_decoding_sessions_steps(
     assert sched.held_s > 0  # counted for /v1/health and /metrics (chunk_hold_seconds)
 
 
-async def test_without_the_hold_chunks_compute_alone_while_the_decoder_is_away() -> None:
-    sched, be = make(hold=False)
-    batches = await prefill_beside_decoder(sched, be)
-    assert len(batches) == 96 // 16 and {0} in batches[1:]
-    assert sched.held_s == 0
-
-
 async def test_a_decoder_that_stops_coming_back_holds_a_prefill_only_briefly() -> None:
-    sched, be = make(hold=True)
+    sched, be = make()
     await decoder(sched, 1, asyncio.Event(), steps=6)  # then silent, its session still open
     t0 = time.perf_counter()
     await sched.submit(0, None, step(sid(0), 0, list(range(1, 97))))
@@ -99,7 +92,7 @@ async def test_a_decoder_that_stops_coming_back_holds_a_prefill_only_briefly() -
 async def test_a_session_that_finished_its_answer_does_not_hold_the_next_prompt() -> None:
     # a chat: session 1's answer ends (its session stays open for the next turn), session 2's prompt
     # comes a moment later: it computes at once, in chunks, nobody waited for
-    sched, be = make(hold=True)
+    sched, be = make()
     await decoder(sched, 1, asyncio.Event(), steps=6)
     await asyncio.sleep(0.02)  # 2 periods: session 1 is overdue
     await sched.submit(2, None, step(sid(2), 0, list(range(1, 97))))
@@ -110,7 +103,7 @@ async def test_a_session_stepping_slowly_can_at_most_double_a_prompts_time() -> 
     # session 1 comes back every 200 ms; a chunk of session 0's prompt computes for 32 ms: waiting for
     # session 1 each time would take 100 ms (HOLD_MAX_S) per chunk, the budget allows no more than the
     # 192 ms computed in all
-    sched, be = make(hold=True)
+    sched, be = make()
     stop = asyncio.Event()
     dec = asyncio.ensure_future(decoder(sched, 1, stop, away_s=0.2))
     await asyncio.sleep(0.5)
@@ -123,24 +116,8 @@ async def test_a_session_stepping_slowly_can_at_most_double_a_prompts_time() -> 
 
 
 async def test_a_prefill_with_nobody_decoding_beside_it_never_waits() -> None:
-    sched, be = make(hold=True, per_position_s=0.0)
+    sched, be = make(per_position_s=0.0)
     t0 = time.perf_counter()
     await sched.submit(0, None, step(sid(0), 0, list(range(1, 1201))))
     assert time.perf_counter() - t0 < 0.05
     assert [(p, n) for b in be.batches for s, p, n in b if s == sid(0)] == [(0, 512), (512, 512), (1024, 176)]
-
-
-def test_the_operator_can_turn_the_hold_off_and_a_bad_value_is_a_clear_error() -> None:
-    assert hold_from_env({}) is True
-    assert hold_from_env({"GGSWARM_CHUNK_HOLD": "0"}) is False
-    with pytest.raises(ValueError, match="GGSWARM_CHUNK_HOLD"):
-        hold_from_env({"GGSWARM_CHUNK_HOLD": "sometimes"})
-
-
-def test_serving_with_a_bad_hold_setting_fails_at_once_with_its_name(monkeypatch, capsys) -> None:  # noqa: ANN001
-    from agent.cli import main
-
-    monkeypatch.setenv("GGSWARM_CHUNK_HOLD", "maybe")
-    argv = ["serve", "--model", "pkg:smollm2", "--port", "1", "--public-key", "unused"]
-    assert main(argv) == 2
-    assert "GGSWARM_CHUNK_HOLD='maybe' is not an integer" in capsys.readouterr().err

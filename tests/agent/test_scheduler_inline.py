@@ -10,7 +10,7 @@ import pytest
 
 import agent.node.scheduler
 from agent.backends.base import AdmissionError, BackendError, ForwardResult, StepInput
-from agent.node.scheduler import INLINE_TOKENS, ShardScheduler, inline_from_env
+from agent.node.scheduler import INLINE_TOKENS, ShardScheduler
 from tests.agent.test_scheduler import POISON, Recorder, RecordingBackend, make, sid, step
 
 
@@ -127,41 +127,16 @@ async def test_an_inline_step_the_kv_budget_refuses_runs_nothing() -> None:
     assert refused and len(be.batches) == calls and be.kv[sid(0)] == [1]
 
 
-async def test_with_inline_steps_off_a_lone_sessions_step_goes_through_the_worker() -> None:
-    be = RecordingBackend()
-    sched = ShardScheduler(be, asyncio.Lock(), inline=False)
-    await decoding(sched, be)
-    inline, res = await in_place(sched.submit(0, None, step(sid(0), 1, [2])))
-    assert not inline and res.token == 3
-
-
-def test_the_operator_can_turn_inline_steps_off_and_a_bad_value_is_a_clear_error(monkeypatch, capsys) -> None:  # noqa: ANN001
-    assert inline_from_env({}) is True
-    assert inline_from_env({"GGSWARM_INLINE_SMALL_STEPS": "0"}) is False
-    for bad in ("2", "off"):
-        with pytest.raises(ValueError, match="GGSWARM_INLINE_SMALL_STEPS"):
-            inline_from_env({"GGSWARM_INLINE_SMALL_STEPS": bad})
-    from agent.cli import main
-
-    monkeypatch.setenv("GGSWARM_INLINE_SMALL_STEPS", "yes")
-    argv = ["serve", "--model", "pkg:smollm2", "--port", "1", "--public-key", "unused"]
-    assert main(argv) == 2
-    assert "GGSWARM_INLINE_SMALL_STEPS='yes' is not an integer" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("inline", [True, False])
-async def test_a_batch_of_a_few_positions_computes_on_the_loop_and_a_bigger_one_in_a_thread(
-    inline: bool,
-) -> None:
+async def test_a_batch_of_a_few_positions_computes_on_the_loop_and_a_bigger_one_in_a_thread() -> None:
     be = ThreadRecordingBackend()
-    sched = ShardScheduler(be, asyncio.Lock(), inline=inline)
+    sched = ShardScheduler(be, asyncio.Lock())
     for i in range(4):
         be.open_session(sid(i), 64)
     await asyncio.gather(*(sched.submit(i, None, step(sid(i), 0, [1] * 4)) for i in range(4)))  # 16
     await asyncio.gather(*(sched.submit(i, None, step(sid(i), 4, [1] * 5)) for i in range(4)))  # 20
     loop_thread = threading.get_ident()
     assert [len(b) for b in be.batches] == [4, 4]
-    assert (be.threads[0] == loop_thread) is inline  # off: every batch of two or more in a thread
+    assert be.threads[0] == loop_thread
     assert be.threads[1] != loop_thread
     assert [be.kv[sid(i)] for i in range(4)] == [[1] * 9] * 4
 

@@ -42,7 +42,6 @@ def test_a_native_hop_loads_libgomp_with_the_capped_spin_count(serve_factory, mo
         ("GGSWARM_BARRIER_SPIN", "lots", "GGSWARM_BARRIER_SPIN='lots' is not an integer"),
         ("GGSWARM_BARRIER_SPIN", "-1", "GGSWARM_BARRIER_SPIN=-1 is outside 0..100000000"),
         ("GGSWARM_BARRIER_SPIN", "100000001", "GGSWARM_BARRIER_SPIN=100000001 is outside 0..100000000"),
-        ("GGSWARM_EVENT_LOOP", "trio", "GGSWARM_EVENT_LOOP must be one of uvloop, asyncio, not 'trio'"),
     ],
 )
 def test_serving_with_a_bad_setting_fails_at_once_with_its_name(

@@ -25,13 +25,17 @@ def shape_id(heads: tuple[int, int, int]) -> str:
     return f"hd{heads[0] // heads[1]}-{heads[1]}q-{heads[2]}kv"
 
 
-def decode_logits(path: Path, threads: int, truncate_at: int | None = None) -> tuple[int, np.ndarray]:
+def decode_logits(
+    path: Path, threads: int, truncate_at: int | None = None, flash: bool = False
+) -> tuple[int, np.ndarray]:
     """(decode_kernels, logits) of 12 single-token steps after a 250-token prefill (the attended span
     crosses 256 positions); with truncate_at, first run to 300 tokens and cut the cache back, so stale
-    K/V lies past the end."""
+    K/V lies past the end; with flash, in flash-attention mode (as --flash-attn on)."""
     rng = np.random.default_rng(1)
     ids = [int(t) for t in rng.integers(0, VOCAB, 320)]
     with NativeModel(path, 0, 3, n_threads=threads) as m:
+        if flash:
+            m.set_flash_attention(True)
         sid = m.open_session(1024)
         if truncate_at is not None:
             m.forward(sid, 0, token_ids=ids[:300])

@@ -19,12 +19,6 @@ TEXT = REPO / "tests" / "data" / "native_lighthouse.txt"
 SPLITS = [(0, 10), (10, 20), (20, 30)]
 
 
-@pytest.fixture
-def flash(monkeypatch: pytest.MonkeyPatch) -> None:
-    """GGSWARM_ATTENTION=flash: handles opened now use flash attention, as on a GPU."""
-    monkeypatch.setenv("GGSWARM_ATTENTION", "flash")
-
-
 @pytest.mark.parametrize(
     "heads", [(256, 4, 2), (512, 4, 2), (512, 2, 1), (64, 4, 2)], ids=lambda h: f"hd{h[0] // h[1]}"
 )
@@ -35,8 +29,7 @@ def test_flash_mode_agrees_with_ggml_ops_on_every_head_size(
     monkeypatch.setenv("GGSWARM_GGML_ATTENTION", "1")
     _, ref = decode_logits(path, threads=2)
     monkeypatch.delenv("GGSWARM_GGML_ATTENTION")
-    monkeypatch.setenv("GGSWARM_ATTENTION", "flash")
-    state, got = decode_logits(path, threads=2)
+    state, got = decode_logits(path, threads=2, flash=True)
     assert state == FLASH
     # another summation order (online softmax over f16 rows), so other bits; these random 3-layer
     # models amplify that (logits up to ~100, measured differences up to 0.84, 0.9% of the scale),
@@ -47,9 +40,7 @@ def test_flash_mode_agrees_with_ggml_ops_on_every_head_size(
     assert (got.argmax(1) == ref.argmax(1))[clear].all()
 
 
-def test_flash_mode_ignores_stale_cache_rows_after_a_truncate(
-    native_lib: None, tmp_path: Path, flash: None
-) -> None:
+def test_flash_mode_ignores_stale_cache_rows_after_a_truncate(native_lib: None, tmp_path: Path) -> None:
     path = write_tiny_gguf(tmp_path / "m.gguf", heads=(256, 4, 2), context=1024)
     ids = [int(t) for t in np.random.default_rng(1).integers(0, VOCAB, 320)]
 
@@ -57,6 +48,7 @@ def test_flash_mode_ignores_stale_cache_rows_after_a_truncate(
         """Logits of position 250 after prefilling these batches, cutting the cache back where one
         starts before its end."""
         with NativeModel(path, 0, 3, n_threads=2) as m:
+            m.set_flash_attention(True)
             sid = m.open_session(1024)
             for a, b in batches:
                 if m.session_len(sid) > a:
@@ -75,20 +67,20 @@ def test_a_flash_mode_snapshot_restores_into_a_handle_of_another_mode(
 ) -> None:
     path = write_tiny_gguf(tmp_path / "m.gguf", heads=(256, 4, 2), context=1024)
     ids = [int(t) for t in np.random.default_rng(2).integers(0, VOCAB, 300)]
-    monkeypatch.setenv("GGSWARM_ATTENTION", "flash")
     with NativeModel(path, 0, 3, n_threads=2) as m:
+        m.set_flash_attention(True)
         sid = m.open_session(1024)
         m.forward(sid, 0, token_ids=ids[:290])  # grows the cache past 256 positions (V rows copied)
         snap = m.snapshot(sid)
         want = m.forward(sid, 290, token_ids=ids[290:], want_logits=True)["logits"]
         with NativeModel(path, 0, 3, n_threads=2) as again:
+            again.set_flash_attention(True)
             sid2 = again.open_session(1024)
             again.restore(sid2, snap)
             assert np.array_equal(
                 again.forward(sid2, 290, token_ids=ids[290:], want_logits=True)["logits"], want
             )
     # the payload keeps V transposed in every mode, so the bytes travel unchanged
-    monkeypatch.setenv("GGSWARM_ATTENTION", "")
     monkeypatch.setenv("GGSWARM_GGML_ATTENTION", "1")
     with NativeModel(path, 0, 3, n_threads=2) as ops:
         assert ops.info.decode_kernels == 0
@@ -112,12 +104,11 @@ def llama_fa(model_path: str) -> Iterator[object]:
 
 @pytest.fixture(scope="module")
 def hops_fa(native_lib: None, model_path: str) -> Iterator[list[NativeModel]]:
-    mp = pytest.MonkeyPatch()
-    mp.setenv("GGSWARM_ATTENTION", "flash")
     # the same thread count as llama.cpp's: from 512 attended positions ggml's CPU flash attention
     # splits a decode step's positions across the threads and merges their partial sums
     hops = [NativeModel(model_path, a, b, n_threads=2) for a, b in SPLITS]
-    mp.undo()
+    for h in hops:
+        h.set_flash_attention(True)
     yield hops
     for h in hops:
         h.close()
