@@ -11,12 +11,20 @@ import numpy as np
 BATCH = 8  # sequences decoded together (bench/served.py's 8 sessions)
 
 
-def open_llama(model: str, threads: int, n_ctx: int) -> Any:
-    """llama_cpp.Llama as the benches run it: `threads` for decoding and prompts, 512-token batches."""
+def open_llama(model: str, threads: int, n_ctx: int, flash: bool = False, **options: Any) -> Any:
+    """llama_cpp.Llama as the benches run it: `threads` for decoding and prompts, 512-token batches,
+    flash attention off (its default) unless asked; `options` go to Llama as they are."""
     import llama_cpp
 
     return llama_cpp.Llama(
-        model_path=model, n_ctx=n_ctx, n_batch=512, n_threads=threads, n_threads_batch=threads, verbose=False
+        model_path=model,
+        n_ctx=n_ctx,
+        n_batch=512,
+        n_threads=threads,
+        n_threads_batch=threads,
+        flash_attn=flash,
+        verbose=False,
+        **options,
     )
 
 

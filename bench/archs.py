@@ -34,6 +34,7 @@ from agent.artifacts.tiny import write_tiny_gguf  # noqa: E402
 from agent.backends.base import ShardSpec  # noqa: E402
 from agent.dev.chain import route_forward  # noqa: E402
 from agent.wire.ids import SessionId  # noqa: E402
+from bench._llamacpp import open_llama  # noqa: E402
 
 TEXT = REPO / "tests" / "data" / "teacher_forcing_en.txt"
 N_TEACHER = 256
@@ -131,8 +132,6 @@ GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8}
 def bench_arch(
     row: BenchArch, workdir: Path, threads: int, n_decode: int, rounds: int, flash_attn: str, cache_type: str
 ) -> dict[str, float]:
-    import llama_cpp
-
     from agent.backends.native import NativeBackend
 
     path = str(row.model(workdir))
@@ -148,15 +147,7 @@ def bench_arch(
     cache = {"type_k": kv, "type_v": kv}
     out: dict[str, float] = {}
     try:
-        ref = llama_cpp.Llama(
-            model_path=path,
-            logits_all=True,
-            n_ctx=512,
-            n_threads=threads,
-            flash_attn=flash,
-            verbose=False,
-            **cache,
-        )
+        ref = open_llama(path, threads, 512, flash, logits_all=True, **cache)
         ids = list(ref.tokenize(TEXT.read_bytes(), add_bos=True))[:N_TEACHER]
         ref.reset()
         ref.eval(ids)
@@ -172,15 +163,7 @@ def bench_arch(
         out["max_abs_logit_diff"] = float(np.abs(got - want).max())
         del got, want
 
-        llm = llama_cpp.Llama(
-            model_path=path,
-            n_ctx=512,
-            n_threads=threads,
-            n_threads_batch=threads,
-            flash_attn=flash,
-            verbose=False,
-            **cache,
-        )
+        llm = open_llama(path, threads, 512, flash, **cache)
         prompt = ids[:N_PROMPT]
         best_ref = best_nat = 0.0
         same = True

@@ -2,7 +2,11 @@
 
 Prints human-readable lines, then one JSON object as the last line. Usage:
 
-    .venv/bin/python bench/native.py [--threads 2] [--decode-tokens 128]
+    .venv/bin/python bench/native.py [--threads 2] [--decode-tokens 128] [--flash-attn off|on] [--long-ctx 8192]
+
+--flash-attn sets both sides alike (llama.cpp's -fa, the node's --flash-attn; off is both defaults on a
+CPU). --long-ctx adds a decode step after that many positions to the 64 and 2,048 of `ctx_ratio`, both
+sides: `step_ms_ctx<N>`, `step_ms_ctx<N>_llamacpp` and `ctx<N>_step_ratio_vs_llamacpp`.
 """
 
 from __future__ import annotations
@@ -90,8 +94,8 @@ def rss_of_window(model: str, a: int, b: int) -> dict[str, float]:
 class LlamaCppRef:
     """llama-cpp-python driven from a Python loop (the single-process reference)."""
 
-    def __init__(self, model: str, threads: int) -> None:
-        self.llm = open_llama(model, threads, 2304)
+    def __init__(self, model: str, threads: int, n_ctx: int = 2304, flash: bool = False) -> None:
+        self.llm = open_llama(model, threads, n_ctx, flash)
         self.n_vocab = self.llm.n_vocab()
 
     def prefill_ms(self, ids: list[int]) -> float:
@@ -160,6 +164,8 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--ctx-steps", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--flash-attn", choices=("off", "on"), default="off", help="both sides alike")
+    ap.add_argument("--long-ctx", type=int, default=0, help="also time a step after this many positions")
     ap.add_argument("--wait-quiet-s", type=float, default=0.0, help="wait up to this long for load < 1 first")
     args = ap.parse_args()
     load_at_start = wait_for_quiet(args.wait_quiet_s) if args.wait_quiet_s > 0 else os.getloadavg()[0]
@@ -171,15 +177,29 @@ def main() -> None:
 
     vocab = llama_cpp.Llama(model_path=model, vocab_only=True, verbose=False)
     text_ids = vocab.tokenize(TEXT.read_bytes(), add_bos=False)
-    long_ids = (text_ids * 8)[:2304]
+    ctxs = (64, 2048, args.long_ctx) if args.long_ctx > 2048 else (64, 2048)
+    # the positions the longest context's session takes: its prompt and every round's steps
+    span = max(ctxs) + args.rounds * (CTX_WARMUP_STEPS + args.ctx_steps) + 1
+    if span > manifest.context_length:
+        ap.error(
+            f"--long-ctx {args.long_ctx}: with the rounds' steps it needs {span} positions; the model has {manifest.context_length}"
+        )
+    long_ids = (text_ids * (span // len(text_ids) + 1))[:span]
     prompt = text_ids[:32]
     prefill = long_ids[:512]
     n = args.decode_tokens
     res: dict[str, float | int | str] = {}
 
-    ref = LlamaCppRef(model, args.threads)
-    one = [NativeBackend(ShardSpec(model, 0, 30, manifest, n_threads=args.threads))]
-    three = [NativeBackend(ShardSpec(model, a, b, manifest, n_threads=args.threads)) for a, b in SPLITS]
+    flash = args.flash_attn == "on"
+    ref = LlamaCppRef(model, args.threads, span, flash)
+
+    def backend(a: int, b: int) -> NativeBackend:
+        return NativeBackend(
+            ShardSpec(model, a, b, manifest, n_threads=args.threads), flash_attn=args.flash_attn
+        )
+
+    one = [backend(0, 30)]
+    three = [backend(a, b) for a, b in SPLITS]
     routes = {"1hop": one, "3hop": three}
     bytes_ratio = bytes_per_step(three, manifest, 2048) / bytes_per_step(three, manifest, 64)
 
@@ -233,14 +253,14 @@ def main() -> None:
     # decode step time at context 64 vs 2048 (3 hops, KV cache working); interleaved, best of rounds
     steps: dict[int, float] = {}
     pos: dict[int, int] = {}
-    for ctx in (64, 2048):
+    for ctx in ctxs:
         sid = _sid(ctx)
-        open_all(three, sid, 2304)
+        open_all(three, sid, span)
         for off in range(0, ctx, 512):
             route_forward(three, sid, off, long_ids[off : min(ctx, off + 512)])
         pos[ctx] = ctx
     for _ in range(args.rounds):
-        for ctx in (64, 2048):
+        for ctx in ctxs:
             # untimed steps first: after the other session ran, caches hold its K/V, not the weights
             # (llama.cpp's figure below is taken right after a prefill, which warms them too)
             decode_native(three, _sid(ctx), pos[ctx], long_ids[pos[ctx]], CTX_WARMUP_STEPS)
@@ -248,13 +268,11 @@ def main() -> None:
             secs, _ = decode_native(three, _sid(ctx), pos[ctx], long_ids[pos[ctx]], args.ctx_steps)
             pos[ctx] += args.ctx_steps
             steps[ctx] = min(steps.get(ctx, 1e18), secs / args.ctx_steps * 1e3)
-    for ctx in (64, 2048):
+    for ctx in ctxs:
         close_all(three, _sid(ctx))
         print(f"native 3hop decode step at context {ctx}: {steps[ctx]:.2f} ms")
-    ref_steps = {ctx: min(ref.step_ms(long_ids, ctx, args.ctx_steps) for _ in range(2)) for ctx in (64, 2048)}
-    print(
-        f"llama-cpp-python decode step at context 64: {ref_steps[64]:.2f} ms, at 2048: {ref_steps[2048]:.2f} ms"
-    )
+    ref_steps = {ctx: min(ref.step_ms(long_ids, ctx, args.ctx_steps) for _ in range(2)) for ctx in ctxs}
+    print("llama-cpp-python decode step at context " + ", ".join(f"{c}: {ref_steps[c]:.2f} ms" for c in ctxs))
     ref.llm.close()
 
     # teacher-forced parity on the test text
@@ -286,6 +304,7 @@ def main() -> None:
     res.update(
         {
             "threads": args.threads,
+            "flash_attn": args.flash_attn,
             "load_avg_1m_at_start": round(load_at_start, 2),
             "load_avg_1m_at_end": round(os.getloadavg()[0], 2),
             "decode_tokens": n,
@@ -327,6 +346,11 @@ def main() -> None:
             "teacher_forcing_max_abs_logit_diff": round(max_diff, 5),
         }
     )
+    if args.long_ctx > 2048:
+        n_long = args.long_ctx
+        res[f"step_ms_ctx{n_long}"] = round(steps[n_long], 3)
+        res[f"step_ms_ctx{n_long}_llamacpp"] = round(ref_steps[n_long], 3)
+        res[f"ctx{n_long}_step_ratio_vs_llamacpp"] = round(steps[n_long] / ref_steps[n_long], 3)
     print(json.dumps(res))
 
 

@@ -131,24 +131,32 @@ def ffn(b: Builder, i: int, d: int, n_ff: int) -> None:
     b.t(f"blk.{i}.ffn_down.weight", n_ff, d)
 
 
+GUD = ("gate", "up", "down")  # the order Qwen3.5's converter writes an FFN's three tensors in
+GDU = ("gate", "down", "up")  # Qwen3-MoE's, GLM's and DeepSeek's
+
+
+def expert_table(
+    b: Builder, i: int, d: int, n_ff: int, n_expert: int = 0, order: tuple[str, ...] = GDU
+) -> None:
+    """Layer i's routed experts (`n_expert` stacked: ffn_*_exps) or, with n_expert 0, its shared one
+    (ffn_*_shexp), in `order`: the writers order tensors as the converters do."""
+    shapes = {"gate": (d, n_ff), "up": (d, n_ff), "down": (n_ff, d)}
+    suffix, stack = ("exps", (n_expert,)) if n_expert else ("shexp", ())
+    for name in order:
+        b.t(f"blk.{i}.ffn_{name}_{suffix}.weight", *shapes[name], *stack)
+
+
 def experts(b: Builder, i: int, d: int, n_expert: int, n_ff_exp: int, n_ff_shexp: int) -> None:
+    """Qwen3.5-MoE's router, routed experts and shared expert."""
     b.t(f"blk.{i}.ffn_gate_inp.weight", d, n_expert)
-    b.t(f"blk.{i}.ffn_gate_exps.weight", d, n_ff_exp, n_expert)
-    b.t(f"blk.{i}.ffn_up_exps.weight", d, n_ff_exp, n_expert)
-    b.t(f"blk.{i}.ffn_down_exps.weight", n_ff_exp, d, n_expert)
-    b.t(f"blk.{i}.ffn_gate_shexp.weight", d, n_ff_shexp)
-    b.t(f"blk.{i}.ffn_up_shexp.weight", d, n_ff_shexp)
-    b.t(f"blk.{i}.ffn_down_shexp.weight", n_ff_shexp, d)
+    expert_table(b, i, d, n_ff_exp, n_expert, GUD)
+    expert_table(b, i, d, n_ff_shexp, 0, GUD)
 
 
 def routed_experts(b: Builder, i: int, d: int, n_expert: int, n_ff_exp: int) -> None:
     """The MLA / DeepSeek order: the routed experts (gate, down, up), then the shared one."""
-    b.t(f"blk.{i}.ffn_gate_exps.weight", d, n_ff_exp, n_expert)
-    b.t(f"blk.{i}.ffn_down_exps.weight", n_ff_exp, d, n_expert)
-    b.t(f"blk.{i}.ffn_up_exps.weight", d, n_ff_exp, n_expert)
-    b.t(f"blk.{i}.ffn_gate_shexp.weight", d, n_ff_exp)
-    b.t(f"blk.{i}.ffn_down_shexp.weight", n_ff_exp, d)
-    b.t(f"blk.{i}.ffn_up_shexp.weight", d, n_ff_exp)
+    expert_table(b, i, d, n_ff_exp, n_expert)
+    expert_table(b, i, d, n_ff_exp)
 
 
 def qkv(b: Builder, i: int, d: int, n_q: int, n_kv: int, n_out: int) -> None:
@@ -215,9 +223,7 @@ def qwen3moe(b: Builder, m: MoeDims) -> None:
         b.norm(f"blk.{i}.attn_k_norm.weight", m.head)
         b.norm(f"blk.{i}.ffn_norm.weight", m.d)
         b.t(f"blk.{i}.ffn_gate_inp.weight", m.d, m.n_expert)
-        b.t(f"blk.{i}.ffn_gate_exps.weight", m.d, m.n_ff_exp, m.n_expert)
-        b.t(f"blk.{i}.ffn_down_exps.weight", m.n_ff_exp, m.d, m.n_expert)
-        b.t(f"blk.{i}.ffn_up_exps.weight", m.d, m.n_ff_exp, m.n_expert)
+        expert_table(b, i, m.d, m.n_ff_exp, m.n_expert)
 
 
 def _moe_keys(b: Builder, m: MoeDims) -> None:
@@ -242,13 +248,8 @@ def _moe_ffn(b: Builder, i: int, m: MoeDims) -> None:
         return
     b.t(f"blk.{i}.ffn_gate_inp.weight", m.d, m.n_expert)
     b.t(f"blk.{i}.exp_probs_b.bias", m.n_expert, kind="small")
-    b.t(f"blk.{i}.ffn_gate_exps.weight", m.d, m.n_ff_exp, m.n_expert)
-    b.t(f"blk.{i}.ffn_down_exps.weight", m.n_ff_exp, m.d, m.n_expert)
-    b.t(f"blk.{i}.ffn_up_exps.weight", m.d, m.n_ff_exp, m.n_expert)
-    sh = m.n_ff_exp * m.n_shexp
-    b.t(f"blk.{i}.ffn_gate_shexp.weight", m.d, sh)
-    b.t(f"blk.{i}.ffn_down_shexp.weight", sh, m.d)
-    b.t(f"blk.{i}.ffn_up_shexp.weight", m.d, sh)
+    expert_table(b, i, m.d, m.n_ff_exp, m.n_expert)
+    expert_table(b, i, m.d, m.n_ff_exp * m.n_shexp)
 
 
 def glm4moe(b: Builder, m: MoeDims) -> None:

@@ -142,6 +142,12 @@ ggml_tensor * attention(Build & b, int32_t il, ggml_tensor * q, ggml_tensor * k,
 // its own cache and attended with its own inputs, the results concatenated in member order.
 ggml_tensor * attention_many(Build & b, int32_t il, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, float kq_scale);
 
+// The attention block of qwen3 and qwen3moe for layer il on the normed input: q, k and v, per-head RMS
+// norms of q and k before RoPE, attention and the output projection (before the residual); and the
+// tensors it takes (llama's set and the two norms).
+ggml_tensor * qk_norm_attention(Build & b, int32_t il, ggml_tensor * cur);
+void want_qk_norm_attention(const ggswarm_model * m, int32_t il, Layer & L, Wants & w);
+
 // On the last window's last layer, keep only the final position of cur and of the residual x (the
 // sampler reads nothing else; on a graph of several sessions, each member's final position); otherwise
 // unchanged.

@@ -87,6 +87,22 @@ ggml_tensor * attention(Build & b, int32_t il, ggml_tensor * q, ggml_tensor * k,
     return m->rot_v ? rotate(b.c, o, m->rot_v) : o;
 }
 
+ggml_tensor * qk_norm_attention(Build & b, int32_t il, ggml_tensor * cur) {
+    const ggswarm_model * m = b.m;
+    const Layer & L = b.layer(il);
+    Qkv a = qkv(b, il, cur);
+    ggml_tensor * q = rope(b, il, rms(b.c, a.q, L.q_norm, m->eps));
+    ggml_tensor * k = rope(b, il, rms(b.c, a.k, L.k_norm, m->eps));
+    cur = attention(b, il, q, k, a.v, 1.0f / sqrtf((float)m->head_dim));
+    return linear(b.c, L.wo, L.bo, cur);
+}
+
+void want_qk_norm_attention(const ggswarm_model * m, int32_t il, Layer & L, Wants & w) {
+    want_attention(m, il, L, w);
+    w.need(blk(il, "attn_q_norm.weight"), {m->head_dim}, &L.q_norm);
+    w.need(blk(il, "attn_k_norm.weight"), {m->head_dim}, &L.k_norm);
+}
+
 namespace {
 
 ggml_tensor * attend(Build & b, int32_t il, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, float kq_scale) {

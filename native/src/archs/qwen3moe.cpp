@@ -4,7 +4,6 @@
 // reads no expert_weights_scale for it), no shared expert. The long-context files declare YaRN, which
 // the loader's RoPE scaling covers.
 
-#include <cmath>
 #include <memory>
 
 #include "arch.h"
@@ -33,9 +32,7 @@ ggswarm_status read(ggswarm_model * m, const Hp & hp) {
 }
 
 void want(const ggswarm_model * m, int32_t il, Layer & L, Wants & w) {
-    want_attention(m, il, L, w);
-    w.need(blk(il, "attn_q_norm.weight"), {m->head_dim}, &L.q_norm);
-    w.need(blk(il, "attn_k_norm.weight"), {m->head_dim}, &L.k_norm);
+    want_qk_norm_attention(m, il, L, w);
     w.need(blk(il, "ffn_norm.weight"), {m->d_model}, &L.ffn_norm);
     want_experts(m, experts(m), il, L, w, false);
 }
@@ -43,15 +40,10 @@ void want(const ggswarm_model * m, int32_t il, Layer & L, Wants & w) {
 ggml_tensor * build(Build & b, ggml_tensor * x) {
     ggswarm_model * m = b.m;
     ggml_context * c = b.c;
-    const float kq_scale = 1.0f / sqrtf((float)m->head_dim);
     for (int32_t il = m->layer_start; il < m->layer_end; ++il) {
         const Layer & L = b.layer(il);
         ggml_tensor * cur = rms(c, x, L.attn_norm, m->eps);
-        Qkv a = qkv(b, il, cur);
-        ggml_tensor * q = rope(b, il, rms(c, a.q, L.q_norm, m->eps));
-        ggml_tensor * k = rope(b, il, rms(c, a.k, L.k_norm, m->eps));
-        cur = attention(b, il, q, k, a.v, kq_scale);
-        cur = linear(c, L.wo, L.bo, cur);
+        cur = qk_norm_attention(b, il, cur);
         keep_last(b, il, &cur, &x);
         ggml_tensor * h = ggml_add(c, cur, x);
         cur = moe_ffn(c, rms(c, h, L.ffn_norm, m->eps), routed_experts(experts(m), L));
