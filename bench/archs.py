@@ -81,6 +81,8 @@ ARCHS = [
     BenchArch("qwen3moe", _tiny("qwen3moe"), ((0, 1), (1, 3), (3, 4))),
     BenchArch("glm4moe", _tiny("glm4moe"), ((0, 1), (1, 3), (3, 4))),
     BenchArch("deepseek2", _tiny("deepseek2"), ((0, 1), (1, 3), (3, 4))),
+    # sinks, sliding-window layers 0 and 2, MXFP4 experts
+    BenchArch("gpt_oss", _tiny("gpt-oss"), ((0, 1), (1, 3), (3, 4))),
 ]
 
 

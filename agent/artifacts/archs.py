@@ -30,6 +30,7 @@ SERVABLE_ARCHITECTURES: frozenset[str] = frozenset(
         "qwen3moe",
         "glm4moe",
         "deepseek2",
+        "gpt-oss",
     }
 )
 
@@ -177,15 +178,19 @@ def _window_ring(hp: dict[str, Any]) -> int:
     return max(256, -(-n // 256) * 256)
 
 
+# Architectures with sliding-window layers and llama.cpp's default sliding_window_pattern for them
+_SWA_PATTERN = {"gemma3": 6, "gpt-oss": 2}
+
+
 def _swa_windows(arch: str, hp: dict[str, Any], n_layers: int) -> list[int]:
     """Per layer, the ring a sliding-window layer keeps (GGML_PAD(min(n_ctx, n_swa + n_ubatch), 256)),
-    or 0 (the whole context); gemma3's pattern as its loader reads it (an array of per-layer flags, else
-    every `sliding_window_pattern`-th layer is global, default 6)."""
+    or 0 (the whole context); the pattern as llama.cpp's loader reads it (an array of per-layer flags,
+    else every `sliding_window_pattern`-th layer is global: default 6 for gemma3, 2 for gpt-oss)."""
     n_swa = _int(hp, "attention.sliding_window")
-    if arch != "gemma3" or n_swa <= 0:
+    if arch not in _SWA_PATTERN or n_swa <= 0:
         return [0] * n_layers
     ring = _window_ring(hp)
-    pattern = hp.get("attention.sliding_window_pattern", 6)
+    pattern = hp.get("attention.sliding_window_pattern", _SWA_PATTERN[arch])
     if isinstance(pattern, list):
         swa = [bool(pattern[i]) if i < len(pattern) else False for i in range(n_layers)]
     else:
@@ -249,7 +254,7 @@ def describe(
         # hyper-connections: the residual travels as `count` streams of d_model between layers
         boundary_dim = d_model * _int(hp, "hyper_connection.count", 4)
     else:
-        # Sliding-window layers (gemma3) keep a ring of their last positions, as llama.cpp's SWA cache
+        # Sliding-window layers (gemma3, gpt-oss) keep a ring of their last positions, as llama.cpp's SWA cache
         # (native/src/kv.cpp swa_rows): counted at that window, the others at the whole context.
         windows = _swa_windows(arch, hp, n_layers)
         layers = [

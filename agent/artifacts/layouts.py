@@ -18,6 +18,16 @@ DEEPSEEK_V3_ROPE_SCALING: dict[str, str | float | int] = {
     "yarn_log_multiplier": 0.1,
 }
 
+# gpt-oss-20b's and -120b's rope.scaling.* keys as llama.cpp's converter writes them from their config: YaRN
+# factor 32 over a 4K original context (131,072 / 32), betas 32 / 1.
+GPT_OSS_ROPE_SCALING: dict[str, str | float | int] = {
+    "type": "yarn",
+    "factor": 32.0,
+    "original_context_length": 4096,
+    "yarn_beta_fast": 32.0,
+    "yarn_beta_slow": 1.0,
+}
+
 # DeepSeek-V4-Flash's rope.scaling.* keys as its GGUFs carry them (YaRN, applied in compressing layers).
 DEEPSEEK4_FLASH_ROPE_SCALING: dict[str, str | float | int] = {
     "type": "yarn",
@@ -32,7 +42,8 @@ DEEPSEEK4_FLASH_ROPE_SCALING: dict[str, str | float | int] = {
 class Tensor:
     name: str
     ne: tuple[int, ...]  # ggml order: ne0 (fastest varying) first
-    kind: str  # "matmul", "head", "norm", "small", "neg", "ids": what values suit it
+    kind: str  # "matmul", "head", "norm", "small", "neg", "ids": what values suit it; "mxfp4": a matmul
+    # stored in MXFP4 whatever the file's dtype (gpt-oss's experts)
     high: int = 0  # exclusive upper bound for "ids"
 
 
@@ -309,6 +320,59 @@ def deepseek2(b: Builder, m: MoeDims) -> None:
         _moe_ffn(b, i, m)
         if i >= m.n_layers:
             nextn(b, i, m.d)
+
+
+# --- gpt-oss ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GptOssDims:
+    """gpt-oss's sizes (120b: d 2880, 36 layers, 64 query heads of 64 over 8 KV heads, 128 experts of 2880,
+    4 used, window 128)."""
+
+    d: int
+    n_layers: int
+    vocab: int
+    ctx: int = 131072
+    eps: float = 1e-5
+    rope_base: float = 150000.0
+    head: int = 64
+    n_head: int = 4
+    n_kv: int = 2
+    n_ff_exp: int = 32
+    n_expert: int = 8
+    n_used: int = 4
+    window: int = 128
+
+
+def gpt_oss(b: Builder, m: GptOssDims) -> None:
+    """gpt-oss-20b/120b: q/k/v/o biases, attention sinks, sliding and full layers in turn (the loader's
+    default pattern of 2), YaRN, a biased router and biased experts (MXFP4 in the real files: kind "mxfp4")."""
+    common(b, m.d, m.n_layers, m.n_head, m.n_kv, m.n_ff_exp, ctx=m.ctx, eps=m.eps, rope_base=m.rope_base)
+    b.u32("expert_count", m.n_expert)
+    b.u32("expert_used_count", m.n_used)
+    b.u32("attention.key_length", m.head)
+    b.u32("attention.value_length", m.head)
+    b.u32("attention.sliding_window", m.window)
+    b.u32("expert_feed_forward_length", m.n_ff_exp)
+    b.rope_scaling(GPT_OSS_ROPE_SCALING)
+    embd(b, m.d, m.vocab, output=True)
+    n_q, n_kv = m.n_head * m.head, m.n_kv * m.head
+    for i in range(m.n_layers):
+        b.norm(f"blk.{i}.attn_norm.weight", m.d)
+        b.t(f"blk.{i}.attn_output.bias", m.d, kind="small")
+        b.t(f"blk.{i}.attn_output.weight", n_q, m.d)
+        b.t(f"blk.{i}.attn_sinks.weight", m.n_head, kind="head")  # logits of the order of the scores
+        for name, n in (("k", n_kv), ("q", n_q), ("v", n_kv)):
+            b.t(f"blk.{i}.attn_{name}.bias", n, kind="small")
+            b.t(f"blk.{i}.attn_{name}.weight", m.d, n)
+        for name in ("down", "gate", "up"):
+            ne0, ne1 = (m.d, m.n_ff_exp) if name != "down" else (m.n_ff_exp, m.d)
+            b.t(f"blk.{i}.ffn_{name}_exps.bias", ne1, m.n_expert, kind="small")
+            b.t(f"blk.{i}.ffn_{name}_exps.weight", ne0, ne1, m.n_expert, kind="mxfp4")
+        b.t(f"blk.{i}.ffn_gate_inp.bias", m.n_expert, kind="small")
+        b.t(f"blk.{i}.ffn_gate_inp.weight", m.d, m.n_expert)
+        b.norm(f"blk.{i}.post_attention_norm.weight", m.d)
 
 
 # --- DeepSeek-V4 ---------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ ARCHITECTURES = (
     "qwen3moe",
     "glm4moe",
     "deepseek2",
+    "gpt-oss",
 )
 DTYPES = ("f32", "f16", "q8_0")
 D_MODEL = 64
@@ -49,6 +50,7 @@ DEFAULT_LAYERS = {
     "qwen3moe": 4,
     "glm4moe": 4,  # layer 0 dense, then experts; plus the MTP block every GLM-4.5 file ends with
     "deepseek2": 4,  # layer 0 dense, then grouped experts
+    "gpt-oss": 4,  # sliding-window layers 0 and 2, full 1 and 3
 }
 _FILE_TYPE = {"f32": 0, "f16": 1, "q8_0": 7}
 # Only matmul weights take the file's dtype; these stay f32 (the graphs read them as f32).
@@ -200,6 +202,12 @@ def _deepseek2(b: Builder, n_layers: int, vocab: int, mtp: bool) -> None:
     b.rope_scaling(DEEPSEEK_V3_ROPE_SCALING)
 
 
+def _gpt_oss(b: Builder, n_layers: int, vocab: int, mtp: bool) -> None:
+    # gpt-oss-120b's key set: 2 query heads per KV head (8 there), 4 of 8 experts used (4 of 128 there),
+    # window 128, YaRN factor 32 over 4K, rope base 150,000; experts in MXFP4 as the real files keep them
+    layouts.gpt_oss(b, layouts.GptOssDims(D_MODEL, n_layers, vocab))
+
+
 _BUILDERS: dict[str, Callable[[Builder, int, int, bool], None]] = {
     "llama": _llama,
     "qwen3": _qwen3,
@@ -211,6 +219,7 @@ _BUILDERS: dict[str, Callable[[Builder, int, int, bool], None]] = {
     "qwen3moe": _qwen3moe,
     "glm4moe": _glm4moe,
     "deepseek2": _deepseek2,
+    "gpt-oss": _gpt_oss,
 }
 # glm4moe is not listed: its files always end with the MTP block, `mtp` or not
 _MTP_ARCHS = ("qwen35", "qwen35moe", "deepseek4", "glm-dsa", "deepseek2")
@@ -242,6 +251,8 @@ def _encode(
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
+    if kind == "mxfp4":  # gpt-oss's experts, as its files store them (blocks of 32 along ne0)
+        return quantize(values, GGMLQuantizationType.MXFP4), GGMLQuantizationType.MXFP4
     if (
         dtype == "f32"
         or kind not in ("matmul", "head")

@@ -153,13 +153,17 @@ void want_qk_norm_attention(const ggswarm_model * m, int32_t il, Layer & L, Want
 // unchanged.
 void keep_last(Build & b, int32_t il, ggml_tensor ** cur, ggml_tensor ** x);
 
-enum class Act { Silu, Gelu };
+// SwigluOai: gpt-oss's clamped SwiGLU (ggml_swiglu_oai, alpha 1.702, limit 7 as llama.cpp fixes them),
+// for experts only (moe_ffn)
+enum class Act { Silu, Gelu, SwigluOai };
 
 // down(act(gate(x)) * up(x)): SwiGLU or GeGLU.
 ggml_tensor * glu_ffn(ggml_context * c, ggml_tensor * x, ggml_tensor * gate, ggml_tensor * up, ggml_tensor * down,
                       Act act);
 
-enum class Gating { Softmax, Sigmoid };
+// SoftmaxWeight (gpt-oss): the top experts chosen by the raw router logits, their weights a softmax
+// over the chosen ones' logits
+enum class Gating { Softmax, Sigmoid, SoftmaxWeight };
 
 // The routed-expert hyper-parameters as llama.cpp reads them (llama_hparams): expert_count,
 // expert_used_count, expert_feed_forward_length (else feed_forward_length / used), expert_shared_count,
@@ -187,13 +191,18 @@ void want_experts(const ggswarm_model * m, const MoeHp & e, int32_t il, Layer & 
 // from the unbiased probabilities (renormalised to sum 1 when norm_w, then times w_scale unless 0 or
 // 1), each a gated FFN from the stacked expert tensors ([d, ff, n_expert], down [ff, d, n_expert]);
 // with a shared expert (sh_gate/sh_up/sh_down, may be null) added, scaled by sigmoid(sh_gate_inp.x)
-// when sh_gate_inp is set. Returns [d, n].
+// when sh_gate_inp is set. Optional biases (gpt-oss): the router's gate_inp_b [n_expert], and per
+// expert up_b / gate_b [ff, n_expert], down_b [d, n_expert] (ggml_add_id). Returns [d, n].
 struct Moe {
     ggml_tensor * gate_inp = nullptr;
+    ggml_tensor * gate_inp_b = nullptr;
     ggml_tensor * exp_probs_b = nullptr;
     ggml_tensor * gate_exps = nullptr;
     ggml_tensor * up_exps = nullptr;
     ggml_tensor * down_exps = nullptr;
+    ggml_tensor * gate_b = nullptr;
+    ggml_tensor * up_b = nullptr;
+    ggml_tensor * down_b = nullptr;
     ggml_tensor * sh_gate_inp = nullptr;
     ggml_tensor * sh_gate = nullptr;
     ggml_tensor * sh_up = nullptr;

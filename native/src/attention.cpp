@@ -285,31 +285,33 @@ bool decode_attention_supported(int64_t head_dim) {
 }
 
 ggml_tensor * flash_attention(ggml_context * c, ggml_tensor * q, ggml_tensor * kc, ggml_tensor * vc, ggml_tensor * mask,
-                              int32_t n, int32_t n_kv, float kq_scale) {
+                              int32_t n, int32_t n_kv, float kq_scale, ggml_tensor * sinks) {
     const int64_t hd = q->ne[0], nh = q->ne[1], nkv = kc->ne[0] / hd;
     // a head's bytes in the cache type (quantized blocks run along the head: whole blocks per head)
     ggml_tensor * k = ggml_view_3d(c, kc, hd, n_kv, nkv, kc->nb[1], ggml_row_size(kc->type, hd), 0);  // [hd, n_kv, nkv]
     ggml_tensor * v = ggml_view_3d(c, vc, hd, n_kv, nkv, vc->nb[1], ggml_row_size(vc->type, hd), 0);
     ggml_tensor * qp = ggml_permute(c, q, 0, 2, 1, 3);  // [hd, n, nh]
     ggml_tensor * o = ggml_flash_attn_ext(c, qp, k, v, mask, kq_scale, 0.0f, 0.0f);  // [hd, nh, n]
+    if (sinks) ggml_flash_attn_ext_add_sinks(o, sinks);
     ggml_prec_set_acc(o, GGML_PREC_F32);
     return ggml_reshape_2d(c, o, hd * nh, n);
 }
 
 ggml_tensor * ops_attention(ggml_context * c, ggml_tensor * q, ggml_tensor * kc, ggml_tensor * vc, ggml_tensor * mask,
-                            int32_t n, int32_t n_kv, float kq_scale, ggml_tensor ** scores) {
+                            int32_t n, int32_t n_kv, float kq_scale, ggml_tensor ** scores, ggml_tensor * sinks) {
     const int64_t hd = q->ne[0], nh = q->ne[1], nkv = kc->ne[0] / hd;
     ggml_tensor * kall = ggml_view_3d(c, kc, hd, n_kv, nkv, kc->nb[1], hd * sizeof(ggml_fp16_t), 0);
     ggml_tensor * vall = ggml_view_3d(c, vc, n_kv, hd, nkv, vc->nb[1], vc->nb[1] * hd, 0);
     ggml_tensor * qp = ggml_permute(c, q, 0, 2, 1, 3);  // [hd, n, nh]
     ggml_tensor * kq = ggml_mul_mat(c, kall, qp);        // [n_kv, n, nh]
     if (scores) *scores = kq;
-    if (decode_rows(n)) {
+    if (decode_rows(n) && !sinks) {
         // [n_kv, 1, nh] -> [n_kv, nh]: the heads become softmax rows, which ggml splits across threads
         kq = ggml_reshape_2d(c, kq, n_kv, nh);
         kq = ggml_reshape_3d(c, ggml_soft_max_ext(c, kq, mask, kq_scale, 0.0f), n_kv, 1, nh);
     } else {
-        kq = ggml_soft_max_ext(c, kq, mask, kq_scale, 0.0f);
+        kq = ggml_soft_max_ext(c, kq, mask, kq_scale, 0.0f);  // a decode mask [n_kv, nh]: its row 0 serves
+        if (sinks) ggml_soft_max_add_sinks(kq, sinks);
     }
     ggml_tensor * kqv = ggml_mul_mat(c, vall, kq);  // [hd, n, nh]
     return ggml_cont_2d(c, ggml_permute(c, kqv, 0, 2, 1, 3), hd * nh, n);

@@ -21,9 +21,12 @@ inline bool decode_rows(int32_t n) { return n == 1; }
 // mul_mat(K, q) -> soft_max_ext(mask, kq_scale) -> mul_mat(V^T, p); returns [hd * nh, n].
 // q: [hd, nh, n] f32; kc: K cache [hd * nkv, cap] f16; vc: transposed V cache [cap, hd * nkv] f16;
 // mask: [n_kv, n], or [n_kv, nh] when decode_rows(n). scores (optional) gets the unscaled K.q
-// product [n_kv, n, nh] that feeds the softmax.
+// product [n_kv, n, nh] that feeds the softmax. sinks (optional, f32 [nh]): one more logit per head in
+// each softmax's denominator (ggml_soft_max_add_sinks, as llama.cpp for gpt-oss); the decode rows' view
+// is then not taken (ggml indexes the sinks by the softmax's third dimension, the head).
 ggml_tensor * ops_attention(ggml_context * c, ggml_tensor * q, ggml_tensor * kc, ggml_tensor * vc, ggml_tensor * mask,
-                            int32_t n, int32_t n_kv, float kq_scale, ggml_tensor ** scores = nullptr);
+                            int32_t n, int32_t n_kv, float kq_scale, ggml_tensor ** scores = nullptr,
+                            ggml_tensor * sinks = nullptr);
 
 // True when this CPU has AVX-512 and the loaded ggml CPU backend was built with AVX-512 (so its f16
 // dot product has the reduction order the kernels follow).
@@ -35,9 +38,9 @@ bool decode_attention_supported(int64_t head_dim);
 
 // Attention of n new positions over the first n_kv cached ones with ggml_flash_attn_ext, as llama.cpp
 // builds it with flash attention on: [hd * nh, n]. vc: the V cache NOT transposed, [hd * nkv, cap]
-// f16 like kc; mask: f16 [n_kv, n].
+// f16 like kc; mask: f16 [n_kv, n]; sinks (optional): as ops_attention's (ggml_flash_attn_ext_add_sinks).
 ggml_tensor * flash_attention(ggml_context * c, ggml_tensor * q, ggml_tensor * kc, ggml_tensor * vc, ggml_tensor * mask,
-                              int32_t n, int32_t n_kv, float kq_scale);
+                              int32_t n, int32_t n_kv, float kq_scale, ggml_tensor * sinks = nullptr);
 
 
 // Scores of one new position against the cache, unscaled: out[j, h] = K[j, group(h)] . q[h] for

@@ -45,13 +45,14 @@ ggml_tensor * attention_many(Build & b, int32_t il, ggml_tensor * q, ggml_tensor
         }
         ggml_build_forward_expand(g.gf, v_put);
         ggml_tensor * mask = swa ? mb.mask_swa : mb.mask;
+        ggml_tensor * sinks = b.layer(il).attn_sinks;
         ggml_tensor * o;
         if (m->flash()) {
-            o = flash_attention(c, qj, kc, vc, mask, n, n_kv, kq_scale);
-        } else if (kernel_step(m, n) && !swa) {
+            o = flash_attention(c, qj, kc, vc, mask, n, n_kv, kq_scale, sinks);
+        } else if (kernel_step(m, n) && !swa && !sinks) {
             o = kernel_attention(c, qj, kc, vc, mb.pos, mb.n_kv, k_put, v_put, kq_scale);
         } else {
-            o = ops_attention(c, qj, kc, vc, mask, n, n_kv, kq_scale);
+            o = ops_attention(c, qj, kc, vc, mask, n, n_kv, kq_scale, nullptr, sinks);
         }
         out = out ? ggml_concat(c, out, o, 1) : o;
     }

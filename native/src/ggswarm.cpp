@@ -12,6 +12,7 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdarg>
 #include <cstdio>
@@ -68,8 +69,11 @@ bool env_set(const char * name) {
 // self-check fail.
 void choose_non_flash(ggswarm_model * m, const char * path) {
     const bool cpu = ggml_backend_dev_type(m->dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
-    if (env_set("GGSWARM_GGML_ATTENTION") || !cpu || !decode_attention_supported(m->head_dim)) {
-        m->decode_kernels = 0;  // ggml's ops: no AVX-512, a GPU, or a head size the kernels do not take
+    // the kernels' softmax has no attention sinks (gpt-oss): a window with them takes ggml's ops
+    const bool sinks =
+        std::any_of(m->layers.begin(), m->layers.end(), [](const Layer & L) { return L.attn_sinks != nullptr; });
+    if (env_set("GGSWARM_GGML_ATTENTION") || !cpu || sinks || !decode_attention_supported(m->head_dim)) {
+        m->decode_kernels = 0;  // ggml's ops: no AVX-512, a GPU, sinks, or a head size the kernels do not take
     } else {
         const char * hook = getenv("GGSWARM_KERNEL_SELFCHECK");
         const bool corrupt = hook && strcmp(hook, "corrupt") == 0;

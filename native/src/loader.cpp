@@ -56,14 +56,20 @@ ggml_backend_buffer_type_t repack_buft(const ggswarm_model * m) {
 }
 
 // Whether the device multiplies a weight like src held in buft (llama.cpp's test: a 512-column
-// product, the weight in a dummy buffer of that type).
-bool matmul_ok(const ggswarm_model * m, const ggml_tensor * src, ggml_backend_buffer_type_t buft) {
+// product, the weight in a dummy buffer of that type; for stacked experts, ffn_*_exps, the product by
+// expert ids it runs them in: CPU_REPACK takes those in 3 dimensions, e.g. gpt-oss's MXFP4 on AVX2).
+bool matmul_ok(const ggswarm_model * m, const ggml_tensor * src, ggml_backend_buffer_type_t buft, bool experts) {
     ggml_init_params ip = {ggml_tensor_overhead() * 8, nullptr, true};
     ggml_context * ctx = ggml_init(ip);
     if (!ctx) return false;
     ggml_tensor * w = ggml_new_tensor(ctx, src->type, GGML_MAX_DIMS, src->ne);
-    ggml_tensor * x = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, w->ne[0], 512, w->ne[2], w->ne[3]);
-    ggml_tensor * op = ggml_mul_mat(ctx, w, x);
+    ggml_tensor * op;
+    if (experts) {
+        ggml_tensor * x = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, w->ne[0], 1, 512);
+        op = ggml_mul_mat_id(ctx, w, x, ggml_new_tensor_2d(ctx, GGML_TYPE_I32, 1, 512));
+    } else {
+        op = ggml_mul_mat(ctx, w, ggml_new_tensor_4d(ctx, GGML_TYPE_F32, w->ne[0], 512, w->ne[2], w->ne[3]));
+    }
     w->buffer = ggml_backend_buft_alloc_buffer(buft, 0);
     const bool ok = w->buffer && ggml_backend_dev_supports_op(m->dev, op);
     if (w->buffer) ggml_backend_buffer_free(w->buffer);
@@ -153,8 +159,9 @@ ggswarm_status load_weights(ggswarm_model * m, const Meta & meta, const char * p
         if (!src) continue;  // optional and absent
         // matrices the CPU's repacked layout can multiply go there, as llama.cpp places them (the same
         // kernels, so the same numbers, and faster); token_embd stays (get_rows reads it)
+        const bool experts = w.shape.size() == 3 && w.name.find("_exps.weight") != std::string::npos;
         const bool repack = extra && !w.plain && w.shape.size() >= 2 && w.name != "token_embd.weight" &&
-                            matmul_ok(m, src, extra);
+                            matmul_ok(m, src, extra, experts);
         ggml_tensor * t = ggml_new_tensor(repack ? m->wctx_extra : m->wctx, src->type, (int)w.shape.size(), src->ne);
         ggml_set_name(t, w.name.c_str());
         *w.dst = t;

@@ -48,6 +48,7 @@ struct Layer {
     ggml_tensor * k_norm = nullptr;
     ggml_tensor * attn_post_norm = nullptr;  // norms of the attention and FFN outputs (gemma3)
     ggml_tensor * ffn_post_norm = nullptr;
+    ggml_tensor * attn_sinks = nullptr;      // per-head softmax sinks, f32 [n_head]: attention() adds them (gpt-oss)
     ggml_tensor * ffn_gate_inp = nullptr;    // mixture of experts: router, stacked experts, shared expert
     ggml_tensor * ffn_gate_exps = nullptr;
     ggml_tensor * ffn_up_exps = nullptr;

@@ -47,6 +47,8 @@ CASES = {
     "qwen3moe-q8_0": ("qwen3moe", {}, [(0, 1), (1, 3), (3, 4)], "q8_0"),
     "glm4moe-q8_0": ("glm4moe", {}, [(0, 1), (1, 3), (3, 4)], "q8_0"),
     "deepseek2-q8_0": ("deepseek2", {}, [(0, 1), (1, 3), (3, 4)], "q8_0"),
+    # attention sinks in flash attention over q8_0 caches, sliding-window rings outrun (window 128)
+    "gpt-oss-q8_0": ("gpt-oss", {}, [(0, 1), (1, 3), (3, 4)], "q8_0"),
 }
 
 

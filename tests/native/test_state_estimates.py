@@ -20,7 +20,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize(
-    "arch", ["llama", "gemma3", "qwen35", "glm-dsa", "deepseek4", "qwen3moe", "glm4moe", "deepseek2"]
+    "arch",
+    ["llama", "gemma3", "qwen35", "glm-dsa", "deepseek4", "qwen3moe", "glm4moe", "deepseek2", "gpt-oss"],
 )
 def test_a_snapshot_of_n_positions_is_the_manifests_state_estimate_at_n(
     native_lib: None, tmp_path, arch: str
@@ -44,7 +45,7 @@ def test_a_snapshot_of_n_positions_is_the_manifests_state_estimate_at_n(
         assert snap >= 0.9 * estimate, (snap, estimate)
 
 
-RINGS = ("deepseek4", "gemma3")
+RINGS = ("deepseek4", "gemma3", "gpt-oss")
 
 
 @pytest.mark.parametrize("arch", RINGS)

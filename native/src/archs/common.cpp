@@ -130,11 +130,15 @@ ggml_tensor * attend(Build & b, int32_t il, ggml_tensor * q, ggml_tensor * k, gg
     }
     ggml_build_forward_expand(g.gf, v_put);
     ggml_tensor * mask = swa ? g.inp_mask_swa : g.inp_mask;
-    if (m->flash()) return flash_attention(c, q, kc, vc, mask, n, n_kv, kq_scale);
+    ggml_tensor * sinks = b.layer(il).attn_sinks;
+    if (m->flash()) return flash_attention(c, q, kc, vc, mask, n, n_kv, kq_scale, sinks);
     // the kernels attend every position up to the new one: a sliding-window layer takes ggml's ops and
-    // its mask instead (the same numbers as the kernels wherever the window covers the whole span)
-    if (kernel_step(m, n) && !swa) return kernel_attention(c, q, kc, vc, g.inp_pos, b.n_kv, k_put, v_put, kq_scale);
-    return ops_attention(c, q, kc, vc, mask, n, n_kv, kq_scale);
+    // its mask instead (the same numbers as the kernels wherever the window covers the whole span), as
+    // does a layer with attention sinks (the kernels' softmax has none)
+    if (kernel_step(m, n) && !swa && !sinks) {
+        return kernel_attention(c, q, kc, vc, g.inp_pos, b.n_kv, k_put, v_put, kq_scale);
+    }
+    return ops_attention(c, q, kc, vc, mask, n, n_kv, kq_scale, nullptr, sinks);
 }
 
 }  // namespace
@@ -182,12 +186,18 @@ ggml_tensor * limit_to_groups(ggml_context * c, ggml_tensor * select, const Moe 
 ggml_tensor * moe_ffn(ggml_context * c, ggml_tensor * x, const Moe & p) {
     const int64_t d = x->ne[0], n = x->ne[1];
     ggml_tensor * logits = ggml_mul_mat(c, p.gate_inp, x);  // [n_expert, n]
-    ggml_tensor * probs = p.gating == Gating::Sigmoid ? ggml_sigmoid(c, logits) : ggml_soft_max(c, logits);
+    if (p.gate_inp_b) logits = ggml_add(c, logits, p.gate_inp_b);
+    ggml_tensor * probs = p.gating == Gating::Sigmoid         ? ggml_sigmoid(c, logits)
+                          : p.gating == Gating::SoftmaxWeight ? logits
+                                                              : ggml_soft_max(c, logits);
     // the selection bias chooses the experts; their weights stay the unbiased probabilities
     ggml_tensor * select = p.exp_probs_b ? ggml_add(c, probs, p.exp_probs_b) : probs;
     if (p.n_groups > 1 && n > 0) select = limit_to_groups(c, select, p);
     ggml_tensor * sel = ggml_argsort_top_k(c, select, p.n_used);  // [n_used, n] expert ids
     ggml_tensor * w = ggml_get_rows(c, ggml_reshape_3d(c, probs, 1, p.n_expert, n), sel);  // [1, n_used, n]
+    if (p.gating == Gating::SoftmaxWeight) {
+        w = ggml_reshape_3d(c, ggml_soft_max(c, ggml_reshape_2d(c, w, p.n_used, n)), 1, p.n_used, n);
+    }
     if (p.norm_w) {
         ggml_tensor * w2 = ggml_reshape_2d(c, w, p.n_used, n);
         // a sum below f16's smallest normal is clamped there, as llama.cpp does (exact otherwise)
@@ -197,9 +207,14 @@ ggml_tensor * moe_ffn(ggml_context * c, ggml_tensor * x, const Moe & p) {
     if (p.w_scale != 0.0f && p.w_scale != 1.0f) w = ggml_scale(c, w, p.w_scale);
     ggml_tensor * x3 = ggml_reshape_3d(c, x, d, 1, n);
     ggml_tensor * up = ggml_mul_mat_id(c, p.up_exps, x3, sel);     // [ff, n_used, n]
+    if (p.up_b) up = ggml_add_id(c, up, p.up_b, sel);
     ggml_tensor * gate = ggml_mul_mat_id(c, p.gate_exps, x3, sel);
-    ggml_tensor * h = p.act == Act::Gelu ? ggml_geglu_split(c, gate, up) : ggml_swiglu_split(c, gate, up);
+    if (p.gate_b) gate = ggml_add_id(c, gate, p.gate_b, sel);
+    ggml_tensor * h = p.act == Act::Gelu        ? ggml_geglu_split(c, gate, up)
+                      : p.act == Act::SwigluOai ? ggml_swiglu_oai(c, gate, up, 1.702f, 7.0f)
+                                                : ggml_swiglu_split(c, gate, up);
     ggml_tensor * out = ggml_mul_mat_id(c, p.down_exps, h, sel);  // [d, n_used, n]
+    if (p.down_b) out = ggml_add_id(c, out, p.down_b, sel);
     out = ggml_mul(c, out, w);
     ggml_tensor * sum = ggml_view_2d(c, out, d, n, out->nb[2], 0);
     for (int32_t i = 1; i < p.n_used; ++i) {
