@@ -83,6 +83,8 @@ ARCHS = [
     BenchArch("deepseek2", _tiny("deepseek2"), ((0, 1), (1, 3), (3, 4))),
     # sinks, sliding-window layers 0 and 2, MXFP4 experts
     BenchArch("gpt_oss", _tiny("gpt-oss"), ((0, 1), (1, 3), (3, 4))),
+    # q/k norms across all heads, partial RoPE, sigmoid routing with a selection bias
+    BenchArch("minimax_m2", _tiny("minimax-m2"), ((0, 1), (1, 3), (3, 4))),
 ]
 
 

@@ -31,6 +31,7 @@ SERVABLE_ARCHITECTURES: frozenset[str] = frozenset(
         "glm4moe",
         "deepseek2",
         "gpt-oss",
+        "minimax-m2",
     }
 )
 

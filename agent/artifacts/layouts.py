@@ -375,6 +375,55 @@ def gpt_oss(b: Builder, m: GptOssDims) -> None:
         b.norm(f"blk.{i}.post_attention_norm.weight", m.d)
 
 
+# --- MiniMax-M2 ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MinimaxM2Dims:
+    """MiniMax-M2's sizes (M2 and M2.1: d 3072, 62 layers, 48 query heads of 128 over 8 KV heads, RoPE on
+    64 channels of each head, 256 experts of 1536, 8 used; no MTP blocks in the converted files)."""
+
+    d: int
+    n_layers: int
+    vocab: int
+    ctx: int = 196608
+    eps: float = 1e-6
+    rope_base: float = 5_000_000.0
+    head: int = 64
+    n_rot: int = 32
+    n_head: int = 12
+    n_kv: int = 2
+    n_ff_exp: int = 32
+    n_expert: int = 16
+    n_used: int = 4
+
+
+def minimax_m2(b: Builder, m: MinimaxM2Dims) -> None:
+    """MiniMax-M2 / M2.1: q and k RMS norms over the whole projection (all heads together), partial NEOX
+    RoPE, sigmoid-routed experts (expert_gating_func 2) with the exp_probs_b selection bias, no shared
+    expert. llama.cpp's converter writes feed_forward_length and expert_feed_forward_length both from
+    intermediate_size."""
+    common(b, m.d, m.n_layers, m.n_head, m.n_kv, m.n_ff_exp, ctx=m.ctx, eps=m.eps, rope_base=m.rope_base)
+    b.u32("expert_count", m.n_expert)
+    b.u32("expert_used_count", m.n_used)
+    b.u32("expert_gating_func", 2)  # sigmoid
+    b.u32("attention.key_length", m.head)
+    b.u32("attention.value_length", m.head)
+    b.u32("expert_feed_forward_length", m.n_ff_exp)
+    b.u32("rope.dimension_count", m.n_rot)
+    embd(b, m.d, m.vocab, output=True)
+    n_q, n_kv = m.n_head * m.head, m.n_kv * m.head
+    for i in range(m.n_layers):
+        b.norm(f"blk.{i}.attn_norm.weight", m.d)
+        qkv(b, i, m.d, n_q, n_kv, n_q)
+        b.norm(f"blk.{i}.attn_q_norm.weight", n_q)
+        b.norm(f"blk.{i}.attn_k_norm.weight", n_kv)
+        b.norm(f"blk.{i}.ffn_norm.weight", m.d)
+        b.t(f"blk.{i}.ffn_gate_inp.weight", m.d, m.n_expert)
+        b.t(f"blk.{i}.exp_probs_b.bias", m.n_expert, kind="small")
+        expert_table(b, i, m.d, m.n_ff_exp, m.n_expert)
+
+
 # --- DeepSeek-V4 ---------------------------------------------------------------------------------------
 
 

@@ -36,6 +36,7 @@ ARCHITECTURES = (
     "glm4moe",
     "deepseek2",
     "gpt-oss",
+    "minimax-m2",
 )
 DTYPES = ("f32", "f16", "q8_0")
 D_MODEL = 64
@@ -51,6 +52,7 @@ DEFAULT_LAYERS = {
     "glm4moe": 4,  # layer 0 dense, then experts; plus the MTP block every GLM-4.5 file ends with
     "deepseek2": 4,  # layer 0 dense, then grouped experts
     "gpt-oss": 4,  # sliding-window layers 0 and 2, full 1 and 3
+    "minimax-m2": 4,
 }
 _FILE_TYPE = {"f32": 0, "f16": 1, "q8_0": 7}
 # Only matmul weights take the file's dtype; these stay f32 (the graphs read them as f32).
@@ -208,6 +210,13 @@ def _gpt_oss(b: Builder, n_layers: int, vocab: int, mtp: bool) -> None:
     layouts.gpt_oss(b, layouts.GptOssDims(D_MODEL, n_layers, vocab))
 
 
+def _minimax_m2(b: Builder, n_layers: int, vocab: int, mtp: bool) -> None:
+    # MiniMax-M2's key set: 6 query heads per KV head, RoPE on half of each head (64 of 128 there), q/k
+    # norms across all heads, sigmoid routing with a selection bias over 16 experts, 4 used (8 of 256
+    # there), rope base 5e6; no MTP blocks, as its converted files have none
+    layouts.minimax_m2(b, layouts.MinimaxM2Dims(D_MODEL, n_layers, vocab))
+
+
 _BUILDERS: dict[str, Callable[[Builder, int, int, bool], None]] = {
     "llama": _llama,
     "qwen3": _qwen3,
@@ -220,6 +229,7 @@ _BUILDERS: dict[str, Callable[[Builder, int, int, bool], None]] = {
     "glm4moe": _glm4moe,
     "deepseek2": _deepseek2,
     "gpt-oss": _gpt_oss,
+    "minimax-m2": _minimax_m2,
 }
 # glm4moe is not listed: its files always end with the MTP block, `mtp` or not
 _MTP_ARCHS = ("qwen35", "qwen35moe", "deepseek4", "glm-dsa", "deepseek2")

@@ -1,8 +1,8 @@
 """Every architecture of the native table, split into 3 hops at uneven boundaries, agrees with
 llama-cpp-python's full model: llama (SmolLM2), gemma3 (the real 270M Q4_K_M, and a tiny file whose
 32-position sliding window the text outruns), qwen3 (tiny), and the mixtures of experts qwen3moe, glm4moe,
-deepseek2 and gpt-oss (tiny files with the real models' key sets; their snapshots also continue in another
-process). Each in both attention modes, whatever the
+deepseek2, gpt-oss and minimax-m2 (tiny files with the real models' key sets; their snapshots also
+continue in another process). Each in both attention modes, whatever the
 CPU: flash attention off (llama.cpp's default path; on an AVX-512 CPU our decode kernels where their
 open-time check passed, else ggml's ops) and on (ggml_flash_attn_ext), each against llama.cpp run the
 same way; the output names the kernels that ran. The hybrid qwen35 family has its own file
@@ -94,6 +94,9 @@ CASES = [
     # gpt-oss-120b's key set: attention sinks, sliding-window layers 0 and 2 (window 128, outrun by the
     # text) and full 1 and 3, YaRN factor 32, biased router and MXFP4 experts with the clamped SwiGLU
     Case("gpt-oss", "gpt-oss", _tiny("gpt-oss"), ((0, 1), (1, 3), (3, 4)), chunk_exact=False),
+    # MiniMax-M2's key set: q/k norms across all heads, RoPE on half of each head, rope base 5e6,
+    # sigmoid routing with a selection bias, no shared expert
+    Case("minimax-m2", "minimax-m2", _tiny("minimax-m2"), ((0, 1), (1, 3), (3, 4)), chunk_exact=False),
 ]
 
 
@@ -277,7 +280,7 @@ def test_prefill_in_chunks_equals_one_shot_prefill_and_llama_cpp_in_the_same_chu
         assert agree >= min(0.95, llama_agree)
 
 
-SNAPSHOT_CASES = [c for c in CASES if c.arch in ("qwen3moe", "glm4moe", "deepseek2", "gpt-oss")]
+SNAPSHOT_CASES = [c for c in CASES if c.arch in ("qwen3moe", "glm4moe", "deepseek2", "gpt-oss", "minimax-m2")]
 
 
 @pytest.mark.parametrize("snap", SNAPSHOT_CASES, ids=[c.name for c in SNAPSHOT_CASES])

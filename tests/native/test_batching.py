@@ -266,6 +266,7 @@ TINY_BATCHING = {
     "qwen3moe": True,
     "glm4moe": True,
     "deepseek2": False,
+    "minimax-m2": True,  # max |diff| 7.0e-3, same tokens
 }
 TINY_LOGIT_TOL = 2e-2
 TINY_STEPS = 40

@@ -49,6 +49,8 @@ CASES = {
     "deepseek2-q8_0": ("deepseek2", {}, [(0, 1), (1, 3), (3, 4)], "q8_0"),
     # attention sinks in flash attention over q8_0 caches, sliding-window rings outrun (window 128)
     "gpt-oss-q8_0": ("gpt-oss", {}, [(0, 1), (1, 3), (3, 4)], "q8_0"),
+    # q and k normed across heads before the rotation, RoPE on half of each head
+    "minimax-m2-q8_0": ("minimax-m2", {}, [(0, 1), (1, 3), (3, 4)], "q8_0"),
 }
 
 

@@ -21,7 +21,18 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.parametrize(
     "arch",
-    ["llama", "gemma3", "qwen35", "glm-dsa", "deepseek4", "qwen3moe", "glm4moe", "deepseek2", "gpt-oss"],
+    [
+        "llama",
+        "gemma3",
+        "qwen35",
+        "glm-dsa",
+        "deepseek4",
+        "qwen3moe",
+        "glm4moe",
+        "deepseek2",
+        "gpt-oss",
+        "minimax-m2",
+    ],
 )
 def test_a_snapshot_of_n_positions_is_the_manifests_state_estimate_at_n(
     native_lib: None, tmp_path, arch: str
