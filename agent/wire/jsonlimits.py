@@ -76,9 +76,9 @@ def _check_shape(raw: bytes, max_depth: int, max_containers: int | None) -> None
     if opening <= max_depth and (max_containers is None or opening <= max_containers):
         return
     brackets = _brackets(raw)
+    _check_brackets(brackets, max_depth)  # first: a deep text is refused for its depth, whatever its count
     if max_containers is not None and (n := brackets.count(b"(")) > max_containers:
         raise JsonLimitError(f"JSON holds {n} objects and arrays; the limit is {max_containers}")
-    _check_brackets(brackets, max_depth)
 
 
 def check_depth(data: JsonInput, max_depth: int = DEFAULT_MAX_DEPTH) -> None:
