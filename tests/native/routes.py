@@ -76,10 +76,14 @@ def logits_rows(r: dict, n: int) -> np.ndarray:
     return np.asarray(r["logits"], dtype=np.float32).reshape(n, -1)
 
 
-def llama_with_cache(path: str, cache_type: str = "f32", n_ctx: int = 1024):  # noqa: ANN201 - llama_cpp.Llama
+def llama_with_cache(  # noqa: ANN201 - llama_cpp.Llama
+    path: str, cache_type: str = "f32", n_ctx: int = 1024, swa_full: bool | None = None
+):
     """llama-cpp-python on `path` with every logit kept and its attention caches in `cache_type` ("f16",
     its default, "f32", or quantized "q8_0" / "q4_0"), flash attention off, or on for a quantized cache
-    (llama.cpp refuses a quantized V without it): the oracle of windows run with the same cache type."""
+    (llama.cpp refuses a quantized V without it): the oracle of windows run with the same cache type.
+    `swa_full` False gives sliding-window layers llama.cpp's ring instead of llama-cpp-python's default
+    full-size cache."""
     import pytest
 
     llama_cpp = pytest.importorskip("llama_cpp")
@@ -94,6 +98,7 @@ def llama_with_cache(path: str, cache_type: str = "f32", n_ctx: int = 1024):  # 
         type_k=kv,
         type_v=kv,
         verbose=False,
+        **({} if swa_full is None else {"swa_full": swa_full}),
     )
 
 
