@@ -309,7 +309,7 @@ def playground(args: argparse.Namespace, tok: ChatTokenizer) -> dict[str, Any]:
         tempfile.TemporaryDirectory(prefix="bench-served-") as tmp,
         control_plane(Path(tmp), DEFAULT_BACKEND="native") as s,
     ):
-        s.serve_smollm2(3)
+        s.serve_smollm2(3, threads=args.threads)  # the serve route's threads per hop (issue 32)
         _, _, route = asyncio.run(ws_answer(s, 4))  # warm-up, and the route the playground uses
         if any("node" not in h for h in route):
             raise RuntimeError(f"the playground's start event names no node per hop: {route}")

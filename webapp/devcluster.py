@@ -70,6 +70,7 @@ class Swarm:
     procs: list[Process] = field(default_factory=list)
     model: dict[str, Any] = field(default_factory=dict)
     telemetry: list[dict[str, Any]] = field(default_factory=list)
+    agent_threads: int | None = None  # run_agent's default threads per agent (None: the agent's own)
 
     def spawn(self, name: str, cmd: list[str]) -> Process:
         p = spawn(cmd, self.logs / f"{name}.log", env=self.env, cwd=REPO, append=True)
@@ -99,9 +100,13 @@ class Swarm:
         cluster.enroll(self.base, token, config, name=name, env=self.env, cwd=REPO)
         return config, token
 
-    def run_agent(self, name: str, config: Path, *extra: str) -> str:
-        """Start `agent run` for an enrolled config (torrent session on 127.0.0.1); returns its node id."""
-        agent = cluster.start_run(config, self.logs / f"{name}.log", extra=extra, env=self.env, cwd=REPO)
+    def run_agent(self, name: str, config: Path, *extra: str, threads: int | None = None) -> str:
+        """Start `agent run` for an enrolled config (torrent session on 127.0.0.1), with `threads` compute
+        threads (None: `agent_threads`, by default the agent's own, as `make up`); returns its node id."""
+        threads = self.agent_threads if threads is None else threads
+        agent = cluster.start_run(
+            config, self.logs / f"{name}.log", threads=threads, extra=extra, env=self.env, cwd=REPO
+        )
         self.procs.append(agent.proc)
         self.agent_dirs[agent.node_id] = agent.data_dir
         self.agents[agent.node_id] = agent.proc
@@ -137,12 +142,13 @@ class Swarm:
             raise RuntimeError(f"smollm2: {self.model}")
         return self.model
 
-    def serve_smollm2(self, n_agents: int = 2) -> dict[str, Any]:
-        """`n_agents` enrolled `agent run` agents online, SmolLM2 registered and placed once across them,
-        its shards ready: the swarm `make up` gives, for tests and benches."""
+    def serve_smollm2(self, n_agents: int = 2, threads: int | None = None) -> dict[str, Any]:
+        """`n_agents` enrolled `agent run` agents online (`threads` each, None: the agent's default),
+        SmolLM2 registered and placed once across them, its shards ready: the swarm `make up` gives, for
+        tests and benches."""
         for i in range(1, n_agents + 1):
             config, _ = self.enroll(f"agent-{i}")
-            self.run_agent(f"agent-{i}", config)
+            self.run_agent(f"agent-{i}", config, threads=threads)
         self.online(list(self.agents))
         self.register_smollm2()
         code, body = self.admin.post(f"/models/{self.model['id']}/place", {"replicas": "1"})

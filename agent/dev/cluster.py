@@ -195,23 +195,19 @@ def run_command(
     config: Path,
     data_dir: Path,
     *,
-    threads: int = 1,
+    threads: int | None = None,
     torrent_listen: str = "127.0.0.1:0",
     extra: Sequence[str] = (),
 ) -> list[str]:
-    """The `agent run` command line of an enrolled node; the torrent swarm listens on loopback unless told."""
-    return agent_command(
-        "run",
-        "--config",
-        config,
-        "--data-dir",
-        data_dir,
-        "--threads",
-        str(threads),
-        "--torrent-listen",
-        torrent_listen,
-        *extra,
-    )
+    """The `agent run` command line of an enrolled node; the torrent swarm listens on loopback unless told.
+    `threads` None leaves the agent's default (agent/defaults.py N_THREADS), the count `agent serve`
+    and the benchmarks' serve hops compute with: the route `make up` and the control plane's tests and
+    benches build is the route bench/served.py's serve hops measure (issue 32: one thread per agent
+    decoded at 0.54x their speed)."""
+    cmd = agent_command("run", "--config", config, "--data-dir", data_dir)
+    if threads is not None:
+        cmd += ["--threads", str(threads)]
+    return cmd + ["--torrent-listen", torrent_listen, *extra]
 
 
 def start_run(
@@ -219,7 +215,7 @@ def start_run(
     log: Path,
     *,
     data_dir: Path | None = None,
-    threads: int = 1,
+    threads: int | None = None,
     torrent_listen: str = "127.0.0.1:0",
     extra: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
@@ -227,7 +223,8 @@ def start_run(
     append: bool = True,
 ) -> RunAgent:
     """Start `agent run` for an enrolled `config` (data in `data_dir`, default next to it), output
-    appended to `log`. It is ready once the control plane lists it online: `wait_online`."""
+    appended to `log`; `threads` None: the agent's default (run_command). It is ready once the control
+    plane lists it online: `wait_online`."""
     data = data_dir if data_dir is not None else config.parent / "data"
     cmd = run_command(config, data, threads=threads, torrent_listen=torrent_listen, extra=extra)
     proc = spawn(cmd, log, env=env, cwd=cwd, append=append)

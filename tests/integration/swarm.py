@@ -7,8 +7,22 @@ mode. Every wait polls a readiness condition; nothing sleeps a guessed time.
 
 from __future__ import annotations
 
-from webapp.devcluster import PASSWORD, REPO, Swarm, control_plane
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+from webapp import devcluster
+from webapp.devcluster import PASSWORD, REPO, Swarm
 
 QUESTION = "What is the capital of France? Answer in one sentence."
 
 __all__ = ["PASSWORD", "QUESTION", "REPO", "Swarm", "control_plane"]
+
+
+@contextlib.contextmanager
+def control_plane(tmp: Path, **env_extra: str) -> Iterator[Swarm]:
+    """devcluster.control_plane with one compute thread per agent: the suite runs three workers on two
+    cores, and these tests check behaviour, not speed (the benches start agents with their default)."""
+    with devcluster.control_plane(tmp, **env_extra) as s:
+        s.agent_threads = 1
+        yield s

@@ -87,7 +87,12 @@ class Command(BaseCommand):
         parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", defaults.WEB_PORT)))
         parser.add_argument("--agents", type=int, default=2)
         parser.add_argument("--model", default="smollm2", help="PyPI-shipped model to register and place")
-        parser.add_argument("--threads", type=int, default=1, help="compute threads per agent")
+        parser.add_argument(
+            "--threads",
+            type=int,
+            default=defaults.N_THREADS,
+            help="compute threads per agent (default: the agent's own, as `agent serve` and `agent run`)",
+        )
         parser.add_argument(
             "--check", action="store_true", help="once up, stream one playground answer, then stop everything"
         )
