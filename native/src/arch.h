@@ -180,6 +180,13 @@ struct MoeHp {
     bool dense(int32_t il) const { return il < dense_lead; }
 };
 ggswarm_status read_moe_hparams(ggswarm_model * m, const Hp & hp, MoeHp * e);
+
+// The per-model data of an architecture whose only extra hyper-parameters are its experts' (qwen3moe,
+// glm4moe, gpt-oss, minimax-m2): read() stores one, the builders read it back with moe_hp().
+struct MoeData : ArchData {
+    MoeHp e;
+};
+inline const MoeHp & moe_hp(const ggswarm_model * m) { return static_cast<const MoeData *>(m->arch_data.get())->e; }
 // Layer il's router and stacked experts (gate, up, down), exp_probs_b.bias when `bias` (optional unless
 // `need_bias`), and the shared expert (n_shexp x n_ff_exp wide) when e.n_shexp > 0.
 void want_experts(const ggswarm_model * m, const MoeHp & e, int32_t il, Layer & L, Wants & w, bool bias,

@@ -16,12 +16,6 @@
 namespace ggswarm {
 namespace {
 
-struct Experts : ArchData {
-    MoeHp e;
-};
-
-const MoeHp & experts(const ggswarm_model * m) { return static_cast<const Experts *>(m->arch_data.get())->e; }
-
 ggswarm_status read(ggswarm_model * m, const Hp & hp) {
     if (ggswarm_status st = drop_mtp_layers(m, hp)) return st;
     if (ggswarm_status st = read_attention_hparams(m, hp, {true, true})) return st;
@@ -30,7 +24,7 @@ ggswarm_status read(ggswarm_model * m, const Hp & hp) {
         return fail(m, GGSWARM_E_UNSUPPORTED, "%s with multi-section RoPE (the vision files) is not supported",
                     m->arch.c_str());
     }
-    auto d = std::make_shared<Experts>();
+    auto d = std::make_shared<MoeData>();
     d->e.gating = Gating::Sigmoid;  // llama.cpp's default for this family when the file names none
     if (ggswarm_status st = read_moe_hparams(m, hp, &d->e)) return st;
     m->rope_mode = GGML_ROPE_TYPE_NEOX;
@@ -39,7 +33,7 @@ ggswarm_status read(ggswarm_model * m, const Hp & hp) {
 }
 
 void want(const ggswarm_model * m, int32_t il, Layer & L, Wants & w) {
-    const MoeHp & e = experts(m);
+    const MoeHp & e = moe_hp(m);
     const int64_t d = m->d_model;
     want_attention(m, il, L, w);
     w.opt(blk(il, "attn_q_norm.weight"), {m->head_dim}, &L.q_norm);
@@ -64,7 +58,7 @@ ggml_tensor * ffn(ggml_context * c, ggml_tensor * x, ggml_tensor * gate, ggml_te
 ggml_tensor * build(Build & b, ggml_tensor * x) {
     ggswarm_model * m = b.m;
     ggml_context * c = b.c;
-    const MoeHp & e = experts(m);
+    const MoeHp & e = moe_hp(m);
     const float kq_scale = 1.0f / sqrtf((float)m->head_dim);
     for (int32_t il = m->layer_start; il < m->layer_end; ++il) {
         const Layer & L = b.layer(il);

@@ -16,15 +16,9 @@
 namespace ggswarm {
 namespace {
 
-struct Experts : ArchData {
-    MoeHp e;
-};
-
-const MoeHp & experts(const ggswarm_model * m) { return static_cast<const Experts *>(m->arch_data.get())->e; }
-
 ggswarm_status read(ggswarm_model * m, const Hp & hp) {
     if (ggswarm_status st = read_attention_hparams(m, hp, {true, false})) return st;
-    auto d = std::make_shared<Experts>();
+    auto d = std::make_shared<MoeData>();
     if (ggswarm_status st = read_moe_hparams(m, hp, &d->e)) return st;
     d->e.gating = Gating::SoftmaxWeight;  // as llama.cpp's graph hard-codes them, whatever the keys say
     d->e.norm_w = false;
@@ -57,7 +51,7 @@ ggswarm_status read(ggswarm_model * m, const Hp & hp) {
 }
 
 void want(const ggswarm_model * m, int32_t il, Layer & L, Wants & w) {
-    const MoeHp & e = experts(m);
+    const MoeHp & e = moe_hp(m);
     const int64_t d = m->d_model, ne = e.n_expert, ff = e.n_ff_exp;
     want_attention(m, il, L, w);
     w.need(blk(il, "attn_sinks.weight"), {m->n_head}, &L.attn_sinks);
@@ -81,7 +75,7 @@ ggml_tensor * build(Build & b, ggml_tensor * x) {
         cur = linear(c, L.wo, L.bo, cur);
         keep_last(b, il, &cur, &x);
         ggml_tensor * h = ggml_add(c, cur, x);
-        Moe p = routed_experts(experts(m), L);
+        Moe p = routed_experts(moe_hp(m), L);
         p.gate_inp_b = L.extra.at("ffn_gate_inp.bias");
         p.gate_b = L.extra.at("ffn_gate_exps.bias");
         p.up_b = L.extra.at("ffn_up_exps.bias");

@@ -14,15 +14,9 @@
 namespace ggswarm {
 namespace {
 
-struct Experts : ArchData {
-    MoeHp e;
-};
-
-const MoeHp & experts(const ggswarm_model * m) { return static_cast<const Experts *>(m->arch_data.get())->e; }
-
 ggswarm_status read(ggswarm_model * m, const Hp & hp) {
     if (ggswarm_status st = read_attention_hparams(m, hp, {true, true})) return st;
-    auto d = std::make_shared<Experts>();
+    auto d = std::make_shared<MoeData>();
     if (ggswarm_status st = read_moe_hparams(m, hp, &d->e)) return st;
     int64_t gating = 0;
     if (!hp.opt_int("expert_gating_func", &gating) || gating == 0) {
@@ -43,7 +37,7 @@ void want(const ggswarm_model * m, int32_t il, Layer & L, Wants & w) {
     w.need(blk(il, "attn_q_norm.weight"), {(int64_t)m->head_dim * m->n_head}, &L.q_norm);
     w.need(blk(il, "attn_k_norm.weight"), {(int64_t)m->head_dim * m->n_head_kv}, &L.k_norm);
     w.need(blk(il, "ffn_norm.weight"), {m->d_model}, &L.ffn_norm);
-    want_experts(m, experts(m), il, L, w, true, true);
+    want_experts(m, moe_hp(m), il, L, w, true, true);
 }
 
 // the RMS norm of x [hd, heads, n] over each position's heads together
@@ -65,7 +59,7 @@ ggml_tensor * build(Build & b, ggml_tensor * x) {
         cur = ggml_mul_mat(c, L.wo, attention(b, il, q, k, a.v, kq_scale));
         keep_last(b, il, &cur, &x);
         ggml_tensor * h = ggml_add(c, cur, x);
-        cur = moe_ffn(c, rms(c, h, L.ffn_norm, m->eps), routed_experts(experts(m), L));
+        cur = moe_ffn(c, rms(c, h, L.ffn_norm, m->eps), routed_experts(moe_hp(m), L));
         x = ggml_add(c, cur, h);
     }
     return x;

@@ -11,15 +11,9 @@
 namespace ggswarm {
 namespace {
 
-struct Experts : ArchData {
-    MoeHp e;
-};
-
-const MoeHp & experts(const ggswarm_model * m) { return static_cast<const Experts *>(m->arch_data.get())->e; }
-
 ggswarm_status read(ggswarm_model * m, const Hp & hp) {
     if (ggswarm_status st = read_attention_hparams(m, hp, {true, false})) return st;
-    auto d = std::make_shared<Experts>();
+    auto d = std::make_shared<MoeData>();
     if (ggswarm_status st = read_moe_hparams(m, hp, &d->e)) return st;
     d->e.gating = Gating::Softmax;  // as llama.cpp's graph hard-codes them, whatever the keys say
     d->e.norm_w = true;
@@ -34,7 +28,7 @@ ggswarm_status read(ggswarm_model * m, const Hp & hp) {
 void want(const ggswarm_model * m, int32_t il, Layer & L, Wants & w) {
     want_qk_norm_attention(m, il, L, w);
     w.need(blk(il, "ffn_norm.weight"), {m->d_model}, &L.ffn_norm);
-    want_experts(m, experts(m), il, L, w, false);
+    want_experts(m, moe_hp(m), il, L, w, false);
 }
 
 ggml_tensor * build(Build & b, ggml_tensor * x) {
@@ -46,7 +40,7 @@ ggml_tensor * build(Build & b, ggml_tensor * x) {
         cur = qk_norm_attention(b, il, cur);
         keep_last(b, il, &cur, &x);
         ggml_tensor * h = ggml_add(c, cur, x);
-        cur = moe_ffn(c, rms(c, h, L.ffn_norm, m->eps), routed_experts(experts(m), L));
+        cur = moe_ffn(c, rms(c, h, L.ffn_norm, m->eps), routed_experts(moe_hp(m), L));
         x = ggml_add(c, cur, h);
     }
     return x;
