@@ -187,6 +187,16 @@ struct MoeData : ArchData {
     MoeHp e;
 };
 inline const MoeHp & moe_hp(const ggswarm_model * m) { return static_cast<const MoeData *>(m->arch_data.get())->e; }
+
+// The routing llama.cpp's graph hard-codes for qwen3moe and gpt-oss, whatever the file's keys say: the
+// given gating and weight normalisation, no weight scale, no shared expert, no leading dense layers.
+inline void fixed_routing(MoeHp * e, Gating gating, bool norm_w) {
+    e->gating = gating;
+    e->norm_w = norm_w;
+    e->w_scale = 0.0f;
+    e->n_shexp = 0;
+    e->dense_lead = 0;
+}
 // Layer il's router and stacked experts (gate, up, down), exp_probs_b.bias when `bias` (optional unless
 // `need_bias`), and the shared expert (n_shexp x n_ff_exp wide) when e.n_shexp > 0.
 void want_experts(const ggswarm_model * m, const MoeHp & e, int32_t il, Layer & L, Wants & w, bool bias,

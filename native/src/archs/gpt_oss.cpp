@@ -20,11 +20,7 @@ ggswarm_status read(ggswarm_model * m, const Hp & hp) {
     if (ggswarm_status st = read_attention_hparams(m, hp, {true, false})) return st;
     auto d = std::make_shared<MoeData>();
     if (ggswarm_status st = read_moe_hparams(m, hp, &d->e)) return st;
-    d->e.gating = Gating::SoftmaxWeight;  // as llama.cpp's graph hard-codes them, whatever the keys say
-    d->e.norm_w = false;
-    d->e.w_scale = 0.0f;
-    d->e.n_shexp = 0;
-    d->e.dense_lead = 0;
+    fixed_routing(&d->e, Gating::SoftmaxWeight, false);
     const char * a = hp.prefix.c_str();
     const int32_t nl = m->n_layers_total;
     if (ggswarm_status st = hp.need_int("attention.sliding_window", 1, INT32_MAX, &m->n_swa)) return st;

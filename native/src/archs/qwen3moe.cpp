@@ -15,11 +15,7 @@ ggswarm_status read(ggswarm_model * m, const Hp & hp) {
     if (ggswarm_status st = read_attention_hparams(m, hp, {true, false})) return st;
     auto d = std::make_shared<MoeData>();
     if (ggswarm_status st = read_moe_hparams(m, hp, &d->e)) return st;
-    d->e.gating = Gating::Softmax;  // as llama.cpp's graph hard-codes them, whatever the keys say
-    d->e.norm_w = true;
-    d->e.w_scale = 0.0f;
-    d->e.n_shexp = 0;
-    d->e.dense_lead = 0;
+    fixed_routing(&d->e, Gating::Softmax, true);
     m->rope_mode = GGML_ROPE_TYPE_NEOX;
     m->arch_data = d;
     return GGSWARM_OK;
