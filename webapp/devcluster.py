@@ -26,6 +26,7 @@ import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,7 @@ class Swarm:
     logs: Path
     admin: AdminClient
     web: Process | None = None
+    web_started_at: datetime | None = None
     agents: dict[str, Process] = field(default_factory=dict)
     agent_dirs: dict[str, Path] = field(default_factory=dict)
     procs: list[Process] = field(default_factory=list)
@@ -78,6 +80,7 @@ class Swarm:
         return p
 
     def start_web(self, port: int) -> None:
+        self.web_started_at = datetime.now(UTC)
         self.web = self.spawn("web", web_command("127.0.0.1", port))
         wait_http(self.base + "/healthz", 60, procs=[self.web])
 
@@ -113,10 +116,13 @@ class Swarm:
         return agent.node_id
 
     def online(self, node_ids: list[str]) -> Any:
-        """Wait until every one of `node_ids` is online with a data-plane URL (fails at once if one of
-        their processes exits); returns the status that showed it."""
+        """Wait until every one of `node_ids` is online with a data-plane URL over a socket this web
+        process accepted (fails at once if one of their processes exits); returns the status that
+        showed it."""
         watched = [self.agents[n] for n in node_ids if n in self.agents]
-        return cluster.wait_online(self.admin.status, node_ids, 120, procs=watched)
+        return cluster.wait_online(
+            self.admin.status, node_ids, 120, procs=watched, since=self.web_started_at
+        )
 
     def shards_ready(self, timeout_s: float = 600) -> list[dict[str, Any]]:
         def check(st: dict[str, Any]) -> list[dict[str, Any]] | None:

@@ -25,6 +25,7 @@ import sys
 import urllib.request
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -231,12 +232,20 @@ def start_run(
     return RunAgent(proc, node_id_of(config), config, data, log)
 
 
-def nodes_online(status: Mapping[str, Any], node_ids: Iterable[str]) -> bool:
+def nodes_online(
+    status: Mapping[str, Any], node_ids: Iterable[str], since: datetime | None = None
+) -> bool:
     """Whether the control plane's status (/fleet/status.json) lists every one of `node_ids` online with
-    a data-plane URL."""
+    a data-plane URL, over a socket opened at or after `since` when given (after a control-plane restart
+    the database still says what the old process last saw until each agent reconnects)."""
+
+    def fresh(n: Mapping[str, Any]) -> bool:
+        at = n.get("connected_at")
+        return since is None or (bool(at) and datetime.fromisoformat(at) >= since)
+
     nodes = status["nodes"]
     return all(
-        any(n["id"] == nid and n["state"] == "online" and n["dataplane_url"] for n in nodes)
+        any(n["id"] == nid and n["state"] == "online" and n["dataplane_url"] and fresh(n) for n in nodes)
         for nid in node_ids
     )
 
@@ -248,15 +257,16 @@ def wait_online(
     *,
     procs: Iterable[Process] = (),
     every_s: float = 0.25,
+    since: datetime | None = None,
 ) -> Mapping[str, Any]:
-    """Poll `status()` (the control plane's /fleet/status.json) until every one of `node_ids` is online;
-    return that status. Raises ProcessExited when one of `procs` exits first, TimeoutError (with the last
+    """Poll `status()` (the control plane's /fleet/status.json) until every one of `node_ids` is online
+    (connected at or after `since`, when given: nodes_online); return that status. Raises ProcessExited when one of `procs` exits first, TimeoutError (with the last
     status) after `timeout_s`."""
     last: list[Mapping[str, Any]] = [{}]
 
     def check() -> Mapping[str, Any] | None:
         last[0] = status()
-        return last[0] if nodes_online(last[0], node_ids) else None
+        return last[0] if nodes_online(last[0], node_ids, since) else None
 
     try:
         return wait_until(f"{len(node_ids)} agents online", check, timeout_s, procs=procs, every_s=every_s)

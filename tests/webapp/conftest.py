@@ -71,15 +71,32 @@ def node_with_secret(db: None) -> tuple[Any, str]:
     return Node.objects.get(pk=e.node_id), e.secret
 
 
+@pytest.fixture(autouse=True)
+def own_channel_layer() -> Iterator[None]:
+    """Each test gets a channel layer object of its own. channels-redis keeps per-event-loop state in
+    it (receive locks, backup-cleaner tasks) and every test runs its own loop: a receive lock that a
+    finished test's loop still held made a later socket's receive wait on a future of that dead loop,
+    and cancelling it at the end of the test never returned (CI: a 900 s teardown timeout)."""
+    from channels.layers import DEFAULT_CHANNEL_LAYER, channel_layers
+
+    channel_layers.backends.pop(DEFAULT_CHANNEL_LAYER, None)
+    yield
+    channel_layers.backends.pop(DEFAULT_CHANNEL_LAYER, None)
+
+
 @pytest.fixture
 def clear_channel_layer() -> Iterator[None]:
+    """Delete the test's messages and groups afterwards, through a fresh layer: the test's own may hold
+    cleaner tasks of its closed loop, which `flush` would wait for forever."""
     from asgiref.sync import async_to_sync
-    from channels.layers import get_channel_layer
+    from channels.layers import DEFAULT_CHANNEL_LAYER, channel_layers, get_channel_layer
 
     yield
+    channel_layers.backends.pop(DEFAULT_CHANNEL_LAYER, None)
     layer = get_channel_layer()
     if hasattr(layer, "flush"):
         async_to_sync(layer.flush)()
+    channel_layers.backends.pop(DEFAULT_CHANNEL_LAYER, None)
 
 
 @pytest.fixture

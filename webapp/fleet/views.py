@@ -182,6 +182,7 @@ def status_json(request: HttpRequest) -> JsonResponse:
                     "state": n.state,
                     "dataplane_url": n.dataplane_url,
                     "last_seen": n.last_seen.isoformat() if n.last_seen else None,
+                    "connected_at": n.connected_at.isoformat() if n.connected_at else None,
                     "backends": n.backends,
                     "shards": [
                         {
