@@ -120,9 +120,7 @@ class Swarm:
         process accepted (fails at once if one of their processes exits); returns the status that
         showed it."""
         watched = [self.agents[n] for n in node_ids if n in self.agents]
-        return cluster.wait_online(
-            self.admin.status, node_ids, 120, procs=watched, since=self.web_started_at
-        )
+        return cluster.wait_online(self.admin.status, node_ids, 120, procs=watched, since=self.web_started_at)
 
     def shards_ready(self, timeout_s: float = 600) -> list[dict[str, Any]]:
         def check(st: dict[str, Any]) -> list[dict[str, Any]] | None:

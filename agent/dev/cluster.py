@@ -232,9 +232,7 @@ def start_run(
     return RunAgent(proc, node_id_of(config), config, data, log)
 
 
-def nodes_online(
-    status: Mapping[str, Any], node_ids: Iterable[str], since: datetime | None = None
-) -> bool:
+def nodes_online(status: Mapping[str, Any], node_ids: Iterable[str], since: datetime | None = None) -> bool:
     """Whether the control plane's status (/fleet/status.json) lists every one of `node_ids` online with
     a data-plane URL, over a socket opened at or after `since` when given (after a control-plane restart
     the database still says what the old process last saw until each agent reconnects)."""
