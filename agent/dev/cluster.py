@@ -239,7 +239,7 @@ def nodes_online(status: Mapping[str, Any], node_ids: Iterable[str], since: date
 
     def fresh(n: Mapping[str, Any]) -> bool:
         at = n.get("connected_at")
-        return since is None or (bool(at) and datetime.fromisoformat(at) >= since)
+        return since is None or (isinstance(at, str) and datetime.fromisoformat(at) >= since)
 
     nodes = status["nodes"]
     return all(
