@@ -112,6 +112,21 @@ def llama_decode(llm, prompt: list[int], n: int) -> tuple[float, list[int]]:  # 
     return time.perf_counter() - t0, toks
 
 
+def divergence(llm, prompt: list[int], ref: list[int], got: list[int]) -> tuple[int, float]:  # noqa: ANN001
+    """Where `got` first leaves llama.cpp's greedy tokens `ref`, and by how much llama.cpp's own decode
+    logits preferred its token there (a near tie: both sides rounded within it)."""
+    import llama_cpp
+
+    i = next(k for k in range(min(len(ref), len(got))) if ref[k] != got[k])
+    llm.reset()
+    llm.eval(prompt)
+    for t in ref[:i]:  # one token per call, as its greedy decode ran
+        llm.eval([t])
+    ptr = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
+    logits = np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),))
+    return i, float(logits[ref[i]] - logits[got[i]])
+
+
 def native_decode(hops: list, prompt: list[int], n: int, sid: SessionId) -> tuple[float, list[int]]:
     """Prefill then greedy decode n steps through the hops (sampling on the last hop); (seconds, tokens)."""
     for h in hops:
@@ -176,6 +191,10 @@ def bench_arch(
             best_ref = max(best_ref, n_decode / secs)
             secs, nat_toks = native_decode(hops, prompt, n_decode, _sid(2 + r))
             best_nat = max(best_nat, n_decode / secs)
+            if same and ref_toks != nat_toks:
+                out["greedy_first_diff"], out["greedy_diff_margin"] = divergence(
+                    llm, prompt, ref_toks, nat_toks
+                )
             same = same and ref_toks == nat_toks
         llm.close()
         out["decode_tok_s_llamacpp"] = best_ref
@@ -222,12 +241,20 @@ def main() -> None:
                     f"max |logit diff| {r['max_abs_logit_diff']:.3g}, decode 3 hops "
                     f"{r['decode_tok_s_native_3hop']:.1f} tok/s vs llama-cpp-python "
                     f"{r['decode_tok_s_llamacpp']:.1f} (ratio {r['decode_ratio_3hop_vs_llamacpp']:.3f}), "
-                    f"greedy equal {bool(r['greedy_equal'])}",
+                    f"greedy equal {bool(r['greedy_equal'])}"
+                    + (
+                        f" (first differs at token {int(r['greedy_first_diff'])}, where llama.cpp's "
+                        f"logits preferred its token by {r['greedy_diff_margin']:.3g})"
+                        if "greedy_first_diff" in r
+                        else ""
+                    ),
                     flush=True,
                 )
                 suffix = "_flash" if mode == "on" else ""
                 for k, v in r.items():
-                    result[f"{row.key}_{k}{suffix}"] = round(v, 6) if k != "greedy_equal" else int(v)
+                    result[f"{row.key}_{k}{suffix}"] = (
+                        int(v) if k in ("greedy_equal", "greedy_first_diff") else round(v, 6)
+                    )
     print(json.dumps(result))
 
 

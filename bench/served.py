@@ -16,7 +16,11 @@ ratio_8_vs_1_served, decode_tok_s_llamacpp_batched_8, ratio_served8_vs_llamacpp8
 itl_p50_ms_idle / itl_p95_ms_while_prefill / itl_ratio (4 sessions decoding while a 2,000-token prompt
 arrives), playground_tok_s / route_client_tok_s_playground_route / ratio_playground_vs_route_client (an
 answer over the playground websocket of a live control plane vs the route client on the same hops), and
-default_seam_top1_agreement (bench/seam.py's figure, when that script exists).
+default_seam_top1_agreement (bench/seam.py's figure, when that script exists). Issue 32's headline:
+control_plane_tok_s (the playground's answer) and api_tok_s_control_plane (a streamed
+/v1/chat/completions) over the agents the control plane enrolled and placed, and their ratios to the bare
+serve route timed in the same rounds (bench_route_tok_s_same_rounds; ratio_control_plane_vs_bench_route,
+ratio_api_vs_bench_route), since rounds minutes apart on these shared cores differ by up to 2x.
 """
 
 from __future__ import annotations
@@ -255,9 +259,11 @@ async def itl_under_prefill(route: Route, prompt: list[int], n: int) -> dict[str
 def playground(args: argparse.Namespace, tok: ChatTokenizer) -> dict[str, Any]:
     """tok/s of an answer over the playground websocket of a live control plane (3 agents), vs the route
     client's own tok/s on the same hops, interleaved, greedy, same messages."""
+    import openai
     from aiohttp import ClientSession
 
     from agent.wire.routetoken import load_private_key
+    from bench.api import api_stream, create_key
     from webapp.devcluster import control_plane
 
     async def ws_answer(s: Any, n: int) -> tuple[float, int, list[dict[str, Any]]]:
@@ -285,8 +291,8 @@ def playground(args: argparse.Namespace, tok: ChatTokenizer) -> dict[str, Any]:
                     break
         return ((count - 1) / (last - first) if last > first else 0.0), count, route
 
-    async def route_answer(s: Any, route: list[dict[str, Any]], n: int) -> float:
-        key = load_private_key(s.data_dir / "route_key.pem")
+    async def route_answer(s: Any, route: list[dict[str, Any]], n: int, key: Any = None) -> float:
+        key = key or load_private_key(s.data_dir / "route_key.pem")
         session = os.urandom(16)
         plan = [RouteHop(h["node"], h["url"], h["layer_start"], h["layer_end"]) for h in route]
         hops = minted_hops(key, session, s.model["sha256"], plan, 600)  # each names the next (chain)
@@ -305,28 +311,56 @@ def playground(args: argparse.Namespace, tok: ChatTokenizer) -> dict[str, Any]:
             await c.close()
         return (count - 1) / (last - first) if last > first else 0.0
 
+    path = str(packaged_model_path("smollm2"))
+    bare_key = generate_key()
+    bare: list[dict[str, Any]] = []
+    procs = []
     with (
         tempfile.TemporaryDirectory(prefix="bench-served-") as tmp,
         control_plane(Path(tmp), DEFAULT_BACKEND="native") as s,
     ):
         s.serve_smollm2(3, threads=args.threads)  # the serve route's threads per hop (issue 32)
+        # the bare serve route again, beside the control plane's, so each round times both (issue 32)
+        for a, b in RANGES:
+            proc, url, node = start_serve(
+                path, f"{a}:{b}", "native", public_key_b64(bare_key.public_key()), args.threads, Path(tmp)
+            )
+            procs.append(proc)
+            bare.append({"node": node, "url": url, "layer_start": a, "layer_end": b})
         _, _, route = asyncio.run(ws_answer(s, 4))  # warm-up, and the route the playground uses
         if any("node" not in h for h in route):
             raise RuntimeError(f"the playground's start event names no node per hop: {route}")
-        pg, rc, n_pg = [], [], 0
-        for _ in range(args.rounds):
-            rate, n_pg, route = asyncio.run(ws_answer(s, args.tokens))
-            pg.append(rate)
-            rc.append(asyncio.run(route_answer(s, route, args.tokens)))
-    p, r = statistics.median(pg), statistics.median(rc)
+        api = openai.OpenAI(
+            base_url=s.base + "/v1", api_key=create_key(s, "bench"), max_retries=0, timeout=300
+        )
+        api_stream(api, s.model["name"], STORY, 4)  # warm-up
+        pg, rc, ap, br, n_pg = [], [], [], [], 0
+        try:
+            asyncio.run(route_answer(s, bare, 4, bare_key))  # warm-up
+            for _ in range(args.rounds):
+                rate, n_pg, route = asyncio.run(ws_answer(s, args.tokens))
+                pg.append(rate)
+                rc.append(asyncio.run(route_answer(s, route, args.tokens)))
+                ap.append(api_stream(api, s.model["name"], STORY, args.tokens)[1])
+                br.append(asyncio.run(route_answer(s, bare, args.tokens, bare_key)))
+        finally:
+            stop(procs)
+    p, r, a, b = (statistics.median(x) for x in (pg, rc, ap, br))
     return {
         "playground_hops": len(route),
         "playground_tokens": n_pg,
         "playground_tok_s": round(p, 2),
+        "control_plane_tok_s": round(p, 2),
+        "api_tok_s_control_plane": round(a, 2),
         "route_client_tok_s_playground_route": round(r, 2),
         "ratio_playground_vs_route_client": round(p / r, 3) if r else None,
         "playground_tok_s_rounds": [round(x, 2) for x in pg],
+        "api_tok_s_control_plane_rounds": [round(x, 2) for x in ap],
         "route_client_tok_s_playground_route_rounds": [round(x, 2) for x in rc],
+        "bench_route_tok_s_same_rounds": round(b, 2),
+        "bench_route_tok_s_same_rounds_rounds": [round(x, 2) for x in br],
+        "ratio_control_plane_vs_bench_route": round(p / b, 3) if b else None,
+        "ratio_api_vs_bench_route": round(a / b, 3) if b else None,
     }
 
 
