@@ -21,7 +21,8 @@ bash scripts/lint.sh
 # each cluster its own PostgreSQL database; tests marked `serial` run alone afterwards.
 # PYTEST_WORKERS=0 runs everything in one process.
 workers=${PYTEST_WORKERS:-3}
-common=(-q -p no:cacheprovider --timeout=900 --durations=25)
+# The slowest test takes ~140 s on a loaded 2-core CI machine; a hung one fails after 420 s, not 900.
+common=(-q -p no:cacheprovider --timeout=420 --durations=25)
 parallel=()
 [ "$workers" != 0 ] && parallel=(-n "$workers" --dist loadfile)
 rc=0

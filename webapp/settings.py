@@ -210,6 +210,8 @@ AUTHENTICATION_BACKENDS = [
 # listed here (host names or addresses; "*" allows any, e.g. behind NAT): docs/security.md.
 DATAPLANE_ALLOWED_HOSTS = envlist("DATAPLANE_ALLOWED_HOSTS", [])
 DATAPLANE_PROBE_TIMEOUT_S = envint("DATAPLANE_PROBE_TIMEOUT_S", 3, minimum=1)
+# A data plane that failed its check is checked again on a heartbeat at most this often (seconds).
+DATAPLANE_REPROBE_S = envint("DATAPLANE_REPROBE_S", 30, minimum=0)
 
 # --- issue 33: limits per user and per node (docs/security.md, "Limits per user", "Tracker poisoning") --
 # Requests a minute for all of a user's API keys together (each key keeps its own API_KEY_RATE_PER_MIN).

@@ -205,6 +205,46 @@ async def test_a_data_plane_that_answers_its_probe_with_the_node_s_id_is_routabl
 
 
 @pytest.mark.django_db(transaction=True)
+async def test_a_data_plane_that_failed_its_check_is_checked_again_on_a_heartbeat_and_becomes_routable(
+    node_with_secret: Any, health_server: tuple[str, dict[str, str]], settings: Any
+) -> None:
+    node, secret = node_with_secret
+    url, answer = health_server
+    answer["node_id"] = "node-000000000000"  # not yet this node's: the check fails
+    settings.DATAPLANE_REPROBE_S = 3600
+    ws = await _connected(node.id, secret)
+    await ws.send_json_to({"type": "hello", "dataplane_url": url})
+    await _after(ws)
+    answer["node_id"] = node.id
+    await ws.send_json_to({"type": "heartbeat", "telemetry": {}})
+    await _after(ws)
+    n = await database_sync_to_async(Node.objects.get)(pk=node.id)
+    assert "belongs to another node" in n.dataplane_problem, "checked again before DATAPLANE_REPROBE_S"
+    settings.DATAPLANE_REPROBE_S = 0
+    await ws.send_json_to({"type": "heartbeat", "telemetry": {}})
+    await _after(ws)
+    n = await database_sync_to_async(Node.objects.get)(pk=node.id)
+    assert n.dataplane_url == url and n.dataplane_problem == "" and n.dataplane_rtt_ms is not None
+    await ws.disconnect()
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_re_probe_never_clears_the_problem_of_a_url_the_node_no_longer_reports(
+    node_with_secret: Any, health_server: tuple[str, dict[str, str]], settings: Any
+) -> None:
+    from webapp.fleet import services
+
+    node, _ = node_with_secret
+    url, _answer = health_server
+    await database_sync_to_async(Node.objects.filter(pk=node.id).update)(
+        dataplane_url="http://127.0.0.1:2", dataplane_problem="did not answer its health check"
+    )
+    changed = await database_sync_to_async(services.apply_reprobe)(node.id, url, "", 1.0)
+    n = await database_sync_to_async(Node.objects.get)(pk=node.id)
+    assert not changed and n.dataplane_problem == "did not answer its health check"
+
+
+@pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize(
     ("peer", "probe_id", "url_of", "problem"),
     [

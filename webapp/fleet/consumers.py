@@ -95,11 +95,25 @@ def _disconnect_sync(node_id: str, connected_at: datetime | None) -> None:
         notify_fleet(node_id)
 
 
+def _reprobed_sync(node_id: str, url: str, problem: str, rtt_ms: float | None) -> bool:
+    """Record a re-probe's outcome, only while the node still reports that URL (a newer hello wins)."""
+    changed = services.apply_reprobe(node_id, url, problem, rtt_ms)
+    if changed:
+        notify_fleet(node_id)
+    return changed
+
+
 class AgentConsumer(SafeJsonConsumer):
-    """/ws/agent/: authenticated by `Authorization: Node <id>:<secret>`; relays commands and reports."""
+    """/ws/agent/: authenticated by `Authorization: Node <id>:<secret>`; relays commands and reports.
+
+    A data plane that failed its check is checked again on a heartbeat at most every
+    DATAPLANE_REPROBE_S: a probe that timed out once (a busy web process, a hop still starting) would
+    otherwise leave the node connected but unroutable until it reconnected."""
 
     node_id: str | None = None
     connected_at: datetime | None = None
+    unroutable_url: str | None = None  # the URL of the last hello, while its check found a problem
+    probed_at: float = 0.0
 
     async def send_message(self, msg: ServerMessage) -> None:
         """Every message to the agent goes through the shared schema."""
@@ -159,17 +173,40 @@ class AgentConsumer(SafeJsonConsumer):
                 log.warning(
                     "agent %s: data plane %s not routable: %s", self.node_id, msg.dataplane_url, problem
                 )
+            self.unroutable_url = msg.dataplane_url if problem else None
+            self.probed_at = time.monotonic()
             for command in await database_sync_to_async(_hello_sync)(self.node_id, msg, problem, rtt_ms):
                 await self.send_message(command)
         elif isinstance(msg, Heartbeat):
             if await database_sync_to_async(_heartbeat_sync)(self.node_id, msg.telemetry):
                 await self.send_message(Resync())
+            await self._reprobe()
         elif isinstance(msg, UpdateStatus):
             await database_sync_to_async(_update_status_sync)(self.node_id, msg)
         elif isinstance(msg, Progress) and not await database_sync_to_async(_progress_sync)(
             self.node_id, msg
         ):
             await self.send_error(f"assignment {msg.assignment_id} is not yours or is draining")
+
+    async def _reprobe(self) -> None:
+        url = self.unroutable_url
+        if self.node_id is None or url is None:
+            return
+        if time.monotonic() - self.probed_at < settings.DATAPLANE_REPROBE_S:
+            return
+        self.probed_at = time.monotonic()
+        client = self.scope.get("client")
+        problem, rtt_ms = await check_dataplane(
+            url,
+            self.node_id,
+            str(client[0]) if client else None,
+            settings.DATAPLANE_ALLOWED_HOSTS,
+            settings.DATAPLANE_PROBE_TIMEOUT_S,
+        )
+        if not problem:
+            self.unroutable_url = None
+            log.info("agent %s: data plane %s passed its check again: routable", self.node_id, url)
+        await database_sync_to_async(_reprobed_sync)(self.node_id, url, problem, rtt_ms)
 
     async def node_command(self, event: dict[str, Any]) -> None:
         """A command from a task (already a wire dict: the channel layer carries plain data)."""

@@ -144,6 +144,16 @@ def apply_hello(
     )
 
 
+def apply_reprobe(node_id: str, url: str, problem: str, rtt_ms: float | None) -> bool:
+    """A data plane checked again (webapp.fleet.consumers): its problem and round trip, only if the node
+    still reports `url`; True when a row changed."""
+    return bool(
+        Node.objects.filter(pk=node_id, dataplane_url=url)
+        .exclude(dataplane_problem=problem[:300])
+        .update(dataplane_problem=problem[:300], dataplane_rtt_ms=rtt_ms)
+    )
+
+
 def wall_layer_ms(node_ids: Iterable[str]) -> dict[str, float]:
     """Median wall-clock ms per layer per decode step of recent answers whose route went through each
     node (absent: none yet), for placement (issue 17). The step time is the web process's own clock
