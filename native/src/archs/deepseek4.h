@@ -33,9 +33,13 @@ inline int64_t pad256(int64_t n) { return std::max<int64_t>(256, (n + 255) / 256
 // compressed entries a session of cap positions holds: every block, and a scratch entry for the blocks
 // a graph computes but that do not complete (never visible)
 inline int64_t n_comp(int64_t cap, int32_t r) { return cap / r + 1; }
-// compressed entries a graph attending n_kv positions reads: padded as llama.cpp pads its mask, within
-// what the session holds
-inline int64_t n_comp_span(int64_t n_kv, int64_t cap, int32_t r) { return std::min(pad256(n_kv / r + 1), n_comp(cap, r)); }
+// compressed entries a graph attending n_kv positions attends: llama.cpp's mask width, the visible
+// entries padded to 256 (at least 256), beyond what a session holds where it holds fewer (the rows past
+// them are masked; attention reads them as padding, comp_pad). The width decides how ggml multiplies
+// the weights by the values (tinyBLAS needs a multiple of its block: 256 + 129 rows took another sum order).
+inline int64_t n_comp_span(int64_t n_kv, int32_t r) { return pad256(n_kv / r); }
+// of them the entries the session's cache holds
+inline int64_t n_comp_held(int64_t n_kv, int64_t cap, int32_t r) { return std::min(n_comp_span(n_kv, r), n_comp(cap, r)); }
 // blocks that can complete among nc new positions
 inline int64_t n_blocks(int64_t nc, int32_t r) { return nc / r + 1; }
 

@@ -43,26 +43,7 @@ ggml_tensor * view1(ggml_context * c, ggml_tensor * t, int64_t n, int64_t off) {
     return ggml_view_1d(c, t, n, ggml_row_size(t->type, off));
 }
 
-// Sinkhorn normalisation of comb [dst, src, n]: softmax over dst, then alternate column and row sums.
-ggml_tensor * sinkhorn(Build & b, ggml_tensor * comb) {
-    ggml_context * c = b.c;
-    const Dsv4 & h = dsv4(b.m);
-    comb = ggml_scale_bias(c, ggml_soft_max(c, comb), 1.0f, h.hc_eps);
-    auto cols = [&]() {
-        ggml_tensor * s = ggml_sum_rows(c, ggml_cont(c, ggml_permute(c, comb, 1, 0, 2, 3)));
-        s = ggml_permute(c, ggml_scale_bias(c, s, 1.0f, h.hc_eps), 1, 0, 2, 3);
-        comb = ggml_div(c, comb, s);
-    };
-    auto rows = [&]() { comb = ggml_div(c, comb, ggml_scale_bias(c, ggml_sum_rows(c, comb), 1.0f, h.hc_eps)); };
-    cols();
-    for (int32_t i = 1; i < h.sinkhorn; ++i) {
-        rows();
-        cols();
-    }
-    return comb;
-}
-
-// sum over streams of x [d, hc, n] weighted by w [hc, n]
+// sum over streams of x [d, hc, n] weighted by w [hc, n]: the head's (llama.cpp fuses the layers' only)
 ggml_tensor * weigh_streams(Build & b, ggml_tensor * x, ggml_tensor * w) {
     ggml_tensor * r = nullptr;
     for (int64_t s = 0; s < x->ne[1]; ++s) {
@@ -80,7 +61,10 @@ struct HcMix {
 };
 
 // The hyper-connection read of x [d, hc, n]: mixing weights from the RMS-normed streams, the pre
-// weights' sum of the streams (returned, [d, n]), the post weights and the stream mixing matrix.
+// weights' sum of the streams (returned, [d, n]), the post weights and the stream mixing matrix (its
+// Sinkhorn normalisation: softmax over dst, then alternate column and row sums). llama.cpp runs the sum
+// and the mixing matrix as ggml's fused dsv4_hc_pre and dsv4_hc_comb (cparams.fused_dsv4_hc_*, on in
+// every context the backend takes them), which round otherwise than the separate ops: so here too.
 ggml_tensor * hc_pre(Build & b, ggml_tensor * x, ggml_tensor * fn, ggml_tensor * scale, ggml_tensor * base, HcMix * out) {
     ggml_context * c = b.c;
     const Dsv4 & h = dsv4(b.m);
@@ -94,26 +78,14 @@ ggml_tensor * hc_pre(Build & b, ggml_tensor * x, ggml_tensor * fn, ggml_tensor *
     };
     ggml_tensor * pre = ggml_scale_bias(c, ggml_sigmoid(c, part(hc, 0, 0)), 1.0f, h.hc_eps);
     out->post = ggml_scale(c, ggml_sigmoid(c, part(hc, hc, 1)), 2.0f);
-    out->comb = sinkhorn(b, ggml_reshape_3d(c, part(hc * hc, 2 * hc, 2), hc, hc, n));
-    return weigh_streams(b, x, pre);
+    out->comb = ggml_dsv4_hc_comb(c, mix, scale, base, h.hc_eps, h.sinkhorn);  // [dst, src, n]
+    return ggml_dsv4_hc_pre(c, x, pre);
 }
 
-// The hyper-connection write: stream dst = f * post[dst] + sum_src residual[src] * comb[dst, src].
+// The hyper-connection write: stream dst = f * post[dst] + sum_src residual[src] * comb[dst, src]
+// (llama.cpp's fused dsv4_hc_post).
 ggml_tensor * hc_post(Build & b, ggml_tensor * f, ggml_tensor * res, const HcMix & mx) {
-    ggml_context * c = b.c;
-    const int64_t hc = res->ne[1], n = res->ne[2], d = res->ne[0];
-    ggml_tensor * out = nullptr;
-    for (int64_t dst = 0; dst < hc; ++dst) {
-        ggml_tensor * cur = ggml_mul(c, f, ggml_view_2d(c, mx.post, 1, n, mx.post->nb[1], dst * mx.post->nb[0]));
-        for (int64_t src = 0; src < hc; ++src) {
-            ggml_tensor * rs = ggml_view_2d(c, res, d, n, res->nb[2], src * res->nb[1]);
-            ggml_tensor * w = ggml_view_2d(c, mx.comb, 1, n, mx.comb->nb[2], dst * mx.comb->nb[0] + src * mx.comb->nb[1]);
-            cur = ggml_add(c, cur, ggml_mul(c, rs, w));
-        }
-        cur = ggml_reshape_3d(c, cur, d, 1, n);
-        out = out ? ggml_concat(c, out, cur, 1) : cur;
-    }
-    return out;
+    return ggml_dsv4_hc_post(b.c, f, res, mx.post, mx.comb);
 }
 
 // One compressor: per-position rows (kv, score + the position's ape row), after the ring's rows of the
@@ -160,8 +132,17 @@ ggml_tensor * compress(Build & b, int32_t il, ggml_tensor * cur, ggml_tensor * w
     comp = rope_tail(b, il, comp, in[overlap ? kCpos4 : kCpos128]);
     if (rotates(b.m, width)) comp = rotate(b.c, comp, in[width == dsv4(b.m).idx_len ? kRotIdx : kRotHead]);
     ggml_tensor * cc = ggml_set_rows(c, comp_cache, ggml_reshape_2d(c, comp, width, nb), in[overlap ? kWrite4 : kWrite128]);
-    const int64_t span = n_comp_span(b.n_kv, b.cap, r);
-    return ggml_view_2d(c, cc, width, span, cc->nb[1], 0);
+    const int64_t held = n_comp_held(b.n_kv, b.cap, r);
+    return ggml_view_2d(c, cc, width, held, cc->nb[1], 0);
+}
+
+// The compressed entries comp [width, held] padded to the mask's width `span` (n_comp_span) where the
+// session holds fewer: llama.cpp's cache has zeros there, masked; any finite rows weigh 0 as well, so
+// the first rows of the raw ring (in the cache type, always at least 256 of them) stand in.
+ggml_tensor * comp_pad(Build & b, ggml_tensor * comp, ggml_tensor * ring, int64_t span) {
+    const int64_t held = comp->ne[1];
+    if (held >= span) return comp;
+    return ggml_concat(b.c, comp, ggml_view_2d(b.c, ring, ring->ne[0], span - held, ring->nb[1], 0), 1);
 }
 
 // The lightning indexer's choice among the visible compressed entries: per position the top_k entries
@@ -172,17 +153,19 @@ ggml_tensor * indexer_mask(Build & b, int32_t il, ggml_tensor * qr, ggml_tensor 
     const Dsv4 & h = dsv4(b.m);
     const Layer & L = b.layer(il);
     const int64_t n = b.n, ih = h.idx_heads, il_ = h.idx_len;
-    ggml_tensor * mask = b.g.arch_in[kMask4];
+    // the entries the session holds (idx_k's rows) of the mask's span; the rest stay masked
+    ggml_tensor * mask_all = b.g.arch_in[kMask4];
+    const int64_t held = idx_k->ne[1], span = mask_all->ne[0];
+    ggml_tensor * mask = held < span ? ggml_cont(c, ggml_view_2d(c, mask_all, held, n, mask_all->nb[1], 0)) : mask_all;
     ggml_tensor * q = ggml_reshape_3d(c, ggml_mul_mat(c, ex(L, "idx_q_b"), qr), il_, ih, n);
     q = rotate(b.c, rope_tail(b, il, q, b.g.inp_pos), b.g.arch_in[kRotIdx]);  // the indexer's cache always rotates
     ggml_tensor * w = ggml_scale(c, ggml_mul_mat(c, ex(L, "idx_proj"), cur), 1.0f / sqrtf((float)(il_ * ih)));
     // llama.cpp's fused op (cparams.fused_lid, on for every context): the keys read back to f32 in
     // whatever type the cache holds, the sum over heads of relu(q . k) * w, plus the mask (f16, exact)
-    const int64_t span = idx_k->ne[1];
-    ggml_tensor * keys = ggml_view_4d(c, idx_k, il_, 1, span, 1, idx_k->nb[1], idx_k->nb[1], idx_k->nb[1] * span, 0);
+    ggml_tensor * keys = ggml_view_4d(c, idx_k, il_, 1, held, 1, idx_k->nb[1], idx_k->nb[1], idx_k->nb[1] * held, 0);
     ggml_tensor * score = ggml_lightning_indexer(c, ggml_reshape_4d(c, q, il_, ih, n, 1), keys,
                                                  ggml_reshape_4d(c, w, ih, n, 1, 1), ggml_cast(c, mask, GGML_TYPE_F16));
-    score = ggml_reshape_2d(c, score, span, n);  // [span, n]
+    score = ggml_reshape_2d(c, score, held, n);  // [held, n]
     const int64_t k_top = std::min<int64_t>(mask->ne[0], h.top_k);
     ggml_tensor * top = ggml_cont(c, ggml_top_k(c, score, (int)k_top));  // [k_top, n]
     ggml_tensor * all = ggml_fill(c, mask, -INFINITY);
@@ -190,7 +173,11 @@ ggml_tensor * indexer_mask(Build & b, int32_t il, ggml_tensor * qr, ggml_tensor 
     ggml_tensor * zeros = ggml_fill(c, ggml_new_tensor_4d(c, GGML_TYPE_F32, 1, k_top, n, 1), 0.0f);
     ggml_tensor * sel = ggml_set_rows(c, all, zeros, top);
     sel = ggml_view_2d(c, sel, mask->ne[0], n, sel->nb[2], 0);
-    return ggml_add(c, sel, mask);
+    sel = ggml_add(c, sel, mask);
+    if (held < span) {
+        sel = ggml_concat(c, sel, ggml_view_2d(c, mask_all, span - held, n, mask_all->nb[1], ggml_row_size(mask_all->type, held)), 0);
+    }
+    return sel;
 }
 
 // Attention of layer il on the normed stream sum cur [d, n]; returns the output projection [d, n].
@@ -214,29 +201,31 @@ ggml_tensor * attention_dsv4(Build & b, int32_t il, ggml_tensor * cur) {
         q = rotate(b.c, q, rot_head);
         kv = rotate(b.c, kv, rot_head);
     }
-    ggml_tensor * raw = ggml_set_rows(c, st[0], ggml_reshape_2d(c, kv, hd, n), in[kKidx]);
-    raw = ggml_view_2d(c, raw, hd, raw_span(m, b.n_kv), raw->nb[1], 0);  // in the cache type, as llama.cpp reads it
+    ggml_tensor * ring = ggml_set_rows(c, st[0], ggml_reshape_2d(c, kv, hd, n), in[kKidx]);
+    ggml_tensor * raw = ggml_view_2d(c, ring, hd, raw_span(m, b.n_kv), ring->nb[1], 0);  // in the cache type, as llama.cpp reads it
     ggml_tensor * k_all = raw, * mask = in[kMaskRaw];
     if (r == kCsa) {
         ggml_tensor * comp = compress(b, il, cur, ex(L, "comp_kv"), ex(L, "comp_gate"), ex(L, "comp_ape"),
                                       ex(L, "comp_norm"), hd, r, st[1], st[2], st[3]);
         ggml_tensor * idx_k = compress(b, il, cur, ex(L, "idx_kv"), ex(L, "idx_gate"), ex(L, "idx_ape"),
                                        ex(L, "idx_norm"), h.idx_len, r, st[4], st[5], st[6]);
-        k_all = ggml_concat(c, raw, comp, 1);
+        k_all = ggml_concat(c, raw, comp_pad(b, comp, ring, in[kMask4]->ne[0]), 1);
         mask = ggml_concat(c, mask, indexer_mask(b, il, qr, cur, idx_k), 0);
     } else if (r == kHca) {
         ggml_tensor * comp = compress(b, il, cur, ex(L, "comp_kv"), ex(L, "comp_gate"), ex(L, "comp_ape"),
                                       ex(L, "comp_norm"), hd, r, st[1], st[2], st[3]);
-        k_all = ggml_concat(c, raw, comp, 1);
+        k_all = ggml_concat(c, raw, comp_pad(b, comp, ring, in[kMask128]->ne[0]), 1);
         mask = ggml_concat(c, mask, in[kMask128], 0);
     }
     // one K = V head shared by every query head, with a per-head sink in the softmax
     ggml_tensor * o;
-    if (ggml_is_quantized(m->cache_type)) {
-        // llama.cpp runs a quantized cache with flash attention (it requires it for V, here K itself):
-        // the mask in f16 (0 and -inf, exact), the sinks on the fused op
+    if (m->flash() || ggml_is_quantized(m->cache_type)) {
+        // llama.cpp's flash attention (the handle's mode; a quantized cache requires it, for V, here K
+        // itself): K and V in f16 (an f32 cache cast, as build_attn_mha casts it), the mask in f16 (0
+        // and -inf, exact), the sinks on the fused op
         const int64_t N = k_all->ne[1];
         ggml_tensor * kv3 = ggml_view_3d(c, k_all, hd, N, 1, k_all->nb[1], k_all->nb[1] * N, 0);  // [hd, N, 1]
+        if (kv3->type == GGML_TYPE_F32) kv3 = ggml_cast(c, kv3, GGML_TYPE_F16);
         o = ggml_flash_attn_ext(c, ggml_permute(c, q, 0, 2, 1, 3), kv3, kv3, ggml_cast(c, mask, GGML_TYPE_F16),
                                 1.0f / sqrtf((float)hd), 0.0f, 0.0f);  // [hd, heads, n]
         ggml_flash_attn_ext_add_sinks(o, ex(L, "sinks"));

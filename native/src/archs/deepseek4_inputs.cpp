@@ -33,11 +33,11 @@ void make_inputs(Build & b) {
     in[kBias4] = input(c, GGML_TYPE_F32, 1, 2 * kCsa, nb4);
     in[kWrite4] = input(c, GGML_TYPE_I64, nb4);
     in[kCpos4] = input(c, GGML_TYPE_I32, nb4);
-    in[kMask4] = input(c, GGML_TYPE_F32, n_comp_span(b.n_kv, b.cap, kCsa), n);
+    in[kMask4] = input(c, GGML_TYPE_F32, n_comp_span(b.n_kv, kCsa), n);
     in[kRead128] = input(c, GGML_TYPE_I32, kHca * nb128);
     in[kWrite128] = input(c, GGML_TYPE_I64, nb128);
     in[kCpos128] = input(c, GGML_TYPE_I32, nb128);
-    in[kMask128] = input(c, GGML_TYPE_F32, n_comp_span(b.n_kv, b.cap, kHca), n);
+    in[kMask128] = input(c, GGML_TYPE_F32, n_comp_span(b.n_kv, kHca), n);
     in[kRows4] = input(c, GGML_TYPE_I64, std::min<int64_t>(n, ring_rows(kCsa)));
     in[kRows128] = input(c, GGML_TYPE_I64, std::min<int64_t>(n, ring_rows(kHca)));
     const int64_t ri = rot_size(dsv4(b.m).idx_len), rh = rot_size(b.m->head_dim);
