@@ -14,8 +14,10 @@ per_hop_overhead_ms (step wall time minus the hops' own compute, per hop; split 
 per_hop_hop_python_ms and per_hop_client_ms, see Decode), aggregate_tok_s_8_sessions_served,
 ratio_8_vs_1_served, decode_tok_s_llamacpp_batched_8, ratio_served8_vs_llamacpp8,
 itl_p50_ms_idle / itl_p95_ms_while_prefill / itl_ratio (4 sessions decoding while a 2,000-token prompt
-arrives), playground_tok_s / route_client_tok_s_playground_route / ratio_playground_vs_route_client (an
-answer over the playground websocket of a live control plane vs the route client on the same hops), and
+arrives; prefill_ms_2000_while_decoding against prefill_ms_2000_alone, the same prompt on the same hops
+with nothing else running: prefill_ratio_while_decoding), playground_tok_s /
+route_client_tok_s_playground_route / ratio_playground_vs_route_client (an answer over the playground
+websocket of a live control plane vs the route client on the same hops), and
 default_seam_top1_agreement (bench/seam.py's figure, when that script exists). Issue 32's headline:
 control_plane_tok_s (the playground's answer) and api_tok_s_control_plane (a streamed
 /v1/chat/completions) over the agents the control plane enrolled and placed, and their ratios to the bare
@@ -241,6 +243,15 @@ async def itl_under_prefill(route: Route, prompt: list[int], n: int) -> dict[str
     finally:
         for c in [*clients, big]:
             await c.close()
+    # the same prompt on the same hops with nothing else open (issue 32's reference)
+    alone_client = route.client(capacity=LONG_PROMPT + 64)
+    try:
+        await alone_client.open()
+        a0 = time.perf_counter()
+        await alone_client.forward(long_ids, GREEDY)
+        alone_ms = (time.perf_counter() - a0) * 1e3
+    finally:
+        await alone_client.close()
     idle_ms = [(b - a) * 1e3 for a, b in idle]
     # the gaps that overlap the prefill's time on the route
     during = [(b - a) * 1e3 for a, b in busy if b > t0 and a < t1]
@@ -251,6 +262,8 @@ async def itl_under_prefill(route: Route, prompt: list[int], n: int) -> dict[str
         "itl_p95_ms_while_prefill": round(p95, 2),
         "itl_ratio": round(p95 / p50, 2),
         "prefill_ms_2000_while_decoding": round((t1 - t0) * 1e3, 1),
+        "prefill_ms_2000_alone": round(alone_ms, 1),
+        "prefill_ratio_while_decoding": round((t1 - t0) * 1e3 / alone_ms, 2),
         "itl_gaps_during_prefill": len(during),
     }
 

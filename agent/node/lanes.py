@@ -53,6 +53,9 @@ LANE_PORT_ENV = "GGSWARM_LANE_PORT"  # the lane's TCP port (default 0: one the s
 LANE_PACE_S = 0.06
 # after the lane's step passed, chunks run back to back this long (its sessions are at other hops)
 LANE_PACE_WINDOW_S = 0.008
+# A session on the lane that ran a step this recently is decoding (the scheduler's BUSY_WINDOW_S);
+# one that only sits there, a conversation between turns, is not.
+LANE_ACTIVE_S = 1.0
 
 
 @dataclass(eq=False)
@@ -159,8 +162,25 @@ class NodeLane:
         }
 
     def decoding(self) -> bool:
-        """Whether sessions are on the lane now (their steps decode outside the shards' schedulers)."""
-        return bool(self._laned)
+        """Whether a session on the lane is decoding: a step of it runs now or ran within LANE_ACTIVE_S
+        (its steps decode outside the shards' schedulers). Sessions that only sit on the lane, a
+        conversation between turns or a closed tab's route until it expires, do not count: counted,
+        they made every prompt on the node prefill in LANE_CHUNK_TOKENS chunks for as long as they
+        stayed (bench/served.py: 2,000 tokens in 22 s instead of 16)."""
+        lane = self._lane
+        if lane is None:
+            return False
+        for s in list(self._laned.values()):
+            slot = s.lane
+            if not isinstance(slot, LaneSlot):
+                return True  # not one of ours to ask: assume it decodes
+            try:
+                st = lane.stats(slot.lane_id)
+            except NativeError:
+                continue  # it left the lane meanwhile
+            if st.busy or st.idle_s < LANE_ACTIVE_S:
+                return True
+        return False
 
     def take_batches(self) -> None:
         """Count the batches the lane computed since the last call into the node's metrics and token

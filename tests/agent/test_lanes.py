@@ -187,3 +187,30 @@ async def test_a_session_is_admitted_while_another_sessions_step_is_queued_on_th
     finally:
         await c.close()
         await other.close()
+
+
+async def test_a_session_that_only_sits_on_the_lane_stops_counting_as_decoding(
+    node: tuple[DataPlane, str], manifest: Any, signing_key: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A conversation between turns stays on the lane; counted as decoding, it made every prompt on the
+    node prefill in the lane's 8-token chunks for as long as it stayed."""
+    import asyncio
+
+    from agent.node import lanes
+
+    monkeypatch.setattr(lanes, "LANE_ACTIVE_S", 0.3)
+    dp, url = node
+    assert not dp.lane.decoding()
+    c = _client(url, manifest, signing_key)
+    try:
+        await _tokens(c)
+        assert dp.stats()["lane_sessions"] == 1 and dp.lane.decoding()
+        deadline = time.monotonic() + 10
+        while dp.lane.decoding():
+            assert time.monotonic() < deadline, "an idle lane session still counts as decoding"
+            await asyncio.sleep(0.05)
+        assert dp.stats()["lane_sessions"] == 1  # still on the lane, only idle
+        await _tokens(c, 3, PROMPT + [504])  # it decodes again: it counts again
+        assert dp.lane.decoding()
+    finally:
+        await c.close()
