@@ -138,6 +138,17 @@ async def _after(ws: WebsocketCommunicator) -> None:
         pass
 
 
+async def _sent(ws: WebsocketCommunicator, node_id: str, message: dict[str, Any]) -> Node:
+    """Send `message`, wait until it was handled, and read the node's row back."""
+    await ws.send_json_to(message)
+    await _after(ws)
+    return await database_sync_to_async(Node.objects.get)(pk=node_id)
+
+
+def _routable_at(n: Node, url: str) -> bool:
+    return n.dataplane_url == url and n.dataplane_problem == "" and n.dataplane_rtt_ms is not None
+
+
 @pytest_asyncio.fixture
 async def health_server() -> AsyncIterator[tuple[str, dict[str, str]]]:
     """A stand-in data plane: /v1/health answers with whatever node id the test puts in `answer`."""
@@ -197,10 +208,7 @@ async def test_a_data_plane_that_answers_its_probe_with_the_node_s_id_is_routabl
     url, answer = health_server
     answer["node_id"] = node.id
     ws = await _connected(node.id, secret)
-    await ws.send_json_to({"type": "hello", "dataplane_url": url})
-    await _after(ws)
-    n = await database_sync_to_async(Node.objects.get)(pk=node.id)
-    assert n.dataplane_url == url and n.dataplane_problem == "" and n.dataplane_rtt_ms is not None
+    assert _routable_at(await _sent(ws, node.id, {"type": "hello", "dataplane_url": url}), url)
     await ws.disconnect()
 
 
@@ -213,18 +221,12 @@ async def test_a_data_plane_that_failed_its_check_is_checked_again_on_a_heartbea
     answer["node_id"] = "node-000000000000"  # not yet this node's: the check fails
     settings.DATAPLANE_REPROBE_S = 3600
     ws = await _connected(node.id, secret)
-    await ws.send_json_to({"type": "hello", "dataplane_url": url})
-    await _after(ws)
+    await _sent(ws, node.id, {"type": "hello", "dataplane_url": url})
     answer["node_id"] = node.id
-    await ws.send_json_to({"type": "heartbeat", "telemetry": {}})
-    await _after(ws)
-    n = await database_sync_to_async(Node.objects.get)(pk=node.id)
+    n = await _sent(ws, node.id, {"type": "heartbeat", "telemetry": {}})
     assert "belongs to another node" in n.dataplane_problem, "checked again before DATAPLANE_REPROBE_S"
     settings.DATAPLANE_REPROBE_S = 0
-    await ws.send_json_to({"type": "heartbeat", "telemetry": {}})
-    await _after(ws)
-    n = await database_sync_to_async(Node.objects.get)(pk=node.id)
-    assert n.dataplane_url == url and n.dataplane_problem == "" and n.dataplane_rtt_ms is not None
+    assert _routable_at(await _sent(ws, node.id, {"type": "heartbeat", "telemetry": {}}), url)
     await ws.disconnect()
 
 
