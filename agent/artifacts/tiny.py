@@ -20,9 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from agent.artifacts import layouts
+from agent.artifacts import layouts, layouts_moe
 from agent.artifacts.layouts import DEEPSEEK4_FLASH_ROPE_SCALING as DEEPSEEK4_FLASH_ROPE_SCALING
-from agent.artifacts.layouts import DEEPSEEK_V3_ROPE_SCALING, Builder, Tensor
+from agent.artifacts.layouts import Builder, Tensor
+from agent.artifacts.layouts_moe import DEEPSEEK_V3_ROPE_SCALING
 
 ARCHITECTURES = (
     "llama",
@@ -182,39 +183,41 @@ def _glm_dsa(b: Builder, n_layers: int, vocab: int, mtp: bool) -> None:
 
 def _qwen3moe(b: Builder, n_layers: int, vocab: int, mtp: bool) -> None:
     # Qwen3-235B-A22B's proportions: 4 query heads per KV head, softmax over 8 experts (of 128), 2 used
-    layouts.qwen3moe(b, layouts.MoeDims(D_MODEL, n_layers, vocab))
+    layouts_moe.qwen3moe(b, layouts_moe.MoeDims(D_MODEL, n_layers, vocab))
 
 
 def _glm4moe(b: Builder, n_layers: int, vocab: int, mtp: bool) -> None:
     # GLM-4.5's: RoPE on half of each head, eps 1e-5, rope base 1e6, one expert group (no group limit);
     # its files always carry the MTP block
-    dims = layouts.MoeDims(D_MODEL, n_layers, vocab, ctx=131072, eps=1e-5, n_rot=32, groups=1, group_used=1)
-    layouts.glm4moe(b, dims)
+    dims = layouts_moe.MoeDims(
+        D_MODEL, n_layers, vocab, ctx=131072, eps=1e-5, n_rot=32, groups=1, group_used=1
+    )
+    layouts_moe.glm4moe(b, dims)
 
 
 def _deepseek2(b: Builder, n_layers: int, vocab: int, mtp: bool) -> None:
     # DeepSeek-V3's: a latent row of kv_lora + rope (64 + 32 here, 512 + 64 there: whole q8_0 blocks of
     # both, as llama.cpp requires of K and V), experts in 4 groups of which the best 2 compete (8 groups,
     # 4 there), YaRN factor 40 over a 4K original context
-    dims = layouts.MoeDims(
+    dims = layouts_moe.MoeDims(
         D_MODEL, n_layers, vocab, ctx=163840, rope_base=10000.0, n_head=4, n_kv=1, n_rot=32, groups=4,
         group_used=2, kv_lora=64, mtp=mtp,
     )  # fmt: skip
-    layouts.deepseek2(b, dims)
+    layouts_moe.deepseek2(b, dims)
     b.rope_scaling(DEEPSEEK_V3_ROPE_SCALING)
 
 
 def _gpt_oss(b: Builder, n_layers: int, vocab: int, mtp: bool) -> None:
     # gpt-oss-120b's key set: 2 query heads per KV head (8 there), 4 of 8 experts used (4 of 128 there),
     # window 128, YaRN factor 32 over 4K, rope base 150,000; experts in MXFP4 as the real files keep them
-    layouts.gpt_oss(b, layouts.GptOssDims(D_MODEL, n_layers, vocab))
+    layouts_moe.gpt_oss(b, layouts_moe.GptOssDims(D_MODEL, n_layers, vocab))
 
 
 def _minimax_m2(b: Builder, n_layers: int, vocab: int, mtp: bool) -> None:
     # MiniMax-M2's key set: 6 query heads per KV head, RoPE on half of each head (64 of 128 there), q/k
     # norms across all heads, sigmoid routing with a selection bias over 16 experts, 4 used (8 of 256
     # there), rope base 5e6; no MTP blocks, as its converted files have none
-    layouts.minimax_m2(b, layouts.MinimaxM2Dims(D_MODEL, n_layers, vocab))
+    layouts_moe.minimax_m2(b, layouts_moe.MinimaxM2Dims(D_MODEL, n_layers, vocab))
 
 
 _BUILDERS: dict[str, Callable[[Builder, int, int, bool], None]] = {
