@@ -104,6 +104,7 @@ struct Build {
     int32_t n_kv;    // attended span
     int32_t cap;     // cache capacity of the bound session
     bool last_only;  // last window: keep only the final position after the last layer's attention
+    bool tile_queries = false;  // GraphKey::tile_queries
 
     int32_t local(int32_t il) const { return il - m->layer_start; }
     const Layer & layer(int32_t il) const { return m->layers[local(il)]; }

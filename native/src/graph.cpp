@@ -19,7 +19,7 @@ namespace {
 // norm and head on the last. last_only: on the last window, keep only the final position after the
 // last attention (sampling needs nothing else). The state leaves are the graph's own (Graph::state),
 // bound by bind_state.
-void build_graph(ggswarm_model * m, Graph & g, int32_t n, int32_t n_kv, int32_t cap, bool last_only) {
+void build_graph(ggswarm_model * m, Graph & g, int32_t n, int32_t n_kv, int32_t cap, bool last_only, bool tile_queries) {
     ggml_tensor * x = graph_input(m, g, m->graph_size, n);
     ggml_context * c = g.ctx;
     const int64_t nh = m->n_head;
@@ -68,7 +68,7 @@ void build_graph(ggswarm_model * m, Graph & g, int32_t n, int32_t n_kv, int32_t 
         g.state.emplace_back();
         state_ops(m->lhp[il].state)->plan(m, il, cap, c, g.state.back());
     }
-    Build b{m, g, c, n, n_kv, cap, last_only};
+    Build b{m, g, c, n, n_kv, cap, last_only, tile_queries};
     x = m->archp->build_window(b, x);
     if (m->is_last()) x = output_head(m, c, x);
     g.out = x;
@@ -191,7 +191,7 @@ ggswarm_status graph_for(ggswarm_model * m, const GraphKey & key, const Session 
     }
     if (oldest && same_kind >= (batch ? kBatchGraphs : kDecodeGraphs)) drop_graph(m, oldest);
     auto g = std::make_unique<Graph>();
-    build_graph(m, *g, key.n, key.n_kv, key.cap, key.last_only);
+    build_graph(m, *g, key.n, key.n_kv, key.cap, key.last_only, key.tile_queries);
     g->key = key;
     m->graph_builds++;
     g->sched = new_sched(m);
@@ -278,6 +278,7 @@ ggswarm_status forward_chunk(ggswarm_model * m, Session & s, const ggswarm_batch
     key.n_kv = n_kv;
     key.cap = s.cap;
     key.last_only = last_only;
+    key.tile_queries = nc > 1 && nc < kFlashTileQ && b->n_tokens >= kFlashTileQ;
     Graph * gp = nullptr;
     if (ggswarm_status st = graph_for(m, key, s, &gp)) return st;
     Graph & g = *gp;

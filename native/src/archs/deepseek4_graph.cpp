@@ -219,21 +219,34 @@ ggml_tensor * attention_dsv4(Build & b, int32_t il, ggml_tensor * cur) {
     }
     // one K = V head shared by every query head, with a per-head sink in the softmax
     ggml_tensor * o;
-    // Flash attention only for a quantized cache (llama.cpp requires it there, for V, here K itself).
-    // With f16/f32 caches and flash attention on, llama.cpp runs ggml_flash_attn_ext too, and the first
-    // 256 positions of a prompt came out equal bit for bit that way; but from position 256 on, in a
-    // prompt of 300 positions in one call, ggml's tiled f16 kernel (taken for >= its Q tile of queries
-    // with f16 K/V) gave logits 20 apart from llama.cpp's, cause not found yet: until it is, these caches
-    // keep ggml's ops, 0.028 from llama.cpp's flash logits as llama.cpp's own two modes are from each
-    // other (tests/native/test_deepseek4.py).
-    if (ggml_is_quantized(m->cache_type)) {
+    // Flash attention (on, or a quantized cache, where llama.cpp requires it): llama.cpp runs
+    // ggml_flash_attn_ext for f16/f32 caches too. ggml's CPU kernel takes one of two paths by the number
+    // of queries: its tiled one (f32 GEMM of Q and K) from GGML_FA_TILE_Q = 64 queries with f16/f32 K/V,
+    // else its scalar one (Q rounded to f16): they round otherwise, and the indexer's and the experts'
+    // top-k turn that into other logits. llama.cpp's ubatch of a long prompt runs whole (tiled), while
+    // here micro-batches also end every ckpt_every (256) positions, leaving shorter ones (44 queries of a
+    // 300-position prompt): those cut from a call of 64 or more (b.tile_queries) get zero queries up to
+    // 64 so that they too run tiled (each query's row comes out the same whatever the tile). A call of
+    // fewer positions, a decode step included, runs scalar as in llama.cpp.
+    if (m->flash() || ggml_is_quantized(m->cache_type)) {
         // the mask in f16 (0 and -inf, exact), the sinks on the fused op
         const int64_t N = k_all->ne[1];
         ggml_tensor * kv3 = ggml_view_3d(c, k_all, hd, N, 1, k_all->nb[1], k_all->nb[1] * N, 0);  // [hd, N, 1]
-        o = ggml_flash_attn_ext(c, ggml_permute(c, q, 0, 2, 1, 3), kv3, kv3, ggml_cast(c, mask, GGML_TYPE_F16),
-                                1.0f / sqrtf((float)hd), 0.0f, 0.0f);  // [hd, heads, n]
+        if (kv3->type == GGML_TYPE_F32) kv3 = ggml_cast(c, kv3, GGML_TYPE_F16);  // as llama.cpp's build_attn_mha
+        ggml_tensor * qp = ggml_permute(c, q, 0, 2, 1, 3);  // [hd, n, heads]
+        constexpr int64_t kQTile = kFlashTileQ;
+        const bool pad = kv3->type == GGML_TYPE_F16 && b.tile_queries && n > 1 && n < kQTile;
+        if (pad) {
+            ggml_tensor * zq = ggml_fill(c, ggml_new_tensor_3d(c, GGML_TYPE_F32, hd, kQTile - n, nh), 0.0f);
+            ggml_tensor * zm = ggml_fill(c, ggml_new_tensor_2d(c, GGML_TYPE_F32, mask->ne[0], kQTile - n), 0.0f);
+            qp = ggml_concat(c, ggml_cont(c, qp), zq, 1);
+            mask = ggml_concat(c, mask, zm, 1);
+        }
+        o = ggml_flash_attn_ext(c, qp, kv3, kv3, ggml_cast(c, mask, GGML_TYPE_F16),
+                                1.0f / sqrtf((float)hd), 0.0f, 0.0f);  // [hd, heads, n (or 64)]
         ggml_flash_attn_ext_add_sinks(o, ex(L, "sinks"));
         ggml_prec_set_acc(o, GGML_PREC_F32);
+        if (pad) o = ggml_view_3d(c, o, hd, nh, n, o->nb[1], o->nb[2], 0);
     } else {
         ggml_tensor * kq = ggml_mul_mat(c, k_all, ggml_permute(c, q, 0, 2, 1, 3));  // [N, n, heads]
         kq = ggml_soft_max_ext(c, kq, mask, 1.0f / sqrtf((float)hd), 0.0f);
