@@ -284,16 +284,33 @@ bool decode_attention_supported(int64_t head_dim) {
     return decode_attention_cpu() && head_dim > 0 && head_dim % kStep == 0;
 }
 
+void pad_queries(ggml_context * c, ggml_tensor ** q, ggml_tensor ** mask, int64_t rows) {
+    ggml_tensor * qp = *q, * mk = *mask;
+    const int64_t extra = rows - qp->ne[1];
+    ggml_tensor * zq = ggml_fill(c, ggml_new_tensor_3d(c, GGML_TYPE_F32, qp->ne[0], extra, qp->ne[2]), 0.0f);
+    *q = ggml_concat(c, ggml_cont(c, qp), zq, 1);
+    // through f32 and back: the mask's values (0, -inf) are exact in either type
+    ggml_tensor * zm = ggml_fill(c, ggml_new_tensor_2d(c, GGML_TYPE_F32, mk->ne[0], extra), 0.0f);
+    ggml_tensor * m32 = mk->type == GGML_TYPE_F32 ? mk : ggml_cast(c, mk, GGML_TYPE_F32);
+    ggml_tensor * padded = ggml_concat(c, ggml_view_2d(c, m32, m32->ne[0], qp->ne[1], m32->nb[1], 0), zm, 1);
+    *mask = mk->type == GGML_TYPE_F32 ? padded : ggml_cast(c, padded, mk->type);
+}
+
 ggml_tensor * flash_attention(ggml_context * c, ggml_tensor * q, ggml_tensor * kc, ggml_tensor * vc, ggml_tensor * mask,
-                              int32_t n, int32_t n_kv, float kq_scale, ggml_tensor * sinks) {
+                              int32_t n, int32_t n_kv, float kq_scale, ggml_tensor * sinks, bool tile_queries) {
     const int64_t hd = q->ne[0], nh = q->ne[1], nkv = kc->ne[0] / hd;
     // a head's bytes in the cache type (quantized blocks run along the head: whole blocks per head)
     ggml_tensor * k = ggml_view_3d(c, kc, hd, n_kv, nkv, kc->nb[1], ggml_row_size(kc->type, hd), 0);  // [hd, n_kv, nkv]
     ggml_tensor * v = ggml_view_3d(c, vc, hd, n_kv, nkv, vc->nb[1], ggml_row_size(vc->type, hd), 0);
     ggml_tensor * qp = ggml_permute(c, q, 0, 2, 1, 3);  // [hd, n, nh]
+    // ggml's CPU kernel runs >= kFlashTileQ queries tiled (f16/f32 K/V) and fewer scalar: they round
+    // otherwise, so a remainder cut from a longer call runs tiled, as in llama.cpp's one ubatch
+    const bool pad = tile_queries && n > 1 && n < kFlashTileQ && (kc->type == GGML_TYPE_F16 || kc->type == GGML_TYPE_F32);
+    if (pad) pad_queries(c, &qp, &mask, kFlashTileQ);
     ggml_tensor * o = ggml_flash_attn_ext(c, qp, k, v, mask, kq_scale, 0.0f, 0.0f);  // [hd, nh, n]
     if (sinks) ggml_flash_attn_ext_add_sinks(o, sinks);
     ggml_prec_set_acc(o, GGML_PREC_F32);
+    if (pad) o = ggml_cont(c, ggml_view_3d(c, o, hd, nh, n, o->nb[1], o->nb[2], 0));
     return ggml_reshape_2d(c, o, hd * nh, n);
 }
 

@@ -36,11 +36,21 @@ bool decode_attention_cpu();
 // decode_attention_cpu(), and the head size is a multiple of 64.
 bool decode_attention_supported(int64_t head_dim);
 
+// ggml-cpu's GGML_FA_TILE_Q: from this many queries its flash kernel takes the tiled path with f16/f32 K/V
+constexpr int32_t kFlashTileQ = 64;
+
 // Attention of n new positions over the first n_kv cached ones with ggml_flash_attn_ext, as llama.cpp
 // builds it with flash attention on: [hd * nh, n]. vc: the V cache NOT transposed, [hd * nkv, cap]
 // f16 like kc; mask: f16 [n_kv, n]; sinks (optional): as ops_attention's (ggml_flash_attn_ext_add_sinks).
+// tile_queries (GraphKey::tile_queries): n < kFlashTileQ positions cut from a longer call get zero query
+// and mask rows up to the tile, so ggml's CPU kernel runs them tiled, as llama.cpp ran the whole call.
 ggml_tensor * flash_attention(ggml_context * c, ggml_tensor * q, ggml_tensor * kc, ggml_tensor * vc, ggml_tensor * mask,
-                              int32_t n, int32_t n_kv, float kq_scale, ggml_tensor * sinks = nullptr);
+                              int32_t n, int32_t n_kv, float kq_scale, ggml_tensor * sinks = nullptr,
+                              bool tile_queries = false);
+
+// q [hd, n, nh] and mask [n_kv, n] (f16 or f32) with zero rows appended up to `rows` queries; the caller
+// cuts the attention's output back to its first n positions.
+void pad_queries(ggml_context * c, ggml_tensor ** q, ggml_tensor ** mask, int64_t rows);
 
 
 // Scores of one new position against the cache, unscaled: out[j, h] = K[j, group(h)] . q[h] for

@@ -278,7 +278,10 @@ ggswarm_status forward_chunk(ggswarm_model * m, Session & s, const ggswarm_batch
     key.n_kv = n_kv;
     key.cap = s.cap;
     key.last_only = last_only;
-    key.tile_queries = nc > 1 && nc < kFlashTileQ && b->n_tokens >= kFlashTileQ;
+    // the positions llama.cpp's ubatch holding this micro-batch has (ubatches of kUBatch from the call's
+    // start; ours end at recurrent checkpoints too): a remainder of a long one ran tiled there
+    const int32_t ubatch = std::min(kUBatch, b->n_tokens - off / kUBatch * kUBatch);
+    key.tile_queries = nc > 1 && nc < kFlashTileQ && ubatch >= kFlashTileQ;
     Graph * gp = nullptr;
     if (ggswarm_status st = graph_for(m, key, s, &gp)) return st;
     Graph & g = *gp;

@@ -120,8 +120,9 @@ struct GraphKey {
     int32_t n_kv = 0;    // attended span
     int32_t cap = 0;     // KV capacity of the bound session (the cache tensors' shape)
     bool last_only = false;
-    // a micro-batch of 2..63 positions cut from a call of 64 or more: ggml's CPU flash kernel ran the
-    // whole call tiled in llama.cpp, so an architecture that pads to its tile does (deepseek4_graph.cpp)
+    // a micro-batch of 2..63 positions cut (at a recurrent checkpoint) from what is one ubatch of 64 or
+    // more in llama.cpp: ggml's CPU flash kernel ran that ubatch tiled, so flash attention pads to its
+    // tile (attention.cpp flash_attention, deepseek4_graph.cpp)
     bool tile_queries = false;
     std::vector<int32_t> members;  // a graph of several sessions (batch.cpp): (n, n_kv, cap) per member; else empty
     bool operator==(const GraphKey & o) const {
@@ -359,8 +360,6 @@ int64_t kernel_span(int64_t n);
 ggswarm_status ensure_capacity(ggswarm_model * m, Session & s, int32_t need);
 
 // compute (graph.cpp), shared with batch.cpp
-// ggml-cpu's GGML_FA_TILE_Q: from this many queries its flash kernel takes the tiled path with f16/f32 K/V
-constexpr int32_t kFlashTileQ = 64;
 constexpr int32_t kUBatch = 512;  // positions per micro-batch (bounded compute memory, like llama.cpp's n_ubatch)
 // Sliding-window attention layers keep K and V in a ring, as llama.cpp's SWA cache: GGML_PAD(min(n_ctx,
 // n_swa + n_ubatch), 256) slots (at most the session's capacity); position p in slot p % slots.

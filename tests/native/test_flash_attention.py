@@ -159,3 +159,41 @@ def test_flash_mode_reproduces_llama_cpp_with_flash_attention_on(
         diff = np.abs(np.stack(steps) - np.stack(want)).max()
         print(f"flash mode, decode {lo}..{hi - 1}: max |logit diff| {diff}")
         assert diff == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe"])
+def test_a_prompt_the_executor_cuts_at_a_checkpoint_still_equals_llama_cpp_with_flash_attention(
+    native_lib: None, tmp_path: Path, arch: str
+) -> None:
+    """300 positions in one call: the executor ends a micro-batch at its recurrent checkpoint (256), and
+    ggml's CPU flash kernel runs the 44 left tiled only if they are padded to its query tile (llama.cpp
+    runs the whole call tiled; 44 alone would run its scalar path, 0.02-0.04 off from position 256 on)."""
+    from agent.artifacts.manifest import build_manifest
+    from agent.artifacts.tiny import write_tiny_gguf as write_arch_gguf
+    from tests.native.routes import logits_rows, native_forward, native_hops, open_sessions
+
+    llama_cpp = pytest.importorskip("llama_cpp")
+    path = str(write_arch_gguf(arch, tmp_path / f"{arch}.gguf"))
+    llm = llama_cpp.Llama(
+        model_path=path, logits_all=True, n_ctx=1024, n_threads=2, flash_attn=True, verbose=False
+    )
+    try:
+        ids = list(
+            llm.tokenize((REPO / "tests" / "data" / "teacher_forcing_en.txt").read_bytes(), add_bos=True)
+        )[:300]
+        llm.eval(ids)
+        want = np.array(llm.scores[: len(ids)], dtype=np.float32)
+    finally:
+        llm.close()
+    m = build_manifest(path, hash_tensors=False)
+    n = m.n_layers - m.mtp_layers
+    hops = native_hops(path, [(0, 1), (1, n - 1), (n - 1, n)], "f16")
+    try:
+        for h in hops:
+            h.set_flash_attention(True)
+        got = logits_rows(native_forward(hops, open_sessions(hops), 0, ids), len(ids))
+    finally:
+        for h in hops:
+            h.close()
+    assert float(np.abs(got - want).max()) == 0.0

@@ -131,7 +131,7 @@ ggml_tensor * attend(Build & b, int32_t il, ggml_tensor * q, ggml_tensor * k, gg
     ggml_build_forward_expand(g.gf, v_put);
     ggml_tensor * mask = swa ? g.inp_mask_swa : g.inp_mask;
     ggml_tensor * sinks = b.layer(il).attn_sinks;
-    if (m->flash()) return flash_attention(c, q, kc, vc, mask, n, n_kv, kq_scale, sinks);
+    if (m->flash()) return flash_attention(c, q, kc, vc, mask, n, n_kv, kq_scale, sinks, b.tile_queries);
     // the kernels attend every position up to the new one: a sliding-window layer takes ggml's ops and
     // its mask instead (the same numbers as the kernels wherever the window covers the whole span), as
     // does a layer with attention sinks (the kernels' softmax has none)

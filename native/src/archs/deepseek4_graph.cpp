@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "archs/deepseek4.h"
+#include "attention.h"
 
 namespace ggswarm {
 namespace deepseek4 {
@@ -225,9 +226,9 @@ ggml_tensor * attention_dsv4(Build & b, int32_t il, ggml_tensor * cur) {
     // else its scalar one (Q rounded to f16): they round otherwise, and the indexer's and the experts'
     // top-k turn that into other logits. llama.cpp's ubatch of a long prompt runs whole (tiled), while
     // here micro-batches also end every ckpt_every (256) positions, leaving shorter ones (44 queries of a
-    // 300-position prompt): those cut from a call of 64 or more (b.tile_queries) get zero queries up to
-    // 64 so that they too run tiled (each query's row comes out the same whatever the tile). A call of
-    // fewer positions, a decode step included, runs scalar as in llama.cpp.
+    // 300-position prompt): those cut from what is one ubatch of 64 or more in llama.cpp
+    // (b.tile_queries) get zero queries up to 64 so that they too run tiled (each query's row comes out
+    // the same whatever the tile). A shorter ubatch, a decode step included, runs scalar as in llama.cpp.
     if (m->flash() || ggml_is_quantized(m->cache_type)) {
         // the mask in f16 (0 and -inf, exact), the sinks on the fused op
         const int64_t N = k_all->ne[1];
@@ -236,12 +237,7 @@ ggml_tensor * attention_dsv4(Build & b, int32_t il, ggml_tensor * cur) {
         ggml_tensor * qp = ggml_permute(c, q, 0, 2, 1, 3);  // [hd, n, heads]
         constexpr int64_t kQTile = kFlashTileQ;
         const bool pad = kv3->type == GGML_TYPE_F16 && b.tile_queries && n > 1 && n < kQTile;
-        if (pad) {
-            ggml_tensor * zq = ggml_fill(c, ggml_new_tensor_3d(c, GGML_TYPE_F32, hd, kQTile - n, nh), 0.0f);
-            ggml_tensor * zm = ggml_fill(c, ggml_new_tensor_2d(c, GGML_TYPE_F32, mask->ne[0], kQTile - n), 0.0f);
-            qp = ggml_concat(c, ggml_cont(c, qp), zq, 1);
-            mask = ggml_concat(c, mask, zm, 1);
-        }
+        if (pad) pad_queries(c, &qp, &mask, kQTile);
         o = ggml_flash_attn_ext(c, qp, kv3, kv3, ggml_cast(c, mask, GGML_TYPE_F16),
                                 1.0f / sqrtf((float)hd), 0.0f, 0.0f);  // [hd, heads, n (or 64)]
         ggml_flash_attn_ext_add_sinks(o, ex(L, "sinks"));
