@@ -258,8 +258,8 @@ def wait_online(
     since: datetime | None = None,
 ) -> Mapping[str, Any]:
     """Poll `status()` (the control plane's /fleet/status.json) until every one of `node_ids` is online
-    (connected at or after `since`, when given: nodes_online); return that status. Raises ProcessExited when one of `procs` exits first, TimeoutError (with the last
-    status) after `timeout_s`."""
+    (connected at or after `since`, when given: nodes_online); return that status. Raises ProcessExited
+    when one of `procs` exits first, TimeoutError (with the last status) after `timeout_s`."""
     last: list[Mapping[str, Any]] = [{}]
 
     def check() -> Mapping[str, Any] | None:

@@ -284,6 +284,9 @@ bool decode_attention_supported(int64_t head_dim) {
     return decode_attention_cpu() && head_dim > 0 && head_dim % kStep == 0;
 }
 
+namespace {
+
+// q [hd, n, nh] and mask [n_kv, n] (f16 or f32) with zero rows appended up to `rows` queries
 void pad_queries(ggml_context * c, ggml_tensor ** q, ggml_tensor ** mask, int64_t rows) {
     ggml_tensor * qp = *q, * mk = *mask;
     const int64_t extra = rows - qp->ne[1];
@@ -296,6 +299,22 @@ void pad_queries(ggml_context * c, ggml_tensor ** q, ggml_tensor ** mask, int64_
     *mask = mk->type == GGML_TYPE_F32 ? padded : ggml_cast(c, padded, mk->type);
 }
 
+}  // namespace
+
+ggml_tensor * flash_attn_ext_tiled_as_llama(ggml_context * c, ggml_tensor * qp, ggml_tensor * k, ggml_tensor * v,
+                                            ggml_tensor * mask, float kq_scale, ggml_tensor * sinks,
+                                            bool tile_queries) {
+    // ggml's CPU kernel runs >= kFlashTileQ queries tiled (f16/f32 K/V) and fewer scalar: they round
+    // otherwise (the graph key sets tile_queries only for 2..kFlashTileQ-1 positions)
+    const int64_t hd = v->ne[0], nh = qp->ne[2], n = qp->ne[1];
+    const bool pad = tile_queries && (k->type == GGML_TYPE_F16 || k->type == GGML_TYPE_F32);
+    if (pad) pad_queries(c, &qp, &mask, kFlashTileQ);
+    ggml_tensor * o = ggml_flash_attn_ext(c, qp, k, v, mask, kq_scale, 0.0f, 0.0f);  // [hd, nh, n]
+    if (sinks) ggml_flash_attn_ext_add_sinks(o, sinks);
+    ggml_prec_set_acc(o, GGML_PREC_F32);
+    return pad ? ggml_cont(c, ggml_view_3d(c, o, hd, nh, n, o->nb[1], o->nb[2], 0)) : o;
+}
+
 ggml_tensor * flash_attention(ggml_context * c, ggml_tensor * q, ggml_tensor * kc, ggml_tensor * vc, ggml_tensor * mask,
                               int32_t n, int32_t n_kv, float kq_scale, ggml_tensor * sinks, bool tile_queries) {
     const int64_t hd = q->ne[0], nh = q->ne[1], nkv = kc->ne[0] / hd;
@@ -303,14 +322,7 @@ ggml_tensor * flash_attention(ggml_context * c, ggml_tensor * q, ggml_tensor * k
     ggml_tensor * k = ggml_view_3d(c, kc, hd, n_kv, nkv, kc->nb[1], ggml_row_size(kc->type, hd), 0);  // [hd, n_kv, nkv]
     ggml_tensor * v = ggml_view_3d(c, vc, hd, n_kv, nkv, vc->nb[1], ggml_row_size(vc->type, hd), 0);
     ggml_tensor * qp = ggml_permute(c, q, 0, 2, 1, 3);  // [hd, n, nh]
-    // ggml's CPU kernel runs >= kFlashTileQ queries tiled (f16/f32 K/V) and fewer scalar: they round
-    // otherwise, so a remainder cut from a longer call runs tiled, as in llama.cpp's one ubatch
-    const bool pad = tile_queries && n > 1 && n < kFlashTileQ && (kc->type == GGML_TYPE_F16 || kc->type == GGML_TYPE_F32);
-    if (pad) pad_queries(c, &qp, &mask, kFlashTileQ);
-    ggml_tensor * o = ggml_flash_attn_ext(c, qp, k, v, mask, kq_scale, 0.0f, 0.0f);  // [hd, nh, n]
-    if (sinks) ggml_flash_attn_ext_add_sinks(o, sinks);
-    ggml_prec_set_acc(o, GGML_PREC_F32);
-    if (pad) o = ggml_cont(c, ggml_view_3d(c, o, hd, nh, n, o->nb[1], o->nb[2], 0));
+    ggml_tensor * o = flash_attn_ext_tiled_as_llama(c, qp, k, v, mask, kq_scale, sinks, tile_queries);
     return ggml_reshape_2d(c, o, hd * nh, n);
 }
 

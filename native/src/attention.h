@@ -48,9 +48,13 @@ ggml_tensor * flash_attention(ggml_context * c, ggml_tensor * q, ggml_tensor * k
                               int32_t n, int32_t n_kv, float kq_scale, ggml_tensor * sinks = nullptr,
                               bool tile_queries = false);
 
-// q [hd, n, nh] and mask [n_kv, n] (f16 or f32) with zero rows appended up to `rows` queries; the caller
-// cuts the attention's output back to its first n positions.
-void pad_queries(ggml_context * c, ggml_tensor ** q, ggml_tensor ** mask, int64_t rows);
+// ggml_flash_attn_ext of qp [hd, n, nh] over k and v, with sinks (optional) and f32 accumulation, as
+// llama.cpp runs it: [hd, nh, n]. With tile_queries (GraphKey::tile_queries: a micro-batch cut from a
+// llama.cpp ubatch of kFlashTileQ+ positions) and f16/f32 K, q and mask (f16 or f32) get zero rows up to
+// the tile so that ggml's CPU kernel runs its tiled path, and the output is cut back to n positions.
+ggml_tensor * flash_attn_ext_tiled_as_llama(ggml_context * c, ggml_tensor * qp, ggml_tensor * k, ggml_tensor * v,
+                                            ggml_tensor * mask, float kq_scale, ggml_tensor * sinks,
+                                            bool tile_queries);
 
 
 // Scores of one new position against the cache, unscaled: out[j, h] = K[j, group(h)] . q[h] for

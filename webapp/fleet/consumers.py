@@ -161,14 +161,7 @@ class AgentConsumer(SafeJsonConsumer):
         elif isinstance(msg, Hello):
             # The reported data-plane URL is checked (shape, host = this socket's peer, health probe)
             # before it can be routed to; a node that fails stays connected but unroutable.
-            client = self.scope.get("client")
-            problem, rtt_ms = await check_dataplane(
-                msg.dataplane_url,
-                self.node_id,
-                str(client[0]) if client else None,
-                settings.DATAPLANE_ALLOWED_HOSTS,
-                settings.DATAPLANE_PROBE_TIMEOUT_S,
-            )
+            problem, rtt_ms = await self._check_dataplane(self.node_id, msg.dataplane_url)
             if problem:
                 log.warning(
                     "agent %s: data plane %s not routable: %s", self.node_id, msg.dataplane_url, problem
@@ -188,6 +181,17 @@ class AgentConsumer(SafeJsonConsumer):
         ):
             await self.send_error(f"assignment {msg.assignment_id} is not yours or is draining")
 
+    async def _check_dataplane(self, node_id: str, url: str) -> tuple[str, float | None]:
+        """webapp.fleet.probe's checks of `url` for `node_id` on this socket's peer address."""
+        client = self.scope.get("client")
+        return await check_dataplane(
+            url,
+            node_id,
+            str(client[0]) if client else None,
+            settings.DATAPLANE_ALLOWED_HOSTS,
+            settings.DATAPLANE_PROBE_TIMEOUT_S,
+        )
+
     async def _reprobe(self) -> None:
         url = self.unroutable_url
         if self.node_id is None or url is None:
@@ -195,14 +199,7 @@ class AgentConsumer(SafeJsonConsumer):
         if time.monotonic() - self.probed_at < settings.DATAPLANE_REPROBE_S:
             return
         self.probed_at = time.monotonic()
-        client = self.scope.get("client")
-        problem, rtt_ms = await check_dataplane(
-            url,
-            self.node_id,
-            str(client[0]) if client else None,
-            settings.DATAPLANE_ALLOWED_HOSTS,
-            settings.DATAPLANE_PROBE_TIMEOUT_S,
-        )
+        problem, rtt_ms = await self._check_dataplane(self.node_id, url)
         if not problem:
             self.unroutable_url = None
             log.info("agent %s: data plane %s passed its check again: routable", self.node_id, url)

@@ -234,15 +234,8 @@ ggml_tensor * attention_dsv4(Build & b, int32_t il, ggml_tensor * cur) {
         const int64_t N = k_all->ne[1];
         ggml_tensor * kv3 = ggml_view_3d(c, k_all, hd, N, 1, k_all->nb[1], k_all->nb[1] * N, 0);  // [hd, N, 1]
         if (kv3->type == GGML_TYPE_F32) kv3 = ggml_cast(c, kv3, GGML_TYPE_F16);  // as llama.cpp's build_attn_mha
-        ggml_tensor * qp = ggml_permute(c, q, 0, 2, 1, 3);  // [hd, n, heads]
-        constexpr int64_t kQTile = kFlashTileQ;
-        const bool pad = kv3->type == GGML_TYPE_F16 && b.tile_queries && n > 1 && n < kQTile;
-        if (pad) pad_queries(c, &qp, &mask, kQTile);
-        o = ggml_flash_attn_ext(c, qp, kv3, kv3, ggml_cast(c, mask, GGML_TYPE_F16),
-                                1.0f / sqrtf((float)hd), 0.0f, 0.0f);  // [hd, heads, n (or 64)]
-        ggml_flash_attn_ext_add_sinks(o, ex(L, "sinks"));
-        ggml_prec_set_acc(o, GGML_PREC_F32);
-        if (pad) o = ggml_view_3d(c, o, hd, nh, n, o->nb[1], o->nb[2], 0);
+        o = flash_attn_ext_tiled_as_llama(c, ggml_permute(c, q, 0, 2, 1, 3), kv3, kv3, ggml_cast(c, mask, GGML_TYPE_F16),
+                                          1.0f / sqrtf((float)hd), ex(L, "sinks"), b.tile_queries);  // [hd, heads, n]
     } else {
         ggml_tensor * kq = ggml_mul_mat(c, k_all, ggml_permute(c, q, 0, 2, 1, 3));  // [N, n, heads]
         kq = ggml_soft_max_ext(c, kq, mask, 1.0f / sqrtf((float)hd), 0.0f);
