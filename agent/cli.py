@@ -321,11 +321,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd in SERVING_COMMANDS:
         sleep_idle_threads()  # before the backend's libraries load (nothing above loads them)
         from agent.backends.libggswarm import check_barrier_env
+        from agent.node.prefill_budget import budget_from_env
         from agent.node.scheduler import busy_chunk_from_env, gather_gap_from_env
 
         try:
             busy_chunk_from_env()  # a bad override is a clear error now, not at the first shard
             gather_gap_from_env()
+            budget_from_env()
             check_barrier_env()
         except ValueError as e:
             print(f"agent: error: {e}", file=sys.stderr)

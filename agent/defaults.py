@@ -79,3 +79,18 @@ def env_int(name: str, lo: int, hi: int, env: Mapping[str, str] | None = None) -
     if not lo <= n <= hi:
         raise ValueError(f"{name}={n} is outside {lo}..{hi}")
     return n
+
+
+def env_float(name: str, lo: float, hi: float, env: Mapping[str, str] | None = None) -> float | None:
+    """The number an operator set in `name` (None when unset or blank); ValueError naming it when it is
+    not a finite number in lo..hi."""
+    raw = (os.environ if env is None else env).get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        v = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw[:40]!r} is not a number") from None
+    if not lo <= v <= hi:  # NaN fails this too
+        raise ValueError(f"{name}={raw[:40]} is outside {lo}..{hi}")
+    return v

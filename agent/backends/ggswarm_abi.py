@@ -330,6 +330,11 @@ def bind(lib: ctypes.CDLL) -> None:
     # int32_t ggswarm_lane_wait_step(ggswarm_lane * lane, int32_t timeout_ms);
     lib.ggswarm_lane_wait_step.argtypes = [ggswarm_lane_p, ctypes.c_int32]
     lib.ggswarm_lane_wait_step.restype = ctypes.c_int32
+    # int32_t ggswarm_lane_gate(ggswarm_lane * lane, int32_t timeout_ms);  void ..._gate_release(lane)
+    lib.ggswarm_lane_gate.argtypes = [ggswarm_lane_p, ctypes.c_int32]
+    lib.ggswarm_lane_gate.restype = ctypes.c_int32
+    lib.ggswarm_lane_gate_release.argtypes = [ggswarm_lane_p]
+    lib.ggswarm_lane_gate_release.restype = None
 
     # int32_t ggswarm_lane_take_batches(ggswarm_lane * lane, ggswarm_lane_batch * out, int32_t max,
     #     uint64_t * dropped);

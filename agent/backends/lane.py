@@ -146,6 +146,16 @@ class NativeLane:
         once when none finished within the last `timeout_s` (the lane is quiet). Releases the GIL."""
         return bool(self._lib.ggswarm_lane_wait_step(self._handle(), max(1, int(timeout_s * 1e3))))
 
+    def gate(self, timeout_s: float) -> bool:
+        """Block until the lane's next step arrives here and hold it before its compute (True): the
+        caller runs its own work on the window now, then must call `gate_release`. False on timeout,
+        at once when the lane is quiet; nothing is held then. Releases the GIL."""
+        return bool(self._lib.ggswarm_lane_gate(self._handle(), max(1, int(timeout_s * 1e3))))
+
+    def gate_release(self) -> None:
+        """Let the step `gate` held compute (a held step goes on by itself after GGSWARM_LANE_GATE_MAX_MS)."""
+        self._lib.ggswarm_lane_gate_release(self._handle())
+
     def take_batches(self) -> tuple[list[LaneBatch], int]:
         """The batches computed since the last call, oldest first, and how many of them the library
         had to drop unread (its log holds BATCH_LOG)."""

@@ -152,9 +152,9 @@ class DataPlane:
             max_batch_tokens=self.max_batch_tokens,
             chunk_tokens=self.chunk_tokens,
             # sessions on the node's lane decode outside this queue: a prompt beside them runs in
-            # small chunks, so their steps wait for one chunk at most (lanes.py)
+            # chunks the lane's pacer sizes and times, so their steps wait for one chunk at most
             decoding_elsewhere=self.lane.decoding,
-            pace=self.lane.pace,
+            pacer=self.lane.pacer,
         )
 
     def unload_shard(self, model_sha256: str, layer_start: int, layer_end: int) -> bool:

@@ -7,8 +7,9 @@ it, over the same authenticated channel frames use. From then on the session's s
 to hop without Python, alone or bundled with other sessions' steps (one batch per hop). Any other
 frame of the session, a close, an eviction or an expiry takes it off the lane again, syncing what the
 lane appended to its history. Other sessions' steps run on the Python path beside the lane; a prompt
-among them goes in small chunks, each paced to start just after the lane's sessions passed this hop
-(`NodeLane.pace`, called by the shard's scheduler), so they wait behind one small chunk at most.
+among them goes in chunks sized and timed by the node's `LanePacer` (prefill_budget.py, asked by the
+shard's scheduler): each runs just before the lane's next step on this hop, which waits for it, and
+costs a set share of the decoders' period: a mixed step.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from agent.backends.libggswarm import NativeError
 from agent.node.errors import DataPlaneError
+from agent.node.prefill_budget import LanePacer
 from agent.node.sessions import SessionKey, SessionState
 from agent.wire.frames import (
     LANE_INFO,
@@ -48,11 +50,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("agent.node.lanes")
 LANE_ENV = "GGSWARM_LANE"  # 0: this node never opens a lane
 LANE_PORT_ENV = "GGSWARM_LANE_PORT"  # the lane's TCP port (default 0: one the system picks)
-# A prompt's chunk waits at most this long for the lane's next step to pass (a lane that ran no step
-# for this long is quiet: the chunk goes at once)
-LANE_PACE_S = 0.06
-# after the lane's step passed, chunks run back to back this long (its sessions are at other hops)
-LANE_PACE_WINDOW_S = 0.008
 # A session on the lane that ran a step this recently is decoding (the scheduler's BUSY_WINDOW_S);
 # one that only sits there, a conversation between turns, is not.
 LANE_ACTIVE_S = 1.0
@@ -122,8 +119,9 @@ class NodeLane:
         self.metrics, self.node_counters, self.hops = metrics, node_counters, hops
         self.host: str | None = None  # the data plane's bind address (start_dataplane sets it)
         self.enabled = os.environ.get(LANE_ENV, "1") != "0"
-        self._pace_window_end = 0.0  # chunks run without waiting until then (pace)
         self._lane: NativeLane | None = None
+        # sizes and times the chunks of prompts beside the lane's decoders (the shards' schedulers ask)
+        self.pacer = LanePacer(self._wait_turn, self._release)
         self._laned: dict[SessionKey, SessionState] = {}
         # lane_steps: decode steps this node ran on its lane (they bypass the Python path's counters),
         # counted from its batches by take_batches
@@ -152,20 +150,21 @@ class NodeLane:
             log.info("decode lane listening on %s:%d", host, self._lane.port)
         return self._lane
 
-    def stats(self) -> dict[str, int | None]:
+    def stats(self) -> dict[str, float | None]:
         """The lane's figures in the node's stats: its port once open, sessions on it now, steps (from
-        the batches taken in: nothing here waits for a session's step in flight)."""
+        the batches taken in: nothing here waits for a session's step in flight), the pacer's estimates."""
         return {
             "lane_port": self._lane.port if self._lane is not None else None,
             "lane_sessions": len(self._laned),
             **self.counters,
+            **self.pacer.figures(),
         }
 
     def decoding(self) -> bool:
         """Whether a session on the lane is decoding: a step of it runs now or ran within LANE_ACTIVE_S
         (its steps decode outside the shards' schedulers). Sessions that only sit on the lane, a
         conversation between turns or a closed tab's route until it expires, do not count: counted,
-        they made every prompt on the node prefill in LANE_CHUNK_TOKENS chunks for as long as they
+        they made every prompt on the node prefill in paced chunks for as long as they
         stayed (bench/served.py: 2,000 tokens in 22 s instead of 16)."""
         lane = self._lane
         if lane is None:
@@ -206,17 +205,17 @@ class NodeLane:
             return "0.0.0.0" if host == "::" else "127.0.0.1"  # noqa: S104 - where the data plane listens
         return host
 
-    def pace(self) -> None:
-        """Before a prompt's chunk (blocking, in a worker thread): chunks run in the LANE_PACE_WINDOW_S
-        after the lane's sessions passed this hop, while they are at other hops; later ones wait for
-        their next pass (at most LANE_PACE_S), so a lane step never waits behind more than a chunk."""
+    def _wait_turn(self, timeout_s: float) -> bool:
+        """Block (in a worker thread) until the lane's next step arrives on this hop and is held before
+        its compute (True: `_release` lets it go), or the timeout; False at once when the lane is quiet
+        or not open."""
         lane = self._lane  # the scheduler asks only while sessions are on it
-        if lane is None:
-            return
-        if time.monotonic() < self._pace_window_end:
-            return
-        if lane.wait_step(LANE_PACE_S):
-            self._pace_window_end = time.monotonic() + LANE_PACE_WINDOW_S
+        return lane is not None and lane.gate(timeout_s)
+
+    def _release(self) -> None:
+        lane = self._lane
+        if lane is not None:
+            lane.gate_release()
 
     def take_off(self, s: SessionState) -> None:
         """Put `s` back on the Python path, if it is on the lane, waiting here for its step in flight

@@ -22,7 +22,8 @@ unchunked call is computed in pieces of exactly that size from its first positio
 prefill runs the very same pieces and leaves the same KV position for position.
 
 Sessions on the node's native lane decode outside this queue (lanes.py): while they do, a prompt runs
-in LANE_CHUNK_TOKENS chunks, each paced in the worker thread to start just after their step passed.
+in chunks the node's `LanePacer` sizes from measured costs (prefill_budget.py: a set share of the
+decoders' period), each run in the worker thread just before their next step here, which waits for it.
 
 A backend that does not batch runs one step at a time under the shard lock, as it always has: small
 steps inline on the event loop, bigger ones in a worker thread, nothing added to their latency.
@@ -56,10 +57,6 @@ CHUNK_TOKENS = 512  # = native kUBatch: chunk boundaries are the micro-batch bou
 # mode; in flash-attention mode a cut changes the rounding as llama.cpp's ubatch does (docs/protocol.md).
 BUSY_CHUNK_TOKENS = 16
 BUSY_CHUNK_ENV = "GGSWARM_BUSY_CHUNK_TOKENS"  # an operator's override, 1..CHUNK_TOKENS
-# While sessions decode on the node's lane, chunks are smaller still: they run paced between the lane's
-# passes (lanes.py NodeLane.pace), several in the window after a pass, and a lane step arriving during
-# one waits this many positions at most
-LANE_CHUNK_TOKENS = 8
 BUSY_WINDOW_S = 1.0  # another session stepped on this shard this recently: it is decoding
 # Gathering a batch (ShardScheduler._gather). 8 sessions over 3 hops on 2 cores: batches of 3.4 steps
 # instead of 1.8, 99 instead of 88 tok/s in all; one session and the ITL under a long prompt unchanged
@@ -86,6 +83,16 @@ def gather_gap_from_env(env: Mapping[str, str] | None = None) -> int:
     """GATHER_GAP_US, or the operator's GGSWARM_BATCH_GATHER_US (ValueError when out of range)."""
     n = env_int(GATHER_GAP_ENV, 0, 100_000, env)
     return GATHER_GAP_US if n is None else n
+
+
+class Pacer(Protocol):
+    """How prompts share a hop with the lane's decoders (agent/node/prefill_budget.py LanePacer)."""
+
+    def chunk_tokens(self, prompts: int = 1) -> int: ...
+
+    def before_chunk(self) -> bool: ...
+
+    def after_chunk(self, tokens: int, seconds: float, held: bool) -> None: ...
 
 
 class BatchObserver(Protocol):
@@ -153,7 +160,7 @@ class ShardScheduler:
         busy_chunk_tokens: int | None = None,
         gather_gap_us: int | None = None,
         decoding_elsewhere: Callable[[], bool] | None = None,
-        pace: Callable[[], object] | None = None,
+        pacer: Pacer | None = None,
     ) -> None:
         self.backend = backend
         # held around every call into the backend (and by OPEN, CLOSE, TRUNCATE, hand-offs): a backend
@@ -179,12 +186,16 @@ class ShardScheduler:
         self.held_s = 0.0  # seconds prefills have waited for decoders in all (telemetry)
         # whether sessions decode on this shard outside the queue (the node's native lane)
         self._decoding_elsewhere = decoding_elsewhere
-        # blocking, called in the worker thread before a batch holding a prompt's chunk: waits until
-        # the lane's sessions have passed this hop, so the chunk computes while they are elsewhere
-        self._pace = pace
+        # sizes a prompt's chunks while the lane's sessions decode, and (blocking, in the worker thread)
+        # runs each just before their next step here, which the lane holds meanwhile: a mixed step
+        self._pacer = pacer
 
     def pending(self) -> int:
         return len(self._queue)
+
+    def prefills(self) -> list[tuple[Hashable, int, int, int]]:
+        """Per queued step: (session key, first position, positions done, positions); hop_telemetry.py."""
+        return [(p.key, p.step.pos_start, p.done, p.n_tokens) for p in self._queue.values()]
 
     async def submit(self, key: Hashable, owner: Any, step: StepInput) -> ForwardResult:
         """Run `step` of session `key` and return its result. Raises the step's BackendError
@@ -408,8 +419,9 @@ class ShardScheduler:
         often on another hop when this batch is taken) or sessions decode on the node's lane, else
         whole micro-batches."""
         self._forget_idle(time.perf_counter())
-        if self._elsewhere():
-            return min(self.busy_chunk_tokens, LANE_CHUNK_TOKENS)
+        if self._elsewhere() and self._pacer is not None:
+            prompts = sum(1 for p in self._queue.values() if p.n_tokens > INLINE_TOKENS)
+            return min(self.chunk_tokens, self._pacer.chunk_tokens(prompts))
         busy = any(k != key for k in self._last_step)
         return self.busy_chunk_tokens if busy else self.chunk_tokens
 
@@ -450,14 +462,20 @@ class ShardScheduler:
             return
         tokens = sum(n for _, n in runs)
         t1 = time.perf_counter()
-        pace = self._pace if any(n > 1 for _, n in runs) and self._elsewhere() else None
-        if pace is not None:
+        pacer = self._pacer if any(n > 1 for _, n in runs) and self._elsewhere() else None
+        if pacer is not None:
             started: list[float] = []
 
             def paced() -> list[ForwardResult | BackendError]:
-                pace()
+                held = pacer.before_chunk()
                 started.append(time.perf_counter())  # compute is timed from here, not the wait
-                return _forward_batch(self.backend, inputs)
+                ran = 0
+                try:
+                    out = _forward_batch(self.backend, inputs)
+                    ran = tokens
+                    return out
+                finally:  # the lane's held step goes on, whatever happened to the chunk
+                    pacer.after_chunk(ran, time.perf_counter() - started[0], held)
 
             results = await asyncio.to_thread(paced)
             t1 = started[0]

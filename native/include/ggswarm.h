@@ -60,6 +60,9 @@
  *       (llama.cpp's default path), not flash attention.
  *  12 - capacity named capacity: ggswarm_session_open(model, capacity, ...) takes the positions a session
  *       may grow to (was max_tokens, which the webapp uses for a completion's length); same ABI.
+ *  13 - ggswarm_lane_gate / ggswarm_lane_gate_release: the owner's own work (a prompt's chunk) goes just
+ *       before the lane's next step on this hop, which waits for it (at most GGSWARM_LANE_GATE_MAX_MS):
+ *       a mixed step, where wait_step's pacing ran the chunk beside the lane's steps at other hops.
  */
 #ifndef GGSWARM_H
 #define GGSWARM_H
@@ -71,7 +74,7 @@
 extern "C" {
 #endif
 
-#define GGSWARM_API_VERSION 12
+#define GGSWARM_API_VERSION 13
 
 #if defined(_WIN32)
 #define GGSWARM_API __declspec(dllexport)
@@ -399,6 +402,16 @@ GGSWARM_API int32_t ggswarm_lane_drop_model(ggswarm_lane * lane, const ggswarm_m
  * (the lane is quiet: nothing to make room for). The owner calls it before a prompt's chunk, so that
  * the chunk computes while the lane's sessions are at other hops instead of holding them here. */
 GGSWARM_API int32_t ggswarm_lane_wait_step(ggswarm_lane * lane, int32_t timeout_ms);
+
+/* v13: block until the lane's next step (or bundle) arrives on this hop, and hold it there before its
+ * compute until ggswarm_lane_gate_release (or GGSWARM_LANE_GATE_MAX_MS, whichever comes first).
+ * Returns 1 when a step is held: the owner runs its own work on the window now (a prompt's chunk) and
+ * then releases it, so the two compute one after the other while the route's other hops wait, never
+ * beside each other on shared cores. Returns 0 on timeout, or at once when no step finished within the
+ * last timeout_ms (a quiet lane); then nothing is held and no release is due. */
+#define GGSWARM_LANE_GATE_MAX_MS 1000
+GGSWARM_API int32_t ggswarm_lane_gate(ggswarm_lane * lane, int32_t timeout_ms);
+GGSWARM_API void ggswarm_lane_gate_release(ggswarm_lane * lane);
 
 /* v9: one batch the lane computed on this hop (a lone step or a bundle), as ggswarm_lane_take_batches
  * hands it over. */

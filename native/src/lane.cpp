@@ -189,6 +189,18 @@ void ggswarm::lanes::note_pass(ggswarm_lane * lane, const ggswarm_lane_batch & d
     lane->pass_cv.notify_all();
 }
 
+void ggswarm::lanes::hold_for_owner(ggswarm_lane * lane) {
+    std::unique_lock<std::mutex> lk(lane->pass_mu);
+    if (lane->gate_waiters == 0) return;
+    lane->arrivals++;
+    lane->gate_held = true;
+    lane->pass_cv.notify_all();
+    // an owner that never releases (a bug, a crash in its thread) holds one step for a bounded time
+    lane->pass_cv.wait_for(lk, std::chrono::milliseconds(GGSWARM_LANE_GATE_MAX_MS),
+                           [&] { return !lane->gate_held || lane->stop; });
+    lane->gate_held = false;
+}
+
 using ggswarm::fail;
 using namespace ggswarm::lanes;
 
@@ -360,6 +372,34 @@ int32_t ggswarm_lane_wait_step(ggswarm_lane * lane, int32_t timeout_ms) {
     lk.unlock();
     lane->pass_cv.notify_all();
     return passed && !stopping ? 1 : 0;
+}
+
+int32_t ggswarm_lane_gate(ggswarm_lane * lane, int32_t timeout_ms) {
+    if (!lane || timeout_ms <= 0) return 0;
+    const auto wait = std::chrono::milliseconds(timeout_ms);
+    std::unique_lock<std::mutex> lk(lane->pass_mu);
+    if (lane->stop || lane->passes == 0 || Clock::now() - lane->last_pass > wait) return 0;  // quiet
+    const uint64_t seen = lane->arrivals;
+    lane->waiters++;  // ggswarm_lane_free waits for us to leave before the lane is gone
+    lane->gate_waiters++;
+    // the predicate is read under pass_mu, as hold_for_owner counts an arrival only while we wait: a
+    // step counted is a step held for us
+    const bool arrived = lane->pass_cv.wait_for(lk, wait, [&] { return lane->arrivals != seen || lane->stop; });
+    lane->gate_waiters--;
+    const bool stopping = lane->stop;
+    lane->waiters--;
+    lk.unlock();
+    lane->pass_cv.notify_all();
+    return arrived && !stopping ? 1 : 0;
+}
+
+void ggswarm_lane_gate_release(ggswarm_lane * lane) {
+    if (!lane) return;
+    {
+        std::lock_guard<std::mutex> lk(lane->pass_mu);
+        lane->gate_held = false;
+    }
+    lane->pass_cv.notify_all();
 }
 
 void ggswarm_lane_free(ggswarm_lane * lane) {

@@ -163,6 +163,10 @@ struct ggswarm_lane {
     uint64_t passes = 0;
     int waiters = 0;  // callers inside ggswarm_lane_wait_step
     std::chrono::steady_clock::time_point last_pass{};
+    // v13: an owner's work that goes just before the lane's next step (ggswarm_lane_gate), under pass_mu
+    int gate_waiters = 0;    // owners inside ggswarm_lane_gate
+    uint64_t arrivals = 0;   // steps that found an owner waiting (and were held for it)
+    bool gate_held = false;  // a held step waits until the owner releases it
     // v9: the batches computed, under pass_mu, until the owner takes them (ggswarm_lane_take_batches):
     // a ring of GGSWARM_LANE_BATCH_LOG, allocated at open so the hot path only writes into it
     std::vector<ggswarm_lane_batch> log;
@@ -173,12 +177,18 @@ struct ggswarm_lane {
 namespace ggswarm::lanes {
 // A step (or bundle) finished computing on this hop: log it, and wake whoever paces work around the lane.
 void note_pass(ggswarm_lane * lane, const ggswarm_lane_batch & done);
+// A step (or bundle) is about to compute on this hop: if an owner waits in ggswarm_lane_gate, hand it
+// the turn and wait until it releases (bounded by GGSWARM_LANE_GATE_MAX_MS).
+void hold_for_owner(ggswarm_lane * lane);
 // Seconds between two points of the lane's clock.
 inline double seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
-// Run `compute` under m's lock (recursive: the forward calls take it again), timing the wait for the
-// lock apart from the compute into `done` (its t_done, wait_s and compute_s).
-template <class F> void timed_under_lock(ggswarm_model * m, ggswarm_lane_batch & done, F && compute) {
+// Run `compute` under m's lock (recursive: the forward calls take it again), after any owner's work
+// that asked to go first, timing the wait for both apart from the compute into `done` (its t_done,
+// wait_s and compute_s).
+template <class F>
+void timed_under_lock(ggswarm_lane * lane, ggswarm_model * m, ggswarm_lane_batch & done, F && compute) {
     const auto tw = Clock::now();
+    hold_for_owner(lane);
     GGSWARM_LOCK(m);
     const auto tc = Clock::now();
     compute();

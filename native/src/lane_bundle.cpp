@@ -262,7 +262,7 @@ bool serve_bundle(ggswarm_lane * lane, Worker & w, int fd, const Header & outer)
         sids[i] = s.cfg.sid;
     }
     ggswarm_lane_batch done{};
-    timed_under_lock(m, done, [&] {  // the per-step messages are read under the lock: they stay ours till then
+    timed_under_lock(lane, m, done, [&] {  // the per-step messages are read under the lock: they stay ours till then
         ggswarm_forward_many(m, (int32_t)k, sids.data(), batches.data(), statuses.data());
         for (size_t i = 0; i < k; ++i) {
             if (statuses[i] != GGSWARM_OK) fail_member(ms[i], statuses[i], 0, ggswarm_forward_many_error(m, (int32_t)i));

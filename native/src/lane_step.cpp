@@ -164,7 +164,7 @@ void run_step(ggswarm_lane * lane, Worker & w, int fd, LaneSession & s, const He
     b.compute_s_out = &compute_s;
     ggswarm_lane_batch done{};
     ggswarm_status st = GGSWARM_OK;
-    timed_under_lock(m, done, [&] { st = ggswarm_forward(m, s.cfg.sid, &b); });
+    timed_under_lock(lane, m, done, [&] { st = ggswarm_forward(m, s.cfg.sid, &b); });
     if (st != GGSWARM_OK) {
         if (m->is_last()) s.history.resize(s.history.size() - (size_t)n);
         send_error(error_fd(s, fd), s, in, st, 0, ggswarm_last_error(), w.out);

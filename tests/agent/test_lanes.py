@@ -162,6 +162,42 @@ async def test_sessions_share_the_lane_in_bundles_and_another_sessions_prompt_ru
         await transport.close()
 
 
+async def test_a_prompt_beside_decoding_lane_sessions_runs_in_mixed_steps_and_all_stay_exact(
+    node: tuple[DataPlane, str], manifest: Any, signing_key: Any
+) -> None:
+    import asyncio
+
+    dp, url = node
+    long_prompt = (PROMPT * 10)[:120]
+    want = []
+    for p, n in ((PROMPT, 40), (PROMPT[:9], 40), (long_prompt, 4)):
+        plain = _client(url, manifest, signing_key, lane=False)
+        try:
+            want.append(await _tokens(plain, n, p))
+        finally:
+            await plain.close()
+    transport = HopTransport()
+    a, b = (_client(url, manifest, signing_key, transport=transport) for _ in range(2))
+    other = _client(url, manifest, signing_key, lane=False)
+    try:
+        decoding = asyncio.gather(_tokens(a, 40, PROMPT), _tokens(b, 40, PROMPT[:9]))
+        for _ in range(2000):  # until both decode on the lane (bounded poll)
+            if a.lane.steps >= 3 and b.lane.steps >= 3:
+                break
+            await asyncio.sleep(0.005)
+        # the prompt arrives while they decode: its chunks ride the lane's steps as mixed steps
+        got_other = await _tokens(other, 4, long_prompt)
+        got = await decoding
+        assert [*got, got_other] == want
+        figures = dp.stats()
+        assert figures["prefill_mixed_chunks"] >= 1 and figures["lane_period_ms"] is not None
+        assert dp.lane.counters["lane_take_offs"] == 0
+    finally:
+        for c in (a, b, other):
+            await c.close()
+        await transport.close()
+
+
 async def test_a_session_is_admitted_while_another_sessions_step_is_queued_on_the_shard(
     node: tuple[DataPlane, str], manifest: Any, signing_key: Any
 ) -> None:

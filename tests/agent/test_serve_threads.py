@@ -39,6 +39,8 @@ def test_a_native_hop_loads_libgomp_with_the_capped_spin_count(serve_factory, mo
     ("name", "value", "message"),
     [
         ("GGSWARM_BUSY_CHUNK_TOKENS", "0", "GGSWARM_BUSY_CHUNK_TOKENS=0 is outside 1..512"),
+        ("GGSWARM_PREFILL_BUDGET", "20", "GGSWARM_PREFILL_BUDGET=20 is outside 0.05..8.0"),
+        ("GGSWARM_PREFILL_BUDGET", "much", "GGSWARM_PREFILL_BUDGET='much' is not a number"),
         ("GGSWARM_BARRIER_SPIN", "lots", "GGSWARM_BARRIER_SPIN='lots' is not an integer"),
         ("GGSWARM_BARRIER_SPIN", "-1", "GGSWARM_BARRIER_SPIN=-1 is outside 0..100000000"),
         ("GGSWARM_BARRIER_SPIN", "100000001", "GGSWARM_BARRIER_SPIN=100000001 is outside 0..100000000"),

@@ -1,6 +1,6 @@
 """Lane bundles: several sessions' decode steps in one lane frame run as one batch on every hop and give
 each session the tokens it gets alone; a bundle that fails any check is refused whole and spends no step;
-an owner can wait for the lane's next step to pass (pacing its own work around the lane)."""
+an owner can wait for the lane's next step to pass, or hold it while its own work runs first."""
 
 from __future__ import annotations
 
@@ -244,3 +244,56 @@ def test_waiting_for_the_lanes_next_step_returns_when_one_passes_and_at_once_whe
     t0 = time.monotonic()
     assert not lane0.wait_step(0.05)  # quiet again: no step comes
     assert time.monotonic() - t0 < 1.0
+
+
+def test_an_owner_holds_the_lanes_next_step_for_its_own_work_and_releases_it(route: Route) -> None:
+    lane0 = route.lanes[0]
+    t0 = time.monotonic()
+    assert not lane0.gate(0.001)  # nothing stepped within the last millisecond: quiet, nothing held
+    assert time.monotonic() - t0 < 1.0
+    held: list[bool] = []
+    done: list[float] = []
+
+    with route.connect() as conn:
+        _step(route, conn, [2, 3])  # the lane is active now
+        owner = threading.Thread(target=lambda: held.append(lane0.gate(5.0)))
+        owner.start()
+
+        def stepping() -> None:
+            for _ in range(N_NEW - 3):  # until one step arrives while the owner waits (bounded)
+                if held:
+                    return
+                out = _step(route, conn, [2, 3])
+                assert all(isinstance(o, LaneAnswer) for o in out), out
+                done.append(time.monotonic())
+
+        stepper = threading.Thread(target=stepping)
+        stepper.start()
+        owner.join(10)
+        assert held == [True]
+        # the arriving step waits for the owner: none completes while it holds it (bounded wait)
+        n_held = len(done)
+        stepper.join(0.3)
+        assert stepper.is_alive() and len(done) == n_held
+        t_release = time.monotonic()
+        lane0.gate_release()
+        stepper.join(30)
+        assert not stepper.is_alive() and len(done) == n_held + 1 and done[-1] >= t_release
+    # the held steps ran after all: every hop kept one length, and the batch log counts the wait
+    assert len(set(route.lengths(2))) == 1 and len(set(route.lengths(3))) == 1
+    assert max(b.wait_s for b in lane0.take_batches()[0]) >= 0.25
+
+
+def test_an_owner_that_never_releases_holds_the_lanes_step_for_a_bounded_time(route: Route) -> None:
+    lane0 = route.lanes[0]
+    held: list[bool] = []
+    with route.connect() as conn:
+        _step(route, conn, [2])
+        owner = threading.Thread(target=lambda: held.append(lane0.gate(5.0)))
+        owner.start()
+        t0 = time.monotonic()
+        while owner.is_alive() and time.monotonic() - t0 < 10:
+            out = _step(route, conn, [2])  # the held one returns after GGSWARM_LANE_GATE_MAX_MS
+            assert isinstance(out[0], LaneAnswer)
+        owner.join(1)
+    assert held == [True] and time.monotonic() - t0 < 5.0

@@ -1,0 +1,136 @@
+"""The mixed-step budget: how big and when a prompt's chunk runs on a hop whose lane sessions decode.
+
+Sessions on the node's lane decode outside the shard's scheduler, so a prompt that arrives meanwhile
+cannot join their batch in the Python queue. Each chunk instead makes a mixed step with them: it waits
+until the lane's next step arrives on this hop, runs while libggswarm holds that step
+(`ggswarm_lane_gate`), and then lets it compute. The chunk and the decoders' step thus compute one after
+the other while the route's other hops wait, never beside each other: started beside them (after
+their step passed, while they computed at other hops), an 8-position chunk took 40-75 ms on a hop of
+the 2-core box instead of ~15, every process's threads contending for the same cores.
+
+Each chunk is sized to cost `share` x the decoders' own period on this hop, so their inter-token gap
+grows to about (1 + share) x its idle value while the prompt gets share / (1 + share) of the hop's
+time. The sizes come from measured costs, kept here: the decoders' period (the gap between two
+arrivals less the chunk that delayed the second) and the chunk's cost per position. A chunk never
+grows more than twice per step (the cost per position falls as chunks grow, so the first estimates are
+pessimistic), never exceeds the executor's micro-batch, and never falls below MIN_TOKENS.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+
+from agent.defaults import env_float
+
+PREFILL_BUDGET = 1.0  # a chunk may cost this share of the decoders' period between passes
+PREFILL_BUDGET_ENV = "GGSWARM_PREFILL_BUDGET"  # an operator's override, 0.05..8
+MIN_TOKENS = 8  # the first chunk, and the smallest (a smaller one costs more per position than it saves)
+MAX_TOKENS = 512  # = native kUBatch
+# A chunk waits at most this long for the lane's next step (or, if longer, twice the decoders' period):
+# a lane with no step for that long is quiet and the chunk goes at once
+PACE_MIN_S = 0.06
+PACE_MAX_S = 0.5
+SMOOTH = 0.3  # weight of the newest measurement in the running estimates
+
+
+def budget_from_env(env: Mapping[str, str] | None = None) -> float:
+    """PREFILL_BUDGET, or the operator's GGSWARM_PREFILL_BUDGET (ValueError when out of range)."""
+    v = env_float(PREFILL_BUDGET_ENV, 0.05, 8.0, env)
+    return PREFILL_BUDGET if v is None else v
+
+
+class LanePacer:
+    """Sizes and times the chunks of prompts that run beside the lane's decoders on this node.
+
+    `wait_turn(timeout_s)` blocks until the lane's next step arrives on this hop and is held for us
+    (True; `release()` lets it go) or the timeout (False; at once when the lane is quiet, nothing
+    held). Called from the shard schedulers' worker threads: a lock keeps the estimates whole when two
+    shards of the node prefill at once."""
+
+    def __init__(
+        self,
+        wait_turn: Callable[[float], bool],
+        release: Callable[[], None] = lambda: None,
+        share: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        min_tokens: int = MIN_TOKENS,
+        max_tokens: int = MAX_TOKENS,
+    ) -> None:
+        self._wait_turn, self._release = wait_turn, release
+        self.share = budget_from_env() if share is None else share
+        self._clock = clock
+        self.min_tokens, self.max_tokens = max(1, min_tokens), max(min_tokens, max_tokens)
+        self._mu = threading.Lock()
+        self.period_s: float | None = None  # the decoders' own period between passes here
+        self.per_token_s: float | None = None  # a chunk's cost per position
+        self._last_pass: float | None = None
+        self._chunks_s = 0.0  # chunk compute since the latest pass seen
+        self._last_tokens = 0  # the latest chunk's positions (growth is bounded by it)
+        self.mixed_chunks = 0  # chunks that ran while the lane held its step (telemetry, tests)
+
+    def chunk_tokens(self, prompts: int = 1) -> int:
+        """Positions each of `prompts` prompts runs in the next chunk."""
+        with self._mu:
+            n = self._budget_tokens()
+        return max(self.min_tokens, n // max(1, prompts))
+
+    def _budget_tokens(self) -> int:
+        if self.period_s is None or self.per_token_s is None or self.per_token_s <= 0:
+            return self.min_tokens
+        want = int(self.share * self.period_s / self.per_token_s)
+        grown = 2 * max(self._last_tokens, self.min_tokens)
+        return max(self.min_tokens, min(want, grown, self.max_tokens))
+
+    def before_chunk(self) -> bool:
+        """Block until the lane's next step is here and held (True: `after_chunk` releases it), or the
+        wait times out (False)."""
+        with self._mu:
+            period = self.period_s
+        timeout = min(PACE_MAX_S, max(PACE_MIN_S, 2 * period)) if period else PACE_MIN_S
+        if not self._wait_turn(timeout):
+            return False
+        self.passed(self._clock())
+        return True
+
+    def passed(self, now: float) -> None:
+        """The lane's step arrived at `now`: the gap since the previous one, less the chunks that ran
+        in it (they delayed this one), is the decoders' own period."""
+        with self._mu:
+            if self._last_pass is not None:
+                own = max(0.0, now - self._last_pass - self._chunks_s)
+                self.period_s = own if self.period_s is None else _mix(self.period_s, own)
+            self._last_pass, self._chunks_s = now, 0.0
+
+    def after_chunk(self, tokens: int, seconds: float, held: bool) -> None:
+        """A chunk of `tokens` positions (all prompts' together) computed in `seconds` (0 tokens: it
+        failed); the lane's step `before_chunk` held goes on now."""
+        if held:
+            self._release()
+            with self._mu:
+                self.mixed_chunks += 1
+        if tokens <= 0 or seconds < 0:
+            return
+        with self._mu:
+            self._chunks_s += seconds
+            self._last_tokens = tokens
+            per = seconds / tokens
+            self.per_token_s = per if self.per_token_s is None else _mix(self.per_token_s, per)
+
+    def figures(self) -> dict[str, float | int | None]:
+        """The estimates, for the node's stats."""
+        with self._mu:
+            return {
+                "prefill_budget_share": self.share,
+                "lane_period_ms": None if self.period_s is None else round(self.period_s * 1e3, 2),
+                "prefill_ms_per_token": None
+                if self.per_token_s is None
+                else round(self.per_token_s * 1e3, 3),
+                "prefill_chunk_tokens": self._budget_tokens(),
+                "prefill_mixed_chunks": self.mixed_chunks,
+            }
+
+
+def _mix(old: float, new: float) -> float:
+    return (1 - SMOOTH) * old + SMOOTH * new

@@ -1,0 +1,92 @@
+"""The mixed-step budget: a prompt's chunk runs while the lane's next step is held, costs the set share
+of the decoders' own period (measured from the steps it sees arrive and the chunks' cost), grows at
+most twice per step, stays within its bounds, and always lets the held step go."""
+
+from __future__ import annotations
+
+import pytest
+
+from agent.node.prefill_budget import (
+    MAX_TOKENS,
+    MIN_TOKENS,
+    PREFILL_BUDGET,
+    LanePacer,
+    budget_from_env,
+)
+
+
+def _pacer(share: float = 1.0) -> LanePacer:
+    return LanePacer(lambda _t: False, share=share, clock=lambda: 0.0)
+
+
+def _settle(p: LanePacer, period: float, per_token: float, rounds: int = 40) -> list[int]:
+    """Passes every `period` s of the decoders' own time, each delayed by the chunk run after the
+    previous one (cost `per_token` per position): the sizes chosen, round by round."""
+    now, sizes = 0.0, []
+    p.passed(now)
+    for _ in range(rounds):
+        n = p.chunk_tokens()
+        sizes.append(n)
+        cost = n * per_token
+        p.after_chunk(n, cost, held=True)
+        now += period + cost
+        p.passed(now)
+    return sizes
+
+
+def test_before_any_measurement_a_chunk_is_the_smallest() -> None:
+    assert _pacer().chunk_tokens() == MIN_TOKENS
+
+
+def test_a_chunk_settles_at_the_share_of_the_decoders_own_period() -> None:
+    p = _pacer(share=1.0)
+    sizes = _settle(p, period=0.040, per_token=0.001)
+    # 40 ms of the decoders' own period, 1 ms a position: 40 positions, not the delayed gap's 80
+    assert sizes[-1] == pytest.approx(40, abs=1)
+    assert p.period_s == pytest.approx(0.040, rel=0.01)
+
+
+def test_the_share_scales_the_chunk() -> None:
+    assert _settle(_pacer(share=0.5), 0.040, 0.001)[-1] == pytest.approx(20, abs=1)
+    assert _settle(_pacer(share=2.0), 0.040, 0.001)[-1] == pytest.approx(80, abs=2)
+
+
+def test_a_chunk_at_most_doubles_per_pass_and_stays_within_bounds() -> None:
+    sizes = _settle(_pacer(share=8.0), period=1.0, per_token=0.0001)
+    assert all(b <= 2 * a for a, b in zip(sizes, sizes[1:], strict=False))
+    assert max(sizes) == MAX_TOKENS
+    tiny = _settle(_pacer(share=0.05), period=0.001, per_token=0.01)
+    assert min(tiny) == MIN_TOKENS
+
+
+def test_prompts_prefilling_together_share_the_budget() -> None:
+    p = _pacer()
+    _settle(p, 0.064, 0.001)
+    one = p.chunk_tokens(1)
+    assert p.chunk_tokens(2) == one // 2
+    assert p.chunk_tokens(100) == MIN_TOKENS
+
+
+def test_a_wait_that_sees_no_step_measures_nothing_and_releases_nothing() -> None:
+    calls: list[float] = []
+    released: list[bool] = []
+    p = LanePacer(lambda t: calls.append(t) is not None, lambda: released.append(True), share=1.0)
+    held = p.before_chunk()
+    p.after_chunk(8, 0.01, held)
+    assert calls and not held and p.period_s is None and released == []
+
+
+def test_a_held_step_is_released_after_the_chunk_even_when_it_failed() -> None:
+    released: list[bool] = []
+    p = LanePacer(lambda _t: True, lambda: released.append(True), share=1.0, clock=lambda: 1.0)
+    assert p.before_chunk() is True
+    p.after_chunk(0, 0.0, held=True)  # the chunk raised: nothing measured, the step goes on
+    assert released == [True] and p.per_token_s is None
+
+
+def test_the_operator_sets_the_share_and_a_bad_value_is_refused() -> None:
+    assert budget_from_env({}) == PREFILL_BUDGET
+    assert budget_from_env({"GGSWARM_PREFILL_BUDGET": "0.5"}) == 0.5
+    for bad in ("0", "nan", "abc", "9"):
+        with pytest.raises(ValueError, match="GGSWARM_PREFILL_BUDGET"):
+            budget_from_env({"GGSWARM_PREFILL_BUDGET": bad})
