@@ -28,6 +28,7 @@ from agent.artifacts.fetch import FetchError, fetch_shard, shard_path
 from agent.artifacts.manifest import Manifest, ManifestError
 from agent.artifacts.swarm_tls import PeerCertificate
 from agent.node.config import NodeConfig
+from agent.node.hop_telemetry import batch_window, prefill_progress
 from agent.wire.control import (
     FINAL_CLOSE_CODES,
     MAX_NAME,
@@ -312,6 +313,7 @@ class ControlAgent:
         self._last_tokens = (now, served)
         vm = psutil.virtual_memory()
         batch_steps, queue_wait_ms, batch_compute_ms = _batch_figures(st.get("batching"))
+        since = now - t_prev if t_prev and now > t_prev else self.heartbeat_s
         return Telemetry(
             sessions=_count(st.get("sessions")),
             kv_bytes=_count(st.get("kv_bytes")),
@@ -326,6 +328,8 @@ class ControlAgent:
             batch_steps=batch_steps,
             queue_wait_ms=queue_wait_ms,
             batch_compute_ms=batch_compute_ms,
+            window=batch_window(getattr(self.host, "metrics", None), since),
+            prefills=prefill_progress(getattr(self.host, "shards", None)),
         )
 
     async def _heartbeats(self) -> None:

@@ -10,12 +10,13 @@ additions each) and turned into Prometheus histograms at scrape time: prometheus
 takes a lock and walks the buckets in Python, microseconds each on every hop of every token, all of
 it on the event loop that also reads the next frame. Errors by code and download bytes and rate
 (rare) use prometheus_client's own metrics. The recent batches are also summed over a short window for
-the stats the agent reports (batch_stats).
+the stats the agent reports (batch_stats: the last minute, and each heartbeat's own interval).
 Names start with `gguf_swarm_agent_`; docs/agent-install.md lists them.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from bisect import bisect_left
 from collections import deque
@@ -104,6 +105,16 @@ def _when(at: float | None) -> float:
     """A figure's time on time.monotonic()'s clock: `at`, never later than now."""
     now = time.monotonic()
     return now if at is None else min(at, now)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The nearest-rank `q` quantile of `values` (0 for none): a value that was observed, so a p95 of a
+    few waits is the slowest of them rather than a blend."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    rank = max(1, min(len(ordered), math.ceil(q * len(ordered))))
+    return ordered[rank - 1]
 
 
 def _le(bound: float) -> str:
@@ -230,6 +241,8 @@ class NodeMetrics:
             "avg_compute_ms": round(1e3 * sum(b[3] for b in recent) / n, 3) if n else 0.0,
             "avg_queue_wait_ms": round(1e3 * sum(waits) / len(waits), 3) if waits else 0.0,
             "max_queue_wait_ms": round(1e3 * max(waits, default=0.0), 3),
+            "p50_queue_wait_ms": round(1e3 * percentile(waits, 0.5), 3),
+            "p95_queue_wait_ms": round(1e3 * percentile(waits, 0.95), 3),
         }
 
     def error(self, code: str) -> None:

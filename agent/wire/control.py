@@ -151,6 +151,39 @@ class Hello(_Wire):
         return self
 
 
+MAX_PREFILLS = 16  # prompts one heartbeat lists as being prefilled; the rest are left out
+MAX_WINDOW_S = 3600.0  # a heartbeat's batch window (BatchWindow.seconds) at most
+SessionTag = Annotated[str, Field(pattern=r"^[0-9a-f]{8}$")]
+
+
+class BatchWindow(_Wire):
+    """A hop's backend calls since the agent's previous heartbeat: the fleet page's per-hop plots."""
+
+    seconds: Annotated[float, Field(ge=0.0, le=MAX_WINDOW_S, allow_inf_nan=False)] = 0.0
+    batches: Count = 0
+    steps: NonNegative = 0.0  # sessions' steps per backend call (average)
+    tokens: NonNegative = 0.0  # positions per backend call (average)
+    wait_p50_ms: NonNegative = 0.0  # a step's wait for its batch: median and 95th percentile
+    wait_p95_ms: NonNegative = 0.0
+
+
+class Prefill(_Wire):
+    """A prompt being prefilled on one of the node's shards now (shown on the fleet page, nothing more)."""
+
+    session: SessionTag  # a hash of the session id (agent/node/hop_telemetry.py), not the id
+    layer_start: Layer
+    layer_end: Layer
+    done: Count  # the session's positions computed on this shard so far
+    total: Count  # its positions once the queued step is done
+
+    @model_validator(mode="after")
+    def _check(self) -> Prefill:
+        _check_range(self.layer_start, self.layer_end)
+        if self.done > self.total:
+            raise ValueError("done must not exceed total")
+        return self
+
+
 class Telemetry(_Wire):
     """A heartbeat's payload: data-plane stats plus host load."""
 
@@ -169,6 +202,9 @@ class Telemetry(_Wire):
     batch_steps: NonNegative = 0.0
     queue_wait_ms: NonNegative = 0.0
     batch_compute_ms: NonNegative = 0.0
+    # since the previous heartbeat (None from agents that predate it), and the prompts prefilling now
+    window: BatchWindow | None = None
+    prefills: Annotated[list[Prefill], Field(max_length=MAX_PREFILLS)] = []
 
     @property
     def raw(self) -> dict[str, Any]:

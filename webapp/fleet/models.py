@@ -42,6 +42,11 @@ class Node(models.Model):
     free_memory_bytes = models.BigIntegerField(default=0)
     speed = models.FloatField(default=1.0, help_text="measured relative compute speed (GFLOP/s)")
     telemetry = models.JSONField(default=dict, blank=True)
+    recent = models.JSONField(
+        default=list,
+        blank=True,
+        help_text="the last heartbeats' batching and prefill points, for the fleet page's plots (bounded)",
+    )
     passkey_generation = models.PositiveIntegerField(
         default=0, help_text="bumped to rotate the tracker passkey (every earlier one is refused)"
     )

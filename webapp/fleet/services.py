@@ -22,6 +22,7 @@ from agent.wire import routetoken
 from agent.wire.control import Hello, Telemetry
 from agent.wire.ids import NodeId
 from webapp.core.keys import release_public_key, route_signing_key
+from webapp.fleet.hopseries import appended, heartbeat_point
 from webapp.fleet.models import EnrollmentToken, Node, NodeCredential, ShardAssignment, hash_secret
 
 # What a node may claim its speed is (GFLOP/s), whatever it sends; placement may only lower a node's
@@ -183,13 +184,20 @@ def wall_layer_ms(node_ids: Iterable[str]) -> dict[str, float]:
 
 
 def apply_heartbeat(node_id: str, t: Telemetry) -> bool:
-    """Record a heartbeat (and a downsampled sample); True when it revived a node marked offline, whose
-    shards may have been re-placed meanwhile, so it must say hello again to be reconciled."""
+    """Record a heartbeat (its point in the node's bounded ring of recent ones, webapp.fleet.hopseries,
+    and a downsampled sample); True when it revived a node marked offline, whose shards may have been
+    re-placed meanwhile, so it must say hello again to be reconciled."""
     from webapp.telemetry.services import maybe_store_sample
 
     now = timezone.now()
+    # read, append, write: a second socket of the same node (a reconnect racing the old one) can lose
+    # a point of the plots' ring, which is only drawn, never decided on
+    ring = Node.objects.filter(pk=node_id).values_list("recent", flat=True).first()
     Node.objects.filter(pk=node_id).update(
-        last_seen=now, telemetry=t.raw, free_memory_bytes=t.free_memory_bytes
+        last_seen=now,
+        telemetry=t.raw,
+        free_memory_bytes=t.free_memory_bytes,
+        recent=appended(ring, heartbeat_point(t, now.timestamp())),
     )
     revived = Node.objects.filter(pk=node_id, state__in=[Node.State.OFFLINE, Node.State.PENDING]).update(
         state=Node.State.ONLINE
