@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.artifacts.archs import StatePart, describe, servable_problem
+from agent.artifacts.routing import Routing, routing_mode
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_GGUF_VERSIONS = (2, 3)
@@ -124,6 +125,11 @@ class Manifest:
         if arch or not self.executor_problem:
             return arch
         return f"not servable by this agent: the native executor refuses the file: {self.executor_problem}"
+
+    @property
+    def routing(self) -> Routing:
+        """Layer windows across nodes, whole on one llamacpp node, or refused; with the reason."""
+        return routing_mode(self.architecture, self.executor_problem)
 
     @property
     def token_id_layers(self) -> int:
@@ -418,6 +424,7 @@ def format_manifest(m: Manifest) -> str:
         f"  leading dense: {m.leading_dense_layers}  mtp blocks: {m.mtp_layers}"
         f"  unsplittable groups: {' '.join(f'[{s},{e})' for s, e in m.layer_groups) or 'none'}",
         f"servable    {m.servable_problem or 'yes'}",
+        f"routing     {m.routing.mode or 'refused'}: {m.routing.reason}",
         "",
         f"{'layer':>5} {'bytes':>12} {'experts':>10} {'state':<14} {'state@4K':>10}  ranges",
     ]

@@ -54,11 +54,6 @@ class LlamaCppBackend(Backend):
         except ValueError as e:
             raise BackendError(str(e)) from None
         self.n_vocab = self._model.n_vocab()
-        hp = spec.manifest.hparams
-        n_head = int(hp["attention.head_count"])
-        n_kv = int(hp.get("attention.head_count_kv", n_head))
-        head_dim = int(hp.get("attention.key_length", spec.manifest.boundary_dim // n_head))
-        self._kv_per_token = 2 * spec.manifest.n_layers * n_kv * head_dim * 2  # f16 K and V
         self.max_ctx = spec.manifest.context_length or 4096
         self.sessions: dict[SessionId, _Session] = {}
         self._batch = LlamaBatch(n_tokens=n_batch, embd=0, n_seq_max=1, verbose=False)
@@ -69,7 +64,7 @@ class LlamaCppBackend(Backend):
         if sid in self.sessions:
             raise BackendError("session already open")
         n_ctx = min(capacity, self.max_ctx)
-        if self.kv_bytes() + n_ctx * self._kv_per_token > self.kv_budget_bytes:
+        if self.kv_bytes() + self._state_bytes(n_ctx) > self.kv_budget_bytes:
             raise AdmissionError("KV budget exhausted on this node")
         cp = self._lc.llama_context_default_params()
         cp.n_ctx = n_ctx
@@ -105,13 +100,20 @@ class LlamaCppBackend(Backend):
         s.ctx.kv_cache_seq_rm(0, n_tokens, -1)
         s.length = n_tokens
 
+    def _state_bytes(self, n_ctx: int) -> int:
+        """A session's state at `n_ctx` tokens as the manifest describes each layer's (f16 caches, as
+        llama.cpp's default): read from the per-layer description rather than from attention keys, since
+        this backend also runs architectures without layer windows, whose head counts may be per-layer
+        arrays or absent (recurrent layers)."""
+        return sum(layer.state_bytes(n_ctx) for layer in self.spec.manifest.layers)
+
     def kv_bytes(self, sid: SessionId | None = None) -> int:
         if sid is not None:
-            return self._s(sid).n_ctx * self._kv_per_token
-        return sum(s.n_ctx for s in self.sessions.values()) * self._kv_per_token
+            return self._state_bytes(self._s(sid).n_ctx)
+        return sum(self._state_bytes(s.n_ctx) for s in self.sessions.values())
 
     def kv_open_bytes(self, capacity: int) -> int:
-        return min(capacity, self.max_ctx) * self._kv_per_token
+        return self._state_bytes(min(capacity, self.max_ctx))
 
     def forward(self, step: StepInput) -> ForwardResult:
         t0 = time.perf_counter()

@@ -295,7 +295,7 @@
       el.contextNote.textContent = `(up to ${ctx.toLocaleString("en")}, the model's context)`;
     }
     if (opt && opt.dataset.placed === "0") {
-      banner(`${opt.textContent.replace(" (not placed)", "")} is not placed on any node yet, so it cannot answer; an admin places it from the Models page.`);
+      banner(`${opt.dataset.name || opt.textContent} is not placed on any node yet, so it cannot answer; an admin places it from the Models page.`);
     } else if (el.banner.dataset.kind !== "turn") banner("");
   }
 

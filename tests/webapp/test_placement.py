@@ -303,13 +303,15 @@ def test_registering_a_model_the_agent_cannot_serve_marks_it_failed_with_the_rea
     settings,  # noqa: ANN001
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from agent.artifacts import archs
+    from agent.artifacts import archs, routing
     from agent.artifacts.tiny import write_tiny_gguf
     from webapp.catalog.models import ModelArtifact
     from webapp.fleet.tasks import place_model
 
-    # every tiny architecture is servable now: take one away to see the refusal
+    # every tiny architecture is servable now: take one away, from llama.cpp's too (else it would be
+    # ready as whole-model-only, tests/webapp/test_routing_modes.py), to see the refusal
     monkeypatch.setattr(archs, "SERVABLE_ARCHITECTURES", archs.SERVABLE_ARCHITECTURES - {"deepseek4"})
+    monkeypatch.setattr(routing, "WHOLE_ARCHITECTURES", routing.WHOLE_ARCHITECTURES - {"deepseek4"})
     path = write_tiny_gguf("deepseek4", tmp_path / "deepseek4.gguf")
     settings.MODELS_DIR = tmp_path  # path registrations only name files in the models directory
     with django_capture_on_commit_callbacks(execute=True):

@@ -44,7 +44,16 @@ def test_the_page_lists_only_my_conversations_and_the_models_context(
     assert r.status_code == 200
     state = r.context["state"]
     assert [c["title"] for c in state["conversations"]] == ["Sea poem"]
-    assert state["models"] == [{"id": artifact.pk, "name": "SmolLM2", "context": 8192, "placed": False}]
+    assert state["models"] == [
+        {
+            "id": artifact.pk,
+            "name": "SmolLM2",
+            "context": 8192,
+            "placed": False,
+            "routing": "layers",
+            "routing_reason": "the native executor runs 'llama' layer windows: routes across nodes",
+        }
+    ]
     body = r.content.decode()
     assert 'id="pg-state"' in body and "markdown-it.min.js" in body and "purify.min.js" in body
     assert "<script>x()</script>" not in body  # messages reach the page as JSON, not HTML

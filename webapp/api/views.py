@@ -97,6 +97,7 @@ def api_view(
 
 
 def _model_row(a: Any) -> dict[str, Any]:
+    routing = a.routing
     return {
         "id": a.name,
         "object": "model",
@@ -107,6 +108,9 @@ def _model_row(a: Any) -> dict[str, Any]:
             "n_layers": a.n_layers,
             "context_length": session.capacity_of(a.manifest),
             "architecture": a.architecture,
+            # "layers": layer windows routed across nodes; "whole": every layer on one llamacpp node
+            "routing": routing.mode,
+            "routing_reason": routing.reason,
         },
     }
 

@@ -10,6 +10,7 @@ from django.db import models
 from django.db.models import Q
 
 from agent.artifacts.manifest import Manifest
+from agent.artifacts.routing import Routing, routing_mode
 
 DEFAULT_REPLICAS = 2
 MAX_REPLICAS = 64
@@ -64,6 +65,14 @@ class ModelArtifact(models.Model):
 
     def __str__(self) -> str:
         return f"{self.name} ({self.sha256[:12] or self.state})"
+
+    @property
+    def routing(self) -> Routing:
+        """Layer windows across nodes or whole on one llamacpp node, and why: derived on every read from
+        the architecture and the executor's verdict on the file (kept in the manifest), so a model
+        registered as whole-only routes across nodes once the executor learns its architecture."""
+        problem = (self.manifest or {}).get("executor_problem", "")
+        return routing_mode(self.architecture, str(problem))
 
     @cached_property
     def parsed_manifest(self) -> Manifest:

@@ -21,8 +21,10 @@ def enqueue_build(artifact_id: int) -> None:
 
 @shared_task
 def build_artifact_manifest(artifact_id: int) -> str:
-    """pending -> building -> ready (or failed with the reason: unreadable, an architecture this agent
-    cannot serve, a duplicate); the .torrent is built with the manifest."""
+    """pending -> building -> ready (or failed with the reason: unreadable, an architecture neither the
+    native executor nor llama.cpp runs, a duplicate); the .torrent is built with the manifest. A model
+    whose architecture has no layer windows but that llama.cpp runs is ready as whole-model-only: its
+    manifest keeps the facts `ModelArtifact.routing` derives that mode and its reason from."""
     claimed = ModelArtifact.objects.filter(pk=artifact_id, state=ModelArtifact.State.PENDING).update(
         state=ModelArtifact.State.BUILDING
     )
@@ -34,12 +36,13 @@ def build_artifact_manifest(artifact_id: int) -> str:
     except ManifestError as e:
         ModelArtifact.objects.filter(pk=artifact_id).update(state=ModelArtifact.State.FAILED, error=str(e))
         return "failed"
-    if m.servable_problem:
+    routing = m.routing
+    if not routing.servable:
         # Marked with the reason instead of being placed. The row keeps what the file is but no sha256,
         # so the same file registers again once the executor runs its architecture.
         ModelArtifact.objects.filter(pk=artifact_id).update(
             state=ModelArtifact.State.FAILED,
-            error=m.servable_problem,
+            error=routing.reason,
             size_bytes=m.file_size,
             n_layers=m.n_layers,
             architecture=m.architecture,

@@ -28,6 +28,10 @@ result. Rationale for the choices:
   sessions=)`): each state kind at that context (KV and compressed caches grow with it, recurrent and
   compressor states are fixed), times the sessions the shard is expected to hold at once.
 * An architecture this agent cannot serve is refused before any planning, with the manifest's reason.
+* A model whose architecture has no layer windows but that llama.cpp runs (agent.artifacts.routing,
+  WHOLE) is placed whole: each copy is one shard of every layer on one node with the llamacpp backend
+  (`PlannerNode.whole_model`), the fastest such nodes that hold it first; it is never split, since the
+  llamacpp backend runs nothing but layers 0:n.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from statistics import median, median_low
 from typing import Any
 
 from agent.artifacts.manifest import Manifest
+from agent.artifacts.routing import WHOLE, WHOLE_MODEL_BACKEND
 from agent.wire.ids import NodeId
 
 MAX_SPEED_RATIO = 4.0
@@ -55,6 +60,7 @@ class PlannerNode:
     node_id: NodeId
     capacity_bytes: int
     speed: float = 1.0
+    whole_model: bool = False  # has the llamacpp backend: may hold a model that runs only whole
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,7 @@ class ModelShape:
     groups: tuple[tuple[int, int], ...] = ()  # [start, end) layer ranges a boundary may not split
     refusal: str = ""  # non-empty: the model cannot be served, and this says why
     leading_dense: int = 0  # dense layers before the first MoE layer: kept with the first shard
+    whole: str = ""  # non-empty: the model runs only whole on one llamacpp node, and this says why
 
     @property
     def n_layers(self) -> int:
@@ -103,6 +110,7 @@ def shape_from_manifest(
     if sessions < 1:
         raise PlacementError(f"expected sessions must be at least 1, not {sessions}")
     roles = {k: frozenset(v) for k, v in m.roles.items()}
+    routing = m.routing
     needed = roles.get("first", frozenset()) | roles.get("last", frozenset()) | roles.get("all", frozenset())
     return ModelShape(
         layer_bytes=tuple(
@@ -114,8 +122,9 @@ def shape_from_manifest(
         last=roles.get("last", frozenset()),
         always=roles.get("all", frozenset()),
         groups=tuple(m.layer_groups),
-        refusal=m.servable_problem,
+        refusal="" if routing.servable else routing.reason,
         leading_dense=m.leading_dense_layers,
+        whole=routing.reason if routing.mode == WHOLE else "",
     )
 
 
@@ -292,13 +301,47 @@ def _aligned(
     return sorted(out, key=lambda p: p.layer_start)
 
 
+def _whole_nodes(nodes: Sequence[PlannerNode], shape: ModelShape) -> list[PlannerNode]:
+    """The nodes that can hold the whole model by themselves, fastest first; the error says why none can."""
+    able = [n for n in nodes if n.whole_model]
+    if not able:
+        raise PlacementError(
+            f"{shape.whole}; no online node has the {WHOLE_MODEL_BACKEND} backend (install the agent "
+            f"with its [{WHOLE_MODEL_BACKEND}] extra on a node with the memory for the whole model)"
+        )
+    need = shape.total_bytes
+    fits = [n for n in able if n.capacity_bytes >= need]
+    if not fits:
+        largest = max(n.capacity_bytes for n in able)
+        raise PlacementError(
+            f"{shape.whole}; it needs {need / 1e6:.1f} MB on one node, but the largest of the {len(able)} "
+            f"node(s) with the {WHOLE_MODEL_BACKEND} backend has {largest / 1e6:.1f} MB usable; free memory "
+            "there or add a node that holds the whole model"
+        )
+    return sorted(fits, key=lambda n: (-n.speed, -n.capacity_bytes, n.node_id))
+
+
+def plan_whole(nodes: Sequence[PlannerNode], shape: ModelShape, replicas: int = 1) -> Plan:
+    """Place a model that runs only whole: up to `replicas` copies, each every layer on one node."""
+    fits = _whole_nodes(nodes, shape)
+    r = min(max(replicas, 1), len(fits))
+    notes = [f"whole model on one node per copy: {shape.whole}"]
+    if r < replicas:
+        notes.append(f"only {r} of {replicas} requested replicas fit: each needs one node that holds it all")
+    placements = tuple(Placement(n.node_id, 0, shape.n_layers, chain=c) for c, n in enumerate(fits[:r]))
+    return Plan(placements, r, tuple(notes))
+
+
 def plan_placement(nodes: Sequence[PlannerNode], shape: ModelShape, replicas: int = 1) -> Plan:
     """Place the whole model: up to `replicas` disjoint chains, as many as memory allows (at least one);
-    replica chains share the first chain's boundaries where their nodes can hold its ranges."""
+    replica chains share the first chain's boundaries where their nodes can hold its ranges. A model
+    that runs only whole (`shape.whole`) goes to `plan_whole` instead."""
     if shape.refusal:
         raise PlacementError(shape.refusal)
     if shape.n_layers == 0:
         raise PlacementError("the model has no layers")
+    if shape.whole:
+        return plan_whole(nodes, shape, replicas)
     usable = [n for n in nodes if n.capacity_bytes > 0]
     if not usable:
         raise PlacementError(f"no node has free memory; the model needs {shape.total_bytes / 1e6:.1f} MB")
@@ -376,6 +419,8 @@ def replan_lost(
     """
     if shape.refusal:
         raise PlacementError(shape.refusal)
+    if shape.whole:
+        return _replace_whole(nodes, shape, current, lost, target)
     survivors = [p for p in current if p.node_id != lost]
     uncovered = set(uncovered_ranges(shape.n_layers, survivors))
     holes = below_target(shape.n_layers, survivors, target)
@@ -410,3 +455,23 @@ def replan_lost(
             free[p.node_id] -= shape.bytes_for(p.layer_start, p.layer_end)
         out.extend(parts)
     return out
+
+
+def _replace_whole(
+    nodes: Sequence[PlannerNode], shape: ModelShape, current: Sequence[Placement], lost: NodeId, target: int
+) -> list[Placement]:
+    """replan_lost for a model that runs only whole: one more copy on the fastest node that holds it all
+    and holds no copy yet, when the survivors keep fewer than `target`; none needed while a copy survives
+    and nothing fits (routes still work), an error when no copy is left."""
+    survivors = [p for p in current if p.node_id != lost]
+    if len(survivors) >= max(target, 1):
+        return []
+    holders = {p.node_id for p in survivors}
+    try:
+        fits = _whole_nodes([n for n in nodes if n.node_id != lost and n.node_id not in holders], shape)
+    except PlacementError as e:
+        if survivors:
+            return []
+        raise PlacementError(f"cannot replace lost node {lost}: {e}") from None
+    chain = max((p.chain for p in current), default=0)
+    return [Placement(fits[0].node_id, 0, shape.n_layers, chain)]

@@ -16,6 +16,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from agent.artifacts.routing import WHOLE_MODEL_BACKEND
 from agent.wire.control import Drain, ServerMessage
 from agent.wire.ids import NodeId
 from webapp.catalog.models import ModelArtifact
@@ -65,10 +66,11 @@ def push_loads(assignment_ids: list[int]) -> None:
     notify_fleet(kind="placement")
 
 
-def _planner_nodes(exclude: set[str] | None = None) -> list[PlannerNode]:
+def _planner_nodes(exclude: set[str] | None = None, whole: bool = False) -> list[PlannerNode]:
     """Online nodes with the memory they can still give: reported free memory minus the KV reserve and
     minus shards assigned but not yet loaded (those are not reflected in the report yet), and the speed
-    the control plane measured or can bound (never the node's word alone: issue 17)."""
+    the control plane measured or can bound (never the node's word alone: issue 17). With `whole` (a
+    model that runs only whole) the memory is the llamacpp backend's, which its shard will run on."""
     nodes = [
         n
         for n in Node.objects.filter(state=Node.State.ONLINE).exclude(dataplane_url="")
@@ -82,15 +84,23 @@ def _planner_nodes(exclude: set[str] | None = None) -> list[PlannerNode]:
         for a in ShardAssignment.objects.select_related("artifact").filter(node=n, state__in=PENDING):
             pending += shape_from_manifest(a.artifact.parsed_manifest).bytes_for(a.layer_start, a.layer_end)
         # the backend its shards will run on decides which memory counts (a GPU only for native)
-        backend = choose_backend(n.backends or [], False, settings.DEFAULT_BACKEND)
+        backend = (
+            WHOLE_MODEL_BACKEND
+            if whole
+            else choose_backend(n.backends or [], False, settings.DEFAULT_BACKEND)
+        )
         free = device_free_bytes(n.free_memory_bytes, n.hardware or {}, n.telemetry or {}, [backend])
         cap = free - settings.KV_RESERVE_BYTES - pending
-        out.append(PlannerNode(NodeId(n.id), max(cap, 0), speeds[n.id]))
+        whole_model = WHOLE_MODEL_BACKEND in (n.backends or [])
+        out.append(PlannerNode(NodeId(n.id), max(cap, 0), speeds[n.id], whole_model))
     return out
 
 
-def _create(artifact: ModelArtifact, placements: list[Placement]) -> list[int]:
+def _create(artifact: ModelArtifact, placements: list[Placement], whole: bool = False) -> list[int]:
+    """Record the placements; a model that runs only whole gets the llamacpp backend (the planner chose
+    nodes that have it), the others the settings' default where the node has it."""
     backends = dict(Node.objects.filter(pk__in={p.node_id for p in placements}).values_list("id", "backends"))
+    preferred = WHOLE_MODEL_BACKEND if whole else settings.DEFAULT_BACKEND
     ids = []
     for p in placements:
         full = p.layer_start == 0 and p.layer_end == artifact.n_layers
@@ -99,7 +109,7 @@ def _create(artifact: ModelArtifact, placements: list[Placement]) -> list[int]:
             artifact=artifact,
             layer_start=p.layer_start,
             layer_end=p.layer_end,
-            backend=choose_backend(backends.get(p.node_id) or [], full, settings.DEFAULT_BACKEND),
+            backend=choose_backend(backends.get(p.node_id) or [], full, preferred),
         )
         ids.append(a.pk)
     return ids
@@ -117,18 +127,17 @@ def place_model(artifact_id: int, replicas: int | None = None) -> dict[str, Any]
             return {"ok": False, "error": f"model is {artifact.state}, not ready"}
         if ShardAssignment.objects.filter(artifact=artifact, state__in=ACTIVE).exists():
             return {"ok": False, "error": "model is already placed; unplace it first"}
+        shape = shape_from_manifest(artifact.parsed_manifest)
         try:
             plan = plan_placement(
-                _planner_nodes(),
-                shape_from_manifest(artifact.parsed_manifest),
-                replicas or artifact.desired_replicas,
+                _planner_nodes(whole=bool(shape.whole)), shape, replicas or artifact.desired_replicas
             )
         except PlacementError as e:
             return {"ok": False, "error": str(e)}
         if replicas and replicas != artifact.desired_replicas:
             artifact.desired_replicas = replicas
             artifact.save(update_fields=["desired_replicas", "updated_at"])
-        ids = _create(artifact, list(plan.placements))
+        ids = _create(artifact, list(plan.placements), whole=bool(shape.whole))
         transaction.on_commit(lambda: push_loads(ids))
     return {"ok": True, "assignments": ids, "replicas": plan.replicas, "notes": list(plan.notes)}
 
@@ -223,10 +232,11 @@ def replace_lost_node(node_id: str, mark: str = ShardAssignment.State.FAILED) ->
                 Placement(NodeId(a.node_id), a.layer_start, a.layer_end)
                 for a in ShardAssignment.objects.filter(artifact=artifact, state__in=ACTIVE)
             ]
+            shape = shape_from_manifest(artifact.parsed_manifest)
             try:
                 placements = replan_lost(
-                    _planner_nodes(exclude={node_id}),
-                    shape_from_manifest(artifact.parsed_manifest),
+                    _planner_nodes(exclude={node_id}, whole=bool(shape.whole)),
+                    shape,
                     current,
                     NodeId(node_id),
                     target=artifact.desired_replicas,  # ranges below their replica count, not only holes
@@ -235,7 +245,7 @@ def replace_lost_node(node_id: str, mark: str = ShardAssignment.State.FAILED) ->
                 log.warning("artifact %s: %s", artifact.pk, e)
                 out[artifact.sha256] = str(e)
                 continue
-            ids = _create(artifact, placements)
+            ids = _create(artifact, placements, whole=bool(shape.whole))
             new_ids += ids
             out[artifact.sha256] = ids
         transaction.on_commit(lambda: push_loads(new_ids))

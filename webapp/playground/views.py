@@ -20,7 +20,14 @@ def _models() -> list[dict[str, object]]:
     ready = ModelArtifact.objects.filter(state=ModelArtifact.State.READY)
     placed = set(ready.filter(shards__state="ready").values_list("pk", flat=True))
     rows = [
-        {"id": m.pk, "name": m.name, "context": capacity_of(m.manifest), "placed": m.pk in placed}
+        {
+            "id": m.pk,
+            "name": m.name,
+            "context": capacity_of(m.manifest),
+            "placed": m.pk in placed,
+            "routing": m.routing.mode,
+            "routing_reason": m.routing.reason,
+        }
         for m in ready
     ]
     return sorted(rows, key=lambda r: not r["placed"])
