@@ -322,12 +322,14 @@ def main(argv: list[str] | None = None) -> int:
         sleep_idle_threads()  # before the backend's libraries load (nothing above loads them)
         from agent.backends.libggswarm import check_barrier_env
         from agent.node.prefill_budget import budget_from_env
+        from agent.node.prefixes import cache_bytes_from_env
         from agent.node.scheduler import busy_chunk_from_env, gather_gap_from_env
 
         try:
             busy_chunk_from_env()  # a bad override is a clear error now, not at the first shard
             gather_gap_from_env()
             budget_from_env()
+            cache_bytes_from_env(0)
             check_barrier_env()
         except ValueError as e:
             print(f"agent: error: {e}", file=sys.stderr)

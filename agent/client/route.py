@@ -18,6 +18,7 @@ from agent.client.errors import ContextLimitError, RouteError, RouteFailed
 from agent.client.failover import PREFILL_CHUNK, Failover
 from agent.client.lane import LaneRoute, lanes_wanted
 from agent.client.link import HopStats, RouteLink, Step
+from agent.client.prefix import PrefixSharing, prefix_step, shareable
 from agent.client.recovery import Hop, RecoveryPolicy, Replacement, ReplacementProvider
 from agent.client.tokenizer import ChatTokenizer, StreamDecoder
 from agent.client.transport import HopTransport
@@ -134,8 +135,14 @@ class RouteClient:
             self.failover.wait_lane,
             self.realign,
         )
+        self.prefix = PrefixSharing(self.link)  # shared prompt prefixes restored or saved (prefix.py)
 
     # -- what the parts own, as the client's callers read it -------------------------------------------
+    @property
+    def last_prefix(self) -> dict[str, Any]:
+        """What the latest generate did with its shared prefix: {shared_tokens, hit, saved}, or {}."""
+        return self.prefix.last
+
     @property
     def hops(self) -> list[Hop]:
         return self.link.hops
@@ -334,8 +341,13 @@ class RouteClient:
         max_tokens: int,
         stop_ids: set[int] | None = None,
         want_logits: bool = False,
+        shared_prefix: int = 0,
     ) -> AsyncIterator[tuple[int, float]]:
         """Bring the KV to `prompt_ids` (reusing the common prefix), then yield sampled (token, logprob).
+
+        `shared_prefix`: how many leading ids other users' sessions may share (a system prompt): the
+        hops' state there is restored from their prefix snapshots when they hold it, and kept for the
+        next session when they do not (prefix.py); the tokens are the same either way.
 
         With `want_logits` the last hop also returns the raw logits of the position each token was
         sampled at: `self.last_response.logits()[-1]` while the token is being consumed."""
@@ -348,6 +360,9 @@ class RouteClient:
             common = max(0, len(prompt_ids) - 1)
         common = await self.truncate(common)
         self.lane.new_turn()
+        self.prefix.last = {}
+        if shared_prefix and shareable(prompt_ids, shared_prefix, self.history):
+            common = await self._shared_prefix(prompt_ids[:shared_prefix], sampling, common)
         new = prompt_ids[common:]
         self.last_prefilled = len(new)
         chunks = [new[off : off + PREFILL_CHUNK] for off in range(0, len(new), PREFILL_CHUNK)]
@@ -366,6 +381,28 @@ class RouteClient:
                 raise ContextLimitError(f"context limit of {self.capacity} tokens reached")
             resp = await self.forward([token], sampling, want_logits=want_logits)
             token, logprob = self._sampled(resp)
+
+    async def _shared_prefix(self, ids: list[int], sampling: SamplingParams, common: int) -> int:
+        """Bring every hop to exactly `ids` from their prefix snapshots, or prefill them and ask the
+        hops to keep them; returns the positions the route holds now."""
+        n = len(ids)
+        self.prefix.last = {"shared_tokens": n, "hit": False, "saved": False}
+        if common:
+            # the route holds another text: a restore goes into empty sessions only
+            common = await self.truncate(0)
+            if common:
+                return common  # recurrent state that cannot go back to 0 here: prefill as always
+        await self.open()
+        await self.lane.drop()
+        if await self.prefix.load(ids):
+            self.history.extend(ids)
+            self.failover.record_chain(prefix_step(ids))  # a recovery re-prefills it like any prompt
+            self.prefix.last["hit"] = True
+            return n
+        for off in range(0, n, PREFILL_CHUNK):
+            await self.forward(ids[off : off + PREFILL_CHUNK], sampling)
+        self.prefix.last["saved"] = await self.prefix.save(ids)
+        return n
 
     async def chat(
         self, messages: list[dict[str, str]], sampling: SamplingParams | None = None, max_tokens: int = 256

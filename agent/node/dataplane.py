@@ -25,6 +25,7 @@ from agent.node.errors import DataPlaneError, error_response
 from agent.node.handoff import Handoff
 from agent.node.lanes import NodeLane
 from agent.node.metrics import NodeMetrics
+from agent.node.prefixes import PrefixOps, PrefixStore, cache_bytes_from_env
 from agent.node.scheduler import CHUNK_TOKENS, MAX_BATCH_TOKENS, ShardScheduler
 from agent.node.sessions import SessionState, SessionTable
 from agent.node.shard import Shard, Shards, evictable
@@ -99,6 +100,9 @@ class DataPlane:
         self.metrics = NodeMetrics(self.stats, before_read=lambda: self.lane.take_batches())
         self.hops = NextHops(client_ssl, self.sessions)  # next hops: mutual TLS, pooled streams
         self.lane = NodeLane(self.metrics, self.counters, self.hops)  # opened on first use
+        # prefix snapshots (prefixes.py): shared prompt prefixes' state, bounded apart from sessions' KV
+        self.prefixes = PrefixStore(cache_bytes_from_env(kv_budget_bytes))
+        self.prefix_ops = PrefixOps(self.prefixes, self.sessions, lambda v, sh: evictable(self.shards, v, sh))
 
     # -- shard management (called by the CLI or the control agent) --------------------------------
     def load_shard(
@@ -162,6 +166,7 @@ class DataPlane:
         if shard is None:
             return False
         shard.scheduler.drop_all("the shard was unloaded while the step was queued")
+        self.prefixes.drop_range(model_sha256, layer_start, layer_end)
         for key in self.sessions.for_shard(shard.key):
             self.sessions.close(key)
         shard.backend.close()
@@ -204,6 +209,8 @@ class DataPlane:
             "batching": self.metrics.batch_stats(),
             # the native decode lane (lanes.py): its port once open, sessions on it now, its counters
             **self.lane.stats(),
+            # prefix snapshots (prefixes.py): entries, bytes, hits, misses, saves, evictions
+            **self.prefixes.stats(),
             "shards": [
                 {
                     "model_sha256": s.spec.manifest.sha256,
@@ -300,6 +307,8 @@ class DataPlane:
         if req.op == Op.TRUNCATE:
             async with shard.lock:
                 return self._truncate(req, s)
+        if req.op in (Op.PREFIX_SAVE, Op.PREFIX_LOAD):
+            return await self.prefix_ops.handle(req, shard, s)
         return await self._forward(req, body, shard, s)
 
     def _open(self, req: Request, shard: Shard) -> bytes:

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from agent.wire.prefix import DIGEST_BYTES
 from agent.wire.sampling import SamplingParams
 
 # Version 1: first release (open/forward/truncate/close, ids or f16/f32 hidden, chain forwarding).
@@ -51,6 +52,8 @@ class Op(IntEnum):
     TRUNCATE = 3
     CLOSE = 4
     LANE = 5  # admit the session's decode steps to the hops' native lanes (docs/lane.md)
+    PREFIX_SAVE = 6  # keep the session's state at its length (pos_start) under a prefix digest
+    PREFIX_LOAD = 7  # an empty session starts from the state kept under a prefix digest (if held)
 
 
 class Flag(IntFlag):
@@ -71,6 +74,7 @@ class Kind(IntEnum):
     TOKEN = 4  # response: sampled token + logprob in the header
     LOGITS = 5  # response: float32 logits n_tokens x dim (dim = vocab) + the sampled token
     LANE = 6  # response to Op.LANE: LANE_INFO (the hop's lane id, port and key for the session)
+    DIGEST = 7  # request of Op.PREFIX_SAVE / PREFIX_LOAD: the prefix's digest (agent/wire/prefix.py)
 
 
 # The element type of hidden states at a seam, spelled as frames, the command line and the backends
@@ -97,7 +101,7 @@ def numpy_dtype(dtype: HiddenDtype) -> type[np.floating]:
 # every hop decodes a frame per step.
 _OPS = {int(m): m for m in Op}
 _KINDS = {int(m): m for m in Kind}
-_REQUEST_KINDS = frozenset((Kind.NONE, Kind.IDS, Kind.F32, Kind.F16))
+_REQUEST_KINDS = frozenset((Kind.NONE, Kind.IDS, Kind.F32, Kind.F16, Kind.DIGEST))
 _ALL_FLAGS = sum(int(m) for m in Flag)
 # plain ints: `int & IntFlag` goes through IntFlag.__rand__ and builds a member
 _F_SAMPLING, _F_HISTORY, _F_WANT_LOGITS = int(Flag.SAMPLING), int(Flag.HISTORY), int(Flag.WANT_LOGITS)
@@ -187,6 +191,8 @@ def payload_size(kind: Kind, n_tokens: int, dim: int) -> int:
         return 0
     if kind == Kind.LANE:
         return LANE_INFO.size
+    if kind == Kind.DIGEST:
+        return DIGEST_BYTES
     if kind == Kind.IDS:
         return 4 * n_tokens
     if kind in (Kind.F32, Kind.LOGITS):
