@@ -67,7 +67,7 @@ class LanePacer:
         self.per_token_s: float | None = None  # a chunk's cost per position
         self._last_pass: float | None = None
         self._chunks_s = 0.0  # chunk compute since the latest pass seen
-        self._last_tokens = 0  # the latest chunk's positions (growth is bounded by it)
+        self._last_tokens = 0  # about the latest full chunk's positions (growth is bounded by it)
         self.mixed_chunks = 0  # chunks that ran while the lane held its step (telemetry, tests)
 
     def chunk_tokens(self, prompts: int = 1) -> int:
@@ -114,7 +114,8 @@ class LanePacer:
             return
         with self._mu:
             self._chunks_s += seconds
-            self._last_tokens = tokens
+            # a prompt's last, short chunk must not send the next prompt back to the smallest chunks
+            self._last_tokens = max(tokens, self._last_tokens // 2)
             per = seconds / tokens
             self.per_token_s = per if self.per_token_s is None else _mix(self.per_token_s, per)
 

@@ -90,3 +90,11 @@ def test_the_operator_sets_the_share_and_a_bad_value_is_refused() -> None:
     for bad in ("0", "nan", "abc", "9"):
         with pytest.raises(ValueError, match="GGSWARM_PREFILL_BUDGET"):
             budget_from_env({"GGSWARM_PREFILL_BUDGET": bad})
+
+
+def test_a_prompts_short_last_chunk_does_not_send_the_next_prompt_back_to_the_smallest() -> None:
+    p = _pacer()
+    _settle(p, 0.064, 0.001)
+    full = p.chunk_tokens()
+    p.after_chunk(3, 0.003, held=True)  # the remainder of a prompt
+    assert p.chunk_tokens() == full
