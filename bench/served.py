@@ -23,6 +23,14 @@ control_plane_tok_s (the playground's answer) and api_tok_s_control_plane (a str
 /v1/chat/completions) over the agents the control plane enrolled and placed, and their ratios to the bare
 serve route timed in the same rounds (bench_route_tok_s_same_rounds; ratio_control_plane_vs_bench_route,
 ratio_api_vs_bench_route), since rounds minutes apart on these shared cores differ by up to 2x.
+Prefix snapshots (issue 32), on the same control plane's agents, each round with a new ~1,500-token
+system prompt (shared_prefix_tokens: the tokens the control plane counts as shareable):
+ttft_ms_no_prefix_reuse (user A's streamed /v1/chat/completions, the system prompt seen for the first
+time anywhere) and ttft_ms_shared_prefix_new_user (user B, another user with a key of their own, the
+same system prompt and another question: restored from the hops' snapshots), ttft_ratio_shared_prefix
+(B over A, target <= 0.25), x_swarm's prefix_hit for both (prefix_hit_*_rounds), and as the miss's
+reference ttft_ms_unshared_same_length (another such document as user A's message, never shared) and
+ttft_ratio_prefix_miss_vs_unshared (what saving the prefix adds to the first sender's TTFT).
 """
 
 from __future__ import annotations
@@ -62,6 +70,7 @@ from agent.wire.sampling import SamplingParams  # noqa: E402
 from bench import hop_floor  # noqa: E402
 from bench._common import start_serve  # noqa: E402
 from bench._llamacpp import BATCH, LlamaCpp  # noqa: E402
+from bench._prefix import api_user, shared_prefix_ttft  # noqa: E402
 from bench.hop_floor import start_route as floor_route  # noqa: E402
 
 RANGES = [(0, 10), (10, 20), (20, 30)]
@@ -348,6 +357,11 @@ def playground(args: argparse.Namespace, tok: ChatTokenizer) -> dict[str, Any]:
         )
         api_stream(api, s.model["name"], STORY, 4)  # warm-up
         pg, rc, ap, br, n_pg = [], [], [], [], 0
+        # users A and B, each with a key of their own, for the shared system prompt (issue 32)
+        prefix_users = (api_user(s, "prefix-a"), api_user(s, "prefix-b"))
+        prefix_rounds: list[dict[str, Any]] = []
+        # warm-up, discarded: the hops' first long prefill, save and restore (buffers, first snapshot)
+        shared_prefix_ttft(prefix_users, s.model["name"], tok)
         try:
             asyncio.run(route_answer(s, bare, 4, bare_key))  # warm-up
             for _ in range(args.rounds):
@@ -356,10 +370,29 @@ def playground(args: argparse.Namespace, tok: ChatTokenizer) -> dict[str, Any]:
                 rc.append(asyncio.run(route_answer(s, route, args.tokens)))
                 ap.append(api_stream(api, s.model["name"], STORY, args.tokens)[1])
                 br.append(asyncio.run(route_answer(s, bare, args.tokens, bare_key)))
+                prefix_rounds.append(shared_prefix_ttft(prefix_users, s.model["name"], tok))
         finally:
             stop(procs)
     p, r, a, b = (statistics.median(x) for x in (pg, rc, ap, br))
+    miss = [x["no_reuse_ms"] for x in prefix_rounds]
+    hit = [x["new_user_ms"] for x in prefix_rounds]
+    plain = [x["no_sharing_ms"] for x in prefix_rounds]
+    miss_ms, hit_ms, plain_ms = statistics.median(miss), statistics.median(hit), statistics.median(plain)
     return {
+        "shared_prefix_tokens": int(statistics.median(x["shared_prefix_tokens"] for x in prefix_rounds)),
+        "ttft_ms_no_prefix_reuse": round(miss_ms, 1),
+        "ttft_ms_shared_prefix_new_user": round(hit_ms, 1),
+        "ttft_ratio_shared_prefix": round(hit_ms / miss_ms, 3) if miss_ms else None,
+        # the same length as a user message (never shared): what a miss's save of the prefix adds
+        "ttft_ms_unshared_same_length": round(plain_ms, 1),
+        "ttft_ratio_prefix_miss_vs_unshared": round(miss_ms / plain_ms, 3) if plain_ms else None,
+        "ttft_ms_no_prefix_reuse_rounds": [round(x, 1) for x in miss],
+        "ttft_ms_unshared_same_length_rounds": [round(x, 1) for x in plain],
+        "ttft_ms_shared_prefix_new_user_rounds": [round(x, 1) for x in hit],
+        # x_swarm's word for each: A must have missed (a new system prompt), B hit
+        "prefix_hit_no_reuse_rounds": [x["hit_a"] for x in prefix_rounds],
+        "prefix_hit_new_user_rounds": [x["hit_b"] for x in prefix_rounds],
+        "prefix_shared_tokens_told_rounds": [x["told_a"] for x in prefix_rounds],
         "playground_hops": len(route),
         "playground_tokens": n_pg,
         "playground_tok_s": round(p, 2),

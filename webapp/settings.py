@@ -177,6 +177,9 @@ if ROUTE_MODE not in defaults.ROUTE_MODES:
     raise ImproperlyConfigured(
         f"ROUTE_MODE={ROUTE_MODE[:40]!r} must be one of {', '.join(defaults.ROUTE_MODES)}"
     )
+# A chat's leading system messages may be shared with other users' sessions (issue 32): a new route
+# restores the hops' saved state at that prefix instead of prefilling it (webapp/routing/prefix.py).
+ROUTE_PREFIX_SHARING = envbool("ROUTE_PREFIX_SHARING", True)
 # Ed25519 key that signs route tokens: ROUTE_KEY_PEM(_FILE), else generated into the data dir (0600).
 ROUTE_KEY_PEM = envstr("ROUTE_KEY_PEM")
 ROUTE_KEY_PATH = DATA_DIR / "route_key.pem"

@@ -127,6 +127,8 @@
         const reuse = t.n_reused ? ` (${t.n_reused} reused from the hops' KV, ${t.n_prefilled} sent)` : "";
         parts.push(`${t.n_prompt} prompt tokens${reuse}`);
       }
+      // a system prompt some earlier session (anyone's) left on the hops, restored instead of prefilled
+      if (t.prefix_hit) parts.push(`system prompt restored (${t.prefix_shared_tokens} tokens)`);
       if (has("n_generated")) parts.push(`${t.n_generated} generated`);
     }
     const line = parts.join(" · ");

@@ -16,12 +16,13 @@ from channels.db import database_sync_to_async
 from agent.client.route import HopStats, RouteClient, RouteError
 from agent.wire.frames import Kind, Response
 from webapp.api import engine, keys
-from webapp.api.cache import PrefixCache, common_prefix
+from webapp.api.cache import PrefixCache
 from webapp.api.models import ApiUsage
 from webapp.api.params import parse_chat
 from webapp.fleet.models import Node, ShardAssignment
 from webapp.routing import session
 from webapp.routing.models import RouteSession
+from webapp.routing.prefix import common_prefix
 from webapp.telemetry.models import GenerationRecord
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -42,6 +43,8 @@ class FakeRouteClient:
         self.last_prefilled, self.mode = 0, "star"
         self.last_truncate: dict[str, Any] = {}
         self.recoveries: list[dict[str, Any]] = []
+        self.shared_prefixes: list[int] = []  # each generate's shared_prefix
+        self.last_prefix: dict[str, Any] = {}
         self.last_response: Response | None = None
         self.closed, self.generating = False, False
         self.prefills: list[int] = []
@@ -54,7 +57,13 @@ class FakeRouteClient:
         max_tokens: int,
         stop_ids: Any = None,
         want_logits: bool = False,
+        shared_prefix: int = 0,
     ) -> AsyncIterator[tuple[int, float]]:
+        self.shared_prefixes.append(shared_prefix)
+        # as the real client reports it: a prefix this long is asked for, never found by the fake
+        self.last_prefix = (
+            {"shared_tokens": shared_prefix, "hit": False, "saved": True} if shared_prefix else {}
+        )
         common = common_prefix(self.history, prompt)
         common = min(common, len(prompt) - 1)
         del self.history[common:]
@@ -241,6 +250,28 @@ async def test_a_chat_completion_answers_with_usage_equal_to_the_tokenizers_and_
         body["usage"]["prompt_tokens"],
         body["usage"]["completion_tokens"],
     )
+
+
+async def test_a_chats_system_prompt_goes_to_the_route_client_as_its_shared_prefix(
+    async_client: Any, api_key: tuple[str, Any], placed: Any
+) -> None:
+    system = {"role": "system", "content": "You are a careful geography tutor. " * 12}
+    chat = [system, *Q]
+    body = {"model": placed.name, "messages": chat, "temperature": 0}
+    r = await post(async_client, "/v1/chat/completions", body, api_key[0])
+    assert r.status_code == 200, r.content
+    tok = tokenizer(placed)
+    ids, alone = tok.encode_chat(chat), tok.encode_chat([system])
+    n = FakeRouteClient.instances[-1].shared_prefixes[-1]
+    # the system turn as the template renders it, up to where the user's turn begins
+    assert 64 < n < len(alone) and ids[:n] == alone[:n] and ids[n] != alone[n]
+    x = json.loads(r.content)["x_swarm"]
+    assert x["prefix_shared_tokens"] == n and x["prefix_hit"] is False
+    record = await database_sync_to_async(GenerationRecord.objects.get)()
+    assert (record.prefix_shared_tokens, record.prefix_hit) == (n, False)
+    # a chat without one shares nothing
+    r = await post(async_client, "/v1/chat/completions", {"model": placed.name, "messages": Q}, api_key[0])
+    assert r.status_code == 200 and FakeRouteClient.instances[-1].shared_prefixes[-1] == 0
 
 
 async def test_a_streamed_chat_sends_role_then_deltas_then_finish_then_usage_then_done(

@@ -83,6 +83,8 @@ class FakeRouteClient:
         self.sampled = 0  # tokens handed out, the end token included
         self.last_prefilled, self.mode, self.last_truncate = 0, "chain", {}
         self.recoveries: list[dict[str, Any]] = []
+        self.shared_prefixes: list[int] = []  # each generate's shared_prefix
+        self.last_prefix: dict[str, Any] = {}
         FakeRouteClient.instances.append(self)
 
     async def _step(self, ids: list[int]) -> None:
@@ -101,7 +103,13 @@ class FakeRouteClient:
         max_tokens: int,
         stop_ids: Any = None,
         want_logits: bool = False,
+        shared_prefix: int = 0,
     ) -> AsyncIterator[tuple[int, float]]:
+        self.shared_prefixes.append(shared_prefix)
+        # as the real client reports it: a prefix this long is asked for, never found by the fake
+        self.last_prefix = (
+            {"shared_tokens": shared_prefix, "hit": False, "saved": True} if shared_prefix else {}
+        )
         self.calls.append([self.tok.messages[t] for t in prompt])
         self.sampling, self.max_tokens = sampling, max_tokens
         common = 0  # the prefix the hops keep; the last prompt position is always computed again
@@ -228,6 +236,8 @@ async def test_an_answer_streams_into_a_new_saved_conversation_and_turn_two_reus
     assert done2["telemetry"]["n_reused"] == 2, "turn 2 prefills only what the hops do not hold"
     msgs = await db(lambda: list(Message.objects.filter(conversation_id=cid).values_list("role", "content")))
     assert msgs == [("user", "hi there"), ("assistant", "Hello"), ("user", "again"), ("assistant", "Hello")]
+    # the system prompt (one token of this tokenizer) is the part other users' sessions may share
+    assert client.shared_prefixes == [1, 1]
     session = await db(RouteSession.objects.get)
     assert session.id.bytes == client.session_id and session.state == RouteSession.State.OPEN
     assert session.n_turns == 2 and session.n_positions == len(client.history)

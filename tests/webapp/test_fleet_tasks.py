@@ -153,3 +153,9 @@ def test_the_dashboard_lists_open_sessions_and_recent_answers(
     )
     body = staff_client.get("/fleet/generations").content.decode()
     assert "node-x [0:30)" in body and "bob" in body and "123 ms" in body and "45.6" in body
+    assert "shared," not in body  # no shared prefix, nothing said of one
+    record_generation(
+        s.id, artifact.pk, member, {"n_prompt": 900, "prefix_shared_tokens": 880, "prefix_hit": True}
+    )
+    body = staff_client.get("/fleet/generations").content.decode()
+    assert "(880 shared, hit)" in body

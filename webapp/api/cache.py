@@ -15,19 +15,11 @@ from dataclasses import dataclass, field
 
 from webapp.env import envint
 from webapp.routing.answer import LiveRoute
+from webapp.routing.prefix import common_prefix
 
 MAX_ENTRIES = envint("API_PREFIX_CACHE_MAX", 32, minimum=0)
 MAX_PER_KEY = envint("API_PREFIX_CACHE_PER_KEY", 4, minimum=1)
 IDLE_S = envint("API_PREFIX_CACHE_IDLE_S", 300, minimum=1)
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 @dataclass

@@ -192,12 +192,12 @@ class Generation:
             raise ApiError(
                 500, f"cannot load the model's tokenizer: {e}", "server_error", code="tokenizer"
             ) from None
-        self.prompt = await self._encode(tok)
+        self.prompt, shared = await self._encode(tok)
         max_tokens = _room(self.req, len(self.prompt), self.target.capacity)
         _close(cache.expired())
         self.entry, _ = cache.take(self.key.pk, self.target.artifact_id, self.prompt)
         req = self.req
-        spec = AnswerSpec(req.sampling, max_tokens, req.stop, req.logprobs, req.top_logprobs)
+        spec = AnswerSpec(req.sampling, max_tokens, req.stop, req.logprobs, req.top_logprobs, shared)
         held = self.entry.live if self.entry is not None else None
         self.run = RouteAnswer(self.target, self.key.user, tok, self.prompt, spec, self, held)
         try:
@@ -205,16 +205,17 @@ class Generation:
         except (NoRoute, ModelArtifact.DoesNotExist) as e:
             raise error_for(e, self.target.name) from None
 
-    async def _encode(self, tok: ChatTokenizer) -> list[int]:
-        """The prompt's ids: its size checked first, then rendered and tokenized off the event loop
-        (webapp/routing/prompt.py, issue 33)."""
+    async def _encode(self, tok: ChatTokenizer) -> tuple[list[int], int]:
+        """The prompt's ids, its size checked first, then rendered and tokenized off the event loop
+        (webapp/routing/prompt.py, issue 33); and how many of them other users may share (a chat's
+        system prompt; none of a raw prompt)."""
         req, param = self.req, "messages" if self.req.kind == "chat" else "prompt"
         capacity = self.target.capacity
         try:
             if req.kind == "chat":
-                return await prompt.encode_chat(tok, req.messages, capacity)
+                return await prompt.encode_chat_shared(tok, req.messages, capacity)
             if isinstance(req.prompt, str):
-                return await prompt.encode_text(tok, req.prompt, capacity)
+                return await prompt.encode_text(tok, req.prompt, capacity), 0
         except TokenizerError as e:
             raise ApiError(400, str(e), param=param, code="invalid_value") from None
         except prompt.PromptError as e:
@@ -225,7 +226,7 @@ class Generation:
             _room(req, len(req.prompt), capacity)
         if max(req.prompt) >= tok.n_vocab:
             raise ApiError(400, f"token ids must be below {tok.n_vocab}", param=param, code="invalid_value")
-        return list(req.prompt)
+        return list(req.prompt), 0
 
     def adopt(self, live: LiveRoute) -> None:
         self.entry = Entry(self.key.pk, live)

@@ -155,8 +155,8 @@ class ChatConsumer(SafeJsonConsumer):
         self.live_conversation = cid
         tok = await session.load_tokenizer(target.path)
         # sizes checked, then rendered and tokenized off the event loop (issue 33)
-        ids = await prompt.encode_chat(tok, turn.messages, target.capacity)
-        spec = AnswerSpec(req.sampling, req.max_tokens)
+        ids, shared = await prompt.encode_chat_shared(tok, turn.messages, target.capacity)
+        spec = AnswerSpec(req.sampling, req.max_tokens, shared_prefix=shared)
         return session.RouteAnswer(target, self.scope["user"], tok, ids, spec, self, self.live)
 
     async def _next(self, it: Any) -> Any:

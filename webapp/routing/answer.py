@@ -37,6 +37,9 @@ class AnswerSpec:
     stop: tuple[str, ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
+    # leading prompt tokens other users' sessions may share (a system prompt, webapp/routing/prefix.py):
+    # the route client restores the hops' state there, or saves it for the next session that shares it
+    shared_prefix: int = 0
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,7 @@ class Answer:
         self.t_first: float | None = None
         self.t_end: float | None = None
         self.recoveries_before = len(live.client.recoveries)
+        self.started = False  # generate was called: the client's last_prefix is this answer's
 
     async def pieces(self) -> AsyncGenerator[Piece, None]:
         """The answer's text as the route samples it, held back while it could begin a stop string."""
@@ -99,7 +103,16 @@ class Answer:
         pending: list[TokenLogprob] = []
         finish = "length"
         self.t0 = time.perf_counter()
-        gen = client.generate(self.prompt, spec.sampling, spec.max_tokens, tok.eot_ids, want_logits=want_top)
+        gen = client.generate(
+            self.prompt,
+            spec.sampling,
+            spec.max_tokens,
+            tok.eot_ids,
+            want_logits=want_top,
+            shared_prefix=spec.shared_prefix,
+        )
+        # nothing else runs before the generator's first step, which sets the client's last_prefix anew
+        self.started = True
         try:
             async for token, logprob in gen:
                 if self.t_first is None:
@@ -140,6 +153,8 @@ class Answer:
         end = self.t_end or time.perf_counter()
         decode_s = end - self.t_first if self.t_first is not None else 0.0
         prefilled = c.last_prefilled
+        # a reused client still holds its previous answer's until this answer's generate starts
+        prefix = c.last_prefix if self.started else {}
         return {
             "session": str(self.live.session_id),
             "route": self.live.route,
@@ -150,6 +165,9 @@ class Answer:
             "n_prompt": n_prompt,
             "n_reused": n_prompt - prefilled,
             "n_prefilled": prefilled,
+            # the shared prefix (system prompt) this answer asked the hops for, and whether they had it
+            "prefix_shared_tokens": int(prefix.get("shared_tokens", 0)),
+            "prefix_hit": bool(prefix.get("hit", False)),
             # Tokens this answer sent through the hops: the new prompt tokens, then one per decode step.
             "tokens_sent": len(c.history) - (n_prompt - prefilled),
             "n_generated": self.n_out,

@@ -8,7 +8,8 @@ the playground (webapp/playground/consumers.py) go through here:
   `max_messages(capacity)` or more bytes than `max_prompt_bytes(capacity)`: every message costs at
   least one token, and a prompt of more than PROMPT_BYTES_PER_TOKEN bytes per token of the model's
   context cannot fit it (real text averages about 4);
-* `encode_chat` / `encode_text` then run the work on `pool`, a few threads (llama.cpp releases the GIL)
+* `encode_chat` (`encode_chat_shared` also counts the tokens of its system prompt other users may share)
+  / `encode_text` then run the work on `pool`, a few threads (llama.cpp releases the GIL)
   with a bounded number of prompts admitted at once: past TOKENIZE_QUEUE the request is refused with
   `PromptBusy` (a 503) instead of queueing unbounded CPU work behind the others.
 """
@@ -24,6 +25,7 @@ from typing import TypeVar
 from django.conf import settings
 
 from agent.client.tokenizer import ChatTokenizer
+from webapp.routing.prefix import shared_prefix
 
 T = TypeVar("T")
 
@@ -124,6 +126,23 @@ async def encode_chat(tok: ChatTokenizer, messages: list[dict[str, str]], capaci
     """The chat's prompt ids: sizes checked here, the template rendered and tokenized on `pool`."""
     check_messages(messages, capacity)
     return await pool().run(tok.encode_chat, messages)
+
+
+def _ids_and_shared(tok: ChatTokenizer, messages: list[dict[str, str]]) -> tuple[list[int], int]:
+    ids = tok.encode_chat(messages)
+    return ids, shared_prefix(tok.encode_chat, messages, ids)
+
+
+async def encode_chat_shared(
+    tok: ChatTokenizer, messages: list[dict[str, str]], capacity: int
+) -> tuple[list[int], int]:
+    """The chat's prompt ids, and how many of them other users' sessions may share (its leading system
+    messages, webapp/routing/prefix.py; 0 when ROUTE_PREFIX_SHARING is off). One job on `pool`: the
+    system part is rendered and tokenized a second time there, never on the event loop."""
+    check_messages(messages, capacity)
+    if not settings.ROUTE_PREFIX_SHARING:
+        return await pool().run(tok.encode_chat, messages), 0
+    return await pool().run(_ids_and_shared, tok, messages)
 
 
 async def encode_text(tok: ChatTokenizer, text: str, capacity: int) -> list[int]:

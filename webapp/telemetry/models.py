@@ -19,6 +19,9 @@ class GenerationRecord(models.Model):
     n_prompt = models.IntegerField(default=0)
     n_generated = models.IntegerField(default=0)
     wire_bytes = models.BigIntegerField(default=0)
+    # the shared prefix (a system prompt) the answer asked its hops for, and whether they restored it
+    prefix_shared_tokens = models.IntegerField(default=0)
+    prefix_hit = models.BooleanField(default=False)
     hops = models.JSONField(default=list, help_text="[{url, layers, compute_ms, network_ms}]")
     error = models.TextField(blank=True, default="")
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)

@@ -90,6 +90,8 @@ def record_generation(
         n_prompt=int(num("n_prompt", 2**31 - 1)),
         n_generated=int(num("n_generated", 2**31 - 1)),
         wire_bytes=int(num("wire_bytes", 2**62)),
+        prefix_shared_tokens=int(num("prefix_shared_tokens", 2**31 - 1)),
+        prefix_hit=telemetry.get("prefix_hit") is True,
         hops=hops if isinstance(hops, list) else [],
         error=error[:2000],
     )
