@@ -198,6 +198,47 @@ async def test_a_prompt_beside_decoding_lane_sessions_runs_in_mixed_steps_and_al
         await transport.close()
 
 
+async def test_a_prompt_closed_mid_prefill_beside_the_lane_frees_its_session_and_the_decoders_go_on(
+    node: tuple[DataPlane, str], manifest: Any, signing_key: Any
+) -> None:
+    import asyncio
+
+    dp, url = node
+    want = []
+    for p in (PROMPT, PROMPT[:9]):
+        plain = _client(url, manifest, signing_key, lane=False)
+        try:
+            want.append(await _tokens(plain, 40, p))
+        finally:
+            await plain.close()
+    transport = HopTransport()
+    a, b = (_client(url, manifest, signing_key, transport=transport) for _ in range(2))
+    other = _client(url, manifest, signing_key, lane=False)
+    try:
+        decoding = asyncio.gather(_tokens(a, 40, PROMPT), _tokens(b, 40, PROMPT[:9]))
+        for _ in range(2000):  # until both decode on the lane (bounded poll)
+            if a.lane.steps >= 3 and b.lane.steps >= 3:
+                break
+            await asyncio.sleep(0.005)
+        mixed = dp.stats()["prefill_mixed_chunks"]
+        prompt = asyncio.ensure_future(_tokens(other, 2, (PROMPT * 40)[:500]))
+        for _ in range(2000):  # until the prompt has run a mixed step (bounded poll)
+            if dp.stats()["prefill_mixed_chunks"] > mixed:
+                break
+            await asyncio.sleep(0.005)
+        assert dp.stats()["prefill_mixed_chunks"] > mixed
+        prompt.cancel()
+        await other.close()  # the user went away mid-prompt
+        # the decoders were never held for good, and go on exact
+        assert list(await decoding) == want
+        assert dp.stats()["sessions"] == 2  # the closed prompt's session and KV are gone
+    finally:
+        for c in (a, b, other):
+            await c.close()
+        await transport.close()
+    assert dp.stats()["sessions"] == 0 and dp.stats()["kv_bytes"] == 0
+
+
 async def test_a_session_is_admitted_while_another_sessions_step_is_queued_on_the_shard(
     node: tuple[DataPlane, str], manifest: Any, signing_key: Any
 ) -> None:
