@@ -22,7 +22,9 @@ default_seam_top1_agreement (bench/seam.py's figure, when that script exists). I
 control_plane_tok_s (the playground's answer) and api_tok_s_control_plane (a streamed
 /v1/chat/completions) over the agents the control plane enrolled and placed, and their ratios to the bare
 serve route timed in the same rounds (bench_route_tok_s_same_rounds; ratio_control_plane_vs_bench_route,
-ratio_api_vs_bench_route), since rounds minutes apart on these shared cores differ by up to 2x.
+ratio_api_vs_bench_route), since rounds minutes apart on these shared cores differ by up to 2x;
+aggregate_tok_s_8_sessions_control_plane (8 route-client sessions at once on those agents' hops) and
+ratio_served8_vs_llamacpp8_control_plane (against llama.cpp's 8 sequences).
 Prefix snapshots (issue 32), on the same control plane's agents, each round with a new ~1,500-token
 system prompt (shared_prefix_tokens: the tokens the control plane counts as shareable):
 ttft_ms_no_prefix_reuse (user A's streamed /v1/chat/completions, the system prompt seen for the first
@@ -357,6 +359,22 @@ def playground(args: argparse.Namespace, tok: ChatTokenizer) -> dict[str, Any]:
         )
         api_stream(api, s.model["name"], STORY, 4)  # warm-up
         pg, rc, ap, br, n_pg = [], [], [], [], 0
+        agg8: list[float] = []  # 8 sessions at once on the control plane's agents (issue 32)
+        cp_key = load_private_key(s.data_dir / "route_key.pem")
+        ids = tok.encode_chat(STORY)
+
+        async def eight_sessions(hops: list[dict[str, Any]], n: int) -> float:
+            cp = Route(
+                cp_key,
+                s.model["sha256"],
+                [(h["url"], h["layer_start"], h["layer_end"], h["node"]) for h in hops],
+                DEFAULT_MODE,
+            )
+            try:
+                return await decode_sessions(cp, ids, n, BATCH)
+            finally:
+                await cp.close()  # its transport belongs to this loop
+
         # users A and B, each with a key of their own, for the shared system prompt (issue 32)
         prefix_users = (api_user(s, "prefix-a"), api_user(s, "prefix-b"))
         prefix_rounds: list[dict[str, Any]] = []
@@ -371,6 +389,7 @@ def playground(args: argparse.Namespace, tok: ChatTokenizer) -> dict[str, Any]:
                 ap.append(api_stream(api, s.model["name"], STORY, args.tokens)[1])
                 br.append(asyncio.run(route_answer(s, bare, args.tokens, bare_key)))
                 prefix_rounds.append(shared_prefix_ttft(prefix_users, s.model["name"], tok))
+                agg8.append(asyncio.run(eight_sessions(route, args.tokens // 2)))
         finally:
             stop(procs)
     p, r, a, b = (statistics.median(x) for x in (pg, rc, ap, br))
@@ -393,6 +412,8 @@ def playground(args: argparse.Namespace, tok: ChatTokenizer) -> dict[str, Any]:
         "prefix_hit_no_reuse_rounds": [x["hit_a"] for x in prefix_rounds],
         "prefix_hit_new_user_rounds": [x["hit_b"] for x in prefix_rounds],
         "prefix_shared_tokens_told_rounds": [x["told_a"] for x in prefix_rounds],
+        "aggregate_tok_s_8_sessions_control_plane": round(statistics.median(agg8), 2),
+        "aggregate_tok_s_8_sessions_control_plane_rounds": [round(x, 2) for x in agg8],
         "playground_hops": len(route),
         "playground_tokens": n_pg,
         "playground_tok_s": round(p, 2),
@@ -694,6 +715,11 @@ def main() -> None:
         out["playground_reason"] = "skipped (--no-playground)"
     else:
         out.update(playground(args, tok))
+        if out.get("decode_tok_s_llamacpp_batched_8"):
+            # issue 32's figure: the 8 sessions on the agents the control plane enrolled and placed
+            out["ratio_served8_vs_llamacpp8_control_plane"] = round(
+                out["aggregate_tok_s_8_sessions_control_plane"] / out["decode_tok_s_llamacpp_batched_8"], 3
+            )
     if args.no_seam:
         out["default_seam_top1_agreement"], out["default_seam_reason"] = None, "skipped (--no-seam)"
     else:
