@@ -48,7 +48,7 @@ class PrefixSharing:
         held = []
         try:
             for i in range(len(self.link.hops)):
-                resp = await self.link.post(i, self._frame(i, Op.PREFIX_LOAD, n, digest), self.link.timeout_s)
+                resp = await self.link.post(i, self.frame(i, Op.PREFIX_LOAD, n, digest), self.link.timeout_s)
                 if resp.session_len != n:
                     break
                 held.append(i)
@@ -66,13 +66,14 @@ class PrefixSharing:
         saved = True
         for i in range(len(self.link.hops)):
             try:
-                await self.link.post(i, self._frame(i, Op.PREFIX_SAVE, len(ids), digest), self.link.timeout_s)
+                await self.link.post(i, self.frame(i, Op.PREFIX_SAVE, len(ids), digest), self.link.timeout_s)
             except RouteError as e:
                 log.info("hop %d did not keep the prefix: %s", i, e)
                 saved = False
         return saved
 
-    def _frame(self, i: int, op: Op, n: int, digest: bytes) -> bytes:
+    def frame(self, i: int, op: Op, n: int, digest: bytes) -> bytes:
+        """Hop `i`'s PREFIX_SAVE or PREFIX_LOAD frame for the prefix of `n` ids named by `digest`."""
         return self.link.frame(
             i, op, step=self.link.next_step(), pos_start=n, kind=Kind.DIGEST, payload=digest
         )

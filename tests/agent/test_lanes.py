@@ -50,6 +50,18 @@ async def _tokens(c: RouteClient, n: int = 10, prompt: list[int] = PROMPT) -> li
     return [t async for t, _ in c.generate(prompt, SamplingParams(), n)]
 
 
+async def _alone(url: str, manifest: Any, key: Any, cases: list[tuple[list[int], int]]) -> list[list[int]]:
+    """The tokens each (prompt, n) gets alone on the Python path: what every test compares with."""
+    out = []
+    for prompt, n in cases:
+        plain = _client(url, manifest, key, lane=False)
+        try:
+            out.append(await _tokens(plain, n, prompt))
+        finally:
+            await plain.close()
+    return out
+
+
 async def test_a_lone_session_decodes_on_the_lane_with_the_tokens_of_the_python_path(
     node: tuple[DataPlane, str], manifest: Any, signing_key: Any
 ) -> None:
@@ -130,13 +142,7 @@ async def test_sessions_share_the_lane_in_bundles_and_another_sessions_prompt_ru
 
     dp, url = node
     prompts = [PROMPT, PROMPT[:9]]
-    want = []
-    for p in prompts:
-        plain = _client(url, manifest, signing_key, lane=False)
-        try:
-            want.append(await _tokens(plain, 16, p))
-        finally:
-            await plain.close()
+    want = await _alone(url, manifest, signing_key, [(p, 16) for p in prompts])
     transport = HopTransport()
     a, b = (_client(url, manifest, signing_key, transport=transport) for _ in prompts)
     other = _client(url, manifest, signing_key, lane=False)
@@ -169,13 +175,7 @@ async def test_a_prompt_beside_decoding_lane_sessions_runs_in_mixed_steps_and_al
 
     dp, url = node
     long_prompt = (PROMPT * 10)[:120]
-    want = []
-    for p, n in ((PROMPT, 40), (PROMPT[:9], 40), (long_prompt, 4)):
-        plain = _client(url, manifest, signing_key, lane=False)
-        try:
-            want.append(await _tokens(plain, n, p))
-        finally:
-            await plain.close()
+    want = await _alone(url, manifest, signing_key, [(PROMPT, 40), (PROMPT[:9], 40), (long_prompt, 4)])
     transport = HopTransport()
     a, b = (_client(url, manifest, signing_key, transport=transport) for _ in range(2))
     other = _client(url, manifest, signing_key, lane=False)
@@ -204,13 +204,7 @@ async def test_a_prompt_closed_mid_prefill_beside_the_lane_frees_its_session_and
     import asyncio
 
     dp, url = node
-    want = []
-    for p in (PROMPT, PROMPT[:9]):
-        plain = _client(url, manifest, signing_key, lane=False)
-        try:
-            want.append(await _tokens(plain, 40, p))
-        finally:
-            await plain.close()
+    want = await _alone(url, manifest, signing_key, [(PROMPT, 40), (PROMPT[:9], 40)])
     transport = HopTransport()
     a, b = (_client(url, manifest, signing_key, transport=transport) for _ in range(2))
     other = _client(url, manifest, signing_key, lane=False)

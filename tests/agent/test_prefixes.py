@@ -17,7 +17,7 @@ from agent.client.recovery import minted_hops
 from agent.client.route import RouteClient
 from agent.node.dataplane import DataPlane, start_dataplane
 from agent.node.prefixes import PrefixEntry, PrefixStore
-from agent.wire.frames import Kind, Op
+from agent.wire.frames import Op
 from agent.wire.ids import SessionId
 from agent.wire.prefix import prefix_digest
 from agent.wire.routetoken import RouteHop
@@ -109,37 +109,16 @@ async def test_a_save_keeps_only_a_session_at_exactly_the_prefix_checked_against
         n = len(SYSTEM)
         # the session went past the prefix: its continuation is never kept under the prefix's name
         for i in range(2):
-            frame = link.frame(
-                i,
-                Op.PREFIX_SAVE,
-                step=link.next_step(),
-                pos_start=n,
-                kind=Kind.DIGEST,
-                payload=prefix_digest(SYSTEM),
-            )
+            frame = c.prefix.frame(i, Op.PREFIX_SAVE, n, prefix_digest(SYSTEM))
             with pytest.raises(RouteError, match="bad_position|holds"):
                 await link.post(i, frame)
         await c.truncate(n)
         # the last hop holds the ids: another text's digest at the right length is refused there
-        wrong = link.frame(
-            1,
-            Op.PREFIX_SAVE,
-            step=link.next_step(),
-            pos_start=n,
-            kind=Kind.DIGEST,
-            payload=prefix_digest(list(reversed(SYSTEM))),
-        )
+        wrong = c.prefix.frame(1, Op.PREFIX_SAVE, n, prefix_digest(list(reversed(SYSTEM))))
         with pytest.raises(RouteError, match="prefix_mismatch|digest"):
             await link.post(1, wrong)
         # and a restore goes into an empty session only
-        load = link.frame(
-            0,
-            Op.PREFIX_LOAD,
-            step=link.next_step(),
-            pos_start=n,
-            kind=Kind.DIGEST,
-            payload=prefix_digest(SYSTEM),
-        )
+        load = c.prefix.frame(0, Op.PREFIX_LOAD, n, prefix_digest(SYSTEM))
         with pytest.raises(RouteError, match="bad_position|empty"):
             await link.post(0, load)
     finally:

@@ -117,40 +117,52 @@ def _colour(i: int) -> str:
     return f"hsl({(i % PREFILL_COLOURS) * 137 % 360} 60% 40%)"  # app.js's palette
 
 
-def _batch_plot(points: Sequence[list[Any]], span: tuple[float, float], minutes: float) -> Plot:
-    steps, tokens = _latest(points, 1, MAX_BATCH_STEPS), _latest(points, 2, MAX_POSITIONS)
-    if steps is None or tokens is None:
+def _two_lines(
+    points: Sequence[list[Any]],
+    span: tuple[float, float],
+    cols: tuple[tuple[int, str, float], tuple[int, str, float]],
+    title: str,
+    describe: tuple[str, str, str],
+    shared_scale: bool = True,
+) -> Plot:
+    """A plot of two of the points' columns ((index, colour, ceiling): solid, then dashed) titled
+    `title`; `describe` = (what the lines are, the caption and the label's "now" text, each formatted
+    with the latest two values as a and b)."""
+    (ia, ca, ha), (ib, cb, hb) = cols
+    a, b = _latest(points, ia, ha), _latest(points, ib, hb)
+    if a is None or b is None:
         caption = "not reported"
-        label = f"Batch size per backend call, last {minutes:.0f} min: not reported by this agent"
+        label = f"{title}: not reported by this agent"
     else:
-        caption = f"batch {steps:.1f} steps · {tokens:.0f} pos"
-        label = (
-            f"Batch size per backend call, last {minutes:.0f} min (steps solid, positions dashed, "
-            f"each on its own scale): now {steps:.1f} steps of distinct sessions, {tokens:.0f} positions"
-        )
-    lines = [
-        Line(_series(points, 1), ACCENT, hi=MAX_BATCH_STEPS),
-        Line(_series(points, 2), WARN, dashed=True, hi=MAX_POSITIONS),
-    ]
-    return Plot(sparkline(lines, label, span, shared_scale=False), caption, label)
+        caption = describe[1].format(a=a, b=b)
+        label = f"{title} ({describe[0]}): " + describe[2].format(a=a, b=b)
+    lines = [Line(_series(points, ia), ca, hi=ha), Line(_series(points, ib), cb, dashed=True, hi=hb)]
+    return Plot(sparkline(lines, label, span, shared_scale=shared_scale), caption, label)
+
+
+def _batch_plot(points: Sequence[list[Any]], span: tuple[float, float], minutes: float) -> Plot:
+    return _two_lines(
+        points,
+        span,
+        ((1, ACCENT, MAX_BATCH_STEPS), (2, WARN, MAX_POSITIONS)),
+        f"Batch size per backend call, last {minutes:.0f} min",
+        (
+            "steps solid, positions dashed, each on its own scale",
+            "batch {a:.1f} steps · {b:.0f} pos",
+            "now {a:.1f} steps of distinct sessions, {b:.0f} positions",
+        ),
+        shared_scale=False,
+    )
 
 
 def _wait_plot(points: Sequence[list[Any]], span: tuple[float, float], minutes: float) -> Plot:
-    p50, p95 = _latest(points, 3, MAX_BATCH_MS), _latest(points, 4, MAX_BATCH_MS)
-    if p50 is None or p95 is None:
-        caption = "not reported"
-        label = f"Queue wait for a batch, last {minutes:.0f} min: not reported by this agent"
-    else:
-        caption = f"wait p50 {p50:.1f} · p95 {p95:.1f} ms"
-        label = (
-            f"Queue wait for a batch, last {minutes:.0f} min (p50 solid, p95 dashed): "
-            f"now p50 {p50:.1f} ms, p95 {p95:.1f} ms"
-        )
-    lines = [
-        Line(_series(points, 3), ACCENT, hi=MAX_BATCH_MS),
-        Line(_series(points, 4), BAD, dashed=True, hi=MAX_BATCH_MS),
-    ]
-    return Plot(sparkline(lines, label, span), caption, label)
+    return _two_lines(
+        points,
+        span,
+        ((3, ACCENT, MAX_BATCH_MS), (4, BAD, MAX_BATCH_MS)),
+        f"Queue wait for a batch, last {minutes:.0f} min",
+        ("p50 solid, p95 dashed", "wait p50 {a:.1f} · p95 {b:.1f} ms", "now p50 {a:.1f} ms, p95 {b:.1f} ms"),
+    )
 
 
 def _prefill_plot(points: Sequence[list[Any]], span: tuple[float, float], minutes: float) -> Plot:
