@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from agent.artifacts.manifest import Manifest
+from agent.backends.sampling import sample
 from agent.wire.frames import HiddenDtype
 from agent.wire.ids import SessionId
 from agent.wire.sampling import SamplingParams
@@ -118,6 +119,17 @@ class Backend(ABC):
         before `n_tokens` ("checkpoint") or to 0 ("from_zero"), and the caller re-prefills the rest."""
         self.truncate(sid, n_tokens)
         return n_tokens, "exact"
+
+    def sample_position(
+        self, logits: np.ndarray, sampling: SamplingParams, position: int, history: list[int] | None
+    ) -> tuple[int, float]:
+        """The token this backend's forward would sample from one position's logits (a speculative
+        verification samples every position of a step as plain decoding samples each one)."""
+        return sample(logits, sampling, position, history)
+
+    def checkpoint(self, sid: SessionId) -> None:  # noqa: B027 - KV-only backends truncate exactly anyway
+        """Keep the session's fixed-size state at its length now, so a truncate_to into the positions
+        after it comes back here exactly (a speculative verification's rows are cut back so)."""
 
     @abstractmethod
     def forward(self, step: StepInput) -> ForwardResult:

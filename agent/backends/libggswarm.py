@@ -232,6 +232,10 @@ class NativeModel:
         )
         return n.value, TRUNCATE_KINDS.get(kind.value, f"kind {kind.value}")
 
+    def checkpoint(self, sid: int) -> None:
+        """A checkpoint of the session's fixed-size state at its length now (no-op without such state)."""
+        self._call(self._lib.ggswarm_session_checkpoint, sid)
+
     def set_checkpoints(self, every_n_tokens: int, max_per_session: int) -> None:
         """Recurrent windows: a checkpoint every `every_n_tokens` positions (0: only at the ends of
         multi-token forward calls), at most `max_per_session` per session."""

@@ -19,6 +19,7 @@ from agent.backends.base import (
 )
 from agent.backends.ggswarm_lib import GGSWARM_E_BUDGET, GGSWARM_MAX_STEPS, NativeError, load_library
 from agent.backends.libggswarm import NativeBudget, NativeModel, sampling_struct
+from agent.backends.libggswarm import sample as native_sample
 from agent.wire.ids import SessionId
 from agent.wire.sampling import SamplingParams
 
@@ -132,6 +133,12 @@ class NativeBackend(Backend):
         except NativeError as e:
             raise _error(e) from None
 
+    def checkpoint(self, sid: SessionId) -> None:
+        try:
+            self.model.checkpoint(self._sid(sid))
+        except NativeError as e:
+            raise _error(e) from None
+
     def kv_bytes(self, sid: SessionId | None = None) -> int:
         return self.model.kv_bytes(-1 if sid is None else self._sid(sid))
 
@@ -198,6 +205,16 @@ class NativeBackend(Backend):
             "want_logits": st.want_logits,
             "hidden_dtype": st.hidden_dtype,
         }
+
+    def sample_position(
+        self, logits: np.ndarray, sampling: SamplingParams, position: int, history: list[int] | None
+    ) -> tuple[int, float]:
+        """The library's own sampler (its forward samples with it), not the Python reference."""
+        p = sampling
+        params = sampling_struct(
+            p.temperature, p.top_k, p.top_p, p.min_p, p.repeat_penalty, p.repeat_last_n, p.seed
+        )
+        return native_sample(logits, params, position, _penalised(history, p))
 
     @staticmethod
     def _result(out: dict[str, Any], want_logits: bool) -> ForwardResult:

@@ -109,6 +109,7 @@ class RouteLink:
         send: bool = False,
         want_logits: bool = False,
         chained: bool = False,
+        sample_all: bool = False,
     ) -> bytes:
         """Hop `i`'s FORWARD frame for `st`, whose token ids are `ids`. The hop that samples gets
         `sampling` (when `send`: it changed, or when it has not seen it yet) and `want_logits`: the last
@@ -130,6 +131,7 @@ class RouteLink:
             sampling=sampling if samples and (send or resend) else None,
             history=list(ids) if last else None,
             want_logits=want_logits and samples,
+            sample_all=sample_all,  # every hop runs a verification one position at a time
             token_ids=np.asarray(ids, dtype="<i4")
             if st.kind != Kind.IDS and self.hops[i].layer_start < self.token_id_layers
             else None,

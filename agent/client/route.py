@@ -20,6 +20,7 @@ from agent.client.lane import LaneRoute, lanes_wanted
 from agent.client.link import HopStats, RouteLink, Step
 from agent.client.prefix import PrefixSharing, prefix_step, shareable
 from agent.client.recovery import Hop, RecoveryPolicy, Replacement, ReplacementProvider
+from agent.client.spec import MAX_DRAFT, Drafter, NgramDrafter, SpecStats, accepted
 from agent.client.tokenizer import ChatTokenizer, StreamDecoder
 from agent.client.transport import HopTransport
 from agent.wire.bundle import BUNDLE_STEP_TOKENS
@@ -109,6 +110,9 @@ class RouteClient:
         self.last_prefilled = 0
         self.last_truncate: dict[str, Any] = {}
         self.last_response: Response | None = None  # the step that sampled the token being yielded
+        self.last_spec = SpecStats()  # the latest generate's speculation (agent/client/spec.py)
+        # hops hold a verification's rejected drafts past the history: the next frame cuts them off
+        self._hops_ahead = False
         self._sent_sampling: SamplingParams | None = None
         # A shared transport (agent/client/transport.py) bundles this session's small steps with other
         # sessions' for the same hop; without one the client has its own connections, nothing to bundle.
@@ -236,8 +240,11 @@ class RouteClient:
             with contextlib.suppress(RouteError):
                 await link.post(i, link.plain_frame(i, Op.TRUNCATE, pos), self.policy.deadline_floor_s * 2)
 
-    async def forward(self, ids: list[int], sampling: SamplingParams, want_logits: bool = False) -> Response:
-        """Append `ids` to the session on every hop; returns the last hop's answer (sampled token)."""
+    async def forward(
+        self, ids: list[int], sampling: SamplingParams, want_logits: bool = False, sample_all: bool = False
+    ) -> Response:
+        """Append `ids` to the session on every hop; returns the last hop's answer (sampled token; with
+        `sample_all`, Kind.TOKENS: the token sampled at every position, a speculative verification)."""
         if not ids:
             raise RouteError("nothing to forward")
         if len(self.history) + len(ids) > self.capacity:
@@ -255,11 +262,12 @@ class RouteClient:
         # a step this small may share a message with other sessions' (its answer waits for theirs);
         # with no other client on the transport there is nobody to share with: a lone session does
         # not wait the loop turn that would find that out, on every hop of every step
-        bundle = inp.n <= BUNDLE_STEP_TOKENS and not want_logits and shared
+        bundle = inp.n <= BUNDLE_STEP_TOKENS and not want_logits and not sample_all and shared
         t0 = time.perf_counter()
         if self.mode == "chain" or len(link.hops) == 1:
             try:
-                laned = await self.lane.step(inp, ids, send, want_logits, shared)
+                python_only = want_logits or sample_all or self._hops_ahead
+                laned = await self.lane.step(inp, ids, send, python_only, shared)
             except RouteError as e:  # a lane step past its deadline: a hung hop, as on the Python path
                 await failover.fail(e)  # replaced (the hops brought back to the history), or raised
                 laned = None
@@ -268,7 +276,17 @@ class RouteClient:
             else:
                 # a frame on the Python path takes the session off every lane it reaches (lanes.py)
                 await self.lane.drop()
-                frame = partial(link.forward_frame, 0, inp, ids, sampling, send, want_logits, chained=True)
+                frame = partial(
+                    link.forward_frame,
+                    0,
+                    inp,
+                    ids,
+                    sampling,
+                    send,
+                    want_logits,
+                    chained=True,
+                    sample_all=sample_all,
+                )
                 resp = await failover.call(0, frame, inp.n, bundle)
             rtt_ms = (time.perf_counter() - t0) * 1e3
             net_ms = rtt_ms - sum(t.handler_us for t in resp.timings) / 1e3
@@ -282,13 +300,16 @@ class RouteClient:
         else:
             for i in range(len(link.hops)):
                 t1 = time.perf_counter()
-                frame = partial(link.forward_frame, i, inp, ids, sampling, send, want_logits)
+                frame = partial(
+                    link.forward_frame, i, inp, ids, sampling, send, want_logits, sample_all=sample_all
+                )
                 resp = await failover.call(i, frame, inp.n, bundle)
                 self._account(i, resp, t1)
                 failover.record(i, inp)
                 link.resend_sampling[i] = False
                 inp = Step(pos, resp.n_tokens, resp.kind, resp.dim, bytes(resp.payload))
         self.history.extend(ids)
+        self._hops_ahead = False
         failover.pending_ids = []
         self._sent_sampling = sampling
         link.chain_sent = self.mode == "chain"
@@ -342,6 +363,8 @@ class RouteClient:
         stop_ids: set[int] | None = None,
         want_logits: bool = False,
         shared_prefix: int = 0,
+        speculate: int = 0,
+        drafter: Drafter | None = None,
     ) -> AsyncIterator[tuple[int, float]]:
         """Bring the KV to `prompt_ids` (reusing the common prefix), then yield sampled (token, logprob).
 
@@ -350,7 +373,11 @@ class RouteClient:
         next session when they do not (prefix.py); the tokens are the same either way.
 
         With `want_logits` the last hop also returns the raw logits of the position each token was
-        sampled at: `self.last_response.logits()[-1]` while the token is being consumed."""
+        sampled at: `self.last_response.logits()[-1]` while the token is being consumed.
+
+        `speculate`: drafts of up to that many tokens (`drafter`, else prompt lookup) are verified in
+        one step of the route each (spec.py); the tokens are the plain ones, `last_spec` says how many
+        drafts each round trip accepted."""
         common = 0
         for a, b in zip(self.history, prompt_ids, strict=False):
             if a != b:
@@ -372,6 +399,12 @@ class RouteClient:
         for i, chunk in enumerate(chunks):
             resp = await self.forward(chunk, sampling, want_logits=want_logits and i == len(chunks) - 1)
         token, logprob = self._sampled(resp)
+        self.last_spec = SpecStats()
+        if speculate > 0 and not want_logits:
+            steps = self._speculative(token, logprob, sampling, max_tokens, stop_ids, speculate, drafter)
+            async for item in steps:
+                yield item
+            return
         for n in range(max_tokens):
             self.last_response = resp
             yield token, logprob
@@ -381,6 +414,67 @@ class RouteClient:
                 raise ContextLimitError(f"context limit of {self.capacity} tokens reached")
             resp = await self.forward([token], sampling, want_logits=want_logits)
             token, logprob = self._sampled(resp)
+
+    async def _speculative(
+        self,
+        token: int,
+        logprob: float,
+        sampling: SamplingParams,
+        max_tokens: int,
+        stop_ids: set[int] | None,
+        speculate: int,
+        drafter: Drafter | None,
+    ) -> AsyncIterator[tuple[int, float]]:
+        """generate's decode loop with drafts: each step sends the newest token and a draft, the hops
+        sample every position, the drafts equal to those samples stand and the rest are cut back."""
+        drafter = drafter or NgramDrafter()
+        stats = self.last_spec
+        context = [*self.history, token]  # every token decided so far; the KV holds all but the last
+        ready = [(token, logprob)]  # decided, not yet yielded; only the last is not in the KV
+        produced = 0
+        while True:
+            for item in ready:
+                self.last_response = None
+                yield item
+                produced += 1
+                if (stop_ids and item[0] in stop_ids) or produced == max_tokens:
+                    return
+            token = ready[-1][0]
+            room = self.capacity - len(context)
+            if room < 0:
+                raise ContextLimitError(f"context limit of {self.capacity} tokens reached")
+            # drafts past the answer's end or the context's would be computed for nothing
+            k = min(speculate, MAX_DRAFT, room, max_tokens - produced - 1)
+            drafts = drafter.propose(context, k)[:k] if k > 0 else []
+            if not drafts:
+                stats.plain_steps += 1
+                ready = [self._sampled(await self.forward([token], sampling))]
+                context.append(ready[0][0])
+                continue
+            base = len(self.history)
+            resp = await self.forward([token, *drafts], sampling, sample_all=True)
+            if resp.kind != Kind.TOKENS or resp.n_tokens != len(drafts) + 1:
+                raise RouteError(
+                    f"the last hop answered {resp.kind.name} x {resp.n_tokens} to a verification of "
+                    f"{len(drafts) + 1} positions",
+                    status=502,
+                    code="bad_verification",
+                    hop=len(self.hops) - 1,
+                )
+            sampled, lps = resp.tokens()
+            m = accepted(drafts, sampled)
+            stats.record(len(drafts), m)
+            context.extend(drafts[:m])
+            keep = base + 1 + m  # the token sent and the drafts that stood
+            if keep < len(self.history):
+                # no round trip to cut the hops back: each goes back when the next frame arrives at
+                # `keep` (agent/node/verify.py), so that frame must take the Python path, not a lane
+                del self.history[keep:]
+                for i in range(len(self.hops)):
+                    self.failover.cut(i, keep)
+                self._hops_ahead = True
+            ready = [*zip(drafts[:m], lps[:m], strict=True), (sampled[m], lps[m])]
+            context.append(sampled[m])
 
     async def _shared_prefix(self, ids: list[int], sampling: SamplingParams, common: int) -> int:
         """Bring every hop to exactly `ids` from their prefix snapshots, or prefill them and ask the

@@ -81,6 +81,7 @@ class NextHops:
             # layers further down that route by token id get the ids with the hidden states
             token_ids=_ids_for_next(req, shard) if out.kind in (Kind.F16, Kind.F32) else None,
             want_logits=req.want_logits,
+            sample_all=req.sample_all,
             f16_out=req.f16_out,
             # The full chain travels once per route; later steps only say "as before".
             chain=rest if req.chain else [],

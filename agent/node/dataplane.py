@@ -29,8 +29,9 @@ from agent.node.prefixes import PrefixOps, PrefixStore, cache_bytes_from_env
 from agent.node.scheduler import CHUNK_TOKENS, MAX_BATCH_TOKENS, ShardScheduler
 from agent.node.sessions import SessionState, SessionTable
 from agent.node.shard import Shard, Shards, evictable
-from agent.node.steps import frame_step, local_answer, run_step
+from agent.node.steps import frame_step, local_answer, run_step, sample_positions
 from agent.node.stream import StreamView
+from agent.node.verify import can_cut_into, rewind, run_rows
 from agent.wire.frames import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
@@ -305,8 +306,7 @@ class DataPlane:
             # in flight is waited for off the event loop (a hung next hop must not stop this node)
             await self.lane.leave(s)
         if req.op == Op.TRUNCATE:
-            async with shard.lock:
-                return self._truncate(req, s)
+            return await self._truncate(req, shard, s)
         if req.op in (Op.PREFIX_SAVE, Op.PREFIX_LOAD):
             return await self.prefix_ops.handle(req, shard, s)
         return await self._forward(req, body, shard, s)
@@ -342,7 +342,7 @@ class DataPlane:
         self.sessions.add(state)
         return encode_response(Response(step=0, kind=Kind.NONE, session_len=0))
 
-    def _truncate(self, req: Request, s: SessionState) -> bytes:
+    async def _truncate(self, req: Request, shard: Shard, s: SessionState) -> bytes:
         cur = s.backend.session_len(s.sid)
         if req.pos_start > cur:
             raise DataPlaneError(
@@ -350,11 +350,10 @@ class DataPlane:
             )
         # a backend keeping recurrent state goes back to its newest checkpoint at or before the
         # position (or to 0): session_len says where, and the route re-prefills from there
-        held, how = s.backend.truncate_to(s.sid, req.pos_start)
+        held, how = await rewind(s, req.pos_start, shard.lock)
         if how != "exact":
             self.counters[f"truncate_{how}"] = self.counters.get(f"truncate_{how}", 0) + 1
             log.info("truncate to %d: %s, session holds %d", req.pos_start, how, held)
-        del s.history[held:]
         s.last_step = max(s.last_step, req.step)
         s.last_digest, s.last_output = b"", b""
         return encode_response(Response(step=req.step, kind=Kind.NONE, session_len=held))
@@ -396,14 +395,25 @@ class DataPlane:
             raise DataPlaneError(
                 409, "no_chain", "cached-chain frame but this session never received a chain"
             )
+        if req.pos_start < s.backend.session_len(s.sid) and can_cut_into(s, req.pos_start):
+            # the step after a speculative verification starts where its drafts stopped standing
+            _held, how = await rewind(s, req.pos_start, shard.lock)
+            self.counters[f"verify_cut_{how}"] = self.counters.get(f"verify_cut_{how}", 0) + 1
         history_len = len(s.history)
         step = frame_step(req, shard.spec, shard.backend.boundary_dim, s)
-        # queued with other sessions' steps when the backend batches (agent/node/scheduler.py)
-        res = await run_step(shard.scheduler, s, step, history_len)
+        if req.sample_all:  # one position at a time, as plain decode steps (agent/node/verify.py)
+            res = await run_rows(shard.scheduler, s, step, history_len)
+        else:
+            # queued with other sessions' steps when the backend batches (agent/node/scheduler.py)
+            res = await run_step(shard.scheduler, s, step, history_len)
+            s.verify = None
         self.counters["tokens_in"] += req.n_tokens
         if res.token is not None:
             self.counters["tokens_out"] += 1
-        local = local_answer(req, res, req.pos_start + req.n_tokens)
+        sampled = None
+        if req.sample_all and res.token is not None and res.logits is not None:
+            sampled = await asyncio.to_thread(sample_positions, s, req, res.logits)
+        local = local_answer(req, res, req.pos_start + req.n_tokens, sampled)
         # The stored answer is bounded (and counted in held_bytes); a bigger one is recomputed on retry.
         s.last_step, s.last_digest = req.step, digest
         s.last_output = local if len(local) <= RETRY_CACHE_MAX else b""

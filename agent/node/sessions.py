@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from agent import defaults
-from agent.backends.base import AdmissionError, Backend
+from agent.backends.base import AdmissionError, Backend, StepInput
 from agent.wire.frames import ChainHop
 from agent.wire.ids import SessionId
 from agent.wire.sampling import SamplingParams
@@ -25,6 +25,20 @@ class LaneSeat(Protocol):
     def take_off(self, s: SessionState) -> None: ...
 
     def idle_s(self) -> float: ...
+
+
+@dataclass
+class Verification:
+    """A session's latest verification step: where it began and its inputs, kept so that a cut back
+    into it is exact even where the state is recurrent (the rows after the checkpoint run again)."""
+
+    pos: int
+    step: StepInput
+
+    @property
+    def end(self) -> int:
+        n = self.step.token_ids if self.step.token_ids is not None else self.step.hidden
+        return self.pos + (0 if n is None else len(n))
 
 
 @dataclass
@@ -46,6 +60,8 @@ class SessionState:
     busy: bool = False
     last_used: float = field(default_factory=time.monotonic)
     lane: LaneSeat | None = None  # its decode steps run on the node's native lane (agent/node/lanes.py)
+    # its latest speculative verification step (agent/node/verify.py), while a cut back into it is open
+    verify: Verification | None = None
 
     @property
     def key(self) -> SessionKey:

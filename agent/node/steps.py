@@ -25,6 +25,7 @@ from agent.wire.frames import (
     hidden_kind,
     numpy_dtype,
 )
+from agent.wire.sampling import SamplingParams
 
 
 def frame_step(req: Request, spec: ShardSpec, boundary_dim: int, s: SessionState) -> StepInput:
@@ -86,9 +87,28 @@ def frame_step(req: Request, spec: ShardSpec, boundary_dim: int, s: SessionState
         hidden=hidden,
         sampling=s.sampling,
         history=history,
-        want_logits=req.want_logits,
+        # a verification samples every position: the last shard needs every position's logits
+        want_logits=req.want_logits or (req.sample_all and spec.is_last),
         hidden_dtype=out_dtype(req),
     )
+
+
+def sample_positions(s: SessionState, req: Request, logits: np.ndarray) -> tuple[list[int], list[float]]:
+    """Speculative verification (Flag.SAMPLE_ALL): the token plain decoding would sample at every
+    position of the step, each from its own logits, position and history (the history ends with that
+    position's input, as it did when a plain step ran it). The draw is a pure function of (seed,
+    position), so where a draft token equals the sample here, plain decoding would have produced it."""
+    sampling = s.sampling or SamplingParams()
+    n = req.n_tokens
+    base = len(s.history) - n  # the step's inputs are the history's last n ids
+    ids: list[int] = []
+    lps: list[float] = []
+    for i in range(n):
+        hist = s.history[: base + i + 1] if sampling.repeat_penalty != 1.0 else None
+        tok, lp = s.backend.sample_position(logits[i], sampling, req.pos_start + i, hist)
+        ids.append(tok)
+        lps.append(lp)
+    return ids, lps
 
 
 async def run_step(
@@ -114,11 +134,19 @@ async def run_step(
         s.busy = False
 
 
-def local_answer(req: Request, res: ForwardResult, end: int) -> bytes:
-    """This hop's response frame for a step that ended at position `end`."""
+def local_answer(
+    req: Request, res: ForwardResult, end: int, sampled: tuple[list[int], list[float]] | None = None
+) -> bytes:
+    """This hop's response frame for a step that ended at position `end` (`sampled`: every position's
+    token and logprob, for a verification step)."""
     if res.token is not None:
         kind, n, dim, payload = Kind.TOKEN, 0, 0, b""
-        if req.want_logits and res.logits is not None:
+        if sampled is not None:
+            kind, n = Kind.TOKENS, len(sampled[0])
+            payload = (
+                np.asarray(sampled[0], dtype="<i4").tobytes() + np.asarray(sampled[1], dtype="<f4").tobytes()
+            )
+        elif req.want_logits and res.logits is not None:
             kind, n, dim = Kind.LOGITS, res.logits.shape[0], res.logits.shape[1]
             payload = np.ascontiguousarray(res.logits, dtype=np.float32).tobytes()
         return encode_response(

@@ -36,6 +36,9 @@ MAX_STEP = 2**62
 # Logits are n_tokens x vocab float32: a prefill asking for all of them would answer megabytes per
 # request byte. 32 MiB covers 128 positions of a 64K vocabulary (teacher forcing in chunks).
 MAX_LOGITS_BYTES = 32 << 20
+# A verification step (Flag.SAMPLE_ALL) computes logits for every position on the last hop: a draft of
+# at most 15 tokens plus the token it follows.
+MAX_SAMPLE_ALL_TOKENS = 16
 CONTEXT_CAP = 131072  # product-wide hard cap (128K), applied on top of the model's own limit
 
 # magic, version, op, flags, session, step, pos_start, n_tokens, kind, token_len, dim, payload_len
@@ -64,6 +67,7 @@ class Flag(IntFlag):
     F16_OUT = 16  # hidden output as float16
     CHAIN_CACHED = 32  # forward along the next hops this session's earlier CHAIN frame named
     TOKEN_IDS = 64  # n_tokens int32 token ids follow the optional blocks, before a hidden payload
+    SAMPLE_ALL = 128  # last shard samples every position (speculative verification): Kind.TOKENS back
 
 
 class Kind(IntEnum):
@@ -75,6 +79,7 @@ class Kind(IntEnum):
     LOGITS = 5  # response: float32 logits n_tokens x dim (dim = vocab) + the sampled token
     LANE = 6  # response to Op.LANE: LANE_INFO (the hop's lane id, port and key for the session)
     DIGEST = 7  # request of Op.PREFIX_SAVE / PREFIX_LOAD: the prefix's digest (agent/wire/prefix.py)
+    TOKENS = 8  # response to Flag.SAMPLE_ALL: n_tokens int32 sampled ids, then their n float32 logprobs
 
 
 # The element type of hidden states at a seam, spelled as frames, the command line and the backends
@@ -106,7 +111,7 @@ _ALL_FLAGS = sum(int(m) for m in Flag)
 # plain ints: `int & IntFlag` goes through IntFlag.__rand__ and builds a member
 _F_SAMPLING, _F_HISTORY, _F_WANT_LOGITS = int(Flag.SAMPLING), int(Flag.HISTORY), int(Flag.WANT_LOGITS)
 _F_CHAIN, _F_F16_OUT, _F_CHAIN_CACHED = int(Flag.CHAIN), int(Flag.F16_OUT), int(Flag.CHAIN_CACHED)
-_F_TOKEN_IDS = int(Flag.TOKEN_IDS)
+_F_TOKEN_IDS, _F_SAMPLE_ALL = int(Flag.TOKEN_IDS), int(Flag.SAMPLE_ALL)
 _U8, _U16, _U32 = struct.Struct("<B"), struct.Struct("<H"), struct.Struct("<I")
 
 
@@ -137,6 +142,7 @@ class Request:
     sampling: SamplingParams | None = None
     history: list[int] | None = None
     want_logits: bool = False
+    sample_all: bool = False  # the last shard samples every position and answers Kind.TOKENS
     f16_out: bool = False
     chain: list[ChainHop] = field(default_factory=list)
     chain_cached: bool = False
@@ -181,6 +187,13 @@ class Response:
     def logits(self) -> np.ndarray:
         return np.frombuffer(self.payload, dtype=np.float32).reshape(self.n_tokens, self.dim)
 
+    def tokens(self) -> tuple[list[int], list[float]]:
+        """Kind.TOKENS: the token sampled at each position of the step and its logprob."""
+        n = self.n_tokens
+        ids = np.frombuffer(self.payload, dtype="<i4", count=n).tolist()
+        lps = np.frombuffer(self.payload, dtype="<f4", count=n, offset=4 * n).tolist()
+        return ids, lps
+
 
 # the answer to Op.LANE: the hop's lane id for the session, its lane's port, and the session's key there
 LANE_INFO = struct.Struct("<QI4x32s")
@@ -195,6 +208,8 @@ def payload_size(kind: Kind, n_tokens: int, dim: int) -> int:
         return DIGEST_BYTES
     if kind == Kind.IDS:
         return 4 * n_tokens
+    if kind == Kind.TOKENS:
+        return 8 * n_tokens
     if kind in (Kind.F32, Kind.LOGITS):
         return 4 * n_tokens * dim
     if kind == Kind.F16:
@@ -225,6 +240,8 @@ def encode_request(r: Request) -> bytes:
         tail.append(_U32.pack(len(h)) + np.asarray(h, dtype="<i4").tobytes())
     if r.want_logits:
         flags |= _F_WANT_LOGITS
+    if r.sample_all:
+        flags |= _F_SAMPLE_ALL
     if r.f16_out:
         flags |= _F_F16_OUT
     if r.chain_cached:
@@ -365,6 +382,11 @@ def decode_request(data: bytes | memoryview) -> Request:
             raise FrameError(f"history of {count} ids exceeds {MAX_HISTORY}", 413)
         req.history = np.frombuffer(rd.take(4 * count, "history"), dtype="<i4").tolist()
     req.want_logits = bool(flags & _F_WANT_LOGITS)
+    req.sample_all = bool(flags & _F_SAMPLE_ALL)
+    if req.sample_all and (op_e != Op.FORWARD or n > MAX_SAMPLE_ALL_TOKENS):
+        raise FrameError(
+            f"a verification step is a FORWARD of at most {MAX_SAMPLE_ALL_TOKENS} positions", 413
+        )
     req.f16_out = bool(flags & _F_F16_OUT)
     req.chain_cached = bool(flags & _F_CHAIN_CACHED)
     if req.chain_cached and flags & _F_CHAIN:

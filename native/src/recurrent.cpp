@@ -204,6 +204,15 @@ ggswarm_status ggswarm_session_truncate_to(ggswarm_model * m, int64_t sid, int32
     return ok(m);
 }
 
+ggswarm_status ggswarm_session_checkpoint(ggswarm_model * m, int64_t sid) {
+    GGSWARM_LOCK(m);
+    if (!m) return fail(nullptr, GGSWARM_E_INVALID_ARG, "model is NULL");
+    Session * s = find_session(m, sid);
+    if (!s) return no_session(m, sid);
+    take_checkpoint(m, *s);
+    return ok(m);
+}
+
 ggswarm_status ggswarm_set_checkpoints(ggswarm_model * m, int32_t every_n_tokens, int32_t max_per_session) {
     GGSWARM_LOCK(m);
     if (!m) return fail(nullptr, GGSWARM_E_INVALID_ARG, "model is NULL");

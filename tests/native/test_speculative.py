@@ -1,0 +1,108 @@
+"""Speculative decoding over 3 native hops of every state kind: the tokens are the plain route's, token
+for token, and a rejected draft leaves every hop's state as if it had never been sent: bit for bit the
+plain route's state (a verification runs its rows as decode steps, agent/node/verify.py)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from agent.artifacts.manifest import build_manifest
+from agent.artifacts.tiny import write_tiny_gguf
+from agent.client.recovery import minted_hops
+from agent.client.route import RouteClient
+from agent.node.dataplane import DataPlane, start_dataplane
+from agent.wire.ids import SessionId
+from agent.wire.routetoken import RouteHop
+from agent.wire.sampling import SamplingParams
+from tests.conftest import free_port
+
+pytestmark = pytest.mark.slow
+
+# three hops per architecture, cut where the state kinds change (sliding-window and global layers,
+# recurrent and full attention, deepseek4's hash-routed and compressing layers)
+CASES = {
+    "llama": ([(0, 1), (1, 3), (3, 4)], {}, 0),
+    "gemma3": ([(0, 2), (2, 5), (5, 6)], {}, 0),
+    "qwen35": ([(0, 3), (3, 4), (4, 8)], {}, 0),
+    "deepseek4": ([(0, 2), (2, 4), (4, 6)], {"hash_layers": 3}, 3),
+}
+PROMPT = [(17 * i + 5) % 200 + 10 for i in range(40)]
+N = 24
+
+
+class OracleDrafter:
+    """Drafts the plain answer's next tokens, every other draft with its last token wrong: verification
+    steps that accept everything and steps that reject part of the draft, in turn."""
+
+    def __init__(self, prompt_len: int, answer: list[int]) -> None:
+        self.prompt_len, self.answer, self.calls = prompt_len, answer, 0
+
+    def propose(self, context: list[int], k: int) -> list[int]:
+        done = len(context) - self.prompt_len  # answer tokens decided so far
+        draft = list(self.answer[done : done + k])
+        self.calls += 1
+        if draft and self.calls % 2 == 0:
+            draft[-1] = (draft[-1] + 1) % 200 + 10
+        return draft
+
+
+@pytest.mark.parametrize("arch", list(CASES))
+@pytest.mark.parametrize("mode", ["star", "chain"])
+async def test_speculative_tokens_equal_plain_and_rejected_drafts_leave_no_trace(
+    native_lib: None, signing_key, tmp_path: Path, arch: str, mode: str
+) -> None:  # noqa: ANN001
+    splits, extra, token_id_layers = CASES[arch]
+    path = write_tiny_gguf(arch, tmp_path / f"{arch}.gguf", **extra)
+    manifest = build_manifest(str(path))
+    dp = DataPlane("node-s", signing_key.public_key())
+    for a, b in splits:
+        dp.load_shard(str(path), manifest, a, b, backend="native", n_threads=2)
+    port = free_port()
+    runner = await start_dataplane(dp, "127.0.0.1", port)
+    url = f"http://127.0.0.1:{port}"
+
+    def client() -> RouteClient:
+        session = os.urandom(16)
+        # each token names the next hop: chain mode forwards only there
+        hops = minted_hops(
+            signing_key, session, manifest.sha256, [RouteHop("node-s", url, a, b) for a, b in splits]
+        )
+        return RouteClient(hops, session_id=session, capacity=512, mode=mode, token_id_layers=token_id_layers)
+
+    def states(c: RouteClient) -> list[tuple[bytes, list[int] | None]]:
+        """Every hop's KV snapshot, and the last hop's token history (for the repetition penalty) where
+        no lane holds it (star mode: chain-mode decode steps travel the lane, which keeps its own)."""
+        out = []
+        for a, b in splits:
+            s = dp.sessions.get((SessionId(c.session), (manifest.sha256, a, b)))
+            assert s is not None
+            out.append((s.backend.snapshot(s.sid), list(s.history) if mode == "star" else None))
+        return out
+
+    sampled = SamplingParams(temperature=0.9, top_p=0.95, seed=11)
+    plain, spec = client(), client()
+    try:
+        for sampling in (SamplingParams(), sampled):
+            want = [t async for t, _ in plain.generate(PROMPT, sampling, N)]
+            drafter = OracleDrafter(len(PROMPT), want)
+            got = [t async for t, _ in spec.generate(PROMPT, sampling, N, speculate=4, drafter=drafter)]
+            assert got == want
+            st = spec.last_spec.as_dict()
+            assert st["accepted"] > 0 and st["accepted"] < st["drafted"]  # both paths ran
+            assert st["tokens_per_round_trip"] > 1.5
+            if arch == "qwen35":  # recurrent state went back to the step's checkpoint, ran what stood again
+                assert dp.counters.get("verify_cut_replayed", 0) > 0
+            else:
+                assert dp.counters.get("verify_cut_exact", 0) > 0
+            # the last decided token is not in the KV yet: bring both sessions to the same length
+            await plain.forward([want[-1]], sampling)
+            await spec.forward([got[-1]], sampling)
+            assert states(spec) == states(plain)
+    finally:
+        for c in (plain, spec):
+            await c.close()
+        await runner.cleanup()
+    assert dp.stats()["sessions"] == 0
