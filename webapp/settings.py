@@ -180,6 +180,14 @@ if ROUTE_MODE not in defaults.ROUTE_MODES:
 # A chat's leading system messages may be shared with other users' sessions (issue 32): a new route
 # restores the hops' saved state at that prefix instead of prefilling it (webapp/routing/prefix.py).
 ROUTE_PREFIX_SHARING = envbool("ROUTE_PREFIX_SHARING", True)
+# Speculative decoding (issue 34, docs/speculative.md): at most this many prompt-lookup drafts per step of
+# the route, sized per answer by its measured round trip and acceptance (none where they do not pay, as
+# on one machine's loopback); the tokens are the plain route's either way. 0: never.
+ROUTE_SPECULATE = envint("ROUTE_SPECULATE", 8)
+if not 0 <= ROUTE_SPECULATE <= 15:
+    raise ImproperlyConfigured(
+        f"ROUTE_SPECULATE={ROUTE_SPECULATE} must be 0..15 (drafts per verification step)"
+    )
 # Ed25519 key that signs route tokens: ROUTE_KEY_PEM(_FILE), else generated into the data dir (0600).
 ROUTE_KEY_PEM = envstr("ROUTE_KEY_PEM")
 ROUTE_KEY_PATH = DATA_DIR / "route_key.pem"

@@ -20,7 +20,7 @@ from agent.client.lane import LaneRoute, lanes_wanted
 from agent.client.link import HopStats, RouteLink, Step
 from agent.client.prefix import PrefixSharing, prefix_step, shareable
 from agent.client.recovery import Hop, RecoveryPolicy, Replacement, ReplacementProvider
-from agent.client.spec import MAX_DRAFT, Drafter, NgramDrafter, SpecStats, accepted
+from agent.client.spec import MAX_DRAFT, Drafter, NgramDrafter, SpecStats, accepted, draft_length
 from agent.client.tokenizer import ChatTokenizer, StreamDecoder
 from agent.client.transport import HopTransport
 from agent.wire.bundle import BUNDLE_STEP_TOKENS
@@ -58,6 +58,9 @@ class ChatEvent:
     done: bool = False
     # JSON for the playground and GenerationRecord: timings, token counts, per-hop stats.
     telemetry: dict[str, Any] = field(default_factory=dict)
+
+
+PROBE_EVERY = 8  # plain steps between single-draft probes when drafts have not been paying
 
 
 class RouteClient:
@@ -111,6 +114,7 @@ class RouteClient:
         self.last_truncate: dict[str, Any] = {}
         self.last_response: Response | None = None  # the step that sampled the token being yielded
         self.last_spec = SpecStats()  # the latest generate's speculation (agent/client/spec.py)
+        self.spec_adaptive = True  # drafts sized by measured costs and acceptance; False: `speculate` each
         # hops hold a verification's rejected drafts past the history: the next frame cuts them off
         self._hops_ahead = False
         self._sent_sampling: SamplingParams | None = None
@@ -443,16 +447,37 @@ class RouteClient:
             room = self.capacity - len(context)
             if room < 0:
                 raise ContextLimitError(f"context limit of {self.capacity} tokens reached")
-            # drafts past the answer's end or the context's would be computed for nothing
+            # drafts past the answer's end or the context's would be computed for nothing; within
+            # them, as long as this route's costs and the drafts' record say pays (spec.draft_length)
             k = min(speculate, MAX_DRAFT, room, max_tokens - produced - 1)
+            if self.spec_adaptive:
+                # the first step goes plain: its round trip and compute size the drafts after it
+                first = not stats.steps + stats.plain_steps
+                rt, row, per = stats.round_trip_ms, stats.row_ms, stats.draft_ms
+                cap, k = k, 0 if first else draft_length(stats.acceptance_rate(), rt, row, k, per)
+                # now and then one draft anyway, so the acceptance estimate keeps learning, where drafts
+                # that always stood would pay on this route at all
+                probe = stats.plain_steps % PROBE_EVERY == PROBE_EVERY - 1
+                if not first and k == 0 and probe and draft_length(1.0, rt, row, cap, per):
+                    k = 1
+            t_draft = time.perf_counter()
             drafts = drafter.propose(context, k)[:k] if k > 0 else []
+            stats.drafting(len(drafts), (time.perf_counter() - t_draft) * 1e3)
+            # the hops' own compute, as their timings report it; the rest of a step's wall time is
+            # the round trip (links, relaying, queueing) that a longer draft spreads over more tokens
+            c0, t0 = sum(h.compute_ms for h in self.hop_stats), time.perf_counter()
             if not drafts:
                 stats.plain_steps += 1
-                ready = [self._sampled(await self.forward([token], sampling))]
+                resp = await self.forward([token], sampling)
+                compute = sum(h.compute_ms for h in self.hop_stats) - c0
+                stats.timed(1, (time.perf_counter() - t0) * 1e3, compute)
+                ready = [self._sampled(resp)]
                 context.append(ready[0][0])
                 continue
             base = len(self.history)
             resp = await self.forward([token, *drafts], sampling, sample_all=True)
+            compute = sum(h.compute_ms for h in self.hop_stats) - c0
+            stats.timed(len(drafts) + 1, (time.perf_counter() - t0) * 1e3, compute)
             if resp.kind != Kind.TOKENS or resp.n_tokens != len(drafts) + 1:
                 raise RouteError(
                     f"the last hop answered {resp.kind.name} x {resp.n_tokens} to a verification of "

@@ -48,6 +48,36 @@ class NgramDrafter:
         return []
 
 
+def expected_tokens(a: float, k: int) -> float:
+    """Tokens one verification of k drafts yields when each stands with probability a after the one
+    before it stood: the sampled token plus the accepted run, 1 + a + ... + a^k."""
+    return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+# a draft must promise this much more than a plain step: a verification leaves the native lane and may
+# leave rejected drafts to cut, costs the rate below does not count
+MIN_GAIN = 1.1
+
+
+def draft_length(a: float, round_trip_ms: float, row_ms: float, k_max: int, draft_ms: float = 0.0) -> int:
+    """The draft length that yields the most tokens per millisecond: a step costs the route's round
+    trip plus one row's compute per position (rows run one at a time, agent/node/verify.py), plus
+    `draft_ms` per drafted token for a drafter that computes (a draft model). Long drafts pay where
+    round trips dominate and drafts stand; on a fast link they only add compute (0: go plain)."""
+
+    def rate(k: int) -> float:
+        cost = max(round_trip_ms, 0.0) + (k + 1) * max(row_ms, 1e-3) + k * max(draft_ms, 0.0)
+        return expected_tokens(a, k) / cost
+
+    plain = rate(0)
+    best_k, best = 0, plain
+    for k in range(1, max(0, k_max) + 1):
+        r = rate(k)
+        if r > best:
+            best_k, best = k, r
+    return best_k if best >= MIN_GAIN * plain else 0
+
+
 def accepted(drafts: list[int], sampled: list[int]) -> int:
     """How many leading drafts equal what the route sampled after each of their predecessors:
     `sampled[i]` is the token sampled at the step's position i (after the step's first token, then
@@ -62,17 +92,41 @@ def accepted(drafts: list[int], sampled: list[int]) -> int:
 
 @dataclass
 class SpecStats:
-    """One answer's speculation: verification steps, drafted and accepted tokens, plain steps."""
+    """One answer's speculation: verification steps, drafted and accepted tokens, plain steps, and
+    the measured costs and acceptance that size the next draft."""
 
     steps: int = 0  # verification steps (one round trip of the route each)
     drafted: int = 0
     accepted: int = 0
+    rejections: int = 0  # verifications that stopped at a draft that did not stand
     plain_steps: int = 0  # steps with no draft to verify
+    round_trip_ms: float = 0.0  # a step's wall time less the hops' compute (moving average)
+    row_ms: float = 0.0  # the hops' compute per position (moving average)
+    draft_ms: float = 0.0  # the drafter's time per drafted token (moving average; 0 for lookups)
 
     def record(self, drafted: int, accepted: int) -> None:
         self.steps += 1
         self.drafted += drafted
         self.accepted += accepted
+        self.rejections += accepted < drafted
+
+    def timed(self, rows: int, wall_ms: float, compute_ms: float) -> None:
+        """A step's costs: the round trip (what speculation amortises) and the compute per row."""
+        rt, row = max(wall_ms - compute_ms, 0.0), compute_ms / max(rows, 1)
+        first = self.round_trip_ms == 0.0 and self.row_ms == 0.0
+        self.round_trip_ms = rt if first else 0.8 * self.round_trip_ms + 0.2 * rt
+        self.row_ms = row if first else 0.8 * self.row_ms + 0.2 * row
+
+    def drafting(self, tokens: int, ms: float) -> None:
+        """What a draft of `tokens` took the drafter to propose."""
+        if tokens > 0:
+            per = ms / tokens
+            self.draft_ms = per if self.draft_ms == 0.0 else 0.8 * self.draft_ms + 0.2 * per
+
+    def acceptance_rate(self, prior: float = 0.5, weight: float = 2.0) -> float:
+        """Probability that a draft stands once its predecessor did (the run lengths' estimate, pulled
+        towards `prior` while few verifications are in)."""
+        return (self.accepted + prior * weight) / (self.accepted + self.rejections + weight)
 
     def as_dict(self) -> dict[str, Any]:
         round_trips = self.steps + self.plain_steps

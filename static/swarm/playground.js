@@ -130,6 +130,11 @@
       // a system prompt some earlier session (anyone's) left on the hops, restored instead of prefilled
       if (t.prefix_hit) parts.push(`system prompt restored (${t.prefix_shared_tokens} tokens)`);
       if (has("n_generated")) parts.push(`${t.n_generated} generated`);
+      // speculative decoding: drafts the route verified and kept, tokens per round trip of the route
+      const sp = t.speculation;
+      if (sp && sp.verify_steps) {
+        parts.push(`${fmt(sp.tokens_per_round_trip, 2)} tokens per round trip (${sp.accepted} of ${sp.drafted} drafts kept)`);
+      }
     }
     const line = parts.join(" · ");
     let hops = tel.querySelector(".hops");

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from agent.client.spec import MAX_DRAFT, NgramDrafter, SpecStats, accepted
+from agent.client.spec import MAX_DRAFT, NgramDrafter, SpecStats, accepted, draft_length, expected_tokens
 from agent.wire.frames import (
     MAX_SAMPLE_ALL_TOKENS,
     FrameError,
@@ -92,3 +92,35 @@ def test_a_tokens_answer_carries_every_positions_token_and_logprob() -> None:
     bad = Response(step=3, kind=Kind.TOKENS, n_tokens=3, payload=ids)
     with pytest.raises(FrameError):
         decode_response(encode_response(bad))
+
+
+def test_expected_tokens_sum_the_chance_of_each_draft_standing() -> None:
+    assert expected_tokens(0.0, 5) == 1.0
+    assert expected_tokens(1.0, 5) == 6.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+def test_drafts_grow_with_the_round_trip_and_the_acceptance_and_vanish_on_a_fast_link() -> None:
+    # 150 ms round trips (3 hops, 25 ms each way), 14 ms of compute per position
+    slow_link = [draft_length(a, 150.0, 14.0, 8) for a in (0.1, 0.3, 0.6, 0.9)]
+    assert slow_link == sorted(slow_link) and slow_link[0] <= 1 and slow_link[-1] >= 5
+    # on loopback a round trip is a millisecond: a draft costs more compute than the trip it saves,
+    # and one that stands for sure saves too little to leave the lane for
+    assert draft_length(0.3, 1.0, 14.0, 8) == 0
+    assert draft_length(1.0, 1.0, 14.0, 8) == 0
+    assert draft_length(1.0, 5.0, 14.0, 8) >= 1
+    # a drafter that computes (a draft model) makes drafts dearer
+    assert draft_length(0.6, 150.0, 14.0, 8, draft_ms=30.0) < draft_length(0.6, 150.0, 14.0, 8)
+    assert draft_length(0.9, 150.0, 14.0, 3) == 3  # never past the cap
+
+
+def test_the_acceptance_estimate_follows_the_runs_from_a_prior() -> None:
+    st = SpecStats()
+    assert st.acceptance_rate() == 0.5
+    for _ in range(20):
+        st.record(4, 1)  # one stands, the next does not
+    assert st.acceptance_rate() == pytest.approx((20 + 1) / (20 + 20 + 2))
+    st.timed(5, 200.0, 50.0)
+    assert (st.round_trip_ms, st.row_ms) == (150.0, 10.0)
+    st.timed(1, 160.0, 10.0)
+    assert st.round_trip_ms == pytest.approx(150.0) and st.row_ms == pytest.approx(10.0)

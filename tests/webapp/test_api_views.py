@@ -14,6 +14,7 @@ import pytest
 from channels.db import database_sync_to_async
 
 from agent.client.route import HopStats, RouteClient, RouteError
+from agent.client.spec import SpecStats
 from agent.wire.frames import Kind, Response
 from webapp.api import engine, keys
 from webapp.api.cache import PrefixCache
@@ -44,7 +45,9 @@ class FakeRouteClient:
         self.last_truncate: dict[str, Any] = {}
         self.recoveries: list[dict[str, Any]] = []
         self.shared_prefixes: list[int] = []  # each generate's shared_prefix
+        self.speculates: list[int] = []  # each generate's draft limit
         self.last_prefix: dict[str, Any] = {}
+        self.last_spec = SpecStats()
         self.last_response: Response | None = None
         self.closed, self.generating = False, False
         self.prefills: list[int] = []
@@ -58,8 +61,10 @@ class FakeRouteClient:
         stop_ids: Any = None,
         want_logits: bool = False,
         shared_prefix: int = 0,
+        speculate: int = 0,
     ) -> AsyncIterator[tuple[int, float]]:
         self.shared_prefixes.append(shared_prefix)
+        self.speculates.append(speculate)
         # as the real client reports it: a prefix this long is asked for, never found by the fake
         self.last_prefix = (
             {"shared_tokens": shared_prefix, "hit": False, "saved": True} if shared_prefix else {}
@@ -272,6 +277,18 @@ async def test_a_chats_system_prompt_goes_to_the_route_client_as_its_shared_pref
     # a chat without one shares nothing
     r = await post(async_client, "/v1/chat/completions", {"model": placed.name, "messages": Q}, api_key[0])
     assert r.status_code == 200 and FakeRouteClient.instances[-1].shared_prefixes[-1] == 0
+
+
+async def test_an_api_answer_speculates_up_to_the_configured_draft_limit(
+    async_client: Any, api_key: tuple[str, Any], placed: Any, settings: Any
+) -> None:
+    for limit in (8, 0):
+        settings.ROUTE_SPECULATE = limit
+        r = await post(
+            async_client, "/v1/chat/completions", {"model": placed.name, "messages": Q}, api_key[0]
+        )
+        assert r.status_code == 200 and FakeRouteClient.instances[-1].speculates[-1] == limit
+        assert json.loads(r.content)["x_swarm"]["speculation"]["verify_steps"] == 0  # the fake never drafts
 
 
 async def test_a_streamed_chat_sends_role_then_deltas_then_finish_then_usage_then_done(

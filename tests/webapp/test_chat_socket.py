@@ -12,6 +12,7 @@ from channels.testing import WebsocketCommunicator
 from django.contrib.auth.models import AnonymousUser
 
 from agent.client.route import HopStats, RouteClient, RouteError
+from agent.client.spec import SpecStats
 from agent.wire.control import CLOSE_UNAUTHORIZED
 from webapp.fleet.models import Node, ShardAssignment
 from webapp.playground import consumers, live
@@ -84,7 +85,9 @@ class FakeRouteClient:
         self.last_prefilled, self.mode, self.last_truncate = 0, "chain", {}
         self.recoveries: list[dict[str, Any]] = []
         self.shared_prefixes: list[int] = []  # each generate's shared_prefix
+        self.speculates: list[int] = []  # each generate's draft limit
         self.last_prefix: dict[str, Any] = {}
+        self.last_spec = SpecStats()
         FakeRouteClient.instances.append(self)
 
     async def _step(self, ids: list[int]) -> None:
@@ -104,8 +107,10 @@ class FakeRouteClient:
         stop_ids: Any = None,
         want_logits: bool = False,
         shared_prefix: int = 0,
+        speculate: int = 0,
     ) -> AsyncIterator[tuple[int, float]]:
         self.shared_prefixes.append(shared_prefix)
+        self.speculates.append(speculate)
         # as the real client reports it: a prefix this long is asked for, never found by the fake
         self.last_prefix = (
             {"shared_tokens": shared_prefix, "hit": False, "saved": True} if shared_prefix else {}

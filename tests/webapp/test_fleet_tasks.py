@@ -159,3 +159,23 @@ def test_the_dashboard_lists_open_sessions_and_recent_answers(
     )
     body = staff_client.get("/fleet/generations").content.decode()
     assert "(880 shared, hit)" in body
+    assert "/trip)" not in body  # no answer speculated yet
+    spec = {"verify_steps": 12, "drafted": 60, "accepted": 30, "tokens_per_round_trip": 3.5}
+    record_generation(s.id, artifact.pk, member, {"n_prompt": 9, "speculation": spec})
+    body = staff_client.get("/fleet/generations").content.decode()
+    assert "(3.50/trip)" in body
+
+
+def test_tokens_per_round_trip_are_read_only_from_a_sane_speculation_record() -> None:
+    from webapp.telemetry.services import spec_rate
+
+    assert spec_rate({"verify_steps": 3, "tokens_per_round_trip": 2.5}) == 2.5
+    assert spec_rate({"verify_steps": 0, "tokens_per_round_trip": 2.5}) == 0.0  # it never verified
+    assert spec_rate({"verify_steps": 3, "tokens_per_round_trip": 1e9}) == 16.0  # at most 16 a trip
+    for bad in (
+        None,
+        [],
+        {"verify_steps": 3, "tokens_per_round_trip": "x"},
+        {"verify_steps": 1, "tokens_per_round_trip": float("nan")},
+    ):
+        assert spec_rate(bad) == 0.0

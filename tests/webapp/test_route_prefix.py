@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from agent.client.route import HopStats
+from agent.client.spec import SpecStats
 from agent.client.tokenizer import ChatTokenizer
 from agent.wire.sampling import SamplingParams
 from webapp.routing import prompt
@@ -146,6 +147,7 @@ class Client:
         self.last_prefilled, self.mode, self.last_truncate, self.last_response = 0, "chain", {}, None
         # the previous answer's, which a new answer must not report as its own before generate starts
         self.last_prefix: dict[str, Any] = {"shared_tokens": 99, "hit": True, "saved": False}
+        self.last_spec = SpecStats()
         self.kwargs: dict[str, Any] = {}
 
     def hop_telemetry(self) -> list[dict[str, Any]]:

@@ -197,7 +197,15 @@ class Generation:
         _close(cache.expired())
         self.entry, _ = cache.take(self.key.pk, self.target.artifact_id, self.prompt)
         req = self.req
-        spec = AnswerSpec(req.sampling, max_tokens, req.stop, req.logprobs, req.top_logprobs, shared)
+        spec = AnswerSpec(
+            req.sampling,
+            max_tokens,
+            req.stop,
+            req.logprobs,
+            req.top_logprobs,
+            shared,
+            speculate=settings.ROUTE_SPECULATE,
+        )
         held = self.entry.live if self.entry is not None else None
         self.run = RouteAnswer(self.target, self.key.user, tok, self.prompt, spec, self, held)
         try:

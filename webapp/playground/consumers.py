@@ -16,6 +16,7 @@ import weakref
 from typing import Any
 
 from channels.db import database_sync_to_async
+from django.conf import settings
 
 from agent.client.tokenizer import TokenizerError
 from agent.wire.control import CLOSE_UNAUTHORIZED
@@ -156,7 +157,9 @@ class ChatConsumer(SafeJsonConsumer):
         tok = await session.load_tokenizer(target.path)
         # sizes checked, then rendered and tokenized off the event loop (issue 33)
         ids, shared = await prompt.encode_chat_shared(tok, turn.messages, target.capacity)
-        spec = AnswerSpec(req.sampling, req.max_tokens, shared_prefix=shared)
+        spec = AnswerSpec(
+            req.sampling, req.max_tokens, shared_prefix=shared, speculate=settings.ROUTE_SPECULATE
+        )
         return session.RouteAnswer(target, self.scope["user"], tok, ids, spec, self, self.live)
 
     async def _next(self, it: Any) -> Any:

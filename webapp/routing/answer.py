@@ -40,6 +40,8 @@ class AnswerSpec:
     # leading prompt tokens other users' sessions may share (a system prompt, webapp/routing/prefix.py):
     # the route client restores the hops' state there, or saves it for the next session that shares it
     shared_prefix: int = 0
+    # most drafts per verification step (settings.ROUTE_SPECULATE; agent/client/spec.py sizes them)
+    speculate: int = 0
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,7 @@ class Answer:
             tok.eot_ids,
             want_logits=want_top,
             shared_prefix=spec.shared_prefix,
+            speculate=spec.speculate,
         )
         # nothing else runs before the generator's first step, which sets the client's last_prefix anew
         self.started = True
@@ -176,4 +179,6 @@ class Answer:
             "wire_bytes": sum(s.bytes_out + s.bytes_in for s in c.hop_stats),
             "truncate": c.last_truncate,
             "recoveries": c.recoveries[self.recoveries_before :],
+            # drafts verified per round trip of the route (agent/client/spec.py); zeros without any
+            "speculation": c.last_spec.as_dict() if self.started else {},
         }

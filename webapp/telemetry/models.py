@@ -22,6 +22,8 @@ class GenerationRecord(models.Model):
     # the shared prefix (a system prompt) the answer asked its hops for, and whether they restored it
     prefix_shared_tokens = models.IntegerField(default=0)
     prefix_hit = models.BooleanField(default=False)
+    # speculative decoding: tokens the answer got per round trip of its route (0: it did not speculate)
+    tokens_per_round_trip = models.FloatField(default=0.0)
     hops = models.JSONField(default=list, help_text="[{url, layers, compute_ms, network_ms}]")
     error = models.TextField(blank=True, default="")
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)

@@ -70,6 +70,16 @@ def samples_since(since: datetime) -> list[tuple[Any, ...]]:
     return list(rows.values_list(*HISTORY_FIELDS))
 
 
+def spec_rate(speculation: Any) -> float:
+    """Tokens per round trip of an answer that speculated, 0.0 otherwise or when malformed."""
+    if not isinstance(speculation, dict) or not speculation.get("verify_steps"):
+        return 0.0
+    v = speculation.get("tokens_per_round_trip")
+    if not isinstance(v, int | float) or isinstance(v, bool) or v != v:
+        return 0.0
+    return min(max(float(v), 0.0), 16.0)  # a verification yields at most MAX_SAMPLE_ALL_TOKENS
+
+
 def record_generation(
     session_id: Any, artifact_id: int, user: Any, telemetry: dict[str, Any], error: str = ""
 ) -> GenerationRecord:
@@ -92,6 +102,7 @@ def record_generation(
         wire_bytes=int(num("wire_bytes", 2**62)),
         prefix_shared_tokens=int(num("prefix_shared_tokens", 2**31 - 1)),
         prefix_hit=telemetry.get("prefix_hit") is True,
+        tokens_per_round_trip=spec_rate(telemetry.get("speculation")),
         hops=hops if isinstance(hops, list) else [],
         error=error[:2000],
     )

@@ -1,0 +1,58 @@
+"""Drafts from a small model of the route's vocabulary, run in the client's own process by llama.cpp."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+class ModelDrafter:
+    """Greedy drafts of a draft model sharing the route model's tokenizer (SmolLM2-135M for a larger
+    SmolLM2): its KV follows the answer's context, kept where it agrees and cut back where it does
+    not, so each step evaluates only the tokens new to it plus the draft."""
+
+    def __init__(self, path: str, threads: int = 1, n_ctx: int = 4096) -> None:
+        import llama_cpp  # the client's only native dependency, loaded when a draft model is asked for
+
+        self._lc = llama_cpp
+        self.llm: Any = llama_cpp.Llama(
+            model_path=str(path),
+            n_ctx=n_ctx,
+            n_batch=512,
+            n_threads=threads,
+            n_threads_batch=threads,
+            verbose=False,
+        )
+        self.n_ctx = n_ctx
+        self.n_vocab = int(self.llm.n_vocab())
+        self.held: list[int] = []  # the tokens in its KV, in order
+
+    def _argmax(self) -> int:
+        ptr = self._lc.llama_get_logits_ith(self.llm._ctx.ctx, -1)
+        return int(np.argmax(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))))
+
+    def _follow(self, context: list[int]) -> None:
+        """Bring the KV to `context`, re-evaluating from the first token where they differ (at least
+        the last one: its logits are what the next draft starts from)."""
+        common = 0
+        for a, b in zip(self.held, context, strict=False):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(context) - 1)
+        self.llm.n_tokens = common  # eval cuts the KV from here
+        del self.held[common:]
+        self.llm.eval(context[common:])
+        self.held.extend(context[common:])
+
+    def propose(self, context: list[int], k: int) -> list[int]:
+        if k <= 0 or not context or len(context) + k >= self.n_ctx:
+            return []
+        self._follow(context)
+        out = [self._argmax()]
+        while len(out) < k:
+            self.llm.eval([out[-1]])
+            self.held.append(out[-1])
+            out.append(self._argmax())
+        return out
