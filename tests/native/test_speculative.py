@@ -11,6 +11,7 @@ import pytest
 
 from agent.artifacts.manifest import build_manifest
 from agent.artifacts.tiny import write_tiny_gguf
+from agent.client.errors import RouteError
 from agent.client.recovery import minted_hops
 from agent.client.route import RouteClient
 from agent.node.dataplane import DataPlane, start_dataplane
@@ -107,3 +108,41 @@ async def test_speculative_tokens_equal_plain_and_rejected_drafts_leave_no_trace
             await c.close()
         await runner.cleanup()
     assert dp.stats()["sessions"] == 0
+
+
+async def test_a_frame_may_start_behind_the_session_only_inside_its_latest_verification(
+    native_lib: None, signing_key, tmp_path: Path
+) -> None:  # noqa: ANN001
+    path = write_tiny_gguf("llama", tmp_path / "llama.gguf")
+    manifest = build_manifest(str(path))
+    dp = DataPlane("node-s", signing_key.public_key())
+    dp.load_shard(str(path), manifest, 0, 4, backend="native", n_threads=2)
+    port = free_port()
+    runner = await start_dataplane(dp, "127.0.0.1", port)
+    session = os.urandom(16)
+    hops = minted_hops(
+        signing_key, session, manifest.sha256, [RouteHop("node-s", f"http://127.0.0.1:{port}", 0, 4)]
+    )
+    c = RouteClient(hops, session_id=session, capacity=256, lane=False)
+    greedy = SamplingParams()
+    try:
+        await c.forward(PROMPT, greedy)
+        v = len(c.history)
+        await c.forward([11, 12, 13, 14], greedy, sample_all=True)
+        del c.history[v + 2 :]  # two of its positions stand: the next frame cuts the rest off
+        await c.forward([15], greedy)
+        assert dp.counters["verify_cut_exact"] == 1 and len(c.history) == v + 3
+        del c.history[v + 1 :]  # inside the old verification, after a plain step: refused
+        with pytest.raises(RouteError) as e:
+            await c.forward([16], greedy)
+        assert e.value.status == 409 and e.value.code == "bad_position"
+        c.history[:] = c.history + [12, 15]
+        w = len(c.history)
+        await c.forward([17, 18], greedy, sample_all=True)
+        del c.history[w:]  # at the verification's first position: its token always stands
+        with pytest.raises(RouteError) as e:
+            await c.forward([19], greedy)
+        assert e.value.status == 409
+    finally:
+        await c.close()
+        await runner.cleanup()
