@@ -61,6 +61,7 @@ class ChatEvent:
 
 
 PROBE_EVERY = 8  # plain steps between single-draft probes when drafts have not been paying
+MEASURE_STEPS = 3  # an answer's first decode steps go plain: they measure its route's costs
 
 
 class RouteClient:
@@ -451,8 +452,8 @@ class RouteClient:
             # them, as long as this route's costs and the drafts' record say pays (spec.draft_length)
             k = min(speculate, MAX_DRAFT, room, max_tokens - produced - 1)
             if self.spec_adaptive:
-                # the first step goes plain: its round trip and compute size the drafts after it
-                first = not stats.steps + stats.plain_steps
+                # the first steps go plain: their round trips and compute size the drafts after them
+                first = stats.steps + stats.plain_steps < MEASURE_STEPS
                 rt, row, per = stats.round_trip_ms, stats.row_ms, stats.draft_ms
                 cap, k = k, 0 if first else draft_length(stats.acceptance_rate(), rt, row, k, per)
                 # now and then one draft anyway, so the acceptance estimate keeps learning, where drafts

@@ -111,10 +111,16 @@ class SpecStats:
         self.rejections += accepted < drafted
 
     def timed(self, rows: int, wall_ms: float, compute_ms: float) -> None:
-        """A step's costs: the round trip (what speculation amortises) and the compute per row."""
+        """A step's costs: the round trip (what speculation amortises) and the compute per row. One
+        step held up by something else on the machine moves the round trip by at most a tenth of its
+        excess, so a stall does not read as a slow link."""
         rt, row = max(wall_ms - compute_ms, 0.0), compute_ms / max(rows, 1)
         first = self.round_trip_ms == 0.0 and self.row_ms == 0.0
-        self.round_trip_ms = rt if first else 0.8 * self.round_trip_ms + 0.2 * rt
+        self.round_trip_ms = (
+            rt
+            if first
+            else self.round_trip_ms + (0.2 if rt < self.round_trip_ms else 0.1) * (rt - self.round_trip_ms)
+        )
         self.row_ms = row if first else 0.8 * self.row_ms + 0.2 * row
 
     def drafting(self, tokens: int, ms: float) -> None:
