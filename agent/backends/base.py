@@ -127,9 +127,14 @@ class Backend(ABC):
         verification samples every position of a step as plain decoding samples each one)."""
         return sample(logits, sampling, position, history)
 
-    def checkpoint(self, sid: SessionId) -> None:  # noqa: B027 - KV-only backends truncate exactly anyway
+    def checkpoint(self, sid: SessionId) -> bool:
         """Keep the session's fixed-size state at its length now, so a truncate_to into the positions
-        after it comes back here exactly (a speculative verification's rows are cut back so)."""
+        after it comes back here exactly (a speculative verification's rows are cut back so); True
+        when this call took one. KV-only backends truncate exactly anyway: nothing to keep."""
+        return False
+
+    def drop_checkpoint(self, sid: SessionId, pos: int) -> None:  # noqa: B027 - nothing kept by default
+        """Drop the checkpoint `checkpoint` took at `pos`."""
 
     @abstractmethod
     def forward(self, step: StepInput) -> ForwardResult:

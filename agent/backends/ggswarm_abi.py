@@ -207,8 +207,14 @@ def bind(lib: ctypes.CDLL) -> None:
 
     # ggswarm_status ggswarm_set_checkpoints(ggswarm_model * model, int32_t every_n_tokens,
     #     int32_t max_per_session);
-    lib.ggswarm_session_checkpoint.argtypes = [ggswarm_model_p, ctypes.c_int64]
+    lib.ggswarm_session_checkpoint.argtypes = [
+        ggswarm_model_p,
+        ctypes.c_int64,
+        ctypes.POINTER(ctypes.c_int32),
+    ]
     lib.ggswarm_session_checkpoint.restype = c_status
+    lib.ggswarm_session_drop_checkpoint.argtypes = [ggswarm_model_p, ctypes.c_int64, ctypes.c_int32]
+    lib.ggswarm_session_drop_checkpoint.restype = c_status
     lib.ggswarm_set_checkpoints.argtypes = [ggswarm_model_p, ctypes.c_int32, ctypes.c_int32]
     lib.ggswarm_set_checkpoints.restype = c_status
 

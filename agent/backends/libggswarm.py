@@ -232,9 +232,16 @@ class NativeModel:
         )
         return n.value, TRUNCATE_KINDS.get(kind.value, f"kind {kind.value}")
 
-    def checkpoint(self, sid: int) -> None:
-        """A checkpoint of the session's fixed-size state at its length now (no-op without such state)."""
-        self._call(self._lib.ggswarm_session_checkpoint, sid)
+    def checkpoint(self, sid: int) -> bool:
+        """A checkpoint of the session's fixed-size state at its length now (no-op without such state);
+        True when this call added it."""
+        taken = ctypes.c_int32(0)
+        self._call(self._lib.ggswarm_session_checkpoint, sid, ctypes.byref(taken))
+        return bool(taken.value)
+
+    def drop_checkpoint(self, sid: int, pos: int) -> None:
+        """Drop the session's checkpoint at `pos`, if it holds one."""
+        self._call(self._lib.ggswarm_session_drop_checkpoint, sid, int(pos))
 
     def set_checkpoints(self, every_n_tokens: int, max_per_session: int) -> None:
         """Recurrent windows: a checkpoint every `every_n_tokens` positions (0: only at the ends of

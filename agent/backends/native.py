@@ -133,9 +133,15 @@ class NativeBackend(Backend):
         except NativeError as e:
             raise _error(e) from None
 
-    def checkpoint(self, sid: SessionId) -> None:
+    def checkpoint(self, sid: SessionId) -> bool:
         try:
-            self.model.checkpoint(self._sid(sid))
+            return self.model.checkpoint(self._sid(sid))
+        except NativeError as e:
+            raise _error(e) from None
+
+    def drop_checkpoint(self, sid: SessionId, pos: int) -> None:
+        try:
+            self.model.drop_checkpoint(self._sid(sid), pos)
         except NativeError as e:
             raise _error(e) from None
 

@@ -31,7 +31,7 @@ from agent.node.sessions import SessionState, SessionTable
 from agent.node.shard import Shard, Shards, evictable
 from agent.node.steps import frame_step, local_answer, run_step, sample_positions
 from agent.node.stream import StreamView
-from agent.node.verify import can_cut_into, rewind, run_rows
+from agent.node.verify import can_cut_into, rewind, run_rows, settle
 from agent.wire.frames import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
@@ -299,6 +299,8 @@ class DataPlane:
             return encode_response(Response(step=req.step, kind=Kind.NONE))
         s = self._session(req, shard)
         if req.op == Op.LANE:
+            # its steps on the lane follow what stood of a verification: none can cut back into it
+            await settle(s, shard.lock)
             return await self.lane.admit(req, shard, s)
         if s.lane is not None:
             # a frame on the Python path takes its session off the lane (its history comes back);
@@ -406,7 +408,7 @@ class DataPlane:
         else:
             # queued with other sessions' steps when the backend batches (agent/node/scheduler.py)
             res = await run_step(shard.scheduler, s, step, history_len)
-            s.verify = None
+            await settle(s, shard.lock)
         self.counters["tokens_in"] += req.n_tokens
         if res.token is not None:
             self.counters["tokens_out"] += 1

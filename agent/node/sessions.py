@@ -34,6 +34,7 @@ class Verification:
 
     pos: int
     step: StepInput
+    checkpoint: bool = False  # the hop took a checkpoint at `pos` for it (dropped once it is settled)
 
     @property
     def end(self) -> int:

@@ -59,7 +59,9 @@ async def run_rows(
     """Run a verification step one position at a time; the session keeps it (s.verify) for a cut back.
     A failure part way leaves the session where the step began."""
     async with scheduler.lock:
-        s.backend.checkpoint(s.sid)  # recurrent state: where a cut back into this step starts from
+        _forget(s)  # the previous verification is settled: this step follows what stood of it
+        # recurrent state: where a cut back into this step starts from
+        took = s.backend.checkpoint(s.sid)
     results: list[ForwardResult] = []
     try:
         for i in range(rows_of(step)):
@@ -69,8 +71,24 @@ async def run_rows(
             async with scheduler.lock:
                 s.backend.truncate_to(s.sid, step.pos_start)
         raise
-    s.verify = Verification(step.pos_start, step)
+    s.verify = Verification(step.pos_start, step, took)
     return joined(results)
+
+
+def _forget(s: SessionState) -> None:
+    """The session's latest verification is settled (call with the shard's lock held): its checkpoint,
+    if the hop took one for it, goes, so verifications never push out the checkpoints a session keeps
+    at its turns."""
+    v, s.verify = s.verify, None
+    if v is not None and v.checkpoint:
+        s.backend.drop_checkpoint(s.sid, v.pos)
+
+
+async def settle(s: SessionState, lock: asyncio.Lock) -> None:
+    """A step that is not a verification ran after it: no frame can cut back into it any more."""
+    if s.verify is not None:
+        async with lock:
+            _forget(s)
 
 
 def can_cut_into(s: SessionState, pos: int) -> bool:
@@ -92,7 +110,7 @@ async def rewind(s: SessionState, target: int, lock: asyncio.Lock) -> tuple[int,
                 again = dataclasses.replace(row(v.step, i), want_logits=False)
                 await asyncio.to_thread(s.backend.forward, again)
             held, how = target, "replayed"
-    if v is not None and held <= v.pos:
-        s.verify = None
+        if v is not None and held <= v.pos:
+            _forget(s)
     del s.history[held:]
     return held, how

@@ -63,9 +63,9 @@
  *  13 - ggswarm_lane_gate / ggswarm_lane_gate_release: the owner's own work (a prompt's chunk) goes just
  *       before the lane's next step on this hop, which waits for it (at most GGSWARM_LANE_GATE_MAX_MS):
  *       a mixed step, where wait_step's pacing ran the chunk beside the lane's steps at other hops.
- *  14 - ggswarm_session_checkpoint: a checkpoint at the session's length now, so a speculative
- *       verification's rows, run one position at a time, can be cut back exactly on a window that keeps
- *       recurrent state.
+ *  14 - ggswarm_session_checkpoint / ggswarm_session_drop_checkpoint: a checkpoint at the session's
+ *       length now, so a speculative verification's rows, run one position at a time, can be cut back
+ *       exactly on a window that keeps recurrent state, and dropped once the verification is settled.
  */
 #ifndef GGSWARM_H
 #define GGSWARM_H
@@ -253,8 +253,13 @@ GGSWARM_API ggswarm_status ggswarm_session_truncate_to(ggswarm_model * model, in
 
 /* A checkpoint of the session's fixed-size state at its length now (v14), unless one is there: a later
  * ggswarm_session_truncate_to into the positions after it goes back exactly here. A no-op on windows
- * without such state or with a checkpoint maximum of 0; the oldest go first as for the others. */
-GGSWARM_API ggswarm_status ggswarm_session_checkpoint(ggswarm_model * model, int64_t sid);
+ * without such state or with a checkpoint maximum of 0; the oldest go first as for the others.
+ * *out_taken (may be NULL): 1 when this call added the checkpoint, 0 when one was there or none could
+ * be taken (its caller drops only what it took). */
+GGSWARM_API ggswarm_status ggswarm_session_checkpoint(ggswarm_model * model, int64_t sid, int32_t * out_taken);
+
+/* Drop the session's checkpoint at position pos, if it holds one (v14), crediting its bytes. */
+GGSWARM_API ggswarm_status ggswarm_session_drop_checkpoint(ggswarm_model * model, int64_t sid, int32_t pos);
 
 /* Checkpoint policy of this handle's sessions (v4): one every every_n_tokens positions (0: only at the
  * ends of multi-token forward calls), at most max_per_session per session (0: none; the oldest dropped

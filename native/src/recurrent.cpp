@@ -204,12 +204,31 @@ ggswarm_status ggswarm_session_truncate_to(ggswarm_model * m, int64_t sid, int32
     return ok(m);
 }
 
-ggswarm_status ggswarm_session_checkpoint(ggswarm_model * m, int64_t sid) {
+ggswarm_status ggswarm_session_checkpoint(ggswarm_model * m, int64_t sid, int32_t * out_taken) {
     GGSWARM_LOCK(m);
     if (!m) return fail(nullptr, GGSWARM_E_INVALID_ARG, "model is NULL");
     Session * s = find_session(m, sid);
     if (!s) return no_session(m, sid);
+    const bool had = s->ckpts && !s->ckpts->list.empty() && s->ckpts->list.back().pos == s->len;
     take_checkpoint(m, *s);
+    const bool has = s->ckpts && !s->ckpts->list.empty() && s->ckpts->list.back().pos == s->len;
+    if (out_taken) *out_taken = (!had && has) ? 1 : 0;
+    return ok(m);
+}
+
+ggswarm_status ggswarm_session_drop_checkpoint(ggswarm_model * m, int64_t sid, int32_t pos) {
+    GGSWARM_LOCK(m);
+    if (!m) return fail(nullptr, GGSWARM_E_INVALID_ARG, "model is NULL");
+    Session * s = find_session(m, sid);
+    if (!s) return no_session(m, sid);
+    if (!s->ckpts) return ok(m);
+    Checkpoints & c = *s->ckpts;
+    for (size_t i = 0; i < c.list.size(); ++i) {
+        if (c.list[i].pos == pos) {
+            drop_at(m, c, i);
+            break;
+        }
+    }
     return ok(m);
 }
 

@@ -83,6 +83,15 @@ async def test_speculative_tokens_equal_plain_and_rejected_drafts_leave_no_trace
             out.append((s.backend.snapshot(s.sid), list(s.history) if mode == "star" else None))
         return out
 
+    def checkpoints(c: RouteClient) -> list[list[int]]:
+        """Every hop's checkpoint positions (recurrent windows keep some at prompt ends and intervals)."""
+        out = []
+        for a, b in splits:
+            s = dp.sessions.get((SessionId(c.session), (manifest.sha256, a, b)))
+            assert s is not None
+            out.append(s.backend.model.checkpoints(s.backend._sid(s.sid)))
+        return out
+
     sampled = SamplingParams(temperature=0.9, top_p=0.95, seed=11)
     plain, spec = client(), client()
     spec.spec_adaptive = False  # every step drafts what the drafter gives: both paths run on every arch
@@ -103,6 +112,8 @@ async def test_speculative_tokens_equal_plain_and_rejected_drafts_leave_no_trace
             await plain.forward([want[-1]], sampling)
             await spec.forward([got[-1]], sampling)
             assert states(spec) == states(plain)
+            # verifications leave no checkpoint of their own behind (they would push out the turns')
+            assert checkpoints(spec) == checkpoints(plain)
     finally:
         for c in (plain, spec):
             await c.close()
