@@ -13,6 +13,7 @@ from aiohttp import ClientError, ClientTimeout
 
 from agent.client.errors import ContextLimitError, RouteError, RouteFailed
 from agent.client.link import RouteLink, Step
+from agent.client.prefix import PrefixSharing, prefix_step
 from agent.client.recovery import STANDBY, Hop, RecoveryPolicy, Replacement, ReplacementProvider
 from agent.wire.frames import Kind, Op, Request, Response, encode_request
 from agent.wire.httpjson import read_json
@@ -62,6 +63,9 @@ class Failover:
         self.replacements = replacements
         self.policy = policy
         self.pending_ids: list[int] = []  # the ids of the step in flight (not yet in history)
+        # the session's shared prefix (a system prompt the hops keep snapshots of): a route re-prefilled
+        # after a failure restores it on every hop, the replacement included, where they hold it
+        self.prefix_ids: list[int] = []
         # one entry per recovery: hop, reason, method (snapshot / reprefill / reprefill_route), ms
         self.recoveries: list[dict[str, Any]] = []
         self.checkpoints = 0
@@ -280,7 +284,8 @@ class Failover:
             replay = replay or method == "reprefill_route"
             methods.append(method)
         if replay:
-            await self._replay_route()
+            how = await self._replay_route()
+            methods = [how if m == "reprefill_route" else m for m in methods]  # from the prefix or 0
         elif self.mode == "chain" and len(self.link.hops) > 1:
             # hops that took the failed step before the failure give it back: it is sent again
             for j in range(len(self.link.hops)):
@@ -507,17 +512,21 @@ class Failover:
             self._steps[0] = taken
             raise
 
-    async def _replay_route(self) -> None:
-        """Re-prefill every hop from position 0 with the steps hop 0 took (chain mode, or no seams)."""
+    async def _replay_route(self) -> str:
+        """Re-prefill every hop from position 0 with the steps hop 0 took (chain mode, or no seams), or
+        from the session's shared prefix where every hop, the replacement too, restores it from its
+        prefix snapshots (agent/client/prefix.py). Returns how: "prefix" or "reprefill_route"."""
         want = list(self._len)
         if self.mode == "chain":
             want = [len(self.history)] * len(self.link.hops)
-        steps0 = self._batches([st for st in self._steps[0] if st.pos + st.n <= want[0]])
+        taken = [st for st in self._steps[0] if st.pos + st.n <= want[0]]
         for j in range(len(self.link.hops)):
             if self._len[j]:
                 await self._truncate_hop(j, 0)
             self._steps[j], self._len[j] = [], 0
         self._seam_bytes = 0
+        start = await self._restore_prefix(taken, min(want))
+        steps0 = self._batches([st for st in taken if st.pos >= start])
         for st in steps0:
             cur = st
             for j in range(len(self.link.hops)):
@@ -525,6 +534,23 @@ class Failover:
                     break
                 resp = await self._give(j, cur, self.link.timeout_s)
                 cur = Step(st.pos, resp.n_tokens, resp.kind, resp.dim, bytes(resp.payload))
+        return "prefix" if start else "reprefill_route"
+
+    async def _restore_prefix(self, taken: list[Step], most: int) -> int:
+        """Every (empty) hop restores the session's shared prefix from its prefix snapshots; the
+        positions they now hold (0: some hop lacks it, or the steps do not start anew at its end)."""
+        ids = self.prefix_ids
+        n = len(ids)
+        if not n or n > most or self.history[:n] != ids or not any(st.pos == n for st in taken):
+            return 0
+        if any(st.pos < n < st.pos + st.n for st in taken):
+            return 0
+        if not await PrefixSharing(self.link).load(ids):
+            return 0
+        self.record(0, prefix_step(ids))
+        for j in range(len(self._len)):
+            self._len[j] = n
+        return n
 
     # -- warm spares ------------------------------------------------------------------------------------
     def maybe_checkpoint(self, n_tokens: int) -> None:

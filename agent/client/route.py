@@ -516,12 +516,14 @@ class RouteClient:
         await self.lane.drop()
         if await self.prefix.load(ids):
             self.history.extend(ids)
-            self.failover.record_chain(prefix_step(ids))  # a recovery re-prefills it like any prompt
+            self.failover.record_chain(prefix_step(ids))  # a recovery restores or re-prefills it
+            self.failover.prefix_ids = list(ids)
             self.prefix.last["hit"] = True
             return n
         for off in range(0, n, PREFILL_CHUNK):
             await self.forward(ids[off : off + PREFILL_CHUNK], sampling)
         self.prefix.last["saved"] = await self.prefix.save(ids)
+        self.failover.prefix_ids = list(ids)  # a recovery asks the hops for it before re-prefilling
         return n
 
     async def chat(

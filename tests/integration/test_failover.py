@@ -225,3 +225,45 @@ async def test_no_replacement_ends_the_answer_with_a_clear_error_in_bounded_time
     with pytest.raises(RouteFailed, match="no replacement for layers 10:20"):
         await answer(client, prompt, at=5, disturb=lambda: os.kill(victim.proc.pid, signal.SIGKILL))
     assert time.monotonic() - t0 < 30
+
+
+async def test_in_chain_mode_a_replaced_hop_restores_the_shared_prefix_and_re_prefills_only_the_rest(
+    signing_key, manifest, model_path, serve_factory
+) -> None:  # noqa: ANN001
+    # its own four nodes: a route and a spare for the middle range (the module's are disturbed above)
+    fresh = {r: [serve_factory(f"{r[0]}:{r[1]}", backend="native")] for r in RANGES}
+    spare = serve_factory("10:20", backend="native")
+    system = "You are a lighthouse keeper's assistant. Answer briefly and precisely. " * 6
+    chat = [{"role": "system", "content": system}, {"role": "user", "content": "What do you do in a storm?"}]
+    tok = ChatTokenizer(model_path)
+    ids = tok.encode_chat(chat)
+    alone = tok.encode_chat([chat[0]])
+    # the system turn, up to where the user's begins (as webapp/routing/prefix.py names it)
+    shared = next(i for i, (a, b) in enumerate(zip(ids, alone, strict=False)) if a != b)
+    assert 64 <= shared < len(ids)
+
+    async def run(route: dict, disturb_at: int = -1, victim=None) -> tuple[list[int], RouteClient]:  # noqa: ANN001
+        client = chain_client(route, signing_key, manifest)
+        out: list[int] = []
+        try:
+            async for t, _ in client.generate(ids, SamplingParams(), 48, shared_prefix=shared):
+                out.append(t)
+                if len(out) == disturb_at:
+                    os.kill(victim.proc.pid, signal.SIGKILL)
+        finally:
+            await client.close()
+        return out, client
+
+    # an earlier session over the spare left the prefix on all three of its nodes
+    via_spare = {RANGES[0]: fresh[RANGES[0]], RANGES[1]: [spare], RANGES[2]: fresh[RANGES[2]]}
+    reference, first = await run(via_spare)
+    assert first.last_prefix["saved"] is True
+    victim = fresh[RANGES[1]][0]
+    route = {r: [*fresh[r], spare] if r == RANGES[1] else fresh[r] for r in RANGES}
+    got, client = await run(route, disturb_at=20, victim=victim)
+    victim.proc.wait(10)
+    assert got == reference
+    # every hop, the spare included, restored the system prompt: only the question and the answer
+    # so far were sent through the route again
+    assert [r["methods"] for r in client.recoveries] == [["prefix"]]
+    assert client.hops[1].url == spare.url
