@@ -234,3 +234,25 @@ def lane_refusal(conn) -> str:  # noqa: ANN001 - a socket to a lane
         data += chunk
     assert len(data) >= FRAME_HEAD and data[4] == KIND_REFUSAL, data[:8]
     return data[FRAME_HEAD:].decode()
+
+
+async def windows_on_one_node(
+    path: Path,
+    splits: list[tuple[int, int]],
+    public_key,
+    node: str = "node-t",  # noqa: ANN001
+) -> tuple:  # noqa: ANN401 - (DataPlane, manifest, aiohttp runner, url)
+    """One in-process data plane holding every window of `splits` of the GGUF at `path` (native, 2
+    threads), listening on a free loopback port: (dataplane, manifest, runner, url). The caller cleans
+    the runner up."""
+    from agent.artifacts.manifest import build_manifest
+    from agent.node.dataplane import DataPlane, start_dataplane
+    from tests.conftest import free_port
+
+    manifest = build_manifest(str(path))
+    dp = DataPlane(node, public_key)
+    for a, b in splits:
+        dp.load_shard(str(path), manifest, a, b, backend="native", n_threads=2)
+    port = free_port()
+    runner = await start_dataplane(dp, "127.0.0.1", port)
+    return dp, manifest, runner, f"http://127.0.0.1:{port}"

@@ -15,10 +15,9 @@ from agent.artifacts.manifest import build_manifest
 from agent.artifacts.tiny import write_tiny_gguf
 from agent.backends.libggswarm import NativeModel
 from agent.client.route import Hop, RouteClient
-from agent.node.dataplane import DataPlane, start_dataplane
 from agent.wire.routetoken import RouteHop, mint_route
 from agent.wire.sampling import SamplingParams
-from tests.conftest import free_port
+from tests.native.routes import windows_on_one_node
 
 SPLITS = [(0, 2), (2, 4), (4, 6)]  # the second hop starts with hash-routed layer 2
 PROMPT = list(range(1000, 1140))  # past position 127: every compression ratio has fired
@@ -46,12 +45,7 @@ async def test_token_ids_reach_a_downstream_hash_routed_window_in_star_and_chain
     manifest = build_manifest(str(path))
     assert [layer.needs_token_ids for layer in manifest.layers] == [True] * 3 + [False] * 3
     want = _whole_model_tokens(path)
-    dp = DataPlane("node-d", signing_key.public_key())
-    for a, b in SPLITS:
-        dp.load_shard(str(path), manifest, a, b, backend="native", n_threads=2)
-    port = free_port()
-    runner = await start_dataplane(dp, "127.0.0.1", port)
-    url = f"http://127.0.0.1:{port}"
+    dp, _, runner, url = await windows_on_one_node(path, SPLITS, signing_key.public_key(), "node-d")
 
     def client(mode: str, token_id_layers: int) -> RouteClient:
         session = os.urandom(16)

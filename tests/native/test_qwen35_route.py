@@ -8,13 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from agent.artifacts.manifest import build_manifest
 from agent.artifacts.tiny import write_tiny_gguf
 from agent.client.route import Hop, RouteClient
-from agent.node.dataplane import DataPlane, start_dataplane
 from agent.wire.routetoken import mint
 from agent.wire.sampling import SamplingParams
-from tests.conftest import free_port
+from tests.native.routes import windows_on_one_node
 
 SPLITS = [(0, 3), (3, 4), (4, 8)]  # the middle hop is the full-attention layer 3 alone
 TURN1 = list(range(1000, 1150))
@@ -30,13 +28,7 @@ async def test_an_edited_turn_goes_back_to_the_turn_checkpoint_and_answers_like_
     tmp_path: Path,  # noqa: ANN001
 ) -> None:
     path = write_tiny_gguf("qwen35moe", tmp_path / "qwen35moe.gguf")
-    manifest = build_manifest(str(path))
-    dp = DataPlane("node-q", signing_key.public_key())
-    for a, b in SPLITS:
-        dp.load_shard(str(path), manifest, a, b, backend="native", n_threads=2)
-    port = free_port()
-    runner = await start_dataplane(dp, "127.0.0.1", port)
-    url = f"http://127.0.0.1:{port}"
+    dp, manifest, runner, url = await windows_on_one_node(path, SPLITS, signing_key.public_key(), "node-q")
 
     def client() -> RouteClient:
         session = os.urandom(16)

@@ -9,16 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from agent.artifacts.manifest import build_manifest
 from agent.artifacts.tiny import write_tiny_gguf
 from agent.client.errors import RouteError
 from agent.client.recovery import minted_hops
 from agent.client.route import RouteClient
-from agent.node.dataplane import DataPlane, start_dataplane
 from agent.wire.ids import SessionId
 from agent.wire.routetoken import RouteHop
 from agent.wire.sampling import SamplingParams
-from tests.conftest import free_port
+from tests.native.routes import windows_on_one_node
 
 pytestmark = pytest.mark.slow
 
@@ -57,13 +55,7 @@ async def test_speculative_tokens_equal_plain_and_rejected_drafts_leave_no_trace
 ) -> None:  # noqa: ANN001
     splits, extra, token_id_layers = CASES[arch]
     path = write_tiny_gguf(arch, tmp_path / f"{arch}.gguf", **extra)
-    manifest = build_manifest(str(path))
-    dp = DataPlane("node-s", signing_key.public_key())
-    for a, b in splits:
-        dp.load_shard(str(path), manifest, a, b, backend="native", n_threads=2)
-    port = free_port()
-    runner = await start_dataplane(dp, "127.0.0.1", port)
-    url = f"http://127.0.0.1:{port}"
+    dp, manifest, runner, url = await windows_on_one_node(path, splits, signing_key.public_key(), "node-s")
 
     def client() -> RouteClient:
         session = os.urandom(16)
@@ -125,15 +117,9 @@ async def test_a_frame_may_start_behind_the_session_only_inside_its_latest_verif
     native_lib: None, signing_key, tmp_path: Path
 ) -> None:  # noqa: ANN001
     path = write_tiny_gguf("llama", tmp_path / "llama.gguf")
-    manifest = build_manifest(str(path))
-    dp = DataPlane("node-s", signing_key.public_key())
-    dp.load_shard(str(path), manifest, 0, 4, backend="native", n_threads=2)
-    port = free_port()
-    runner = await start_dataplane(dp, "127.0.0.1", port)
+    dp, manifest, runner, url = await windows_on_one_node(path, [(0, 4)], signing_key.public_key(), "node-s")
     session = os.urandom(16)
-    hops = minted_hops(
-        signing_key, session, manifest.sha256, [RouteHop("node-s", f"http://127.0.0.1:{port}", 0, 4)]
-    )
+    hops = minted_hops(signing_key, session, manifest.sha256, [RouteHop("node-s", url, 0, 4)])
     c = RouteClient(hops, session_id=session, capacity=256, lane=False)
     greedy = SamplingParams()
     try:
