@@ -122,6 +122,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.threads < 1:
         return _fail("--threads must be at least 1")
     node_id = args.node_id or f"node-{args.port}"
+    tls_files = (args.tls_cert, args.tls_key, args.tls_ca)
+    if any(tls_files) and not all(tls_files):
+        return _fail("--tls-cert, --tls-key and --tls-ca go together")
+    server_ssl = client_ssl = None
+    if all(tls_files):
+        from agent.wire import tls
+
+        try:
+            cert, key, ca = (Path(f) for f in tls_files)
+            server_ssl = tls.server_context(cert, key, ca)
+            client_ssl = tls.client_context(cert, key, ca)
+        except (OSError, ValueError) as e:  # ssl.SSLError is an OSError
+            return _fail(f"TLS files: {e}")
     dp = DataPlane(
         node_id,
         public_key,
@@ -129,6 +142,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cache_type=args.cache_type,
         flash_attn=args.flash_attn,
         session_ttl_s=args.session_ttl,
+        client_ssl=client_ssl,
     )
     try:
         dp.load_shard(path, manifest, a, b, backend=backend, n_threads=args.threads)
@@ -136,9 +150,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return _fail(str(e))
 
     async def main() -> None:
-        runner = await start_dataplane(dp, args.host, args.port)
+        runner = await start_dataplane(dp, args.host, args.port, ssl_context=server_ssl)
+        scheme = "https" if server_ssl is not None else "http"
         print(
-            f"serving {manifest.name} layers {a}:{b} ({backend}) as {node_id} on http://{args.host}:{args.port}",
+            f"serving {manifest.name} layers {a}:{b} ({backend}) as {node_id} on {scheme}://{args.host}:{args.port}",
             flush=True,
         )
         stop = asyncio.Event()
@@ -276,6 +291,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kv-budget-mb", type=float, default=defaults.KV_BUDGET_BYTES / (1 << 20))
     add_native_arguments(s)
     s.add_argument("--session-ttl", type=float, default=defaults.SESSION_TTL_S)
+    # mutual TLS as an enrolled node has it (agent/node/certs.py), from files a swarm CA issued; the
+    # link harness (agent/dev/links.py) serves this way across its network namespaces
+    s.add_argument("--tls-cert", help="this hop's certificate (PEM); with --tls-key and --tls-ca")
+    s.add_argument("--tls-key", help="its private key (PEM)")
+    s.add_argument("--tls-ca", help="the swarm CA (PEM) that clients and next hops must be signed by")
     s.set_defaults(func=cmd_serve)
 
     s = sub.add_parser("chat", help="chat through a route of serving hops")

@@ -3,8 +3,9 @@
     python bench/simulator.py [--tokens 24] [--rounds 3] [--backend native] [--threads 1] [--topologies 2:5,3:20]
 
 SmolLM2 is placed by the real planner on 2 and 3 equal loopback nodes; each hop runs as its own
-`agent serve` process behind a tiny TCP proxy that holds every forwarded chunk for the injected one-way
-delay (0, 5 or 20 ms, both directions). Each topology's per-layer and head step times are measured in
+`agent serve` process behind a TCP relay that holds every forwarded chunk for the injected one-way
+delay (0, 5 or 20 ms, both directions; agent/dev/relay.py, the relay bench/links.py also puts between
+network namespaces). Each topology's per-layer and head step times are measured in
 its own run (the hops' reported compute times, as the control plane sees them); one route (2 hops,
 0 ms) calibrates the per-call overhead (webapp.fleet.simulate.calibrate). The decode step of every
 other topology is predicted from those figures (webapp.fleet.simulate.predict_route: the real
@@ -33,6 +34,7 @@ from agent.artifacts.packaged import packaged_model_path  # noqa: E402
 from agent.backends import available_backends  # noqa: E402
 from agent.client.recovery import minted_hops  # noqa: E402
 from agent.client.route import RouteClient  # noqa: E402
+from agent.dev.relay import RelayProcess  # noqa: E402
 from agent.procs import Process, stop  # noqa: E402
 from agent.wire.ids import SessionId  # noqa: E402
 from agent.wire.routetoken import RouteHop, generate_key, public_key_b64  # noqa: E402
@@ -53,68 +55,13 @@ CALIBRATION = (2, 0.0)  # (hops, one-way delay ms) of the route that calibrates 
 TOPOLOGIES = ((2, 0.0), (2, 5.0), (2, 20.0), (3, 0.0), (3, 5.0), (3, 20.0))
 
 
-class DelayProxy:
-    """A TCP proxy on 127.0.0.1 that forwards each chunk `delay_s` after it arrived, in order."""
-
-    def __init__(self, upstream_port: int) -> None:
-        self.upstream_port = upstream_port
-        self.delay_s = 0.0
-        self.port = 0
-        self._server: asyncio.Server | None = None
-
-    async def start(self) -> str:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return f"http://127.0.0.1:{self.port}"
-
-    async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            up_r, up_w = await asyncio.open_connection("127.0.0.1", self.upstream_port)
-        except OSError:
-            writer.close()
-            return
-        await asyncio.gather(self._pump(reader, up_w), self._pump(up_r, writer), return_exceptions=True)
-        for w in (up_w, writer):
-            w.close()
-
-    async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
-
-        async def send() -> None:
-            while True:
-                due, data = await queue.get()
-                if not data:
-                    break
-                wait = due - loop.time()
-                if wait > 0:
-                    await asyncio.sleep(wait)
-                dst.write(data)
-                await dst.drain()
-            if dst.can_write_eof():
-                dst.write_eof()
-
-        sender = asyncio.create_task(send())
-        try:
-            while data := await src.read(1 << 16):
-                queue.put_nowait((loop.time() + self.delay_s, data))
-        finally:
-            queue.put_nowait((0.0, b""))
-            await sender
-
-
 @dataclass
 class Route:
-    """One topology's serve processes, each behind its proxy."""
+    """One topology's serve processes, each behind its relay."""
 
     placements: list[Placement]
-    proxies: list[DelayProxy] = field(default_factory=list)
-    hops: list[tuple[str, int, int, str]] = field(default_factory=list)  # (proxy url, start, end, node)
+    upstream: list[tuple[int, int, int, str]] = field(default_factory=list)  # (hop port, start, end, node)
+    hops: list[tuple[str, int, int, str]] = field(default_factory=list)  # (relay url, start, end, node)
 
 
 @dataclass
@@ -177,6 +124,7 @@ async def run(
     logdir = Path(tempfile.mkdtemp(prefix="bench-simulator-"))
     procs: list[Process] = []
     routes: dict[int, Route] = {}
+    relay: RelayProcess | None = None
     try:
         for n in sorted({h for h, _ in (CALIBRATION, *topologies)}):
             route = Route(plan_loopback(manifest, n))
@@ -186,22 +134,26 @@ async def run(
                     path, window, backend, public_key_b64(key.public_key()), threads, logdir
                 )
                 procs.append(proc)
-                proxy = DelayProxy(int(url.rsplit(":", 1)[1]))
-                route.proxies.append(proxy)
-                route.hops.append((await proxy.start(), p.layer_start, p.layer_end, node))
+                route.upstream.append((int(url.rsplit(":", 1)[1]), p.layer_start, p.layer_end, node))
             routes[n] = route
+        # one relay per hop, all in one process (agent/dev/relay.py), sharing the delay under test
+        ups = [u for r in routes.values() for u in r.upstream]
+        relay = RelayProcess([(("127.0.0.1", 0), ("127.0.0.1", u[0])) for u in ups], logdir / "relay.log")
+        at = iter(relay.addresses)
+        for route in routes.values():
+            for _, a, b, node in route.upstream:
+                host, port = next(at)
+                route.hops.append((f"http://{host}:{port}", a, b, node))
         samples: dict[tuple[int, float], list[Measured]] = {}
         for _ in range(rounds):  # interleaved rounds: the machine is shared and its load drifts
             for n, delay in dict.fromkeys((CALIBRATION, *topologies)):
-                for proxy in routes[n].proxies:
-                    proxy.delay_s = delay / 1e3
+                relay.set_delay(delay)
                 samples.setdefault((n, delay), []).append(
                     await measure(routes[n], key, manifest.sha256, tokens)
                 )
-        for route in routes.values():
-            for proxy in route.proxies:
-                await proxy.close()
     finally:
+        if relay is not None:
+            relay.close()
         stop(procs)
 
     def median(n: int, delay: float) -> Measured:

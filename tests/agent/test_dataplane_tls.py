@@ -195,3 +195,27 @@ def test_the_ca_signs_only_what_it_chooses_and_keeps_its_key_private(tmp_path: P
     assert [str(ip) for ip in san.get_values_for_type(x509.IPAddress)] == ["10.0.0.7"]
     with pytest.raises(tls.TLSError):
         tls.issue_cert(pki.ca_key, pki.ca_cert, b"not a csr", tls.node_identity("x"), [])
+
+
+def test_serve_takes_its_tls_files_together_or_not_at_all(tmp_path: Path, signing_key, capsys) -> None:  # noqa: ANN001
+    from agent.cli import main
+    from agent.wire.routetoken import public_key_b64
+
+    try:
+        packaged_model_path("smollm2")
+    except ModelNotFound as e:
+        pytest.skip(str(e))
+    base = [
+        "serve",
+        "--model",
+        "pkg:smollm2",
+        "--port",
+        "1",
+        "--public-key",
+        public_key_b64(signing_key.public_key()),
+    ]
+    assert main([*base, "--tls-cert", str(tmp_path / "c.crt")]) == 2
+    assert "--tls-cert, --tls-key and --tls-ca go together" in capsys.readouterr().err
+    missing = [str(tmp_path / n) for n in ("c.crt", "c.key", "ca.crt")]
+    assert main([*base, "--tls-cert", missing[0], "--tls-key", missing[1], "--tls-ca", missing[2]]) == 2
+    assert "TLS files:" in capsys.readouterr().err

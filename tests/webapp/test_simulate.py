@@ -18,6 +18,7 @@ from webapp.fleet.simulate import (
     ModelSpec,
     SimNode,
     calibrate,
+    calibrate_one_hop,
     fleet_from_dict,
     loopback_fleet,
     main,
@@ -85,6 +86,26 @@ def test_a_calibrated_loopback_prediction_reproduces_its_own_measurement() -> No
     _, step, _ = predict_route(toy(n=30), fleet, [Placement(NodeId("loopback-0"), 0, 15),
                                                   Placement(NodeId("loopback-1"), 15, 30)])  # fmt: skip
     assert step == pytest.approx(50.0, abs=0.01)  # the frame bytes at 10 Gb/s are a few microseconds
+
+
+def test_one_hop_calibration_splits_its_compute_by_the_bytes_read() -> None:
+    # 4 layers reading 400 bytes each and a head reading 400: a fifth of the compute is the head
+    cal = calibrate_one_hop(toy(head=400), compute_ms=10.0, step_ms=13.0, latency_ms=1.0)
+    assert cal == Calibration(pytest.approx(2.0), pytest.approx(2.0), pytest.approx(1.0))
+
+
+def test_a_links_bucket_lets_small_frames_through_and_chain_mode_crosses_the_same_links() -> None:
+    cal = Calibration(layer_step_ms=0.0, head_step_ms=0.0, hop_overhead_ms=0.0)
+    spec = toy(dim=1000)  # 4000-byte seams
+    plan = [Placement(NodeId("loopback-0"), 0, 2), Placement(NodeId("loopback-1"), 2, 4)]
+    fleet = loopback_fleet(cal, 2, 5.0, bandwidth_gbps=0.001, burst_bytes=1000)
+    hops, star, _ = predict_route(spec, fleet, plan)
+    # hop 0: the ids' frame fits the bucket; the seam's frame waits for its bytes beyond it, at 1 Mb/s
+    assert hops[0].network_ms == pytest.approx(2 * 5.0 + (4000 + 160 - 1000) * 8 / 1e6 * 1e3)
+    _, chain, _ = predict_route(spec, fleet, plan, mode="chain")
+    assert chain == pytest.approx(star)  # the seam crosses both hops' links either way; tokens fit
+    with pytest.raises(ValueError, match="mode"):
+        predict_route(spec, fleet, plan, mode="ring")
 
 
 @pytest.mark.parametrize("path", sorted((SPECS / "models").glob("*.json")), ids=lambda p: p.stem)

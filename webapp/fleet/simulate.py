@@ -8,12 +8,14 @@ Pure functions underneath (no Django, no I/O but the CLI's). The model of one de
 client's default (star) mode: the client calls each hop in turn, so a step costs, per hop, a round trip
 on that hop's link (2 x one-way latency + request and answer bytes / bandwidth), a fixed per-call
 software overhead (HTTP, framing) and the hop's compute: the sum of its layers' step times, plus the
-output head on the last hop. A layer's step time is measured (`layer_step_ms` on a fleet node) or,
+output head on the last hop (chain mode crosses the same links, hop to hop: predict_route). A layer's step time is measured (`layer_step_ms` on a fleet node) or,
 for an audit, estimated as decode is on every fleet we plan for: memory-bound, the bytes the token
 touches (non-expert weights, the used experts' share, the layer's state at the context) over the node's
 memory bandwidth x efficiency. Prefill (TTFT) is compute-bound: 2 x active parameters x prompt tokens
 over the node's FLOP/s x efficiency, unless measured (`layer_prefill_ms_per_token`). bench/simulator.py
-validates the model against real routes on 127.0.0.1 with link delays injected.
+validates the model against real routes on 127.0.0.1 with link delays injected; bench/links.py, calibrated
+on one hop, against 2- to 4-hop routes in star and chain mode across network namespaces with delayed,
+bandwidth-limited links (agent/dev/links.py).
 """
 
 from __future__ import annotations
@@ -165,6 +167,9 @@ class SimNode:
     efficiency: float = 0.6
     latency_ms: float = 0.0  # one way, client <-> node
     bandwidth_gbps: float = 10.0
+    # bytes a message crosses the link with no serialization time (a token bucket's burst: the link
+    # harness's tbf, agent/dev/links.py); 0 on a real link, where every byte waits its turn
+    burst_bytes: int = 0
     layer_step_ms: float | None = None  # measured decode time of one layer (overrides bandwidth)
     head_step_ms: float | None = None  # measured decode time of the output head
     layer_prefill_ms_per_token: float | None = None
@@ -190,6 +195,10 @@ class SimNode:
     def link_ms(self, n_bytes: int) -> float:
         """One round trip carrying `n_bytes` in total (both directions)."""
         return 2 * self.latency_ms + n_bytes * 8 / (self.bandwidth_gbps * 1e9) * 1e3
+
+    def transfer_ms(self, message_bytes: int) -> float:
+        """Serialization time of one message on this node's link (beyond what its bucket lets through)."""
+        return max(message_bytes - self.burst_bytes, 0) * 8 / (self.bandwidth_gbps * 1e9) * 1e3
 
 
 @dataclass(frozen=True)
@@ -274,8 +283,18 @@ def predict_route(
     placements: Sequence[Placement],
     context: int = 8192,
     prompt_tokens: int = 512,
+    mode: str = "star",
 ) -> tuple[tuple[HopPrediction, ...], float, float]:
-    """(hops, decode step ms, TTFT ms) of one chain, hops in layer order (star mode)."""
+    """(hops, decode step ms, TTFT ms) of one chain, hops in layer order.
+
+    Each hop's link (its node's latency and bandwidth) is crossed by the frames to and from it. In star
+    mode the client sends each hop its input and reads its output; in chain mode (`mode="chain"`) the
+    input comes from the hop before and the output goes on to the next, whose answer (the token)
+    comes back the same way; either way a step crosses each hop's link once each way, so costs it one
+    round trip, and the seam between two hops crosses both their links. `fleet.hop_overhead_ms` is the
+    mode's per-hop software overhead (calibrate it in the mode predicted)."""
+    if mode not in ("star", "chain"):
+        raise ValueError(f"mode must be 'star' or 'chain', not {mode!r}")
     by_name = {n.name: n for n in fleet.nodes}
     chain = sorted(placements, key=lambda p: p.layer_start)
     shape = spec.shape()
@@ -291,7 +310,11 @@ def predict_route(
         )
         seam_in = 4 if p.layer_start == 0 else spec.seam_bytes_per_token(p.layer_start)
         seam_out = 8 if last else spec.seam_bytes_per_token(p.layer_end)
-        net = n.link_ms(seam_in + seam_out + 2 * FRAME_OVERHEAD_BYTES) + fleet.hop_overhead_ms
+        frames = [seam_in, seam_out]  # star: the client's request and the hop's answer
+        if mode == "chain":  # the input in, the rows on to the next hop, the token back both ways
+            frames = [seam_in, 8] if last else [seam_in, seam_out, 8, 8]
+        transfer = sum(n.transfer_ms(f + FRAME_OVERHEAD_BYTES) for f in frames)
+        net = 2 * n.latency_ms + transfer + fleet.hop_overhead_ms
         # the prompt's seam goes out whole; only the last position's state comes back from the last hop
         net_prefill = n.link_ms(prompt_tokens * (seam_in + (0 if last else seam_out))) + fleet.hop_overhead_ms
         hops.append(HopPrediction(p.node_id, p.layer_start, p.layer_end, shape.bytes_for(p.layer_start, p.layer_end),
@@ -345,11 +368,33 @@ def calibrate(
     return Calibration(layer, head, max(overhead, 0.0))
 
 
-def loopback_fleet(cal: Calibration, n_nodes: int, latency_ms: float, name: str = "loopback") -> Fleet:
-    """`n_nodes` equal nodes on 127.0.0.1 with `latency_ms` injected each way, timed by `cal`."""
+def calibrate_one_hop(
+    spec: ModelSpec, compute_ms: float, step_ms: float, latency_ms: float = 0.0
+) -> Calibration:
+    """From one hop holding the whole model: its compute splits into layers and head in proportion to
+    the bytes each reads per token (decode is memory-bound; the split matters little, since a route's
+    hops together run every layer and the head once); what the step spends beyond compute and the
+    link's round trip is the per-call overhead (the client's, the hop's HTTP or lane, the relay's)."""
+    layer_bytes = sum(spec.active_bytes)
+    share = layer_bytes / (layer_bytes + spec.head_active_bytes)
+    layer = compute_ms * share / spec.n_layers
+    overhead = step_ms - compute_ms - 2 * latency_ms
+    return Calibration(layer, compute_ms * (1 - share), max(overhead, 0.0))
+
+
+def loopback_fleet(
+    cal: Calibration,
+    n_nodes: int,
+    latency_ms: float,
+    name: str = "loopback",
+    bandwidth_gbps: float = 10.0,
+    burst_bytes: int = 0,
+) -> Fleet:
+    """`n_nodes` equal nodes with `latency_ms` injected each way (and links of `bandwidth_gbps`, their
+    bucket `burst_bytes`: the link harness), timed by `cal`."""
     nodes = tuple(
-        SimNode(f"{name}-{i}", 64 * GB, latency_ms=latency_ms, bandwidth_gbps=10.0,
-                layer_step_ms=cal.layer_step_ms, head_step_ms=cal.head_step_ms)
+        SimNode(f"{name}-{i}", 64 * GB, latency_ms=latency_ms, bandwidth_gbps=bandwidth_gbps,
+                burst_bytes=burst_bytes, layer_step_ms=cal.layer_step_ms, head_step_ms=cal.head_step_ms)
         for i in range(n_nodes)
     )  # fmt: skip
     return Fleet(f"{name} {n_nodes} hops {latency_ms:g} ms", nodes, cal.hop_overhead_ms)
