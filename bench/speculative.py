@@ -13,9 +13,11 @@ interleaved rounds; prints JSON last.
 
 `--delay-ms`: each delay in turn is added in both directions in front of every hop (client to hop 0 and
 hop to hop: agent/dev/relay.py on 127.0.0.1; 25 ms one way makes a 3-hop chain step 150 ms of links).
-The native lanes connect hop to hop on their own ports, past the relays, so both the plain and the
-speculative route take the Python path (GGSWARM_LANE=0) in every delayed run and in the 0 ms run beside
-it; the loopback keys (`_loopback_`) are measured with the lanes, as the product runs.
+The native lanes connect hop to hop on their own ports, past these relays, so both the plain and the
+speculative route take the Python path in every delayed run; the loopback keys (`_loopback_`) are
+measured with the lanes, as the product runs. `--links netns` (as root) runs the delayed routes in the
+link harness instead (agent/dev/links.py, docs/links.md): hops in network namespaces, mutual TLS,
+relays in front of the data plane and the lane ports (so the lanes run), `--rate-mbit` links.
 """
 
 from __future__ import annotations
@@ -102,10 +104,13 @@ async def route_tok_s(
     draft: int,
     lane: bool,
     drafter: Drafter | None = None,
+    ssl_context: Any = None,  # noqa: ANN401
 ) -> tuple[float, list[int], dict[str, Any]]:
     """Decode tok/s over the route (after the first token), the tokens, and the speculation figures."""
     session = os.urandom(16)
-    client = RouteClient(hops_for(session), session_id=session, mode="chain", lane=lane)
+    client = RouteClient(
+        hops_for(session), session_id=session, mode="chain", lane=lane, ssl_context=ssl_context
+    )
     try:
         out: list[int] = []
         t0 = 0.0
@@ -126,7 +131,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     delays = [float(d) for d in args.delay_ms.split(",") if d != ""]
     key = generate_key()
     logdir = Path(tempfile.mkdtemp(prefix="bench-spec-"))
-    procs, plan, relays = [], [], None
+    procs, plan, relays, lab = [], [], None, None
     llm = open_llama(path, args.threads, 2048)
     try:
         for a, b in RANGES:
@@ -155,23 +160,46 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         drafters: dict[str, Drafter | None] = {"lookup": None}
         if args.draft_model:
             drafters["model"] = ModelDrafter(args.draft_model, threads=1)
-        settings = [("loopback", 0.0, True, plan)] + [(f"{d:g}ms", d, False, relayed) for d in delays]
+        # (tag, delay, lanes, route, client TLS, how to set the delay)
+        settings: list[tuple[str, float, bool, list[RouteHop], Any, Any]] = [
+            ("loopback", 0.0, True, plan, None, lambda d: None)
+        ]
+        if args.links == "netns":
+            # the link harness: hops in namespaces, mutual TLS, relays for the data plane and the lanes
+            # (so the lanes run, delayed like everything else), rate-limited links, a tenth's jitter
+            from agent.dev.links import LinkLab
+
+            lab = LinkLab(len(RANGES), logdir / "lab", tls=True)
+            lab.open()
+            lab.start_hops(path, RANGES, public_key_b64(key.public_key()), threads=args.threads)
+            lab.shape(args.rate_mbit)
+            via = [RouteHop(*h) for h in lab.plan()]
+            figures["links"] = f"netns, TLS, lanes, {args.rate_mbit:g} Mbit/s, jitter 0.1 x delay"
+            for d in delays:
+                settings.append(
+                    (f"{d:g}ms", d, True, via, lab.client_ssl(), lambda d, lab=lab: lab.set_delay(d, d / 10))
+                )
+        else:
+            figures["links"] = "loopback relays, no lanes"
+            settings += [(f"{d:g}ms", d, False, relayed, None, relays.set_delay) for d in delays]
         for _ in range(args.rounds):
             for kind, prompt in prompts.items():
                 lc, lc_out = llamacpp_tok_s(llm, prompt, args.tokens)
                 samples.setdefault(f"{kind}_llamacpp", []).append(lc)
-                for tag, delay, lane, via in settings:
-                    relays.set_delay(delay)
+                for tag, delay, lane, via, ssl_ctx, set_delay in settings:
+                    set_delay(delay)
 
                     def bound(session: bytes, via: list[RouteHop] = via) -> Any:  # noqa: ANN401
                         return hops_for(session, via)
 
-                    plain, plain_out, _ = await route_tok_s(bound, prompt, args.tokens, 0, lane)
+                    plain, plain_out, _ = await route_tok_s(
+                        bound, prompt, args.tokens, 0, lane, None, ssl_ctx
+                    )
                     samples.setdefault(f"{kind}_{tag}_plain", []).append(plain)
                     figures[f"{kind}_plain_equals_llamacpp"] = plain_out == lc_out
                     for name, drafter in drafters.items():
                         spec, spec_out, st = await route_tok_s(
-                            bound, prompt, args.tokens, args.draft, lane, drafter
+                            bound, prompt, args.tokens, args.draft, lane, drafter, ssl_ctx
                         )
                         identical &= spec_out == plain_out
                         figures[f"{kind}_{tag}_{name}_tokens_per_round_trip"] = st["tokens_per_round_trip"]
@@ -190,6 +218,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         figures["spec_greedy_identical"] = int(identical)
         return figures
     finally:
+        if lab is not None:
+            lab.close()
         if relays is not None:
             relays.close()
         stop(procs)
@@ -204,6 +234,13 @@ def main() -> None:
         "--delay-ms", default="25", help="one-way link delays to run beside loopback, comma-separated"
     )
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--links",
+        choices=("relay", "netns"),
+        default="relay",
+        help="delayed links: relays on 127.0.0.1 (no lanes), or the link harness (as root: namespaces, TLS, lanes)",
+    )
+    ap.add_argument("--rate-mbit", type=float, default=100.0, help="--links netns: each link's rate each way")
     ap.add_argument(
         "--draft-model",
         default="",

@@ -118,6 +118,9 @@ class RouteClient:
         self.spec_adaptive = True  # drafts sized by measured costs and acceptance; False: `speculate` each
         # hops hold a verification's rejected drafts past the history: the next frame cuts them off
         self._hops_ahead = False
+        # this answer verified drafts: its plain steps stay off the lanes too, since every verification
+        # takes the session off them and coming back costs an admission round trip per hop
+        self._speculating = False
         self._sent_sampling: SamplingParams | None = None
         # A shared transport (agent/client/transport.py) bundles this session's small steps with other
         # sessions' for the same hop; without one the client has its own connections, nothing to bundle.
@@ -271,7 +274,7 @@ class RouteClient:
         t0 = time.perf_counter()
         if self.mode == "chain" or len(link.hops) == 1:
             try:
-                python_only = want_logits or sample_all or self._hops_ahead
+                python_only = want_logits or sample_all or self._hops_ahead or self._speculating
                 laned = await self.lane.step(inp, ids, send, python_only, shared)
             except RouteError as e:  # a lane step past its deadline: a hung hop, as on the Python path
                 await failover.fail(e)  # replaced (the hops brought back to the history), or raised
@@ -405,6 +408,7 @@ class RouteClient:
             resp = await self.forward(chunk, sampling, want_logits=want_logits and i == len(chunks) - 1)
         token, logprob = self._sampled(resp)
         self.last_spec = SpecStats()
+        self._speculating = False
         if speculate > 0 and not want_logits:
             steps = self._speculative(token, logprob, sampling, max_tokens, stop_ids, speculate, drafter)
             async for item in steps:
@@ -476,6 +480,7 @@ class RouteClient:
                 context.append(ready[0][0])
                 continue
             base = len(self.history)
+            self._speculating = True
             resp = await self.forward([token, *drafts], sampling, sample_all=True)
             compute = sum(h.compute_ms for h in self.hop_stats) - c0
             stats.timed(len(drafts) + 1, (time.perf_counter() - t0) * 1e3, compute)
