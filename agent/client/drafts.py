@@ -6,6 +6,8 @@ from typing import Any
 
 import numpy as np
 
+from agent.wire.prefix import common_prefix
+
 
 class ModelDrafter:
     """Greedy drafts of a draft model sharing the route model's tokenizer (SmolLM2-135M for a larger
@@ -35,12 +37,7 @@ class ModelDrafter:
     def _follow(self, context: list[int]) -> None:
         """Bring the KV to `context`, re-evaluating from the first token where they differ (at least
         the last one: its logits are what the next draft starts from)."""
-        common = 0
-        for a, b in zip(self.held, context, strict=False):
-            if a != b:
-                break
-            common += 1
-        common = min(common, len(context) - 1)
+        common = min(common_prefix(self.held, context), len(context) - 1)
         self.llm.n_tokens = common  # eval cuts the KV from here
         del self.held[common:]
         self.llm.eval(context[common:])

@@ -34,6 +34,7 @@ from agent.wire.frames import (
     hidden_kind,
 )
 from agent.wire.ids import SessionId
+from agent.wire.prefix import common_prefix
 from agent.wire.sampling import SamplingParams
 
 __all__ = [
@@ -386,11 +387,7 @@ class RouteClient:
         `speculate`: drafts of up to that many tokens (`drafter`, else prompt lookup) are verified in
         one step of the route each (spec.py); the tokens are the plain ones, `last_spec` says how many
         drafts each round trip accepted."""
-        common = 0
-        for a, b in zip(self.history, prompt_ids, strict=False):
-            if a != b:
-                break
-            common += 1
+        common = common_prefix(self.history, prompt_ids)
         if common == len(prompt_ids):  # nothing new to prefill: recompute the last position
             common = max(0, len(prompt_ids) - 1)
         common = await self.truncate(common)

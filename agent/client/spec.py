@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from agent.wire.frames import MAX_SAMPLE_ALL_TOKENS
+from agent.wire.prefix import common_prefix
 
 MAX_DRAFT = MAX_SAMPLE_ALL_TOKENS - 1  # a step carries the draft and the token it follows
 
@@ -82,12 +83,7 @@ def accepted(drafts: list[int], sampled: list[int]) -> int:
     """How many leading drafts equal what the route sampled after each of their predecessors:
     `sampled[i]` is the token sampled at the step's position i (after the step's first token, then
     after each draft), so draft i stands when it equals sampled[i] and every draft before it stood."""
-    m = 0
-    for d, s in zip(drafts, sampled, strict=False):
-        if d != s:
-            break
-        m += 1
-    return m
+    return common_prefix(drafts, sampled)
 
 
 @dataclass

@@ -4,15 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from agent.wire.prefix import common_prefix
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens `a` and `b` have in common."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+__all__ = ["common_prefix", "leading_system", "shared_prefix"]
 
 
 def leading_system(messages: Sequence[dict[str, str]]) -> list[dict[str, str]]:
