@@ -20,7 +20,15 @@ from agent.client.lane import LaneRoute, lanes_wanted
 from agent.client.link import HopStats, RouteLink, Step
 from agent.client.prefix import PrefixSharing, prefix_step, shareable
 from agent.client.recovery import Hop, RecoveryPolicy, Replacement, ReplacementProvider
-from agent.client.spec import MAX_DRAFT, Drafter, NgramDrafter, SpecStats, accepted, draft_length
+from agent.client.spec import (
+    MAX_DRAFT,
+    MEASURE_STEPS,
+    Drafter,
+    NgramDrafter,
+    SpecStats,
+    accepted,
+    draft_length,
+)
 from agent.client.tokenizer import ChatTokenizer, StreamDecoder
 from agent.client.transport import HopTransport
 from agent.wire.bundle import BUNDLE_STEP_TOKENS
@@ -62,7 +70,8 @@ class ChatEvent:
 
 
 PROBE_EVERY = 8  # plain steps between single-draft probes when drafts have not been paying
-MEASURE_STEPS = 3  # an answer's first decode steps go plain: they measure its route's costs
+# a route this slow keeps a speculating answer off the lanes: an admission costs about a round trip
+STICKY_ROUND_TRIP_MS = 5.0
 
 
 class RouteClient:
@@ -119,8 +128,8 @@ class RouteClient:
         self.spec_adaptive = True  # drafts sized by measured costs and acceptance; False: `speculate` each
         # hops hold a verification's rejected drafts past the history: the next frame cuts them off
         self._hops_ahead = False
-        # this answer verified drafts: its plain steps stay off the lanes too, since every verification
-        # takes the session off them and coming back costs an admission round trip per hop
+        # this answer verified drafts over a slow route: its plain steps stay off the lanes too, since
+        # every verification takes the session off them and coming back costs an admission round trip
         self._speculating = False
         self._sent_sampling: SamplingParams | None = None
         # A shared transport (agent/client/transport.py) bundles this session's small steps with other
@@ -477,7 +486,7 @@ class RouteClient:
                 context.append(ready[0][0])
                 continue
             base = len(self.history)
-            self._speculating = True
+            self._speculating = self._speculating or stats.round_trip_ms >= STICKY_ROUND_TRIP_MS
             resp = await self.forward([token, *drafts], sampling, sample_all=True)
             compute = sum(h.compute_ms for h in self.hop_stats) - c0
             stats.timed(len(drafts) + 1, (time.perf_counter() - t0) * 1e3, compute)

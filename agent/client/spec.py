@@ -55,6 +55,7 @@ def expected_tokens(a: float, k: int) -> float:
     return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
+MEASURE_STEPS = 3  # an answer's first decode steps go plain: they measure its route's costs
 # a draft must promise this much more than a plain step: a verification leaves the native lane and may
 # leave rejected drafts to cut, costs the rate below does not count
 MIN_GAIN = 1.1
@@ -99,6 +100,7 @@ class SpecStats:
     round_trip_ms: float = 0.0  # a step's wall time less the hops' compute (moving average)
     row_ms: float = 0.0  # the hops' compute per position (moving average)
     draft_ms: float = 0.0  # the drafter's time per drafted token (moving average; 0 for lookups)
+    timed_steps: int = 0
 
     def record(self, drafted: int, accepted: int) -> None:
         self.steps += 1
@@ -111,13 +113,15 @@ class SpecStats:
         step held up by something else on the machine moves the round trip by at most a tenth of its
         excess, so a stall does not read as a slow link."""
         rt, row = max(wall_ms - compute_ms, 0.0), compute_ms / max(rows, 1)
-        first = self.round_trip_ms == 0.0 and self.row_ms == 0.0
-        self.round_trip_ms = (
-            rt
-            if first
-            else self.round_trip_ms + (0.2 if rt < self.round_trip_ms else 0.1) * (rt - self.round_trip_ms)
-        )
-        self.row_ms = row if first else 0.8 * self.row_ms + 0.2 * row
+        self.timed_steps += 1
+        if self.timed_steps == 1:
+            self.round_trip_ms, self.row_ms = rt, row
+            return
+        if self.timed_steps <= MEASURE_STEPS:  # the fastest of the first steps: the very first pays for
+            self.round_trip_ms = min(self.round_trip_ms, rt)  # connections and the lane's admission
+        else:
+            self.round_trip_ms += (0.2 if rt < self.round_trip_ms else 0.1) * (rt - self.round_trip_ms)
+        self.row_ms = 0.8 * self.row_ms + 0.2 * row
 
     def drafting(self, tokens: int, ms: float) -> None:
         """What a draft of `tokens` took the drafter to propose."""

@@ -124,3 +124,15 @@ def test_the_acceptance_estimate_follows_the_runs_from_a_prior() -> None:
     assert (st.round_trip_ms, st.row_ms) == (150.0, 10.0)
     st.timed(1, 160.0, 10.0)
     assert st.round_trip_ms == pytest.approx(150.0) and st.row_ms == pytest.approx(10.0)
+
+
+def test_the_round_trip_estimate_starts_from_the_fastest_first_step_and_shrugs_off_a_stall() -> None:
+    st = SpecStats()
+    st.timed(1, 40.0, 10.0)  # the first step pays for connections and the lane's admission
+    st.timed(1, 12.0, 10.0)
+    st.timed(1, 13.0, 10.0)
+    assert st.round_trip_ms == 2.0
+    st.timed(1, 110.0, 10.0)  # one step held up by something else on the machine
+    assert st.round_trip_ms == pytest.approx(2.0 + 0.1 * 98.0)
+    st.timed(1, 12.0, 10.0)
+    assert st.round_trip_ms == pytest.approx(11.8 + 0.2 * (2.0 - 11.8))
