@@ -182,7 +182,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         else:
             figures["links"] = "loopback relays, no lanes"
             settings += [(f"{d:g}ms", d, False, relayed, None, relays.set_delay) for d in delays]
-        for _ in range(args.rounds):
+        for r in range(args.rounds):
             for kind, prompt in prompts.items():
                 lc, lc_out = llamacpp_tok_s(llm, prompt, args.tokens)
                 samples.setdefault(f"{kind}_llamacpp", []).append(lc)
@@ -192,19 +192,24 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     def bound(session: bytes, via: list[RouteHop] = via) -> Any:  # noqa: ANN401
                         return hops_for(session, via)
 
-                    plain, plain_out, _ = await route_tok_s(
-                        bound, prompt, args.tokens, 0, lane, None, ssl_ctx
-                    )
-                    samples.setdefault(f"{kind}_{tag}_plain", []).append(plain)
-                    figures[f"{kind}_plain_equals_llamacpp"] = plain_out == lc_out
-                    for name, drafter in drafters.items():
-                        spec, spec_out, st = await route_tok_s(
-                            bound, prompt, args.tokens, args.draft, lane, drafter, ssl_ctx
+                    # plain and each drafter in turn, the order reversed every other round: on a
+                    # shared machine whoever runs first in a round would otherwise be favoured
+                    runs: list[tuple[str, Drafter | None, int]] = [("plain", None, 0)]
+                    runs += [(name, drafter, args.draft) for name, drafter in drafters.items()]
+                    outs: dict[str, list[int]] = {}
+                    for name, drafter, draft in runs if r % 2 == 0 else runs[::-1]:
+                        speed, out, st = await route_tok_s(
+                            bound, prompt, args.tokens, draft, lane, drafter, ssl_ctx
                         )
-                        identical &= spec_out == plain_out
-                        figures[f"{kind}_{tag}_{name}_tokens_per_round_trip"] = st["tokens_per_round_trip"]
-                        figures[f"{kind}_{tag}_{name}_acceptance"] = st["acceptance"]
-                        samples.setdefault(f"{kind}_{tag}_{name}", []).append(spec)
+                        outs[name] = out
+                        samples.setdefault(f"{kind}_{tag}_{name}", []).append(speed)
+                        if name != "plain":
+                            figures[f"{kind}_{tag}_{name}_tokens_per_round_trip"] = st[
+                                "tokens_per_round_trip"
+                            ]
+                            figures[f"{kind}_{tag}_{name}_acceptance"] = st["acceptance"]
+                    figures[f"{kind}_plain_equals_llamacpp"] = outs["plain"] == lc_out
+                    identical &= all(out == outs["plain"] for out in outs.values())
         for name, vals in samples.items():
             figures[f"{name}_tok_s"] = round(statistics.median(vals), 2)
         for kind in prompts:

@@ -101,6 +101,7 @@ class SpecStats:
     row_ms: float = 0.0  # the hops' compute per position (moving average)
     draft_ms: float = 0.0  # the drafter's time per drafted token (moving average; 0 for lookups)
     timed_steps: int = 0
+    drafts_timed: int = 0
 
     def record(self, drafted: int, accepted: int) -> None:
         self.steps += 1
@@ -124,10 +125,16 @@ class SpecStats:
         self.row_ms = 0.8 * self.row_ms + 0.2 * row
 
     def drafting(self, tokens: int, ms: float) -> None:
-        """What a draft of `tokens` took the drafter to propose."""
-        if tokens > 0:
-            per = ms / tokens
-            self.draft_ms = per if self.draft_ms == 0.0 else 0.8 * self.draft_ms + 0.2 * per
+        """What a draft of `tokens` took the drafter to propose. An answer's first draft is not
+        counted: a draft model catches up with the whole prompt there, once, not per drafted token
+        (counted, it would price drafts out for the rest of the answer)."""
+        if tokens <= 0:
+            return
+        self.drafts_timed += 1
+        if self.drafts_timed == 1:
+            return
+        per = ms / tokens
+        self.draft_ms = per if self.draft_ms == 0.0 else 0.8 * self.draft_ms + 0.2 * per
 
     def acceptance_rate(self, prior: float = 0.5, weight: float = 2.0) -> float:
         """Probability that a draft stands once its predecessor did (the run lengths' estimate, pulled

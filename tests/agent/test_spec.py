@@ -136,3 +136,12 @@ def test_the_round_trip_estimate_starts_from_the_fastest_first_step_and_shrugs_o
     assert st.round_trip_ms == pytest.approx(2.0 + 0.1 * 98.0)
     st.timed(1, 12.0, 10.0)
     assert st.round_trip_ms == pytest.approx(11.8 + 0.2 * (2.0 - 11.8))
+
+
+def test_a_draft_models_catch_up_with_the_prompt_is_not_priced_per_drafted_token() -> None:
+    st = SpecStats()
+    st.drafting(4, 900.0)  # the first draft: the draft model evaluated the whole prompt first
+    assert st.draft_ms == 0.0
+    st.drafting(4, 40.0)
+    st.drafting(0, 500.0)  # nothing drafted: nothing learnt
+    assert st.draft_ms == 10.0
