@@ -465,11 +465,12 @@ class RouteClient:
                 # the first steps go plain: their round trips and compute size the drafts after them
                 first = stats.steps + stats.plain_steps < MEASURE_STEPS
                 rt, row, per = stats.round_trip_ms, stats.row_ms, stats.draft_ms
-                cap, k = k, 0 if first else draft_length(stats.acceptance_rate(), rt, row, k, per)
+                vrt = stats.verify_round_trip_ms
+                cap, k = k, 0 if first else draft_length(stats.acceptance_rate(), rt, row, k, per, vrt)
                 # now and then one draft anyway, so the acceptance estimate keeps learning, where drafts
                 # that always stood would pay on this route at all
                 probe = stats.plain_steps % PROBE_EVERY == PROBE_EVERY - 1
-                if not first and k == 0 and probe and draft_length(1.0, rt, row, cap, per):
+                if not first and k == 0 and probe and draft_length(1.0, rt, row, cap, per, vrt):
                     k = 1
             t_draft = time.perf_counter()
             drafts = drafter.propose(context, k)[:k] if k > 0 else []
@@ -489,7 +490,7 @@ class RouteClient:
             self._speculating = self._speculating or stats.round_trip_ms >= STICKY_ROUND_TRIP_MS
             resp = await self.forward([token, *drafts], sampling, sample_all=True)
             compute = sum(h.compute_ms for h in self.hop_stats) - c0
-            stats.timed(len(drafts) + 1, (time.perf_counter() - t0) * 1e3, compute)
+            stats.timed(len(drafts) + 1, (time.perf_counter() - t0) * 1e3, compute, verify=True)
             if resp.kind != Kind.TOKENS or resp.n_tokens != len(drafts) + 1:
                 raise RouteError(
                     f"the last hop answered {resp.kind.name} x {resp.n_tokens} to a verification of "

@@ -61,14 +61,25 @@ MEASURE_STEPS = 3  # an answer's first decode steps go plain: they measure its r
 MIN_GAIN = 1.1
 
 
-def draft_length(a: float, round_trip_ms: float, row_ms: float, k_max: int, draft_ms: float = 0.0) -> int:
+def draft_length(
+    a: float,
+    round_trip_ms: float,
+    row_ms: float,
+    k_max: int,
+    draft_ms: float = 0.0,
+    verify_round_trip_ms: float | None = None,
+) -> int:
     """The draft length that yields the most tokens per millisecond: a step costs the route's round
     trip plus one row's compute per position (rows run one at a time, agent/node/verify.py), plus
-    `draft_ms` per drafted token for a drafter that computes (a draft model). Long drafts pay where
-    round trips dominate and drafts stand; on a fast link they only add compute (0: go plain)."""
+    `draft_ms` per drafted token for a drafter that computes (a draft model). A verification's own
+    round trip (`verify_round_trip_ms`, once measured) can exceed a plain step's: it leaves the native
+    lanes, and the step after it comes back to them. Long drafts pay where round trips dominate and
+    drafts stand; on a fast link they only add compute (0: go plain)."""
+    verify_rt = round_trip_ms if verify_round_trip_ms is None else verify_round_trip_ms
 
     def rate(k: int) -> float:
-        cost = max(round_trip_ms, 0.0) + (k + 1) * max(row_ms, 1e-3) + k * max(draft_ms, 0.0)
+        rt = round_trip_ms if k == 0 else verify_rt
+        cost = max(rt, 0.0) + (k + 1) * max(row_ms, 1e-3) + k * max(draft_ms, 0.0)
         return expected_tokens(a, k) / cost
 
     plain = rate(0)
@@ -102,6 +113,9 @@ class SpecStats:
     draft_ms: float = 0.0  # the drafter's time per drafted token (moving average; 0 for lookups)
     timed_steps: int = 0
     drafts_timed: int = 0
+    verify_round_trip_ms: float | None = None  # a verification's round trip with the way back after it
+    _verify_rt_step: float = 0.0
+    _after_verify: bool = False
 
     def record(self, drafted: int, accepted: int) -> None:
         self.steps += 1
@@ -109,11 +123,28 @@ class SpecStats:
         self.accepted += accepted
         self.rejections += accepted < drafted
 
-    def timed(self, rows: int, wall_ms: float, compute_ms: float) -> None:
+    def timed(self, rows: int, wall_ms: float, compute_ms: float, verify: bool = False) -> None:
         """A step's costs: the round trip (what speculation amortises) and the compute per row. One
         step held up by something else on the machine moves the round trip by at most a tenth of its
-        excess, so a stall does not read as a slow link."""
+        excess, so a stall does not read as a slow link. A verification's round trip is kept apart
+        (`verify`), and so is the plain step after it, whose extra (back onto the lanes, cutting the
+        hops back) is the verification's cost, not the link's."""
         rt, row = max(wall_ms - compute_ms, 0.0), compute_ms / max(rows, 1)
+        if verify or self._after_verify:
+            extra = rt if verify else max(rt - self.round_trip_ms, 0.0)
+            if verify:
+                self._verify_rt_step = extra
+                self._after_verify = True
+                self.row_ms = 0.8 * self.row_ms + 0.2 * row if self.row_ms else row
+                return
+            total = self._verify_rt_step + extra  # the verification and the way back after it
+            self.verify_round_trip_ms = (
+                total
+                if self.verify_round_trip_ms is None
+                else (0.7 * self.verify_round_trip_ms + 0.3 * total)
+            )
+            self._after_verify = False
+            return
         self.timed_steps += 1
         if self.timed_steps == 1:
             self.round_trip_ms, self.row_ms = rt, row

@@ -145,3 +145,17 @@ def test_a_draft_models_catch_up_with_the_prompt_is_not_priced_per_drafted_token
     st.drafting(4, 40.0)
     st.drafting(0, 500.0)  # nothing drafted: nothing learnt
     assert st.draft_ms == 10.0
+
+
+def test_a_verification_that_costs_more_than_a_plain_step_is_priced_as_it_costs() -> None:
+    st = SpecStats()
+    for _ in range(3):
+        st.timed(1, 12.0, 8.0)  # plain steps on the lanes: a 4 ms round trip
+    assert draft_length(0.95, st.round_trip_ms, st.row_ms, 8) >= 1  # priced as a plain step, drafts pay
+    st.timed(3, 40.0, 24.0, verify=True)  # off the lanes: 16 ms beyond its compute
+    st.timed(1, 18.0, 8.0)  # and back onto them: 6 ms more than a plain step
+    assert st.round_trip_ms == 4.0  # neither moved the link's round trip
+    assert st.verify_round_trip_ms == 16.0 + 6.0
+    assert draft_length(0.95, st.round_trip_ms, st.row_ms, 8, 0.0, st.verify_round_trip_ms) == 0
+    # over a slow link the same extra is small against the round trip: drafts still pay
+    assert draft_length(0.9, 150.0, 8.0, 8, 0.0, 160.0) >= 5
