@@ -78,3 +78,19 @@ def test_an_unknown_route_mode_stops_the_control_plane_with_its_name() -> None:
     r = _settings_in_a_fresh_process({"ROUTE_MODE": "ring"})
     assert r.returncode != 0
     assert "ROUTE_MODE='ring' must be one of star, chain" in r.stderr
+
+
+def test_speculation_is_off_unless_the_operator_sets_a_draft_limit_within_a_verification() -> None:
+    code = "import django; django.setup(); from django.conf import settings; print(settings.ROUTE_SPECULATE)"
+
+    def run(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+        full = {k: v for k, v in os.environ.items() if k != "ROUTE_SPECULATE"}
+        full.update({"DJANGO_SETTINGS_MODULE": "webapp.settings", **env})
+        return subprocess.run(
+            [sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=120
+        )
+
+    assert run({}).stdout.strip() == "0"
+    assert run({"ROUTE_SPECULATE": "8"}).stdout.strip() == "8"
+    bad = run({"ROUTE_SPECULATE": "16"})  # a verification carries at most 15 drafts
+    assert bad.returncode != 0 and "ROUTE_SPECULATE=16 must be 0..15" in bad.stderr
