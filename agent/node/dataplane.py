@@ -397,7 +397,7 @@ class DataPlane:
             raise DataPlaneError(
                 409, "no_chain", "cached-chain frame but this session never received a chain"
             )
-        if req.pos_start < s.backend.session_len(s.sid) and can_cut_into(s, req.pos_start):
+        if can_cut_into(s, req.pos_start) and req.pos_start < s.backend.session_len(s.sid):
             # the step after a speculative verification starts where its drafts stopped standing
             _held, how = await rewind(s, req.pos_start, shard.lock)
             self.counters[f"verify_cut_{how}"] = self.counters.get(f"verify_cut_{how}", 0) + 1

@@ -33,13 +33,9 @@ class Verification:
     into it is exact even where the state is recurrent (the rows after the checkpoint run again)."""
 
     pos: int
+    end: int  # the position after its last row
     step: StepInput
     checkpoint: bool = False  # the hop took a checkpoint at `pos` for it (dropped once it is settled)
-
-    @property
-    def end(self) -> int:
-        n = self.step.token_ids if self.step.token_ids is not None else self.step.hidden
-        return self.pos + (0 if n is None else len(n))
 
 
 @dataclass

@@ -101,10 +101,15 @@ def sample_positions(s: SessionState, req: Request, logits: np.ndarray) -> tuple
     sampling = s.sampling or SamplingParams()
     n = req.n_tokens
     base = len(s.history) - n  # the step's inputs are the history's last n ids
+    # the penalty reads the last repeat_last_n ids (all when negative): only they are sliced, not the
+    # whole context once per position
+    penalised = sampling.repeat_penalty != 1.0 and sampling.repeat_last_n != 0
+    window = sampling.repeat_last_n if sampling.repeat_last_n > 0 else len(s.history)
     ids: list[int] = []
     lps: list[float] = []
     for i in range(n):
-        hist = s.history[: base + i + 1] if sampling.repeat_penalty != 1.0 else None
+        end = base + i + 1
+        hist = s.history[max(0, end - window) : end] if penalised else None
         tok, lp = s.backend.sample_position(logits[i], sampling, req.pos_start + i, hist)
         ids.append(tok)
         lps.append(lp)

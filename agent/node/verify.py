@@ -15,16 +15,9 @@ import dataclasses
 import numpy as np
 
 from agent.backends.base import ForwardResult, StepInput
-from agent.node.scheduler import ShardScheduler
+from agent.node.scheduler import ShardScheduler, step_tokens
 from agent.node.sessions import SessionState, Verification
 from agent.node.steps import run_step
-
-
-def rows_of(step: StepInput) -> int:
-    if step.token_ids is not None:
-        return len(step.token_ids)
-    assert step.hidden is not None
-    return int(step.hidden.shape[0])
 
 
 def row(step: StepInput, i: int) -> StepInput:
@@ -62,16 +55,19 @@ async def run_rows(
         _forget(s)  # the previous verification is settled: this step follows what stood of it
         # recurrent state: where a cut back into this step starts from
         took = s.backend.checkpoint(s.sid)
+    n = step_tokens(step)
     results: list[ForwardResult] = []
     try:
-        for i in range(rows_of(step)):
+        for i in range(n):
             results.append(await run_step(scheduler, s, row(step, i), history_len))
     except BaseException:
-        if results:
-            async with scheduler.lock:
+        async with scheduler.lock:
+            if results:  # back to the checkpoint just taken, where the window keeps fixed state
                 s.backend.truncate_to(s.sid, step.pos_start)
+            if took:
+                s.backend.drop_checkpoint(s.sid, step.pos_start)
         raise
-    s.verify = Verification(step.pos_start, step, took)
+    s.verify = Verification(step.pos_start, step.pos_start + n, step, took)
     return joined(results)
 
 

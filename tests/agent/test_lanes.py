@@ -50,6 +50,16 @@ async def _tokens(c: RouteClient, n: int = 10, prompt: list[int] = PROMPT) -> li
     return [t async for t, _ in c.generate(prompt, SamplingParams(), n)]
 
 
+async def _on_the_lane(*clients: RouteClient) -> None:
+    """Until every client's decode steps run on the lane (a bounded poll, ~10 s at most)."""
+    import asyncio
+
+    for _ in range(2000):
+        if all(c.lane.steps >= 3 for c in clients):
+            return
+        await asyncio.sleep(0.005)
+
+
 async def _alone(url: str, manifest: Any, key: Any, cases: list[tuple[list[int], int]]) -> list[list[int]]:
     """The tokens each (prompt, n) gets alone on the Python path: what every test compares with."""
     out = []
@@ -181,10 +191,7 @@ async def test_a_prompt_beside_decoding_lane_sessions_runs_in_mixed_steps_and_al
     other = _client(url, manifest, signing_key, lane=False)
     try:
         decoding = asyncio.gather(_tokens(a, 40, PROMPT), _tokens(b, 40, PROMPT[:9]))
-        for _ in range(2000):  # until both decode on the lane (bounded poll)
-            if a.lane.steps >= 3 and b.lane.steps >= 3:
-                break
-            await asyncio.sleep(0.005)
+        await _on_the_lane(a, b)
         # the prompt arrives while they decode: its chunks ride the lane's steps as mixed steps
         got_other = await _tokens(other, 4, long_prompt)
         got = await decoding
@@ -210,10 +217,7 @@ async def test_a_prompt_closed_mid_prefill_beside_the_lane_frees_its_session_and
     other = _client(url, manifest, signing_key, lane=False)
     try:
         decoding = asyncio.gather(_tokens(a, 40, PROMPT), _tokens(b, 40, PROMPT[:9]))
-        for _ in range(2000):  # until both decode on the lane (bounded poll)
-            if a.lane.steps >= 3 and b.lane.steps >= 3:
-                break
-            await asyncio.sleep(0.005)
+        await _on_the_lane(a, b)
         mixed = dp.stats()["prefill_mixed_chunks"]
         prompt = asyncio.ensure_future(_tokens(other, 2, (PROMPT * 40)[:500]))
         for _ in range(2000):  # until the prompt has run a mixed step (bounded poll)
