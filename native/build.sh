@@ -120,11 +120,26 @@ if [[ "$GGSWARM_GGML" == own ]]; then
     a="$own/ggml-build/src"
     out="$build/libggswarm.so"
     tmp="$build/libggswarm.so.tmp.$$"
-    "$CXX" -std=c++17 -O3 -DNDEBUG -fPIC -shared -fvisibility=hidden -Wall -Wextra -Wno-unused-parameter \
-        -DGGSWARM_OWN_THREADPOOL -I"$here/include" -I"$here/src" -I"$src/include" \
-        "$here"/src/*.cpp "$here"/src/archs/*.cpp \
+    cxxflags=(-std=c++17 -O3 -DNDEBUG -fPIC -fvisibility=hidden -Wall -Wextra -Wno-unused-parameter
+        -DGGSWARM_OWN_THREADPOOL -I"$here/include" -I"$here/src" -I"$src/include")
+    # Rebuilt only when what it is made of changed (sources, headers, flags, compiler, the static
+    # ggml): `make setup` runs twice in CI (setup, then test's own setup) and before every local test run.
+    lib_stamp="$( { cat "$here"/include/*.h "$here"/src/*.h "$here"/src/*.cpp "$here"/src/archs/*.h "$here"/src/archs/*.cpp \
+        "$a/libggml.a" "$a/libggml-cpu.a" "$a/libggml-base.a"; echo "${cxxflags[*]}"; "$CXX" --version; } | sha256sum | cut -d' ' -f1)"
+    if [[ -f "$out" && "$(cat "$out.stamp" 2>/dev/null)" == "$lib_stamp" ]]; then
+        echo "native/build.sh: $out is up to date"
+        exit 0
+    fi
+    # one object per source, compiled in parallel (one g++ over all sources used a single core)
+    objs="$build/obj"
+    rm -rf "$objs" && mkdir -p "$objs"
+    export CXX objs
+    printf '%s\n' "$here"/src/*.cpp "$here"/src/archs/*.cpp \
+        | xargs -P "${JOBS:-$(nproc)}" -I{} sh -c 'f=$1; shift; exec "$CXX" "$@" -c "$f" -o "$objs/$(basename "$(dirname "$f")")_$(basename "$f" .cpp).o"' sh {} "${cxxflags[@]}" \
+        || die "compilation failed"
+    "$CXX" -shared "$objs"/*.o \
         "$a/libggml.a" "$a/libggml-cpu.a" "$a/libggml-base.a" -Wl,--exclude-libs,ALL -Wl,--no-undefined \
-        -lcrypto -lpthread -lm -ldl -o "$tmp" || { rm -f "$tmp"; die "compilation failed"; }
+        -lcrypto -lpthread -lm -ldl -o "$tmp" || { rm -f "$tmp"; die "linking failed"; }
     # self-contained: no ggml symbol exported, no libggml*.so or libgomp needed
     if nm -D --defined-only "$tmp" | awk '{print $3}' | grep -qE '^(ggml|gguf)_'; then
         rm -f "$tmp"; die "the library exports ggml symbols"
@@ -133,6 +148,7 @@ if [[ "$GGSWARM_GGML" == own ]]; then
         rm -f "$tmp"; die "the library needs a shared ggml or libgomp"
     fi
     mv -f "$tmp" "$out"
+    echo "$lib_stamp" > "$out.stamp"
     echo "native/build.sh: built $out (its own static ggml: OpenMP off, threadpool without polling, sleeping barrier)"
     exit 0
 fi

