@@ -11,10 +11,11 @@ of node URLs and a local signing key.
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from aiohttp import ClientError, ClientSession, ClientTimeout
+from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent.wire.handofftoken import mint_handoff
@@ -97,7 +98,8 @@ class RecoveryPolicy:
 
 class ReplicaProvider:
     """Replacement hops from a fixed list of node URLs (the CLI's `--replicas`): each is asked what it
-    holds (GET /v1/health), and a route token (and a hand-off token) is minted with a local key."""
+    holds (GET /v1/health; https nodes with `ssl_context`, the route client's), and a route token (and
+    a hand-off token) is minted with a local key."""
 
     def __init__(
         self,
@@ -106,12 +108,14 @@ class ReplicaProvider:
         session: bytes,
         ttl_s: int = 3600,
         probe_timeout_s: float = 2.0,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.urls = [u.rstrip("/") for u in urls]
         self.key = signing_key
         self.session = session
         self.ttl_s = ttl_s
         self.probe_timeout_s = probe_timeout_s
+        self.ssl_context = ssl_context
         self.failed: set[str] = set()
 
     async def _health(self, http: ClientSession, url: str) -> dict[str, object] | None:
@@ -138,7 +142,10 @@ class ReplicaProvider:
         order = [u for u in self.urls if u not in self.failed] + [u for u in self.urls if u in self.failed]
         if reason == STANDBY:
             order = [u for u in order if u not in self.failed and u != hop.url.rstrip("/")]
-        async with ClientSession(timeout=ClientTimeout(total=self.probe_timeout_s)) as http:
+        connector = TCPConnector(ssl=self.ssl_context) if self.ssl_context is not None else None
+        async with ClientSession(
+            connector=connector, timeout=ClientTimeout(total=self.probe_timeout_s)
+        ) as http:
             infos = await asyncio.gather(*(self._health(http, u) for u in order))
         for url, info in zip(order, infos, strict=True):
             if info is None:

@@ -1,4 +1,4 @@
-"""The link harness: `agent serve` hops each in a network namespace of its own, behind delaying relays and tbf-shaped veth links.
+"""The link harness: `agent serve` hops (and other processes) each in a network namespace of its own, behind delaying relays and tbf-shaped veth links.
 
     with LinkLab(3, workdir) as lab:
         lab.start_hops(model, [(0, 10), (10, 20), (20, 30)], public_key_b64)
@@ -19,9 +19,15 @@ certificates from a CA of the lab's own, issued as enrollment issues them (agent
 with tls=False, plain HTTP (GGSWARM_INSECURE_PLAIN_HTTP). The decode lane is the lane production has
 (sealed frames over plain TCP).
 
-Everything is torn down by `close()` (the context manager's exit, and atexit): hops stopped, relays
-closed, namespaces deleted (their veths go with them). Needs root and `ip` / `tc` (`unusable()` says
-why not). Standard library plus agent.wire.tls (certificates) and agent.procs.
+Other processes live in the namespaces too (`spawn`: a torrent peer, agent/dev/links_swarm.py): a
+service inside is reached at its namespace's host-side address through a relay of its own (`expose`),
+and a service in the root namespace (a tracker on 127.0.0.1) is reached from inside through a relay
+on the host-side address that dials it from that address (`reach`), so the service sees the namespace
+where the others reach it, as a server on the internet sees a node's public address.
+
+Everything is torn down by `close()` (the context manager's exit, and atexit): hops and spawned
+processes stopped, relays closed, namespaces deleted (their veths go with them). Needs root and `ip` /
+`tc` (`unusable()` says why not). Standard library plus agent.wire.tls (certificates) and agent.procs.
 """
 
 from __future__ import annotations
@@ -202,7 +208,9 @@ class LinkLab:
         self.tls = tls
         self.links: list[Link] = []
         self.hops: list[NetnsHop] = []
+        self.procs: list[Process] = []  # spawn()'s, stopped with the hops
         self.relay: RelayProcess | None = None
+        self._delay = (0.0, 0.0)  # ms one way, jitter: what a relay process started later begins with
         self.rate_mbit: float | None = None
         self._pki: _Pki | None = None
         self._client_ssl: ssl.SSLContext | None = None
@@ -274,10 +282,47 @@ class LinkLab:
         self.rate_mbit = rate_mbit
 
     def set_delay(self, delay_ms: float, jitter_ms: float = 0.0) -> None:
-        """Every relay's one-way delay (and jitter, uniform in [0, jitter_ms)) from now on."""
+        """Every relay's one-way delay (and jitter, uniform in [0, jitter_ms)) from now on, the ones
+        opened later included."""
+        self._delay = (delay_ms, jitter_ms)
+        if self.relay is not None:
+            self.relay.set_delay(delay_ms, jitter_ms)
+
+    # -- relays and other processes ------------------------------------------------------------------
+    def _relays(self) -> RelayProcess:
+        """The one relay process of the lab (every relay shares its delay), started on first use."""
         if self.relay is None:
-            raise RuntimeError("start the hops first: the relays stand in front of them")
-        self.relay.set_delay(delay_ms, jitter_ms)
+            self.relay = RelayProcess([], self.workdir / "relay.log", delay_ms=self._delay[0])
+            if self._delay[1]:
+                self.relay.set_delay(*self._delay)
+        return self.relay
+
+    def port(self, index: int) -> int:
+        """A port free on namespace `index`'s host-side address: a service inside listens on it (the
+        namespace is fresh, so it is free there too), its relay outside (`expose`) on the same number."""
+        return free_port(self.links[index].host_ip)
+
+    def expose(self, index: int, port: int) -> tuple[str, int]:
+        """A relay from namespace `index`'s host-side address to the service listening inside on `port`
+        (its namespace address), as each hop has: where the others reach that service, the delay and
+        the namespace's link on the way."""
+        link = self.links[index]
+        return self._relays().add([((link.host_ip, port), (link.ns_ip, port))])[0]
+
+    def reach(self, index: int, host: str, port: int) -> tuple[str, int]:
+        """A relay through which namespace `index` reaches `host:port`, a service of the root namespace
+        (127.0.0.1 included): it listens on the namespace's host-side address and dials the service from
+        that address, so the service sees callers from inside at the address `expose` gives them (a
+        tracker then hands out peers the others can reach). Where the namespace dials."""
+        link = self.links[index]
+        return self._relays().add([((link.host_ip, 0), (host, port))], source=link.host_ip)[0]
+
+    def spawn(self, index: int, cmd: Sequence[str], log: Path, env: dict[str, str] | None = None) -> Process:
+        """`cmd` in namespace `index` (as an agent process: this checkout on PYTHONPATH, `env` on top),
+        output into `log`; stopped by `close()`."""
+        proc = spawn(self.links[index].ns(*cmd), log, env=agent_env(ROOT, env), cwd=ROOT)
+        self.procs.append(proc)
+        return proc
 
     # -- hops ----------------------------------------------------------------------------------------
     def start_hops(
@@ -325,7 +370,7 @@ class LinkLab:
         for h in self.hops:
             for port in (h.port, h.lane_port):
                 pairs.append(((h.link.host_ip, port), (h.link.ns_ip, port)))
-        self.relay = RelayProcess(pairs, self.workdir / "relay.log")
+        self._relays().add(pairs)
         return self.hops
 
     def plan(self) -> list[tuple[str, str, int, int]]:
@@ -346,13 +391,13 @@ class LinkLab:
 
     # -- teardown ------------------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop the hops and relays and delete the namespaces (with their veths); idempotent, and every
-        step runs even when one before it failed."""
+        """Stop the hops, spawned processes and relays and delete the namespaces (with their veths);
+        idempotent, and every step runs even when one before it failed."""
         if self._closed:
             return
         self._closed = True
         with contextlib.suppress(Exception):
-            stop([h.proc for h in self.hops])
+            stop([h.proc for h in self.hops] + self.procs)
         if self.relay is not None:
             with contextlib.suppress(Exception):
                 self.relay.close()

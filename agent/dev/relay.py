@@ -6,7 +6,10 @@ they arrived. It runs on threads blocked in `recv()` and `sleep()`, not on an ev
 rounds a wait up to whole milliseconds and runs late while the loop's owner works, which would blur
 the 0.5 ms links the harness emulates. `RelayProcess` runs a set of relays in a child process
 (`python -m agent.dev.relay`) so that not even the caller's interpreter lock delays a chunk; it exits
-when its parent closes its stdin or dies. Standard library only.
+when its parent closes its stdin or dies; `add()` opens more relays in it while it runs. A relay may
+dial its upstream from a given source address (`source`): the link harness (agent/dev/links.py) makes
+a root-namespace service see a namespace's caller at that namespace's host-side address, as a server
+on the internet sees a node's public address. Standard library only.
 """
 
 from __future__ import annotations
@@ -126,11 +129,13 @@ class _Pipe:
 
 
 class Relay:
-    """Listens on `listen` (port 0: one the system picks) and relays each connection to `upstream`."""
+    """Listens on `listen` (port 0: one the system picks) and relays each connection to `upstream`,
+    dialled from the `source` address when given (else the system's choice)."""
 
-    def __init__(self, listen: Address, upstream: Address, delay: Delay) -> None:
+    def __init__(self, listen: Address, upstream: Address, delay: Delay, source: str | None = None) -> None:
         self.upstream = upstream
         self.delay = delay
+        self.source = source
         self._sock = socket.create_server(listen, reuse_port=False)
         self.address: Address = self._sock.getsockname()[:2]
         self._pipes: set[_Pipe] = set()
@@ -149,7 +154,8 @@ class Relay:
             except OSError:
                 return  # closed
             try:
-                up = socket.create_connection(self.upstream, timeout=10.0)
+                bind = (self.source, 0) if self.source else None
+                up = socket.create_connection(self.upstream, timeout=10.0, source_address=bind)
                 up.settimeout(None)
             except OSError:
                 conn.close()
@@ -178,14 +184,20 @@ class Relay:
             p.abort()
 
 
+def pair_arg(listen: Address, upstream: Address, source: str | None = None) -> str:
+    """A relay as the child process's command line and `add` command name it: LH:LP=UH:UP[@SOURCE]."""
+    (lh, lp), (uh, up) = listen, upstream
+    return f"{lh}:{lp}={uh}:{up}" + (f"@{source}" if source else "")
+
+
 class RelayProcess:
     """Relays (listen -> upstream, port 0 picks one) in a child process sharing one delay; `addresses`
-    are where they listen, in the order given."""
+    are where they listen, in the order given (then `add()`'s)."""
 
     def __init__(self, pairs: Sequence[tuple[Address, Address]], log: Path, delay_ms: float = 0.0) -> None:
         cmd = [sys.executable, "-m", "agent.dev.relay", "--delay-ms", str(delay_ms)]
-        for (lh, lp), (uh, up) in pairs:
-            cmd += ["--pair", f"{lh}:{lp}={uh}:{up}"]
+        for listen, upstream in pairs:
+            cmd += ["--pair", pair_arg(listen, upstream)]
         root = Path(__file__).resolve().parents[2]
         with log.open("ab") as err:
             self.proc = subprocess.Popen(
@@ -214,6 +226,20 @@ class RelayProcess:
             raise RuntimeError(f"the relay process exited with {self.proc.wait()}")
         return line
 
+    def add(self, pairs: Sequence[tuple[Address, Address]], source: str | None = None) -> list[Address]:
+        """More relays in the running process (sharing its delay), each dialling its upstream from
+        `source` when given; where they listen, in the order given."""
+        assert self.proc.stdin is not None
+        args = " ".join(pair_arg(listen, upstream, source) for listen, upstream in pairs)
+        self.proc.stdin.write(f"add {args}\n".encode())
+        self.proc.stdin.flush()
+        answer = json.loads(self._line(10.0))
+        if "listening" not in answer:
+            raise RuntimeError(f"the relay process refused {args}: {answer.get('error')}")
+        added = [(h, int(p)) for h, p in answer["listening"]]
+        self.addresses += added
+        return added
+
     def set_delay(self, delay_ms: float, jitter_ms: float = 0.0) -> None:
         """Every relay's one-way delay from now on (answered once the relays apply it)."""
         assert self.proc.stdin is not None
@@ -240,23 +266,40 @@ def _address(text: str) -> Address:
     return host, int(port)
 
 
+def _relay(pair: str, delay: Delay) -> Relay:
+    listen, rest = pair.split("=")
+    upstream, _, source = rest.partition("@")
+    return Relay(_address(listen), _address(upstream), delay, source or None)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m agent.dev.relay", description=__doc__.splitlines()[0])
-    ap.add_argument("--pair", action="append", default=[], help="LISTEN_HOST:PORT=UPSTREAM_HOST:PORT")
+    ap.add_argument(
+        "--pair", action="append", default=[], help="LISTEN_HOST:PORT=UPSTREAM_HOST:PORT[@SOURCE_HOST]"
+    )
     ap.add_argument("--delay-ms", type=float, default=0.0)
     ap.add_argument("--jitter-ms", type=float, default=0.0)
     args = ap.parse_args(argv)
     delay = Delay(args.delay_ms / 1e3, args.jitter_ms / 1e3)
-    relays = []
-    for pair in args.pair:
-        listen, upstream = pair.split("=")
-        relays.append(Relay(_address(listen), _address(upstream), delay))
+    relays = [_relay(pair, delay) for pair in args.pair]
     print(json.dumps({"listening": [list(r.address) for r in relays]}), flush=True)
     for line in sys.stdin:  # commands until the parent closes stdin (or dies)
         words = line.split()
         if len(words) == 3 and words[0] == "delay":
             delay.set(float(words[1]) / 1e3, float(words[2]) / 1e3)
             print("ok", flush=True)
+        elif len(words) >= 2 and words[0] == "add":
+            added = []
+            try:
+                for pair in words[1:]:
+                    added.append(_relay(pair, delay))
+            except (OSError, ValueError) as e:  # a port taken meanwhile: the caller hears why
+                for r in added:  # all or none
+                    r.close()
+                print(json.dumps({"error": str(e)}), flush=True)
+                continue
+            relays += added
+            print(json.dumps({"listening": [list(r.address) for r in added]}), flush=True)
         else:
             print("error", flush=True)
     for r in relays:

@@ -118,7 +118,7 @@ class NextHops:
             tls_name = (
                 node_dns_name(decode_unverified(nxt.token).node) if nxt.url.startswith("https://") else None
             )
-            ssl_ctx = self._ssl_for(nxt.url)
+            ssl_ctx = self.ssl_for(nxt.url)
             if self._streams is None:
                 self._streams = FrameStreams(client, max_answer=CHAIN_MAX_ANSWER, bundling=True)
             got = await self._streams.exchange(
@@ -142,7 +142,9 @@ class NextHops:
             raise DataPlaneError(502, "downstream", f"next hop {nxt.url} answered more than {limit} bytes")
         return data
 
-    def _ssl_for(self, url: str) -> ssl.SSLContext | bool:
+    def ssl_for(self, url: str) -> ssl.SSLContext | bool:
+        """The TLS context this node dials `url` with (its certificate, the swarm CA only; also the
+        hand-off's push to another node); DataPlaneError when `url` is https and this node has none."""
         if url.startswith("https://"):
             if self.client_ssl is None:
                 raise DataPlaneError(

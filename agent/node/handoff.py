@@ -38,6 +38,7 @@ from agent.wire.handofftoken import HandoffClaims, HandoffTokenError, verify_han
 from agent.wire.httpjson import read_json
 from agent.wire.ids import SessionId
 from agent.wire.jsonlimits import loads_bounded
+from agent.wire.tls import node_dns_name
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -139,11 +140,20 @@ class Handoff:
         http = await self.hops.http()
         url = target.rstrip("/") + "/v1/handoff/import"
         try:
+            # https: mutual TLS as towards a next hop, pinned like it: the swarm CA only, and the
+            # certificate must name the node the hand-off token names as the destination
+            ssl_ctx = self.hops.ssl_for(url)
+        except DataPlaneError as e:
+            raise HandoffError(502, "target_unreachable", e.message) from None
+        tls_name = node_dns_name(c.dst) if url.startswith("https://") else None
+        try:
             async with http.post(
                 url,
                 data=body,
                 headers={TOKEN_HEADER: token_b64},
                 timeout=ClientTimeout(total=EXPORT_TIMEOUT_S),
+                ssl=ssl_ctx,
+                server_hostname=tls_name,
             ) as r:
                 if r.status != 200:
                     text = (await r.content.read(300)).decode("utf-8", "replace")

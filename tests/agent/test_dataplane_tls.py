@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import os
 import ssl
 from collections.abc import AsyncIterator, Callable
@@ -19,6 +20,7 @@ from agent.client.route import RouteClient
 from agent.node.dataplane import DataPlane, start_dataplane
 from agent.wire import tls
 from agent.wire.frames import ChainHop, Kind, Op, Request, encode_request
+from agent.wire.handofftoken import mint_handoff
 from agent.wire.routetoken import RouteHop, mint_route
 from agent.wire.sampling import SamplingParams
 from tests.conftest import free_port
@@ -77,11 +79,16 @@ async def https_nodes(tiny, signing_key) -> AsyncIterator[Callable[..., Any]]:  
     started: list[web.AppRunner] = []
 
     async def start(
-        node_id: str, a: int, b: int, server: ssl.SSLContext, client: ssl.SSLContext | None
+        node_id: str,
+        a: int,
+        b: int,
+        server: ssl.SSLContext,
+        client: ssl.SSLContext | None,
+        backend: str = "torch",
     ) -> str:
         path, manifest = tiny
         dp = DataPlane(node_id, signing_key.public_key(), client_ssl=client)
-        dp.load_shard(path, manifest, a, b, backend="torch", n_threads=1)
+        dp.load_shard(path, manifest, a, b, backend=backend, n_threads=1)
         port = free_port()
         started.append(await start_dataplane(dp, "127.0.0.1", port, ssl_context=server))
         return f"https://127.0.0.1:{port}"
@@ -179,6 +186,48 @@ async def test_a_hop_refuses_a_next_hop_whose_certificate_is_not_pinned(
     assert status == 502, data
     assert b"downstream" in data
     assert b"certificate" in data.lower() or b"hostname" in data.lower()
+
+
+@pytest.mark.parametrize("target", ["the node the token names", "another node of the swarm"])
+async def test_a_hand_off_over_mutual_tls_reaches_only_the_node_its_token_names(
+    https_nodes,
+    pki: Pki,
+    signing_key,
+    tiny,
+    target: str,  # noqa: ANN001
+) -> None:
+    from agent.backends import libggswarm
+
+    if not libggswarm.is_available():
+        pytest.skip("native library not built (bash native/build.sh): the snapshot is the native backend's")
+    _, manifest = tiny
+
+    async def node(name: str) -> str:
+        server, client = pki.server(name), pki.client(tls.node_identity(name))
+        return str(await https_nodes(name, 0, 4, server, client, "native"))
+
+    a = await node("node-a")
+    b = await node("node-b" if target == "the node the token names" else "node-c")  # both the swarm CA's
+    session = os.urandom(16)
+    web_ctx = pki.client(tls.client_identity("web"))
+    hop = minted_hops(signing_key, session, manifest.sha256, [RouteHop("node-a", a, 0, 4)])
+    client = RouteClient(hop, session_id=session, capacity=512, ssl_context=web_ctx)
+    token = mint_handoff(signing_key, session, manifest.sha256, 0, 4, "node-a", "node-b")
+    body = {"token": base64.b64encode(token).decode(), "target": b}
+    try:
+        await client.forward([1, 2, 3], SamplingParams())  # the session, on node a
+        async with (
+            ClientSession(connector=TCPConnector(ssl=web_ctx)) as http,
+            http.post(a + "/v1/handoff/export", json=body) as r,
+        ):
+            status, answer = r.status, await r.json()
+    finally:
+        await client.close()
+    if target == "the node the token names":
+        assert status == 200 and answer["session_len"] == 3, answer
+    else:  # the snapshot never leaves for a certificate naming another node
+        assert status == 502 and answer["error"] == "target_unreachable", answer
+        assert "certificate" in answer["message"].lower() or "hostname" in answer["message"].lower()
 
 
 def test_the_ca_signs_only_what_it_chooses_and_keeps_its_key_private(tmp_path: Path) -> None:

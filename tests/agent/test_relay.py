@@ -77,3 +77,37 @@ def test_the_relay_process_takes_a_new_delay_live_and_exits_when_closed(echo: in
     finally:
         relay.close()
     assert relay.proc.poll() is not None
+
+
+def test_the_relay_process_opens_more_relays_live_each_dialling_from_the_source_given(tmp_path: Path) -> None:
+    srv = socket.create_server(("127.0.0.1", 0))
+    seen: list[str] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, peer = srv.accept()
+            except OSError:
+                return
+            with conn:
+                seen.append(peer[0])
+                conn.sendall(b"hi")
+
+    threading.Thread(target=serve, daemon=True).start()
+    upstream = ("127.0.0.1", srv.getsockname()[1])
+    relay = RelayProcess([], tmp_path / "relay.log")
+    try:
+        plain, sourced = relay.add([(("127.0.0.1", 0), upstream)]) + relay.add(
+            [(("127.0.0.1", 0), upstream)], source="127.0.0.2"
+        )
+        assert relay.addresses == [plain, sourced]
+        for address in (plain, sourced):
+            with socket.create_connection(address) as s:
+                assert s.recv(2) == b"hi"
+        # the service sees the second relay's callers at the source address it was given
+        assert seen == ["127.0.0.1", "127.0.0.2"]
+        with pytest.raises(RuntimeError, match="refused"):
+            relay.add([(plain, upstream)])  # its port is taken: an answer, not a hang
+    finally:
+        relay.close()
+        srv.close()

@@ -6,7 +6,7 @@ delaying, rate-limited links) as a fixture, and a greedy decode over a lab's rou
 `link_labs` is module-scoped: `link_labs(n)` opens a lab of `n` namespaces (skipping the test, with the
 reason, where namespaces are unusable: not root, no `ip`, refused); every lab it opened is closed after
 the module, namespaces and veths deleted, whatever the tests did (`lab_pool`, the context manager
-underneath, is what closes them).
+underneath, is what closes them). `fresh_labs` is the same, closed after each test.
 """
 
 from __future__ import annotations
@@ -48,12 +48,23 @@ def lab_pool(workdir: Callable[[], Path]) -> Iterator[Callable[..., LinkLab]]:
             lab.close()
 
 
-@pytest.fixture(scope="module")
-def link_labs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., LinkLab]]:
+def _labs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., LinkLab]]:
     if reason := unusable():
         pytest.skip(f"the link harness needs network namespaces: {reason}")
     with lab_pool(lambda: tmp_path_factory.mktemp("links")) as open_lab:
         yield open_lab
+
+
+@pytest.fixture(scope="module")
+def link_labs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., LinkLab]]:
+    yield from _labs(tmp_path_factory)
+
+
+@pytest.fixture
+def fresh_labs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., LinkLab]]:
+    """`link_labs` closed after each test rather than the module: a test's hops and peers stop (and
+    free the CPU) before the next test starts its own."""
+    yield from _labs(tmp_path_factory)
 
 
 @dataclass
