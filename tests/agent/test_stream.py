@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 
 import pytest
@@ -135,31 +137,43 @@ async def test_a_node_with_idle_streams_open_stops_promptly(model_path, manifest
         await client.link.http.close()
 
 
+def _serve_flood(port: int) -> None:
+    """A hostile next hop in a child process: its 32 MiB message (and aiohttp's copy of it while it
+    writes) must not count in the RSS the test measures of the hop that reads it."""
+
+    async def flood(request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        await ws.receive()
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            await ws.send_bytes(bytes(32 * MB))  # one message: under a client's 64 MiB, over a chain's 4
+        return ws
+
+    app = web.Application()
+    app.router.add_get("/v1/stream", flood)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, handle_signals=False)
+
+
 async def test_a_next_hop_flooding_its_stream_answer_gets_502_and_the_hop_buffers_a_bounded_amount(
     nodes,  # noqa: F811
     signing_key,
     tiny,  # noqa: F811
 ) -> None:  # noqa: ANN001
     import json
+    import multiprocessing
 
     import psutil
 
+    from agent.procs import wait_port
+
     _, manifest = tiny
     a = await nodes("node-a", [(0, 2)])
-    sent = [0]
-
-    async def flood(request: web.Request) -> web.WebSocketResponse:
-        ws = web.WebSocketResponse()
-        await ws.prepare(request)
-        await ws.receive()
-        try:
-            await ws.send_bytes(bytes(32 * MB))  # one message: under a client's 64 MiB, over a chain's 4
-            sent[0] += 32 * MB
-        except (ConnectionError, RuntimeError):
-            pass
-        return ws
-
-    async with fake_next_hop("GET", "/v1/stream", flood) as fake_url:
+    port = free_port()
+    flooder = multiprocessing.get_context("spawn").Process(target=_serve_flood, args=(port,), daemon=True)
+    flooder.start()
+    try:
+        await asyncio.to_thread(wait_port, "127.0.0.1", port, 30.0)
+        fake_url = f"http://127.0.0.1:{port}"
         session, tok_a, chain = await chain_to(a, fake_url, signing_key, manifest.sha256)
         rss0 = psutil.Process().memory_info().rss
         status, data = await post(a.url, ids_frame(tok_a, session, [1, 2, 3], chain=chain))
@@ -169,3 +183,6 @@ async def test_a_next_hop_flooding_its_stream_answer_gets_502_and_the_hop_buffer
         # found too long ("answered more than")
         assert "ended" in json.loads(data)["message"], json.loads(data)
         assert grew < 32 * MB, f"RSS grew {grew / MB:.0f} MB reading a bounded stream answer"
+    finally:
+        flooder.terminate()
+        flooder.join(10)
