@@ -63,7 +63,9 @@ mkdir -p "$build/sdist"
 sdist="$build/sdist/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz"
 if [[ ! -s "$sdist" ]]; then
     echo "native/build.sh: downloading the llama-cpp-python $LLAMA_CPP_PYTHON_VERSION sdist"
-    "$PYTHON" -m pip download --quiet --no-binary :all: --no-deps \
+    # --no-binary for this package only: with :all: pip also builds the sdist's build backends from
+    # source to read its metadata (setuptools, hatchling, scikit-build-core...: ~30 s on 2 cores)
+    "$PYTHON" -m pip download --quiet --no-binary llama-cpp-python --no-deps \
         "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" -d "$build/sdist" \
         || die "pip download of the llama-cpp-python sdist failed"
     [[ -s "$sdist" ]] || die "expected $sdist after pip download"

@@ -18,7 +18,8 @@ bash scripts/lint.sh
 # Three pytest-xdist workers on two cores: most of the suite waits on processes it started (clusters,
 # hops, browsers), so a third worker fills the idle core time; a test file stays on one worker (its
 # module fixtures start one cluster). Each worker has its own Redis database (tests/conftest.py) and
-# each cluster its own PostgreSQL database; tests marked `serial` run alone afterwards.
+# each cluster its own PostgreSQL database; tests marked `serial` (none today: a test that restarts a
+# server starts its own) run alone afterwards.
 # PYTEST_WORKERS=0 runs everything in one process.
 workers=${PYTEST_WORKERS:-3}
 # The slowest test takes ~140 s on a loaded 2-core CI machine; a hung one fails after 420 s, not 900.

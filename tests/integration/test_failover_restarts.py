@@ -2,10 +2,10 @@
 
 The data plane does not depend on any of them, so the answer completes token for token; afterwards the
 agents are online again with their shards (none loaded twice, none downloaded again) and what the
-control plane had recorded is still there. Needs PostgreSQL and Redis (DATABASE_URL, REDIS_URL: CI and
-scripts/test.sh set them); the control plane gets a Redis of its own (redis-server on a free port), so
-restarting it disturbs nothing else. PostgreSQL is the machine's, shared with other tests: it is
-restarted once, last, and is down for about a second.
+control plane had recorded is still there. Needs PostgreSQL's and Redis's servers on the machine
+(DATABASE_URL, REDIS_URL: CI and scripts/test.sh set them); the control plane gets a Redis and a
+PostgreSQL of its own (redis-server, and initdb into a temporary directory, each on a free port), so
+restarting them disturbs no other test: the file runs beside the others.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,8 +27,7 @@ from agent.wire.routetoken import load_private_key, mint
 from agent.wire.sampling import SamplingParams
 from tests.integration.swarm import PASSWORD, QUESTION, Swarm, control_plane
 
-# serial: PostgreSQL is the machine's and restarting it cuts every other worker's connections (scripts/test.sh)
-pytestmark = [pytest.mark.slow, pytest.mark.serial]
+pytestmark = pytest.mark.slow
 N_TOKENS = 64
 
 
@@ -67,6 +67,65 @@ class PrivateRedis:
         self.proc = self._start()
 
 
+class PrivatePostgres:
+    """A PostgreSQL server of the test's own: a cluster initdb'd into a temporary directory (trust auth,
+    no fsync), on a free port and a socket directory of its own, run as the postgres user when the test
+    runs as root (initdb refuses root). Restarting it cuts no other test's connections."""
+
+    def __init__(self) -> None:
+        versions = sorted(os.listdir("/usr/lib/postgresql"), key=int)
+        self.bin = Path("/usr/lib/postgresql") / versions[-1] / "bin"
+        # under /tmp itself: pytest's temporary directories are root's alone, and the server's user
+        # must reach its data directory
+        self.root = Path(tempfile.mkdtemp(prefix="ggs-pg-"))
+        self.dir = self.root / "pgdata"
+        self.dir.mkdir(mode=0o700)
+        self.as_user: list[str] = []
+        if os.geteuid() == 0:
+            shutil.chown(self.root, "postgres")
+            shutil.chown(self.dir, "postgres")
+            self.as_user = ["runuser", "-u", "postgres", "--"]
+        self.port = free_port()
+        self._run("initdb", "-D", str(self.dir), "-A", "trust", "-U", "postgres", "-E", "UTF8", "--no-sync")
+        self._ctl("start")
+
+    def _run(self, tool: str, *args: str) -> None:
+        cmd = [*self.as_user, str(self.bin / tool), *args]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, f"{tool} failed: {done.stdout[-1000:]}{done.stderr[-1000:]}"
+
+    def _ctl(self, action: str) -> None:
+        opts = f"-p {self.port} -h 127.0.0.1 -k {self.dir} -F"
+        log = str(self.dir / "server.log")
+        self._run(
+            "pg_ctl", "-D", str(self.dir), "-o", opts, "-l", log, "-m", "fast", "-w", "-t", "60", action
+        )
+
+    @property
+    def url(self) -> str:
+        return f"postgres://postgres@127.0.0.1:{self.port}/postgres"
+
+    def restart(self) -> None:
+        self._ctl("restart")
+
+    def close(self) -> None:
+        try:
+            self._ctl("stop")
+        finally:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def postgres() -> Iterator[PrivatePostgres]:
+    if not os.path.isdir("/usr/lib/postgresql"):
+        pytest.skip("no PostgreSQL server binaries (/usr/lib/postgresql) to start a private cluster")
+    if os.geteuid() == 0 and shutil.which("runuser") is None:
+        pytest.skip("running as root without runuser: initdb cannot run")
+    pg = PrivatePostgres()
+    yield pg
+    pg.close()
+
+
 @pytest.fixture(scope="module")
 def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateRedis]:
     if not (os.environ.get("DATABASE_URL") and os.environ.get("REDIS_URL")):
@@ -79,10 +138,13 @@ def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateRedis]:
 
 
 @pytest.fixture(scope="module")
-def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: str, redis: PrivateRedis) -> Iterator[Swarm]:
+def swarm(
+    tmp_path_factory: pytest.TempPathFactory, model_path: str, redis: PrivateRedis, postgres: PrivatePostgres
+) -> Iterator[Swarm]:
     # NODE_DEAD_AFTER_S: the restarted agent must come back before its shards would be placed elsewhere
     tmp = tmp_path_factory.mktemp("restarts")
-    with control_plane(tmp, DEFAULT_BACKEND="native", NODE_DEAD_AFTER_S="300", REDIS_URL=redis.url) as s:
+    private = {"REDIS_URL": redis.url, "DATABASE_URL": postgres.url}
+    with control_plane(tmp, DEFAULT_BACKEND="native", NODE_DEAD_AFTER_S="300", **private) as s:
         for i in (1, 2):
             config, _ = s.enroll(f"agent-{i}")
             s.run_agent(f"agent-{i}", config, "--speed", "1.0")
@@ -197,16 +259,6 @@ def _restart_worker(s: Swarm) -> None:
     )
 
 
-def _restart_postgres() -> None:
-    version = sorted(os.listdir("/etc/postgresql"))[0]
-    subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", version, "main", "restart"], check=True)
-    wait_until(
-        "postgres to answer",
-        lambda: subprocess.run(["pg_isready", "-h", "127.0.0.1", "-q"]).returncode == 0 or None,
-        60,
-    )
-
-
 async def test_an_answer_completes_while_the_web_server_restarts(
     swarm: Swarm, prompt: list[int], reference: list[int]
 ) -> None:
@@ -264,11 +316,9 @@ async def test_an_answer_completes_while_redis_restarts_and_the_agents_go_on_hea
 
 
 async def test_an_answer_completes_while_postgresql_restarts_and_nothing_recorded_is_lost(
-    swarm: Swarm, prompt: list[int], reference: list[int], recorded: dict[str, int]
+    swarm: Swarm, prompt: list[int], reference: list[int], recorded: dict[str, int], postgres: PrivatePostgres
 ) -> None:
-    if not Path("/etc/postgresql").is_dir():
-        pytest.skip("no local PostgreSQL cluster to restart")
-    assert await _answer(swarm, prompt, _restart_postgres) == reference
+    assert await _answer(swarm, prompt, postgres.restart) == reference
     swarm.online(list(swarm.agents))
     swarm.shards_ready(120)
     after = _counts(swarm)
