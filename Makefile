@@ -13,7 +13,7 @@ test: setup
 	bash scripts/test.sh
 
 test-fast:
-	$(PY) -m pytest -m "not slow and not serial" -q -p no:cacheprovider -n 3 --dist loadfile
+	$(PY) -m pytest -m "not slow" -q -p no:cacheprovider -n 3 --dist loadfile
 
 lint:
 	bash scripts/lint.sh

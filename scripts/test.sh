@@ -18,20 +18,12 @@ bash scripts/lint.sh
 # Three pytest-xdist workers on two cores: most of the suite waits on processes it started (clusters,
 # hops, browsers), so a third worker fills the idle core time; a test file stays on one worker (its
 # module fixtures start one cluster). Each worker has its own Redis database (tests/conftest.py) and
-# each cluster its own PostgreSQL database; tests marked `serial` (none today: a test that restarts a
-# server starts its own) run alone afterwards.
+# each cluster its own PostgreSQL database; a test that restarts a server starts one of its own
+# (test_failover_restarts.py), so every test can run beside the others.
 # PYTEST_WORKERS=0 runs everything in one process.
 workers=${PYTEST_WORKERS:-3}
 # The slowest test takes ~140 s on a loaded 2-core CI machine; a hung one fails after 420 s, not 900.
 common=(-q -p no:cacheprovider --timeout=420 --durations=25)
 parallel=()
 [ "$workers" != 0 ] && parallel=(-n "$workers" --dist loadfile)
-rc=0
-.venv/bin/python -m pytest "${common[@]}" "${parallel[@]}" -m "not serial" "$@" || rc=$?
-# 5: the arguments selected no test of that kind (e.g. a single file)
-serial_rc=0
-.venv/bin/python -m pytest "${common[@]}" -m serial "$@" || serial_rc=$?
-[ "$rc" = 5 ] && [ "$serial_rc" != 5 ] && rc=0
-[ "$serial_rc" = 5 ] && serial_rc=0
-[ "$rc" = 0 ] && rc=$serial_rc
-exit "$rc"
+exec .venv/bin/python -m pytest "${common[@]}" "${parallel[@]}" "$@"
