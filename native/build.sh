@@ -108,7 +108,8 @@ if [[ "$GGSWARM_GGML" == own ]]; then
     # standalone ggml does not. AMX off as scripts/setup.sh builds llama-cpp-python. CMAKE_ARGS last,
     # split as pip splits them (shell quoting: setup.sh's hold quoted flag lists).
     no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-    mapfile -t extra < <("$PYTHON" -c 'import os, shlex; [print(a) for a in shlex.split(os.environ.get("CMAKE_ARGS", ""))]')
+    # (less llama-cpp-python's own options, which ggml's CMakeLists does not know)
+    mapfile -t extra < <("$PYTHON" -c 'import os, shlex; [print(a) for a in shlex.split(os.environ.get("CMAKE_ARGS", "")) if not a.startswith("-DLLAVA_")]')
     cmake -S "$src" -B "$own/ggml-build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
         -DCMAKE_POSITION_INDEPENDENT_CODE=ON -DGGML_OPENMP=OFF -DGGML_CPU=ON -DGGML_NATIVE=ON \
         -DGGML_LLAMAFILE=ON -DGGML_BUILD_TESTS=OFF -DGGML_BUILD_EXAMPLES=OFF \

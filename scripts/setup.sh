@@ -28,6 +28,17 @@ if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get 
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
 fi
 
+# The native library (ggml layer-window executor) builds in the background as soon as llama-cpp-python
+# is installed (it reads its version and sources): the rest of setup is mostly downloads and unpacking.
+native_pid=""
+start_native() {
+  [ -f native/build.sh ] || return 0
+  log "native library (ggml layer-window executor), in the background (native/build/setup.log)"
+  mkdir -p native/build
+  bash native/build.sh > native/build/setup.log 2>&1 &
+  native_pid=$!
+}
+
 # The Python dependencies are installed once per content of what decides them: a second `make setup`
 # (CI runs setup, then `make test`, which depends on setup) costs a hash, not a minute of pip resolving.
 stamp=.venv/.setup-deps
@@ -54,6 +65,7 @@ else
     "${PIP[@]}" --force-reinstall --no-deps "$(grep -E '^llama-cpp-python==' requirements.txt)"
     ! grep -q ggml_backend_amx_mul_mat "$cpu_lib" || { echo "setup: llama-cpp-python still has AMX kernels" >&2; exit 1; }
   fi
+  start_native
   for extra in requirements-web.txt requirements-torrent.txt; do
     [ -f "$extra" ] && "${PIP[@]}" -r "$extra"
   done
@@ -67,10 +79,7 @@ else
   printf '%s' "$deps_key" > "$stamp"
 fi
 
-if [ -f native/build.sh ]; then
-  log "native library (ggml layer-window executor)"
-  bash native/build.sh
-fi
+[ -n "$native_pid" ] || start_native
 
 if [ -f package.json ] && command -v npm >/dev/null; then
   log "front-end assets (npm)"
@@ -81,4 +90,10 @@ if [ -f package.json ] && command -v npm >/dev/null; then
   fi
 fi
 
+if [ -n "$native_pid" ] && ! wait "$native_pid"; then
+  cat native/build/setup.log >&2
+  echo "setup: the native library did not build (native/build/setup.log)" >&2
+  exit 1
+fi
+[ -z "$native_pid" ] || cat native/build/setup.log
 log "setup done"
