@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -69,12 +70,19 @@ def test_size_is_checked_first_in_utf8_bytes_and_malformed_json_stays_a_value_er
 
 def test_the_scan_costs_less_than_parsing_a_wide_8_mb_body() -> None:
     body = json.dumps({"messages": [{"role": "user", "content": "x[y]"}] * 200_000}).encode()
-    t = time.perf_counter()
-    check_depth(body, 4)
-    scan = time.perf_counter() - t
-    t = time.perf_counter()
-    json.loads(body)
-    parse = time.perf_counter() - t
+
+    def cpu_s(work: Callable[[], object]) -> float:
+        # this thread's CPU time, the least of three: other processes on the machine (the suite runs
+        # three workers on two cores) preempt it between the clock reads, and wall time would count that
+        best = float("inf")
+        for _ in range(3):
+            t = time.thread_time()
+            work()
+            best = min(best, time.thread_time() - t)
+        return best
+
+    scan = cpu_s(lambda: check_depth(body, 4))
+    parse = cpu_s(lambda: json.loads(body))
     assert scan < max(parse, 0.05), (scan, parse)
 
 
