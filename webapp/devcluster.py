@@ -24,7 +24,7 @@ import threading
 import urllib.parse
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -96,19 +96,39 @@ class Swarm:
     def log_tail(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.logs.glob("*.log")))
 
-    def enroll(self, name: str) -> tuple[Path, str]:
-        """Enroll an agent with a token created as an admin would; returns (node config path, token)."""
+    def enroll(self, name: str, *, server: str | None = None, prefix: Sequence[str] = ()) -> tuple[Path, str]:
+        """Enroll an agent with a token created as an admin would; returns (node config path, token).
+        `server`: the control plane's URL as the agent reaches it (default `base`), kept in its config;
+        `prefix` wraps `agent enroll` (`ip netns exec NAME`: from inside a network namespace)."""
         token = self.admin.create_enrollment_token(name)
         config = self.data_dir / name / "node.json"
-        cluster.enroll(self.base, token, config, name=name, env=self.env, cwd=REPO)
+        cluster.enroll(server or self.base, token, config, name=name, env=self.env, cwd=REPO, prefix=prefix)
         return config, token
 
-    def run_agent(self, name: str, config: Path, *extra: str, threads: int | None = None) -> str:
-        """Start `agent run` for an enrolled config (torrent session on 127.0.0.1), with `threads` compute
-        threads (None: `agent_threads`, by default the agent's own, as `make up`); returns its node id."""
+    def run_agent(
+        self,
+        name: str,
+        config: Path,
+        *extra: str,
+        threads: int | None = None,
+        torrent_listen: str = "127.0.0.1:0",
+        prefix: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+    ) -> str:
+        """Start `agent run` for an enrolled config (torrent session on `torrent_listen`), with `threads`
+        compute threads (None: `agent_threads`, by default the agent's own, as `make up`); returns its
+        node id. `prefix` wraps the command and `env` goes on top of the cluster's (an agent in a
+        network namespace: agent.dev.links.LinkLab.node)."""
         threads = self.agent_threads if threads is None else threads
         agent = cluster.start_run(
-            config, self.logs / f"{name}.log", threads=threads, extra=extra, env=self.env, cwd=REPO
+            config,
+            self.logs / f"{name}.log",
+            threads=threads,
+            torrent_listen=torrent_listen,
+            extra=extra,
+            env={**self.env, **(env or {})},
+            cwd=REPO,
+            prefix=prefix,
         )
         self.procs.append(agent.proc)
         self.agent_dirs[agent.node_id] = agent.data_dir

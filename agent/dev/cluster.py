@@ -180,11 +180,13 @@ def enroll(
     force: bool = False,
     env: Mapping[str, str] | None = None,
     cwd: Path = ROOT,
+    prefix: Sequence[str] = (),
 ) -> str:
-    """`agent enroll` with a one-time token: writes the node's credentials to `config`; its node id."""
+    """`agent enroll` with a one-time token: writes the node's credentials to `config`; its node id.
+    `prefix` wraps the command (`ip netns exec NAME`: enrolled from inside a network namespace)."""
     cmd = agent_command("enroll", "--server", server, "--token", token, "--name", name, "--config", config)
     subprocess.run(
-        cmd + (["--force"] if force else []),
+        [*prefix, *cmd] + (["--force"] if force else []),
         cwd=cwd,
         env=dict(env) if env is not None else None,
         check=True,
@@ -222,13 +224,15 @@ def start_run(
     env: Mapping[str, str] | None = None,
     cwd: Path = ROOT,
     append: bool = True,
+    prefix: Sequence[str] = (),
 ) -> RunAgent:
     """Start `agent run` for an enrolled `config` (data in `data_dir`, default next to it), output
-    appended to `log`; `threads` None: the agent's default (run_command). It is ready once the control
+    appended to `log`; `threads` None: the agent's default (run_command). `prefix` wraps the command
+    (`ip netns exec NAME`, which execs it: the process is the agent's). It is ready once the control
     plane lists it online: `wait_online`."""
     data = data_dir if data_dir is not None else config.parent / "data"
     cmd = run_command(config, data, threads=threads, torrent_listen=torrent_listen, extra=extra)
-    proc = spawn(cmd, log, env=env, cwd=cwd, append=append)
+    proc = spawn([*prefix, *cmd], log, env=env, cwd=cwd, append=append)
     return RunAgent(proc, node_id_of(config), config, data, log)
 
 

@@ -23,7 +23,9 @@ Other processes live in the namespaces too (`spawn`: a torrent peer, agent/dev/l
 service inside is reached at its namespace's host-side address through a relay of its own (`expose`),
 and a service in the root namespace (a tracker on 127.0.0.1) is reached from inside through a relay
 on the host-side address that dials it from that address (`reach`), so the service sees the namespace
-where the others reach it, as a server on the internet sees a node's public address.
+where the others reach it, as a server on the internet sees a node's public address. An enrolled
+`agent run` node is such a process (`node`): its control plane reached through `reach`, its data plane,
+decode lane and libtorrent behind `expose` relays, the data plane's relay the URL it advertises.
 
 Everything is torn down by `close()` (the context manager's exit, and atexit): hops and spawned
 processes stopped, relays closed, namespaces deleted (their veths go with them). Needs root and `ip` /
@@ -177,6 +179,21 @@ class NetnsHop:
     log: Path
 
 
+@dataclass(frozen=True)
+class LinkedNode:
+    """How an `agent run` node in namespace `index` runs (`LinkLab.node`): the command under `prefix`,
+    the control plane at `server` (a `reach` relay), its data plane advertised at `url` (an `expose`
+    relay), libtorrent on `torrent_listen` (exposed at the same port), `args` and `env` for `agent run`."""
+
+    index: int
+    prefix: list[str]
+    server: str
+    url: str
+    torrent_listen: str
+    args: list[str]
+    env: dict[str, str]
+
+
 class _Pki:
     """A CA of the lab's own, issuing node and client certificates as enrollment does (key + CSR)."""
 
@@ -302,6 +319,14 @@ class LinkLab:
         namespace is fresh, so it is free there too), its relay outside (`expose`) on the same number."""
         return free_port(self.links[index].host_ip)
 
+    def ports(self, index: int, k: int) -> list[int]:
+        """`k` distinct `port(index)`s (free_port may hand out one number twice before it is taken)."""
+        picked: list[int] = []
+        while len(picked) < k:
+            if (p := self.port(index)) not in picked:
+                picked.append(p)
+        return picked
+
     def expose(self, index: int, port: int) -> tuple[str, int]:
         """A relay from namespace `index`'s host-side address to the service listening inside on `port`
         (its namespace address), as each hop has: where the others reach that service, the delay and
@@ -324,6 +349,25 @@ class LinkLab:
         self.procs.append(proc)
         return proc
 
+    def node(self, index: int, host: str, port: int) -> LinkedNode:
+        """An enrolled `agent run` node in namespace `index`, its control plane the root namespace's
+        `host:port` (web, tracker and web seed): reached through a `reach` relay, which the control plane
+        sees as the node's address. Its data plane, decode lane and libtorrent listen on the namespace
+        address and are exposed at the host-side address, the data plane's relay advertised
+        (`--advertise-url`): the control plane's routes, its probe and the other nodes dial the relays,
+        and the tracker hands out the torrent relay. Plain HTTP and plain torrents
+        (GGSWARM_INSECURE_PLAIN_HTTP): the lab's addresses are not loopback."""
+        link = self.links[index]
+        dataplane, lane, torrent = self.ports(index, 3)
+        for p in (dataplane, lane, torrent):
+            self.expose(index, p)
+        relay_host, relay_port = self.reach(index, host, port)
+        url = f"http://{link.host_ip}:{dataplane}"
+        args = ["--host", link.ns_ip, "--port", str(dataplane), "--advertise-url", url]
+        env = {"GGSWARM_LANE_PORT": str(lane), "GGSWARM_INSECURE_PLAIN_HTTP": "1"}
+        server = f"http://{relay_host}:{relay_port}"
+        return LinkedNode(index, link.ns(), server, url, f"{link.ns_ip}:{torrent}", args, env)
+
     # -- hops ----------------------------------------------------------------------------------------
     def start_hops(
         self,
@@ -344,9 +388,7 @@ class LinkLab:
             self._pki = _Pki(self.workdir / "pki")
         for link, (a, b) in zip(self.links, windows, strict=False):
             # ports free on the host-side address: the relays listen there with the same numbers
-            port, lane_port = free_port(link.host_ip), free_port(link.host_ip)
-            while lane_port == port:
-                lane_port = free_port(link.host_ip)
+            port, lane_port = self.ports(link.index, 2)
             node_id = f"links-{link.index}-{port}"
             extra = ["--host", link.ns_ip]
             env = {"GGSWARM_LANE_PORT": str(lane_port)}
