@@ -37,7 +37,11 @@ fi
 CXX="${CXX:-g++}"
 command -v "$CXX" >/dev/null || die "C++ compiler '$CXX' not found (apt-get install g++)"
 
-# 1. the installed llama-cpp-python and its ggml shared libraries
+# 1. the installed llama-cpp-python and its ggml shared libraries. The own build needs neither (its ggml
+# comes from the pinned sdist): scripts/setup.sh starts it while pip is still installing, and a
+# llama-cpp-python already installed must be the pinned one.
+GGSWARM_GGML="${GGSWARM_GGML:-own}"
+[[ "$GGSWARM_GGML" == shared || "$GGSWARM_GGML" == own ]] || die "GGSWARM_GGML must be 'shared' or 'own', got '$GGSWARM_GGML'"
 info="$("$PYTHON" - <<'PY'
 import importlib.metadata as md, importlib.util, os, sys
 spec = importlib.util.find_spec("llama_cpp")
@@ -46,12 +50,11 @@ if spec is None or not spec.submodule_search_locations:
 print(md.version("llama-cpp-python"))
 print(os.path.join(list(spec.submodule_search_locations)[0], "lib"))
 PY
-)" || die "cannot locate llama_cpp with $PYTHON: install llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION first"
+)" || { [[ "$GGSWARM_GGML" == own ]] && info="$LLAMA_CPP_PYTHON_VERSION"; } \
+   || die "cannot locate llama_cpp with $PYTHON: install llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION first"
 version="$(sed -n 1p <<<"$info")"
 libdir="$(sed -n 2p <<<"$info")"
 [[ "$version" == "$LLAMA_CPP_PYTHON_VERSION" ]] || die "llama-cpp-python $version is installed; this build needs $LLAMA_CPP_PYTHON_VERSION"
-GGSWARM_GGML="${GGSWARM_GGML:-own}"
-[[ "$GGSWARM_GGML" == shared || "$GGSWARM_GGML" == own ]] || die "GGSWARM_GGML must be 'shared' or 'own', got '$GGSWARM_GGML'"
 if [[ "$GGSWARM_GGML" == shared ]]; then
     for lib in libggml.so libggml-base.so libggml-cpu.so; do
         [[ -e "$libdir/$lib" ]] || die "$libdir/$lib is missing (was llama-cpp-python built with shared ggml?)"

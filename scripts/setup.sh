@@ -28,8 +28,17 @@ if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get 
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
 fi
 
-# The native library (ggml layer-window executor) builds in the background as soon as llama-cpp-python
-# is installed (it reads its version and sources): the rest of setup is mostly downloads and unpacking.
+# llama-cpp-python compiles llama.cpp with -march=native. On CPUs with AMX that pulls in ggml's AMX
+# matmul, which segfaulted in llama_decode on our KVM build machines (SmolLM2 Q4_1); the AVX-512/AVX2 kernels are
+# the ones we benchmark against. Explicit -mno-amx-* win over -march=native in GCC. native/build.sh
+# builds its ggml with the same flags. LLAVA_BUILD=OFF: the multimodal library (mtmd, clip) is loaded
+# only by llama_cpp's vision chat handlers, which nothing here uses (~30 s of the compile on 2 cores).
+NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+export CMAKE_ARGS="${CMAKE_ARGS:-} -DCMAKE_C_FLAGS='$NO_AMX' -DCMAKE_CXX_FLAGS='$NO_AMX' -DLLAVA_BUILD=OFF"
+
+# The native library (ggml layer-window executor) builds in the background from the start: its ggml
+# comes from the pinned llama-cpp-python sdist, not the installed package, and the Python steps below
+# are mostly downloads and unpacking.
 native_pid=""
 start_native() {
   [ -f native/build.sh ] || return 0
@@ -38,6 +47,8 @@ start_native() {
   bash native/build.sh > native/build/setup.log 2>&1 &
   native_pid=$!
 }
+
+start_native
 
 # The Python dependencies are installed once per content of what decides them: a second `make setup`
 # (CI runs setup, then `make test`, which depends on setup) costs a hash, not a minute of pip resolving.
@@ -49,13 +60,6 @@ else
   log "python dependencies"
   # torch: the CPU wheel that lies on this machine's disk (pip's find-links); never a multi-GB CUDA download.
   "${PIP[@]}" torch==2.13.0
-  # llama-cpp-python compiles llama.cpp with -march=native. On CPUs with AMX that pulls in ggml's AMX
-  # matmul, which segfaulted in llama_decode on our KVM build machines (SmolLM2 Q4_1); the AVX-512/AVX2 kernels are
-  # the ones we benchmark against. Explicit -mno-amx-* win over -march=native in GCC.
-  NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-  # LLAVA_BUILD=OFF: the multimodal library (mtmd, clip) is loaded only by llama_cpp's vision chat
-  # handlers, which nothing here uses; leaving it out takes ~30 s off the compile on 2 cores
-  export CMAKE_ARGS="${CMAKE_ARGS:-} -DCMAKE_C_FLAGS='$NO_AMX' -DCMAKE_CXX_FLAGS='$NO_AMX' -DLLAVA_BUILD=OFF"
   "${PIP[@]}" -r requirements.txt
   # pip's wheel cache may hold a build made before this rule (its key ignores CMAKE_ARGS): rebuild it once.
   cpu_lib="$("$VPY" -c 'import importlib.util as u, os; print(os.path.join(list(u.find_spec("llama_cpp").submodule_search_locations)[0], "lib", "libggml-cpu.so"))')"
@@ -65,7 +69,6 @@ else
     "${PIP[@]}" --force-reinstall --no-deps "$(grep -E '^llama-cpp-python==' requirements.txt)"
     ! grep -q ggml_backend_amx_mul_mat "$cpu_lib" || { echo "setup: llama-cpp-python still has AMX kernels" >&2; exit 1; }
   fi
-  start_native
   for extra in requirements-web.txt requirements-torrent.txt; do
     [ -f "$extra" ] && "${PIP[@]}" -r "$extra"
   done
@@ -78,8 +81,6 @@ else
   "$VPY" -c 'from agent.artifacts.packaged import packaged_model_path; print(packaged_model_path("gemma3"))'
   printf '%s' "$deps_key" > "$stamp"
 fi
-
-[ -n "$native_pid" ] || start_native
 
 if [ -f package.json ] && command -v npm >/dev/null; then
   log "front-end assets (npm)"
