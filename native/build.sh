@@ -46,7 +46,7 @@ info="$("$PYTHON" - <<'PY'
 import importlib.metadata as md, importlib.util, os, sys
 spec = importlib.util.find_spec("llama_cpp")
 if spec is None or not spec.submodule_search_locations:
-    sys.exit("llama-cpp-python is not installed in this interpreter")
+    sys.exit(1)  # not installed: the own build goes on with the pinned version, the shared one stops below
 print(md.version("llama-cpp-python"))
 print(os.path.join(list(spec.submodule_search_locations)[0], "lib"))
 PY

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING
 
@@ -17,6 +18,7 @@ from django.conf import settings  # noqa: E402
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
 
 from webapp.core.bodylimit import BodyLimit  # noqa: E402
+from webapp.fleet.services import record_web_start  # noqa: E402
 from webapp.ws_urls import agent_websocket_urlpatterns, browser_websocket_urlpatterns  # noqa: E402
 
 if TYPE_CHECKING:
@@ -45,3 +47,9 @@ application = ProtocolTypeRouter(
         "websocket": _WebsocketRouter(),
     }
 )
+
+# Agents could not heartbeat while this process was down: the sweeper counts their silence from here.
+try:
+    record_web_start()
+except Exception:  # noqa: BLE001 - a cache down at start is the channel layer's error to report; this is a grace
+    logging.getLogger(__name__).warning("could not record the web process's start", exc_info=True)

@@ -26,6 +26,17 @@ def _fast_hasher(settings: Any) -> None:
 
 
 @pytest.fixture(autouse=True)
+def _no_recent_web_start() -> None:
+    """The web process started long ago unless a test says otherwise: importing webapp.asgi records a
+    start (webapp/fleet/services.py, silence_start), which would give every silent node a grace."""
+    from django.core.cache import cache
+
+    from webapp.fleet.services import WEB_STARTED_KEY
+
+    cache.delete(WEB_STARTED_KEY)
+
+
+@pytest.fixture(autouse=True)
 def _fresh_user_accounting(monkeypatch: pytest.MonkeyPatch) -> None:
     """Per-user accounting of this test only (webapp/routing/quota.py): routes a test leaves open in
     a replaced cache would otherwise count against a later test's user with the same id."""

@@ -226,6 +226,28 @@ def test_an_offline_node_whose_data_plane_still_answers_keeps_its_shards_for_the
     assert ShardAssignment.objects.filter(state=ShardAssignment.State.FAILED).exists()
 
 
+@pytest.mark.django_db
+def test_a_node_silent_while_the_web_was_down_gets_the_grace_from_the_web_start(
+    artifact: Any, settings: Any
+) -> None:
+    """The control plane's own restart is not its nodes' loss: agents reconnect with a backoff, and
+    their silence counts from the latest web start at the earliest."""
+    import time
+
+    from webapp.fleet.services import record_web_start
+
+    settings.KV_RESERVE_BYTES = 0
+    (a,) = _fleet(artifact, ["a"])
+    silent = timezone.now() - timedelta(seconds=settings.NODE_LOST_AFTER_S + 10)
+    Node.objects.filter(pk=a.pk).update(state=Node.State.OFFLINE, last_seen=silent)
+    record_web_start(time.time() - 2)  # the web came back 2 s ago
+    sweep_offline_nodes()
+    assert not ShardAssignment.objects.filter(state=ShardAssignment.State.FAILED).exists()
+    record_web_start(time.time() - settings.NODE_LOST_AFTER_S - 1)  # up for longer than the grace
+    sweep_offline_nodes()
+    assert ShardAssignment.objects.filter(node=a, state=ShardAssignment.State.FAILED).exists()
+
+
 def _two_replicas(artifact: Any) -> list[Node]:
     nodes = []
     for name in ("x", "y"):

@@ -7,14 +7,16 @@ said hello) live in `webapp.fleet.protocol`, the messages in `agent.wire.control
 from __future__ import annotations
 
 import secrets
+import time
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from statistics import median
 from typing import Any
 
 from django.conf import settings
+from django.core.cache import cache
 from django.db import transaction
 from django.utils import timezone
 
@@ -212,6 +214,29 @@ def stale_online_nodes(now: Any = None) -> list[str]:
     return list(
         Node.objects.filter(state=Node.State.ONLINE, last_seen__lt=cutoff).values_list("id", flat=True)
     )
+
+
+WEB_STARTED_KEY = "fleet:web-started-at"
+
+
+def record_web_start(now: float | None = None) -> None:
+    """A web process started (webapp/asgi.py): agents could not heartbeat while the web was down, so
+    their silence counts from now when the sweeper judges them lost (silence_start)."""
+    cache.set(WEB_STARTED_KEY, time.time() if now is None else now, None)
+
+
+def silence_start(last_seen: datetime, web_started: float | None) -> datetime:
+    """When a node's silence began as far as the fleet can tell: its last heartbeat, or the latest web
+    start when that is later. A control plane's own restart (agents reconnect with backoff, up to 16 s)
+    must not read as its nodes' loss."""
+    if web_started is None:
+        return last_seen
+    return max(last_seen, datetime.fromtimestamp(float(web_started), tz=UTC))
+
+
+def web_started_at() -> float | None:
+    started = cache.get(WEB_STARTED_KEY)
+    return None if started is None else float(started)
 
 
 def mark_offline_if_stale(node_id: str) -> bool:

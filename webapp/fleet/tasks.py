@@ -269,7 +269,8 @@ def dataplane_gone(node_id: str, url: str) -> bool:
 @shared_task
 def sweep_offline_nodes() -> list[str]:
     """Mark silent nodes offline; replace the shards of offline nodes whose data plane is gone too once
-    they have been silent for settings.NODE_DEAD_AFTER_S (5 s), of the others after NODE_LOST_AFTER_S."""
+    they have been silent for settings.NODE_DEAD_AFTER_S (5 s), of the others after NODE_LOST_AFTER_S;
+    silence counted from the latest web start at the earliest (services.silence_start)."""
     flipped = [nid for nid in services.stale_online_nodes() if services.mark_offline_if_stale(nid)]
     for nid in flipped:
         notify_fleet(nid)
@@ -280,9 +281,11 @@ def sweep_offline_nodes() -> list[str]:
         .values_list("id", "last_seen", "dataplane_url")
         .distinct()
     )
+    web_started = services.web_started_at()
     for nid, last_seen, url in list(offline):
         if last_seen is None:
             continue
-        if last_seen < lost_cutoff or (last_seen < dead_cutoff and dataplane_gone(nid, url)):
+        silent_since = services.silence_start(last_seen, web_started)
+        if silent_since < lost_cutoff or (silent_since < dead_cutoff and dataplane_gone(nid, url)):
             replace_lost_node.delay(nid)
     return flipped
