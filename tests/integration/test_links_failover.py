@@ -20,7 +20,7 @@ from agent.client.tokenizer import ChatTokenizer
 from agent.dev.links import LinkLab
 from agent.wire.routetoken import RouteHop, public_key_b64
 from agent.wire.sampling import SamplingParams
-from tests.integration.links import fresh_labs  # noqa: F401 - a fixture
+from tests.integration.links import fresh_labs, native_labs  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.slow
 # the route's two hops, and in a third namespace a spare of the second's layers
@@ -65,16 +65,12 @@ async def _answer(
 
 
 async def test_a_hop_killed_mid_answer_across_the_namespaces_is_replaced_by_a_spare_and_the_text_is_unchanged(
-    fresh_labs: Callable[..., LinkLab],  # noqa: F811
+    native_labs: Callable[..., LinkLab],  # noqa: F811
     signing_key,  # noqa: ANN001
     manifest,  # noqa: ANN001
     model_path: str,
 ) -> None:
-    from agent.backends import libggswarm
-
-    if not libggswarm.is_available():
-        pytest.skip("native library not built (bash native/build.sh)")
-    lab = fresh_labs(len(WINDOWS))
+    lab = native_labs(len(WINDOWS))
     lab.start_hops(model_path, WINDOWS, public_key_b64(signing_key.public_key()), backend="native")
     lab.shape(100)
     lab.set_delay(2.0, 0.2)

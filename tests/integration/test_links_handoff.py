@@ -21,7 +21,7 @@ from agent.dev.links import LinkLab, NetnsHop
 from agent.wire.handofftoken import mint_handoff
 from agent.wire.routetoken import mint, public_key_b64
 from agent.wire.sampling import SamplingParams
-from tests.integration.links import fresh_labs  # noqa: F401 - a fixture
+from tests.integration.links import fresh_labs, native_labs  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.slow
 LAYERS = (0, 30)
@@ -35,16 +35,12 @@ def _hop(hop: NetnsHop, session: bytes, key: object, sha256: str) -> Hop:
 
 
 async def test_a_session_handed_off_to_another_namespace_over_the_shaped_link_continues_exactly(
-    fresh_labs: Callable[..., LinkLab],  # noqa: F811
+    native_labs: Callable[..., LinkLab],  # noqa: F811
     signing_key,  # noqa: ANN001
     manifest,  # noqa: ANN001
     model_path: str,
 ) -> None:
-    from agent.backends import libggswarm
-
-    if not libggswarm.is_available():
-        pytest.skip("native library not built (bash native/build.sh)")
-    lab = fresh_labs(2)
+    lab = native_labs(2)
     a, b = lab.start_hops(
         model_path, [LAYERS, LAYERS], public_key_b64(signing_key.public_key()), backend="native"
     )
