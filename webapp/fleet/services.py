@@ -225,18 +225,17 @@ def record_web_start(now: float | None = None) -> None:
     cache.set(WEB_STARTED_KEY, time.time() if now is None else now, None)
 
 
-def silence_start(last_seen: datetime, web_started: float | None) -> datetime:
+def silence_start(last_seen: datetime, web_started: datetime | None) -> datetime:
     """When a node's silence began as far as the fleet can tell: its last heartbeat, or the latest web
     start when that is later. A control plane's own restart (agents reconnect with backoff, up to 16 s)
     must not read as its nodes' loss."""
-    if web_started is None:
-        return last_seen
-    return max(last_seen, datetime.fromtimestamp(float(web_started), tz=UTC))
+    return last_seen if web_started is None else max(last_seen, web_started)
 
 
-def web_started_at() -> float | None:
+def web_started_at() -> datetime | None:
+    """The latest web process start record_web_start kept, if any."""
     started = cache.get(WEB_STARTED_KEY)
-    return None if started is None else float(started)
+    return None if started is None else datetime.fromtimestamp(float(started), tz=UTC)
 
 
 def mark_offline_if_stale(node_id: str) -> bool:
