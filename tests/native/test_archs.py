@@ -172,21 +172,34 @@ def _close(hops: list[Backend], sid: SessionId) -> None:
         h.close_session(sid)
 
 
-def test_three_hops_agree_with_llama_cpp_when_teacher_forced(
-    case: Case,
-    hops: list[Backend],
-    llama,  # noqa: ANN001
-    text_ids: list[int],
-) -> None:
+@pytest.fixture(scope="module")
+def llama_one_shot(llama, text_ids: list[int]) -> np.ndarray:  # noqa: ANN001
+    """llama.cpp's logits of the whole text in one call (a causal model's first n rows are also those
+    of the text's first n positions alone: the chunking test slices them)."""
     llama.reset()
     llama.eval(text_ids)
-    ref = np.asarray(llama.scores[: len(text_ids)], dtype=np.float32)
+    return np.asarray(llama.scores[: len(text_ids)], dtype=np.float32).copy()
+
+
+@pytest.fixture(scope="module")
+def ours_one_shot(hops: list[Backend], text_ids: list[int]) -> np.ndarray:
+    """The 3-hop route's logits of the whole text in one call."""
     sid = _sid(1)
     _open(hops, sid)
     try:
-        got = route_forward(hops, sid, 0, text_ids, want_logits=True).logits
+        return route_forward(hops, sid, 0, text_ids, want_logits=True).logits
     finally:
         _close(hops, sid)
+
+
+def test_three_hops_agree_with_llama_cpp_when_teacher_forced(
+    case: Case,
+    hops: list[Backend],
+    llama_one_shot: np.ndarray,
+    ours_one_shot: np.ndarray,
+    text_ids: list[int],
+) -> None:
+    ref, got = llama_one_shot, ours_one_shot
     agree = float((got.argmax(1) == ref.argmax(1)).mean())
     diff = float(np.abs(got - ref).max())
     mode = KERNELS[hops[0].model.info.decode_kernels]  # type: ignore[attr-defined]
@@ -226,15 +239,13 @@ def test_prefill_in_chunks_equals_one_shot_prefill_and_llama_cpp_in_the_same_chu
     case: Case,
     hops: list[Backend],
     llama,  # noqa: ANN001
+    llama_one_shot: np.ndarray,
+    ours_one_shot: np.ndarray,
     text_ids: list[int],
 ) -> None:
     ids = text_ids[: sum(CHUNKS)]
     sid = _sid(3)
-    _open(hops, sid)
-    try:
-        whole = route_forward(hops, sid, 0, ids, want_logits=True).logits
-    finally:
-        _close(hops, sid)
+    whole = ours_one_shot[: len(ids)]
     parts = []
     _open(hops, sid)
     try:
@@ -245,9 +256,7 @@ def test_prefill_in_chunks_equals_one_shot_prefill_and_llama_cpp_in_the_same_chu
     finally:
         _close(hops, sid)
     got = np.concatenate(parts)
-    llama.reset()
-    llama.eval(ids)
-    ref_whole = np.asarray(llama.scores[: len(ids)], dtype=np.float32).copy()
+    ref_whole = llama_one_shot[: len(ids)]
     llama.reset()
     pos = 0
     for n in CHUNKS:
