@@ -141,6 +141,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         kv_budget_bytes=int(args.kv_budget_mb * (1 << 20)),
         cache_type=args.cache_type,
         flash_attn=args.flash_attn,
+        mtp=args.mtp,
         session_ttl_s=args.session_ttl,
         client_ssl=client_ssl,
     )

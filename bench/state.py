@@ -3,10 +3,12 @@
 SPEC P13: ours / llama.cpp's <= 1.05 at every context. The ratio keys (`<arch>_state_ratio_<ctx>`) are at
 the real models' hyperparameters (webapp/fleet/specs/models/*.json; Gemma 3 270M's packaged file):
 ours is what agent/artifacts/archs.py `describe` counts (the native executor's layout) plus the default
-recurrent checkpoints; llama.cpp's comes from its cache layout (`llama_formula`, checked against its own
-allocation log on tiny files and on Gemma 3's real file). llama.cpp is taken with llama-server's default
-`swa_full = false` (sliding-window and DeepSeek-V4 raw caches are rings); llama-cpp-python's
-`Llama()` defaults to `swa_full = true` (whole-context rings), printed too as `*_swa_full`.
+recurrent checkpoints (the latest multi-token call's start and end: `CHECKPOINTS_MAX`, 2, copies of the
+recurrent layers' state, as a session holds them after a turn); llama.cpp's comes from its cache layout
+(`llama_formula`, checked against its own allocation log on tiny files and on Gemma 3's real file).
+llama.cpp is taken with llama-server's default `swa_full = false` (sliding-window and DeepSeek-V4 raw
+caches are rings); llama-cpp-python's `Llama()` defaults to `swa_full = true` (whole-context rings),
+printed too as `*_swa_full`.
 
 Tiny files (agent.artifacts.tiny, their context_length raised to 131072 in a copy so that our executor
 opens long sessions): llama.cpp's bytes are parsed from the "size = X MiB" lines it logs when
@@ -40,12 +42,15 @@ from agent.artifacts.archs import ArchDescription, describe  # noqa: E402
 from agent.artifacts.manifest import build_manifest  # noqa: E402
 from agent.artifacts.packaged import packaged_model_path  # noqa: E402
 from agent.artifacts.tiny import write_tiny_gguf  # noqa: E402
+from agent.backends.native import CHECKPOINTS_MAX  # noqa: E402
 
 CTXS = {"8k": 8192, "32k": 32768, "128k": 131072}
 MIB = 1 << 20
 UBATCH = 512  # llama.cpp's default n_ubatch: the SWA ring holds n_swa + n_ubatch rows
 PAD = 256  # llama.cpp pads cache sizes to 256 cells
-CKPT_MAX = 8  # native/src/model.h ckpt_max: recurrent checkpoints a session keeps by default
+# native/src/model.h ckpt_max: the checkpoints a session keeps by default (at the start and end of its
+# latest multi-token call; none periodic), each a whole copy of the recurrent layers' state
+CKPT_MAX = CHECKPOINTS_MAX
 SPECS = REPO / "webapp" / "fleet" / "specs" / "models"
 # bench key -> (tiny arch, real-model spec file or "" for Gemma 3's packaged file, model name)
 ARCHS = {
@@ -150,14 +155,25 @@ def llama_formula(arch: str, hp: dict[str, Any], desc: ArchDescription, n_ctx: i
 # --- ours ------------------------------------------------------------------------------------------
 
 
-def ours_describe(desc: ArchDescription, n_ctx: int) -> tuple[int, int]:
-    """(state, checkpoints): what describe() counts at n_ctx, and CKPT_MAX copies of the recurrent
-    layers' state, which a native session checkpoints by default (every 256 positions, at most 8; a
-    checkpoint of a recurrent layer is its whole state). Other checkpointed state (deepseek4's rings,
-    work in progress in the tree) is not estimated here: the tiny files' measured figures include it."""
+def ours_describe(desc: ArchDescription, n_ctx: int, hp: dict[str, Any]) -> tuple[int, int]:
+    """(state, checkpoints): what describe() counts at n_ctx, and CKPT_MAX checkpoints, which a native
+    session holds by default once it has had a multi-token call after its first (the start and end of
+    the latest one). A checkpoint copies the state that cannot be cut back: a recurrent layer's whole
+    state; deepseek4's rings (native/src/archs/deepseek4_state.cpp st_ckpt_bytes): the raw window's
+    last n_swa rows and the compressors' f32 rows of the blocks not yet complete, counted here at their
+    most (the whole compressor rings), as a session may hold them after a call that ends mid-block."""
     state = sum(p.bytes_at(n_ctx, 2.0) for layer in desc.layers for p in layer.state)
-    rec = sum(p.bytes_at(n_ctx, 2.0) for ly in desc.layers if ly.state_kind == "recurrent" for p in ly.state)
-    return state, CKPT_MAX * rec
+    ckpt = 0
+    for ly in desc.layers:
+        if ly.state_kind == "recurrent":
+            ckpt += sum(p.bytes_at(n_ctx, 2.0) for p in ly.state)
+            continue
+        for p in ly.state:
+            if p.name == "raw_k":  # deepseek4's window ring: a checkpoint holds the rows later positions read
+                ckpt += int(hp["attention.sliding_window"]) * int(hp["attention.key_length"]) * 2
+            elif p.fixed and p.name.endswith("compressor"):
+                ckpt += p.bytes_at(n_ctx, 2.0)
+    return state, CKPT_MAX * ckpt
 
 
 def ours_measured(path: str, n_layers: int, fill: int, threads: int) -> tuple[dict[int, int], float]:
@@ -218,7 +234,7 @@ def bench_file(path: str, arch: str, fill: int, threads: int) -> dict[str, Any]:
         "n_ctx_file": man.context_length,
     }
     for key, n in CTXS.items():
-        state, ckpt = ours_describe(desc, n)
+        state, ckpt = ours_describe(desc, n, man.hparams)
         r[f"manifest_bytes_{key}"] = sum(layer.state_bytes(n, 2.0) for layer in man.layers)
         if n in measured:
             r[f"ours_bytes_{key}"] = measured[n]
@@ -255,7 +271,7 @@ def bench_real(key: str, arch: str, spec: str, gemma: dict[str, Any] | None) -> 
         desc = describe(arch, hp, man.n_layers, man.boundary_dim, [t.name for t in man.tensors])
     r: dict[str, Any] = {"llamacpp_source": "log (real file)" if gemma else "formula"}
     for ck, n in CTXS.items():
-        state, ckpt = ours_describe(desc, n)
+        state, ckpt = ours_describe(desc, n, hp)
         r[f"ours_bytes_{ck}"] = state + ckpt
         r[f"ours_checkpoint_bytes_{ck}"] = ckpt
         for full, tag in ((False, ""), (True, "_swa_full")):

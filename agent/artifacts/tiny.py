@@ -166,9 +166,14 @@ def deepseek4_compress_ratios(n_layers: int) -> list[int]:
     return [(0, 4, 128)[i % 3] for i in range(n_layers)]
 
 
-def _deepseek4(b: Builder, n_layers: int, vocab: int, mtp: bool, hash_layers: int = 1) -> None:
+def _deepseek4(
+    b: Builder, n_layers: int, vocab: int, mtp: bool, hash_layers: int = 1, idx_len: int = 64
+) -> None:
     ratios = tuple(deepseek4_compress_ratios(n_layers))
-    layouts.deepseek4(b, layouts.Dsv4Dims(D_MODEL, n_layers, vocab, ratios, hash_layers=hash_layers, mtp=mtp))
+    dims = layouts.Dsv4Dims(
+        D_MODEL, n_layers, vocab, ratios, hash_layers=hash_layers, mtp=mtp, idx_len=idx_len
+    )
+    layouts.deepseek4(b, dims)
 
 
 def glm_dsa_indexer_types(n_layers: int) -> list[int]:
@@ -314,6 +319,7 @@ def write_tiny_gguf(
     rope_scaling: dict[str, str | float | int] | None = None,
     swiglu_clamp: float | list[float] | None = None,
     wide_heads: bool = False,
+    indexer_key_length: int | None = None,
 ) -> Path:
     """Write a tiny random-weight GGUF of `arch` to `path`; the same arguments give the same bytes.
 
@@ -327,6 +333,9 @@ def write_tiny_gguf(
     `swiglu_clamp` (deepseek4): the experts' SwiGLU limit, one number or a list written as given
     (default 10.0 per layer, as an array like llama.cpp's converter writes it). `wide_heads` (qwen35,
     qwen35moe, glm-dsa): attention heads wide enough for q8_0 / q4_0 caches (see _wide_heads).
+    `indexer_key_length` (deepseek4, a multiple of 64; default 64, the head size): 128 keeps the heads
+    unlike the indexer's keys, as in the real files (llama.cpp then rotates no cache but the indexer's;
+    its MTP context cannot be created for a file whose heads are as wide as the indexer's keys).
     """
     from gguf import GGUFWriter
 
@@ -351,10 +360,19 @@ def write_tiny_gguf(
     vocab = len(next(v for k, v, *_ in tok if k == "tokenizer.ggml.tokens"))
 
     b = Builder(arch)
-    if hash_layers is not None:
-        if arch != "deepseek4" or not 0 <= hash_layers <= layers:
+    if indexer_key_length is not None and (arch != "deepseek4" or indexer_key_length % 64):
+        raise TinyModelError("indexer_key_length applies to deepseek4 only, a multiple of 64")
+    if hash_layers is not None or indexer_key_length is not None:
+        if arch != "deepseek4" or not 0 <= (1 if hash_layers is None else hash_layers) <= layers:
             raise TinyModelError(f"hash_layers applies to deepseek4 only, 0..{layers}")
-        _deepseek4(b, layers, vocab, mtp, hash_layers)
+        _deepseek4(
+            b,
+            layers,
+            vocab,
+            mtp,
+            1 if hash_layers is None else hash_layers,
+            indexer_key_length or 64,
+        )
     elif wide_heads:
         if arch not in _WIDE_HEADS_ARCHS:
             raise TinyModelError(f"wide_heads applies to {', '.join(_WIDE_HEADS_ARCHS)} only")

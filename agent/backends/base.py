@@ -90,6 +90,8 @@ class Backend(ABC):
     # True when the backend's KV is charged to the node budget it was given, in the backend itself
     # (native: in libggswarm); the session table then reads that budget instead of adding sessions up.
     kv_in_node_budget: bool = False
+    # True on a last shard that drafts with the model's own MTP head (mtp_draft; docs/speculative.md)
+    mtp: bool = False
 
     @property
     def boundary_dim(self) -> int:
@@ -135,6 +137,11 @@ class Backend(ABC):
 
     def drop_checkpoint(self, sid: SessionId, pos: int) -> None:  # noqa: B027 - nothing kept by default
         """Drop the checkpoint `checkpoint` took at `pos`."""
+
+    def mtp_draft(self, sid: SessionId, pos: int, token: int, n: int) -> list[int]:
+        """Up to `n` tokens the model's MTP head drafts after position `pos` of the session, the first
+        from `token` (sampled at `pos`); [] where there is no head or it cannot draft for the session."""
+        return []
 
     @abstractmethod
     def forward(self, step: StepInput) -> ForwardResult:

@@ -357,3 +357,22 @@ def bind(lib: ctypes.CDLL) -> None:
     # void ggswarm_lane_free(ggswarm_lane * lane);
     lib.ggswarm_lane_free.argtypes = [ggswarm_lane_p]
     lib.ggswarm_lane_free.restype = None
+
+    # (v15) ggswarm_status ggswarm_mtp_open(ggswarm_model * model, const char * path);
+    lib.ggswarm_mtp_open.argtypes = [ggswarm_model_p, ctypes.c_char_p]
+    lib.ggswarm_mtp_open.restype = c_status
+    # ggswarm_status ggswarm_mtp_draft(ggswarm_model * model, int64_t sid, int32_t pos, int32_t token,
+    #     int32_t n_draft, int32_t * drafts_out, float * logits_out, int64_t logits_out_count,
+    #     int32_t * n_out);
+    lib.ggswarm_mtp_draft.argtypes = [
+        ggswarm_model_p,
+        ctypes.c_int64,
+        ctypes.c_int32,
+        ctypes.c_int32,
+        ctypes.c_int32,
+        ctypes.POINTER(ctypes.c_int32),
+        ctypes.POINTER(ctypes.c_float),
+        ctypes.c_int64,
+        ctypes.POINTER(ctypes.c_int32),
+    ]
+    lib.ggswarm_mtp_draft.restype = c_status

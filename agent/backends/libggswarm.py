@@ -178,6 +178,7 @@ class NativeModel:
         self._tok = ctypes.c_int32()
         self._lp = ctypes.c_double()
         self._secs = ctypes.c_double()
+        self.has_mtp = False  # a nextn block attached (mtp_open)
 
     def _call(self, fn: Any, *args: Any) -> None:
         if not self._h:
@@ -233,19 +234,21 @@ class NativeModel:
         return n.value, TRUNCATE_KINDS.get(kind.value, f"kind {kind.value}")
 
     def checkpoint(self, sid: int) -> bool:
-        """A checkpoint of the session's fixed-size state at its length now (no-op without such state);
+        """A checkpoint of the session's fixed-size state at its length now (no-op without such state),
+        held apart from the automatic ones (outside their maximum, one at a time, pushing none out);
         True when this call added it."""
         taken = ctypes.c_int32(0)
         self._call(self._lib.ggswarm_session_checkpoint, sid, ctypes.byref(taken))
         return bool(taken.value)
 
     def drop_checkpoint(self, sid: int, pos: int) -> None:
-        """Drop the session's checkpoint at `pos`, if it holds one."""
+        """Drop the checkpoint `checkpoint` took at `pos`, if the session holds it."""
         self._call(self._lib.ggswarm_session_drop_checkpoint, sid, int(pos))
 
     def set_checkpoints(self, every_n_tokens: int, max_per_session: int) -> None:
-        """Recurrent windows: a checkpoint every `every_n_tokens` positions (0: only at the ends of
-        multi-token forward calls), at most `max_per_session` per session."""
+        """Recurrent windows and rings: checkpoints at the start and end of every multi-token forward
+        call and, when `every_n_tokens` > 0, every that many positions; at most `max_per_session` per
+        session (library default 0 / 2; 0: none)."""
         self._call(self._lib.ggswarm_set_checkpoints, int(every_n_tokens), int(max_per_session))
 
     def checkpoints(self, sid: int) -> list[int]:
@@ -317,6 +320,34 @@ class NativeModel:
 
     def restore(self, sid: int, data: bytes) -> None:
         self._call(self._lib.ggswarm_session_restore, sid, data, len(data))
+
+    def mtp_open(self, path: str | os.PathLike[str]) -> None:
+        """Attach the file's nextn block to this last window (API v15; before any session): its forward
+        calls then need the token ids of their positions, and mtp_draft drafts."""
+        self._call(self._lib.ggswarm_mtp_open, os.fsencode(path))
+        self.has_mtp = True
+
+    def mtp_draft(
+        self, sid: int, token: int, n_draft: int, want_logits: bool = False, pos: int | None = None
+    ) -> dict[str, Any]:
+        """The nextn block's greedy drafts of the n_draft positions after position `pos` of session sid
+        (default: its length), the first from `token` (the token at `pos`, sampled, not in the session
+        there): {"drafts", "logits"}."""
+        drafts = (ctypes.c_int32 * max(n_draft, 1))()
+        n_out = ctypes.c_int32()
+        logits = np.empty((max(n_draft, 0), self.n_vocab), dtype=np.float32) if want_logits else None
+        self._call(
+            self._lib.ggswarm_mtp_draft,
+            int(sid),
+            self.session_len(sid) if pos is None else int(pos),
+            int(token),
+            int(n_draft),
+            drafts,
+            logits.ctypes.data_as(ctypes.POINTER(ctypes.c_float)) if logits is not None else None,
+            logits.size if logits is not None else 0,
+            ctypes.byref(n_out),
+        )
+        return {"drafts": list(drafts[: n_out.value]), "logits": logits}
 
     def forward(
         self,

@@ -17,11 +17,24 @@ from agent.backends.base import (
     ShardSpec,
     StepInput,
 )
-from agent.backends.ggswarm_lib import GGSWARM_E_BUDGET, GGSWARM_MAX_STEPS, NativeError, load_library
+from agent.backends.ggswarm_lib import (
+    GGSWARM_E_BUDGET,
+    GGSWARM_E_UNSUPPORTED,
+    GGSWARM_MAX_STEPS,
+    NativeError,
+    load_library,
+)
 from agent.backends.libggswarm import NativeBudget, NativeModel, sampling_struct
 from agent.backends.libggswarm import sample as native_sample
 from agent.wire.ids import SessionId
 from agent.wire.sampling import SamplingParams
+
+# The library's checkpoint policy (native/src/model.h ckpt_every / ckpt_max; docs/native.md "Checkpoints"):
+# checkpoints at the start and end of every multi-token call, none periodic, at most 2 per session (the
+# latest call's start and end: where a regenerate, an edit of the last message, the next turn and a
+# failed call go back to). Filled in for the one a node leaves unset when it sets the other.
+CHECKPOINT_EVERY = 0
+CHECKPOINTS_MAX = 2
 
 
 def _error(e: NativeError) -> BackendError:
@@ -34,13 +47,16 @@ class NativeBackend(Backend):
     def __init__(self, spec: ShardSpec, **options: object) -> None:
         """Options: kv_budget (a NativeBudget: the node's, shared by all its native shards; default
         none, no limit), model_id (identity written into KV snapshots; default the manifest's sha256),
-        checkpoint_every / checkpoints_max (windows with recurrent layers: a recurrent-state checkpoint
-        every N positions, at most M per session; default GGSWARM_CHECKPOINT_EVERY /
-        GGSWARM_CHECKPOINTS_MAX, else the library's 256 / 8), cache_type ("f16", the default, "f32"
+        checkpoint_every / checkpoints_max (windows with recurrent layers or rings: checkpoints at the
+        start and end of every multi-token call, plus one every N positions when N > 0, at most M per
+        session; default GGSWARM_CHECKPOINT_EVERY / GGSWARM_CHECKPOINTS_MAX, else the library's 0 / 2:
+        CHECKPOINT_EVERY / CHECKPOINTS_MAX; integers, N >= 0, 0 <= M <= 1024, else BackendError),
+        cache_type ("f16", the default, "f32"
         where the architecture keeps it, "q8_0" / "q4_0": defaults.CACHE_TYPES), flash_attn ("auto",
         the default: the library's choice at open, flash on a GPU and off on a CPU; "on"; "off": like
         llama.cpp's -fa; a quantized cache needs flash attention, so "auto" turns it on there and "off"
-        is refused). Options other backends take (kv_budget_bytes, n_batch, ...) are ignored."""
+        is refused), mtp (a last shard attaches the file's MTP head, where it has one, for drafts:
+        mtp_draft). Options other backends take (kv_budget_bytes, n_batch, ...) are ignored."""
         budget = options.get("kv_budget")
         if budget is not None and not isinstance(budget, NativeBudget):
             raise BackendError(f"kv_budget must be a NativeBudget, not {type(budget).__name__}")
@@ -93,11 +109,32 @@ class NativeBackend(Backend):
         if every is not None or most is not None:
             try:
                 self.model.set_checkpoints(
-                    256 if every is None else int(str(every)), 8 if most is None else int(str(most))
+                    CHECKPOINT_EVERY if every is None else int(str(every)),
+                    CHECKPOINTS_MAX if most is None else int(str(most)),
                 )
             except (NativeError, ValueError) as e:
                 self.model.close()
                 raise BackendError(f"bad checkpoint settings {every!r} / {most!r}: {e}") from None
+        if options.get("mtp") and spec.is_last:
+            # the model's MTP head (a nextn block after the trunk), where the file has one: drafts for
+            # the sessions that ask at OPEN (docs/speculative.md); a file without one serves without
+            try:
+                self.model.mtp_open(spec.path)
+                self.mtp = True
+            except NativeError as e:
+                if e.status != GGSWARM_E_UNSUPPORTED:
+                    self.model.close()
+                    raise BackendError(f"MTP head: {e}") from None
+
+    def mtp_draft(self, sid: SessionId, pos: int, token: int, n: int) -> list[int]:
+        """The MTP head's greedy drafts after `pos` (ggswarm_mtp_draft); [] when it cannot draft for the
+        session (its head missed positions: a step without token ids, a snapshot restored)."""
+        if not self.mtp or n <= 0:
+            return []
+        try:
+            return list(self.model.mtp_draft(self._sid(sid), int(token), int(n), pos=int(pos))["drafts"])
+        except NativeError:
+            return []
 
     def _sid(self, sid: SessionId) -> int:
         try:

@@ -53,3 +53,28 @@ class ModelDrafter:
             self.held.append(out[-1])
             out.append(self._argmax())
         return out
+
+
+class MtpDrafter:
+    """Drafts from the model's own MTP head, run by the route's last hop after each step (a DeepSeek-V4
+    file's nextn block, docs/speculative.md): the hop sends them with its answer (Response.drafts),
+    the route client offers them here, and they stand for the step after. Free on the client; a
+    session asks the last hop for them at OPEN (RouteClient.mtp_draft)."""
+
+    # its drafts come only with answers on the Python path (the native lanes answer without them)
+    needs_python_path = True
+
+    def __init__(self) -> None:
+        self.at = -1  # the context length the drafts follow (they continue its last token)
+        self.drafts: list[int] = []
+        self.offered = 0  # answers that carried drafts
+
+    def offer(self, context_len: int, drafts: list[int]) -> None:
+        """The last hop's drafts after the token that ends a context of `context_len` tokens."""
+        self.at, self.drafts = context_len, list(drafts)
+        self.offered += bool(drafts)
+
+    def propose(self, context: list[int], k: int) -> list[int]:
+        if k <= 0 or len(context) != self.at:
+            return []
+        return self.drafts[:k]

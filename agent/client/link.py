@@ -96,9 +96,10 @@ class RouteLink:
         """Hop `i`'s request frame: `fields` are Request's other keyword fields."""
         return encode_request(Request(op=op, session=self.session, token=self.hops[i].token, **fields))
 
-    def plain_frame(self, i: int, op: Op, pos: int) -> bytes:
-        """A numbered frame with no payload to hop `i` (open, truncate) at position `pos`."""
-        return self.frame(i, op, step=self.next_step(), pos_start=pos)
+    def plain_frame(self, i: int, op: Op, pos: int, dim: int = 0) -> bytes:
+        """A numbered frame with no payload to hop `i` (open, truncate) at position `pos` (`dim`: an
+        OPEN's MTP drafts per step)."""
+        return self.frame(i, op, step=self.next_step(), pos_start=pos, dim=dim)
 
     def forward_frame(
         self,

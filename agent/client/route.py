@@ -6,7 +6,7 @@ import contextlib
 import os
 import ssl
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -20,15 +20,8 @@ from agent.client.lane import LaneRoute, lanes_wanted
 from agent.client.link import HopStats, RouteLink, Step
 from agent.client.prefix import PrefixSharing, prefix_step, shareable
 from agent.client.recovery import Hop, RecoveryPolicy, Replacement, ReplacementProvider
-from agent.client.spec import (
-    MAX_DRAFT,
-    MEASURE_STEPS,
-    Drafter,
-    NgramDrafter,
-    SpecStats,
-    accepted,
-    draft_length,
-)
+from agent.client.spec import Drafter, SpecStats
+from agent.client.speculate import offer_drafts, speculative_steps
 from agent.client.tokenizer import ChatTokenizer, StreamDecoder
 from agent.client.transport import HopTransport
 from agent.wire.bundle import BUNDLE_STEP_TOKENS
@@ -67,11 +60,6 @@ class ChatEvent:
     done: bool = False
     # JSON for the playground and GenerationRecord: timings, token counts, per-hop stats.
     telemetry: dict[str, Any] = field(default_factory=dict)
-
-
-PROBE_EVERY = 8  # plain steps between single-draft probes when drafts have not been paying
-# a route this slow keeps a speculating answer off the lanes: an admission costs about a round trip
-STICKY_ROUND_TRIP_MS = 5.0
 
 
 class RouteClient:
@@ -126,11 +114,14 @@ class RouteClient:
         self.last_response: Response | None = None  # the step that sampled the token being yielded
         self.last_spec = SpecStats()  # the latest generate's speculation (agent/client/spec.py)
         self.spec_adaptive = True  # drafts sized by measured costs and acceptance; False: `speculate` each
+        # MTP drafts the last hop sends after each step (its model's own head; drafts.MtpDrafter takes
+        # them): asked for when the session opens, so set before the first step; 0: none
+        self.mtp_draft = 0
         # hops hold a verification's rejected drafts past the history: the next frame cuts them off
         self._hops_ahead = False
         # this answer verified drafts over a slow route: its plain steps stay off the lanes too, since
         # every verification takes the session off them and coming back costs an admission round trip
-        self._speculating = False
+        self.off_lanes = False
         self._sent_sampling: SamplingParams | None = None
         # A shared transport (agent/client/transport.py) bundles this session's small steps with other
         # sessions' for the same hop; without one the client has its own connections, nothing to bundle.
@@ -209,7 +200,8 @@ class RouteClient:
         if link.opened:
             return
         for i in range(len(link.hops)):
-            await self.failover.call(i, partial(link.plain_frame, i, Op.OPEN, self.capacity), 0)
+            mtp = self.mtp_draft if i == len(link.hops) - 1 else 0
+            await self.failover.call(i, partial(link.plain_frame, i, Op.OPEN, self.capacity, mtp), 0)
         link.opened = True
 
     async def close(self) -> None:
@@ -284,7 +276,7 @@ class RouteClient:
         t0 = time.perf_counter()
         if self.mode == "chain" or len(link.hops) == 1:
             try:
-                python_only = want_logits or sample_all or self._hops_ahead or self._speculating
+                python_only = want_logits or sample_all or self._hops_ahead or self.off_lanes
                 laned = await self.lane.step(inp, ids, send, python_only, shared)
             except RouteError as e:  # a lane step past its deadline: a hung hop, as on the Python path
                 await failover.fail(e)  # replaced (the hops brought back to the history), or raised
@@ -358,7 +350,16 @@ class RouteClient:
         ]
 
     # -- generation ---------------------------------------------------------------------------------
-    def _sampled(self, resp: Response) -> tuple[int, float]:
+    def cut_back(self, keep: int) -> None:
+        """Forget the history past `keep` (a verification's rejected drafts) without a round trip: each
+        hop goes back when the next frame arrives there (agent/node/verify.py), so that frame must take
+        the Python path, not a lane."""
+        del self.history[keep:]
+        for i in range(len(self.hops)):
+            self.failover.cut(i, keep)
+        self._hops_ahead = True
+
+    def sampled(self, resp: Response) -> tuple[int, float]:
         """The token the last hop sampled; a route that stops short of the model's last layer answers
         hidden states instead, and feeding those on as a token would only fail later, less clearly."""
         if resp.kind not in (Kind.TOKEN, Kind.LOGITS) or resp.token < 0:
@@ -383,8 +384,13 @@ class RouteClient:
         shared_prefix: int = 0,
         speculate: int = 0,
         drafter: Drafter | None = None,
+        prefill_chunk: int = PREFILL_CHUNK,
+        between_chunks: Callable[[], Awaitable[None]] | None = None,
     ) -> AsyncIterator[tuple[int, float]]:
         """Bring the KV to `prompt_ids` (reusing the common prefix), then yield sampled (token, logprob).
+
+        With `between_chunks` the prompt goes in steps of `prefill_chunk` positions (twice the one before
+        from the 8th on), awaiting it between two: a prompt waits there while another runs (quota.py).
 
         `shared_prefix`: how many leading ids other users' sessions may share (a system prompt): the
         hops' state there is restored from their prefix snapshots when they hold it, and kept for the
@@ -406,17 +412,25 @@ class RouteClient:
             common = await self._shared_prefix(prompt_ids[:shared_prefix], sampling, common)
         new = prompt_ids[common:]
         self.last_prefilled = len(new)
-        chunks = [new[off : off + PREFILL_CHUNK] for off in range(0, len(new), PREFILL_CHUNK)]
+        size, chunks, off = PREFILL_CHUNK if between_chunks is None else max(1, prefill_chunk), [], 0
+        while off < len(new):
+            chunks.append(new[off : off + min(size, PREFILL_CHUNK)])
+            off, size = off + len(chunks[-1]), 2 * size if len(chunks) >= 8 else size
         if want_logits and len(chunks[-1]) > 1:
             # Logits come back for every position of a step: the last position goes alone.
             chunks[-1:] = [chunks[-1][:-1], chunks[-1][-1:]]
         for i, chunk in enumerate(chunks):
+            if i and between_chunks is not None:
+                await between_chunks()
             resp = await self.forward(chunk, sampling, want_logits=want_logits and i == len(chunks) - 1)
-        token, logprob = self._sampled(resp)
+        token, logprob = self.sampled(resp)
         self.last_spec = SpecStats()
-        self._speculating = False
+        self.off_lanes = False
         if speculate > 0 and not want_logits:
-            steps = self._speculative(token, logprob, sampling, max_tokens, stop_ids, speculate, drafter)
+            offer_drafts(drafter, len(self.history) + 1, resp)
+            steps = speculative_steps(
+                self, token, logprob, sampling, max_tokens, stop_ids, speculate, drafter
+            )
             async for item in steps:
                 yield item
             return
@@ -428,91 +442,7 @@ class RouteClient:
             if len(self.history) + 1 > self.capacity:
                 raise ContextLimitError(f"context limit of {self.capacity} tokens reached")
             resp = await self.forward([token], sampling, want_logits=want_logits)
-            token, logprob = self._sampled(resp)
-
-    async def _speculative(
-        self,
-        token: int,
-        logprob: float,
-        sampling: SamplingParams,
-        max_tokens: int,
-        stop_ids: set[int] | None,
-        speculate: int,
-        drafter: Drafter | None,
-    ) -> AsyncIterator[tuple[int, float]]:
-        """generate's decode loop with drafts: each step sends the newest token and a draft, the hops
-        sample every position, the drafts equal to those samples stand and the rest are cut back."""
-        drafter = drafter or NgramDrafter()
-        stats = self.last_spec
-        context = [*self.history, token]  # every token decided so far; the KV holds all but the last
-        ready = [(token, logprob)]  # decided, not yet yielded; only the last is not in the KV
-        produced = 0
-        while True:
-            for item in ready:
-                self.last_response = None
-                yield item
-                produced += 1
-                if (stop_ids and item[0] in stop_ids) or produced == max_tokens:
-                    return
-            token = ready[-1][0]
-            room = self.capacity - len(context)
-            if room < 0:
-                raise ContextLimitError(f"context limit of {self.capacity} tokens reached")
-            # drafts past the answer's end or the context's would be computed for nothing; within
-            # them, as long as this route's costs and the drafts' record say pays (spec.draft_length)
-            k = min(speculate, MAX_DRAFT, room, max_tokens - produced - 1)
-            if self.spec_adaptive:
-                # the first steps go plain: their round trips and compute size the drafts after them
-                first = stats.steps + stats.plain_steps < MEASURE_STEPS
-                rt, row, per = stats.round_trip_ms, stats.row_ms, stats.draft_ms
-                vrt = stats.verify_round_trip_ms
-                cap, k = k, 0 if first else draft_length(stats.acceptance_rate(), rt, row, k, per, vrt)
-                # now and then one draft anyway, so the acceptance estimate keeps learning, where drafts
-                # that always stood would pay on this route at all
-                probe = stats.plain_steps % PROBE_EVERY == PROBE_EVERY - 1
-                if not first and k == 0 and probe and draft_length(1.0, rt, row, cap, per, vrt):
-                    k = 1
-            t_draft = time.perf_counter()
-            drafts = drafter.propose(context, k)[:k] if k > 0 else []
-            stats.drafting(len(drafts), (time.perf_counter() - t_draft) * 1e3)
-            # the hops' own compute, as their timings report it; the rest of a step's wall time is
-            # the round trip (links, relaying, queueing) that a longer draft spreads over more tokens
-            c0, t0 = sum(h.compute_ms for h in self.hop_stats), time.perf_counter()
-            if not drafts:
-                stats.plain_steps += 1
-                resp = await self.forward([token], sampling)
-                compute = sum(h.compute_ms for h in self.hop_stats) - c0
-                stats.timed(1, (time.perf_counter() - t0) * 1e3, compute)
-                ready = [self._sampled(resp)]
-                context.append(ready[0][0])
-                continue
-            base = len(self.history)
-            self._speculating = self._speculating or stats.round_trip_ms >= STICKY_ROUND_TRIP_MS
-            resp = await self.forward([token, *drafts], sampling, sample_all=True)
-            compute = sum(h.compute_ms for h in self.hop_stats) - c0
-            stats.timed(len(drafts) + 1, (time.perf_counter() - t0) * 1e3, compute, verify=True)
-            if resp.kind != Kind.TOKENS or resp.n_tokens != len(drafts) + 1:
-                raise RouteError(
-                    f"the last hop answered {resp.kind.name} x {resp.n_tokens} to a verification of "
-                    f"{len(drafts) + 1} positions",
-                    status=502,
-                    code="bad_verification",
-                    hop=len(self.hops) - 1,
-                )
-            sampled, lps = resp.tokens()
-            m = accepted(drafts, sampled)
-            stats.record(len(drafts), m)
-            context.extend(drafts[:m])
-            keep = base + 1 + m  # the token sent and the drafts that stood
-            if keep < len(self.history):
-                # no round trip to cut the hops back: each goes back when the next frame arrives at
-                # `keep` (agent/node/verify.py), so that frame must take the Python path, not a lane
-                del self.history[keep:]
-                for i in range(len(self.hops)):
-                    self.failover.cut(i, keep)
-                self._hops_ahead = True
-            ready = [*zip(drafts[:m], lps[:m], strict=True), (sampled[m], lps[m])]
-            context.append(sampled[m])
+            token, logprob = self.sampled(resp)
 
     async def _shared_prefix(self, ids: list[int], sampling: SamplingParams, common: int) -> int:
         """Bring every hop to exactly `ids` from their prefix snapshots, or prefill them and ask the

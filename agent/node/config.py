@@ -128,7 +128,7 @@ def post_json(
 
 def add_native_arguments(parser: argparse.ArgumentParser) -> None:
     """The native shards' settings `agent serve` and `agent run` share: llama.cpp's cache type and
-    flash-attention switch, with its defaults."""
+    flash-attention switch, with its defaults, and the MTP head."""
     parser.add_argument(
         "--cache-type",
         choices=defaults.CACHE_TYPES,
@@ -141,4 +141,10 @@ def add_native_arguments(parser: argparse.ArgumentParser) -> None:
         choices=defaults.FLASH_ATTN_MODES,
         default=defaults.FLASH_ATTN,
         help="like llama.cpp's -fa: auto (on for a GPU, off for a CPU), on, off",
+    )
+    parser.add_argument(
+        "--mtp",
+        action="store_true",
+        help="a native last shard runs the model's MTP head (DeepSeek-V4's, GLM-5.x's nextn block, where the file"
+        " has one) and sends its drafts to the sessions that ask (docs/speculative.md)",
     )

@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from agent import __version__, defaults
 from agent.artifacts.manifest import Manifest
 from agent.backends import load_backend
-from agent.backends.base import AdmissionError, Backend, BackendError, ShardSpec
+from agent.backends.base import AdmissionError, Backend, BackendError, ForwardResult, ShardSpec
 from agent.eventloop import running_loop_name
 from agent.node.admission import HEAD_TIMEOUT_S, FrameAdmission, Held
 from agent.node.chain import NextHops
@@ -29,7 +29,7 @@ from agent.node.prefixes import PrefixOps, PrefixStore, cache_bytes_from_env
 from agent.node.scheduler import CHUNK_TOKENS, MAX_BATCH_TOKENS, ShardScheduler
 from agent.node.sessions import SessionState, SessionTable
 from agent.node.shard import Shard, Shards, evictable
-from agent.node.steps import frame_step, local_answer, run_step, sample_positions
+from agent.node.steps import draft_start, frame_step, local_answer, run_step, sample_positions
 from agent.node.stream import StreamView
 from agent.node.verify import can_cut_into, rewind, run_rows, settle
 from agent.wire.frames import (
@@ -72,10 +72,13 @@ class DataPlane:
         chunk_tokens: int = CHUNK_TOKENS,
         cache_type: str = defaults.CACHE_TYPE,
         flash_attn: str = defaults.FLASH_ATTN,
+        mtp: bool = False,
     ) -> None:
         self.node_id = node_id
         # native shards' attention caches and flash-attention switch (defaults.CACHE_TYPES, FLASH_ATTN_MODES)
         self.cache_type, self.flash_attn = cache_type, flash_attn
+        # native last shards attach the model's MTP head where the file has one (docs/speculative.md)
+        self.mtp = mtp
         # per-shard step batching (agent/node/scheduler.py): None = where the backend batches sessions
         self.batching, self.max_batch_tokens, self.chunk_tokens = batching, max_batch_tokens, chunk_tokens
         self.public_key = public_key  # also verifies hand-off tokens (agent/node/handoff.py)
@@ -131,6 +134,7 @@ class DataPlane:
                     "kv_budget": self.sessions.native_budget(),
                     "cache_type": self.cache_type,
                     "flash_attn": self.flash_attn,
+                    "mtp": self.mtp,
                 }
             except OSError as e:  # the library is not built or has another API version
                 raise BackendError(f"native backend unavailable: {e}") from None
@@ -332,6 +336,8 @@ class DataPlane:
         if capacity > cap:
             raise DataPlaneError(400, "context_cap", f"capacity {capacity} exceeds the context cap of {cap}")
         state = SessionState(sid=sid, shard_key=shard.key, backend=shard.backend, capacity=capacity)
+        if shard.spec.is_last and shard.backend.mtp:  # the model's MTP head drafts after each step
+            state.mtp_draft = req.mtp_draft
         try:
             self.sessions.admit(
                 state, shard.backend.kv_open_bytes(capacity), lambda v: evictable(self.shards, v, shard)
@@ -415,7 +421,8 @@ class DataPlane:
         sampled = None
         if req.sample_all and res.token is not None and res.logits is not None:
             sampled = await asyncio.to_thread(sample_positions, s, req, res.logits)
-        local = local_answer(req, res, req.pos_start + req.n_tokens, sampled)
+        drafts = await self._mtp_drafts(req, s, shard, res, sampled) if s.mtp_draft else None
+        local = local_answer(req, res, req.pos_start + req.n_tokens, sampled, drafts)
         # The stored answer is bounded (and counted in held_bytes); a bigger one is recomputed on retry.
         s.last_step, s.last_digest = req.step, digest
         s.last_output = local if len(local) <= RETRY_CACHE_MAX else b""
@@ -425,6 +432,24 @@ class DataPlane:
         return await self.hops.continue_chain(
             req, s, self.shards.get(s.shard_key), local, t_start, compute_us
         )
+
+    async def _mtp_drafts(
+        self,
+        req: Request,
+        s: SessionState,
+        shard: Shard,
+        res: ForwardResult,
+        sampled: tuple[list[int], list[float]] | None,
+    ) -> list[int]:
+        """The MTP head's drafts after the token this last shard just sampled (docs/speculative.md): up
+        to the session's ask, none where the head cannot draft (the backend says so with [])."""
+        if res.token is None or req.want_logits:
+            return []
+        pos, token = draft_start(req, s, res, sampled)
+        if pos + s.mtp_draft > s.capacity:
+            return []
+        async with shard.lock:
+            return await asyncio.to_thread(s.backend.mtp_draft, s.sid, pos, token, s.mtp_draft)
 
     # -- aiohttp wiring -----------------------------------------------------------------------------
     async def _frame_view(self, request: web.Request) -> web.StreamResponse:

@@ -90,6 +90,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         kv_budget_bytes=int(args.kv_budget_mb * (1 << 20)),
         cache_type=args.cache_type,
         flash_attn=args.flash_attn,
+        mtp=args.mtp,
         client_ssl=node_tls.client() if node_tls else None,
     )
 

@@ -59,6 +59,8 @@ class SessionState:
     lane: LaneSeat | None = None  # its decode steps run on the node's native lane (agent/node/lanes.py)
     # its latest speculative verification step (agent/node/verify.py), while a cut back into it is open
     verify: Verification | None = None
+    # the last shard's MTP drafts after each of its steps (asked at OPEN; 0 where the backend has no head)
+    mtp_draft: int = 0
 
     @property
     def key(self) -> SessionKey:

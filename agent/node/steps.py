@@ -25,6 +25,7 @@ from agent.wire.frames import (
     hidden_kind,
     numpy_dtype,
 )
+from agent.wire.prefix import common_prefix
 from agent.wire.sampling import SamplingParams
 
 
@@ -78,6 +79,9 @@ def frame_step(req: Request, spec: ShardSpec, boundary_dim: int, s: SessionState
     if spec.is_last:
         s.history.extend(ids.tolist() if ids is not None else (req.history or []))
         history = s.history
+        if s.mtp_draft and ids is None and req.history is not None and len(req.history) == req.n_tokens:
+            # the model's MTP head reads the token of every position (the frame's history is the step's ids)
+            ids = np.asarray(req.history, dtype=np.int32)
     if req.sampling is not None:
         s.sampling = req.sampling
     return StepInput(
@@ -139,11 +143,28 @@ async def run_step(
         s.busy = False
 
 
+def draft_start(
+    req: Request, s: SessionState, res: ForwardResult, sampled: tuple[list[int], list[float]] | None
+) -> tuple[int, int]:
+    """Where the last shard's MTP drafts after a step begin: (position, the token sampled there). After
+    a verification, past the drafts that stood (the step's inputs are the history's last n ids)."""
+    if sampled is None:
+        assert res.token is not None
+        return req.pos_start + req.n_tokens, int(res.token)
+    inputs = s.history[len(s.history) - req.n_tokens :]
+    m = common_prefix(inputs[1:], sampled[0])
+    return req.pos_start + 1 + m, int(sampled[0][m])
+
+
 def local_answer(
-    req: Request, res: ForwardResult, end: int, sampled: tuple[list[int], list[float]] | None = None
+    req: Request,
+    res: ForwardResult,
+    end: int,
+    sampled: tuple[list[int], list[float]] | None = None,
+    drafts: list[int] | None = None,
 ) -> bytes:
     """This hop's response frame for a step that ended at position `end` (`sampled`: every position's
-    token and logprob, for a verification step)."""
+    token and logprob, for a verification step; `drafts`: the MTP head's drafts after the sampled token)."""
     if res.token is not None:
         kind, n, dim, payload = Kind.TOKEN, 0, 0, b""
         if sampled is not None:
@@ -151,7 +172,10 @@ def local_answer(
             payload = (
                 np.asarray(sampled[0], dtype="<i4").tobytes() + np.asarray(sampled[1], dtype="<f4").tobytes()
             )
-        elif req.want_logits and res.logits is not None:
+        if drafts and kind in (Kind.TOKEN, Kind.TOKENS) and not (req.want_logits and sampled is None):
+            dim = len(drafts)
+            payload += np.asarray(drafts, dtype="<i4").tobytes()
+        elif sampled is None and req.want_logits and res.logits is not None:
             kind, n, dim = Kind.LOGITS, res.logits.shape[0], res.logits.shape[1]
             payload = np.ascontiguousarray(res.logits, dtype=np.float32).tobytes()
         return encode_response(

@@ -39,6 +39,10 @@ MAX_LOGITS_BYTES = 32 << 20
 # A verification step (Flag.SAMPLE_ALL) computes logits for every position on the last hop: a draft of
 # at most 15 tokens plus the token it follows.
 MAX_SAMPLE_ALL_TOKENS = 16
+# The last hop's own drafts (its model's MTP head, docs/speculative.md): a session asks for at most this
+# many at OPEN (its `dim`), and every sampled-token answer (Kind.TOKEN, Kind.TOKENS) carries at most that
+# many after its payload (the answer's `dim`): what one verification step can take.
+MAX_DRAFT_TOKENS = MAX_SAMPLE_ALL_TOKENS - 1
 CONTEXT_CAP = 131072  # product-wide hard cap (128K), applied on top of the model's own limit
 
 # magic, version, op, flags, session, step, pos_start, n_tokens, kind, token_len, dim, payload_len
@@ -75,11 +79,12 @@ class Kind(IntEnum):
     IDS = 1  # int32 token ids
     F32 = 2  # float32 hidden states, n_tokens x dim
     F16 = 3  # float16 hidden states
-    TOKEN = 4  # response: sampled token + logprob in the header
+    TOKEN = 4  # response: sampled token + logprob in the header (then `dim` int32 MTP drafts)
     LOGITS = 5  # response: float32 logits n_tokens x dim (dim = vocab) + the sampled token
     LANE = 6  # response to Op.LANE: LANE_INFO (the hop's lane id, port and key for the session)
     DIGEST = 7  # request of Op.PREFIX_SAVE / PREFIX_LOAD: the prefix's digest (agent/wire/prefix.py)
-    TOKENS = 8  # response to Flag.SAMPLE_ALL: n_tokens int32 sampled ids, then their n float32 logprobs
+    TOKENS = 8  # response to Flag.SAMPLE_ALL: n_tokens int32 sampled ids, their n float32 logprobs
+    #   (then `dim` int32 MTP drafts)
 
 
 # The element type of hidden states at a seam, spelled as frames, the command line and the backends
@@ -154,6 +159,12 @@ class Request:
         """OPEN: the positions the session may grow to (0: the shard's cap), carried in `pos_start`."""
         return self.pos_start
 
+    @property
+    def mtp_draft(self) -> int:
+        """OPEN: the MTP drafts the session asks the last hop for after each step (0: none, at most
+        MAX_DRAFT_TOKENS), carried in `dim`."""
+        return self.dim if self.op == Op.OPEN else 0
+
     def ids(self) -> np.ndarray:
         return np.frombuffer(self.payload, dtype="<i4", count=self.n_tokens)
 
@@ -194,6 +205,14 @@ class Response:
         lps = np.frombuffer(self.payload, dtype="<f4", count=n, offset=4 * n).tolist()
         return ids, lps
 
+    def drafts(self) -> list[int]:
+        """Kind.TOKEN / Kind.TOKENS: the last hop's MTP drafts of the tokens after the one it sampled
+        (after the last of the verification's that stood, for Kind.TOKENS); [] when none came."""
+        if self.kind not in (Kind.TOKEN, Kind.TOKENS) or self.dim <= 0:
+            return []
+        off = 8 * self.n_tokens if self.kind == Kind.TOKENS else 0
+        return [int(t) for t in np.frombuffer(self.payload, dtype="<i4", count=self.dim, offset=off)]
+
 
 # the answer to Op.LANE: the hop's lane id for the session, its lane's port, and the session's key there
 LANE_INFO = struct.Struct("<QI4x32s")
@@ -209,7 +228,9 @@ def payload_size(kind: Kind, n_tokens: int, dim: int) -> int:
     if kind == Kind.IDS:
         return 4 * n_tokens
     if kind == Kind.TOKENS:
-        return 8 * n_tokens
+        return 8 * n_tokens + 4 * dim  # dim: the MTP drafts after the sampled tokens
+    if kind == Kind.TOKEN:
+        return 4 * dim
     if kind in (Kind.F32, Kind.LOGITS):
         return 4 * n_tokens * dim
     if kind == Kind.F16:
@@ -360,6 +381,8 @@ def decode_request(data: bytes | memoryview) -> Request:
         raise FrameError(f"payload kind {kind_e.name} is not valid in a request")
     if kind_e == Kind.IDS and dim not in (0, 1):
         raise FrameError("token-id payloads carry dim 0")
+    if op_e == Op.OPEN and dim > MAX_DRAFT_TOKENS:
+        raise FrameError(f"an OPEN asks for at most {MAX_DRAFT_TOKENS} MTP drafts per step, not {dim}")
     expected = payload_size(kind_e, n, dim)
     if payload_len != expected:
         raise FrameError(f"payload is {payload_len} bytes but {n} x {dim} {kind_e.name} needs {expected}")
@@ -447,7 +470,7 @@ def response_limit(n_tokens: int, dim: int, want_logits: bool) -> int:
     """The most bytes a valid answer to a forward of `n_tokens` x `dim` may take: hidden states as f32,
     the token response with every hop's timing, or (asked for) capped logits."""
     body = max(4 * n_tokens * dim, MAX_LOGITS_BYTES if want_logits else 0)
-    return RESP_HEADER.size + (MAX_CHAIN_HOPS + 1) * TIMING.size + body
+    return RESP_HEADER.size + (MAX_CHAIN_HOPS + 1) * TIMING.size + body + 4 * MAX_DRAFT_TOKENS
 
 
 def encode_response(r: Response) -> bytes:
@@ -486,6 +509,8 @@ def _response_header(buf: memoryview) -> tuple[Kind, tuple[Any, ...]]:
         raise FrameError(f"unknown response kind {kind}")
     if kind_e == Kind.IDS:
         raise FrameError("token ids are not a response")
+    if kind_e in (Kind.TOKEN, Kind.TOKENS) and dim > MAX_DRAFT_TOKENS:
+        raise FrameError(f"a sampled-token response carries at most {MAX_DRAFT_TOKENS} drafts, not {dim}")
     if plen != payload_size(kind_e, n, dim):
         raise FrameError("response payload size mismatch")
     size = RESP_HEADER.size + nt * TIMING.size + plen

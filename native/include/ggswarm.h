@@ -66,6 +66,8 @@
  *  14 - ggswarm_session_checkpoint / ggswarm_session_drop_checkpoint: a checkpoint at the session's
  *       length now, so a speculative verification's rows, run one position at a time, can be cut back
  *       exactly on a window that keeps recurrent state, and dropped once the verification is settled.
+ *  15 - multi-token prediction (deepseek4, glm-dsa): ggswarm_mtp_open attaches the file's nextn block to the last
+ *       window; ggswarm_forward on it then feeds the block's per-session state; ggswarm_mtp_draft.
  */
 #ifndef GGSWARM_H
 #define GGSWARM_H
@@ -77,7 +79,7 @@
 extern "C" {
 #endif
 
-#define GGSWARM_API_VERSION 14
+#define GGSWARM_API_VERSION 15
 
 #if defined(_WIN32)
 #define GGSWARM_API __declspec(dllexport)
@@ -246,23 +248,28 @@ GGSWARM_API ggswarm_status ggswarm_session_truncate(ggswarm_model * model, int64
  * arbitrary position, so the session goes back to the newest checkpoint at or before n_tokens (exact
  * when one is there; KV-only windows: exactly n_tokens). *out_len gets the length it now holds: the
  * caller re-prefills positions [*out_len, n_tokens). *out_kind gets a GGSWARM_TRUNCATE_* value.
- * Checkpoints are taken at the start and end of every forward call of more than one position, and
- * every ggswarm_set_checkpoints interval (default 256) positions; they count against the budget. */
+ * Checkpoints are taken at the start and end of every forward call of more than one position (and
+ * every ggswarm_set_checkpoints interval, default 0: none), at most 2 per session by default (the
+ * latest call's start and end); they count against the budget. */
 GGSWARM_API ggswarm_status ggswarm_session_truncate_to(ggswarm_model * model, int64_t sid, int32_t n_tokens,
                                                        int32_t * out_len, int32_t * out_kind);
 
 /* A checkpoint of the session's fixed-size state at its length now (v14), unless one is there: a later
  * ggswarm_session_truncate_to into the positions after it goes back exactly here. A no-op on windows
- * without such state or with a checkpoint maximum of 0; the oldest go first as for the others.
- * *out_taken (may be NULL): 1 when this call added the checkpoint, 0 when one was there or none could
- * be taken (its caller drops only what it took). */
+ * without such state or with a checkpoint maximum of 0. It is held apart from the automatic ones: it
+ * does not count against ggswarm_set_checkpoints' maximum and pushes none of them out (nor do they push
+ * it out, nor does a short budget make room for it); a session holds one such checkpoint at a time (a
+ * newer one replaces it). *out_taken (may be NULL): 1 when this call added the checkpoint, 0 when one
+ * was there or none could be taken (its caller drops only what it took). */
 GGSWARM_API ggswarm_status ggswarm_session_checkpoint(ggswarm_model * model, int64_t sid, int32_t * out_taken);
 
-/* Drop the session's checkpoint at position pos, if it holds one (v14), crediting its bytes. */
+/* Drop the checkpoint ggswarm_session_checkpoint took at position pos, if the session holds it (v14),
+ * crediting its bytes (an automatic checkpoint there, e.g. a later call's start, stays). */
 GGSWARM_API ggswarm_status ggswarm_session_drop_checkpoint(ggswarm_model * model, int64_t sid, int32_t pos);
 
-/* Checkpoint policy of this handle's sessions (v4): one every every_n_tokens positions (0: only at the
- * ends of multi-token forward calls), at most max_per_session per session (0: none; the oldest dropped
+/* Checkpoint policy of this handle's sessions (v4): checkpoints at the start and end of every forward
+ * call of more than one position and, with every_n_tokens > 0, one every every_n_tokens positions
+ * (default 0: none); at most max_per_session per session (default 2; 0: none at all; the oldest dropped
  * first). A no-op for windows without recurrent layers. */
 GGSWARM_API ggswarm_status ggswarm_set_checkpoints(ggswarm_model * model, int32_t every_n_tokens,
                                                    int32_t max_per_session);
@@ -341,6 +348,40 @@ GGSWARM_API ggswarm_status ggswarm_session_restore(ggswarm_model * model, int64_
 GGSWARM_API ggswarm_status ggswarm_sample(const float * logits, int32_t n_vocab, const ggswarm_sampling * params,
                                           int64_t position, const int32_t * history, int32_t n_history,
                                           int32_t * out_token, double * out_logprob);
+
+/* ---- v15: multi-token prediction (docs/native.md, "Multi-token prediction") -------------------------------
+ * The last window of a model whose file carries a nextn block (DeepSeek-V4, GLM-5.x's glm-dsa:
+ * nextn_predict_layers = 1) can attach it. Each position p of a session then also runs through the block,
+ * as llama.cpp's MTP context runs it: the token at p with the trunk's last hidden row of position p - 1
+ * (deepseek4: the hyper-connection streams before the output head; glm-dsa: after the output norm;
+ * zeros at 0), into the block's own per-session state (deepseek4: its raw sliding-window K cache;
+ * glm-dsa: its latent cache; charged to the handle's budget, freed with the session). A forward call
+ * therefore needs token_ids on an MTP window (the tokens of its positions); a call without them, or a restored
+ * snapshot (which holds the trunk's state only), leaves the session's MTP state behind, and drafts for it
+ * are refused (GGSWARM_E_RANGE) until the session starts over at position 0. ggswarm_mtp_draft drafts. */
+
+/* most tokens one ggswarm_mtp_draft call drafts */
+#define GGSWARM_MTP_MAX_DRAFT 15
+
+/* Attach the nextn block of the GGUF at path (the file this window was opened from) to `model`, the last
+ * window (layer_end == the trunk's layer count). Reads only the block's tensors and the roles it uses
+ * (token embedding, output head); shares the model's budget, threads and cache type (set the cache
+ * type before: ggswarm_set_cache_type also applies to the block). GGSWARM_E_UNSUPPORTED when the
+ * architecture or the file has no such block; GGSWARM_E_INVALID_ARG while a session is open. */
+GGSWARM_API ggswarm_status ggswarm_mtp_open(ggswarm_model * model, const char * path);
+
+/* Draft n_draft (1 .. GGSWARM_MTP_MAX_DRAFT) tokens after position pos of session sid (pos <= its
+ * length: the session's length, or, after a speculative verification, where the drafts that stood
+ * end): `token` is the token at position pos (sampled, not in the session at pos yet); the block's
+ * greedy token for pos + 1 from it and the trunk's row of pos - 1, then each next from the previous
+ * draft and the block's own output row (llama.cpp's single-head chain). drafts_out gets *n_out tokens;
+ * logits_out (optional, >= n_draft x n_vocab) each draft's logits. The block's state is left at pos
+ * (the trunk's positions after it are cut back by the session's next call, as usual). GGSWARM_E_RANGE
+ * when the block does not follow the session (see above) or the trunk's row of pos - 1 is no longer
+ * kept (the last 64 positions' are). */
+GGSWARM_API ggswarm_status ggswarm_mtp_draft(ggswarm_model * model, int64_t sid, int32_t pos, int32_t token,
+                                             int32_t n_draft, int32_t * drafts_out, float * logits_out,
+                                             int64_t logits_out_count, int32_t * n_out);
 
 /* ---- v7: the decode lane (docs/lane.md) --------------------------------------------------------------
  * A lane is a TCP listener whose connections libggswarm serves on its own threads, with blocking

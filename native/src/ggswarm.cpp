@@ -108,6 +108,7 @@ void choose_attention(ggswarm_model * m, const char * path) {
 using namespace ggswarm;
 
 ggswarm_model::~ggswarm_model() {
+    mtp_free(this);  // the attached nextn block: its own handle and sessions
     graphs.clear();  // their schedulers, before the backends
     for (auto & kv : sessions) free_kv(this, kv.second);
     sessions.clear();
@@ -155,7 +156,7 @@ namespace {
 // The file's header, hyper-parameters and window range into a new handle (*out), before anything is
 // allocated for weights: what ggswarm_model_open and ggswarm_check_file share. layer_end -1: the whole model.
 ggswarm_status open_header(const char * path, int32_t layer_start, int32_t layer_end, ggswarm::Meta & meta,
-                           ggswarm_model ** out, uint64_t * file_size) {
+                           ggswarm_model ** out, uint64_t * file_size, bool mtp_block = false) {
     if (!path) return fail(nullptr, GGSWARM_E_INVALID_ARG, "path is NULL");
     struct stat st;
     if (stat(path, &st) != 0) return fail(nullptr, GGSWARM_E_IO, "cannot open %s: %s", path, strerror(errno));
@@ -182,6 +183,7 @@ ggswarm_status open_header(const char * path, int32_t layer_start, int32_t layer
         delete m;
         return s;
     };
+    m->mtp_block = mtp_block;  // the architecture's reader keeps the nextn block in the layer count
     ggswarm_status s = read_hparams(m, meta);
     if (s) return bail(s);
     if (layer_end == -1) layer_end = m->n_layers_total;
@@ -204,11 +206,10 @@ ggswarm_status open_header(const char * path, int32_t layer_start, int32_t layer
 
 }  // namespace
 
-extern "C" {
+namespace ggswarm {
 
-ggswarm_status ggswarm_model_open(const char * path, int32_t layer_start, int32_t layer_end, int32_t n_threads,
-                                  ggswarm_budget * budget, const char * model_id, ggswarm_model ** out) {
-    g_last_error.clear();
+ggswarm_status open_model(const char * path, int32_t layer_start, int32_t layer_end, int32_t n_threads,
+                          ggswarm_budget * budget, const char * model_id, bool mtp_block, ggswarm_model ** out) {
 #ifdef GGSWARM_OWN_THREADPOOL
     static std::once_flag log_once;
     std::call_once(log_once, [] { ggml_log_set(ggml_warnings_only, nullptr); });
@@ -222,7 +223,7 @@ ggswarm_status ggswarm_model_open(const char * path, int32_t layer_start, int32_
     Meta meta;
     ggswarm_model * m = nullptr;
     uint64_t file_size = 0;
-    if (ggswarm_status s = open_header(path, layer_start, layer_end, meta, &m, &file_size)) return s;
+    if (ggswarm_status s = open_header(path, layer_start, layer_end, meta, &m, &file_size, mtp_block)) return s;
     auto bail = [&](ggswarm_status s) {
         g_last_error = m->error;
         delete m;
@@ -244,6 +245,16 @@ ggswarm_status ggswarm_model_open(const char * path, int32_t layer_start, int32_
     if (m->model_id.size() > 71) m->model_id.resize(71);
     *out = m;
     return GGSWARM_OK;
+}
+
+}  // namespace ggswarm
+
+extern "C" {
+
+ggswarm_status ggswarm_model_open(const char * path, int32_t layer_start, int32_t layer_end, int32_t n_threads,
+                                  ggswarm_budget * budget, const char * model_id, ggswarm_model ** out) {
+    g_last_error.clear();
+    return open_model(path, layer_start, layer_end, n_threads, budget, model_id, false, out);
 }
 
 ggswarm_status ggswarm_check_file(const char * path) {
@@ -294,6 +305,7 @@ ggswarm_status ggswarm_set_threads(ggswarm_model * m, int32_t n_threads) {
     if (n_threads <= 0 || n_threads > 1024) {
         return fail(m, GGSWARM_E_INVALID_ARG, "n_threads must be in 1..1024, got %d", n_threads);
     }
+    mtp_set_threads(m, n_threads);  // the attached nextn block's, too
     return apply_threads(m, n_threads);
 }
 

@@ -429,7 +429,7 @@ ggswarm_status ggswarm_forward(ggswarm_model * m, int64_t sid, const ggswarm_bat
 
     // run in micro-batches of at most kUBatch positions (bounded compute memory, like llama.cpp's n_ubatch)
     // recurrent windows keep checkpoints (recurrent.h): where a turn starts and ends (the ends of a
-    // multi-token call) and every ckpt_every positions, where micro-batches are made to end
+    // multi-token call) and, when set, every ckpt_every positions, where micro-batches are made to end
     if (n > 1) take_checkpoint(m, s);
     const float * last = nullptr;
     for (int32_t off = 0; off < n;) {
@@ -444,6 +444,7 @@ ggswarm_status ggswarm_forward(ggswarm_model * m, int64_t sid, const ggswarm_bat
             return st;
         }
         checkpoint_after_chunk(m, s);
+        if (m->mtp) mtp_after_chunk(m, sid, b, off, nc);  // the attached nextn block follows (mtp.cpp)
         off += nc;
     }
     if (n > 1) take_checkpoint(m, s);

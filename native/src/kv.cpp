@@ -212,6 +212,7 @@ ggswarm_status ggswarm_session_close(ggswarm_model * m, int64_t sid) {
     if (it == m->sessions.end()) return no_session(m, sid);
     free_kv(m, it->second);
     m->sessions.erase(it);
+    mtp_session_closed(m, sid);  // and its nextn block's state (mtp.cpp)
     return ok(m);
 }
 

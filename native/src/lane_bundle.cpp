@@ -233,7 +233,7 @@ bool serve_bundle(ggswarm_lane * lane, Worker & w, int fd, const Header & outer)
         ggswarm_batch & b = batches[i];
         b.n_tokens = n;
         b.pos_start = mb.in.pos_start;
-        if (first || m->needs_ids()) b.token_ids = ids;
+        if (first || m->needs_ids() || m->mtp) b.token_ids = ids;  // an attached nextn block reads them
         if (!first) {
             b.hidden_in = w.bundle_in[i].data() + (size_t)n * 4;
             b.hidden_in_count = n_rows;

@@ -128,7 +128,7 @@ void run_step(ggswarm_lane * lane, Worker & w, int fd, LaneSession & s, const He
     ggswarm_batch b{};
     b.n_tokens = n;
     b.pos_start = in.pos_start;
-    if (m->is_first() || m->needs_ids()) b.token_ids = ids;
+    if (m->is_first() || m->needs_ids() || m->mtp) b.token_ids = ids;  // an attached nextn block reads them
     if (!m->is_first()) {
         b.hidden_in = w.in.data() + (size_t)n * 4;
         b.hidden_in_count = n_rows;

@@ -21,6 +21,7 @@ namespace ggswarm {
 
 struct Arch;
 struct Checkpoints;  // recurrent.h: a session's checkpoints of its recurrent states
+struct MtpBlock;     // mtp.cpp: a last window's nextn block (ggswarm_mtp_open) and its sessions' state
 
 // What an architecture keeps beyond the common fields of ggswarm_model (archs/qwen35.h: Hybrid).
 struct ArchData {
@@ -167,6 +168,9 @@ struct Graph {
     ggml_tensor * inp_vidx_swa = nullptr;
     ggml_tensor * out = nullptr;
     ggml_tensor * out_prob = nullptr;  // last window: softmax of the final position's logits
+    // a window with a nextn block attached (and the block's own graphs): every position's last hidden row
+    // (the hyper-connection streams before the output head), which the block reads (mtp.cpp)
+    ggml_tensor * out_hidden = nullptr;
     std::vector<std::vector<ggml_tensor *>> state;  // per layer: leaves bound to a session's s.state
     std::vector<ggml_tensor *> kv_views;             // graph tensors viewing a state leaf (rebound with it)
     std::vector<ggml_tensor *> arch_in;              // the architecture's own inputs (Arch::set_inputs fills them)
@@ -236,11 +240,17 @@ struct ggswarm_model {
     int32_t n_streams = 1;   // boundary rows per token are d_model x n_streams (deepseek4's hyper-connections: 4)
     int32_t ids_layers = 0;  // layers [0, ids_layers) read the token ids (deepseek4's hash-routed experts)
     int32_t nodes_per_layer = 128;
-    // checkpoints of the state that cannot be cut back (recurrent states, rings; recurrent.cpp): every
-    // `ckpt_every` positions (0: only at the ends of multi-token forward calls), at most `ckpt_max` per
-    // session (the oldest dropped first)
-    int32_t ckpt_every = 256;
-    int32_t ckpt_max = 8;
+    // v15 multi-token prediction: this handle IS a nextn block (opened by ggswarm_mtp_open: its one layer
+    // follows the trunk), or has one attached (the trunk's last window); mtp.cpp
+    bool mtp_block = false;
+    ggswarm::MtpBlock * mtp = nullptr;
+    // checkpoints of the state that cannot be cut back (recurrent states, rings; recurrent.cpp): at the
+    // start and end of every multi-token forward call (turn boundaries: where a failed call, a
+    // regenerate, an edited last message and the next turn go back to) and, when `ckpt_every` > 0
+    // (default 0: off), every that many positions; at most `ckpt_max` per session (the oldest dropped
+    // first): 2 keep the latest call's start and end (docs/native.md, "Checkpoints")
+    int32_t ckpt_every = 0;
+    int32_t ckpt_max = 2;
     // the attention caches' type (ggswarm_set_cache_type; the architecture says which it keeps)
     ggml_type cache_type = GGML_TYPE_F16;
     // llama.cpp's Hadamard rotations of quantized KV caches (llama-kv-cache.cpp attn_rot_k/attn_rot_v):
@@ -335,6 +345,9 @@ ggswarm_status ok(const ggswarm_model * m);
 // Every tensor the window [m->layer_start, m->layer_end) needs is in the file's table with the expected
 // shape and type; nothing is allocated (ggswarm_check_file).
 ggswarm_status check_window(ggswarm_model * m, const Meta & meta);
+// ggswarm_model_open; mtp_block: open the file's nextn block as the window [trunk, trunk + 1) (mtp.cpp)
+ggswarm_status open_model(const char * path, int32_t layer_start, int32_t layer_end, int32_t n_threads,
+                          ggswarm_budget * budget, const char * model_id, bool mtp_block, ggswarm_model ** out);
 ggswarm_status read_hparams(ggswarm_model * m, const Meta & meta);
 ggswarm_status load_weights(ggswarm_model * m, const Meta & meta, const char * path, uint64_t file_size);
 std::string fingerprint(const char * path, uint64_t data_off, uint64_t file_size);
@@ -342,6 +355,13 @@ ggswarm_status apply_threads(ggswarm_model * m, int32_t n);
 ggswarm_status init_backends(ggswarm_model * m);
 ggswarm_status init_sched(ggswarm_model * m);
 ggml_backend_sched_t new_sched(const ggswarm_model * m, size_t graph_size = 0);
+
+// multi-token prediction (mtp.cpp): after a micro-batch of positions [pos, pos + nc) of session sid ran
+// on a window with a block attached, feed them to the block; forget a closed session; free the block
+void mtp_after_chunk(ggswarm_model * m, int64_t sid, const ggswarm_batch * b, int32_t off, int32_t nc);
+void mtp_session_closed(ggswarm_model * m, int64_t sid);
+void mtp_set_threads(ggswarm_model * m, int32_t n);
+void mtp_free(ggswarm_model * m);
 
 // session state (kv.cpp)
 void budget_release(ggswarm_budget * b);

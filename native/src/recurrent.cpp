@@ -125,20 +125,42 @@ void drop_checkpoints(ggswarm_model * m, Session & s) {
     s.ckpts.reset();
 }
 
-void take_checkpoint(ggswarm_model * m, Session & s) {
+void take_checkpoint(ggswarm_model * m, Session & s, bool pinned) {
     if (m->ckpt_max <= 0 || !has_fixed_state(m) || s.state.empty() || s.len <= 0) return;
     if (!s.ckpts) s.ckpts = std::make_shared<Checkpoints>();
     Checkpoints & c = *s.ckpts;
     while (!c.list.empty() && c.list.back().pos > s.len) drop_at(m, c, c.list.size() - 1);
-    if (!c.list.empty() && c.list.back().pos == s.len) return;
+    // the oldest of a kind, or -1; how many of a kind
+    const auto oldest = [&c](bool kind) -> ptrdiff_t {
+        for (size_t i = 0; i < c.list.size(); ++i) {
+            if (c.list[i].pinned == kind) return (ptrdiff_t)i;
+        }
+        return -1;
+    };
+    const auto count = [&c](bool kind) {
+        int32_t n = 0;
+        for (const Checkpoint & k : c.list) n += k.pinned == kind ? 1 : 0;
+        return n;
+    };
+    const int32_t most = pinned ? kPinnedMax : m->ckpt_max;
+    if (!c.list.empty() && c.list.back().pos == s.len) {
+        Checkpoint & here = c.list.back();
+        if (here.pinned && !pinned) {  // a turn's checkpoint where a verification began: it stays, counted
+            here.pinned = false;
+            while (count(false) > most) drop_at(m, c, (size_t)oldest(false));
+        }
+        return;
+    }
     const uint64_t need = window_state_bytes(m, s.len);
-    while ((int32_t)c.list.size() >= m->ckpt_max) drop_at(m, c, 0);
+    while (count(pinned) >= most) drop_at(m, c, (size_t)oldest(pinned));
     while (!budget_charge(m->budget, need)) {
-        if (c.list.empty()) return;  // no room: this position has no checkpoint
-        drop_at(m, c, 0);
+        const ptrdiff_t i = oldest(pinned);
+        if (i < 0) return;  // no room: this position has no checkpoint
+        drop_at(m, c, (size_t)i);
     }
     Checkpoint k;
     k.pos = s.len;
+    k.pinned = pinned;
     k.data.resize(need);
     states_io(m, s, s.len, k.data.data(), true);
     c.list.push_back(std::move(k));
@@ -210,7 +232,7 @@ ggswarm_status ggswarm_session_checkpoint(ggswarm_model * m, int64_t sid, int32_
     Session * s = find_session(m, sid);
     if (!s) return no_session(m, sid);
     const bool had = s->ckpts && !s->ckpts->list.empty() && s->ckpts->list.back().pos == s->len;
-    take_checkpoint(m, *s);
+    take_checkpoint(m, *s, true);
     const bool has = s->ckpts && !s->ckpts->list.empty() && s->ckpts->list.back().pos == s->len;
     if (out_taken) *out_taken = (!had && has) ? 1 : 0;
     return ok(m);
@@ -224,7 +246,7 @@ ggswarm_status ggswarm_session_drop_checkpoint(ggswarm_model * m, int64_t sid, i
     if (!s->ckpts) return ok(m);
     Checkpoints & c = *s->ckpts;
     for (size_t i = 0; i < c.list.size(); ++i) {
-        if (c.list[i].pos == pos) {
+        if (c.list[i].pos == pos && c.list[i].pinned) {  // only what ggswarm_session_checkpoint took
             drop_at(m, c, i);
             break;
         }
@@ -243,7 +265,19 @@ ggswarm_status ggswarm_set_checkpoints(ggswarm_model * m, int32_t every_n_tokens
     m->ckpt_max = max_per_session;
     for (auto & kv : m->sessions) {
         Checkpoints * c = kv.second.ckpts.get();
-        while (c && (int32_t)c->list.size() > max_per_session) drop_at(m, *c, 0);
+        if (!c) continue;
+        // the oldest automatic ones beyond the new maximum go; with 0, every checkpoint (pinned ones too)
+        int32_t automatic = 0;
+        for (const Checkpoint & k : c->list) automatic += k.pinned ? 0 : 1;
+        for (size_t i = 0; i < c->list.size();) {
+            const bool pinned = c->list[i].pinned;
+            if (max_per_session == 0 || (!pinned && automatic > max_per_session)) {
+                automatic -= pinned ? 0 : 1;
+                drop_at(m, *c, i);
+            } else {
+                ++i;
+            }
+        }
     }
     return ok(m);
 }

@@ -16,7 +16,13 @@ namespace ggswarm {
 struct Checkpoint {
     int32_t pos = 0;
     std::vector<uint8_t> data;  // per layer with fixed-size state, in order, what its StateOps::ckpt_io writes
+    // taken by ggswarm_session_checkpoint (a speculative verification's start) and dropped by its caller:
+    // outside ckpt_max, at most kPinnedMax per session, never pushed out by (nor pushing out) the others
+    bool pinned = false;
 };
+
+// checkpoints a session holds for ggswarm_session_checkpoint at a time (a newer one replaces the oldest)
+constexpr int32_t kPinnedMax = 1;
 
 struct Checkpoints {
     std::vector<Checkpoint> list;  // ascending positions
@@ -35,9 +41,12 @@ bool has_fixed_state(const ggswarm_model * m);
 uint64_t checkpoint_bytes(const Session & s);
 // Credit the budget with the session's checkpoints and drop them (free_kv, restore).
 void drop_checkpoints(ggswarm_model * m, Session & s);
-// A checkpoint of the recurrent state at s.len, unless one is there; the oldest go first when the
-// session holds the maximum or the budget is short (without room, none is taken).
-void take_checkpoint(ggswarm_model * m, Session & s);
+// A checkpoint of the fixed-size state at s.len, unless one is there (an automatic one meeting a pinned
+// one there takes it over). Automatic (pinned false: the ends of multi-token calls, intervals): at most
+// ckpt_max, the oldest automatic one going first, also when the budget is short (without room, none is
+// taken). Pinned: at most kPinnedMax, the oldest pinned one going first; a short budget pushes out
+// nothing for it. With ckpt_max 0 none of either kind is taken.
+void take_checkpoint(ggswarm_model * m, Session & s, bool pinned = false);
 // The length of the next micro-batch from pos (at most nc) so that checkpoint positions end one.
 int32_t checkpoint_chunk(const ggswarm_model * m, int32_t pos, int32_t nc);
 // After a micro-batch that ended at s.len: a checkpoint when s.len is a multiple of the interval.

@@ -177,6 +177,7 @@ ggswarm_status ggswarm_session_restore(ggswarm_model * m, int64_t sid, const voi
     drop_checkpoints(m, s);
     s.len = h.n_pos;
     s.ring_lo = h.n_pos;  // rings hold what n_pos needs (the snapshot's), older slots nothing
+    mtp_session_closed(m, sid);  // an attached nextn block's state is not in snapshots: it starts over
     return ok(m);
 }
 

@@ -13,6 +13,7 @@ import pytest
 
 from agent.artifacts.tiny import deepseek4_compress_ratios, write_tiny_gguf
 from agent.backends.libggswarm import NativeError, NativeModel
+from agent.backends.native import CHECKPOINT_EVERY, CHECKPOINTS_MAX
 from tests.native.routes import (
     close_sessions,
     continue_in_another_process,
@@ -129,8 +130,9 @@ def test_three_hops_with_f16_caches_equal_llama_cpp_called_the_same_way(
     sides: equal bit for bit (0.0137 apart with flash off and 0.0289 with it on before the graph followed
     llama.cpp's op sequence). With flash attention on, ggml's CPU kernel runs a call of 64 or more
     queries tiled and a shorter one scalar, which round otherwise (llama.cpp's own [256, 44] is 20 logits
-    from its [300] on this file): the executor's micro-batches end at 256 inside a 300-position call,
-    and its 44-query remainder must still run tiled, while a 20-position call runs scalar."""
+    from its [300] on this file): with periodic checkpoints every 256 positions (a node's setting) the
+    executor's micro-batches end at 256 inside a 300-position call, and its 44-query remainder must still
+    run tiled, while a 20-position call runs scalar."""
     llama_cpp = pytest.importorskip("llama_cpp")
     ids = text_ids[: sum(calls)]
     llm = llama_cpp.Llama(
@@ -148,6 +150,7 @@ def test_three_hops_with_f16_caches_equal_llama_cpp_called_the_same_way(
     try:
         for h in hops:
             h.set_flash_attention(flash)
+            h.set_checkpoints(256, 2)  # a node's periodic checkpoints (off by default) cut at 256
         sids = open_sessions(hops)
         rows, off = [], 0
         for n in calls:
@@ -215,7 +218,7 @@ def test_an_edited_history_continues_with_the_logits_of_a_fresh_prefill(
     finally:
         close_sessions(hops, sids)
         for h in hops:
-            h.set_checkpoints(256, 8)
+            h.set_checkpoints(CHECKPOINT_EVERY, CHECKPOINTS_MAX)  # back to the defaults
     sids = open_sessions(hops)
     try:
         fresh = logits_rows(native_forward(hops, sids, 0, history, ids_everywhere=True), len(history))[

@@ -15,6 +15,7 @@ import pytest
 
 from agent.artifacts.tiny import deepseek4_compress_ratios, write_tiny_gguf
 from agent.backends.libggswarm import NativeError, NativeModel
+from agent.backends.native import CHECKPOINT_EVERY, CHECKPOINTS_MAX
 from tests.native.routes import (
     close_sessions,
     here_and_in_another_process,
@@ -202,7 +203,7 @@ def test_going_back_lands_where_the_rings_allow_and_continues_as_a_fresh_prefill
     finally:
         close_sessions(hops, sids)
         for h in hops:
-            h.set_checkpoints(256, 8)
+            h.set_checkpoints(CHECKPOINT_EVERY, CHECKPOINTS_MAX)  # back to the defaults
     assert where == [(landed, kind)] * len(hops)
     assert float(np.abs(got - _fresh(hops, history, target)).max()) <= MAX_LOGIT_DIFF
 

@@ -166,7 +166,8 @@ def test_flash_mode_reproduces_llama_cpp_with_flash_attention_on(
 def test_a_prompt_the_executor_cuts_at_a_checkpoint_still_equals_llama_cpp_with_flash_attention(
     native_lib: None, tmp_path: Path, arch: str
 ) -> None:
-    """300 positions in one call: the executor ends a micro-batch at its recurrent checkpoint (256), and
+    """300 positions in one call: with periodic checkpoints every 256 positions (a node's setting, off
+    by default) the executor ends a micro-batch at its recurrent checkpoint (256), and
     ggml's CPU flash kernel runs the 44 left tiled only if they are padded to its query tile (llama.cpp
     runs the whole call tiled; 44 alone would run its scalar path, 0.02-0.04 off from position 256 on)."""
     from agent.artifacts.manifest import build_manifest
@@ -192,6 +193,7 @@ def test_a_prompt_the_executor_cuts_at_a_checkpoint_still_equals_llama_cpp_with_
     try:
         for h in hops:
             h.set_flash_attention(True)
+            h.set_checkpoints(256, 2)
         got = logits_rows(native_forward(hops, open_sessions(hops), 0, ids), len(ids))
     finally:
         for h in hops:

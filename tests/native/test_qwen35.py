@@ -1,7 +1,7 @@
 """The Qwen3.5 hybrid (qwen35, qwen35moe: gated delta-net layers with recurrent state, gated full
 attention every 4th layer, routed experts with a shared expert) split into 3 native hops agrees with
-llama-cpp-python's full model on tiny random-weight files; checkpoints serve an edited turn, and a
-snapshot continues in another process."""
+llama-cpp-python's full model on tiny random-weight files; checkpoints serve an edited turn, a chat's
+next turn and a regenerate, bounded in number, and a snapshot continues in another process."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 
 from agent.artifacts.tiny import write_tiny_gguf
 from agent.backends.libggswarm import NativeBudget, NativeModel
+from agent.backends.native import CHECKPOINT_EVERY, CHECKPOINTS_MAX
 from tests.native.routes import (
     close_sessions,
     continue_in_another_process,
@@ -133,6 +134,8 @@ def test_prefill_in_chunks_equals_one_shot_prefill(
     monkeypatch.setenv("GGSWARM_GGML_ATTENTION", "1")
     hops = [NativeModel(gguf, a, b, n_threads=2) for a, b in SPLITS]
     try:
+        for h in hops:  # a node's periodic checkpoints (off by default) cut the micro-batches at 256
+            h.set_checkpoints(256, 8)
         _chunked_equals_whole(hops, text_ids[:300])
     finally:
         for m in hops:
@@ -211,8 +214,67 @@ def test_without_a_checkpoint_the_route_reprefills_from_zero(
         assert hops[0].session_len(sids[0]) == 0
     finally:
         for h in hops:
-            h.set_checkpoints(256, 8)
+            h.set_checkpoints(CHECKPOINT_EVERY, CHECKPOINTS_MAX)  # back to the defaults
         close_sessions(hops, sids)
+
+
+def _greedy_from(hops: list[NativeModel], sids: list[int], pos: int, first: int, n: int) -> list[int]:
+    """n greedy tokens from `first` (sampled for position pos - 1, not fed yet), fed one at a time."""
+    got = [first]
+    while len(got) < n:
+        got.append(int(native_forward(hops, sids, pos + len(got) - 1, [got[-1]], logits=False)["token"]))
+    return got
+
+
+def test_the_default_checkpoints_serve_a_chats_rollbacks_and_stay_bounded(
+    gguf: str, hops: list[NativeModel], text_ids: list[int]
+) -> None:
+    """The default policy (the start and end of every multi-token call, at most 2 per session, none
+    periodic): a chat's next turn that re-renders the previous answer goes back to the end of the first
+    prompt, a regenerate to the start of the latest call, each without re-prefilling from 0 and
+    answering as a fresh session does; a verification's own checkpoint pushes no turn checkpoint out."""
+    prompt1 = text_ids[:120]
+    sids = open_sessions(hops)
+    try:
+        for h in hops:
+            h.set_checkpoints(CHECKPOINT_EVERY, CHECKPOINTS_MAX)
+        r: dict = {}
+        for pos in range(0, 120, 40):  # the prompt in chunks, as the route prefills it: one call each
+            r = native_forward(hops, sids, pos, prompt1[pos : pos + 40], logits=False)
+        assert hops[0].checkpoints(sids[0]) == [80, 120]  # 40 went first: at most 2
+        answer1 = _greedy_from(hops, sids, 120, int(r["token"]), 9)  # positions 120..127 fed
+        assert hops[0].checkpoints(sids[0]) == [80, 120]  # decode steps take none
+        # turn 2 re-renders the first answer (a stripped reasoning block): it shares 2 tokens of it
+        prompt2 = prompt1 + answer1[:2] + text_ids[200:205] + text_ids[130:190]
+        held, kinds = _truncate_route(hops, sids, 122)
+        assert held == 120  # the end of the first prompt, not 0
+        assert kinds == ["checkpoint", "exact", "checkpoint"]
+        r = native_forward(hops, sids, 120, prompt2[120:], logits=False)
+        p2 = len(prompt2)
+        assert hops[0].checkpoints(sids[0]) == hops[2].checkpoints(sids[2]) == [120, p2]
+        answer2 = _greedy_from(hops, sids, p2, int(r["token"]), 8)
+        assert answer2 == native_greedy(hops, prompt2, 8)  # as a fresh session
+        # a verification's checkpoint is held apart: outside the maximum, and it pushes nothing out
+        assert hops[0].checkpoint(sids[0])
+        assert hops[0].checkpoints(sids[0]) == [120, p2, p2 + 7]
+        hops[0].drop_checkpoint(sids[0], p2 + 7)
+        assert hops[0].checkpoints(sids[0]) == [120, p2]
+        # regenerate: the same prompt again, its last position recomputed (RouteClient.generate)
+        held, kinds = _truncate_route(hops, sids, p2 - 1)
+        assert (held, kinds[0]) == (120, "checkpoint")  # the latest call's start
+        r = native_forward(hops, sids, 120, prompt2[120:], logits=False)
+        assert _greedy_from(hops, sids, p2, int(r["token"]), 8) == answer2
+        assert hops[0].checkpoints(sids[0]) == [120, p2]
+    finally:
+        close_sessions(hops, sids)
+    fresh = NativeModel(gguf, 0, 3, n_threads=2)  # the library's own defaults: none periodic, 2 at most
+    try:
+        sid = fresh.open_session(1024)
+        fresh.forward(sid, 0, token_ids=np.asarray(text_ids[:300], dtype=np.int32))  # past 256
+        fresh.forward(sid, 300, token_ids=np.asarray(text_ids[300:330], dtype=np.int32))
+        assert fresh.checkpoints(sid) == [300, 330]
+    finally:
+        fresh.close()
 
 
 def test_state_and_checkpoints_are_charged_to_the_node_budget(gguf: str, text_ids: list[int]) -> None:
@@ -236,7 +298,7 @@ def test_state_and_checkpoints_are_charged_to_the_node_budget(gguf: str, text_id
 
 def test_the_backend_takes_its_checkpoint_interval_from_its_options(gguf: str, text_ids: list[int]) -> None:
     from agent.artifacts.manifest import build_manifest
-    from agent.backends.base import ShardSpec, StepInput
+    from agent.backends.base import BackendError, ShardSpec, StepInput
     from agent.backends.native import NativeBackend
     from agent.wire.ids import SessionId
 
@@ -251,6 +313,17 @@ def test_the_backend_takes_its_checkpoint_interval_from_its_options(gguf: str, t
         assert be.session_len(sid) == 200
     finally:
         be.close()
+    be = NativeBackend(spec, checkpoints_max=1)  # the interval left at its default: none periodic
+    try:
+        be.open_session(sid, 1024)
+        be.forward(StepInput(sid, 0, token_ids=np.asarray(text_ids[:250], dtype=np.int32)))
+        be.forward(StepInput(sid, 250, token_ids=np.asarray(text_ids[250:290], dtype=np.int32)))
+        assert be.model.checkpoints(be.sessions[sid]) == [290]
+    finally:
+        be.close()
+    for bad in ({"checkpoints_max": -1}, {"checkpoint_every": -5}, {"checkpoints_max": "many"}):
+        with pytest.raises(BackendError, match="bad checkpoint settings"):
+            NativeBackend(spec, **bad)
 
 
 def test_a_snapshot_restored_in_another_process_continues_identically(

@@ -32,7 +32,14 @@ ggswarm_status read(ggswarm_model * m, const Hp & hp) {
         return fail(m, GGSWARM_E_FORMAT, "%snextn_predict_layers %d >= block_count %d", a, nextn, m->n_layers_total);
     }
     const int32_t n_all = m->n_layers_total;
-    m->n_layers_total -= nextn;  // the trunk never runs the multi-token-prediction blocks
+    if (m->mtp_block) {  // the nextn block's own handle (mtp.cpp): its one layer follows the trunk
+        if (nextn != 1) {
+            return fail(m, GGSWARM_E_UNSUPPORTED, "%snextn_predict_layers is %d: multi-token prediction needs exactly 1 block",
+                        a, nextn);
+        }
+    } else {
+        m->n_layers_total -= nextn;  // the trunk never runs the multi-token-prediction blocks
+    }
     m->lhp.resize(m->n_layers_total);
     if ((st = hp.need_int("attention.head_count", 1, 4096, &m->n_head))) return st;
     if ((st = hp.need_int("attention.head_count_kv", 1, 1, &m->n_head_kv))) return st;
@@ -111,6 +118,14 @@ ggswarm_status read(ggswarm_model * m, const Hp & hp) {
     m->n_ff = h->n_ff_exp;
     m->n_streams = h->hc;
     m->ids_layers = std::min(h->hash_layers, m->n_layers_total);
+    if (m->mtp_block) {
+        // the block embeds the token of each position (its graph reads the ids: validate_step checks
+        // them); llama.cpp's MTP graph attends the raw window only (it asserts ratio 0) and routes by score
+        m->ids_layers = m->n_layers_total;
+        if (h->ratio.back() != 0 || h->hash_layers >= m->n_layers_total) {
+            return fail(m, GGSWARM_E_UNSUPPORTED, "the nextn block compresses or routes by token id (llama.cpp refuses it too)");
+        }
+    }
     m->nodes_per_layer = 1200 + 16 * h->sinkhorn * 2;
     m->rope_mode = GGML_ROPE_TYPE_NORMAL;
     h->rot_idx = hadamard(rot_size(h->idx_len));
@@ -171,6 +186,16 @@ void want(const ggswarm_model * m, int32_t il, Layer & L, Wants & w) {
     w.need(blk(il, "ffn_gate_shexp.weight"), {d, ffs}, &L.ffn_gate_shexp);
     w.need(blk(il, "ffn_up_shexp.weight"), {d, ffs}, &L.ffn_up_shexp);
     w.need(blk(il, "ffn_down_shexp.weight"), {ffs, d}, &L.ffn_down_shexp);
+    if (m->mtp_block) {  // the nextn block's own tensors (llama.cpp's nextn.*; the optional ones fall back
+        // to the trunk's token embedding, output norm and head)
+        w.need(blk(il, "nextn.eh_proj.weight"), {2 * d, d}, x("eh_proj"));
+        w.need(blk(il, "nextn.enorm.weight"), {d}, x("enorm"));
+        w.need(blk(il, "nextn.hnorm.weight"), {d}, x("hnorm"));
+        const std::string emb = blk(il, "nextn.embed_tokens.weight");
+        w.need_plain(w.in_file(emb) ? emb : std::string("token_embd.weight"), {d, m->n_vocab}, x("embed_tokens"));  // get_rows reads it
+        w.opt(blk(il, "nextn.shared_head_head.weight"), {d, m->n_vocab}, x("shared_head_head"));
+        w.opt(blk(il, "nextn.shared_head_norm.weight"), {d}, x("shared_head_norm"));
+    }
     if (il == m->n_layers_total - 1) {  // the head that collapses the streams before the output norm
         w.need("output_hc_fn.weight", {hcd, h.hc}, x("hc_head_fn"));
         w.need("output_hc_base.weight", {h.hc}, x("hc_head_base"));

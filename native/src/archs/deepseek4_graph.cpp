@@ -225,8 +225,8 @@ ggml_tensor * attention_dsv4(Build & b, int32_t il, ggml_tensor * cur) {
     // of queries: its tiled one (f32 GEMM of Q and K) from GGML_FA_TILE_Q = 64 queries with f16/f32 K/V,
     // else its scalar one (Q rounded to f16): they round otherwise, and the indexer's and the experts'
     // top-k turn that into other logits. llama.cpp's ubatch of a long prompt runs whole (tiled), while
-    // here micro-batches also end every ckpt_every (256) positions, leaving shorter ones (44 queries of a
-    // 300-position prompt): those cut from what is one ubatch of 64 or more in llama.cpp
+    // here micro-batches also end every ckpt_every positions when periodic checkpoints are set (at 256,
+    // 44 queries of a 300-position prompt): those cut from what is one ubatch of 64 or more in llama.cpp
     // (b.tile_queries) get zero queries up to 64 so that they too run tiled (each query's row comes out
     // the same whatever the tile). A shorter ubatch, a decode step included, runs scalar as in llama.cpp.
     if (m->flash() || ggml_is_quantized(m->cache_type)) {
@@ -292,6 +292,31 @@ ggml_tensor * ffn(Build & b, int32_t il, ggml_tensor * x) {
     return ggml_add(c, sum, ggml_mul_mat(c, L.ffn_down_shexp, sh));
 }
 
+// One layer on the streams x [d, hc, n]: attention and experts, each between its hyper-connection read
+// and write.
+ggml_tensor * layer(Build & b, int32_t il, ggml_tensor * x) {
+    const Layer & L = b.layer(il);
+    HcMix mx;
+    ggml_tensor * cur = hc_pre(b, x, ex(L, "hc_attn_fn"), ex(L, "hc_attn_scale"), ex(L, "hc_attn_base"), &mx);
+    cur = attention_dsv4(b, il, rms(b.c, cur, L.attn_norm, b.m->eps));
+    x = hc_post(b, cur, x, mx);
+    cur = hc_pre(b, x, ex(L, "hc_ffn_fn"), ex(L, "hc_ffn_scale"), ex(L, "hc_ffn_base"), &mx);
+    cur = ffn(b, il, rms(b.c, cur, L.ffn_norm, b.m->eps));
+    return hc_post(b, cur, x, mx);
+}
+
+// The nextn block's input (llama.cpp's graph_mtp): the token's embedding and the trunk's row, each RMS
+// normed (the embedding repeated into the streams), concatenated per stream and projected back to d.
+ggml_tensor * mtp_input(Build & b, ggml_tensor * h_rows) {
+    ggml_context * c = b.c;
+    const Layer & L = b.layer(b.m->layer_start);
+    const int64_t d = b.m->d_model, hc = dsv4(b.m).hc;
+    ggml_tensor * h = rms(c, ggml_reshape_3d(c, h_rows, d, hc, b.n), ex(L, "hnorm"), b.m->eps);
+    ggml_tensor * e = rms(c, ggml_get_rows(c, ex(L, "embed_tokens"), b.g.inp_tokens), ex(L, "enorm"), b.m->eps);
+    e = ggml_repeat_4d(c, ggml_reshape_3d(c, e, d, 1, b.n), d, hc, b.n, 1);
+    return ggml_mul_mat(c, ex(L, "eh_proj"), ggml_concat(c, e, h, 0));  // [d, hc, n]
+}
+
 }  // namespace
 
 ggml_tensor * build(Build & b, ggml_tensor * x) {
@@ -304,20 +329,21 @@ ggml_tensor * build(Build & b, ggml_tensor * x) {
         b.g.inp_tokens = ggml_new_tensor_1d(c, GGML_TYPE_I32, b.n);
         ggml_set_input(b.g.inp_tokens);
     }
-    // the embedding repeated into the streams on the first window; the boundary rows otherwise
-    x = m->is_first() ? ggml_repeat_4d(c, ggml_reshape_3d(c, x, d, 1, b.n), d, hc, b.n, 1)
-                      : ggml_reshape_3d(c, x, d, hc, b.n);
-    for (int32_t il = m->layer_start; il < m->layer_end; ++il) {
-        const Layer & L = b.layer(il);
-        HcMix mx;
-        ggml_tensor * cur = hc_pre(b, x, ex(L, "hc_attn_fn"), ex(L, "hc_attn_scale"), ex(L, "hc_attn_base"), &mx);
-        cur = attention_dsv4(b, il, rms(c, cur, L.attn_norm, m->eps));
-        x = hc_post(b, cur, x, mx);
-        cur = hc_pre(b, x, ex(L, "hc_ffn_fn"), ex(L, "hc_ffn_scale"), ex(L, "hc_ffn_base"), &mx);
-        cur = ffn(b, il, rms(c, cur, L.ffn_norm, m->eps));
-        x = hc_post(b, cur, x, mx);
+    // the embedding repeated into the streams on the first window; the boundary rows otherwise (the
+    // nextn block: its token's embedding and the trunk's row of the position before, mtp_input)
+    if (m->mtp_block) {
+        x = mtp_input(b, x);
+    } else {
+        x = m->is_first() ? ggml_repeat_4d(c, ggml_reshape_3d(c, x, d, 1, b.n), d, hc, b.n, 1)
+                          : ggml_reshape_3d(c, x, d, hc, b.n);
     }
+    for (int32_t il = m->layer_start; il < m->layer_end; ++il) x = layer(b, il, x);
     if (!m->is_last()) return ggml_reshape_2d(c, x, d * hc, b.n);
+    if (m->mtp || m->mtp_block) {  // every position's streams, as llama.cpp's h_nextn: what the block reads
+        b.g.out_hidden = ggml_cont_2d(c, x, d * hc, b.n);
+        ggml_set_output(b.g.out_hidden);
+        ggml_build_forward_expand(b.g.gf, b.g.out_hidden);
+    }
     if (b.last_only && b.n > 1) x = ggml_view_3d(c, x, d, hc, 1, x->nb[1], x->nb[2], (size_t)(b.n - 1) * x->nb[2]);
     // the head collapses the streams (the output norm and projection follow in graph.cpp)
     const Layer & L = b.layer(m->layer_end - 1);

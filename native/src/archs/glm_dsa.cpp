@@ -61,7 +61,13 @@ ggswarm_status read(ggswarm_model * m, const Hp & hp) {
     if (nextn >= m->n_layers_total) {
         return fail(m, GGSWARM_E_FORMAT, "%snextn_predict_layers %d >= block_count %d", a, nextn, m->n_layers_total);
     }
-    m->n_layers_total -= nextn;  // the trunk never runs the multi-token-prediction block
+    if (m->mtp_block && nextn != 1) {
+        return fail(m, GGSWARM_E_UNSUPPORTED, "%snextn_predict_layers is %d: multi-token prediction needs exactly 1 block",
+                    a, nextn);
+    }
+    const int32_t n_trunk = m->n_layers_total - nextn;
+    // the trunk never runs the multi-token-prediction block; the block's own handle (mtp.cpp) keeps it
+    if (!m->mtp_block) m->n_layers_total = n_trunk;
     m->lhp.resize(m->n_layers_total);
     int64_t v = 0;
     if (hp.opt_int("leading_dense_block_count", &v)) d->dense_lead = (int32_t)v;
@@ -86,7 +92,7 @@ ggswarm_status read(ggswarm_model * m, const Hp & hp) {
         return fail(m, GGSWARM_E_FORMAT, "%sattention.layer_norm_rms_epsilon is missing", a);
     }
     m->eps = (float)f;
-    const int32_t nl = m->n_layers_total;
+    const int32_t nl = n_trunk;  // the indexer types are the trunk's
     std::vector<int64_t> types;
     if (hp.has("attention.indexer.types")) {
         if (!hp.per_layer("attention.indexer.types", nl, &types)) {
@@ -100,10 +106,12 @@ ggswarm_status read(ggswarm_model * m, const Hp & hp) {
     }
     if (types[0] == 0) return fail(m, GGSWARM_E_FORMAT, "%sattention.indexer.types: layer 0 must be a full indexer", a);
     d->full.assign(types.begin(), types.end());
+    d->full.resize(m->n_layers_total, 0);  // the nextn block attends densely (llama.cpp's graph_mtp)
+    if (m->mtp_block) m->ids_layers = m->n_layers_total;  // the block embeds each position's token
     m->n_head_kv = 1;
     m->head_dim = (int32_t)d->latent();  // what a snapshot header records: one latent row per position
     m->rope_mode = GGML_ROPE_TYPE_NORMAL;
-    for (int32_t il = 0; il < nl; ++il) {
+    for (int32_t il = 0; il < m->n_layers_total; ++il) {
         LayerHp & l = m->lhp[il];
         l.state = kLatent;
     }
@@ -114,7 +122,7 @@ ggswarm_status read(ggswarm_model * m, const Hp & hp) {
 void want(const ggswarm_model * m, int32_t il, Layer & L, Wants & w) {
     const Dsa & d = dsa(m);
     const int64_t dm = m->d_model;
-    if (il == m->layer_start && !d.full[il]) {
+    if (il == m->layer_start && !d.full[il] && !m->mtp_block) {
         // the planner never places a seam here; a window handed such a range is refused at open
         int32_t prev = il;
         while (prev > 0 && !d.full[prev]) --prev;
@@ -124,6 +132,15 @@ void want(const ggswarm_model * m, int32_t il, Layer & L, Wants & w) {
     }
     want_mla(m, il, L, w);
     w.need(blk(il, "ffn_norm.weight"), {dm}, &L.ffn_norm);
+    if (m->mtp_block) {  // the nextn block's own tensors (the optional ones fall back to the trunk's)
+        w.need(blk(il, "nextn.eh_proj.weight"), {2 * dm, dm}, &L.extra["eh_proj"]);
+        w.need(blk(il, "nextn.enorm.weight"), {dm}, &L.extra["enorm"]);
+        w.need(blk(il, "nextn.hnorm.weight"), {dm}, &L.extra["hnorm"]);
+        const std::string emb = blk(il, "nextn.embed_tokens.weight");
+        w.need_plain(w.in_file(emb) ? emb : std::string("token_embd.weight"), {dm, m->n_vocab}, &L.extra["embed_tokens"]);
+        w.opt(blk(il, "nextn.shared_head_head.weight"), {dm, m->n_vocab}, &L.extra["shared_head_head"]);
+        w.opt(blk(il, "nextn.shared_head_norm.weight"), {dm}, &L.extra["shared_head_norm"]);
+    }
     if (d.full[il]) {
         w.need(blk(il, "indexer.k_norm.weight"), {d.idx_len}, &L.extra["indexer_k_norm"]);
         w.need(blk(il, "indexer.k_norm.bias"), {d.idx_len}, &L.extra["indexer_k_norm_b"]);
@@ -199,6 +216,14 @@ ggml_tensor * indexer_top_k(Build & b, int32_t il, ggml_tensor * cur, ggml_tenso
     return ggml_cont(c, ggml_top_k(c, score, k_top));
 }
 
+// llama.cpp pre-scales by YaRN's magnitude squared: attn_factor with ggml's own correction undone
+// (glm-dsa reads no yarn_log_multiplier); 1 for files without rope scaling
+float kq_scale(const ggswarm_model * m) {
+    const RopeScaling & rs = m->rope;
+    const float mscale = rs.attn_factor * (1.0f + 0.1f * logf(1.0f / rs.freq_scale));
+    return mscale * mscale / sqrtf((float)dsa(m).k_mla);
+}
+
 // MLA attention of layer il over the latent cache, restricted to top_k [k, n] (plus causality).
 ggml_tensor * mla_attention(Build & b, int32_t il, ggml_tensor * cur, ggml_tensor * qr, ggml_tensor * top_k,
                             ggml_tensor * mask) {
@@ -212,15 +237,10 @@ ggml_tensor * mla_attention(Build & b, int32_t il, ggml_tensor * cur, ggml_tenso
     ggml_tensor * sparse = ggml_set_rows(c, all, zeros, top_k);
     sparse = ggml_view_2d(c, sparse, sparse->ne[1], sparse->ne[2], sparse->nb[2], 0);
     sparse = ggml_add(c, sparse, mask);
-    // llama.cpp pre-scales by YaRN's magnitude squared: attn_factor with ggml's own correction undone
-    // (glm-dsa reads no yarn_log_multiplier); 1 for files without rope scaling
-    const RopeScaling & rs = b.m->rope;
-    const float mscale = rs.attn_factor * (1.0f + 0.1f * logf(1.0f / rs.freq_scale));
-    const float kq_scale = mscale * mscale / sqrtf((float)dsa(b.m).k_mla);
     // llama.cpp runs a quantized cache with flash attention (the mask in f16: 0 and -inf, exact); its
     // latent cache is not rotated (build_attn for the DSA input applies no k_rot)
     const bool flash = b.m->flash();  // the handle's mode: flash attention on (or a quantized cache) or off
-    return ggml_mul_mat(c, L.wo, mla_attend(b, il, qk, sparse, flash, (int32_t)top_k->ne[0], kq_scale));
+    return ggml_mul_mat(c, L.wo, mla_attend(b, il, qk, sparse, flash, (int32_t)top_k->ne[0], kq_scale(b.m)));
 }
 
 // Sigmoid-gated routed experts (selection biased by exp_probs_b, weights from the unbiased
@@ -245,10 +265,45 @@ ggml_tensor * moe(Build & b, int32_t il, ggml_tensor * x) {
     return moe_ffn(b.c, x, p);
 }
 
+// Every position's rows as llama.cpp's h_nextn (after the output norm: the trunk's, or the block's
+// shared head norm, which mtp.cpp makes the block's output norm), then only the last position's where
+// the graph samples only it.
+ggml_tensor * nextn_rows(Build & b, ggml_tensor * x) {
+    b.g.out_hidden = rms(b.c, x, b.m->output_norm, b.m->eps);
+    ggml_set_output(b.g.out_hidden);
+    ggml_build_forward_expand(b.g.gf, b.g.out_hidden);
+    if (!b.last_only || b.n == 1) return x;
+    return ggml_view_2d(b.c, x, x->ne[0], 1, x->nb[1], (size_t)(b.n - 1) * x->nb[1]);
+}
+
+// The nextn block (llama.cpp's graph_mtp): the token's embedding and the trunk's row of the position
+// before (h [d, n]), each RMS normed, concatenated and projected; then a decoder layer with dense MLA
+// over the block's own latent cache, the routed and shared experts.
+ggml_tensor * build_mtp(Build & b, ggml_tensor * h) {
+    ggswarm_model * m = b.m;
+    ggml_context * c = b.c;
+    const int32_t il = m->layer_start;
+    const Layer & L = b.layer(il);
+    if (!b.g.inp_tokens) {
+        b.g.inp_tokens = ggml_new_tensor_1d(c, GGML_TYPE_I32, b.n);
+        ggml_set_input(b.g.inp_tokens);
+    }
+    ggml_tensor * e = rms(c, ggml_get_rows(c, extra(L, "embed_tokens"), b.g.inp_tokens), extra(L, "enorm"), m->eps);
+    ggml_tensor * x = ggml_mul_mat(c, extra(L, "eh_proj"), ggml_concat(c, e, rms(c, h, extra(L, "hnorm"), m->eps), 0));
+    ggml_tensor * cur = rms(c, x, L.attn_norm, m->eps);
+    ggml_tensor * qr = rms(c, ggml_mul_mat(c, extra(L, "attn_q_a"), cur), extra(L, "attn_q_a_norm"), m->eps);
+    const MlaQk qk = mla_qk(b, il, cur, ggml_mul_mat(c, extra(L, "attn_q_b"), qr));
+    cur = ggml_mul_mat(c, L.wo, mla_attend(b, il, qk, causal_mask(b), m->flash(), 0, kq_scale(m)));
+    ggml_tensor * ffn_inp = ggml_add(c, cur, x);
+    cur = moe(b, il, rms(c, ffn_inp, L.ffn_norm, m->eps));
+    return nextn_rows(b, ggml_add(c, cur, ffn_inp));
+}
+
 ggml_tensor * build(Build & b, ggml_tensor * x) {
     ggswarm_model * m = b.m;
     ggml_context * c = b.c;
     const Dsa & d = dsa(m);
+    if (m->mtp_block) return build_mtp(b, x);
     ggml_tensor * mask = causal_mask(b);
     ggml_tensor * rot = nullptr;
     ggml_tensor * top_k = nullptr;  // the last full-indexer layer's choice (windows start at one)
@@ -261,13 +316,13 @@ ggml_tensor * build(Build & b, ggml_tensor * x) {
             top_k = indexer_top_k(b, il, cur, qr, mask, rot);
         }
         cur = mla_attention(b, il, cur, qr, top_k, mask);
-        keep_last(b, il, &cur, &x);
+        if (!m->mtp) keep_last(b, il, &cur, &x);  // an attached nextn block reads every position's row
         ggml_tensor * h = ggml_add(c, cur, x);
         cur = rms(c, h, L.ffn_norm, m->eps);
         cur = il < d.dense_lead ? glu_ffn(c, cur, L.w_gate, L.w_up, L.w_down, Act::Silu) : moe(b, il, cur);
         x = ggml_add(c, cur, h);
     }
-    return x;
+    return m->mtp && m->is_last() ? nextn_rows(b, x) : x;
 }
 
 const Arch kGlmDsa = {"glm-dsa", read, want, build, nullptr, false, kKvCacheTypes, mla_check_cache_type};
