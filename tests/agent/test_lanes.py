@@ -205,6 +205,73 @@ async def test_a_prompt_beside_decoding_lane_sessions_runs_in_mixed_steps_and_al
         await transport.close()
 
 
+async def test_a_prompt_beside_lane_sessions_that_paused_is_not_cut_into_the_smallest_chunks(
+    node: tuple[DataPlane, str], manifest: Any, signing_key: Any
+) -> None:
+    """Lane sessions that stepped within LANE_ACTIVE_S still count as decoding, but send no step (their
+    answers gave way to another user's prompt, issue 33): the prompt's chunks find nothing to hold, and
+    after the first they cost the quiet chunk's time, not MIN_TOKENS positions each (which had a
+    132-token prompt take 2.4 s instead of 0.94 s on a hop)."""
+    import asyncio
+
+    from agent.node.prefill_budget import MIN_TOKENS
+
+    dp, url = node
+    long_prompt = (PROMPT * 13)[:160]
+    want = await _alone(url, manifest, signing_key, [(long_prompt, 2)])
+    transport = HopTransport()
+    a, b = (_client(url, manifest, signing_key, transport=transport) for _ in range(2))
+    other = _client(url, manifest, signing_key, lane=False)
+    pacer, chunks = dp.lane.pacer, list[tuple[int, bool]]()
+    after_chunk = pacer.after_chunk
+
+    def record(tokens: int, seconds: float, held: bool) -> None:
+        chunks.append((tokens, held))
+        after_chunk(tokens, seconds, held)
+
+    pacer.after_chunk = record  # type: ignore[method-assign]
+    try:
+        await asyncio.gather(_tokens(a, 12, PROMPT), _tokens(b, 12, PROMPT[:9]))
+        assert a.lane.steps >= 3 and b.lane.steps >= 3 and dp.lane.decoding()
+        assert await _tokens(other, 2, long_prompt) == want[0]
+        assert chunks, "the prompt was not paced: the lane's sessions no longer counted as decoding"
+        assert not any(held for _, held in chunks)  # nothing to hold: the decoders had paused
+        assert sum(n == MIN_TOKENS for n, _ in chunks) <= 2, chunks
+    finally:
+        for c in (a, b, other):
+            await c.close()
+        await transport.close()
+
+
+async def test_a_prompt_sent_in_steps_awaits_the_caller_between_them_and_gets_the_same_tokens(
+    node: tuple[DataPlane, str], manifest: Any, signing_key: Any
+) -> None:
+    """generate's `prefill_chunk` / `between_chunks` (a control plane holds a heavier user's prompt
+    there while a lighter user's prefills, webapp/routing/quota.py): the prompt reaches the hop in
+    steps of that size (then doubling), the caller is awaited between two, and the answer is the whole
+    prompt's."""
+    dp, url = node
+    prompt = (PROMPT * 4)[:50]
+    want = (await _alone(url, manifest, signing_key, [(prompt, 6)]))[0]
+    c = _client(url, manifest, signing_key, lane=False)
+    waits: list[int] = []
+
+    async def between() -> None:
+        waits.append(dp.stats()["tokens_in"])
+
+    try:
+        before = dp.stats()["tokens_in"]
+        got = [
+            t
+            async for t, _ in c.generate(prompt, SamplingParams(), 6, prefill_chunk=4, between_chunks=between)
+        ]
+        assert got == want
+        # eight steps of 4, then 8, then the last 10 (up to 16): awaited between two
+        assert [n - before for n in waits] == [4, 8, 12, 16, 20, 24, 28, 32, 40]
+    finally:
+        await c.close()
+
+
 async def test_a_prompt_closed_mid_prefill_beside_the_lane_frees_its_session_and_the_decoders_go_on(
     node: tuple[DataPlane, str], manifest: Any, signing_key: Any
 ) -> None:

@@ -9,7 +9,9 @@ import pytest
 from agent.node.prefill_budget import (
     MAX_TOKENS,
     MIN_TOKENS,
+    PACE_MIN_S,
     PREFILL_BUDGET,
+    QUIET_CHUNK_S,
     LanePacer,
     budget_from_env,
 )
@@ -98,3 +100,44 @@ def test_a_prompts_short_last_chunk_does_not_send_the_next_prompt_back_to_the_sm
     full = p.chunk_tokens()
     p.after_chunk(3, 0.003, held=True)  # the remainder of a prompt
     assert p.chunk_tokens() == full
+
+
+def test_a_lane_with_no_step_to_hold_gets_chunks_of_the_quiet_cost_not_the_smallest() -> None:
+    # the lane's sessions still count as decoding, but their steps paused (given way to another user's
+    # prompt): the wait holds nothing, and the next chunk costs QUIET_CHUNK_S, not MIN_TOKENS again
+    now = [0.0]
+    p = LanePacer(lambda _t: False, share=1.0, clock=lambda: now[0])
+    assert p.chunk_tokens() == MIN_TOKENS  # nothing known yet
+    held = p.before_chunk()
+    p.after_chunk(MIN_TOKENS, MIN_TOKENS * 0.004, held)  # 4 ms a position
+    quiet = p.chunk_tokens()
+    assert quiet == int(QUIET_CHUNK_S / 0.004) and p.quiet_chunks == 1
+    assert p.chunk_tokens(2) == quiet // 2  # prompts together share it
+    # a later prompt, past the verdict's life, starts from the budget again
+    now[0] += PACE_MIN_S + 0.01
+    assert p.chunk_tokens() == MIN_TOKENS
+
+
+def test_a_quiet_chunk_never_exceeds_the_micro_batch_and_a_held_step_ends_the_quiet() -> None:
+    turns = [False]
+    p = LanePacer(lambda _t: turns[0], share=1.0, clock=lambda: 0.0)
+    p.after_chunk(MIN_TOKENS, 1e-6, p.before_chunk())
+    assert p.chunk_tokens() == MAX_TOKENS
+    turns[0] = True  # the decoders are back: the next wait holds their step, the budget sizes again
+    p.after_chunk(MAX_TOKENS, 1e-3, p.before_chunk())
+    assert p.chunk_tokens() == MIN_TOKENS  # one pass seen: no period measured yet
+    assert p.quiet_chunks == 1 and p.mixed_chunks == 1
+
+
+def test_a_wait_that_runs_out_is_not_taken_for_a_quiet_lane() -> None:
+    # the decoders stepped within the gate's timeout but their next step did not come in time (slow,
+    # a busy box): they are decoding, so the next chunk keeps the budget's size
+    now = [0.0]
+
+    def times_out(timeout_s: float) -> bool:
+        now[0] += timeout_s
+        return False
+
+    p = LanePacer(times_out, share=1.0, clock=lambda: now[0])
+    p.after_chunk(MIN_TOKENS, MIN_TOKENS * 0.004, p.before_chunk())
+    assert p.chunk_tokens() == MIN_TOKENS and p.quiet_chunks == 0

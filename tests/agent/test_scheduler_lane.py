@@ -92,3 +92,25 @@ async def test_with_no_lane_session_a_prompt_runs_whole_and_is_never_paced() -> 
     elsewhere[0] = True
     await sched.submit(1, None, StepInput(sid(1), 40, token_ids=np.asarray([5], dtype=np.int64)))
     assert lane.threads == []
+
+
+class QuietLane(PassingLane):
+    """A lane whose sessions still count as decoding but send no step: every wait holds nothing."""
+
+    def wait_turn(self, timeout_s: float) -> bool:
+        self.threads.append(threading.current_thread().name)
+        return False
+
+
+async def test_a_prompt_beside_a_quiet_lane_is_not_cut_into_the_smallest_chunks() -> None:
+    # the lane's decoders paused (given way to this prompt's user): after the first chunk finds no step
+    # to hold, the rest goes in chunks of the quiet cost (microseconds here: whole micro-batches)
+    lane = QuietLane(0.05)
+    sched, be, pacer = _scheduler([True], lane)
+    be.open_session(sid(1), 4096)
+    prompt = [(i % 997) + 1 for i in range(700)]
+    res = await sched.submit(1, None, StepInput(sid(1), 0, token_ids=np.asarray(prompt, dtype=np.int64)))
+    sizes = [n for b in be.batches for _, _, n in b]
+    assert sizes == [MIN_TOKENS, 512, 700 - 512 - MIN_TOKENS]
+    assert pacer.quiet_chunks == 3 and pacer.mixed_chunks == 0
+    assert res.token == sum(prompt) and be.kv[sid(1)] == prompt

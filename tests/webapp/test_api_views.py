@@ -62,6 +62,8 @@ class FakeRouteClient:
         want_logits: bool = False,
         shared_prefix: int = 0,
         speculate: int = 0,
+        prefill_chunk: int = 512,
+        between_chunks: Any = None,
     ) -> AsyncIterator[tuple[int, float]]:
         self.shared_prefixes.append(shared_prefix)
         self.speculates.append(speculate)

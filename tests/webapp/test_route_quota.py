@@ -121,3 +121,62 @@ def test_stream_leases_are_shared_by_processes_in_redis_and_lapse_unless_renewed
     web1.renew(user, renewed, 60)
     time.sleep(0.3)
     assert web1.held(user) == 3
+
+
+async def test_a_heavier_users_new_prompt_waits_for_a_lighter_users_prefill_holding_no_place(
+    settings: Any,
+) -> None:
+    gate = FairGate(lambda: 2)
+    async with gate.turn("a") as a1:
+        a1.prefilled()  # user a decodes one answer
+        async with gate.turn("b") as b:  # user b's first answer prefills
+            admitted = asyncio.Event()
+
+            async def a_second() -> None:
+                async with gate.turn("a") as a2:
+                    admitted.set()
+                    a2.prefilled()
+
+            second = asyncio.create_task(a_second())
+            await asyncio.sleep(0.05)
+            # a would run two answers against b's one: its prompt waits, and takes no place meanwhile
+            assert not admitted.is_set() and gate.active == 1
+            async with gate.turn("c") as c:  # another user's first answer is not held by b's
+                assert gate.active == 2
+                c.prefilled()
+            b.prefilled()
+            await asyncio.wait_for(second, 0.1)
+        # b's next prompt prefills and never finishes: a's new prompt goes on after ROUTE_GIVE_WAY_MS
+        async with gate.turn("b") as b2:
+            settings.ROUTE_GIVE_WAY_MS = 50
+            t0 = time.monotonic()
+            async with gate.turn("a") as a3:
+                assert 0.04 <= time.monotonic() - t0 < 0.5
+                a3.prefilled()
+            b2.prefilled()
+    assert gate.running == {} and gate.prefilling == {} and gate.active == 0
+
+
+async def test_a_user_running_other_answers_prefills_in_steps_that_wait_for_a_lighter_users_prefill(
+    settings: Any,
+) -> None:
+    from agent.client.failover import PREFILL_CHUNK
+    from webapp.routing.quota import YIELDING_PREFILL_TOKENS
+
+    gate = FairGate(lambda: 4)
+    async with gate.turn("a") as a1:
+        assert a1.prefill_steps() == (PREFILL_CHUNK, None)  # a user's only answer: one step
+        a1.prefilled()
+        async with gate.turn("a") as a2:  # its second, beside the first: steps that give way
+            size, between = a2.prefill_steps()
+            assert size == YIELDING_PREFILL_TOKENS and between is not None
+            await asyncio.wait_for(between(), 0.1)  # nobody lighter prefills: no wait
+            async with gate.turn("b") as b:
+                assert b.prefill_steps() == (PREFILL_CHUNK, None)
+                step = asyncio.create_task(between())
+                await asyncio.sleep(0.05)
+                assert not step.done(), "a's next prompt step waits while b (one answer) prefills"
+                b.prefilled()
+                await asyncio.wait_for(step, 0.1)
+            a2.prefilled()
+    assert gate.running == {} and gate.prefilling == {} and gate.active == 0

@@ -6,12 +6,13 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from agent.client.failover import PREFILL_CHUNK
 from agent.client.route import HopStats
 from agent.client.tokenizer import ChatTokenizer, StreamDecoder
 from agent.wire.sampling import SamplingParams
@@ -92,6 +93,9 @@ class Answer:
         self.t_end: float | None = None
         self.recoveries_before = len(live.client.recoveries)
         self.started = False  # generate was called: the client's last_prefix is this answer's
+        # the prompt's steps, and what to await between two (webapp/routing/quota.py Turn.prefill_steps)
+        self.prefill_chunk = PREFILL_CHUNK
+        self.between_chunks: Callable[[], Awaitable[None]] | None = None
 
     async def pieces(self) -> AsyncGenerator[Piece, None]:
         """The answer's text as the route samples it, held back while it could begin a stop string."""
@@ -113,6 +117,8 @@ class Answer:
             want_logits=want_top,
             shared_prefix=spec.shared_prefix,
             speculate=spec.speculate,
+            prefill_chunk=self.prefill_chunk,
+            between_chunks=self.between_chunks,
         )
         # nothing else runs before the generator's first step, which sets the client's last_prefix anew
         self.started = True

@@ -10,7 +10,7 @@
 * `prefills`: answers before their first token, `ROUTE_PREFILLS_AT_ONCE` at once per process; the
   others wait and are admitted round-robin by user, so one user's queue of prompts does not delay
   another user's first token by more than one prefill; and while a user prefills, the decode steps
-  of users running more answers than they do give way (`FairGate`).
+  and new prompts of users running more answers than they do give way (`FairGate`).
 
 Users are keyed by their primary key; anonymous callers are not counted.
 """
@@ -23,16 +23,22 @@ import time
 import uuid
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from django.conf import settings
 
+from agent.client.failover import PREFILL_CHUNK
 from webapp.routing.answer import LiveRoute
 
 STREAM_LEASE_S = 120.0  # renewed every quarter of it while an answer streams
+# A user running other answers prefills in steps of this many positions (eight of them, then each
+# twice the one before: a long prompt pays a few round trips more), giving way between two to a
+# lighter user's prefill (Turn.prefill_steps): a prompt already on the hops when the lighter one
+# arrives holds it for one such step, not the whole prompt
+YIELDING_PREFILL_TOKENS = 16
 
 
 def user_key(user: Any) -> int | None:
@@ -256,6 +262,15 @@ class Turn:
     async def pace(self) -> None:
         await self.gate.give_way(self.user)
 
+    def prefill_steps(self) -> tuple[int, Callable[[], Awaitable[None]] | None]:
+        """How this answer sends its prompt: (positions a step, what to await between two steps).
+        Whole (up to the route client's own limit) for a user running no other answer here; for one
+        who does, steps of YIELDING_PREFILL_TOKENS (doubling after eight) that give way to lighter
+        users' prefills between two."""
+        if self.gate.running.get(self.user, 0) <= 1:
+            return PREFILL_CHUNK, None
+        return YIELDING_PREFILL_TOKENS, self.pace
+
 
 class FairGate:
     """Fair admission between users, in one event loop (the web process's):
@@ -263,8 +278,9 @@ class FairGate:
     * at most `capacity()` answers prefill at once; waiting ones are admitted round-robin by user,
       each user's own in arrival order;
     * a decode step of a user running more answers here than another user who is prefilling waits
-      for that prefill (at most ROUTE_GIVE_WAY_MS a step): ten streams of one user then cost another user's
-      first token little more than one would."""
+      for that prefill (at most ROUTE_GIVE_WAY_MS a step), and so does a new answer's prefill of such
+      a user before it takes a place: ten streams of one user then cost another user's first token
+      little more than one would."""
 
     def __init__(self, capacity: Callable[[], int]) -> None:
         self.capacity = capacity
@@ -335,16 +351,16 @@ class FairGate:
             if not fut.done():
                 fut.set_result(None)
 
-    def lighter_prefill(self, user: Any) -> bool:
-        """Whether a user running fewer answers than `user` is prefilling now."""
-        mine = self.running.get(user, 0)
+    def lighter_prefill(self, user: Any, joining: int = 0) -> bool:
+        """Whether a user running fewer answers than `user` (with `joining` more) is prefilling now."""
+        mine = self.running.get(user, 0) + joining
         return any(u != user and self.running.get(u, 0) < mine for u in self.prefilling)
 
-    async def give_way(self, user: Any) -> None:
-        """Wait, at most ROUTE_GIVE_WAY_MS, while `lighter_prefill(user)`."""
+    async def give_way(self, user: Any, joining: int = 0) -> None:
+        """Wait, at most ROUTE_GIVE_WAY_MS, while `lighter_prefill(user, joining)`."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + int(settings.ROUTE_GIVE_WAY_MS) / 1000
-        while self.lighter_prefill(user):
+        while self.lighter_prefill(user, joining):
             left = deadline - loop.time()
             if left <= 0:
                 return
@@ -359,7 +375,13 @@ class FairGate:
 
     @asynccontextmanager
     async def turn(self, user: Any) -> AsyncIterator[Turn]:
-        """An answer's passage: a place until `Turn.prefilled`, counted as running for the block."""
+        """An answer's passage: a place until `Turn.prefilled`, counted as running for the block.
+
+        A new answer of a user who would then run more answers than a user prefilling now waits for
+        that prefill first (at most ROUTE_GIVE_WAY_MS, holding no place meanwhile), as that user's
+        decode steps do: the hops run the lighter user's prompt alone, not batched with the heavier
+        user's next prompt."""
+        await self.give_way(user, joining=1)
         await self.acquire(user)
         t = Turn(self, user)
         self._count(self.running, user, 1)

@@ -172,16 +172,16 @@ class RouteAnswer:
                 # until its first piece (the prefill) an answer holds a place of the fair gate, where
                 # waiting answers are admitted round-robin by user; then its decode steps give way to
                 # the prefills of users running fewer answers (issue 33)
-                async with (
-                    quota.prefills().turn(quota.user_key(self.user)) as turn,
+                async with quota.prefills().turn(quota.user_key(self.user)) as turn:
+                    # a user running other answers prefills in steps that let a lighter user's go first
+                    self.answer.prefill_chunk, self.answer.between_chunks = turn.prefill_steps()
                     # closed with this generator, so a caller that stops reading stops the route client
-                    contextlib.aclosing(self.answer.pieces()) as pieces,
-                ):
-                    async for piece in pieces:
-                        turn.prefilled()
-                        sent = True
-                        yield piece
-                        await turn.pace()
+                    async with contextlib.aclosing(self.answer.pieces()) as pieces:
+                        async for piece in pieces:
+                            turn.prefilled()
+                            sent = True
+                            yield piece
+                            await turn.pace()
                 return
             except (RouteError, OSError) as e:
                 log.warning("answer failed on route session %s", live.session_id, exc_info=True)
