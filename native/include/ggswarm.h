@@ -68,6 +68,9 @@
  *       exactly on a window that keeps recurrent state, and dropped once the verification is settled.
  *  15 - multi-token prediction (deepseek4, glm-dsa): ggswarm_mtp_open attaches the file's nextn block to the last
  *       window; ggswarm_forward on it then feeds the block's per-session state; ggswarm_mtp_draft.
+ *       Checkpoints: by default at the start and end of multi-token calls only, at most 2 (every_n_tokens
+ *       0, max_per_session 2; were 256 and 8); the one ggswarm_session_checkpoint takes is held apart
+ *       (not counted against max_per_session) and is the only kind ggswarm_session_drop_checkpoint drops.
  */
 #ifndef GGSWARM_H
 #define GGSWARM_H
