@@ -48,9 +48,6 @@ CTXS = {"8k": 8192, "32k": 32768, "128k": 131072}
 MIB = 1 << 20
 UBATCH = 512  # llama.cpp's default n_ubatch: the SWA ring holds n_swa + n_ubatch rows
 PAD = 256  # llama.cpp pads cache sizes to 256 cells
-# native/src/model.h ckpt_max: the checkpoints a session keeps by default (at the start and end of its
-# latest multi-token call; none periodic), each a whole copy of the recurrent layers' state
-CKPT_MAX = CHECKPOINTS_MAX
 SPECS = REPO / "webapp" / "fleet" / "specs" / "models"
 # bench key -> (tiny arch, real-model spec file or "" for Gemma 3's packaged file, model name)
 ARCHS = {
@@ -156,7 +153,7 @@ def llama_formula(arch: str, hp: dict[str, Any], desc: ArchDescription, n_ctx: i
 
 
 def ours_describe(desc: ArchDescription, n_ctx: int, hp: dict[str, Any]) -> tuple[int, int]:
-    """(state, checkpoints): what describe() counts at n_ctx, and CKPT_MAX checkpoints, which a native
+    """(state, checkpoints): what describe() counts at n_ctx, and CHECKPOINTS_MAX checkpoints (the library's default), which a native
     session holds by default once it has had a multi-token call after its first (the start and end of
     the latest one). A checkpoint copies the state that cannot be cut back: a recurrent layer's whole
     state; deepseek4's rings (native/src/archs/deepseek4_state.cpp st_ckpt_bytes): the raw window's
@@ -173,7 +170,7 @@ def ours_describe(desc: ArchDescription, n_ctx: int, hp: dict[str, Any]) -> tupl
                 ckpt += int(hp["attention.sliding_window"]) * int(hp["attention.key_length"]) * 2
             elif p.fixed and p.name.endswith("compressor"):
                 ckpt += p.bytes_at(n_ctx, 2.0)
-    return state, CKPT_MAX * ckpt
+    return state, CHECKPOINTS_MAX * ckpt
 
 
 def ours_measured(path: str, n_layers: int, fill: int, threads: int) -> tuple[dict[int, int], float]:

@@ -412,10 +412,7 @@ class RouteClient:
             common = await self._shared_prefix(prompt_ids[:shared_prefix], sampling, common)
         new = prompt_ids[common:]
         self.last_prefilled = len(new)
-        size, chunks, off = PREFILL_CHUNK if between_chunks is None else max(1, prefill_chunk), [], 0
-        while off < len(new):
-            chunks.append(new[off : off + min(size, PREFILL_CHUNK)])
-            off, size = off + len(chunks[-1]), 2 * size if len(chunks) >= 8 else size
+        chunks = prompt_steps(new, PREFILL_CHUNK if between_chunks is None else prefill_chunk)
         if want_logits and len(chunks[-1]) > 1:
             # Logits come back for every position of a step: the last position goes alone.
             chunks[-1:] = [chunks[-1][:-1], chunks[-1][-1:]]
@@ -519,3 +516,13 @@ class RouteClient:
                 "recoveries": self.recoveries[n_recoveries:],
             },
         )
+
+
+def prompt_steps(ids: list[int], first: int) -> list[list[int]]:
+    """A prompt's steps: `first` positions each for eight steps, then each twice the one before, never
+    more than PREFILL_CHUNK (with `first` = PREFILL_CHUNK: steps of PREFILL_CHUNK)."""
+    size, steps, off = max(1, first), [], 0
+    while off < len(ids):
+        steps.append(ids[off : off + min(size, PREFILL_CHUNK)])
+        off, size = off + len(steps[-1]), 2 * size if len(steps) >= 8 else size
+    return steps
