@@ -59,15 +59,25 @@ class MtpDrafter:
     """Drafts from the model's own MTP head, run by the route's last hop after each step (a DeepSeek-V4
     file's nextn block, docs/speculative.md): the hop sends them with its answer (Response.drafts),
     the route client offers them here, and they stand for the step after. Free on the client; a
-    session asks the last hop for them at OPEN (RouteClient.mtp_draft)."""
+    session asks the last hop for them at OPEN (RouteClient.mtp_draft). Where the head sent none for
+    this context (a hop started without it, a restored session), the fallback drafter drafts."""
 
-    # its drafts come only with answers on the Python path (the native lanes answer without them)
-    needs_python_path = True
+    # proposals without one offer after which a route is taken to have no head (its node runs without
+    # `--mtp`): the drafter stops holding the answers' steps on the Python path, where drafts come
+    NO_HEAD_AFTER = 16
 
-    def __init__(self) -> None:
+    def __init__(self, fallback: Any = None) -> None:
         self.at = -1  # the context length the drafts follow (they continue its last token)
         self.drafts: list[int] = []
         self.offered = 0  # answers that carried drafts
+        self.asked = 0  # proposals asked for
+        self.fallback = fallback  # a Drafter (spec.NgramDrafter) for contexts the head sent nothing for
+
+    @property
+    def needs_python_path(self) -> bool:
+        """The drafts come only with answers on the Python path (the native lanes answer without
+        them): held there while a head sends drafts or may still turn out to."""
+        return self.offered > 0 or self.asked < self.NO_HEAD_AFTER
 
     def offer(self, context_len: int, drafts: list[int]) -> None:
         """The last hop's drafts after the token that ends a context of `context_len` tokens."""
@@ -75,6 +85,9 @@ class MtpDrafter:
         self.offered += bool(drafts)
 
     def propose(self, context: list[int], k: int) -> list[int]:
-        if k <= 0 or len(context) != self.at:
+        if k <= 0:
             return []
-        return self.drafts[:k]
+        self.asked += 1
+        if len(context) == self.at and self.drafts:
+            return self.drafts[:k]
+        return self.fallback.propose(context, k) if self.fallback is not None else []

@@ -37,3 +37,30 @@ def test_drafts_are_the_draft_models_greedy_tokens_as_the_context_moves(model_pa
     assert drafter.held[: len(moved)] == moved
     assert drafter.propose(moved, 0) == []
     assert drafter.propose(list(range(500)), 20) == []  # past its context: no draft, no error
+
+
+def test_the_head_drafts_stand_for_their_context_and_the_fallback_drafts_the_others() -> None:
+    from agent.client.drafts import MtpDrafter
+    from agent.client.spec import NgramDrafter
+
+    d = MtpDrafter(fallback=NgramDrafter())
+    context = [5, 6, 7, 8, 5, 6]
+    d.offer(len(context), [9, 10, 11])
+    assert d.propose(context, 2) == [9, 10]  # the head's, for the context it drafted after
+    assert d.propose(context[:5], 2) == [6, 7]  # another context: lookup (5 was followed by 6 7)
+    d.offer(len(context), [])  # an answer without drafts
+    assert d.propose(context, 2) == [7, 8]  # lookup (5 6 was followed by 7 8)
+    assert MtpDrafter().propose(context[:5], 2) == []  # no fallback: nothing
+
+
+def test_a_route_whose_head_never_drafts_is_let_back_onto_the_lanes() -> None:
+    from agent.client.drafts import MtpDrafter
+
+    quiet, drafting = MtpDrafter(), MtpDrafter()
+    drafting.offer(3, [1])
+    for _ in range(MtpDrafter.NO_HEAD_AFTER):
+        assert quiet.needs_python_path  # while the head may still send drafts, steps wait for answers
+        quiet.propose([1, 2, 3], 2)
+        drafting.propose([1, 2, 3], 2)
+    assert not quiet.needs_python_path  # no head (a node without --mtp): the lanes' speed back
+    assert drafting.needs_python_path

@@ -46,6 +46,8 @@ class FakeRouteClient:
         self.recoveries: list[dict[str, Any]] = []
         self.shared_prefixes: list[int] = []  # each generate's shared_prefix
         self.speculates: list[int] = []  # each generate's draft limit
+        self.drafters: list[Any] = []  # each generate's drafter (None: prompt lookup)
+        self.mtp_draft = 0  # head drafts asked of the last hop at OPEN
         self.last_prefix: dict[str, Any] = {}
         self.last_spec = SpecStats()
         self.last_response: Response | None = None
@@ -62,11 +64,13 @@ class FakeRouteClient:
         want_logits: bool = False,
         shared_prefix: int = 0,
         speculate: int = 0,
+        drafter: Any = None,
         prefill_chunk: int = 512,
         between_chunks: Any = None,
     ) -> AsyncIterator[tuple[int, float]]:
         self.shared_prefixes.append(shared_prefix)
         self.speculates.append(speculate)
+        self.drafters.append(drafter)
         # as the real client reports it: a prefix this long is asked for, never found by the fake
         self.last_prefix = (
             {"shared_tokens": shared_prefix, "hit": False, "saved": True} if shared_prefix else {}
@@ -291,6 +295,40 @@ async def test_an_api_answer_speculates_up_to_the_configured_draft_limit(
         )
         assert r.status_code == 200 and FakeRouteClient.instances[-1].speculates[-1] == limit
         assert json.loads(r.content)["x_swarm"]["speculation"]["verify_steps"] == 0  # the fake never drafts
+
+
+async def test_an_answer_on_a_model_with_an_mtp_head_drafts_with_the_head_where_speculation_is_on(
+    async_client: Any, api_key: tuple[str, Any], placed: Any, settings: Any
+) -> None:
+    from agent.client.drafts import MtpDrafter
+    from agent.client.spec import NgramDrafter
+
+    placed.manifest = {**placed.manifest, "mtp_layers": 1}  # the file carries one nextn block
+    await database_sync_to_async(placed.save)(update_fields=["manifest"])
+    for limit in (8, 0):
+        settings.ROUTE_SPECULATE = limit
+        messages = [{"role": "user", "content": f"Question {limit}?"}]  # a route of its own each
+        r = await post(
+            async_client, "/v1/chat/completions", {"model": placed.name, "messages": messages}, api_key[0]
+        )
+        assert r.status_code == 200, r.content
+        fake = FakeRouteClient.instances[-1]
+        drafter = fake.drafters[-1]
+        if limit:  # the last hop is asked for the head's drafts at OPEN, the answer drafts with them
+            assert fake.mtp_draft == limit
+            assert isinstance(drafter, MtpDrafter) and isinstance(drafter.fallback, NgramDrafter)
+        else:  # no speculation: nothing asked of the head, no drafter
+            assert fake.mtp_draft == 0 and drafter is None
+
+
+async def test_an_answer_on_a_model_without_an_mtp_head_drafts_by_prompt_lookup(
+    async_client: Any, api_key: tuple[str, Any], placed: Any, settings: Any
+) -> None:
+    settings.ROUTE_SPECULATE = 8
+    r = await post(async_client, "/v1/chat/completions", {"model": placed.name, "messages": Q}, api_key[0])
+    assert r.status_code == 200, r.content
+    fake = FakeRouteClient.instances[-1]
+    assert fake.mtp_draft == 0 and fake.drafters[-1] is None and fake.speculates[-1] == 8
 
 
 async def test_a_streamed_chat_sends_role_then_deltas_then_finish_then_usage_then_done(

@@ -86,6 +86,8 @@ class FakeRouteClient:
         self.recoveries: list[dict[str, Any]] = []
         self.shared_prefixes: list[int] = []  # each generate's shared_prefix
         self.speculates: list[int] = []  # each generate's draft limit
+        self.drafters: list[Any] = []  # each generate's drafter (None: prompt lookup)
+        self.mtp_draft = 0  # head drafts asked of the last hop at OPEN
         self.last_prefix: dict[str, Any] = {}
         self.last_spec = SpecStats()
         FakeRouteClient.instances.append(self)
@@ -108,11 +110,13 @@ class FakeRouteClient:
         want_logits: bool = False,
         shared_prefix: int = 0,
         speculate: int = 0,
+        drafter: Any = None,
         prefill_chunk: int = 512,
         between_chunks: Any = None,
     ) -> AsyncIterator[tuple[int, float]]:
         self.shared_prefixes.append(shared_prefix)
         self.speculates.append(speculate)
+        self.drafters.append(drafter)
         # as the real client reports it: a prefix this long is asked for, never found by the fake
         self.last_prefix = (
             {"shared_tokens": shared_prefix, "hit": False, "saved": True} if shared_prefix else {}

@@ -27,6 +27,9 @@ class LiveRoute:
     client: Any  # agent.client.route.RouteClient
     route: list[dict[str, Any]]
     capacity: int  # the context the hops were opened with
+    # what drafts for the route's speculative steps (drafts.MtpDrafter where the model has a head); None:
+    # prompt lookup, RouteClient.generate's default
+    drafter: Any = None
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,7 @@ class Answer:
             want_logits=want_top,
             shared_prefix=spec.shared_prefix,
             speculate=spec.speculate,
+            drafter=self.live.drafter,
             prefill_chunk=self.prefill_chunk,
             between_chunks=self.between_chunks,
         )

@@ -21,7 +21,9 @@ from channels.db import database_sync_to_async
 from django.conf import settings
 
 from agent import defaults
+from agent.client.drafts import MtpDrafter
 from agent.client.route import ContextLimitError, Hop, RouteClient, RouteError
+from agent.client.spec import NgramDrafter
 from agent.client.tokenizer import ChatTokenizer
 from agent.client.transport import shared_transport
 from agent.wire.frames import CONTEXT_CAP
@@ -52,11 +54,19 @@ class Target:
     path: str
     capacity: int
     token_id_layers: int = 0  # hops starting below this need the token ids too (deepseek4 hash layers)
+    mtp_layers: int = 0  # the file's multi-token-prediction head (nextn blocks): its last hop can draft
 
 
 def target_of(a: ModelArtifact) -> Target:
-    ids = a.parsed_manifest.token_id_layers if a.manifest else 0
-    return Target(a.pk, a.name, a.path, capacity_of(a.manifest), ids)
+    m = a.parsed_manifest if a.manifest else None
+    return Target(
+        a.pk,
+        a.name,
+        a.path,
+        capacity_of(a.manifest),
+        m.token_id_layers if m else 0,
+        m.mtp_layers if m else 0,
+    )
 
 
 @lru_cache(maxsize=8)
@@ -88,6 +98,11 @@ async def open_live(target: Target, tok: ChatTokenizer, user: Any) -> LiveRoute:
         replacements=services.replacement_provider(session.id),  # a failed hop is replaced mid-answer
     )
     live = LiveRoute(session.id, target.artifact_id, client, session.hops, target.capacity)
+    if target.mtp_layers and settings.ROUTE_SPECULATE:
+        # the model's own head drafts on its last hop (a node started with --mtp; docs/speculative.md),
+        # prompt lookup where it sends none
+        client.mtp_draft = settings.ROUTE_SPECULATE
+        live.drafter = MtpDrafter(fallback=NgramDrafter())
     quota.routes.add(user, live)  # counted against the user's USER_MAX_ROUTE_SESSIONS until closed
     return live
 
