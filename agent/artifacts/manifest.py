@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.artifacts.archs import StatePart, describe, servable_problem
+from agent.artifacts.gguf_meta import GgufMetaError, read_gguf_meta
 from agent.artifacts.routing import Routing, routing_mode
 
 GGUF_MAGIC = b"GGUF"
@@ -258,17 +259,6 @@ def _check_header(path: Path, size: int) -> int:
     return version
 
 
-def _field_value(reader: Any, key: str) -> Any:
-    f = reader.fields.get(key)
-    if f is None:
-        return None
-    try:
-        v = f.contents()
-    except Exception:  # noqa: BLE001 - a malformed field is reported as absent
-        return None
-    return v
-
-
 def sha256_file(path: str | os.PathLike[str]) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -288,41 +278,37 @@ def build_manifest(path: str | os.PathLike[str], *, hash_tensors: bool = True) -
         raise ManifestError(f"{p}: cannot read ({e.strerror})") from None
     version = _check_header(p, size)
     try:
-        from gguf import GGUFReader
+        meta = read_gguf_meta(p)
+    except GgufMetaError as e:
+        raise ManifestError(f"{p}: malformed GGUF header or metadata ({e})") from None
+    except OSError as e:
+        raise ManifestError(f"{p}: cannot read ({e.strerror})") from None
 
-        reader = GGUFReader(p, "r")
-    except ManifestError:
-        raise
-    except Exception as e:  # noqa: BLE001 - gguf raises assorted errors on corrupt headers
-        raise ManifestError(f"{p}: malformed GGUF header or metadata ({type(e).__name__}: {e})") from None
-
-    arch = _field_value(reader, "general.architecture")
+    arch = meta.fields.get("general.architecture")
     if not isinstance(arch, str):
         raise ManifestError(f"{p}: general.architecture is missing")
     hparams: dict[str, Any] = {}
     prefix = arch + "."
-    for key in reader.fields:
+    for key, v in meta.fields.items():  # arrays over 1024 elements are left out of meta.fields
         if key.startswith(prefix):
-            v = _field_value(reader, key)
-            if isinstance(v, int | float | str | bool) or (isinstance(v, list) and len(v) <= 1024):
-                hparams[key[len(prefix) :]] = v
+            hparams[key[len(prefix) :]] = v
     n_layers = hparams.get("block_count")
     d_model = hparams.get("embedding_length")
     if not isinstance(n_layers, int) or n_layers <= 0:
         raise ManifestError(f"{p}: {arch}.block_count is missing or invalid")
     if not isinstance(d_model, int) or d_model <= 0:
         raise ManifestError(f"{p}: {arch}.embedding_length is missing or invalid")
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    if tokens is not None and "vocab_size" not in hparams:
-        hparams["vocab_size"] = len(tokens.data)
+    has_tokens = "tokenizer.ggml.tokens" in meta.types
+    if has_tokens and "vocab_size" not in hparams:
+        hparams["vocab_size"] = meta.array_len["tokenizer.ggml.tokens"]
 
     tensors: list[TensorInfo] = []
     with open(p, "rb") as fh:
         mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
         try:
-            for t in reader.tensors:
-                offset = int(t.data_offset)
-                nbytes = int(t.n_bytes)
+            for t in meta.tensors:
+                offset = t.data_offset
+                nbytes = t.n_bytes
                 if offset + nbytes > size:
                     raise ManifestError(
                         f"{p}: tensor {t.name} ends at byte {offset + nbytes} but the file has {size} "
@@ -371,17 +357,17 @@ def build_manifest(path: str | os.PathLike[str], *, hash_tensors: bool = True) -
         file_size=size,
         gguf_version=version,
         architecture=arch,
-        name=str(_field_value(reader, "general.name") or p.stem),
+        name=str(meta.fields.get("general.name") or p.stem),
         n_layers=n_layers,
         boundary_dim=desc.boundary_dim,
         context_length=int(ctx) if isinstance(ctx, int) else 0,
         hparams=hparams,
-        has_tokenizer=tokens is not None,
-        has_chat_template="tokenizer.chat_template" in reader.fields,
+        has_tokenizer=has_tokens,
+        has_chat_template="tokenizer.chat_template" in meta.types,
         tensors=tensors,
         layers=layers,
         roles=roles,
-        tensor_data_offset=int(reader.data_offset),
+        tensor_data_offset=meta.data_offset,
         mtp_layers=desc.mtp_layers,
         layer_groups=desc.groups,
         leading_dense_layers=desc.leading_dense_layers,
