@@ -110,8 +110,8 @@ def _qwen3(b: Builder, n_layers: int, vocab: int, mtp: bool) -> None:
         _ffn(b, i, n_ff)
 
 
-def _gemma3(b: Builder, n_layers: int, vocab: int, mtp: bool) -> None:
-    head, n_head, n_kv, n_ff = 16, 4, 1, 128
+def _gemma3(b: Builder, n_layers: int, vocab: int, mtp: bool, head: int = 16) -> None:
+    n_head, n_kv, n_ff = 4, 1, 128
     _common(b, n_layers, n_head, n_kv, n_ff, rope_base=1_000_000.0)
     b.u32("attention.key_length", head)
     b.u32("attention.value_length", head)
@@ -140,8 +140,11 @@ def _qwen35moe(b: Builder, n_layers: int, vocab: int, mtp: bool) -> None:
 def _wide_heads(arch: str, b: Builder, n_layers: int, vocab: int, mtp: bool) -> None:
     """Heads as quantized caches need them (whole q8_0 blocks, a multiple of 64 that llama.cpp's Hadamard
     rotation takes), in the real files' proportions: Qwen3.5 rotates a quarter of its head (64 of 256),
-    GLM-5's latent row (512 + 64 = 576) rotates in blocks of 64, as 160 + 32 = 192 does."""
-    if arch in ("qwen35", "qwen35moe"):
+    GLM-5's latent row (512 + 64 = 576) rotates in blocks of 64, as 160 + 32 = 192 does; gemma3's heads
+    are Gemma 3 270M's 256 (4 query heads, 1 kv head)."""
+    if arch == "gemma3":
+        _gemma3(b, n_layers, vocab, mtp, head=256)
+    elif arch in ("qwen35", "qwen35moe"):
         dims = layouts.Qwen35Dims(
             D_MODEL,
             n_layers,
@@ -158,7 +161,7 @@ def _wide_heads(arch: str, b: Builder, n_layers: int, vocab: int, mtp: bool) -> 
         layouts.glm_dsa(b, layouts.GlmDims(D_MODEL, n_layers, vocab, types, mtp=mtp, kv_lora=160, n_rot=32))
 
 
-_WIDE_HEADS_ARCHS = ("qwen35", "qwen35moe", "glm-dsa")  # the others' tiny heads are 64 wide already
+_WIDE_HEADS_ARCHS = ("qwen35", "qwen35moe", "glm-dsa", "gemma3")  # the others' tiny heads are 64 wide already
 
 
 def deepseek4_compress_ratios(n_layers: int) -> list[int]:
@@ -332,7 +335,7 @@ def write_tiny_gguf(
     `{"type": "yarn", "factor": 4, "original_context_length": 32768}` as Qwen3's long-context files.
     `swiglu_clamp` (deepseek4): the experts' SwiGLU limit, one number or a list written as given
     (default 10.0 per layer, as an array like llama.cpp's converter writes it). `wide_heads` (qwen35,
-    qwen35moe, glm-dsa): attention heads wide enough for q8_0 / q4_0 caches (see _wide_heads).
+    qwen35moe, glm-dsa, gemma3): attention heads wide enough for q8_0 / q4_0 caches (see _wide_heads).
     `indexer_key_length` (deepseek4, a multiple of 64; default 64, the head size): 128 keeps the heads
     unlike the indexer's keys, as in the real files (llama.cpp then rotates no cache but the indexer's;
     its MTP context cannot be created for a file whose heads are as wide as the indexer's keys).

@@ -1,7 +1,8 @@
 """The README's `up` command as a new user meets it, in Chromium: the printed URL loads, a chat streams with
 live per-hop bars, a fenced code block renders as code, Stop halts generation on every hop and its KV returns
 to baseline, and a conversation survives a page reload and continues with the hops' KV (reuse, not
-re-prefill). One stack for the module.
+re-prefill); an API key made in the web UI works from the official `openai` client (last: it leaves the
+playground page). One stack for the module (the API-key test had a module and an `up` stack of its own).
 """
 
 from __future__ import annotations
@@ -207,3 +208,56 @@ def test_a_conversation_survives_a_reload_and_continues_with_the_hops_kv(page: A
     assert [s for s, _ in kv(agents(pg, swarm_up))] == sessions
     if os.environ.get("PLAYGROUND_SCREENSHOT"):  # to look at the page: a PNG path
         pg.screenshot(path=os.environ["PLAYGROUND_SCREENSHOT"])
+
+
+def test_a_key_created_in_the_ui_answers_through_the_openai_client_and_stops_when_revoked(
+    page: Any, swarm_up: str
+) -> None:
+    openai = pytest.importorskip("openai")
+    # A fresh browser context of the module's Chromium: no session, so it logs in as a new visitor would.
+    context = page.context.browser.new_context()
+    try:
+        page = context.new_page()
+        page.goto(swarm_up + "/accounts/login/")
+        page.fill("input[name=username]", "admin")
+        page.fill("input[name=password]", PASSWORD)
+        page.click("button[type=submit], input[type=submit]")
+        page.click("header.top a:has-text('API keys')")
+        page.wait_for_selector("#create-key")
+        page.fill("#create-key input[name=name]", "from the browser")
+        page.click("#create-key button[type=submit]")
+        secret = page.inner_text("#new-key-secret").strip()
+        assert secret.startswith("sk-swarm-")
+        row = page.locator("#keys tr", has_text="from the browser")
+        assert row.count() == 1 and secret[:15] in row.inner_text()
+
+        client = openai.OpenAI(base_url=swarm_up + "/v1", api_key=secret, max_retries=0, timeout=120)
+        model = ""
+        deadline = time.monotonic() + 300
+        while not model:  # `up` places SmolLM2 as it starts: poll until it is listed and routable
+            ids = [m.id for m in client.models.list()]
+            try:
+                r = client.chat.completions.create(
+                    model=ids[0],
+                    messages=[{"role": "user", "content": "Say hello."}],
+                    max_tokens=12,
+                    temperature=0,
+                )
+                model = ids[0]
+            except (IndexError, openai.NotFoundError, openai.InternalServerError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1)
+        assert (r.choices[0].message.content or "").strip()
+        assert r.usage is not None and r.usage.completion_tokens > 0
+
+        page.goto(swarm_up + "/api-keys/")  # the page never shows the secret again, and shows usage
+        assert secret not in page.content()
+        row = page.locator("#keys tr", has_text="from the browser")
+        assert f"/ {r.usage.completion_tokens}" in row.inner_text()
+        row.locator("button:has-text('Revoke')").click()
+        page.wait_for_selector("#keys tr:has-text('from the browser') .badge:has-text('revoked')")
+        with pytest.raises(openai.AuthenticationError):
+            client.models.list()
+    finally:
+        context.close()

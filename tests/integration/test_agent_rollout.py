@@ -24,6 +24,7 @@ import urllib.request
 import uuid
 import zipfile
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -172,7 +173,10 @@ async def _chat(s: Swarm, started: asyncio.Event, max_tokens: int) -> str:
 @pytest.fixture(scope="module")
 def wheels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("wheels")
-    built = {v: _build_wheel(out / v, v) for v in (V1, V2, V3)}
+    # three `pip wheel` runs of separate staged copies: side by side, not one after another
+    with ThreadPoolExecutor(3) as pool:
+        futures = {v: pool.submit(_build_wheel, out / v, v) for v in (V1, V2, V3)}
+        built = {v: f.result() for v, f in futures.items()}
     built[V3] = _with_crash_at_start(built[V3], out / "v3-crash")
     return built
 
@@ -216,18 +220,21 @@ def test_a_node_updates_is_refused_a_forged_release_and_rolls_back_a_crashing_on
 ) -> None:
     s, (key, public) = swarm, release_key
 
-    # B serves the model from the checkout; A runs under the launcher from a v1 venv of its own.
-    config_b, _ = s.enroll("agent-b")
-    node_b = s.run_agent("agent-b", config_b)
-    s.online([node_b])
-    s.register_smollm2()
-    code, body = s.admin.post(f"/models/{s.model['id']}/place", {"replicas": "1"})
-    assert code == 200, body
-    s.shards_ready()
+    # B serves the model from the checkout; A runs under the launcher from a v1 venv of its own. A's
+    # venv is made while B loads its shards; A starts only once they are placed (A holds none).
+    with ThreadPoolExecutor(1) as pool:
+        v1_install = pool.submit(install_wheel, wheels[V1], tmp_path / "installed-v1", V1)
+        config_b, _ = s.enroll("agent-b")
+        node_b = s.run_agent("agent-b", config_b)
+        s.online([node_b])
+        s.register_smollm2()
+        code, body = s.admin.post(f"/models/{s.model['id']}/place", {"replicas": "1"})
+        assert code == 200, body
+        s.shards_ready()
+        v1_python = v1_install.result()
 
     config_a, _ = s.enroll("agent-a")
     assert json.loads(config_a.read_text())["release_public_key"] == public  # pinned at enrollment
-    v1_python = install_wheel(wheels[V1], tmp_path / "installed-v1", V1)
     env = {k: v for k, v in s.env.items() if k != "PYTHONPATH"}
     (tmp_path / "cwd").mkdir()
     agent_a = spawn(

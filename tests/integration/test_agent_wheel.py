@@ -4,7 +4,8 @@ native backend and serves a playground chat.
 
 The clean venv gets llama-cpp-python from pip's wheel cache (the wheel `make setup` compiled once; never
 rebuilt here), the agent wheel, and the agent's other dependencies from the package index pip is
-configured with. No --system-site-packages.
+configured with, installed by this checkout's pip (`pip --python <venv>`; the venv has no pip of its
+own). No --system-site-packages.
 """
 
 from __future__ import annotations
@@ -55,15 +56,21 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("wheel")
     wheel = build_wheel(tmp / "dist")
     venv = tmp / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    # No pip inside the venv (ensurepip cost ~3 s of CPU): this checkout's pip installs into it with
+    # --python, resolving against the venv's own interpreter and site-packages as its own pip would.
+    # --no-compile: the byte code of every dependency is not needed; what runs compiles on import.
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
     proc = subprocess.run(
         [
-            str(python),
+            sys.executable,
             "-m",
             "pip",
+            "--python",
+            str(python),
             "install",
             "--disable-pip-version-check",
+            "--no-compile",
             "-q",
             str(llama),
             f"{wheel}[llamacpp]",

@@ -1,4 +1,9 @@
-"""The native route reproduces llama-cpp-python's full model, and 3 hops reproduce 1 hop exactly."""
+"""The native route reproduces llama-cpp-python's decode steps across a padding boundary, 3 hops reproduce
+1 hop exactly, truncation and snapshots continue identically.
+
+Teacher-forced and greedy agreement of this file (SmolLM2) over 3 hops with llama.cpp is
+test_archs.py's "llama" case, in both attention modes (the default here is one of them) and with
+tighter bounds (top-1 >= 0.995 and max |logit diff| <= 1e-3; 32 greedy tokens equal)."""
 
 from __future__ import annotations
 
@@ -63,7 +68,9 @@ def llama(model_path: str, hops3: list):  # noqa: ANN201
 
 @pytest.fixture(scope="module")
 def text_ids(llama) -> list[int]:  # noqa: ANN001
-    return llama.tokenize(TEXT.read_bytes(), add_bos=False)
+    ids = llama.tokenize(TEXT.read_bytes(), add_bos=False)
+    assert 450 <= len(ids) <= 700
+    return ids
 
 
 def _open(hops: list, sid: SessionId, capacity: int = 1024) -> None:
@@ -74,50 +81,6 @@ def _open(hops: list, sid: SessionId, capacity: int = 1024) -> None:
 def _close(hops: list, sid: SessionId) -> None:
     for h in hops:
         h.close_session(sid)
-
-
-def test_three_hops_agree_with_llama_cpp_when_teacher_forced(hops3: list, llama, text_ids: list[int]) -> None:  # noqa: ANN001
-    assert 450 <= len(text_ids) <= 700
-    llama.reset()
-    llama.eval(text_ids)
-    ref = np.asarray(llama.scores[: len(text_ids)], dtype=np.float32)
-    sid = _sid(1)
-    _open(hops3, sid)
-    got = route_forward(hops3, sid, 0, text_ids, want_logits=True).logits
-    _close(hops3, sid)
-    agree = float((got.argmax(1) == ref.argmax(1)).mean())
-    max_diff = float(np.abs(got - ref).max())
-    print(
-        f"\nteacher forcing over {len(text_ids)} tokens: top-1 agreement {agree:.4f}, max |logit diff| {max_diff:.3f}"
-    )
-    assert agree >= 0.99
-    assert max_diff < 5.0
-
-
-def test_greedy_generation_equals_llama_cpp_greedy(hops3: list, llama, text_ids: list[int]) -> None:  # noqa: ANN001
-    prompt = text_ids[:48]
-    n_new = 128
-    llama.reset()
-    llama.eval(prompt)
-    ref: list[int] = []
-    margins: list[float] = []
-    for _ in range(n_new):
-        row = np.asarray(llama.scores[llama.n_tokens - 1], dtype=np.float32)
-        top2 = np.sort(row)[-2:]
-        margins.append(float(top2[1] - top2[0]))
-        ref.append(int(row.argmax()))
-        llama.eval([ref[-1]])
-    sid = _sid(2)
-    _open(hops3, sid)
-    got = generate(hops3, sid, prompt, n_new)
-    _close(hops3, sid)
-    if got != ref:
-        i = next(k for k, (a, b) in enumerate(zip(got, ref, strict=True)) if a != b)
-        # allowed only at a near tie of llama.cpp's own top two logits (activation-quantization noise)
-        assert margins[i] < 0.5, f"first divergence at step {i} with a top-2 margin of {margins[i]:.3f}"
-        print(f"\ngreedy diverges at step {i}: top-2 margin {margins[i]:.4f} (near tie)")
-    else:
-        print(f"\ngreedy {n_new} tokens identical to llama-cpp-python")
 
 
 def test_decode_steps_reproduce_llama_cpp_logits_across_a_padding_boundary(

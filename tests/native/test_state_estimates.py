@@ -2,21 +2,47 @@
 native executor really keeps: a snapshot of n positions of a window is the manifest's figure, give or
 take the snapshot's headers, for every state kind (f16 KV, gemma3's sliding layers, qwen35's recurrent
 state, glm-dsa's and deepseek2's latents, the MoE families' KV); deepseek4's rings and per-block caches and gemma3's sliding-window rings are
-what a session holds, of which a snapshot carries only what the next position reads."""
+what a session holds, of which a snapshot carries only what the next position reads.
+
+Each architecture's tiny file and manifest are written once for the module. Their tokenizer is a
+256-token one: the state depends on no vocabulary (every figure here is the same with SmolLM2's 49,152
+tokens), and the manifest's GGUF reader then parses 256 strings instead of SmolLM2's tokens and merges
+(2 s a file)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from agent.artifacts.manifest import build_manifest
+from agent.artifacts.manifest import Manifest, build_manifest
 from agent.artifacts.tiny import write_tiny_gguf
 from agent.backends.libggswarm import NativeModel
 from agent.node.handoff import SNAPSHOT_HEADER_SLACK
+from tests.native.tiny_gguf import write_small_tokenizer
 
 N_POSITIONS = 300  # past gemma3's 32-token window and deepseek4's ratio-128 blocks
+TOKENIZER_SIZE = 256  # the forwards below feed ids 1..199
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path, Manifest]]:
+    """arch -> its tiny file and manifest, each written once for the module."""
+    d = tmp_path_factory.mktemp("state")
+    tokenizer = write_small_tokenizer(d / "tokenizer.gguf", TOKENIZER_SIZE)
+    built: dict[str, tuple[Path, Manifest]] = {}
+
+    def get(arch: str) -> tuple[Path, Manifest]:
+        if arch not in built:
+            path = write_tiny_gguf(arch, d / f"{arch}.gguf", tokenizer_from=tokenizer)
+            built[arch] = (path, build_manifest(str(path), hash_tensors=False))
+        return built[arch]
+
+    return get
 
 
 @pytest.mark.parametrize(
@@ -35,10 +61,9 @@ pytestmark = pytest.mark.slow
     ],
 )
 def test_a_snapshot_of_n_positions_is_the_manifests_state_estimate_at_n(
-    native_lib: None, tmp_path, arch: str
-) -> None:  # noqa: ANN001
-    path = write_tiny_gguf(arch, tmp_path / f"{arch}.gguf")
-    manifest = build_manifest(str(path), hash_tensors=False)
+    native_lib: None, tiny: Callable[[str], tuple[Path, Manifest]], arch: str
+) -> None:
+    path, manifest = tiny(arch)
     model = NativeModel(str(path), 0, manifest.n_layers, n_threads=2)
     try:
         sid = model.open_session(512)
@@ -60,9 +85,10 @@ RINGS = ("deepseek4", "gemma3", "gpt-oss")
 
 
 @pytest.mark.parametrize("arch", RINGS)
-def test_a_rings_held_state_is_the_manifests_estimate(native_lib: None, tmp_path, arch: str) -> None:  # noqa: ANN001
-    path = write_tiny_gguf(arch, tmp_path / f"{arch}.gguf")
-    manifest = build_manifest(str(path), hash_tensors=False)
+def test_a_rings_held_state_is_the_manifests_estimate(
+    native_lib: None, tiny: Callable[[str], tuple[Path, Manifest]], arch: str
+) -> None:
+    path, manifest = tiny(arch)
     n = 1024
     model = NativeModel(str(path), 0, manifest.n_layers, n_threads=2)
     try:

@@ -66,3 +66,20 @@ def write_tiny_gguf(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def write_small_tokenizer(path: Path, n_tokens: int = 256) -> Path:
+    """A GGUF holding only an `n_tokens`-token tokenizer, for agent.artifacts.tiny.write_tiny_gguf's
+    tokenizer_from where no tokenizer or llama.cpp reads the file: the manifest's GGUF reader then parses
+    n_tokens strings instead of SmolLM2's 49,152 tokens and merges (about 2 s a file)."""
+    w = GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"<t{i}>" for i in range(n_tokens)])
+    w.add_token_types([1] * n_tokens)
+    try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+    finally:
+        w.close()
+    return path
