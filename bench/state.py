@@ -8,7 +8,9 @@ recurrent layers' state, as a session holds them after a turn); llama.cpp's come
 (`llama_formula`, checked against its own allocation log on tiny files and on Gemma 3's real file).
 llama.cpp is taken with llama-server's default `swa_full = false` (sliding-window and DeepSeek-V4 raw
 caches are rings); llama-cpp-python's `Llama()` defaults to `swa_full = true` (whole-context rings),
-printed too as `*_swa_full`.
+printed too as `*_swa_full`. `<arch>_state_ratio_vs_llama_server_<ctx>`: against llama-server as people
+run it, which also keeps context checkpoints of the state its caches cannot cut back (2 per prompt, up
+to 32 per slot: `llama_server_checkpoint`); counted for one prompt, 2 checkpoints.
 
 Tiny files (agent.artifacts.tiny, their context_length raised to 131072 in a copy so that our executor
 opens long sessions): llama.cpp's bytes are parsed from the "size = X MiB" lines it logs when
@@ -198,6 +200,38 @@ def ours_measured(path: str, n_layers: int, fill: int, threads: int) -> tuple[di
         m.close()
 
 
+# llama-server's context checkpoints per prompt (tools/server/server-context.cpp: the prompt's last
+# 4 + n_ubatch and last 4 positions go in batches of their own, a checkpoint before each), kept per slot up
+# to n_ctx_checkpoints (32) across turns
+SERVER_CHECKPOINTS_PER_PROMPT = 2
+
+
+def llama_server_checkpoint(arch: str, hp: dict[str, Any], desc: ArchDescription, n_ctx: int) -> int:
+    """Bytes of one of llama-server's context checkpoints after a prompt of n_ctx positions: the state it
+    copies with LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY (what a cache cannot cut back): deepseek4's raw ring's
+    cells in use and its compressor states (llama-kv-cache-dsv4.cpp state_write), the sliding-window
+    layers' ring cells (llama-kv-cache-iswa.cpp), the recurrent states (llama-memory-hybrid.cpp); none
+    for caches that cut back anywhere (glm-dsa: llama-server takes none)."""
+    f16 = 2
+    if arch == "deepseek4":
+        head = int(hp["attention.key_length"])
+        idx = int(hp["attention.indexer.key_length"])
+        ring = _pad(min(n_ctx, int(hp["attention.sliding_window"]) + UBATCH))
+        ratios = [int(r) for r in hp["attention.compress_ratios"]][: desc.n_layers]
+        n4, n128 = ratios.count(4), ratios.count(128)
+        raw = (desc.n_layers + desc.mtp_layers) * min(n_ctx, ring) * head * f16
+        return raw + 2 * 4 * (n4 * 8 * 2 * head + n128 * 128 * head + n4 * 8 * 2 * idx)
+    total = 0
+    for i, layer in enumerate(desc.layers):
+        for p in layer.state:
+            if layer.state_kind == "recurrent" and p.fixed:
+                total += p.bytes_at(1, f16)
+            elif arch == "gemma3" and _gemma_swa(i) and not p.fixed:
+                rows = _pad(min(n_ctx, int(hp["attention.sliding_window"]) + UBATCH))
+                total += p.elements * min(n_ctx, rows) * (4 if p.f32 else f16)
+    return total
+
+
 # --- per architecture ------------------------------------------------------------------------------
 
 
@@ -280,6 +314,12 @@ def bench_real(key: str, arch: str, spec: str, gemma: dict[str, Any] | None) -> 
         r[f"state_ratio_{ck}"] = _ratio(r[f"ours_bytes_{ck}"], r[f"llamacpp_bytes_{ck}"])
         r[f"state_ratio_swa_full_{ck}"] = _ratio(r[f"ours_bytes_{ck}"], r[f"llamacpp_bytes_swa_full_{ck}"])
         r[f"state_ratio_no_checkpoints_{ck}"] = _ratio(state, r[f"llamacpp_bytes_{ck}"])
+        # llama-server as people run it: its context plus the checkpoints it keeps after one prompt
+        server = SERVER_CHECKPOINTS_PER_PROMPT * llama_server_checkpoint(arch, hp, desc, n)
+        r[f"llama_server_checkpoint_bytes_{ck}"] = server
+        r[f"state_ratio_vs_llama_server_{ck}"] = _ratio(
+            r[f"ours_bytes_{ck}"], r[f"llamacpp_bytes_{ck}"] + server
+        )
     return r
 
 
@@ -314,6 +354,7 @@ def main() -> None:
             result[f"{key}_real"] = real
             for ck in CTXS:
                 result[f"{key}_state_ratio_{ck}"] = real[f"state_ratio_{ck}"]
+                result[f"{key}_state_ratio_vs_llama_server_{ck}"] = real[f"state_ratio_vs_llama_server_{ck}"]
             print(
                 f"{key} ({name}): ours / llama.cpp MiB at 8K {_mib(real['ours_bytes_8k'])} / "
                 f"{_mib(real['llamacpp_bytes_8k'])}, 32K {_mib(real['ours_bytes_32k'])} / "

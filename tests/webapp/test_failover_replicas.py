@@ -165,6 +165,18 @@ def live_dataplane() -> Iterator[ThreadingHTTPServer]:
     srv.shutdown()
 
 
+def _spare(name: str) -> Node:
+    """An online node with room and no shards: somewhere a lost node's layers can go."""
+    return Node.objects.create(
+        name=name,
+        state=Node.State.ONLINE,
+        dataplane_url="http://127.0.0.1:9",
+        free_memory_bytes=4 * GB,
+        backends=["torch"],
+        last_seen=timezone.now(),
+    )
+
+
 def _fleet(artifact: Any, names: list[str]) -> list[Node]:
     nodes = [
         Node.objects.create(
@@ -212,6 +224,7 @@ def test_an_offline_node_whose_data_plane_still_answers_keeps_its_shards_for_the
 ) -> None:
     settings.KV_RESERVE_BYTES = 0
     (a,) = _fleet(artifact, ["a"])
+    _spare("spare")  # where a's layers go once it is lost
     live_dataplane.node_id = a.pk  # type: ignore[attr-defined]
     url = f"http://127.0.0.1:{live_dataplane.server_address[1]}"
     Node.objects.filter(pk=a.pk).update(
@@ -238,6 +251,7 @@ def test_a_node_silent_while_the_web_was_down_gets_the_grace_from_the_web_start(
 
     settings.KV_RESERVE_BYTES = 0
     (a,) = _fleet(artifact, ["a"])
+    _spare("spare")  # where a's layers go once it is lost
     silent = timezone.now() - timedelta(seconds=settings.NODE_LOST_AFTER_S + 10)
     Node.objects.filter(pk=a.pk).update(state=Node.State.OFFLINE, last_seen=silent)
     record_web_start(time.time() - 2)  # the web came back 2 s ago
@@ -246,6 +260,27 @@ def test_a_node_silent_while_the_web_was_down_gets_the_grace_from_the_web_start(
     record_web_start(time.time() - settings.NODE_LOST_AFTER_S - 1)  # up for longer than the grace
     sweep_offline_nodes()
     assert ShardAssignment.objects.filter(node=a, state=ShardAssignment.State.FAILED).exists()
+
+
+@pytest.mark.django_db
+def test_a_lost_nodes_layers_nobody_can_take_stay_with_it_until_a_node_can(
+    artifact: Any, settings: Any
+) -> None:
+    """A web down longer than the grace makes every agent look lost (they heartbeat to it): with no
+    survivor to take their layers, failing them would leave the model without a route after the
+    agents reconnect. They stay assigned; a node that joins takes them on a later sweep."""
+    settings.KV_RESERVE_BYTES = 0
+    (a,) = _fleet(artifact, ["a"])
+    before = sorted(ShardAssignment.objects.filter(node=a).values_list("layer_start", "layer_end", "state"))
+    silent = timezone.now() - timedelta(seconds=settings.NODE_LOST_AFTER_S + 10)
+    Node.objects.filter(pk=a.pk).update(state=Node.State.OFFLINE, last_seen=silent)
+    sweep_offline_nodes()
+    after = sorted(ShardAssignment.objects.filter(node=a).values_list("layer_start", "layer_end", "state"))
+    assert after == before and not ShardAssignment.objects.filter(state=ShardAssignment.State.FAILED).exists()
+    b = _spare("b")
+    sweep_offline_nodes()  # a still silent: now b takes its layers
+    assert ShardAssignment.objects.filter(node=a, state=ShardAssignment.State.FAILED).exists()
+    assert ShardAssignment.objects.filter(node=b, state=ShardAssignment.State.ASSIGNED).exists()
 
 
 def _two_replicas(artifact: Any) -> list[Node]:

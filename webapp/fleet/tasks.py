@@ -244,12 +244,23 @@ def replace_lost_node(node_id: str, mark: str = ShardAssignment.State.FAILED) ->
             except PlacementError as e:
                 log.warning("artifact %s: %s", artifact.pk, e)
                 out[artifact.sha256] = str(e)
+                if mark == ShardAssignment.State.FAILED:
+                    _keep_with_lost_node([a for a in lost_rows if a.artifact_id == artifact.pk], mark)
                 continue
             ids = _create(artifact, placements, whole=bool(shape.whole))
             new_ids += ids
             out[artifact.sha256] = ids
         transaction.on_commit(lambda: push_loads(new_ids))
     return out
+
+
+def _keep_with_lost_node(rows: list[ShardAssignment], mark: str) -> None:
+    """No survivor can take the lost node's layers: they stay assigned to it, as they were, rather than
+    failed with nowhere to go. A node that was only unheard (the web down longer than the grace: agents
+    heartbeat to it) serves them again when it reconnects, and the sweeper tries the replacement again
+    on its next pass while the node stays silent (a node that joins meanwhile takes them)."""
+    for a in rows:
+        ShardAssignment.objects.filter(pk=a.pk, state=mark).update(state=a.state, error=a.error)
 
 
 def dataplane_gone(node_id: str, url: str) -> bool:
