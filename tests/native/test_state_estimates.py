@@ -6,8 +6,7 @@ what a session holds, of which a snapshot carries only what the next position re
 
 Each architecture's tiny file and manifest are written once for the module. Their tokenizer is a
 256-token one: the state depends on no vocabulary (every figure here is the same with SmolLM2's 49,152
-tokens), and the manifest's GGUF reader then parses 256 strings instead of SmolLM2's tokens and merges
-(2 s a file)."""
+tokens), and the files are a few KB."""
 
 from __future__ import annotations
 

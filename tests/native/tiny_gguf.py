@@ -70,8 +70,9 @@ def write_tiny_gguf(
 
 def write_small_tokenizer(path: Path, n_tokens: int = 256) -> Path:
     """A GGUF holding only an `n_tokens`-token tokenizer, for agent.artifacts.tiny.write_tiny_gguf's
-    tokenizer_from where no tokenizer or llama.cpp reads the file: the manifest's GGUF reader then parses
-    n_tokens strings instead of SmolLM2's 49,152 tokens and merges (about 2 s a file)."""
+    tokenizer_from where no tokenizer or llama.cpp reads the file: write_tiny_gguf then copies n_tokens
+    strings (tiny.tokenizer_fields reads its source with gguf-py's reader, ~2.4 s for SmolLM2's 49,152
+    tokens and merges, once per process and source) and the file is a few KB."""
     w = GGUFWriter(str(path), "llama")
     w.add_tokenizer_model("gpt2")
     w.add_token_list([f"<t{i}>" for i in range(n_tokens)])
