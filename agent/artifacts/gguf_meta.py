@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_GGUF_VERSIONS = (2, 3)  # what llama.cpp reads
 GGML_MAX_DIMS = 4
 DEFAULT_ALIGNMENT = 32
 
@@ -157,13 +159,13 @@ def read_gguf_meta(path: str | Path, max_array: int = 1024) -> GgufMeta:
 
 def _parse(buf: Any, size: int, max_array: int) -> GgufMeta:
     c = _Cursor(buf, size)
-    if bytes(buf[:4]) != b"GGUF":
+    if bytes(buf[:4]) != GGUF_MAGIC:
         raise GgufMetaError("not a GGUF file")
     c.pos = 4
     version = c.unpack("I", "version")
     if version & 0xFFFF == 0:
         raise GgufMetaError("a big-endian GGUF (llama.cpp reads little-endian files only)")
-    if version not in (2, 3):
+    if version not in SUPPORTED_GGUF_VERSIONS:
         raise GgufMetaError(f"GGUF version {version} is not supported")
     n_tensors = c.unpack("Q", "tensor count")
     n_kv = c.unpack("Q", "key/value count")

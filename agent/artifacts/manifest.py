@@ -18,11 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from agent.artifacts.archs import StatePart, describe, servable_problem
-from agent.artifacts.gguf_meta import GgufMetaError, read_gguf_meta
+from agent.artifacts.gguf_meta import GGUF_MAGIC, SUPPORTED_GGUF_VERSIONS, GgufMetaError, read_gguf_meta
 from agent.artifacts.routing import Routing, routing_mode
 
-GGUF_MAGIC = b"GGUF"
-SUPPORTED_GGUF_VERSIONS = (2, 3)
 MANIFEST_VERSION = 2  # 2: per-layer state parts, expert bytes, MTP blocks, unsplittable groups
 _READABLE_VERSIONS = (1, MANIFEST_VERSION)  # a version 1 manifest is re-described from its hparams
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.")

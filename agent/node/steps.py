@@ -172,10 +172,11 @@ def local_answer(
             payload = (
                 np.asarray(sampled[0], dtype="<i4").tobytes() + np.asarray(sampled[1], dtype="<f4").tobytes()
             )
-        if drafts and kind in (Kind.TOKEN, Kind.TOKENS) and not (req.want_logits and sampled is None):
+        logits = sampled is None and req.want_logits  # the answer carries logits, not drafts
+        if drafts and not logits:
             dim = len(drafts)
             payload += np.asarray(drafts, dtype="<i4").tobytes()
-        elif sampled is None and req.want_logits and res.logits is not None:
+        elif logits and res.logits is not None:
             kind, n, dim = Kind.LOGITS, res.logits.shape[0], res.logits.shape[1]
             payload = np.ascontiguousarray(res.logits, dtype=np.float32).tobytes()
         return encode_response(

@@ -170,7 +170,7 @@ def _spare(name: str) -> Node:
     return Node.objects.create(
         name=name,
         state=Node.State.ONLINE,
-        dataplane_url="http://127.0.0.1:9",
+        dataplane_url="http://127.0.0.1:9",  # nothing listens on the discard port
         free_memory_bytes=4 * GB,
         backends=["torch"],
         last_seen=timezone.now(),
@@ -178,17 +178,7 @@ def _spare(name: str) -> Node:
 
 
 def _fleet(artifact: Any, names: list[str]) -> list[Node]:
-    nodes = [
-        Node.objects.create(
-            name=n,
-            state=Node.State.ONLINE,
-            dataplane_url="http://127.0.0.1:9",  # nothing listens on the discard port
-            free_memory_bytes=4 * GB,
-            backends=["torch"],
-            last_seen=timezone.now(),
-        )
-        for n in names
-    ]
+    nodes = [_spare(n) for n in names]
     assert place_model(artifact.pk, replicas=1)["ok"]
     return nodes
 

@@ -14,6 +14,7 @@ from typing import Any
 from django.conf import settings
 from django.core.files.uploadedfile import UploadedFile
 
+from agent.artifacts.gguf_meta import GGUF_MAGIC
 from agent.artifacts.manifest import Manifest
 from agent.artifacts.packaged import ModelNotFound, packaged_model_path
 from webapp.catalog.models import ModelArtifact
@@ -46,9 +47,6 @@ def torrent_root_cert() -> str | None:
     from webapp.core.dataplane_tls import ca_pem
 
     return ca_pem()
-
-
-GGUF_MAGIC = b"GGUF"
 
 
 def _check_gguf_magic(p: Path) -> None:
