@@ -161,6 +161,9 @@ NODE_OFFLINE_AFTER_S = envint("NODE_OFFLINE_AFTER_S", 7, minimum=2)
 NODE_LOST_AFTER_S = envint("NODE_LOST_AFTER_S", 30, minimum=0)
 # ... unless its data plane stopped answering too: then after this long (a restart comes back sooner).
 NODE_DEAD_AFTER_S = envint("NODE_DEAD_AFTER_S", 5, minimum=0)
+# An agent whose control socket dropped retries with a backoff up to this long (agent.defaults): after a
+# web start, silence counts only once every live agent has had its next try (fleet.services.silence_start).
+AGENT_RECONNECT_MAX_S = envint("AGENT_RECONNECT_MAX_S", int(defaults.RECONNECT_MAX_S), minimum=0)
 ENROLLMENT_TOKEN_TTL_S = envint("ENROLLMENT_TOKEN_TTL_S", 3600, minimum=60)
 ROUTE_TOKEN_TTL_S = envint("ROUTE_TOKEN_TTL_S", defaults.ROUTE_TOKEN_TTL_S, minimum=60)
 ROUTE_SESSION_IDLE_S = envint("ROUTE_SESSION_IDLE_S", 1800, minimum=60)

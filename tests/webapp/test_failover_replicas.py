@@ -233,8 +233,8 @@ def test_an_offline_node_whose_data_plane_still_answers_keeps_its_shards_for_the
 def test_a_node_silent_while_the_web_was_down_gets_the_grace_from_the_web_start(
     artifact: Any, settings: Any
 ) -> None:
-    """The control plane's own restart is not its nodes' loss: agents reconnect with a backoff, and
-    their silence counts from the latest web start at the earliest."""
+    """The control plane's own restart is not its nodes' loss: agents reconnect with a backoff of up to
+    AGENT_RECONNECT_MAX_S, and their silence counts from the latest web start plus that at the earliest."""
     import time
 
     from webapp.fleet.services import record_web_start
@@ -244,10 +244,16 @@ def test_a_node_silent_while_the_web_was_down_gets_the_grace_from_the_web_start(
     _spare("spare")  # where a's layers go once it is lost
     silent = timezone.now() - timedelta(seconds=settings.NODE_LOST_AFTER_S + 10)
     Node.objects.filter(pk=a.pk).update(state=Node.State.OFFLINE, last_seen=silent)
+    settings.AGENT_RECONNECT_MAX_S = 30
     record_web_start(time.time() - 2)  # the web came back 2 s ago
     sweep_offline_nodes()
     assert not ShardAssignment.objects.filter(state=ShardAssignment.State.FAILED).exists()
-    record_web_start(time.time() - settings.NODE_LOST_AFTER_S - 1)  # up for longer than the grace
+    # Up for longer than the grace, but an agent that kept failing to reach it may still be in its backoff.
+    record_web_start(time.time() - settings.NODE_LOST_AFTER_S - 1)
+    sweep_offline_nodes()
+    assert not ShardAssignment.objects.filter(state=ShardAssignment.State.FAILED).exists()
+    # Up for the agents' longest backoff plus the grace: a node still silent is lost.
+    record_web_start(time.time() - settings.AGENT_RECONNECT_MAX_S - settings.NODE_LOST_AFTER_S - 1)
     sweep_offline_nodes()
     assert ShardAssignment.objects.filter(node=a, state=ShardAssignment.State.FAILED).exists()
 

@@ -227,9 +227,13 @@ def record_web_start(now: float | None = None) -> None:
 
 def silence_start(last_seen: datetime, web_started: datetime | None) -> datetime:
     """When a node's silence began as far as the fleet can tell: its last heartbeat, or the latest web
-    start when that is later. A control plane's own restart (agents reconnect with backoff, up to 16 s)
-    must not read as its nodes' loss."""
-    return last_seen if web_started is None else max(last_seen, web_started)
+    start plus the agents' longest reconnect backoff (AGENT_RECONNECT_MAX_S) when that is later. An agent
+    cannot heartbeat to a web that is down, and one that kept failing to reach it waits up to that long
+    before its next try: a control plane's own restart must not read as its nodes' loss (CI once saw an
+    agent replaced after the suite's web restart: on a loaded machine its backoff outgrew the grace)."""
+    if web_started is None:
+        return last_seen
+    return max(last_seen, web_started + timedelta(seconds=settings.AGENT_RECONNECT_MAX_S))
 
 
 def web_started_at() -> datetime | None:
