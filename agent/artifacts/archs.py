@@ -12,36 +12,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from agent.artifacts import archtable
 from agent.wire.frames import CONTEXT_CAP
 
-# What the native executor runs today. Extend it (with the C architecture table, native/src/archs/)
-# when an architecture's layer windows are proved against llama.cpp (tests/native/test_archs.py).
+# What the native executor runs today: the rows of agent/artifacts/archtable.py and their aliases. Add a
+# row (with the C architecture, native/src/archs/) when its layer windows are proved against llama.cpp
+# (tests/native/test_archs.py runs every row).
 SERVABLE_ARCHITECTURES: frozenset[str] = frozenset(
-    {
-        "llama",
-        "mistral",
-        "qwen2",
-        "qwen3",
-        "gemma3",
-        "qwen35",
-        "qwen35moe",
-        "glm-dsa",
-        "deepseek4",
-        "qwen3moe",
-        "glm4moe",
-        "deepseek2",
-        "gpt-oss",
-        "minimax-m2",
-    }
+    name for a in archtable.ARCHITECTURES for name in (a.name, *a.aliases)
 )
 
 STATE_KINDS = ("kv", "recurrent", "latent_kv", "compressed_kv")
 # Bytes per cached element in each attention-cache type a node may run (defaults.CACHE_TYPES): ggml's
 # q8_0 keeps 32 values in 34 bytes, q4_0 in 18.
 CACHE_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
-# Gated delta-net hybrids: recurrent layers with full attention every N-th layer.
-_DELTA_NET = ("qwen35", "qwen35moe", "qwen3next")
-_MLA = ("deepseek2", "deepseek32", "glm-dsa")
 _DSV4_CSA, _DSV4_HCA = 4, 128
 
 
@@ -152,7 +136,7 @@ def _mla(
 ) -> tuple[list[LayerDescription], list[tuple[int, int]]]:
     latent = StatePart("latent", _int(hp, "attention.kv_lora_rank"))
     rope = StatePart("rope", _int(hp, "rope.dimension_count"))
-    if arch != "glm-dsa":
+    if archtable.family(arch) != archtable.MLA_INDEXED:
         return [LayerDescription("latent_kv", [latent, rope]) for _ in range(n_layers)], []
     full = glm_indexer_full(hp, n_layers)
     idx_k = StatePart("indexer_k", _int(hp, "attention.indexer.key_length"))
@@ -179,19 +163,16 @@ def _window_ring(hp: dict[str, Any]) -> int:
     return max(256, -(-n // 256) * 256)
 
 
-# Architectures with sliding-window layers and llama.cpp's default sliding_window_pattern for them
-_SWA_PATTERN = {"gemma3": 6, "gpt-oss": 2}
-
-
 def _swa_windows(arch: str, hp: dict[str, Any], n_layers: int) -> list[int]:
     """Per layer, the ring a sliding-window layer keeps (GGML_PAD(min(n_ctx, n_swa + n_ubatch), 256)),
     or 0 (the whole context); the pattern as llama.cpp's loader reads it (an array of per-layer flags,
     else every `sliding_window_pattern`-th layer is global: default 6 for gemma3, 2 for gpt-oss)."""
     n_swa = _int(hp, "attention.sliding_window")
-    if arch not in _SWA_PATTERN or n_swa <= 0:
+    row = archtable.facts(arch)
+    if row is None or not row.swa_pattern or n_swa <= 0:
         return [0] * n_layers
     ring = _window_ring(hp)
-    pattern = hp.get("attention.sliding_window_pattern", _SWA_PATTERN[arch])
+    pattern = hp.get("attention.sliding_window_pattern", row.swa_pattern)
     if isinstance(pattern, list):
         swa = [bool(pattern[i]) if i < len(pattern) else False for i in range(n_layers)]
     else:
@@ -241,19 +222,22 @@ def describe(
 ) -> ArchDescription:
     """Layer kinds, seam width, groups and MTP blocks of a file, from its metadata and tensor names."""
     mtp = _int(hp, "nextn_predict_layers")
-    if arch == "deepseek4" and mtp and f"blk.{block_count - mtp}.nextn.eh_proj.weight" not in tensor_names:
+    kind = archtable.family(arch)
+    if kind == archtable.DSV4 and mtp and f"blk.{block_count - mtp}.nextn.eh_proj.weight" not in tensor_names:
         mtp = 0  # llama.cpp treats the blocks as trunk layers when the MTP tensors are absent
     n_layers = block_count - mtp
+    row = archtable.facts(arch)
     boundary_dim = d_model
-    groups: list[tuple[int, int]] = []
-    if arch in _DELTA_NET:
-        layers = _delta_net(hp, n_layers, d_model)
-    elif arch in _MLA:
-        layers, groups = _mla(arch, hp, n_layers)
-    elif arch == "deepseek4":
-        layers = _deepseek4(hp, n_layers)
+    if row is not None and row.seam_streams_key:
         # hyper-connections: the residual travels as `count` streams of d_model between layers
-        boundary_dim = d_model * _int(hp, "hyper_connection.count", 4)
+        boundary_dim = d_model * _int(hp, row.seam_streams_key, row.seam_streams_default)
+    groups: list[tuple[int, int]] = []
+    if kind == archtable.DELTA_NET:
+        layers = _delta_net(hp, n_layers, d_model)
+    elif kind in (archtable.MLA, archtable.MLA_INDEXED):
+        layers, groups = _mla(arch, hp, n_layers)
+    elif kind == archtable.DSV4:
+        layers = _deepseek4(hp, n_layers)
     else:
         # Sliding-window layers (gemma3, gpt-oss) keep a ring of their last positions, as llama.cpp's SWA cache
         # (native/src/kv.cpp swa_rows): counted at that window, the others at the whole context.

@@ -20,41 +20,17 @@ from typing import Any
 
 import numpy as np
 
-from agent.artifacts import layouts, layouts_moe
+from agent.artifacts import archtable, layouts, layouts_moe
 from agent.artifacts.layouts import DEEPSEEK4_FLASH_ROPE_SCALING as DEEPSEEK4_FLASH_ROPE_SCALING
 from agent.artifacts.layouts import Builder, Tensor
 from agent.artifacts.layouts_moe import DEEPSEEK_V3_ROPE_SCALING
 
-ARCHITECTURES = (
-    "llama",
-    "qwen3",
-    "gemma3",
-    "qwen35",
-    "qwen35moe",
-    "deepseek4",
-    "glm-dsa",
-    "qwen3moe",
-    "glm4moe",
-    "deepseek2",
-    "gpt-oss",
-    "minimax-m2",
-)
+ARCHITECTURES = tuple(a.name for a in archtable.ARCHITECTURES)
 DTYPES = ("f32", "f16", "q8_0")
 D_MODEL = 64
-DEFAULT_LAYERS = {
-    "llama": 4,
-    "qwen3": 4,
-    "gemma3": 6,  # five sliding-window layers, then a global one (llama.cpp's default pattern of 6)
-    "qwen35": 8,  # full attention at layers 3 and 7
-    "qwen35moe": 8,
-    "deepseek4": 6,
-    "glm-dsa": 6,
-    "qwen3moe": 4,
-    "glm4moe": 4,  # layer 0 dense, then experts; plus the MTP block every GLM-4.5 file ends with
-    "deepseek2": 4,  # layer 0 dense, then grouped experts
-    "gpt-oss": 4,  # sliding-window layers 0 and 2, full 1 and 3
-    "minimax-m2": 4,
-}
+# gemma3: five sliding-window layers, then a global one; qwen35: full attention at layers 3 and 7;
+# glm4moe and deepseek2: layer 0 dense, then experts; gpt-oss: sliding-window layers 0 and 2 (archtable.py)
+DEFAULT_LAYERS = {a.name: a.tiny_layers for a in archtable.ARCHITECTURES}
 _FILE_TYPE = {"f32": 0, "f16": 1, "q8_0": 7}
 # Only matmul weights take the file's dtype; these stay f32 (the graphs read them as f32).
 _KEEP_F32 = ("ssm_conv1d", "hc_", "_ape")  # 1-D tensors (norms, biases, ssm_a, sinks) stay f32 anyway
@@ -161,7 +137,8 @@ def _wide_heads(arch: str, b: Builder, n_layers: int, vocab: int, mtp: bool) -> 
         layouts.glm_dsa(b, layouts.GlmDims(D_MODEL, n_layers, vocab, types, mtp=mtp, kv_lora=160, n_rot=32))
 
 
-_WIDE_HEADS_ARCHS = ("qwen35", "qwen35moe", "glm-dsa", "gemma3")  # the others' tiny heads are 64 wide already
+# the others' tiny heads are 64 wide already
+_WIDE_HEADS_ARCHS = tuple(a.name for a in archtable.ARCHITECTURES if a.wide_heads)
 
 
 def deepseek4_compress_ratios(n_layers: int) -> list[int]:

@@ -1,0 +1,89 @@
+"""The conformance suite's cases, one per row of agent/artifacts/archtable.py (its tiny file and 3-hop
+split), plus the real files a package ships and the variants a row's facts do not cover (qwen3 without
+YaRN beside qwen3moe with it). test_archs.py (against llama.cpp) and test_archs_state.py (what a route
+does with a session's state) run every case."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from agent.artifacts import archtable
+from agent.artifacts.packaged import ModelNotFound, packaged_model_path
+from agent.artifacts.tiny import write_tiny_gguf
+from agent.backends.base import Backend
+from agent.wire.ids import SessionId
+
+REPO = Path(__file__).resolve().parents[2]
+TEXT = REPO / "tests" / "data" / "teacher_forcing_en.txt"
+# Same ggml ops in the same order as llama.cpp, weights in the same buffer types (repacked where
+# llama.cpp repacks them): the logits come out equal (max |diff| 0.0 in every run so far); the bound
+# leaves room for a ggml build that reorders a reduction.
+MAX_LOGIT_DIFF = 1e-3
+
+
+@dataclass(frozen=True)
+class Case:
+    """One architecture's model file and its 3-hop split."""
+
+    name: str
+    arch: str
+    model: Callable[[Path], str]
+    splits: archtable.Splits
+    chunk_exact: bool = True
+    tiny: bool = True  # a tiny random-weight file (else a real one a package ships)
+
+
+def _packaged(name: str) -> Callable[[Path], str]:
+    def get(_: Path) -> str:
+        try:
+            return str(packaged_model_path(name))
+        except ModelNotFound as e:
+            pytest.skip(str(e))
+
+    return get
+
+
+def _tiny(arch: str, n_layers: int, **kw: object) -> Callable[[Path], str]:
+    return lambda d: str(write_tiny_gguf(arch, d / f"{arch}.gguf", n_layers=n_layers, **kw))  # type: ignore[arg-type]
+
+
+def _cases() -> list[Case]:
+    out = []
+    for a in archtable.ARCHITECTURES:
+        s = a.suite
+        tiny = _tiny(a.name, archtable.suite_layers(a), **s.tiny_options)
+        out.append(Case(a.name, a.name, tiny, s.splits, s.chunk_exact))
+        if a.packaged is not None:
+            # real weights: gemma3's Q4_K is repacked (ggml multiplies row groups of 4 with one kernel
+            # and the rest with another), so its chunking moves the logits
+            name, splits = a.packaged
+            out.append(
+                Case(f"{a.name}-{name}", a.name, _packaged(name), splits, a.name != "gemma3", tiny=False)
+            )
+    # the row's qwen3moe declares YaRN (its 128K files); plain RoPE and YaRN on the dense qwen3 too
+    yarn = archtable.BY_NAME["qwen3moe"].suite.tiny_options
+    out.append(
+        Case("qwen3-yarn", "qwen3", _tiny("qwen3", 4, **yarn), archtable.BY_NAME["qwen3"].suite.splits)
+    )
+    return out
+
+
+CASES = _cases()
+
+
+def sid_of(n: int) -> SessionId:
+    return SessionId(n.to_bytes(16, "little"))
+
+
+def open_route(hops: list[Backend], sid: SessionId, capacity: int = 512) -> None:
+    for h in hops:
+        h.open_session(sid, capacity)
+
+
+def close_route(hops: list[Backend], sid: SessionId) -> None:
+    for h in hops:
+        h.close_session(sid)
