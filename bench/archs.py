@@ -1,12 +1,13 @@
 """Per-architecture benchmark of the native backend against llama-cpp-python, same model, threads and run.
 
-For every architecture in ARCHS: teacher-forced top-1 agreement and max |logit diff| of the model split
-into 3 native hops against llama-cpp-python's full model, and greedy decode speed of those 3 hops
-relative to llama-cpp-python (interleaved rounds, best of each), with flash attention off and on
-(both sides alike: llama.cpp's -fa and the node's --flash-attn) and both sides' caches in one type.
-Prints human-readable lines, then one JSON object as the last line with `<arch>_top1_agreement`,
-`<arch>_max_abs_logit_diff`, `<arch>_decode_ratio_3hop_vs_llamacpp` (and the tok/s behind the ratio)
-per architecture for flash attention off, the same keys with a `_flash` suffix for on. Usage:
+For every architecture in ARCHS (a row per row of agent/artifacts/archtable.py): teacher-forced top-1
+agreement and max |logit diff| of the model split into 3 native hops against llama-cpp-python's full
+model, and greedy decode speed of those 3 hops relative to llama-cpp-python (interleaved rounds, best of
+each), with flash attention off and on (both sides alike: llama.cpp's -fa and the node's --flash-attn)
+and both sides' caches in one type. Prints human-readable lines, then one JSON object as the last line
+with `<arch>_top1_agreement`, `<arch>_max_abs_logit_diff`, `<arch>_decode_ratio_3hop_vs_llamacpp` (and
+the tok/s behind the ratio) per architecture for flash attention off, the same keys with a `_flash`
+suffix for on; `<arch>` is the row's name with '-' as '_' (glm_dsa, gpt_oss, minimax_m2). Usage:
 
     .venv/bin/python bench/archs.py [--threads 2] [--decode-tokens 64] [--rounds 2] [--archs llama,gemma3]
         [--flash-attn off,on] [--cache-type f16]
@@ -28,6 +29,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from agent.artifacts import archtable  # noqa: E402
 from agent.artifacts.manifest import build_manifest  # noqa: E402
 from agent.artifacts.packaged import packaged_model_path  # noqa: E402
 from agent.artifacts.tiny import write_tiny_gguf  # noqa: E402
@@ -55,37 +57,24 @@ def _packaged(name: str) -> Callable[[Path], Path]:
     return lambda _: packaged_model_path(name)
 
 
-def _tiny(arch: str) -> Callable[[Path], Path]:
-    return lambda d: write_tiny_gguf(arch, d / f"{arch}.gguf")
+def _tiny(a: archtable.ArchFacts) -> Callable[[Path], Path]:
+    n_layers, options = archtable.suite_layers(a), a.suite.tiny_options
+    return lambda d: write_tiny_gguf(a.name, d / f"{a.name}.gguf", n_layers=n_layers, **options)
 
 
-# Real weights where a package ships them, else a tiny random-weight file (llama.cpp is the oracle
-# either way; tiny files' speed says little). Add a row per architecture.
-ARCHS = [
-    BenchArch("llama", _packaged("smollm2"), ((0, 7), (7, 19), (19, 30))),
-    BenchArch("gemma3", _packaged("gemma3"), ((0, 5), (5, 12), (12, 18))),
-    BenchArch("qwen3", _tiny("qwen3"), ((0, 1), (1, 3), (3, 4))),
-    # seams right before and right after the full-attention layer 3 of 8 (delta-net layers elsewhere)
-    BenchArch("qwen35", _tiny("qwen35"), ((0, 3), (3, 4), (4, 8))),
-    BenchArch("qwen35moe", _tiny("qwen35moe"), ((0, 3), (3, 4), (4, 8))),
-    # 9 layers, full indexers at 0, 3 and 6: every seam sits right before one (the planner's rule)
-    BenchArch(
-        "glm_dsa",
-        lambda d: write_tiny_gguf("glm-dsa", d / "glm-dsa.gguf", n_layers=9),
-        ((0, 3), (3, 6), (6, 9)),
-    ),
-    # ratios 0, 4, 128, 0, 4, 128: each hop holds a different mix of raw, compressed and indexer state
-    BenchArch("deepseek4", _tiny("deepseek4"), ((0, 2), (2, 4), (4, 6))),
-    # mixtures of experts (the real models' key sets): seams right after the dense layer 0 (glm4moe,
-    # deepseek2) and between expert layers
-    BenchArch("qwen3moe", _tiny("qwen3moe"), ((0, 1), (1, 3), (3, 4))),
-    BenchArch("glm4moe", _tiny("glm4moe"), ((0, 1), (1, 3), (3, 4))),
-    BenchArch("deepseek2", _tiny("deepseek2"), ((0, 1), (1, 3), (3, 4))),
-    # sinks, sliding-window layers 0 and 2, MXFP4 experts
-    BenchArch("gpt_oss", _tiny("gpt-oss"), ((0, 1), (1, 3), (3, 4))),
-    # q/k norms across all heads, partial RoPE, sigmoid routing with a selection bias
-    BenchArch("minimax_m2", _tiny("minimax-m2"), ((0, 1), (1, 3), (3, 4))),
-]
+def _row(a: archtable.ArchFacts) -> BenchArch:
+    """Real weights where a package ships them (SmolLM2 for llama, Gemma 3 270M), split as the suite
+    splits them, else the suite's tiny random-weight file and split (llama.cpp is the oracle either way;
+    tiny files' speed says little)."""
+    key = a.name.replace("-", "_")
+    if a.packaged is not None:
+        name, splits = a.packaged
+        return BenchArch(key, _packaged(name), splits)
+    return BenchArch(key, _tiny(a), a.suite.splits)
+
+
+# One row per architecture of agent/artifacts/archtable.py (its seams are explained there).
+ARCHS = [_row(a) for a in archtable.ARCHITECTURES]
 
 
 def _sid(n: int) -> SessionId:
