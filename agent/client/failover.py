@@ -360,7 +360,10 @@ class Failover:
             if n is not None:  # fewer positions than the client counted: start that hop over
                 with contextlib.suppress(RouteError):
                     await link.post(i, link.frame(i, Op.CLOSE), link.timeout_s)
-        resp = await link.post(i, link.frame(i, Op.OPEN, pos_start=self.capacity), link.timeout_s)
+        # the replacement of the last hop drafts with the MTP head as the hop it replaces did
+        resp = await link.post(
+            i, link.frame(i, Op.OPEN, pos_start=self.capacity, dim=link.open_dim(i)), link.timeout_s
+        )
         chain = self.mode == "chain" and len(link.hops) > 1
         replayable = not chain and (i == 0 or self._seams_kept)
         keep = 0  # positions the new hop already holds and keeps

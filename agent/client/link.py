@@ -87,6 +87,9 @@ class RouteLink:
         self.opened = False
         self.chain_sent = False  # chain mode: the hops remember the chain from its first step
         self.resend_sampling = [False] * n  # a replacement has not seen the session's sampling options
+        # MTP drafts the last hop sends after each step (its model's own head; drafts.MtpDrafter takes
+        # them): asked for in its OPEN, the session's and a replacement's alike; 0: none
+        self.mtp_draft = 0
 
     def next_step(self) -> int:
         self.step += 1
@@ -95,6 +98,10 @@ class RouteLink:
     def frame(self, i: int, op: Op, **fields: Any) -> bytes:
         """Hop `i`'s request frame: `fields` are Request's other keyword fields."""
         return encode_request(Request(op=op, session=self.session, token=self.hops[i].token, **fields))
+
+    def open_dim(self, i: int) -> int:
+        """An OPEN's `dim` for hop `i`: the MTP drafts per step the last hop is asked for."""
+        return self.mtp_draft if i == len(self.hops) - 1 else 0
 
     def plain_frame(self, i: int, op: Op, pos: int, dim: int = 0) -> bytes:
         """A numbered frame with no payload to hop `i` (open, truncate) at position `pos` (`dim`: an

@@ -114,9 +114,6 @@ class RouteClient:
         self.last_response: Response | None = None  # the step that sampled the token being yielded
         self.last_spec = SpecStats()  # the latest generate's speculation (agent/client/spec.py)
         self.spec_adaptive = True  # drafts sized by measured costs and acceptance; False: `speculate` each
-        # MTP drafts the last hop sends after each step (its model's own head; drafts.MtpDrafter takes
-        # them): asked for when the session opens, so set before the first step; 0: none
-        self.mtp_draft = 0
         # hops hold a verification's rejected drafts past the history: the next frame cuts them off
         self._hops_ahead = False
         # this answer verified drafts over a slow route: its plain steps stay off the lanes too, since
@@ -161,6 +158,16 @@ class RouteClient:
         return self.link.hops
 
     @property
+    def mtp_draft(self) -> int:
+        """MTP drafts the last hop sends after each step (drafts.MtpDrafter takes them); asked for when
+        the session opens (and by a replacement of the last hop), so set before the first step; 0: none."""
+        return self.link.mtp_draft
+
+    @mtp_draft.setter
+    def mtp_draft(self, n: int) -> None:
+        self.link.mtp_draft = n
+
+    @property
     def session(self) -> SessionId:
         return self.link.session
 
@@ -200,8 +207,9 @@ class RouteClient:
         if link.opened:
             return
         for i in range(len(link.hops)):
-            mtp = self.mtp_draft if i == len(link.hops) - 1 else 0
-            await self.failover.call(i, partial(link.plain_frame, i, Op.OPEN, self.capacity, mtp), 0)
+            await self.failover.call(
+                i, partial(link.plain_frame, i, Op.OPEN, self.capacity, link.open_dim(i)), 0
+            )
         link.opened = True
 
     async def close(self) -> None:
