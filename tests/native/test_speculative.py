@@ -1,4 +1,4 @@
-"""Speculative decoding over 3 native hops of every state kind: the tokens are the plain route's, token
+"""Speculative decoding over 3 native hops of every architecture (every state kind): the tokens are the plain route's, token
 for token, and a rejected draft leaves every hop's state as if it had never been sent: bit for bit the
 plain route's state (a verification runs its rows as decode steps, agent/node/verify.py)."""
 
@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from agent.artifacts import archtable
 from agent.artifacts.tiny import write_tiny_gguf
 from agent.client.errors import RouteError
 from agent.client.recovery import minted_hops
@@ -20,14 +21,15 @@ from tests.native.routes import windows_on_one_node
 
 pytestmark = pytest.mark.slow
 
-# three hops per architecture, cut where the state kinds change (sliding-window and global layers,
-# recurrent and full attention, deepseek4's hash-routed and compressing layers)
-CASES = {
-    "llama": ([(0, 1), (1, 3), (3, 4)], {}, 0),
-    "gemma3": ([(0, 2), (2, 5), (5, 6)], {}, 0),
-    "qwen35": ([(0, 3), (3, 4), (4, 8)], {}, 0),
-    "deepseek4": ([(0, 2), (2, 4), (4, 6)], {"hash_layers": 3}, 3),
+# every row of agent/artifacts/archtable.py on its suite file, cut where the state kinds change hands
+# (sliding-window and global layers, recurrent and full attention, deepseek4's hash-routed and
+# compressing layers): (hops, tiny-file options, layers reading token ids)
+CASES: dict[str, tuple[list[tuple[int, int]], dict[str, object], int]] = {
+    a.name: (list(a.suite.splits), {"n_layers": archtable.suite_layers(a), **a.suite.tiny_options}, 0)
+    for a in archtable.ARCHITECTURES
 }
+# deepseek4's hash-routed layers reach into the second hop: the client sends it the token ids too
+CASES["deepseek4"] = (CASES["deepseek4"][0], {**CASES["deepseek4"][1], "hash_layers": 3}, 3)
 PROMPT = [(17 * i + 5) % 200 + 10 for i in range(40)]
 N = 24
 
@@ -96,7 +98,8 @@ async def test_speculative_tokens_equal_plain_and_rejected_drafts_leave_no_trace
             st = spec.last_spec.as_dict()
             assert st["accepted"] > 0 and st["accepted"] < st["drafted"]  # both paths ran
             assert st["tokens_per_round_trip"] > 1.5
-            if arch == "qwen35":  # recurrent state went back to the step's checkpoint, ran what stood again
+            if archtable.family(arch) == archtable.DELTA_NET:
+                # recurrent state went back to the step's checkpoint and ran what stood again
                 assert dp.counters.get("verify_cut_replayed", 0) > 0
             else:
                 assert dp.counters.get("verify_cut_exact", 0) > 0
