@@ -53,6 +53,9 @@ class ArchFacts:
     aliases: tuple[str, ...] = ()  # other general.architecture names the same graph runs
     # a real file a pip package ships (agent/artifacts/packaged.py) and its 3-hop split, run by the suite
     packaged: tuple[str, Splits] | None = None
+    # Suite.chunk_exact for the real file: not with repacked weights (gemma3's Q4_K: ggml multiplies row
+    # groups of 4 with one kernel and the rest with another, so chunking moves the logits)
+    packaged_chunk_exact: bool = True
 
 
 _TINY4: Splits = ((0, 1), (1, 3), (3, 4))
@@ -81,6 +84,7 @@ ARCHITECTURES: tuple[ArchFacts, ...] = (
         swa_pattern=6,
         wide_heads=True,
         packaged=("gemma3", ((0, 5), (5, 12), (12, 18))),
+        packaged_chunk_exact=False,
     ),
     # seams right before and right after the full-attention layer 3 of 8 (delta-net layers elsewhere)
     ArchFacts("qwen35", DELTA_NET, 8, Suite(((0, 3), (3, 4), (4, 8))), batches=False, wide_heads=True),

@@ -58,12 +58,9 @@ def _cases() -> list[Case]:
         tiny = _tiny(a.name, archtable.suite_layers(a), **s.tiny_options)
         out.append(Case(a.name, a.name, tiny, s.splits, s.chunk_exact))
         if a.packaged is not None:
-            # real weights: gemma3's Q4_K is repacked (ggml multiplies row groups of 4 with one kernel
-            # and the rest with another), so its chunking moves the logits
             name, splits = a.packaged
-            out.append(
-                Case(f"{a.name}-{name}", a.name, _packaged(name), splits, a.name != "gemma3", tiny=False)
-            )
+            real = _packaged(name)
+            out.append(Case(f"{a.name}-{name}", a.name, real, splits, a.packaged_chunk_exact, tiny=False))
     # the row's qwen3moe declares YaRN (its 128K files); plain RoPE and YaRN on the dense qwen3 too
     yarn = archtable.BY_NAME["qwen3moe"].suite.tiny_options
     out.append(
