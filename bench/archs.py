@@ -22,6 +22,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +33,7 @@ sys.path.insert(0, str(REPO))
 from agent.artifacts import archtable  # noqa: E402
 from agent.artifacts.manifest import build_manifest  # noqa: E402
 from agent.artifacts.packaged import packaged_model_path  # noqa: E402
-from agent.artifacts.tiny import write_tiny_gguf  # noqa: E402
+from agent.artifacts.tiny import write_suite_gguf  # noqa: E402
 from agent.backends.base import ShardSpec  # noqa: E402
 from agent.dev.chain import route_forward  # noqa: E402
 from agent.wire.ids import SessionId  # noqa: E402
@@ -57,11 +58,6 @@ def _packaged(name: str) -> Callable[[Path], Path]:
     return lambda _: packaged_model_path(name)
 
 
-def _tiny(a: archtable.ArchFacts) -> Callable[[Path], Path]:
-    n_layers, options = archtable.suite_layers(a), a.suite.tiny_options
-    return lambda d: write_tiny_gguf(a.name, d / f"{a.name}.gguf", n_layers=n_layers, **options)
-
-
 def _row(a: archtable.ArchFacts) -> BenchArch:
     """Real weights where a package ships them (SmolLM2 for llama, Gemma 3 270M), split as the suite
     splits them, else the suite's tiny random-weight file and split (llama.cpp is the oracle either way;
@@ -70,7 +66,7 @@ def _row(a: archtable.ArchFacts) -> BenchArch:
     if a.packaged is not None:
         name, splits = a.packaged
         return BenchArch(key, _packaged(name), splits)
-    return BenchArch(key, _tiny(a), a.suite.splits)
+    return BenchArch(key, partial(write_suite_gguf, a.name), a.suite.splits)
 
 
 # One row per architecture of agent/artifacts/archtable.py (its seams are explained there).

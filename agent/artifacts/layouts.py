@@ -93,6 +93,16 @@ def write_kv(writer: Any, b: Builder) -> None:
             writer.add_key_value(key, value, GGUFValueType.ARRAY, element[kind])
 
 
+def write_file(writer: Any) -> None:
+    """Write a gguf.GGUFWriter's header, metadata and tensors to its file, then close it (also on error)."""
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    finally:
+        writer.close()
+
+
 # --- the pieces architectures share -------------------------------------------------------------------
 
 

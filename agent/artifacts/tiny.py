@@ -382,13 +382,17 @@ def write_tiny_gguf(
     for t in b.tensors:
         arr, raw = _encode(t.name, t.kind, tensor_values(t, rng), dtype)
         w.add_tensor(t.name, arr, raw_dtype=raw)
-    try:
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-    finally:
-        w.close()
+    layouts.write_file(w)
     return out
+
+
+def write_suite_gguf(arch: str, directory: str | os.PathLike[str], **overrides: Any) -> Path:
+    """`arch`'s suite file: the tiny file the conformance suite (tests/native/archcases.py) and
+    bench/archs.py run, at its row's suite layer count and options (`overrides` on top), as
+    `directory`/<arch>.gguf."""
+    a = archtable.BY_NAME[arch]
+    options: dict[str, Any] = {"n_layers": archtable.suite_layers(a), **a.suite.tiny_options, **overrides}
+    return write_tiny_gguf(arch, Path(directory) / f"{arch}.gguf", **options)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from agent.artifacts import layouts
 from agent.artifacts.manifest import ManifestError, build_manifest
 from tests.agent._fuzz import FUZZ, mutated
 
@@ -45,12 +46,7 @@ def _small_gguf(path: Path) -> bytes:
         ):
             w.add_tensor(f"blk.{i}.{name}.weight", rng.standard_normal(shape, dtype=np.float32))
     w.add_tensor("output_norm.weight", np.ones(d, dtype=np.float32))
-    try:
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-    finally:
-        w.close()
+    layouts.write_file(w)
     return path.read_bytes()
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from agent.artifacts import layouts
 from agent.artifacts.manifest import Manifest, ManifestError, build_manifest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,10 +32,7 @@ def write_tiny_gguf(path: Path, arch: str = "llama", n_layers: int = 2, d: int =
         w.add_tensor(f"blk.{i}.attn_norm.weight", np.full(d, i, dtype=np.float32))
         w.add_tensor(f"blk.{i}.attn_q.weight", np.ones((d, d), dtype=np.float32))
     w.add_tensor("output_norm.weight", np.ones(d, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    layouts.write_file(w)
     return path
 
 

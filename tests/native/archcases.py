@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from agent.artifacts import archtable
+from agent.artifacts.manifest import build_manifest
 from agent.artifacts.packaged import ModelNotFound, packaged_model_path
-from agent.artifacts.tiny import write_tiny_gguf
-from agent.backends.base import Backend
+from agent.artifacts.tiny import write_suite_gguf
+from agent.backends.base import Backend, ShardSpec
 from agent.wire.ids import SessionId
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,16 +48,15 @@ def _packaged(name: str) -> Callable[[Path], str]:
     return get
 
 
-def _tiny(arch: str, n_layers: int, **kw: object) -> Callable[[Path], str]:
-    return lambda d: str(write_tiny_gguf(arch, d / f"{arch}.gguf", n_layers=n_layers, **kw))  # type: ignore[arg-type]
+def _suite_file(arch: str, **overrides: object) -> Callable[[Path], str]:
+    return lambda d: str(write_suite_gguf(arch, d, **overrides))
 
 
 def _cases() -> list[Case]:
     out = []
     for a in archtable.ARCHITECTURES:
         s = a.suite
-        tiny = _tiny(a.name, archtable.suite_layers(a), **s.tiny_options)
-        out.append(Case(a.name, a.name, tiny, s.splits, s.chunk_exact))
+        out.append(Case(a.name, a.name, _suite_file(a.name), s.splits, s.chunk_exact))
         if a.packaged is not None:
             name, splits = a.packaged
             real = _packaged(name)
@@ -64,12 +64,20 @@ def _cases() -> list[Case]:
     # the row's qwen3moe declares YaRN (its 128K files); plain RoPE and YaRN on the dense qwen3 too
     yarn = archtable.BY_NAME["qwen3moe"].suite.tiny_options
     out.append(
-        Case("qwen3-yarn", "qwen3", _tiny("qwen3", 4, **yarn), archtable.BY_NAME["qwen3"].suite.splits)
+        Case("qwen3-yarn", "qwen3", _suite_file("qwen3", **yarn), archtable.BY_NAME["qwen3"].suite.splits)
     )
     return out
 
 
 CASES = _cases()
+
+
+def backend_hops(gguf: str, splits: archtable.Splits, **options: object) -> list[Backend]:
+    """A NativeBackend per window of `splits` (2 threads; `options`: the backend's, e.g. flash_attn)."""
+    from agent.backends.native import NativeBackend
+
+    manifest = build_manifest(gguf, hash_tensors=False)
+    return [NativeBackend(ShardSpec(gguf, a, b, manifest, n_threads=2), **options) for a, b in splits]  # type: ignore[arg-type]
 
 
 def sid_of(n: int) -> SessionId:

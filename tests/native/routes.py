@@ -36,6 +36,20 @@ def generate(
     return out
 
 
+def truncate_route(hops_and_sids: list, n: int) -> tuple[int, list[str]]:  # noqa: ANN001 - (hop, sid) pairs
+    """What the route client does with an edit at `n`: every hop goes back to at most n (truncate_to),
+    then all to the smallest. `hops_and_sids`: a list (read more than once). Returns the position they
+    all hold and what each hop did with the first request."""
+    target, kinds = n, []
+    while True:
+        res = [h.truncate_to(s, target) for h, s in hops_and_sids]
+        kinds = kinds or [k for _, k in res]
+        held = min(p for p, _ in res)
+        if held == target:
+            return held, kinds
+        target = held
+
+
 def open_sessions(hops: list, capacity: int = 1024) -> list[int]:  # noqa: ANN001 - NativeModel hops
     """One session per NativeModel hop; their ids in hop order."""
     return [h.open_session(capacity) for h in hops]

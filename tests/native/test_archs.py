@@ -14,9 +14,17 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from agent.artifacts.manifest import build_manifest
-from agent.backends.base import Backend, ShardSpec
-from tests.native.archcases import CASES, MAX_LOGIT_DIFF, TEXT, Case, close_route, open_route, sid_of
+from agent.backends.base import Backend
+from tests.native.archcases import (
+    CASES,
+    MAX_LOGIT_DIFF,
+    TEXT,
+    Case,
+    backend_hops,
+    close_route,
+    open_route,
+    sid_of,
+)
 from tests.native.routes import generate, route_forward
 
 pytestmark = pytest.mark.slow
@@ -43,13 +51,7 @@ def gguf(case: Case, tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def hops(native_lib: None, case: Case, gguf: str, flash_attn: str) -> Iterator[list[Backend]]:
-    from agent.backends.native import NativeBackend
-
-    manifest = build_manifest(gguf, hash_tensors=False)
-    models: list[Backend] = [
-        NativeBackend(ShardSpec(gguf, a, b, manifest, n_threads=2), flash_attn=flash_attn)
-        for a, b in case.splits
-    ]
+    models = backend_hops(gguf, case.splits, flash_attn=flash_attn)
     mode = models[0].model.info.decode_kernels  # type: ignore[attr-defined]
     assert (mode == -2) == (flash_attn == "on")
     print(f"\n{case.name}, flash attention {flash_attn}: {KERNELS[mode]}")

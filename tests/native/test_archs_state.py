@@ -15,11 +15,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agent.artifacts import archs, archtable
-from agent.artifacts.manifest import build_manifest
-from agent.backends.base import Backend, ShardSpec
-from tests.native.archcases import CASES, MAX_LOGIT_DIFF, TEXT, Case, close_route, open_route, sid_of
-from tests.native.routes import here_and_in_another_process, native_hops, route_forward
+from agent.artifacts import archs, archtable, layouts
+from agent.backends.base import Backend
+from tests.native.archcases import (
+    CASES,
+    MAX_LOGIT_DIFF,
+    TEXT,
+    Case,
+    backend_hops,
+    close_route,
+    open_route,
+    sid_of,
+)
+from tests.native.routes import here_and_in_another_process, native_hops, route_forward, truncate_route
 
 pytestmark = pytest.mark.slow
 
@@ -38,12 +46,7 @@ def gguf(case: Case, tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def hops(native_lib: None, case: Case, gguf: str) -> Iterator[list[Backend]]:
-    from agent.backends.native import NativeBackend
-
-    manifest = build_manifest(gguf, hash_tensors=False)
-    models: list[Backend] = [
-        NativeBackend(ShardSpec(gguf, a, b, manifest, n_threads=2)) for a, b in case.splits
-    ]
+    models = backend_hops(gguf, case.splits)
     yield models
     for m in models:
         m.close()
@@ -59,18 +62,6 @@ def text_ids(gguf: str) -> list[int]:
         llm.close()
     assert len(ids) >= 300
     return ids
-
-
-def _truncate_route(hops: list[Backend], sid: object, n: int) -> tuple[int, list[str]]:
-    """What the route client does: every hop goes back to at most n, then all to the smallest."""
-    target, kinds = n, []
-    while True:
-        res = [h.truncate_to(sid, target) for h in hops]  # type: ignore[arg-type]
-        kinds = kinds or [k for _, k in res]
-        held = min(p for p, _ in res)
-        if held == target:
-            return held, kinds
-        target = held
 
 
 def _prefill(hops: list[Backend], sid: object, cuts: list[int], ids: list[int]) -> np.ndarray:
@@ -95,7 +86,7 @@ def test_an_edited_turn_continues_like_a_fresh_prefill(
     open_route(hops, sid)
     try:
         _prefill(hops, sid, [150], turn1 + turn2)
-        held, kinds = _truncate_route(hops, sid, 180)
+        held, kinds = truncate_route([(h, sid) for h in hops], 180)
         assert 0 <= held <= 180 and all(k in ("exact", "checkpoint", "from_zero") for k in kinds), kinds
         got = route_forward(hops, sid, held, history[held:], history=history, want_logits=True).logits
     finally:
@@ -207,10 +198,7 @@ def test_the_c_table_holds_exactly_the_declared_architectures(native_lib: None, 
     path = tmp_path / "unknown.gguf"
     w = GGUFWriter(str(path), "not-an-architecture")
     w.add_block_count(1)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    layouts.write_file(w)
     with pytest.raises(NativeError, match="not-an-architecture") as e:
         NativeModel(str(path), 0, 1, n_threads=1)
     listed = re.search(r"supported: ([^)]*)\)", str(e.value))

@@ -23,6 +23,7 @@ from tests.native.routes import (
     native_forward,
     native_greedy,
     open_sessions,
+    truncate_route,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -130,18 +131,6 @@ def _chunked_equals_whole(hops: list[NativeModel], ids: list[int]) -> None:
     assert float(np.abs(np.concatenate(parts) - whole).max()) <= MAX_LOGIT_DIFF
 
 
-def _truncate_route(hops: list[NativeModel], sids: list[int], n: int) -> tuple[int, list[str]]:
-    """What the route client does: every hop goes back to at most n, then all to the smallest."""
-    target, kinds = n, []
-    while True:
-        res = [h.truncate_to(s, target) for h, s in zip(hops, sids, strict=True)]
-        kinds = kinds or [k for _, k in res]  # what each hop did with the requested position
-        held = min(p for p, _ in res)
-        if held == target:
-            return held, kinds
-        target = held
-
-
 def test_an_edited_turn_restores_a_checkpoint_and_continues_like_a_fresh_prefill(
     hops: list[NativeModel], text_ids: list[int]
 ) -> None:
@@ -153,7 +142,7 @@ def test_an_edited_turn_restores_a_checkpoint_and_continues_like_a_fresh_prefill
         native_forward(hops, sids, 150, turn2, logits=False)
         assert hops[0].checkpoints(sids[0]) == [150, 230]  # the turn boundaries
         assert hops[1].checkpoints(sids[1]) == []  # a window of full attention only keeps none
-        held, kinds = _truncate_route(hops, sids, 180)
+        held, kinds = truncate_route(list(zip(hops, sids, strict=True)), 180)
         assert held == 150
         assert kinds == ["checkpoint", "exact", "checkpoint"]
         history = turn1 + edited
@@ -177,7 +166,7 @@ def test_without_a_checkpoint_the_route_reprefills_from_zero(
             h.set_checkpoints(0, 0)
         native_forward(hops, sids, 0, text_ids[:100], logits=False)
         assert hops[0].checkpoints(sids[0]) == []
-        held, kinds = _truncate_route(hops, sids, 60)
+        held, kinds = truncate_route(list(zip(hops, sids, strict=True)), 60)
         assert (held, kinds[0]) == (0, "from_zero")
         native_forward(hops, sids, 0, text_ids[:10], logits=False)
         hops[0].truncate(sids[0], 5)  # the plain truncate goes back as far as it must, too
@@ -216,7 +205,7 @@ def test_the_default_checkpoints_serve_a_chats_rollbacks_and_stay_bounded(
         assert hops[0].checkpoints(sids[0]) == [80, 120]  # decode steps take none
         # turn 2 re-renders the first answer (a stripped reasoning block): it shares 2 tokens of it
         prompt2 = prompt1 + answer1[:2] + text_ids[200:205] + text_ids[130:190]
-        held, kinds = _truncate_route(hops, sids, 122)
+        held, kinds = truncate_route(list(zip(hops, sids, strict=True)), 122)
         assert held == 120  # the end of the first prompt, not 0
         assert kinds == ["checkpoint", "exact", "checkpoint"]
         r = native_forward(hops, sids, 120, prompt2[120:], logits=False)
@@ -230,7 +219,7 @@ def test_the_default_checkpoints_serve_a_chats_rollbacks_and_stay_bounded(
         hops[0].drop_checkpoint(sids[0], p2 + 7)
         assert hops[0].checkpoints(sids[0]) == [120, p2]
         # regenerate: the same prompt again, its last position recomputed (RouteClient.generate)
-        held, kinds = _truncate_route(hops, sids, p2 - 1)
+        held, kinds = truncate_route(list(zip(hops, sids, strict=True)), p2 - 1)
         assert (held, kinds[0]) == (120, "checkpoint")  # the latest call's start
         r = native_forward(hops, sids, 120, prompt2[120:], logits=False)
         assert _greedy_from(hops, sids, p2, int(r["token"]), 8) == answer2

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from agent.artifacts import archtable
-from agent.artifacts.tiny import write_tiny_gguf
+from agent.artifacts.tiny import write_suite_gguf, write_tiny_gguf
 from agent.client.errors import RouteError
 from agent.client.recovery import minted_hops
 from agent.client.route import RouteClient
@@ -23,13 +23,12 @@ pytestmark = pytest.mark.slow
 
 # every row of agent/artifacts/archtable.py on its suite file, cut where the state kinds change hands
 # (sliding-window and global layers, recurrent and full attention, deepseek4's hash-routed and
-# compressing layers): (hops, tiny-file options, layers reading token ids)
+# compressing layers): (hops, the suite file's overrides, layers reading token ids)
 CASES: dict[str, tuple[list[tuple[int, int]], dict[str, object], int]] = {
-    a.name: (list(a.suite.splits), {"n_layers": archtable.suite_layers(a), **a.suite.tiny_options}, 0)
-    for a in archtable.ARCHITECTURES
+    a.name: (list(a.suite.splits), {}, 0) for a in archtable.ARCHITECTURES
 }
 # deepseek4's hash-routed layers reach into the second hop: the client sends it the token ids too
-CASES["deepseek4"] = (CASES["deepseek4"][0], {**CASES["deepseek4"][1], "hash_layers": 3}, 3)
+CASES["deepseek4"] = (CASES["deepseek4"][0], {"hash_layers": 3}, 3)
 PROMPT = [(17 * i + 5) % 200 + 10 for i in range(40)]
 N = 24
 
@@ -56,7 +55,7 @@ async def test_speculative_tokens_equal_plain_and_rejected_drafts_leave_no_trace
     native_lib: None, signing_key, tmp_path: Path, arch: str, mode: str
 ) -> None:  # noqa: ANN001
     splits, extra, token_id_layers = CASES[arch]
-    path = write_tiny_gguf(arch, tmp_path / f"{arch}.gguf", **extra)
+    path = write_suite_gguf(arch, tmp_path, **extra)
     dp, manifest, runner, url = await windows_on_one_node(path, splits, signing_key.public_key(), "node-s")
 
     def client() -> RouteClient:

@@ -7,6 +7,8 @@ from pathlib import Path
 import numpy as np
 from gguf import GGUFWriter
 
+from agent.artifacts import layouts
+
 D, N_HEAD, N_KV, FF, VOCAB = 64, 4, 2, 128, 96
 
 
@@ -61,10 +63,7 @@ def write_tiny_gguf(
     w.add_tensor("output_norm.weight", np.ones(d, dtype=np.float32))
     if not tied:
         t("output.weight", VOCAB, d)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    layouts.write_file(w)
     return path
 
 
@@ -77,10 +76,5 @@ def write_small_tokenizer(path: Path, n_tokens: int = 256) -> Path:
     w.add_tokenizer_model("gpt2")
     w.add_token_list([f"<t{i}>" for i in range(n_tokens)])
     w.add_token_types([1] * n_tokens)
-    try:
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-    finally:
-        w.close()
+    layouts.write_file(w)
     return path
