@@ -34,6 +34,7 @@ from agent.backends.base import AdmissionError, BackendError
 from agent.node.errors import DataPlaneError, error_response
 from agent.node.sessions import SessionState, SessionTable
 from agent.node.shard import Shard, Shards, evictable
+from agent.wire.frames import MAX_DRAFT_TOKENS
 from agent.wire.handofftoken import HandoffClaims, HandoffTokenError, verify_handoff
 from agent.wire.httpjson import read_json
 from agent.wire.ids import SessionId
@@ -43,17 +44,24 @@ from agent.wire.tls import node_dns_name
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+    from agent.artifacts.manifest import Manifest
     from agent.node.chain import NextHops
     from agent.node.lanes import NodeLane
 
 log = logging.getLogger("agent.node.handoff")
 
 TOKEN_HEADER = "X-Handoff-Token"
-# magic, capacity, n_history, snapshot bytes, sha256 of the snapshot
-IMPORT_HEAD = struct.Struct("<4sIIQ32s")
-IMPORT_MAGIC = b"GSKV"
-# Room for a snapshot's own header above the KV rows the range holds (native: 184 bytes).
+# magic, capacity, n_history, snapshot bytes, sha256 of the snapshot, then (GSK2) the MTP drafts the
+# session asked of the last hop at OPEN, which go on after the move (the head's state is in the snapshot)
+IMPORT_HEAD_V1 = struct.Struct("<4sIIQ32s")
+IMPORT_MAGIC_V1 = b"GSKV"  # a node of an earlier release: no drafts field (0)
+IMPORT_HEAD = struct.Struct("<4sIIQ32sI")
+IMPORT_MAGIC = b"GSK2"
+# Room for a snapshot's own headers above the state rows the range holds (native: 200 bytes, and the
+# same again for an MTP block's snapshot inside the trailer).
 SNAPSHOT_HEADER_SLACK = 4096
+# The trunk rows a last window keeps per session for its MTP block's drafts (native mtp.cpp, kKeepRows)
+MTP_ROWS_KEPT = 64
 EXPORT_TIMEOUT_S = 30.0
 
 
@@ -62,15 +70,29 @@ class HandoffError(DataPlaneError):
 
 
 def snapshot_bound(shard: Shard, n_positions: int) -> int:
-    """Most bytes a snapshot of `n_positions` of this range can take: its layers' f16 state plus a header."""
-    layers = shard.spec.manifest.layers[shard.spec.layer_start : shard.spec.layer_end]
-    return SNAPSHOT_HEADER_SLACK + sum(layer.state_bytes(n_positions) for layer in layers)
+    """Most bytes a snapshot of `n_positions` of this shard's range can take (range_snapshot_bound)."""
+    spec = shard.spec
+    return range_snapshot_bound(
+        spec.manifest, spec.layer_start, spec.layer_end, shard.backend.mtp, n_positions
+    )
 
 
-def encode_import(capacity: int, history: list[int], snapshot: bytes) -> bytes:
+def range_snapshot_bound(manifest: Manifest, start: int, end: int, mtp: bool, n_positions: int) -> int:
+    """Most bytes a snapshot of `n_positions` of layers [start, end) can take: their f16 state plus the
+    headers; with `mtp` (a last window drafting with its MTP head) also the block's trailer: its state,
+    one layer's (at most the range's largest), and the trunk rows its drafts read (docs/native.md)."""
+    per_layer = [layer.state_bytes(n_positions) for layer in manifest.layers[start:end]]
+    bound = SNAPSHOT_HEADER_SLACK + sum(per_layer)
+    if mtp:
+        bound += 16 + max(per_layer, default=0) + MTP_ROWS_KEPT * (4 + 4 * manifest.boundary_dim)
+    return bound
+
+
+def encode_import(capacity: int, history: list[int], snapshot: bytes, mtp_draft: int = 0) -> bytes:
     digest = hashlib.sha256(snapshot).digest()
     hist = np.asarray(history, dtype="<i4").tobytes()
-    return IMPORT_HEAD.pack(IMPORT_MAGIC, capacity, len(history), len(snapshot), digest) + hist + snapshot
+    head = IMPORT_HEAD.pack(IMPORT_MAGIC, capacity, len(history), len(snapshot), digest, mtp_draft)
+    return head + hist + snapshot
 
 
 class Handoff:
@@ -136,7 +158,7 @@ class Handoff:
                 snap = shard.backend.snapshot(s.sid)
             except BackendError as e:
                 raise HandoffError(409, "no_snapshot", str(e)) from None
-            body = encode_import(s.capacity, list(s.history), snap)
+            body = encode_import(s.capacity, list(s.history), snap, s.mtp_draft)
         http = await self.hops.http()
         url = target.rstrip("/") + "/v1/handoff/import"
         try:
@@ -183,19 +205,29 @@ class Handoff:
         if shard.draining:
             raise HandoffError(503, "draining", "this shard is draining")
         try:
-            head = await request.content.readexactly(IMPORT_HEAD.size)
+            head = await request.content.readexactly(IMPORT_HEAD_V1.size)
+            magic, capacity, n_hist, snap_len, digest = IMPORT_HEAD_V1.unpack(head)
+            mtp_draft = 0
+            if magic == IMPORT_MAGIC:
+                (mtp_draft,) = struct.unpack("<I", await request.content.readexactly(4))
+                head_size = IMPORT_HEAD.size
+            elif magic == IMPORT_MAGIC_V1:
+                head_size = IMPORT_HEAD_V1.size
+            else:
+                raise HandoffError(400, "bad_frame", "not a hand-off body")
         except asyncio.IncompleteReadError:
             raise HandoffError(400, "bad_frame", "hand-off body shorter than its header") from None
-        magic, capacity, n_hist, snap_len, digest = IMPORT_HEAD.unpack(head)
-        if magic != IMPORT_MAGIC:
-            raise HandoffError(400, "bad_frame", "not a hand-off body")
         cap = shard.max_positions
         if not (0 < capacity <= cap) or n_hist > capacity:
             raise HandoffError(400, "context_cap", f"capacity {capacity} / history {n_hist} beyond {cap}")
+        if mtp_draft > MAX_DRAFT_TOKENS:
+            raise HandoffError(
+                400, "bad_frame", f"{mtp_draft} MTP drafts per step; at most {MAX_DRAFT_TOKENS}"
+            )
         bound = snapshot_bound(shard, capacity)
         if snap_len > bound:
             raise HandoffError(413, "too_large", f"snapshot of {snap_len} bytes exceeds this range's {bound}")
-        expected = IMPORT_HEAD.size + 4 * n_hist + snap_len
+        expected = head_size + 4 * n_hist + snap_len
         if request.content_length is not None and request.content_length != expected:
             raise HandoffError(
                 400, "bad_frame", f"body is {request.content_length} bytes, header says {expected}"
@@ -203,6 +235,8 @@ class Handoff:
         sid = SessionId(c.session)
         key = (sid, shard.key)
         state = SessionState(sid=sid, shard_key=shard.key, backend=shard.backend, capacity=capacity)
+        if shard.spec.is_last and shard.backend.mtp:  # as at OPEN: the head drafts where the file has one
+            state.mtp_draft = mtp_draft
         # Room is made (or refused) before the snapshot is read into memory.
         try:
             self.sessions.admit(state, snap_len, lambda v: evictable(self.shards, v, shard))

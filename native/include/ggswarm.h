@@ -71,6 +71,9 @@
  *       Checkpoints: by default at the start and end of multi-token calls only, at most 2 (every_n_tokens
  *       0, max_per_session 2; were 256 and 8); the one ggswarm_session_checkpoint takes is held apart
  *       (not counted against max_per_session) and is the only kind ggswarm_session_drop_checkpoint drops.
+ *  16 - snapshot format 3: a session's nextn-block state (the block's own snapshot and the trunk rows its
+ *       drafts read) travels after the payload, so a session handed off or restored from a prefix keeps
+ *       drafting; format 2 snapshots still restore (their block starts over). Same declarations.
  */
 #ifndef GGSWARM_H
 #define GGSWARM_H
@@ -82,7 +85,7 @@
 extern "C" {
 #endif
 
-#define GGSWARM_API_VERSION 15
+#define GGSWARM_API_VERSION 16
 
 #if defined(_WIN32)
 #define GGSWARM_API __declspec(dllexport)
@@ -359,9 +362,11 @@ GGSWARM_API ggswarm_status ggswarm_sample(const float * logits, int32_t n_vocab,
  * (deepseek4: the hyper-connection streams before the output head; glm-dsa: after the output norm;
  * zeros at 0), into the block's own per-session state (deepseek4: its raw sliding-window K cache;
  * glm-dsa: its latent cache; charged to the handle's budget, freed with the session). A forward call
- * therefore needs token_ids on an MTP window (the tokens of its positions); a call without them, or a restored
- * snapshot (which holds the trunk's state only), leaves the session's MTP state behind, and drafts for it
- * are refused (GGSWARM_E_RANGE) until the session starts over at position 0. ggswarm_mtp_draft drafts. */
+ * therefore needs token_ids on an MTP window (the tokens of its positions); a call without them leaves the
+ * session's MTP state behind, and drafts for it are refused (GGSWARM_E_RANGE) until the session starts over
+ * at position 0. A snapshot carries the block's state (v16), so a restored session drafts on; one taken
+ * without it (format 2, or a window without the block) restores with the block starting over.
+ * ggswarm_mtp_draft drafts. */
 
 /* most tokens one ggswarm_mtp_draft call drafts */
 #define GGSWARM_MTP_MAX_DRAFT 15

@@ -121,7 +121,7 @@ void kv_load(const ggswarm_model * m, int32_t il, const std::vector<ggml_tensor 
 // to 0 (these windows keep no checkpoints: llama.cpp's SWA cache cannot go back either).
 bool kv_rewinds_to(const ggswarm_model * m, int32_t il, const Session & s, int32_t target) {
     if (!swa_ring(m, il) || target == s.len) return true;
-    return kv_from(m, il, target) >= std::max<int64_t>(s.ring_lo, (int64_t)s.len - kv_rows(m, il, s.cap));
+    return kv_from(m, il, target) >= std::max<int64_t>(kv_from(m, il, s.ring_lo), (int64_t)s.len - kv_rows(m, il, s.cap));
 }
 
 const StateOps kKvState = {StateKind::KV, "kv",     2,       kv_plan, kv_carry, kv_per_token, kv_snapshot_bytes,

@@ -100,8 +100,9 @@ struct Session {
     std::vector<std::vector<ggml_tensor *>> state;
     uint64_t bytes = 0;
     std::shared_ptr<Checkpoints> ckpts;  // windows with fixed-size state (recurrent.h); kept across growth
-    // rings (deepseek4's raw window and compressor rows) hold positions from here on (up to their size):
-    // a rewind to a checkpoint or to 0 leaves older slots stale
+    // rings (deepseek4's raw window and compressor rows, sliding-window caches) hold the rows position
+    // ring_lo reads and those written after (up to their size): a rewind to a checkpoint, or a restored
+    // snapshot, loads only what its position reads, so older slots are stale
     int32_t ring_lo = 0;
 
     void release() {
@@ -362,6 +363,13 @@ void mtp_after_chunk(ggswarm_model * m, int64_t sid, const ggswarm_batch * b, in
 void mtp_session_closed(ggswarm_model * m, int64_t sid);
 void mtp_set_threads(ggswarm_model * m, int32_t n);
 void mtp_free(ggswarm_model * m);
+// a session's nextn state as the snapshot's trailer (snapshot.cpp): its bytes at the trunk's length len (0:
+// none: no block, or one that does not follow), written, checked (before a restore touches the session)
+// and restored (n == 0: the block starts over)
+uint64_t mtp_snapshot_bytes(const ggswarm_model * m, int64_t sid, int32_t len);
+bool mtp_snapshot_write(const ggswarm_model * m, int64_t sid, int32_t len, uint8_t * p, uint64_t n);
+ggswarm_status mtp_check_trailer(const ggswarm_model * m, int32_t len, const uint8_t * p, uint64_t n);
+ggswarm_status mtp_restore(ggswarm_model * m, int64_t sid, int32_t len, int32_t capacity, const uint8_t * p, uint64_t n);
 
 // session state (kv.cpp)
 void budget_release(ggswarm_budget * b);

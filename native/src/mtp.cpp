@@ -145,6 +145,129 @@ void mtp_session_closed(ggswarm_model * m, int64_t sid) {
     m->mtp->sess.erase(it);
 }
 
+// The snapshot trailer (docs/native.md "Snapshot format"): u32 n_rows, u32 width, n_rows x (i32 position,
+// f32[width] trunk row), u64 block_bytes, then the block's own session snapshot at the trunk's length.
+// Written only for a session whose block follows the trunk and holds the row its next draft reads.
+namespace {
+
+MtpSess * following(const ggswarm_model * m, int64_t sid, int32_t len) {
+    if (!m->mtp) return nullptr;
+    auto it = m->mtp->sess.find(sid);
+    if (it == m->mtp->sess.end() || it->second.behind || !it->second.sid) return nullptr;
+    MtpSess & ms = it->second;
+    if (len > 0 && !row_at(ms, len - 1)) return nullptr;
+    return &ms;
+}
+
+size_t rows_upto(const MtpSess & ms, int32_t len) {
+    size_t n = 0;
+    for (const auto & r : ms.rows) n += r.first < len;
+    return n;
+}
+
+}  // namespace
+
+uint64_t mtp_snapshot_bytes(const ggswarm_model * m, int64_t sid, int32_t len) {
+    MtpSess * ms = following(m, sid, len);
+    if (!ms) return 0;
+    MtpBlock & k = *m->mtp;
+    if (cut_to(k, *ms, len) != len) {  // the block goes back lazily anyway; one that cannot drafts no more
+        ms->behind = true;
+        return 0;
+    }
+    uint64_t blk = 0;
+    if (ggswarm_session_snapshot_size(k.blk, ms->sid, &blk) != GGSWARM_OK) return 0;
+    return 8 + rows_upto(*ms, len) * (4 + sizeof(float) * (uint64_t)m->d_io()) + 8 + blk;
+}
+
+bool mtp_snapshot_write(const ggswarm_model * m, int64_t sid, int32_t len, uint8_t * p, uint64_t n) {
+    MtpSess * ms = following(m, sid, len);
+    if (!ms || n < 16) return false;
+    const uint32_t w = (uint32_t)m->d_io(), nr = (uint32_t)rows_upto(*ms, len);
+    const uint64_t rows_bytes = 8 + (uint64_t)nr * (4 + sizeof(float) * w);
+    if (n < rows_bytes + 8) return false;
+    memcpy(p, &nr, 4);
+    memcpy(p + 4, &w, 4);
+    uint8_t * q = p + 8;
+    for (const auto & r : ms->rows) {
+        if (r.first >= len) continue;
+        memcpy(q, &r.first, 4);
+        memcpy(q + 4, r.second.data(), sizeof(float) * w);
+        q += 4 + sizeof(float) * w;
+    }
+    const uint64_t blk = n - rows_bytes - 8;
+    memcpy(q, &blk, 8);
+    uint64_t written = 0;
+    return ggswarm_session_snapshot(m->mtp->blk, ms->sid, q + 8, blk, &written) == GGSWARM_OK && written == blk;
+}
+
+namespace {
+
+// The trailer's rows and block snapshot, checked against this window (nothing restored): status, and
+// where the block's snapshot starts and its size.
+ggswarm_status parse_trailer(const ggswarm_model * m, int32_t len, const uint8_t * p, uint64_t n, MtpSess * ms,
+                             const uint8_t ** blk, uint64_t * blk_bytes) {
+    uint32_t nr = 0, w = 0;
+    if (n < 8) return fail(m, GGSWARM_E_FORMAT, "snapshot's nextn trailer is %llu bytes, shorter than its head", (unsigned long long)n);
+    memcpy(&nr, p, 4);
+    memcpy(&w, p + 4, 4);
+    if (w != (uint32_t)m->d_io() || nr > kKeepRows) {
+        return fail(m, GGSWARM_E_MISMATCH, "snapshot's nextn trailer holds %u rows of width %u (this window: at most %zu of %lld)",
+                    nr, w, kKeepRows, (long long)m->d_io());
+    }
+    const uint64_t row = 4 + sizeof(float) * (uint64_t)w;
+    if (n < 16 + nr * row) return fail(m, GGSWARM_E_FORMAT, "snapshot's nextn trailer is truncated");
+    const uint8_t * q = p + 8;
+    int32_t prev = -1;
+    for (uint32_t i = 0; i < nr; ++i, q += row) {
+        int32_t pos = 0;
+        memcpy(&pos, q, 4);
+        if (pos <= prev || pos >= len) {
+            return fail(m, GGSWARM_E_FORMAT, "snapshot's nextn trailer has row position %d (of %d, ascending)", pos, len);
+        }
+        prev = pos;
+        if (ms) ms->rows.emplace_back(pos, std::vector<float>((const float *)(q + 4), (const float *)(q + 4) + w));
+    }
+    if (len > 0 && prev != len - 1) {
+        return fail(m, GGSWARM_E_FORMAT, "snapshot's nextn trailer lacks the trunk row of position %d", len - 1);
+    }
+    memcpy(blk_bytes, q, 8);
+    *blk = q + 8;
+    if (*blk_bytes != n - 16 - nr * row) {
+        return fail(m, GGSWARM_E_FORMAT, "snapshot's nextn trailer: a block snapshot of %llu bytes in %llu",
+                    (unsigned long long)*blk_bytes, (unsigned long long)n);
+    }
+    return GGSWARM_OK;
+}
+
+}  // namespace
+
+ggswarm_status mtp_check_trailer(const ggswarm_model * m, int32_t len, const uint8_t * p, uint64_t n) {
+    if (!m->mtp || n == 0) return GGSWARM_OK;  // no block here: the trailer is not read
+    const uint8_t * blk = nullptr;
+    uint64_t blk_bytes = 0;
+    return parse_trailer(m, len, p, n, nullptr, &blk, &blk_bytes);
+}
+
+ggswarm_status mtp_restore(ggswarm_model * m, int64_t sid, int32_t len, int32_t capacity, const uint8_t * p, uint64_t n) {
+    mtp_session_closed(m, sid);  // whatever the block held for this session goes first
+    if (!m->mtp || n == 0) return GGSWARM_OK;  // no block here, or none in the snapshot: drafting starts over
+    MtpSess ms;
+    const uint8_t * blk = nullptr;
+    uint64_t blk_bytes = 0;
+    ggswarm_status st = parse_trailer(m, len, p, n, &ms, &blk, &blk_bytes);
+    if (st) return st;
+    MtpBlock & k = *m->mtp;
+    if ((st = ggswarm_session_open(k.blk, capacity, &ms.sid))) return fail(m, st, "nextn block: %s", ggswarm_last_error());
+    if ((st = ggswarm_session_restore(k.blk, ms.sid, blk, blk_bytes)) || block_len(k, ms) != len) {
+        std::string why = st ? std::string(ggswarm_last_error()) : "its snapshot holds another length";
+        ggswarm_session_close(k.blk, ms.sid);
+        return fail(m, st ? st : GGSWARM_E_MISMATCH, "nextn block: %s", why.c_str());
+    }
+    k.sess[sid] = std::move(ms);
+    return GGSWARM_OK;
+}
+
 void mtp_free(ggswarm_model * m) {
     if (!m->mtp) return;
     ggswarm_model_free(m->mtp->blk);  // its sessions, their state and its budget reference

@@ -12,7 +12,9 @@ namespace ggswarm {
 namespace {
 
 constexpr char kSnapMagic[8] = {'G', 'G', 'S', 'W', 'K', 'V', 'S', 'N'};
-constexpr uint32_t kSnapVersion = 2;  // 2: the window's state kinds (recurrent layers' state in the payload)
+constexpr uint32_t kSnapVersion = 3;  // 2: the window's state kinds (recurrent layers' state in the payload);
+                                      // 3: an attached nextn block's state after the payload
+constexpr uint32_t kSnapV2HeaderSize = 184;  // version 2's header: restored still (no nextn trailer)
 
 // Snapshot header (little-endian, packed by construction: every field is naturally aligned).
 struct SnapHeader {
@@ -34,8 +36,10 @@ struct SnapHeader {
     int32_t n_kv_layers;         // layers of the window per state kind (v2)
     int32_t n_recurrent_layers;
     uint64_t state_kinds_fnv1a;  // FNV-1a 64 of the window's per-layer StateKind values (int32 each)
+    uint64_t mtp_bytes;          // the nextn trailer after the payload (v3; 0: none)
+    uint64_t mtp_fnv1a;          // FNV-1a 64 of the trailer
 };
-static_assert(sizeof(SnapHeader) == 184, "snapshot header layout changed: bump kSnapVersion");
+static_assert(sizeof(SnapHeader) == 200, "snapshot header layout changed: bump kSnapVersion");
 
 // The window's state kinds as a snapshot records them: a count per kind and a hash of the sequence.
 void state_kinds(const ggswarm_model * m, int32_t * n_kv, int32_t * n_rec, uint64_t * hash) {
@@ -65,9 +69,13 @@ extern "C" {
 
 ggswarm_status ggswarm_session_snapshot_size(const ggswarm_model * m, int64_t sid, uint64_t * out_size) {
     if (!m || !out_size) return fail(m, GGSWARM_E_INVALID_ARG, "model or out_size is NULL");
+    // lock-free like the other reads, unless a nextn block's trailer is counted (its block is cut to
+    // the trunk's length first, as the snapshot then finds it)
+    std::unique_lock<std::recursive_mutex> lk;
+    if (m->mtp) lk = std::unique_lock<std::recursive_mutex>(m->mu);
     Session * s = find_session(m, sid);
     if (!s) return no_session(m, sid);
-    *out_size = sizeof(SnapHeader) + payload_bytes(m, s->len);
+    *out_size = sizeof(SnapHeader) + payload_bytes(m, s->len) + mtp_snapshot_bytes(m, sid, s->len);
     return ok(m);
 }
 
@@ -78,7 +86,8 @@ ggswarm_status ggswarm_session_snapshot(const ggswarm_model * m, int64_t sid, vo
     Session * s = find_session(m, sid);
     if (!s) return no_session(m, sid);
     const uint64_t payload = payload_bytes(m, s->len);
-    const uint64_t total = sizeof(SnapHeader) + payload;
+    const uint64_t trailer = mtp_snapshot_bytes(m, sid, s->len);
+    const uint64_t total = sizeof(SnapHeader) + payload + trailer;
     if (buf_size < total) {
         return fail(m, GGSWARM_E_INVALID_ARG, "snapshot needs %llu bytes, buffer holds %llu",
                     (unsigned long long)total, (unsigned long long)buf_size);
@@ -108,6 +117,13 @@ ggswarm_status ggswarm_session_snapshot(const ggswarm_model * m, int64_t sid, vo
         }
     }
     h.payload_fnv1a = fnv1a(static_cast<uint8_t *>(buf) + sizeof(SnapHeader), payload);
+    if (trailer > 0) {
+        if (!mtp_snapshot_write(m, sid, s->len, p, trailer)) {
+            return fail(m, GGSWARM_E_COMPUTE, "cannot write the nextn block's state: %s", ggswarm_last_error());
+        }
+        h.mtp_bytes = trailer;
+        h.mtp_fnv1a = fnv1a(p, trailer);
+    }
     memcpy(buf, &h, sizeof(h));
     if (out_written) *out_written = total;
     return ok(m);
@@ -118,17 +134,24 @@ ggswarm_status ggswarm_session_restore(ggswarm_model * m, int64_t sid, const voi
     if (!m || !buf) return fail(m, GGSWARM_E_INVALID_ARG, "model or buf is NULL");
     Session * sp = find_session(m, sid);
     if (!sp) return no_session(m, sid);
-    if (size < sizeof(SnapHeader)) {
-        return fail(m, GGSWARM_E_FORMAT, "snapshot is %llu bytes, shorter than its %zu-byte header",
-                    (unsigned long long)size, sizeof(SnapHeader));
+    if (size < kSnapV2HeaderSize) {
+        return fail(m, GGSWARM_E_FORMAT, "snapshot is %llu bytes, shorter than its header",
+                    (unsigned long long)size);
     }
     SnapHeader h;
-    memcpy(&h, buf, sizeof(h));
+    memset(&h, 0, sizeof(h));
+    memcpy(&h, buf, kSnapV2HeaderSize);
     if (memcmp(h.magic, kSnapMagic, sizeof(h.magic)) != 0) return fail(m, GGSWARM_E_FORMAT, "not a ggswarm KV snapshot (bad magic)");
-    if (h.format_version != kSnapVersion || h.header_size != sizeof(SnapHeader)) {
-        return fail(m, GGSWARM_E_FORMAT, "snapshot format version %u (header %u bytes) is not supported (want %u)",
+    const bool v2 = h.format_version == 2 && h.header_size == kSnapV2HeaderSize;
+    if (!v2 && (h.format_version != kSnapVersion || h.header_size != sizeof(SnapHeader))) {
+        return fail(m, GGSWARM_E_FORMAT, "snapshot format version %u (header %u bytes) is not supported (want 2 or %u)",
                     h.format_version, h.header_size, kSnapVersion);
     }
+    if (!v2) {
+        if (size < sizeof(SnapHeader)) return fail(m, GGSWARM_E_FORMAT, "snapshot is %llu bytes, shorter than its header", (unsigned long long)size);
+        memcpy(&h, buf, sizeof(h));
+    }
+    const uint64_t head = h.header_size;
     h.model_id[sizeof(h.model_id) - 1] = 0;
     h.architecture[sizeof(h.architecture) - 1] = 0;
     if (m->model_id != h.model_id) {
@@ -158,12 +181,17 @@ ggswarm_status ggswarm_session_restore(ggswarm_model * m, int64_t sid, const voi
         return fail(m, GGSWARM_E_RANGE, "snapshot holds %d positions; the session cap is %d", h.n_pos, sp->capacity);
     }
     const uint64_t payload = payload_bytes(m, h.n_pos);
-    if (h.payload_bytes != payload || size != sizeof(SnapHeader) + payload) {
+    if (h.payload_bytes != payload || h.mtp_bytes > size || size != head + payload + h.mtp_bytes) {
         return fail(m, GGSWARM_E_FORMAT, "snapshot is truncated or padded: %llu bytes, expected %llu",
-                    (unsigned long long)size, (unsigned long long)(sizeof(SnapHeader) + payload));
+                    (unsigned long long)size, (unsigned long long)(head + payload + h.mtp_bytes));
     }
-    const uint8_t * p = static_cast<const uint8_t *>(buf) + sizeof(SnapHeader);
+    const uint8_t * p = static_cast<const uint8_t *>(buf) + head;
     if (fnv1a(p, payload) != h.payload_fnv1a) return fail(m, GGSWARM_E_FORMAT, "snapshot payload checksum mismatch (corrupt)");
+    const uint8_t * trailer = p + payload;
+    if (h.mtp_bytes > 0 && fnv1a(trailer, h.mtp_bytes) != h.mtp_fnv1a) {
+        return fail(m, GGSWARM_E_FORMAT, "snapshot nextn trailer checksum mismatch (corrupt)");
+    }
+    if (ggswarm_status st = mtp_check_trailer(m, h.n_pos, trailer, h.mtp_bytes)) return st;
     Session & s = *sp;
     ggswarm_status st = ensure_capacity(m, s, std::max(h.n_pos, 1));
     if (st) return st;
@@ -176,8 +204,10 @@ ggswarm_status ggswarm_session_restore(ggswarm_model * m, int64_t sid, const voi
     }
     drop_checkpoints(m, s);
     s.len = h.n_pos;
-    s.ring_lo = h.n_pos;  // rings hold what n_pos needs (the snapshot's), older slots nothing
-    mtp_session_closed(m, sid);  // an attached nextn block's state is not in snapshots: it starts over
+    s.ring_lo = h.n_pos;  // rings hold what n_pos reads (the snapshot's rows), older slots nothing
+    // an attached nextn block takes the trailer's state (drafting goes on), or starts over without one;
+    // one whose own restore fails (its trailer was checked above) only stops drafting: the trunk's stands
+    if (mtp_restore(m, sid, h.n_pos, s.capacity, trailer, h.mtp_bytes)) mtp_session_closed(m, sid);
     return ok(m);
 }
 

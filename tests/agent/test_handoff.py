@@ -14,7 +14,7 @@ from aiohttp import ClientSession
 
 from agent.client.route import Hop, RouteClient
 from agent.node.dataplane import DataPlane, start_dataplane
-from agent.node.handoff import IMPORT_HEAD, IMPORT_MAGIC, TOKEN_HEADER
+from agent.node.handoff import IMPORT_HEAD, IMPORT_HEAD_V1, IMPORT_MAGIC, IMPORT_MAGIC_V1, TOKEN_HEADER
 from agent.wire.handofftoken import mint_handoff
 from agent.wire.routetoken import mint
 from agent.wire.sampling import SamplingParams
@@ -97,17 +97,24 @@ async def test_an_import_is_refused_for_another_node_an_oversized_snapshot_or_a_
 ) -> None:
     (_, _), (b, url_b) = two_nodes
     session = os.urandom(16)
-    head = IMPORT_HEAD.pack(IMPORT_MAGIC, 64, 0, 16, b"\0" * 32)
+    head = IMPORT_HEAD.pack(IMPORT_MAGIC, 64, 0, 16, b"\0" * 32, 0)
     for_a = mint_handoff(signing_key, session, manifest.sha256, 0, 30, "node-b", "node-a")
     assert (await _import(url_b, for_a, head, b"x" * 16))[1]["error"] == "wrong_node"
 
     to_b = mint_handoff(signing_key, session, manifest.sha256, 0, 30, "node-a", "node-b")
-    huge = IMPORT_HEAD.pack(IMPORT_MAGIC, 64, 0, 1 << 40, b"\0" * 32)
+    huge = IMPORT_HEAD.pack(IMPORT_MAGIC, 64, 0, 1 << 40, b"\0" * 32, 0)
     status, err = await _import(url_b, to_b, huge)  # declared only: nothing of it is sent or read
     assert status == 413 and err["error"] == "too_large"
 
     status, err = await _import(url_b, to_b, head, b"x" * 16)
     assert status == 400 and err["error"] == "bad_hash"
+    # an earlier release's header (GSKV, no drafts field) is read as such: the same checks follow
+    old = IMPORT_HEAD_V1.pack(IMPORT_MAGIC_V1, 64, 0, 16, b"\0" * 32)
+    status, err = await _import(url_b, to_b, old, b"x" * 16)
+    assert status == 400 and err["error"] == "bad_hash"
+    many = IMPORT_HEAD.pack(IMPORT_MAGIC, 64, 0, 16, b"\0" * 32, 16)  # more drafts than a frame allows
+    status, err = await _import(url_b, to_b, many, b"x" * 16)
+    assert status == 400 and err["error"] == "bad_frame"
 
     good = mint_handoff(signing_key, session, manifest.sha256, 0, 30, "node-a", "node-b")
     forged = good[:-1] + bytes(

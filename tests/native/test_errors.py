@@ -219,14 +219,15 @@ def test_the_snapshot_header_has_the_documented_layout(native_lib: None, tiny: P
         m.forward(sid, 0, hidden=np.ones((5, D), dtype=np.float32))
         snap = m.snapshot(sid)
     magic, version, header_size = struct.unpack_from("<8sII", snap, 0)
-    assert (magic, version, header_size) == (b"GGSWKVSN", 2, 184)
+    assert (magic, version, header_size) == (b"GGSWKVSN", 3, 200)
     assert snap[16:88].rstrip(b"\0") == b"abc123"
     assert snap[88:120].rstrip(b"\0") == b"llama"
     start, end, total, n_kv, hd, kv_type, n_pos, _, payload, _ = struct.unpack_from("<8iQQ", snap, 120)
     assert (start, end, total, n_kv, hd, kv_type, n_pos) == (1, 3, 3, 2, 16, 1, 5)
-    assert payload == 2 * 2 * n_kv * hd * 2 * n_pos == len(snap) - 184
+    assert payload == 2 * 2 * n_kv * hd * 2 * n_pos == len(snap) - 200
     n_kv_layers, n_recurrent_layers = struct.unpack_from("<2i", snap, 168)
     assert (n_kv_layers, n_recurrent_layers) == (2, 0)
+    assert struct.unpack_from("<QQ", snap, 184) == (0, 0)  # no nextn block: no trailer
 
 
 def test_the_backend_turns_native_errors_into_backend_errors(native_lib: None, tiny: Path) -> None:

@@ -1,11 +1,13 @@
-"""Multi-token prediction (API v15): the last hop's nextn block (DeepSeek-V4's and GLM-5.x's MTP head)
-against llama.cpp's MTP context on the same tiny file, position by position and in chained drafts (the
+"""Multi-token prediction (API v15; its state in snapshots, v16): the last hop's nextn block (DeepSeek-V4's
+and GLM-5.x's MTP head) against llama.cpp's MTP context on the same tiny file, position by position and in chained drafts (the
 trunk's own logits with the block attached against llama.cpp's target too), and the block's state (kept
-per session, cut back after a draft and after the trunk goes back, charged to the budget)."""
+per session, cut back after a draft and after the trunk goes back, carried by snapshots, charged to the
+budget)."""
 
 from __future__ import annotations
 
 import ctypes
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -241,29 +243,85 @@ def test_a_draft_leaves_the_session_as_it_was(hops: list[NativeModel]) -> None:
         close_sessions(hops, sids)
 
 
-def test_a_restored_session_drafts_nothing_until_it_starts_over(hops: list[NativeModel]) -> None:
-    """Snapshots hold the trunk's state only: a restored session's block cannot follow it (refused,
-    GGSWARM_E_RANGE), until the session starts over from position 0."""
+def _last_hop_with_block(gguf: str) -> NativeModel:
+    """A fresh handle of the last window with its block attached: what a hand-off's target opens."""
+    last = native_hops(gguf, [SPLITS[-1]], "f32")[0]
+    last.mtp_open(gguf)
+    return last
+
+
+def _as_format_2(snap: bytes) -> bytes:
+    """The same snapshot as format 2 wrote it (API v15 and before): the 184-byte header and the trunk's
+    payload, no nextn trailer."""
+    head = bytearray(snap[:184])
+    head[8:16] = struct.pack("<II", 2, 184)
+    (payload,) = struct.unpack_from("<Q", snap, 152)
+    return bytes(head) + snap[200 : 200 + payload]
+
+
+def test_a_snapshot_carries_the_block_state_so_a_restored_session_drafts_on(
+    hops: list[NativeModel], gguf: str
+) -> None:
+    """API v16: the block's state travels in the snapshot's trailer. The last hop's snapshot restored
+    into another handle (a hand-off's target) drafts exactly what the original drafts, there and after
+    more positions; the other hops' snapshots carry none."""
     ids = [int(x) for x in np.random.default_rng(4).integers(100, 20000, 30)]
-    a, b = open_sessions(hops), open_sessions(hops)
+    a = open_sessions(hops)
+    other = _last_hop_with_block(gguf)
     try:
         native_forward(hops, a, 0, ids[:20], False, True)
-        for h, sa, sb in zip(hops, a, b, strict=True):
-            h.restore(sb, h.snapshot(sa))
+        snaps = [h.snapshot(s) for h, s in zip(hops, a, strict=True)]
+        assert [struct.unpack_from("<II", x, 8) for x in snaps] == [(3, 200)] * 3
+        trailers = [struct.unpack_from("<Q", x, 184)[0] for x in snaps]
+        assert trailers[:2] == [0, 0] and trailers[2] > 0, trailers
+        sb = other.open_session(64)
+        other.restore(sb, snaps[-1])
+        assert other.snapshot(sb) == snaps[-1]
+        for at in (20, 22):
+            want = hops[-1].mtp_draft(a[-1], ids[at], 3, want_logits=True)
+            got = other.mtp_draft(sb, ids[at], 3, want_logits=True)
+            assert got["drafts"] == want["drafts"]
+            assert np.array_equal(got["logits"], want["logits"])
+            hidden = native_forward(hops[:-1], a[:-1], at, ids[at : at + 2], False, True)["hidden"]
+            for h, s in ((hops[-1], a[-1]), (other, sb)):
+                h.forward(s, at, hidden=hidden, token_ids=np.asarray(ids[at : at + 2], dtype=np.int32))
+    finally:
+        close_sessions(hops, a)
+        other.close()
+
+
+def test_a_snapshot_without_the_block_state_restores_and_drafts_start_over(
+    hops: list[NativeModel], gguf: str
+) -> None:
+    """A format-2 snapshot (no trailer) restores the trunk; the block cannot follow it (refused,
+    GGSWARM_E_RANGE) until the session starts over from position 0. A trailer whose bytes were changed
+    is refused and leaves the session as it was."""
+    ids = [int(x) for x in np.random.default_rng(5).integers(100, 20000, 30)]
+    a = open_sessions(hops)
+    other = _last_hop_with_block(gguf)
+    try:
+        hidden = native_forward(hops[:-1], a[:-1], 0, ids[:20], False, True)["hidden"]
+        tokens = np.asarray(ids[:20], dtype=np.int32)
+        hops[-1].forward(a[-1], 0, hidden=hidden, token_ids=tokens)
+        snap = hops[-1].snapshot(a[-1])
+        sb = other.open_session(64)
+        bad = bytearray(snap)
+        bad[-1] ^= 1
+        with pytest.raises(NativeError, match="trailer checksum"):
+            other.restore(sb, bytes(bad))
+        assert other.session_len(sb) == 0
+        other.restore(sb, _as_format_2(snap))
+        assert other.session_len(sb) == 20
         with pytest.raises(NativeError, match="has not followed"):
-            hops[-1].mtp_draft(b[-1], ids[20], 2)
-        native_forward(hops, b, 20, ids[20:22], False, True)
-        with pytest.raises(NativeError, match="has not followed"):
-            hops[-1].mtp_draft(b[-1], ids[22], 2)
-        for h, s in zip(hops, b, strict=True):
-            h.truncate(s, 0)
-        native_forward(hops, b, 0, ids[:20], False, True)
+            other.mtp_draft(sb, ids[20], 2)
+        other.truncate(sb, 0)
+        other.forward(sb, 0, hidden=hidden, token_ids=tokens)
         want = hops[-1].mtp_draft(a[-1], ids[20], 2, want_logits=True)
-        got = hops[-1].mtp_draft(b[-1], ids[20], 2, want_logits=True)
+        got = other.mtp_draft(sb, ids[20], 2, want_logits=True)
         assert np.array_equal(want["logits"], got["logits"])
     finally:
         close_sessions(hops, a)
-        close_sessions(hops, b)
+        other.close()
 
 
 def test_the_block_follows_the_trunk_back(hops: list[NativeModel]) -> None:

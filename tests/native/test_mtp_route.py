@@ -175,3 +175,66 @@ async def test_the_head_drafts_after_the_verifications_drafts_that_stood(
         for c in (plain, spec):
             await c.close()
         await runner.cleanup()
+
+
+async def test_a_session_handed_off_keeps_drafting_with_the_head(
+    native_lib: None, signing_key, tmp_path: Path
+) -> None:  # noqa: ANN001
+    """The MTP head's state moves with the session's snapshot (API v16) and the drafts it was asked for
+    with the hand-off body: after a hand-off to another node the head there drafts on at once (the
+    answers carry its drafts, verified like any), and the tokens are the plain route's."""
+    import base64
+
+    from aiohttp import ClientSession
+
+    from agent.artifacts.manifest import build_manifest
+    from agent.node.dataplane import DataPlane, start_dataplane
+    from agent.wire.handofftoken import mint_handoff
+    from tests.conftest import free_port
+
+    path = write_tiny_gguf("deepseek4", tmp_path / "ds4-mtp.gguf", mtp=True, indexer_key_length=128)
+    manifest = build_manifest(str(path))
+    nodes, runners = {}, []
+    for name in ("node-a", "node-b"):
+        dp = DataPlane(name, signing_key.public_key(), cache_type="f32", mtp=True)
+        dp.load_shard(str(path), manifest, 0, 6, backend="native", n_threads=2)
+        port = free_port()
+        runners.append(await start_dataplane(dp, "127.0.0.1", port))
+        nodes[name] = (dp, f"http://127.0.0.1:{port}")
+
+    def hops(name: str, session: bytes) -> list:  # noqa: ANN202
+        return minted_hops(signing_key, session, manifest.sha256, [RouteHop(name, nodes[name][1], 0, 6)])
+
+    session, other = os.urandom(16), os.urandom(16)
+    plain = RouteClient(hops("node-a", other), session_id=other, capacity=512, token_id_layers=1)
+    moved = RouteClient(hops("node-a", session), session_id=session, capacity=512, token_id_layers=1)
+    moved.mtp_draft = K
+    moved.spec_adaptive = False  # every step verifies what the head drafted
+    sampling = SamplingParams()
+    try:
+        want = [t async for t, _ in plain.generate(PROMPT, sampling, N)]
+        before = MtpDrafter()
+        got = [t async for t, _ in moved.generate(PROMPT, sampling, 8, speculate=K, drafter=before)]
+        assert before.offered > 0
+        token = mint_handoff(signing_key, session, manifest.sha256, 0, 6, "node-a", "node-b")
+        async with ClientSession() as http:
+            body = {"token": base64.b64encode(token).decode(), "target": nodes["node-b"][1]}
+            async with http.post(nodes["node-a"][1] + "/v1/handoff/export", json=body) as r:
+                assert r.status == 200, await r.text()
+        assert nodes["node-b"][0].stats()["sessions"] == 1
+        moved.hops[0] = hops("node-b", session)[0]
+        after = MtpDrafter()
+        got += [
+            t
+            async for t, _ in moved.generate(PROMPT + got, sampling, N - len(got), speculate=K, drafter=after)
+        ]
+        assert got[: len(want)] == want
+        assert moved.last_prefilled == 1  # the session went on from its moved state
+        st = moved.last_spec.as_dict()
+        print(f"after the hand-off: {st}, answers with drafts {after.offered}")
+        assert after.offered >= st["verify_steps"] > 0
+    finally:
+        for c in (plain, moved):
+            await c.close()
+        for r in runners:
+            await r.cleanup()

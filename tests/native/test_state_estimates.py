@@ -10,6 +10,7 @@ tokens), and the files are a few KB."""
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import pytest
 from agent.artifacts.manifest import Manifest, build_manifest
 from agent.artifacts.tiny import write_tiny_gguf
 from agent.backends.libggswarm import NativeModel
-from agent.node.handoff import SNAPSHOT_HEADER_SLACK
+from agent.node.handoff import SNAPSHOT_HEADER_SLACK, range_snapshot_bound
 from tests.native.tiny_gguf import write_small_tokenizer
 
 N_POSITIONS = 300  # past gemma3's 32-token window and deepseek4's ratio-128 blocks
@@ -100,3 +101,32 @@ def test_a_rings_held_state_is_the_manifests_estimate(
         model.close()
     estimate = sum(layer.state_bytes(n) for layer in manifest.layers)
     assert abs(held - estimate) <= 0.05 * estimate, (held, estimate)
+
+
+@pytest.mark.parametrize("arch", ["deepseek4", "glm-dsa"])
+def test_a_last_window_snapshot_with_its_mtp_state_fits_the_hand_off_bound(
+    native_lib: None, tmp_path: Path, arch: str
+) -> None:
+    """A last window drafting with its MTP head carries the block's state in its snapshots (the trailer);
+    the hand-off's size bound for that range makes room for it."""
+    extra = {"indexer_key_length": 128} if arch == "deepseek4" else {"n_layers": 9}
+    path = write_tiny_gguf(arch, tmp_path / f"{arch}-mtp.gguf", mtp=True, **extra)
+    manifest = build_manifest(str(path), hash_tensors=False)
+    start = manifest.n_layers - 3  # glm-dsa: a full-indexer layer (0, 3, 6 of 9); deepseek4: 3 of 6
+    model = NativeModel(str(path), start, manifest.n_layers, n_threads=2)
+    try:
+        model.mtp_open(str(path))
+        sid = model.open_session(512)
+        hidden = (
+            np.random.default_rng(1).standard_normal((N_POSITIONS, manifest.boundary_dim)).astype(np.float32)
+        )
+        ids = np.random.default_rng(0).integers(1, 200, N_POSITIONS, dtype=np.int32)
+        model.forward(sid, 0, hidden=hidden, token_ids=ids)
+        snap = model.snapshot(sid)
+    finally:
+        model.close()
+    (trailer,) = struct.unpack_from("<Q", snap, 184)  # the header's nextn trailer bytes
+    bound = range_snapshot_bound(manifest, start, manifest.n_layers, True, N_POSITIONS)
+    assert trailer > 0
+    assert len(snap) <= bound, (len(snap), bound)
+    assert len(snap) - trailer <= range_snapshot_bound(manifest, start, manifest.n_layers, False, N_POSITIONS)

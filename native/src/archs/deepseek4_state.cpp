@@ -161,7 +161,7 @@ bool st_rewinds_to(const ggswarm_model * m, int32_t il, const Session & s, int32
     for (const Part & p : parts(m, il)) {
         if (p.lay == Lay::Entries) continue;
         const int64_t rows = part_rows(m, p, s.cap);
-        if (ring_from(m, p, target) < std::max<int64_t>(s.ring_lo, (int64_t)s.len - rows)) return false;
+        if (ring_from(m, p, target) < std::max<int64_t>(ring_from(m, p, s.ring_lo), (int64_t)s.len - rows)) return false;
     }
     return true;
 }
