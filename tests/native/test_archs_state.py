@@ -134,7 +134,9 @@ class Run:
 # several single-token rows): batched logits differ a little from alone, relative to the logits' scale.
 # Observed (AVX-512) max |diff|: llama 1.6e-3, qwen3 4.9e-3, gemma3 2.4e-3 past its 32-position window,
 # qwen3moe 7.1e-3, glm4moe 6.3e-3, minimax-m2 7.0e-3, gpt-oss 0.31 on logits of magnitude ~37 (0.8%;
-# exact on the batched prefill, from the decode steps on; the routers amplify it). Tokens never moved.
+# exact on the batched prefill, from the decode steps on; the routers amplify it). Tokens moved once, on
+# AVX2 builds of both ggml copies (2026-12-06): gpt-oss's, at a near tie (alone's pick ahead by 6.8e-4,
+# the logits 0.053 apart at that step), so a token may turn only where the margin is within that.
 BATCHED_RELATIVE_TOL = 1e-2
 STEPS = 40
 
@@ -143,7 +145,7 @@ def test_sessions_batched_get_the_tokens_each_gets_alone_and_batch_as_declared(
     native_lib: None, case: Case, gguf: str
 ) -> None:
     """Four sessions of different prompt lengths, teacher-forced 40 steps together and alone: the same
-    tokens; one graph for all of them where the row declares `batches`, else one after another and
+    tokens but at near ties; one graph for all of them where the row declares `batches`, else one after another and
     exactly as alone."""
     from agent.backends.libggswarm import NativeModel
 
@@ -165,6 +167,7 @@ def test_sessions_batched_get_the_tokens_each_gets_alone_and_batch_as_declared(
         sids = [m.open_session(256) for _ in prompts]
         pos = [0] * len(prompts)
         diff, same, scale = 0.0, True, max(float(np.abs(x).max()) for r in alone for x in r.logits)
+        turned: list[tuple[int, int, float, float]] = []
         for t in range(STEPS):
             feed = [p if t == 0 else [alone[i].tokens[t - 1]] for i, p in enumerate(prompts)]
             outs = m.forward_many(
@@ -175,12 +178,19 @@ def test_sessions_batched_get_the_tokens_each_gets_alone_and_batch_as_declared(
             )
             for i, o in enumerate(outs):
                 assert isinstance(o, dict), o
-                diff = max(diff, float(np.max(np.abs(o["logits"][-1] - alone[i].logits[t]))))
-                same = same and o["token"] == alone[i].tokens[t]
+                want, got = alone[i].logits[t], o["logits"][-1]
+                step_diff = float(np.max(np.abs(got - want)))
+                diff = max(diff, step_diff)
+                if o["token"] != alone[i].tokens[t]:
+                    # only a near tie may turn: alone's pick ahead of the batched one by no more than
+                    # the two runs' logits moved apart at that step (teacher-forced: nothing cascades)
+                    margin = float(want[alone[i].tokens[t]] - want[o["token"]])
+                    turned.append((i, t, margin, step_diff))
+                    same = same and margin <= 2 * step_diff
                 pos[i] += len(feed[i])
         print(
             f"\n{case.name}: batched in one graph {m.batches_sessions}, max |logit diff| {diff:.3g}"
-            f" (logits up to {scale:.3g})"
+            f" (logits up to {scale:.3g}); tokens turned at near ties (session, step, margin, diff): {turned}"
         )
         assert same
         assert diff <= (BATCHED_RELATIVE_TOL * scale if row.batches else 0.0)
