@@ -73,7 +73,9 @@
  *       (not counted against max_per_session) and is the only kind ggswarm_session_drop_checkpoint drops.
  *  16 - snapshot format 3: a session's nextn-block state (the block's own snapshot and the trunk rows its
  *       drafts read) travels after the payload, so a session handed off or restored from a prefix keeps
- *       drafting; format 2 snapshots still restore (their block starts over). Same declarations.
+ *       drafting; format 2 snapshots still restore (their block starts over). Same declarations;
+ *       snapshot_size takes the lock on a window with a block attached (it brings the block back to the
+ *       trunk's length, as the snapshot then finds it).
  */
 #ifndef GGSWARM_H
 #define GGSWARM_H
