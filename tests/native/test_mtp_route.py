@@ -37,6 +37,7 @@ async def mtp_node(  # noqa: ANN201 - (DataPlane, manifest, runner, url)
     public_key,  # noqa: ANN001
     splits: list[tuple[int, int]] = SPLITS,
     cache: str = "f32",
+    name: str = "node-m",
 ):
     """tests/native/routes.py's windows_on_one_node with the node's MTP option on."""
     from agent.artifacts.manifest import build_manifest
@@ -44,7 +45,7 @@ async def mtp_node(  # noqa: ANN201 - (DataPlane, manifest, runner, url)
     from tests.conftest import free_port
 
     manifest = build_manifest(str(path))
-    dp = DataPlane("node-m", public_key, cache_type=cache, mtp=True)
+    dp = DataPlane(name, public_key, cache_type=cache, mtp=True)
     for a, b in splits:
         dp.load_shard(str(path), manifest, a, b, backend="native", n_threads=2)
     port = free_port()
@@ -187,20 +188,14 @@ async def test_a_session_handed_off_keeps_drafting_with_the_head(
 
     from aiohttp import ClientSession
 
-    from agent.artifacts.manifest import build_manifest
-    from agent.node.dataplane import DataPlane, start_dataplane
     from agent.wire.handofftoken import mint_handoff
-    from tests.conftest import free_port
 
     path = write_tiny_gguf("deepseek4", tmp_path / "ds4-mtp.gguf", mtp=True, indexer_key_length=128)
-    manifest = build_manifest(str(path))
     nodes, runners = {}, []
-    for name in ("node-a", "node-b"):
-        dp = DataPlane(name, signing_key.public_key(), cache_type="f32", mtp=True)
-        dp.load_shard(str(path), manifest, 0, 6, backend="native", n_threads=2)
-        port = free_port()
-        runners.append(await start_dataplane(dp, "127.0.0.1", port))
-        nodes[name] = (dp, f"http://127.0.0.1:{port}")
+    for name in ("node-a", "node-b"):  # each holds the whole model as one window
+        dp, manifest, runner, url = await mtp_node(path, signing_key.public_key(), [(0, 6)], name=name)
+        runners.append(runner)
+        nodes[name] = (dp, url)
 
     def hops(name: str, session: bytes) -> list:  # noqa: ANN202
         return minted_hops(signing_key, session, manifest.sha256, [RouteHop(name, nodes[name][1], 0, 6)])
