@@ -1,0 +1,148 @@
+"""RouteClient.generate sends each decode step before its consumer handles the token before it, and
+leaves the route agreeing with its history however the consumer stops. The seam faked here is
+`RouteClient.forward` (one step of the whole route); the real route runs in tests/integration."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any
+
+import pytest
+
+from agent.client.recovery import minted_hops
+from agent.client.route import RouteClient, RouteError
+from agent.wire.frames import Kind, Response
+from agent.wire.routetoken import RouteHop
+from agent.wire.sampling import SamplingParams
+
+PROMPT = [1, 2, 3]
+
+
+class StepClient(RouteClient):
+    """A route whose step answers token len(history) + 100 after `delay_s`, logging every event."""
+
+    def __init__(self, signing_key: Any, delay_s: float = 0.01) -> None:
+        session = os.urandom(16)
+        hops = minted_hops(signing_key, session, "ab" * 32, [RouteHop("node-0", "http://127.0.0.1:9/", 0, 4)])
+        super().__init__(hops, session_id=session, capacity=64)
+        self.delay_s = delay_s
+        self.events: list[str] = []
+        self.fail_at: int | None = None  # the history length whose step raises
+
+    async def truncate(self, n: int) -> int:
+        del self.history[n:]
+        return len(self.history)
+
+    async def forward(
+        self, ids: list[int], sampling: SamplingParams, want_logits: bool = False, sample_all: bool = False
+    ) -> Response:
+        pos = len(self.history)
+        self.events.append(f"send {pos}")
+        await asyncio.sleep(self.delay_s)
+        if self.fail_at == pos:
+            self.events.append(f"fail {pos}")
+            raise RouteError("the hop went away")
+        self.history.extend(ids)
+        self.events.append(f"done {pos}")
+        return Response(step=0, kind=Kind.TOKEN, session_len=len(self.history), n_tokens=1, token=100 + pos)
+
+
+async def _consume(c: StepClient, n: int, stop_after: int | None = None, **kw: Any) -> list[int]:
+    got: list[int] = []
+    gen = c.generate(PROMPT, SamplingParams(), n, **kw)
+    try:
+        async for tok, _ in gen:
+            c.events.append(f"got {tok}")
+            await asyncio.sleep(c.delay_s / 2)  # the consumer's own work: detokenizing, a socket write
+            c.events.append(f"handled {tok}")
+            got.append(tok)
+            if stop_after is not None and len(got) == stop_after:
+                break
+    finally:
+        await gen.aclose()
+        await c.close()
+    return got
+
+
+async def test_the_next_step_is_on_its_way_while_the_consumer_handles_a_token(signing_key: Any) -> None:
+    c = StepClient(signing_key)
+    got = await _consume(c, 4)
+    assert got == [100, 103, 104, 105]
+    # the first decode step (position 3) went out before token 100 was handled, and so on
+    for pos, tok in ((3, 100), (4, 103), (5, 104)):
+        assert c.events.index(f"send {pos}") < c.events.index(f"handled {tok}")
+    # nothing beyond max_tokens: the last token is not sent on
+    assert "send 6" not in c.events
+    assert c.history == PROMPT + [100, 103, 104]
+
+
+async def test_a_consumer_that_stops_leaves_the_history_equal_to_what_the_route_holds(
+    signing_key: Any,
+) -> None:
+    c = StepClient(signing_key)
+    got = await _consume(c, 10, stop_after=2)
+    assert got == [100, 103]
+    # the step sent ahead with token 103 finished before aclose returned; nothing was sent after it
+    assert c.events[-1] == "done 4"
+    assert c.history == PROMPT + [100, 103]
+    assert [e for e in c.events if e.startswith("send")] == ["send 0", "send 3", "send 4"]
+
+
+async def test_no_step_goes_ahead_of_a_stop_token(signing_key: Any) -> None:
+    c = StepClient(signing_key)
+    got = await _consume(c, 10, stop_ids={103})
+    assert got == [100, 103]
+    assert [e for e in c.events if e.startswith("send")] == ["send 0", "send 3"]
+
+
+async def test_with_logits_each_step_waits_for_the_consumer(signing_key: Any) -> None:
+    c = StepClient(signing_key)
+    got = await _consume(c, 3, want_logits=True)
+    # the consumer reads last_response's logits while it handles a token: nothing replaces it meanwhile
+    # (the prompt's last position went alone, for its logits: the first token is 102)
+    assert got == [102, 103, 104]
+    for pos, tok in ((3, 102), (4, 103)):
+        assert c.events.index(f"handled {tok}") < c.events.index(f"send {pos}")
+
+
+async def test_a_step_failing_ahead_of_a_live_consumer_raises_at_the_next_token(signing_key: Any) -> None:
+    c = StepClient(signing_key)
+    c.fail_at = 4
+    with pytest.raises(RouteError, match="went away"):
+        await _consume(c, 10)
+    # the token before the failure was delivered and handled first
+    assert "handled 103" in c.events
+
+
+async def test_a_step_failing_ahead_of_a_stopped_consumer_is_logged_not_raised(
+    signing_key: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    c = StepClient(signing_key)
+    c.fail_at = 4
+    with caplog.at_level(logging.WARNING, logger="agent.client.route"):
+        got = await _consume(c, 10, stop_after=2)
+    assert got == [100, 103]  # every token the consumer took arrived
+    assert "fail 4" in c.events
+    assert any("sent ahead" in r.message and "went away" in r.message for r in caplog.records)
+
+
+async def test_a_consumer_that_breaks_out_without_closing_holds_the_next_generate_until_its_step_ends(
+    signing_key: Any,
+) -> None:
+    c = StepClient(signing_key)
+    got: list[int] = []
+    try:
+        async for tok, _ in c.generate(PROMPT, SamplingParams(), 10):  # never closed: left to the GC
+            got.append(tok)
+            if len(got) == 2:
+                break
+        assert "done 4" not in c.events  # the step sent ahead with token 103 is still on its way
+        more = [t async for t, _ in c.generate(PROMPT + got + [7], SamplingParams(), 2)]
+    finally:
+        await c.close()
+    # it finished before the second answer touched the route, whose history then held token 103 too
+    assert c.events.index("done 4") < c.events.index("send 5")
+    assert [e for e in c.events if e.startswith("send")] == ["send 0", "send 3", "send 4", "send 5", "send 6"]
+    assert more == [105, 106]
