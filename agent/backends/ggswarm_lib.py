@@ -54,12 +54,18 @@ KERNEL_PAD = 64
 # reads them with atoi, which takes garbage as 0, so serving commands check them first.
 BARRIER_ENV = ("GGSWARM_BARRIER_SPIN", "GGSWARM_BARRIER_YIELD")
 BARRIER_ENV_MAX = 100_000_000
+# Windows whose weights are under this many bytes run one-row steps on one thread (graph.cpp
+# compute_graph; 0: never); read with strtoull, which takes garbage as 0 and "-1" as 2**64 - 1.
+ONE_THREAD_ENV = "GGSWARM_ONE_THREAD_BYTES"
+ONE_THREAD_ENV_MAX = 1 << 40
 
 
 def check_barrier_env(env: Mapping[str, str] | None = None) -> None:
-    """ValueError unless each of BARRIER_ENV that is set is an integer in 0..BARRIER_ENV_MAX."""
+    """ValueError unless each of BARRIER_ENV that is set is an integer in 0..BARRIER_ENV_MAX, and
+    ONE_THREAD_ENV one in 0..ONE_THREAD_ENV_MAX."""
     for name in BARRIER_ENV:
         env_int(name, 0, BARRIER_ENV_MAX, env)
+    env_int(ONE_THREAD_ENV, 0, ONE_THREAD_ENV_MAX, env)
 
 
 def padded_kv(n_positions: int, pad: int = KV_PAD) -> int:

@@ -232,7 +232,7 @@ ggswarm_status run_group(ggswarm_model * m, const std::vector<int32_t> & idx, co
         }
     }
     if (g.inp_last) ggml_backend_tensor_set(g.inp_last, last_rows.data(), 0, sizeof(int32_t) * last_rows.size());
-    if (ggml_backend_sched_graph_compute(g.sched, g.gf) != GGML_STATUS_SUCCESS) {
+    if (!compute_graph(m, g, key.n)) {
         drop_graph(m, gp);
         return fail(m, GGSWARM_E_COMPUTE, "ggml graph compute failed (%zu sessions in one graph)", idx.size());
     }

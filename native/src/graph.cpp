@@ -2,8 +2,10 @@
 // KV capacity) and reused by every session of that shape, micro-batched forward, and sampling on the
 // last window (docs/native.md, "Graph").
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <unordered_set>
 
@@ -254,6 +256,59 @@ void set_cache_idx(ggswarm_model * m, ggml_tensor * kidx, ggml_tensor * vidx, in
     }
 }
 
+namespace {
+
+// Below this many weight bytes read per step (the window's weights, less a token embedding it only
+// gathers rows from), a one-row step runs on one thread: on these 2-core VMs waking a sleeping worker and
+// meeting it at every node's barrier costs ~0.1 ms a graph (a 1-layer tiny window: 35 us on one thread,
+// 141 us on two), while reading 2 MiB takes ~0.1 ms on one core. Real windows are 100x larger.
+// GGSWARM_ONE_THREAD_BYTES overrides it (0: never). Only graphs whose numbers do not depend on the
+// thread count qualify (thread_free).
+uint64_t one_thread_bytes() {
+    static const uint64_t v = [] {
+        const char * env = getenv("GGSWARM_ONE_THREAD_BYTES");
+        return env && *env ? strtoull(env, nullptr, 10) : (uint64_t)2 << 20;
+    }();
+    return v;
+}
+
+// Whether every node of the graph computes the same values on any number of threads: ggml's CPU flash
+// attention does not where a one-row step attends kFlashSplitRows or more cached positions (ops.cpp,
+// use_split_kv_path: it splits them among the threads and adds the parts up), so such a graph keeps the
+// thread count llama.cpp runs with. A graph's shape, and so the answer, is fixed when it is built.
+constexpr int64_t kFlashSplitRows = 512;
+
+bool thread_free(Graph & g) {
+    if (g.thread_free < 0) {
+        g.thread_free = 1;
+        for (int i = 0; i < ggml_graph_n_nodes(g.gf); ++i) {
+            const ggml_tensor * t = ggml_graph_node(g.gf, i);
+            if (t->op == GGML_OP_FLASH_ATTN_EXT && t->src[1]->ne[1] >= kFlashSplitRows) g.thread_free = 0;
+        }
+    }
+    return g.thread_free == 1;
+}
+
+}  // namespace
+
+bool compute_graph(ggswarm_model * m, Graph & g, int64_t rows) {
+    const uint64_t gathered = m->tok_embd && m->tok_embd != m->output ? ggml_nbytes(m->tok_embd) : 0;
+    const bool one = rows == 1 && m->n_threads > 1 && m->backend == m->backend_cpu &&
+                     m->weight_bytes - std::min(m->weight_bytes, gathered) < one_thread_bytes() && thread_free(g);
+    ggml_backend_set_n_threads_t set = nullptr;
+    if (one) {
+        // looked up as apply_threads does: the CPU backend may be the shared ggml's, loaded at run time
+        ggml_backend_dev_t dev = ggml_backend_get_device(m->backend_cpu);
+        ggml_backend_reg_t reg = dev ? ggml_backend_dev_backend_reg(dev) : nullptr;
+        set = reg ? (ggml_backend_set_n_threads_t)ggml_backend_reg_get_proc_address(reg, "ggml_backend_set_n_threads")
+                  : nullptr;
+    }
+    if (set) set(m->backend_cpu, 1);
+    const bool ok = ggml_backend_sched_graph_compute(g.sched, g.gf) == GGML_STATUS_SUCCESS;
+    if (set) set(m->backend_cpu, m->n_threads);
+    return ok;
+}
+
 // The log-probability of token in row `row` of the graph's softmax output prob (the float softmax is
 // exact to ~1e-7; tiny probabilities fall back to the double log-softmax of the logits).
 double final_logprob(ggswarm_model * m, ggml_tensor * prob, int64_t row, const float * logits, int32_t token) {
@@ -314,7 +369,7 @@ ggswarm_status forward_chunk(ggswarm_model * m, Session & s, const ggswarm_batch
         ggml_fp16_to_fp32_row(src, m->hidden_host.data(), n_hidden);
         ggml_backend_tensor_set(g.inp_hidden, m->hidden_host.data(), 0, sizeof(float) * n_hidden);
     }
-    if (ggml_backend_sched_graph_compute(g.sched, g.gf) != GGML_STATUS_SUCCESS) {
+    if (!compute_graph(m, g, nc)) {
         drop_graph(m, gp);
         return fail(m, GGSWARM_E_COMPUTE, "ggml graph compute failed");
     }

@@ -179,6 +179,7 @@ struct Graph {
     ggml_tensor * inp_last = nullptr;                // several sessions, last window: each member's final row
     GraphKey key;
     uint64_t last_use = 0;
+    int8_t thread_free = -1;  // 1: no node's result depends on the thread count (compute_graph); -1: not yet looked
 
     Graph() = default;
     Graph(const Graph &) = delete;
@@ -410,5 +411,8 @@ void bind_leaf(ggml_tensor * leaf, const ggml_tensor * kv);
 void collect_kv_views(Graph & g);
 void drop_graph(ggswarm_model * m, const Graph * g);
 double final_logprob(ggswarm_model * m, ggml_tensor * prob, int64_t row, const float * logits, int32_t token);
+// Compute a window graph of `rows` positions (graph.cpp): a one-row step of a window whose weights are
+// small runs on the calling thread alone, since waking the pool's workers costs more than they save.
+bool compute_graph(ggswarm_model * m, Graph & g, int64_t rows);
 
 }  // namespace ggswarm

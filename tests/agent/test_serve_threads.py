@@ -44,6 +44,8 @@ def test_a_native_hop_loads_libgomp_with_the_capped_spin_count(serve_factory, mo
         ("GGSWARM_BARRIER_SPIN", "lots", "GGSWARM_BARRIER_SPIN='lots' is not an integer"),
         ("GGSWARM_BARRIER_SPIN", "-1", "GGSWARM_BARRIER_SPIN=-1 is outside 0..100000000"),
         ("GGSWARM_BARRIER_SPIN", "100000001", "GGSWARM_BARRIER_SPIN=100000001 is outside 0..100000000"),
+        ("GGSWARM_ONE_THREAD_BYTES", "-1", "GGSWARM_ONE_THREAD_BYTES=-1 is outside 0..1099511627776"),
+        ("GGSWARM_ONE_THREAD_BYTES", "2M", "GGSWARM_ONE_THREAD_BYTES='2M' is not an integer"),
     ],
 )
 def test_serving_with_a_bad_setting_fails_at_once_with_its_name(

@@ -8,6 +8,7 @@ import numpy as np
 from agent.backends import load_backend
 from agent.backends.base import ShardSpec, StepInput
 from tests.helpers import CHAT_PROMPT
+from tests.native.tiny_gguf import VOCAB, write_tiny_gguf
 
 
 def run(be, threads: list[int], tag: int) -> list[np.ndarray]:  # noqa: ANN001 - a NativeBackend
@@ -53,3 +54,32 @@ def test_one_thread_two_threads_and_a_count_changing_every_call_give_identical_l
     assert len(two) == 2 + 2 * 6
     for a, b, c in zip(two, one, mixed, strict=True):
         assert np.array_equal(a, b) and np.array_equal(a, c)
+
+
+def _last_step(path, threads: int, flash: bool, n: int = 600) -> np.ndarray:  # noqa: ANN001
+    """Logits of one decode step after n positions on a small window of `threads` threads."""
+    from agent.backends.libggswarm import NativeModel
+
+    ids = [int(t) for t in np.random.default_rng(3).integers(0, VOCAB, n + 1)]
+    with NativeModel(str(path), 0, 3, n_threads=threads) as m:
+        assert m.info.weight_bytes < 2 << 20  # below the size whose one-row steps run on one thread
+        m.set_flash_attention(flash)
+        sid = m.open_session(1024)
+        m.forward(sid, 0, token_ids=ids[:n])
+        return m.forward(sid, n, token_ids=ids[n:], want_logits=True)["logits"]
+
+
+def test_a_small_window_on_two_threads_gives_the_one_thread_numbers_and_flash_steps_stay_on_two(
+    native_lib: None, tmp_path
+) -> None:  # noqa: ANN001
+    """A one-row step of a window this small runs on the calling thread alone (graph.cpp
+    compute_graph), which changes no number; except a flash-attention step over 512 or more positions,
+    whose sum ggml splits among the threads: it keeps the handle's two, as llama.cpp's does. Below 512
+    attended rows a flash step's bytes are the same on one thread and two, which lets it run on one."""
+    path = write_tiny_gguf(tmp_path / "m.gguf", heads=(64, 4, 2), context=1024)
+    assert np.array_equal(_last_step(path, 2, flash=False), _last_step(path, 1, flash=False))
+    # below 512 attended rows (the span is padded: 100 positions attend 256) ggml's flash step does not
+    # split them: one thread is as good as two there
+    assert np.array_equal(_last_step(path, 2, flash=True, n=100), _last_step(path, 1, flash=True, n=100))
+    two, one = _last_step(path, 2, flash=True), _last_step(path, 1, flash=True)
+    assert not np.array_equal(two, one)  # run on one thread, the two-thread handle would give `one`
