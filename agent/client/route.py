@@ -459,8 +459,8 @@ class RouteClient:
                 yield item
             return
         # The next step goes out before the consumer sees this token: its detokenizing, stop strings
-        # and socket writes then overlap the route's compute instead of adding to every token's time
-        # (the playground lost ~19% to them). Not with logits: the consumer reads last_response's.
+        # and socket writes then overlap the route's compute instead of adding to every token's time.
+        # Not with logits: the consumer reads last_response's while it handles the token.
         ahead: asyncio.Future[Response] | None = None
         try:
             for n in range(max_tokens):
@@ -569,9 +569,12 @@ async def settle_ahead(step: asyncio.Future[Response]) -> None:
     try:
         await asyncio.shield(step)
     except asyncio.CancelledError:
-        # this task is being cancelled: the step still ends on its own; its outcome is collected
-        step.add_done_callback(_collect)
-        raise
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            # this task is being cancelled: the step still ends on its own; its outcome is collected
+            step.add_done_callback(_collect)
+            raise
+        log.warning("a step sent ahead of a finished answer was cancelled")
     except Exception as e:  # noqa: BLE001 - see the docstring
         log.warning("a step sent ahead of a finished answer failed: %s", e)
 
