@@ -238,6 +238,7 @@ ggswarm_status open_model(const char * path, int32_t layer_start, int32_t layer_
     if ((s = init_backends(m))) return bail(s);
     if ((s = load_weights(m, meta, path, file_size))) return bail(s);
     if ((s = init_sched(m))) return bail(s);
+    m->small_steps = is_small_window(m);
     apply_threads(m, n_threads);
     choose_attention(m, path);
     m->chosen_attention = m->decode_kernels;

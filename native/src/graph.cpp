@@ -291,21 +291,16 @@ bool thread_free(Graph & g) {
 
 }  // namespace
 
-bool compute_graph(ggswarm_model * m, Graph & g, int64_t rows) {
+bool is_small_window(const ggswarm_model * m) {
     const uint64_t gathered = m->tok_embd && m->tok_embd != m->output ? ggml_nbytes(m->tok_embd) : 0;
-    const bool one = rows == 1 && m->n_threads > 1 && m->backend == m->backend_cpu &&
-                     m->weight_bytes - std::min(m->weight_bytes, gathered) < one_thread_bytes() && thread_free(g);
-    ggml_backend_set_n_threads_t set = nullptr;
-    if (one) {
-        // looked up as apply_threads does: the CPU backend may be the shared ggml's, loaded at run time
-        ggml_backend_dev_t dev = ggml_backend_get_device(m->backend_cpu);
-        ggml_backend_reg_t reg = dev ? ggml_backend_dev_backend_reg(dev) : nullptr;
-        set = reg ? (ggml_backend_set_n_threads_t)ggml_backend_reg_get_proc_address(reg, "ggml_backend_set_n_threads")
-                  : nullptr;
-    }
-    if (set) set(m->backend_cpu, 1);
+    return m->backend == m->backend_cpu && m->weight_bytes - std::min(m->weight_bytes, gathered) < one_thread_bytes();
+}
+
+bool compute_graph(ggswarm_model * m, Graph & g, int64_t rows) {
+    const bool one = rows == 1 && m->small_steps && m->n_threads > 1 && m->cpu_set_threads && thread_free(g);
+    if (one) m->cpu_set_threads(m->backend_cpu, 1);
     const bool ok = ggml_backend_sched_graph_compute(g.sched, g.gf) == GGML_STATUS_SUCCESS;
-    if (set) set(m->backend_cpu, m->n_threads);
+    if (one) m->cpu_set_threads(m->backend_cpu, m->n_threads);
     return ok;
 }
 

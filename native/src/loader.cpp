@@ -244,6 +244,7 @@ ggswarm_status apply_threads(ggswarm_model * m, int32_t n) {
         if (!reg) continue;
         auto fn = (ggml_backend_set_n_threads_t)ggml_backend_reg_get_proc_address(reg, "ggml_backend_set_n_threads");
         if (fn) fn(b, n);
+        if (b == m->backend_cpu) m->cpu_set_threads = fn;  // compute_graph's one-thread steps
     }
 #ifdef GGSWARM_OWN_THREADPOOL
     // An explicit threadpool that does not poll: between graphs its workers sleep on a condition variable

@@ -273,6 +273,9 @@ struct ggswarm_model {
     ggswarm_budget * budget = nullptr;  // the node's KV budget (a reference), or none
     uint64_t weight_bytes = 0;
     uint64_t graph_builds = 0;
+    // one-row steps may run on one thread (compute_graph): a CPU window with few weights (open_model)
+    bool small_steps = false;
+    ggml_backend_set_n_threads_t cpu_set_threads = nullptr;  // the CPU backend's, found by apply_threads
 
     ggml_backend_dev_t dev = nullptr;
     ggml_backend_t backend = nullptr;      // device the weights and KV live on
@@ -414,5 +417,7 @@ double final_logprob(ggswarm_model * m, ggml_tensor * prob, int64_t row, const f
 // Compute a window graph of `rows` positions (graph.cpp): a one-row step of a window whose weights are
 // small runs on the calling thread alone, since waking the pool's workers costs more than they save.
 bool compute_graph(ggswarm_model * m, Graph & g, int64_t rows);
+// Whether the window's one-row steps are small enough for one thread (its weights, once loaded).
+bool is_small_window(const ggswarm_model * m);
 
 }  // namespace ggswarm
