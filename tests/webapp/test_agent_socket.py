@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from datetime import timedelta
 from typing import Any
 
@@ -17,11 +18,26 @@ from webapp.fleet.tasks import place_model, remove_node, sweep_offline_nodes
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("clear_channel_layer")]
 GB = 1 << 30
+_opened: list[WebsocketCommunicator] = []
+
+
+@pytest.fixture(autouse=True)
+async def sockets_end_with_their_test() -> AsyncIterator[None]:
+    """Disconnect, in the test's own loop, every socket the test left open: a consumer that closed with
+    4401 still waits for its client's disconnect, and leaving it to the loop's teardown to cancel once
+    hung the suite in the Redis channel layer's receive until pytest-timeout (420 s)."""
+    yield
+    while _opened:
+        ws = _opened.pop()
+        if not ws.future.done():
+            await ws.disconnect()
 
 
 def agent_socket(node_id: str | None = None, secret: str | None = None) -> WebsocketCommunicator:
     headers = [(b"authorization", f"Node {node_id}:{secret}".encode())] if node_id else []
-    return WebsocketCommunicator(application, "/ws/agent/", headers=headers)
+    ws = WebsocketCommunicator(application, "/ws/agent/", headers=headers)
+    _opened.append(ws)
+    return ws
 
 
 def hello(port: int = 9000, shards: list[dict[str, Any]] | None = None) -> dict[str, Any]:
