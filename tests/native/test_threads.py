@@ -83,3 +83,44 @@ def test_a_small_window_on_two_threads_gives_the_one_thread_numbers_and_flash_st
     assert np.array_equal(_last_step(path, 2, flash=True, n=100), _last_step(path, 1, flash=True, n=100))
     two, one = _last_step(path, 2, flash=True), _last_step(path, 1, flash=True)
     assert not np.array_equal(two, one)  # run on one thread, the two-thread handle would give `one`
+
+
+def _other_threads_switches() -> int:
+    """Voluntary context switches of every thread of this process but the calling one (Linux)."""
+    import threading
+    from pathlib import Path
+
+    me = threading.get_native_id()
+    total = 0
+    for task in Path("/proc/self/task").iterdir():
+        if int(task.name) == me:
+            continue
+        try:
+            status = (task / "status").read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        total += int(
+            next(ln for ln in status.splitlines() if ln.startswith("voluntary_ctxt_switches")).split()[1]
+        )
+    return total
+
+
+def test_a_small_windows_one_row_steps_leave_the_sleeping_worker_asleep(native_lib: None, tmp_path) -> None:  # noqa: ANN001
+    """ggml's threadpool woke every worker for every graph, also one computed by the calling thread
+    alone (native/patches/ggml-kickoff-one-thread.patch): a context switch per step on a core the
+    route's next hop needs. A prompt on the same handle still wakes it (the count is live)."""
+    from agent.backends.libggswarm import NativeModel
+
+    path = write_tiny_gguf(tmp_path / "m.gguf", heads=(64, 4, 2), context=1024)
+    ids = [int(t) for t in np.random.default_rng(5).integers(0, VOCAB, 300)]
+    with NativeModel(str(path), 0, 3, n_threads=2) as m:
+        sid = m.open_session(1024)
+        before = _other_threads_switches()
+        m.forward(sid, 0, token_ids=ids[:64])  # 64 rows: both threads
+        woken = _other_threads_switches() - before
+        before = _other_threads_switches()
+        for i in range(64, 264):
+            m.forward(sid, i, token_ids=ids[i : i + 1])
+        asleep = _other_threads_switches() - before
+    assert woken >= 1
+    assert asleep < 20, f"{asleep} context switches of other threads over 200 one-thread steps"
