@@ -2,9 +2,12 @@
 
 SPEC P13: ours / llama.cpp's <= 1.05 at every context. The ratio keys (`<arch>_state_ratio_<ctx>`) are at
 the real models' hyperparameters (webapp/fleet/specs/models/*.json; Gemma 3 270M's packaged file):
-ours is what agent/artifacts/archs.py `describe` counts (the native executor's layout) plus the default
-recurrent checkpoints (the latest multi-token call's start and end: `CHECKPOINTS_MAX`, 2, copies of the
-recurrent layers' state, as a session holds them after a turn); llama.cpp's comes from its cache layout
+ours is what agent/artifacts/archs.py `describe` counts (the native executor's layout), the bytes a
+session costs a node whose budget is full. A session also keeps checkpoints of the state its caches cannot
+cut back (the latest multi-token call's start and end: `CHECKPOINTS_MAX`, 2), but only in budget room no
+session needs: growth and admission take them back first (libggswarm v17, docs/native.md "Checkpoints");
+`<arch>_state_ratio_with_checkpoints_<ctx>` counts them too, as a session holds them on a node with room
+to spare. llama.cpp's comes from its cache layout
 (`llama_formula`, checked against its own allocation log on tiny files and on Gemma 3's real file).
 llama.cpp is taken with llama-server's default `swa_full = false` (sliding-window and DeepSeek-V4 raw
 caches are rings); llama-cpp-python's `Llama()` defaults to `swa_full = true` (whole-context rings),
@@ -15,9 +18,13 @@ to 32 per slot: `llama_server_checkpoint`); counted for one prompt, 2 checkpoint
 Tiny files (agent.artifacts.tiny, their context_length raised to 131072 in a copy so that our executor
 opens long sessions): llama.cpp's bytes are parsed from the "size = X MiB" lines it logs when
 `llama_cpp.Llama(n_ctx=...)` allocates its caches (2-decimal MiB, so +-0.005 MiB per line); ours are
-`ggswarm_kv_bytes` after feeding `--fill` positions, and at larger contexts that figure plus
-`ggswarm_session_growth_bytes` (the library's own plan for the larger capacity, not filled). Prints
-one line per architecture, then one JSON object as the last line. Usage:
+`ggswarm_kv_bytes` after feeding `--fill` positions once `ggswarm_reclaim_checkpoints` took its
+checkpoints back (with them: `ours_bytes_with_checkpoints_<ctx>`), and at larger contexts that figure
+plus `ggswarm_session_growth_bytes` (the library's own plan for the larger capacity, not filled).
+`<arch>_tiny_sessions_in_llamacpp_budget`: how many sessions of `--fill` positions our executor fills, one
+after another, on a node budget of 4 x llama.cpp's bytes for one (its formula, which matches its log
+within the log's rounding; 4 where a session costs what llama.cpp's does, the checkpoints taking what
+room is left). Prints one line per architecture, then one JSON object as the last line. Usage:
 
     .venv/bin/python bench/state.py [--threads 2] [--fill 8192] [--archs deepseek4,glm_dsa,qwen35,gemma3]
 """
@@ -175,9 +182,10 @@ def ours_describe(desc: ArchDescription, n_ctx: int, hp: dict[str, Any]) -> tupl
     return state, CHECKPOINTS_MAX * ckpt
 
 
-def ours_measured(path: str, n_layers: int, fill: int, threads: int) -> tuple[dict[int, int], float]:
-    """{n_ctx: bytes}: ggswarm_kv_bytes after `fill` positions; larger contexts up to the file's
-    context: that plus ggswarm_session_growth_bytes. (And the seconds the fill took.)"""
+def ours_measured(path: str, n_layers: int, fill: int, threads: int) -> tuple[dict[int, int], int, float]:
+    """{n_ctx: bytes}: ggswarm_kv_bytes after `fill` positions, its checkpoints taken back; larger
+    contexts up to the file's context: that plus ggswarm_session_growth_bytes. (And the checkpoints'
+    bytes before they were taken back, and the seconds the fill took.)"""
     from agent.backends.libggswarm import NativeModel
 
     m = NativeModel(path, 0, n_layers, n_threads=threads)
@@ -190,14 +198,46 @@ def ours_measured(path: str, n_layers: int, fill: int, threads: int) -> tuple[di
             m.forward(sid, pos, token_ids=ids, want_logits=False)
         secs = time.perf_counter() - t0
         assert m.session_len(sid) == fill
+        with_checkpoints = m.kv_bytes(sid)
+        ckpts = m.reclaim_checkpoints(with_checkpoints)
         held = m.kv_bytes(sid)
+        assert held == with_checkpoints - ckpts
         out = {fill: held}
         for n in CTXS.values():
             if fill < n <= m.n_ctx_max:
                 out[n] = held + m.growth_bytes(sid, n)
-        return out, secs
+        return out, ckpts, secs
     finally:
         m.close()
+
+
+def sessions_in_budget(
+    path: str, n_layers: int, fill: int, threads: int, budget_bytes: int, n: int
+) -> dict[str, int]:
+    """Open sessions of `fill` positions one after another (512-position calls, as the route feeds a
+    prompt) on one handle whose node budget is `budget_bytes`, until one is refused or n are full:
+    how many fit, and the checkpoint bytes still held at the end (those the budget had room for)."""
+    from agent.backends.libggswarm import NativeBudget, NativeError, NativeModel
+
+    budget = NativeBudget(budget_bytes)
+    m = NativeModel(path, 0, n_layers, n_threads=threads, budget=budget)
+    rng = np.random.default_rng(1)
+    full = 0
+    try:
+        for _ in range(n):
+            sid = m.open_session(fill)
+            try:
+                for pos in range(0, fill, 512):
+                    m.forward(
+                        sid, pos, token_ids=rng.integers(3, 1000, 512).astype(np.int32), want_logits=False
+                    )
+            except NativeError:
+                break
+            full += 1
+        return {"sessions_full": full, "checkpoint_bytes_held": m.checkpoints_reclaimable()}
+    finally:
+        m.close()
+        budget.close()
 
 
 # llama-server's context checkpoints per prompt (tools/server/server-context.cpp: the prompt's last
@@ -249,6 +289,14 @@ def _long_copy(arch: str, tmp: Path) -> str:
     return str(dst)
 
 
+# sessions the density check fills: a budget of this many times llama.cpp's bytes for one
+SESSIONS_IN_BUDGET = 4
+
+
+def _key_of(n_ctx: int) -> str:
+    return next(k for k, v in CTXS.items() if v == n_ctx)
+
+
 def _ratio(a: int, b: int) -> float:
     return round(a / b, 4) if b else float("inf")
 
@@ -258,11 +306,12 @@ def bench_file(path: str, arch: str, fill: int, threads: int) -> dict[str, Any]:
     man = build_manifest(path, hash_tensors=False)
     names = [t.name for t in man.tensors]
     desc = describe(arch, man.hparams, man.n_layers + man.mtp_layers, man.boundary_dim, names)
-    measured, secs = ours_measured(path, man.n_layers, fill, threads)
+    measured, measured_ckpts, secs = ours_measured(path, man.n_layers, fill, threads)
     r: dict[str, Any] = {
         "fill_positions": fill,
         "fill_seconds": round(secs, 1),
         "n_ctx_file": man.context_length,
+        "ours_measured_checkpoint_bytes": measured_ckpts,
     }
     for key, n in CTXS.items():
         state, ckpt = ours_describe(desc, n, man.hparams)
@@ -270,12 +319,14 @@ def bench_file(path: str, arch: str, fill: int, threads: int) -> dict[str, Any]:
         if n in measured:
             r[f"ours_bytes_{key}"] = measured[n]
             r[f"ours_source_{key}"] = "measured" if n == fill else "measured + growth_bytes"
+            r[f"ours_bytes_with_checkpoints_{key}"] = measured[n] + measured_ckpts
         else:
-            r[f"ours_bytes_{key}"] = state + ckpt
-            r[f"ours_source_{key}"] = "describe() + default checkpoints (not filled)"
-        r[f"ours_describe_bytes_{key}"] = state + ckpt
+            r[f"ours_bytes_{key}"] = state
+            r[f"ours_source_{key}"] = "describe() (not filled)"
+            r[f"ours_bytes_with_checkpoints_{key}"] = state + ckpt
+        r[f"ours_describe_bytes_{key}"] = state
         r[f"ours_checkpoint_bytes_{key}"] = ckpt
-        if n == fill:  # what the session holds beyond its state: the checkpoints it took
+        if n == fill:  # the state the library holds against the manifest's estimate of it
             r[f"ours_measured_minus_manifest_{key}"] = measured[n] - r[f"manifest_bytes_{key}"]
         for full, tag in ((False, ""), (True, "_swa_full")):
             logged, lines = llama_log(path, n, full, threads)
@@ -284,6 +335,22 @@ def bench_file(path: str, arch: str, fill: int, threads: int) -> dict[str, Any]:
             if tag == "" and key == "8k":
                 r["llamacpp_log_lines_8k"] = lines
         r[f"state_ratio_{key}"] = _ratio(r[f"ours_bytes_{key}"], r[f"llamacpp_log_bytes_{key}"])
+        r[f"state_ratio_with_checkpoints_{key}"] = _ratio(
+            r[f"ours_bytes_with_checkpoints_{key}"], r[f"llamacpp_log_bytes_{key}"]
+        )
+    # the density that follows: a node budget of SESSIONS_IN_BUDGET x llama.cpp's bytes per session at
+    # `fill` positions (its formula: exact, where the log rounds each line to 0.01 MiB), filled with
+    # sessions of `fill` positions on our executor
+    fit = sessions_in_budget(
+        path,
+        man.n_layers,
+        fill,
+        threads,
+        SESSIONS_IN_BUDGET * r[f"llamacpp_formula_bytes_{_key_of(fill)}"],
+        SESSIONS_IN_BUDGET,
+    )
+    r["sessions_in_llamacpp_budget"] = fit["sessions_full"]
+    r["sessions_in_llamacpp_budget_checkpoint_bytes"] = fit["checkpoint_bytes_held"]
     return r
 
 
@@ -303,7 +370,8 @@ def bench_real(key: str, arch: str, spec: str, gemma: dict[str, Any] | None) -> 
     r: dict[str, Any] = {"llamacpp_source": "log (real file)" if gemma else "formula"}
     for ck, n in CTXS.items():
         state, ckpt = ours_describe(desc, n, hp)
-        r[f"ours_bytes_{ck}"] = state + ckpt
+        r[f"ours_bytes_{ck}"] = state
+        r[f"ours_bytes_with_checkpoints_{ck}"] = state + ckpt
         r[f"ours_checkpoint_bytes_{ck}"] = ckpt
         for full, tag in ((False, ""), (True, "_swa_full")):
             formula = llama_formula(arch, hp, desc, n, full)
@@ -313,13 +381,12 @@ def bench_real(key: str, arch: str, spec: str, gemma: dict[str, Any] | None) -> 
             r[f"ours_measured_bytes_{ck}"] = gemma[f"ours_bytes_{ck}"]
         r[f"state_ratio_{ck}"] = _ratio(r[f"ours_bytes_{ck}"], r[f"llamacpp_bytes_{ck}"])
         r[f"state_ratio_swa_full_{ck}"] = _ratio(r[f"ours_bytes_{ck}"], r[f"llamacpp_bytes_swa_full_{ck}"])
-        r[f"state_ratio_no_checkpoints_{ck}"] = _ratio(state, r[f"llamacpp_bytes_{ck}"])
-        # llama-server as people run it: its context plus the checkpoints it keeps after one prompt
+        r[f"state_ratio_with_checkpoints_{ck}"] = _ratio(state + ckpt, r[f"llamacpp_bytes_{ck}"])
+        # llama-server as people run it: its context plus the checkpoints it keeps after one prompt (not
+        # given back under memory pressure), against ours with the checkpoints a session keeps when it can
         server = SERVER_CHECKPOINTS_PER_PROMPT * llama_server_checkpoint(arch, hp, desc, n)
         r[f"llama_server_checkpoint_bytes_{ck}"] = server
-        r[f"state_ratio_vs_llama_server_{ck}"] = _ratio(
-            r[f"ours_bytes_{ck}"], r[f"llamacpp_bytes_{ck}"] + server
-        )
+        r[f"state_ratio_vs_llama_server_{ck}"] = _ratio(state + ckpt, r[f"llamacpp_bytes_{ck}"] + server)
     return r
 
 
@@ -330,14 +397,16 @@ def _mib(b: int) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--fill", type=int, default=8192, help="positions fed through our executor (x512)")
+    ap.add_argument(
+        "--fill", type=int, default=8192, help="positions fed through our executor: 8192, 32768 or 131072"
+    )
     ap.add_argument("--archs", default="", help=f"comma-separated of {', '.join(ARCHS)} (default: all)")
     args = ap.parse_args()
     keys = [k for k in args.archs.split(",") if k] or list(ARCHS)
     if set(keys) - set(ARCHS):
         ap.error(f"unknown architectures {sorted(set(keys) - set(ARCHS))}; known: {list(ARCHS)}")
-    if args.fill <= 0 or args.fill % 512 or args.fill > max(CTXS.values()):
-        ap.error("--fill must be a positive multiple of 512, at most 131072")
+    if args.fill not in CTXS.values():
+        ap.error(f"--fill must be one of {sorted(CTXS.values())}")
     result: dict[str, Any] = {"cpu": cpu_kind(), "threads": args.threads, "fill_positions": args.fill}
     result["tree"] = tree_state()
     result["llamacpp_settings"] = "f16 K/V, n_ubatch 512, flash_attn off, swa_full false (_swa_full: true)"
@@ -351,17 +420,25 @@ def main() -> None:
                 result[f"{key}_realfile"] = gemma
             real = bench_real(key, arch, spec, gemma)
             result[f"{key}_tiny"] = tiny
+            result[f"{key}_tiny_sessions_in_llamacpp_budget"] = tiny["sessions_in_llamacpp_budget"]
             result[f"{key}_real"] = real
             for ck in CTXS:
                 result[f"{key}_state_ratio_{ck}"] = real[f"state_ratio_{ck}"]
+                result[f"{key}_state_ratio_with_checkpoints_{ck}"] = real[
+                    f"state_ratio_with_checkpoints_{ck}"
+                ]
                 result[f"{key}_state_ratio_vs_llama_server_{ck}"] = real[f"state_ratio_vs_llama_server_{ck}"]
             print(
                 f"{key} ({name}): ours / llama.cpp MiB at 8K {_mib(real['ours_bytes_8k'])} / "
                 f"{_mib(real['llamacpp_bytes_8k'])}, 32K {_mib(real['ours_bytes_32k'])} / "
                 f"{_mib(real['llamacpp_bytes_32k'])}, 128K {_mib(real['ours_bytes_128k'])} / "
                 f"{_mib(real['llamacpp_bytes_128k'])} (ratios {real['state_ratio_8k']}, "
-                f"{real['state_ratio_32k']}, {real['state_ratio_128k']}); tiny file ratios "
-                f"{tiny['state_ratio_8k']}, {tiny['state_ratio_32k']}, {tiny['state_ratio_128k']}",
+                f"{real['state_ratio_32k']}, {real['state_ratio_128k']}; with checkpoints "
+                f"{real['state_ratio_with_checkpoints_8k']}, {real['state_ratio_with_checkpoints_32k']}, "
+                f"{real['state_ratio_with_checkpoints_128k']}); tiny file ratios "
+                f"{tiny['state_ratio_8k']}, {tiny['state_ratio_32k']}, {tiny['state_ratio_128k']}; "
+                f"{tiny['sessions_in_llamacpp_budget']} of {SESSIONS_IN_BUDGET} sessions of {args.fill} positions "
+                f"fit a budget of {SESSIONS_IN_BUDGET} x llama.cpp's",
                 flush=True,
             )
     print(json.dumps(result))

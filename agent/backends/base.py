@@ -177,6 +177,14 @@ class Backend(ABC):
         """Extra KV bytes the node budget must have free for the session to grow to `new_len`."""
         return 0
 
+    def reclaimable_bytes(self) -> int:
+        """Bytes of the node budget held by caches the backend gives back on demand (checkpoints)."""
+        return 0
+
+    def reclaim(self, want_bytes: int) -> int:
+        """Give back up to `want_bytes` of reclaimable_bytes to the node budget; returns the bytes freed."""
+        return 0
+
     def snapshot(self, sid: SessionId) -> bytes:
         """The session's KV as bytes (prefix snapshots, migration); backends that cannot, refuse."""
         raise BackendError(f"{type(self).__name__} cannot snapshot sessions")

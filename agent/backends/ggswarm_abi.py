@@ -228,6 +228,13 @@ def bind(lib: ctypes.CDLL) -> None:
         ctypes.POINTER(ctypes.c_int32),
     ]
     lib.ggswarm_session_checkpoints.restype = c_status
+    # ggswarm_status ggswarm_checkpoints_reclaimable(ggswarm_model * model, uint64_t * out_bytes);  (v17)
+    lib.ggswarm_checkpoints_reclaimable.argtypes = [ggswarm_model_p, u64p]
+    lib.ggswarm_checkpoints_reclaimable.restype = c_status
+    # ggswarm_status ggswarm_reclaim_checkpoints(ggswarm_model * model, uint64_t want_bytes,
+    #     uint64_t * out_freed);  (v17)
+    lib.ggswarm_reclaim_checkpoints.argtypes = [ggswarm_model_p, ctypes.c_uint64, u64p]
+    lib.ggswarm_reclaim_checkpoints.restype = c_status
 
     # ggswarm_status ggswarm_set_cache_type(ggswarm_model * model, int32_t type);  (v10)
     lib.ggswarm_set_cache_type.argtypes = [ggswarm_model_p, ctypes.c_int32]

@@ -259,6 +259,21 @@ class NativeModel:
         self._call(self._lib.ggswarm_session_checkpoints, sid, buf, count.value, ctypes.byref(count))
         return list(buf[: count.value])
 
+    def checkpoints_reclaimable(self) -> int:
+        """Bytes the handle's automatic checkpoints hold: budget room reclaim_checkpoints can give back."""
+        out = ctypes.c_uint64()
+        self._call(self._lib.ggswarm_checkpoints_reclaimable, ctypes.byref(out))
+        return int(out.value)
+
+    def reclaim_checkpoints(self, want_bytes: int) -> int:
+        """Drop automatic checkpoints, least recently taken first, until `want_bytes` are credited to
+        the budget or none is left; returns the bytes credited."""
+        out = ctypes.c_uint64()
+        self._call(
+            self._lib.ggswarm_reclaim_checkpoints, ctypes.c_uint64(max(0, int(want_bytes))), ctypes.byref(out)
+        )
+        return int(out.value)
+
     def set_cache_type(self, cache_type: str) -> None:
         """The attention caches' type for sessions opened from now on: "f16" (the default, as
         llama.cpp's), "f32" where the architecture keeps it (deepseek4), "q8_0" or "q4_0" where it

@@ -192,6 +192,13 @@ class NativeBackend(Backend):
         except NativeError as e:
             raise _error(e) from None
 
+    def reclaimable_bytes(self) -> int:
+        """The handle's automatic checkpoints: a cache of free budget room (docs/native.md, "Checkpoints")."""
+        return self.model.checkpoints_reclaimable() if self.kv_in_node_budget else 0
+
+    def reclaim(self, want_bytes: int) -> int:
+        return self.model.reclaim_checkpoints(want_bytes) if self.kv_in_node_budget else 0
+
     @property
     def graph_builds(self) -> int:
         """Window graphs the library has built (one per new shape; sessions of one shape share it)."""

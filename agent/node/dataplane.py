@@ -207,6 +207,8 @@ class DataPlane:
             "anonymous": self.admission.anonymous.total(),
             "anonymous_cut": self.admission.anonymous.cut,
             "evictions": self.sessions.evictions,
+            # checkpoints given back to admit work before any session was evicted (sessions.py)
+            "checkpoints_reclaimed_bytes": self.sessions.checkpoints_reclaimed,
             "expirations": self.sessions.expirations,
             # time prefill chunks waited for decoding sessions to ride with (scheduler._hold_chunks)
             "chunk_hold_s": round(sum(s.scheduler.held_s for s in self.shards.values()), 3),

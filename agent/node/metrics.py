@@ -51,6 +51,11 @@ _COUNTERS = (
     ("bytes_in", "bytes_in", "Frame bytes received"),
     ("bytes_out", "bytes_out", "Response bytes sent"),
     ("evictions", "kv_evictions", "Idle sessions evicted to admit another"),
+    (
+        "checkpoints_reclaimed_bytes",
+        "checkpoints_reclaimed_bytes",
+        "Checkpoint bytes given back to admit work",
+    ),
     ("expirations", "kv_expirations", "Sessions closed after their idle TTL"),
     ("chunk_hold_s", "chunk_hold_seconds", "Time prefill chunks waited for decoding sessions to ride with"),
 )

@@ -86,6 +86,7 @@ class SessionTable:
         self._sessions: OrderedDict[SessionKey, SessionState] = OrderedDict()
         self._native: NativeBudget | None = None
         self.evictions = 0
+        self.checkpoints_reclaimed = 0  # bytes of checkpoints taken back to admit work
         self.expirations = 0
 
     def native_budget(self) -> NativeBudget:
@@ -145,19 +146,31 @@ class SessionTable:
         extra_bytes: int,
         evictable: Callable[[SessionState], bool] = lambda s: True,
     ) -> None:
-        """Make room for `extra_bytes` more KV for `state`, evicting idle sessions least recently used
-        first; else refuse with AdmissionError. `evictable` may veto a victim (its shard is computing).
+        """Make room for `extra_bytes` more KV for `state`: first from the checkpoints of idle shards'
+        sessions (a cache of free room, docs/native.md "Checkpoints"), then by evicting idle sessions least
+        recently used first; else refuse with AdmissionError. `evictable` may veto a victim or a shard
+        to take checkpoints from (its shard is computing).
         """
         if extra_bytes <= 0 or self.free_bytes() >= extra_bytes:
             return
+        # checkpoints only borrow free room, so they go first (a lost one costs a re-prefill on a later
+        # edit, never an answer): those of shards that are idle now, one backend per shard
+        caches = {id(v.backend): v.backend for v in self._sessions.values() if evictable(v)}
         # never the session's own other shards: evicting half of a route to admit its other half
         # would only break the route
         victims = [k for k, v in self._sessions.items() if v.sid != state.sid and not v.busy and evictable(v)]
-        freeable = sum(
-            self._sessions[k].backend.kv_bytes(self._sessions[k].sid) + len(self._sessions[k].last_output)
-            for k in victims
-        )
-        if self.free_bytes() + freeable < extra_bytes:
+        if (
+            self.free_bytes() + sum(b.reclaimable_bytes() for b in caches.values()) + self._freeable(victims)
+            < extra_bytes
+        ):  # (victims' bytes include their checkpoints: an upper bound)
+            raise AdmissionError(self._refusal(extra_bytes))  # nothing would make room: lose nothing
+        for b in caches.values():
+            if self.free_bytes() >= extra_bytes:
+                return
+            self.checkpoints_reclaimed += b.reclaim(extra_bytes - self.free_bytes())
+        if self.free_bytes() >= extra_bytes:
+            return
+        if self.free_bytes() + self._freeable(victims) < extra_bytes:
             # Even evicting every idle session would not make room: refuse, and evict nobody for nothing.
             raise AdmissionError(self._refusal(extra_bytes))
         for key in victims:
@@ -167,6 +180,13 @@ class SessionTable:
             self.evictions += 1
         if self.free_bytes() < extra_bytes:
             raise AdmissionError(self._refusal(extra_bytes))
+
+    def _freeable(self, keys: list[SessionKey]) -> int:
+        """What closing these sessions would give back: their KV (checkpoints included) and stored answers."""
+        return sum(
+            self._sessions[k].backend.kv_bytes(self._sessions[k].sid) + len(self._sessions[k].last_output)
+            for k in keys
+        )
 
     def _refusal(self, extra_bytes: int) -> str:
         return (

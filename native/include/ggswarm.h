@@ -76,6 +76,10 @@
  *       drafting; format 2 snapshots still restore (their block starts over). Same declarations;
  *       snapshot_size takes the lock on a window with a block attached (it brings the block back to the
  *       trunk's length, as the snapshot then finds it).
+ *  17 - automatic checkpoints are a cache of the budget's free room: a session growing (or restored)
+ *       where the budget is short takes back the handle's automatic checkpoints, least recently taken
+ *       first, before it fails; ggswarm_checkpoints_reclaimable, ggswarm_reclaim_checkpoints (for an
+ *       owner that admits work on several handles sharing one budget).
  */
 #ifndef GGSWARM_H
 #define GGSWARM_H
@@ -87,7 +91,7 @@
 extern "C" {
 #endif
 
-#define GGSWARM_API_VERSION 16
+#define GGSWARM_API_VERSION 17
 
 #if defined(_WIN32)
 #define GGSWARM_API __declspec(dllexport)
@@ -281,6 +285,17 @@ GGSWARM_API ggswarm_status ggswarm_session_drop_checkpoint(ggswarm_model * model
  * first). A no-op for windows without recurrent layers. */
 GGSWARM_API ggswarm_status ggswarm_set_checkpoints(ggswarm_model * model, int32_t every_n_tokens,
                                                    int32_t max_per_session);
+
+/* (v17) Bytes the handle's automatic checkpoints hold: room ggswarm_reclaim_checkpoints can give back
+ * (a checkpoint ggswarm_session_checkpoint took is not counted: a verification in flight needs it). */
+GGSWARM_API ggswarm_status ggswarm_checkpoints_reclaimable(ggswarm_model * model, uint64_t * out_bytes);
+
+/* (v17) Drop the handle's automatic checkpoints, the least recently taken first, until want_bytes are
+ * credited to the budget or none is left; *out_freed (may be NULL) gets the bytes credited. A truncate
+ * that needed a dropped one goes to an older checkpoint or to 0 (GGSWARM_TRUNCATE_FROM_ZERO). A session's
+ * growth does this by itself where the budget is short. */
+GGSWARM_API ggswarm_status ggswarm_reclaim_checkpoints(ggswarm_model * model, uint64_t want_bytes,
+                                                       uint64_t * out_freed);
 
 /* The positions of the session's checkpoints, ascending: up to capacity of them into positions (may be
  * NULL when capacity is 0); *out_count gets how many there are. */

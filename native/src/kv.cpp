@@ -140,13 +140,19 @@ ggswarm_status ensure_capacity(ggswarm_model * m, Session & s, int32_t need) {
         n.release();
         if ((st = plan_state(m, exact_cap, n))) return st;
         if (!budget_charge(m->budget, n.bytes - s.bytes)) {
+            // the handle's checkpoints only borrow free room: a session's state comes before them (all
+            // of them not being enough, none goes for nothing)
             uint64_t total = 0, used = 0;
             budget_usage(m->budget, &total, &used);
-            const uint64_t more = n.bytes - s.bytes;
-            n.release();
-            return fail(m, GGSWARM_E_BUDGET,
-                        "KV budget exhausted: %d positions need %llu more bytes; %llu of the node's %llu bytes are in use",
-                        need, (unsigned long long)more, (unsigned long long)used, (unsigned long long)total);
+            const uint64_t more = n.bytes - s.bytes, room = total > used ? total - used : 0;
+            if (more > room && more - room <= reclaimable_checkpoint_bytes(m)) reclaim_checkpoints(m, more - room);
+            if (!budget_charge(m->budget, more)) {
+                budget_usage(m->budget, &total, &used);
+                n.release();
+                return fail(m, GGSWARM_E_BUDGET,
+                            "KV budget exhausted: %d positions need %llu more bytes; %llu of the node's %llu bytes are in use",
+                            need, (unsigned long long)more, (unsigned long long)used, (unsigned long long)total);
+            }
         }
     }
     const uint64_t charged = n.bytes - s.bytes;

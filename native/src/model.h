@@ -253,6 +253,7 @@ struct ggswarm_model {
     // first): 2 keep the latest call's start and end (docs/native.md, "Checkpoints")
     int32_t ckpt_every = 0;
     int32_t ckpt_max = 2;
+    uint64_t ckpt_clock = 0;  // orders automatic checkpoints by when they were taken (reclaim_checkpoints)
     // the attention caches' type (ggswarm_set_cache_type; the architecture says which it keeps)
     ggml_type cache_type = GGML_TYPE_F16;
     // llama.cpp's Hadamard rotations of quantized KV caches (llama-kv-cache.cpp attn_rot_k/attn_rot_v):

@@ -161,6 +161,7 @@ void take_checkpoint(ggswarm_model * m, Session & s, bool pinned) {
     Checkpoint k;
     k.pos = s.len;
     k.pinned = pinned;
+    k.taken = ++m->ckpt_clock;
     k.data.resize(need);
     states_io(m, s, s.len, k.data.data(), true);
     c.list.push_back(std::move(k));
@@ -175,6 +176,38 @@ int32_t checkpoint_chunk(const ggswarm_model * m, int32_t pos, int32_t nc) {
 
 void checkpoint_after_chunk(ggswarm_model * m, Session & s) {
     if (m->ckpt_every > 0 && s.len % m->ckpt_every == 0) take_checkpoint(m, s);
+}
+
+uint64_t reclaimable_checkpoint_bytes(const ggswarm_model * m) {
+    uint64_t b = 0;
+    for (const auto & kv : m->sessions) {
+        if (!kv.second.ckpts) continue;
+        for (const Checkpoint & k : kv.second.ckpts->list) b += k.pinned ? 0 : k.data.size();
+    }
+    return b;
+}
+
+uint64_t reclaim_checkpoints(ggswarm_model * m, uint64_t want) {
+    uint64_t freed = 0;
+    while (freed < want) {
+        Checkpoints * from = nullptr;
+        size_t at = 0;
+        for (auto & kv : m->sessions) {
+            Checkpoints * c = kv.second.ckpts.get();
+            if (!c) continue;
+            for (size_t i = 0; i < c->list.size(); ++i) {
+                const Checkpoint & k = c->list[i];
+                if (!k.pinned && (!from || k.taken < from->list[at].taken)) {
+                    from = c;
+                    at = i;
+                }
+            }
+        }
+        if (!from) break;
+        freed += from->list[at].data.size();
+        drop_at(m, *from, at);
+    }
+    return freed;
 }
 
 void rewind(ggswarm_model * m, Session & s, int32_t target, int32_t * kind) {
@@ -279,6 +312,21 @@ ggswarm_status ggswarm_set_checkpoints(ggswarm_model * m, int32_t every_n_tokens
             }
         }
     }
+    return ok(m);
+}
+
+ggswarm_status ggswarm_checkpoints_reclaimable(ggswarm_model * m, uint64_t * out_bytes) {
+    GGSWARM_LOCK(m);
+    if (!m || !out_bytes) return fail(m, GGSWARM_E_INVALID_ARG, "model or out_bytes is NULL");
+    *out_bytes = reclaimable_checkpoint_bytes(m);
+    return ok(m);
+}
+
+ggswarm_status ggswarm_reclaim_checkpoints(ggswarm_model * m, uint64_t want_bytes, uint64_t * out_freed) {
+    GGSWARM_LOCK(m);
+    if (!m) return fail(nullptr, GGSWARM_E_INVALID_ARG, "model is NULL");
+    const uint64_t freed = reclaim_checkpoints(m, want_bytes);
+    if (out_freed) *out_freed = freed;
     return ok(m);
 }
 

@@ -19,6 +19,7 @@ struct Checkpoint {
     // taken by ggswarm_session_checkpoint (a speculative verification's start) and dropped by its caller:
     // outside ckpt_max, at most kPinnedMax per session, never pushed out by (nor pushing out) the others
     bool pinned = false;
+    uint64_t taken = 0;  // ggswarm_model::ckpt_clock when taken: reclaim_checkpoints takes the oldest first
 };
 
 // checkpoints a session holds for ggswarm_session_checkpoint at a time (a newer one replaces the oldest)
@@ -51,6 +52,14 @@ void take_checkpoint(ggswarm_model * m, Session & s, bool pinned = false);
 int32_t checkpoint_chunk(const ggswarm_model * m, int32_t pos, int32_t nc);
 // After a micro-batch that ended at s.len: a checkpoint when s.len is a multiple of the interval.
 void checkpoint_after_chunk(ggswarm_model * m, Session & s);
+// Automatic checkpoints are a cache of the budget's free room, not part of a session's state: growing a
+// session (or restoring one) that finds the budget short takes them back before it fails, so a node holds
+// as many sessions as their state alone allows (docs/native.md, "Checkpoints"). Pinned ones (a
+// verification in flight) are never taken back. The bytes this handle's automatic checkpoints hold:
+uint64_t reclaimable_checkpoint_bytes(const ggswarm_model * m);
+// Drop automatic checkpoints of the handle's sessions, the least recently taken first, until `want` bytes
+// are credited to the budget or none is left; returns the bytes credited.
+uint64_t reclaim_checkpoints(ggswarm_model * m, uint64_t want);
 // Bring the session back to at most `target` positions: exactly where every layer's live state can go
 // there (KV caches always; rings while they still hold what target needs); else to the newest
 // checkpoint at or before target (or 0). Sets s.len; *kind as above.

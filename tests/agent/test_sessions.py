@@ -10,18 +10,34 @@ from agent.wire.ids import SessionId
 
 
 class FakeBackend:
-    """Stands in for a backend at the accounting seam: a fixed number of bytes per session."""
+    """Stands in for a backend at the accounting seam: a fixed number of bytes per session, and
+    checkpoint bytes per session that it gives back on demand (as libggswarm's handles do)."""
 
     kv_in_node_budget = False  # counted by the table, like the torch and llama.cpp backends
 
     def __init__(self) -> None:
         self.bytes: dict[SessionId, int] = {}
+        self.checkpoints: dict[SessionId, int] = {}
 
     def kv_bytes(self, sid: SessionId | None = None) -> int:
-        return self.bytes.get(sid, 0) if sid is not None else sum(self.bytes.values())
+        if sid is None:
+            return sum(self.bytes.values()) + sum(self.checkpoints.values())
+        return self.bytes.get(sid, 0) + self.checkpoints.get(sid, 0)
 
     def close_session(self, sid: SessionId) -> None:
         self.bytes.pop(sid, None)
+        self.checkpoints.pop(sid, None)
+
+    def reclaimable_bytes(self) -> int:
+        return sum(self.checkpoints.values())
+
+    def reclaim(self, want: int) -> int:
+        freed = 0
+        for sid in list(self.checkpoints):
+            if freed >= want:
+                break
+            freed += self.checkpoints.pop(sid)
+        return freed
 
 
 SHARD = ("m", 0, 1)
@@ -102,3 +118,33 @@ def test_a_vetoed_session_is_neither_evicted_nor_expired() -> None:
         table.admit(SessionState(SessionId(b"b" * 16), SHARD, be, 10), 60, evictable=lambda s: False)  # type: ignore[arg-type]
     assert table.expire(now=a.last_used + 11, evictable=lambda s: False) == 0
     assert key(b"a") in table
+
+
+def test_admission_takes_back_checkpoints_before_it_evicts_a_session() -> None:
+    be, table = FakeBackend(), SessionTable(budget_bytes=100)
+    add(table, be, b"a", 40)
+    be.checkpoints[SessionId(b"a" * 16)] = 30  # a cache of free room, not the session's state
+    add(table, be, b"b", 40)  # 40 + 30 + 40 > 100: it fits only without a's checkpoints
+    assert key(b"a") in table and key(b"b") in table
+    assert table.evictions == 0 and table.checkpoints_reclaimed == 30
+    assert be.reclaimable_bytes() == 0 and table.used_bytes() == 80
+
+
+def test_checkpoints_that_would_not_make_room_are_kept_and_the_request_refused() -> None:
+    be, table = FakeBackend(), SessionTable(budget_bytes=100)
+    a = add(table, be, b"a", 40)
+    be.checkpoints[a.sid] = 30
+    a.busy = True  # cannot be evicted: only its checkpoints could go, and 30 free + 30 are not 70
+    with pytest.raises(AdmissionError, match="budget"):
+        add(table, be, b"b", 70)
+    assert be.checkpoints[a.sid] == 30 and table.checkpoints_reclaimed == 0
+
+
+def test_checkpoints_of_a_computing_shard_are_left_alone() -> None:
+    be, table = FakeBackend(), SessionTable(budget_bytes=100)
+    add(table, be, b"a", 40)
+    be.checkpoints[SessionId(b"a" * 16)] = 30
+    st = SessionState(sid=SessionId(b"b" * 16), shard_key=SHARD, backend=be, capacity=10)  # type: ignore[arg-type]
+    with pytest.raises(AdmissionError, match="budget"):
+        table.admit(st, 40, evictable=lambda s: False)  # every shard busy: no checkpoint, no session
+    assert be.reclaimable_bytes() == 30

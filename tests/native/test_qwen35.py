@@ -15,7 +15,7 @@ import pytest
 
 from agent.artifacts import archtable
 from agent.artifacts.tiny import write_tiny_gguf
-from agent.backends.libggswarm import NativeBudget, NativeModel
+from agent.backends.libggswarm import NativeBudget, NativeError, NativeModel
 from agent.backends.native import CHECKPOINT_EVERY, CHECKPOINTS_MAX
 from tests.native.routes import (
     close_sessions,
@@ -253,6 +253,56 @@ def test_state_and_checkpoints_are_charged_to_the_node_budget(gguf: str, text_id
     finally:
         hop.close()
         budget.close()
+
+
+def _fill_with_checkpoints(hop: NativeModel, text_ids: list[int]) -> int:
+    """A session of 20 positions fed in two calls (checkpoints at 10 and 20), and one opened empty."""
+    a = hop.open_session(1024)
+    hop.forward(a, 0, token_ids=np.asarray(text_ids[:10], dtype=np.int32))
+    hop.forward(a, 10, token_ids=np.asarray(text_ids[10:20], dtype=np.int32))
+    assert hop.checkpoints(a) == [10, 20]
+    return a
+
+
+def test_a_sessions_growth_takes_back_checkpoints_before_the_budget_refuses_it(
+    gguf: str, text_ids: list[int]
+) -> None:
+    """Checkpoints only borrow the budget's free room (docs/native.md, "Checkpoints"): another session
+    that needs it gets it, the oldest checkpoint going first, and a truncate that needed it re-prefills
+    from zero; where even all of them would not make room, none goes."""
+    roomy = NativeBudget(256 << 20)
+    hop = NativeModel(gguf, 0, 4, n_threads=2, budget=roomy)  # delta-net layers and a full-attention one
+    try:  # the same calls on a roomy budget first, to size the tight one
+        _fill_with_checkpoints(hop, text_ids)
+        held, ckpts = roomy.used, hop.checkpoints_reclaimable()
+        b = hop.open_session(1024)
+        need = hop.growth_bytes(b, 100)
+        assert ckpts > 0 and need > ckpts
+    finally:
+        hop.close()
+        roomy.close()
+    for spare, taken in ((ckpts // 2, 1), (-1, 0)):  # half of them short; all of them and a byte short
+        budget = NativeBudget(held + need - ckpts + spare if spare >= 0 else held + need - ckpts - 1)
+        hop = NativeModel(gguf, 0, 4, n_threads=2, budget=budget)
+        try:
+            a = _fill_with_checkpoints(hop, text_ids)
+            assert budget.used == held
+            b = hop.open_session(1024)
+            ids = np.asarray(text_ids[20:120], dtype=np.int32)
+            if taken:
+                hop.forward(b, 0, token_ids=ids)
+                assert hop.checkpoints(a) == [20]  # the one taken first went
+                assert hop.session_len(b) == 100
+                assert budget.used <= budget.total
+                assert hop.truncate_to(a, 15) == (0, "from_zero")  # 10 is gone: a re-prefill from 0
+            else:
+                with pytest.raises(NativeError, match="KV budget exhausted"):
+                    hop.forward(b, 0, token_ids=ids)
+                assert hop.checkpoints(a) == [10, 20]  # taking them would not have been enough
+                assert budget.used == held
+        finally:
+            hop.close()
+            budget.close()
 
 
 def test_the_backend_takes_its_checkpoint_interval_from_its_options(gguf: str, text_ids: list[int]) -> None:

@@ -127,7 +127,9 @@ def render_audit(d: dict[str, Any], fleets: Sequence[Fleet], spec_path: str) -> 
         "",
         "f16 KV caches (the node's default cache type); recurrent states and compressor rows in f32. "
         "Held as llama.cpp holds it: deepseek4's raw window and compressor rows and sliding-window "
-        "layers' K/V in rings, compressed caches per block.",
+        "layers' K/V in rings, compressed caches per block. Checkpoints of the state a cache cannot cut "
+        "back (recurrent states, rings: up to 2 per session) only borrow budget room no session needs "
+        "(docs/native.md, Checkpoints), so they are not counted here.",
         "",
         "| kind | per layer at 8K | per layer at 128K | per token at 128K |",
         "|---|---|---|---|",
