@@ -77,8 +77,9 @@ def _sid(n: int) -> SessionId:
     return SessionId(n.to_bytes(16, "little"))
 
 
-def llama_decode(llm, prompt: list[int], n: int) -> tuple[float, list[int]]:  # noqa: ANN001
-    """Greedy decode n steps after prompt on llama-cpp-python; (seconds, tokens)."""
+def llama_decode(llm, prompt: list[int], n: int, steps: list[float] | None = None) -> tuple[float, list[int]]:  # noqa: ANN001
+    """Greedy decode n steps after prompt on llama-cpp-python; (seconds, tokens). Each step's seconds
+    go to `steps` when given."""
     import llama_cpp
 
     def argmax_last() -> int:
@@ -91,9 +92,12 @@ def llama_decode(llm, prompt: list[int], n: int) -> tuple[float, list[int]]:  # 
     toks = [tok]
     t0 = time.perf_counter()
     for _ in range(n):
+        t = time.perf_counter()
         llm.eval([tok])
         tok = argmax_last()
         toks.append(tok)
+        if steps is not None:
+            steps.append(time.perf_counter() - t)
     return time.perf_counter() - t0, toks
 
 
@@ -112,18 +116,40 @@ def divergence(llm, prompt: list[int], ref: list[int], got: list[int]) -> tuple[
     return i, float(logits[ref[i]] - logits[got[i]])
 
 
-def native_decode(hops: list, prompt: list[int], n: int, sid: SessionId) -> tuple[float, list[int]]:
-    """Prefill then greedy decode n steps through the hops (sampling on the last hop); (seconds, tokens)."""
+class _TimedHop:
+    """A hop whose forward calls are timed (seconds per call, its Python included)."""
+
+    def __init__(self, hop) -> None:  # noqa: ANN001
+        self.hop = hop
+        self.secs: list[float] = []
+
+    def forward(self, step):  # noqa: ANN001, ANN201
+        t = time.perf_counter()
+        res = self.hop.forward(step)
+        self.secs.append(time.perf_counter() - t)
+        return res
+
+
+def native_decode(
+    hops: list, prompt: list[int], n: int, sid: SessionId, hop_steps: list[list[float]] | None = None
+) -> tuple[float, list[int]]:
+    """Prefill then greedy decode n steps through the hops (sampling on the last hop); (seconds, tokens).
+    Each decode step's seconds per hop go to `hop_steps` when given."""
     for h in hops:
         h.open_session(sid, len(prompt) + n + 8)
     try:
         tok = int(route_forward(hops, sid, 0, prompt).token)
         toks = [tok]
+        timed = [_TimedHop(h) for h in hops]
         t0 = time.perf_counter()
         for i in range(n):
-            tok = int(route_forward(hops, sid, len(prompt) + i, [tok]).token)
+            tok = int(route_forward(timed, sid, len(prompt) + i, [tok]).token)  # type: ignore[arg-type]
             toks.append(tok)
-        return time.perf_counter() - t0, toks
+        secs = time.perf_counter() - t0
+        if hop_steps is not None:
+            for k, th in enumerate(timed):
+                hop_steps[k].extend(th.secs)
+        return secs, toks
     finally:
         for h in hops:
             h.close_session(sid)
@@ -171,10 +197,12 @@ def bench_arch(
         prompt = ids[:N_PROMPT]
         best_ref = best_nat = 0.0
         same = True
+        ref_steps: list[float] = []
+        hop_steps: list[list[float]] = [[] for _ in hops]
         for r in range(rounds):  # interleaved, so both see the same machine load
-            secs, ref_toks = llama_decode(llm, prompt, n_decode)
+            secs, ref_toks = llama_decode(llm, prompt, n_decode, ref_steps)
             best_ref = max(best_ref, n_decode / secs)
-            secs, nat_toks = native_decode(hops, prompt, n_decode, _sid(2 + r))
+            secs, nat_toks = native_decode(hops, prompt, n_decode, _sid(2 + r), hop_steps)
             best_nat = max(best_nat, n_decode / secs)
             if same and ref_toks != nat_toks:
                 out["greedy_first_diff"], out["greedy_diff_margin"] = divergence(
@@ -185,6 +213,12 @@ def bench_arch(
         out["decode_tok_s_llamacpp"] = best_ref
         out["decode_tok_s_native_3hop"] = best_nat
         out["decode_ratio_3hop_vs_llamacpp"] = best_nat / best_ref
+        # medians over every round's steps (steadier than the best round's throughput): llama.cpp's step,
+        # each hop's (wall, its Python included) and their sum
+        out["step_ms_llamacpp"] = 1e3 * float(np.median(ref_steps))
+        for k, secs_k in enumerate(hop_steps):
+            out[f"hop{k}_step_ms"] = 1e3 * float(np.median(secs_k))
+        out["step_ms_native_3hop"] = sum(out[f"hop{k}_step_ms"] for k in range(len(hops)))
         out["greedy_equal"] = float(same)
         out["decode_kernels"] = float(hops[0].model.info.decode_kernels)
     finally:
