@@ -210,6 +210,7 @@ async def test_anonymous_users_are_closed_with_4401() -> None:
     ws = chat_socket(AnonymousUser())
     ok, code = await ws.connect()
     assert not ok and code == CLOSE_UNAUTHORIZED
+    await ws.disconnect()  # the refused consumer waits for its client's disconnect: end it here
 
 
 async def test_an_answer_streams_into_a_new_saved_conversation_and_turn_two_reuses_the_route(

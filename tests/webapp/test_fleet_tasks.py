@@ -107,6 +107,7 @@ async def test_the_dashboard_socket_is_staff_only_and_pushes_node_rows(staff: An
         ws.scope["user"] = user
         ok, code = await ws.connect()
         assert not ok and code == CLOSE_UNAUTHORIZED
+        await ws.disconnect()  # the refused consumer waits for its client's disconnect: end it here
     ws = WebsocketCommunicator(FleetConsumer.as_asgi(), "/ws/fleet/")
     ws.scope["user"] = staff
     assert (await ws.connect())[0]
