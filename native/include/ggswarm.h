@@ -367,7 +367,8 @@ GGSWARM_API ggswarm_status ggswarm_session_restore(ggswarm_model * model, int64_
                                                    uint64_t size);
 
 /* The sampler the last window uses, on caller-supplied logits (exposed for tests and tools).
- * position: absolute position of the input whose logits these are (selects the random draw). */
+ * position: absolute position of the input whose logits these are (selects the random draw).
+ * out_logprob may be NULL: the log-softmax (a pass over the vocabulary in double) is then skipped. */
 GGSWARM_API ggswarm_status ggswarm_sample(const float * logits, int32_t n_vocab, const ggswarm_sampling * params,
                                           int64_t position, const int32_t * history, int32_t n_history,
                                           int32_t * out_token, double * out_logprob);

@@ -317,7 +317,8 @@ ggswarm_status ggswarm_sample(const float * logits, int32_t n_vocab, const ggswa
         return fail(nullptr, GGSWARM_E_INVALID_ARG, "invalid arguments to ggswarm_sample");
     }
     static thread_local ggswarm::SamplerScratch scratch;
-    ggswarm::SampleResult r = ggswarm::sample(logits, n_vocab, *params, position, history, n_history, scratch);
+    ggswarm::SampleResult r =
+        ggswarm::sample(logits, n_vocab, *params, position, history, n_history, scratch, out_logprob != nullptr);
     *out_token = r.token;
     if (out_logprob) *out_logprob = r.logprob;
     return GGSWARM_OK;

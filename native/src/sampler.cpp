@@ -28,6 +28,43 @@ double uniform(uint64_t seed, int64_t position) {
     return static_cast<double>(r >> 11) * (1.0 / 9007199254740992.0);  // 2^-53
 }
 
+// built for AVX-512, AVX2 and the baseline; the loader picks what the CPU runs (the library's own code
+// is otherwise compiled for the baseline, so the same file serves every x86-64 node)
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
+int32_t argmax_first(const float * v, int32_t n) {
+    // The scan `if (v[i] > v[best]) best = i` in two passes the compiler vectorizes: the maximum of each
+    // block in independent lanes (a max in any order is the same number), the first block holding the
+    // largest, then the first index in it holding that value: the same index. A NaN never wins, as in
+    // the scan, except at index 0, where the scan keeps it.
+    if (n <= 0 || std::isnan(v[0])) return 0;
+    constexpr int32_t kLanes = 16, kBlock = 1024;
+    float best_max = -INFINITY;
+    int32_t best_from = 0;
+    for (int32_t from = 0; from < n; from += kBlock) {
+        const int32_t to = std::min(n, from + kBlock);
+        float lane[kLanes];
+        for (float & l : lane) l = -INFINITY;
+        int32_t i = from;
+        for (; i + kLanes <= to; i += kLanes) {
+            for (int32_t j = 0; j < kLanes; ++j) lane[j] = v[i + j] > lane[j] ? v[i + j] : lane[j];
+        }
+        float m = -INFINITY;
+        for (float l : lane) m = l > m ? l : m;
+        for (; i < to; ++i) m = v[i] > m ? v[i] : m;
+        if (m > best_max) {
+            best_max = m;
+            best_from = from;
+        }
+    }
+    const int32_t to = std::min(n, best_from + kBlock);
+    for (int32_t i = best_from; i < to; ++i) {
+        if (v[i] == best_max) return i;
+    }
+    return 0;  // every value -inf or NaN: the scan's answer too
+}
+
 double log_softmax_at(const float * logits, int32_t n, int32_t token) {
     double m = -INFINITY;
     for (int32_t i = 0; i < n; ++i) m = std::max(m, static_cast<double>(logits[i]));
@@ -86,10 +123,7 @@ SampleResult sample(const float * raw, int32_t n_vocab, const ggswarm_sampling &
     SampleResult out{};
     // 2. greedy: first index of the maximum
     if (!(p.temperature > 0.0)) {
-        int32_t best = 0;
-        for (int32_t i = 1; i < n_vocab; ++i) {
-            if (pen[i] > pen[best]) best = i;
-        }
+        const int32_t best = argmax_first(pen, n_vocab);
         out.token = best;
         out.logprob = want_logprob ? log_softmax_at(raw, n_vocab, best) : 0.0;
         return out;

@@ -93,3 +93,25 @@ def test_the_backend_passes_the_sampler_only_the_history_it_reads(native_lib: No
             full = native.sample(logits, _c_params(p), pos, history)
             tail = native.sample(logits, _c_params(p), pos, kept)
             assert tail == full, (p, pos)
+
+
+def test_greedy_takes_the_first_of_tied_maxima_wherever_they_sit(native_lib: None) -> None:
+    """The greedy pick runs in blocks of 1,024 values and lanes of 16 (sampler.cpp argmax_first): ties
+    across block and lane edges and in the ragged tail, all -inf, and NaN give what a plain scan with
+    `>` gives (a NaN never wins, except at index 0, where the scan keeps it)."""
+    greedy = _c_params(SamplingParams(temperature=0.0))
+    rng = np.random.default_rng(7)
+    for n in (1, 15, 16, 17, 1023, 1024, 1025, 3000, 49152, 151936):
+        for first, second in ((0, n - 1), (n - 1, 0), (n // 2, n // 3), (min(1023, n - 1), min(1024, n - 1))):
+            x = rng.standard_normal(n).astype(np.float32)
+            x[[first, second]] = 9.0
+            assert native.sample(x, greedy, 0)[0] == min(first, second)
+    x = np.full(3000, -np.inf, dtype=np.float32)
+    assert native.sample(x, greedy, 0)[0] == 0
+    x[2500] = -1e30
+    assert native.sample(x, greedy, 0)[0] == 2500
+    x = rng.standard_normal(3000).astype(np.float32)
+    x[[5, 2000]] = np.nan
+    assert native.sample(x, greedy, 0)[0] == int(np.nanargmax(x))
+    x[0] = np.nan
+    assert native.sample(x, greedy, 0)[0] == 0
