@@ -182,6 +182,18 @@ def ours_describe(desc: ArchDescription, n_ctx: int, hp: dict[str, Any]) -> tupl
     return state, CHECKPOINTS_MAX * ckpt
 
 
+def _fill(m, sid: int, fill: int, rng: np.random.Generator) -> None:  # noqa: ANN001 - a NativeModel
+    """Feed `fill` random positions in 512-position calls, as the route feeds a prompt (the whole model
+    as one window: token ids on every call)."""
+    for pos in range(0, fill, 512):
+        m.forward(
+            sid,
+            pos,
+            token_ids=rng.integers(3, 1000, min(512, fill - pos)).astype(np.int32),
+            want_logits=False,
+        )
+
+
 def ours_measured(path: str, n_layers: int, fill: int, threads: int) -> tuple[dict[int, int], int, float]:
     """{n_ctx: bytes}: ggswarm_kv_bytes after `fill` positions, its checkpoints taken back; larger
     contexts up to the file's context: that plus ggswarm_session_growth_bytes. (And the checkpoints'
@@ -191,11 +203,8 @@ def ours_measured(path: str, n_layers: int, fill: int, threads: int) -> tuple[di
     m = NativeModel(path, 0, n_layers, n_threads=threads)
     try:
         sid = m.open_session(min(max(CTXS.values()), m.n_ctx_max))
-        rng = np.random.default_rng(0)
         t0 = time.perf_counter()
-        for pos in range(0, fill, 512):  # the whole model as one window: token ids on every call
-            ids = rng.integers(3, 1000, min(512, fill - pos)).astype(np.int32)
-            m.forward(sid, pos, token_ids=ids, want_logits=False)
+        _fill(m, sid, fill, np.random.default_rng(0))
         secs = time.perf_counter() - t0
         assert m.session_len(sid) == fill
         with_checkpoints = m.kv_bytes(sid)
@@ -227,10 +236,7 @@ def sessions_in_budget(
         for _ in range(n):
             sid = m.open_session(fill)
             try:
-                for pos in range(0, fill, 512):
-                    m.forward(
-                        sid, pos, token_ids=rng.integers(3, 1000, 512).astype(np.int32), want_logits=False
-                    )
+                _fill(m, sid, fill, rng)
             except NativeError:
                 break
             full += 1
