@@ -122,12 +122,6 @@ void build_many(ggswarm_model * m, Graph & g, const GraphKey & key, size_t size)
     g.out = x;
     ggml_set_output(g.out);
     ggml_build_forward_expand(g.gf, g.out);
-    if (m->is_last()) {
-        // probabilities of each member's final row, for its logprob
-        g.out_prob = ggml_soft_max(c, x->ne[1] == nm ? x : ggml_get_rows(c, x, g.inp_last));
-        ggml_set_output(g.out_prob);
-        ggml_build_forward_expand(g.gf, g.out_prob);
-    }
 }
 
 // Point every member's state leaves (and the graph's views of them) at its session's tensors.
@@ -268,7 +262,7 @@ ggswarm_status run_group(ggswarm_model * m, const std::vector<int32_t> & idx, co
             SampleResult r = sample(last, m->n_vocab, p, (int64_t)b.pos_start + mb.n - 1, b.history,
                                     b.history ? b.n_history : 0, m->scratch, false);
             *b.token_out = r.token;
-            if (b.logprob_out) *b.logprob_out = final_logprob(m, g.out_prob, (int64_t)j, last, r.token);
+            if (b.logprob_out) *b.logprob_out = log_softmax_at(last, m->n_vocab, r.token);
         }
         if (b.compute_s_out) *b.compute_s_out = secs;
     }

@@ -76,14 +76,6 @@ void build_graph(ggswarm_model * m, Graph & g, int32_t n, int32_t n_kv, int32_t 
     g.out = x;
     ggml_set_output(g.out);
     ggml_build_forward_expand(g.gf, g.out);
-    if (m->is_last()) {
-        // probabilities of the final position, for the logprob (SIMD exp on the compute threads)
-        const int64_t rows = x->ne[1];
-        ggml_tensor * last = ggml_view_2d(c, x, x->ne[0], 1, x->nb[1], (size_t)(rows - 1) * x->nb[1]);
-        g.out_prob = ggml_soft_max(c, last);
-        ggml_set_output(g.out_prob);
-        ggml_build_forward_expand(g.gf, g.out_prob);
-    }
 }
 
 }  // namespace
@@ -304,14 +296,6 @@ bool compute_graph(ggswarm_model * m, Graph & g, int64_t rows) {
     return ok;
 }
 
-// The log-probability of token in row `row` of the graph's softmax output prob (the float softmax is
-// exact to ~1e-7; tiny probabilities fall back to the double log-softmax of the logits).
-double final_logprob(ggswarm_model * m, ggml_tensor * prob, int64_t row, const float * logits, int32_t token) {
-    float p = 0.0f;
-    ggml_backend_tensor_get(prob, &p, (size_t)row * prob->nb[1] + sizeof(float) * (size_t)token, sizeof(float));
-    return p > 1e-30f ? std::log((double)p) : log_softmax_at(logits, m->n_vocab, token);
-}
-
 namespace {
 
 // One micro-batch: positions [b->pos_start + off, + nc). On the last window *last points at the logits
@@ -504,7 +488,7 @@ ggswarm_status ggswarm_forward(ggswarm_model * m, int64_t sid, const ggswarm_bat
         ggswarm::SampleResult r = ggswarm::sample(last, m->n_vocab, p, (int64_t)b->pos_start + n - 1, b->history,
                                                   b->history ? b->n_history : 0, m->scratch, false);
         *b->token_out = r.token;
-        if (b->logprob_out) *b->logprob_out = final_logprob(m, m->graph->out_prob, 0, last, r.token);
+        if (b->logprob_out) *b->logprob_out = ggswarm::log_softmax_at(last, m->n_vocab, r.token);
     }
     if (b->compute_s_out) {
         *b->compute_s_out = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

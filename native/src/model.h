@@ -168,7 +168,6 @@ struct Graph {
     ggml_tensor * inp_kidx_swa = nullptr;  // the same in the sliding-window layers' rings
     ggml_tensor * inp_vidx_swa = nullptr;
     ggml_tensor * out = nullptr;
-    ggml_tensor * out_prob = nullptr;  // last window: softmax of the final position's logits
     // a window with a nextn block attached (and the block's own graphs): every position's last hidden row
     // (the hyper-connection streams before the output head), which the block reads (mtp.cpp)
     ggml_tensor * out_hidden = nullptr;
@@ -414,7 +413,6 @@ ggml_tensor * output_head(ggswarm_model * m, ggml_context * c, ggml_tensor * x);
 void bind_leaf(ggml_tensor * leaf, const ggml_tensor * kv);
 void collect_kv_views(Graph & g);
 void drop_graph(ggswarm_model * m, const Graph * g);
-double final_logprob(ggswarm_model * m, ggml_tensor * prob, int64_t row, const float * logits, int32_t token);
 // Compute a window graph of `rows` positions (graph.cpp): a one-row step of a window whose weights are
 // small runs on the calling thread alone, since waking the pool's workers costs more than they save.
 bool compute_graph(ggswarm_model * m, Graph & g, int64_t rows);

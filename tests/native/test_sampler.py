@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -30,6 +31,17 @@ PARAM_SETS = [
         {"temperature": 5.0, "top_k": 3, "repeat_penalty": 0.8, "repeat_last_n": 0, "seed": 77},
     ]
 ]
+
+
+# The library sums the vocabulary's exponentials in float (sampler.cpp log_softmax_at); the reference
+# does it in double. A token's log-probability then differs by ~1e-7.
+LOGPROB_ABS_TOL = 1e-6
+
+
+def _log_softmax64(x: np.ndarray, token: int) -> float:
+    x64 = x.astype(np.float64)
+    m = x64[np.isfinite(x64)].max() if np.isfinite(x64).any() else -np.inf
+    return float(x64[token] - m - np.log(np.exp(x64 - m).sum()))
 
 
 def _c_params(p: SamplingParams) -> native.ggswarm_sampling:
@@ -64,7 +76,7 @@ def test_c_sampler_picks_the_same_tokens_as_agent_sampling(native_lib: None, voc
             got_tok, got_lp = native.sample(logits, _c_params(p), position, history)
             if got_tok != want_tok:
                 mismatches.append((p, t, want_tok, got_tok))
-            assert got_lp == pytest.approx(want_lp, abs=1e-9)
+            assert got_lp == pytest.approx(want_lp, abs=LOGPROB_ABS_TOL)
     assert not mismatches, f"{len(mismatches)} picks differ, first: {mismatches[0]}"
 
 
@@ -115,3 +127,55 @@ def test_greedy_takes_the_first_of_tied_maxima_wherever_they_sit(native_lib: Non
     assert native.sample(x, greedy, 0)[0] == int(np.nanargmax(x))
     x[0] = np.nan
     assert native.sample(x, greedy, 0)[0] == 0
+
+
+def test_the_logprob_is_the_double_log_softmax_at_any_length_spread_and_masking(native_lib: None) -> None:
+    """log_softmax_at runs in lanes of 8 over blocks of 512 with its own float exp: lengths around those
+    edges, logits spread far past exp's float range (terms below e^-87 count as 0), masked (-inf)
+    entries, the most and the least likely token all agree with the double-precision log-softmax."""
+    greedy = _c_params(SamplingParams(temperature=0.0))
+    rng = np.random.default_rng(11)
+    for n in (1, 7, 8, 9, 511, 512, 513, 4099, 49152, 151936):
+        for scale in (0.5, 4.0, 40.0):
+            x = (rng.standard_normal(n) * scale).astype(np.float32)
+            if n > 8:
+                x[rng.integers(0, n, n // 8)] = -np.inf
+            tok, lp = native.sample(x, greedy, 0)
+            assert tok == int(np.argmax(x))
+            assert lp == pytest.approx(_log_softmax64(x, tok), abs=LOGPROB_ABS_TOL), (n, scale)
+            # the least likely finite token, through a sampled pick's path: its logprob as well
+            low = int(np.argmin(np.where(np.isfinite(x), x, np.inf)))
+            one = _c_params(SamplingParams(temperature=1.0, top_k=1))
+            x2 = x.copy()
+            x2[low] = np.float32(x.max() + 1.0)  # now the only candidate top_k=1 keeps
+            tok2, lp2 = native.sample(x2, one, 0)
+            assert tok2 == low
+            assert lp2 == pytest.approx(_log_softmax64(x2, low), abs=LOGPROB_ABS_TOL), (n, scale)
+    x = np.full(100, -np.inf, dtype=np.float32)
+    x[42] = 3.0
+    assert native.sample(x, greedy, 0) == (42, 0.0)
+    x[7] = np.nan
+    assert np.isnan(native.sample(x, greedy, 0)[1])
+
+
+def test_a_last_windows_logprob_is_the_log_softmax_of_the_logits_it_returns(
+    native_lib: None, tmp_path: Path
+) -> None:
+    """The forward call's logprob (computed from the host logits, not a graph softmax) agrees with the
+    log-softmax of the very logits it hands back, at every decode step."""
+    from agent.artifacts.tiny import write_tiny_gguf
+    from agent.backends.libggswarm import NativeModel
+
+    path = str(write_tiny_gguf("llama", tmp_path / "llama.gguf", n_layers=2))
+    m = NativeModel(path, 0, 2, n_threads=2)
+    try:
+        sid = m.open_session(64)
+        ids, pos = [1, 5, 9, 2], 0
+        for _ in range(6):
+            out = m.forward(sid, pos, token_ids=np.asarray(ids, dtype=np.int32), want_logits=True)
+            last = out["logits"][-1]
+            assert out["token"] == int(np.argmax(last))
+            assert out["logprob"] == pytest.approx(_log_softmax64(last, out["token"]), abs=LOGPROB_ABS_TOL)
+            pos, ids = pos + len(ids), [out["token"]]
+    finally:
+        m.close()
