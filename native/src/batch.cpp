@@ -115,9 +115,11 @@ void build_many(ggswarm_model * m, Graph & g, const GraphKey & key, size_t size)
         }
         off += mb.n;
     }
+    // each member's final row, picked after the last attention (archs/common.cpp) when no member wants logits
     if (m->is_last() && total > nm) g.inp_last = input(GGML_TYPE_I32, nm, 1);
     Build b{m, g, c, total, 0, 0, key.last_only};
     x = m->archp->build_window(b, x);
+    if (x->ne[1] == total) g.inp_last = nullptr;  // every row kept (a member wants logits): not in the graph
     if (m->is_last()) x = output_head(m, c, x);
     g.out = x;
     ggml_set_output(g.out);
