@@ -48,25 +48,28 @@ class ggswarm_sampling(ctypes.Structure):  # noqa: N801
 
 
 # typedef struct ggswarm_batch { ... } ggswarm_batch;
+# Its pointers are declared void *: the caller sets them to addresses (ints) of arrays it keeps alive for
+# the call. A ctypes pointer object stored in a field costs a kept reference with a formatted key per
+# assignment, a decode step's largest Python cost beside the call itself.
 class ggswarm_batch(ctypes.Structure):  # noqa: N801
     _fields_ = [
         ("n_tokens", ctypes.c_int32),
         ("pos_start", ctypes.c_int32),
-        ("token_ids", ctypes.POINTER(ctypes.c_int32)),
+        ("token_ids", ctypes.c_void_p),  # const int32_t *
         ("hidden_in", ctypes.c_void_p),
         ("hidden_in_count", ctypes.c_int64),
         ("hidden_in_type", ctypes.c_int32),
         ("hidden_out_type", ctypes.c_int32),
         ("hidden_out", ctypes.c_void_p),
         ("hidden_out_count", ctypes.c_int64),
-        ("logits_out", ctypes.POINTER(ctypes.c_float)),
+        ("logits_out", ctypes.c_void_p),  # float *
         ("logits_out_count", ctypes.c_int64),
-        ("sampling", ctypes.POINTER(ggswarm_sampling)),
-        ("history", ctypes.POINTER(ctypes.c_int32)),
+        ("sampling", ctypes.c_void_p),  # const ggswarm_sampling *
+        ("history", ctypes.c_void_p),  # const int32_t *
         ("n_history", ctypes.c_int32),
-        ("token_out", ctypes.POINTER(ctypes.c_int32)),
-        ("logprob_out", ctypes.POINTER(ctypes.c_double)),
-        ("compute_s_out", ctypes.POINTER(ctypes.c_double)),
+        ("token_out", ctypes.c_void_p),  # int32_t *
+        ("logprob_out", ctypes.c_void_p),  # double *
+        ("compute_s_out", ctypes.c_void_p),  # double *
     ]
 
 

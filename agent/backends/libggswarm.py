@@ -58,8 +58,12 @@ def sampling_struct(
     )
 
 
+def _i32(values: Any) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(values, dtype=np.int32).reshape(-1))
+
+
 def _i32_array(values: Any) -> tuple[np.ndarray, Any]:
-    arr = np.ascontiguousarray(np.asarray(values, dtype=np.int32).reshape(-1))
+    arr = _i32(values)
     return arr, arr.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
 
 
@@ -178,6 +182,9 @@ class NativeModel:
         self._tok = ctypes.c_int32()
         self._lp = ctypes.c_double()
         self._secs = ctypes.c_double()
+        self._tok_at = ctypes.addressof(self._tok)
+        self._lp_at = ctypes.addressof(self._lp)
+        self._secs_at = ctypes.addressof(self._secs)
         self.has_mtp = False  # a nextn block attached (mtp_open)
 
     def _call(self, fn: Any, *args: Any) -> None:
@@ -385,10 +392,10 @@ class NativeModel:
             self._batch, keep, pos_start, token_ids, hidden, sampling, history, want_logits, hidden_dtype
         )
         b = self._batch
-        b.compute_s_out = ctypes.pointer(self._secs)
+        b.compute_s_out = self._secs_at
         if self.is_last:
-            b.token_out = ctypes.pointer(self._tok)
-            b.logprob_out = ctypes.pointer(self._lp)
+            b.token_out = self._tok_at
+            b.logprob_out = self._lp_at
         self._call(self._lib.ggswarm_forward, sid, ctypes.byref(b))
         if self.is_last:
             out["token"] = self._tok.value
@@ -429,16 +436,10 @@ class NativeModel:
                     st.get("hidden_dtype", "f32"),
                 )
             )
-            batches[i].compute_s_out = ctypes.cast(
-                ctypes.addressof(secs) + 8 * i, ctypes.POINTER(ctypes.c_double)
-            )
+            batches[i].compute_s_out = ctypes.addressof(secs) + 8 * i
             if self.is_last:
-                batches[i].token_out = ctypes.cast(
-                    ctypes.addressof(toks) + 4 * i, ctypes.POINTER(ctypes.c_int32)
-                )
-                batches[i].logprob_out = ctypes.cast(
-                    ctypes.addressof(lps) + 8 * i, ctypes.POINTER(ctypes.c_double)
-                )
+                batches[i].token_out = ctypes.addressof(toks) + 4 * i
+                batches[i].logprob_out = ctypes.addressof(lps) + 8 * i
         self._lib.ggswarm_forward_many(self._h, n, sids, batches, statuses)
         res: list[dict[str, Any] | NativeError] = []
         for i, out in enumerate(outs):
@@ -469,10 +470,10 @@ class NativeModel:
         """Fill one ggswarm_batch (not its token/logprob/seconds outputs); arrays it points at go in
         `keep`; returns the step's output dict holding the arrays the library writes."""
         if token_ids is not None:
-            ids, ids_p = _i32_array(token_ids)
+            ids = _i32(token_ids)
             keep.append(ids)
             n = int(ids.shape[0])
-            b.token_ids = ids_p
+            b.token_ids = ids.ctypes.data
         else:
             b.token_ids = None
         if hidden is not None:
@@ -514,15 +515,15 @@ class NativeModel:
         else:
             if want_logits:
                 logits = np.empty((max(n, 0), self.n_vocab), dtype=np.float32)
-                b.logits_out = logits.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+                b.logits_out = logits.ctypes.data
                 b.logits_out_count = logits.size
                 out["logits"] = logits
             if sampling is not None:
                 keep.append(sampling)
-                b.sampling = ctypes.pointer(sampling)
+                b.sampling = ctypes.addressof(sampling)
             if history is not None and len(history):
-                hist, hist_p = _i32_array(history)
+                hist = _i32(history)
                 keep.append(hist)
-                b.history = hist_p
+                b.history = hist.ctypes.data
                 b.n_history = hist.size
         return out

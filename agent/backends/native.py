@@ -24,7 +24,7 @@ from agent.backends.ggswarm_lib import (
     NativeError,
     load_library,
 )
-from agent.backends.libggswarm import NativeBudget, NativeModel, sampling_struct
+from agent.backends.libggswarm import NativeBudget, NativeModel, ggswarm_sampling, sampling_struct
 from agent.backends.libggswarm import sample as native_sample
 from agent.wire.ids import SessionId
 from agent.wire.sampling import SamplingParams
@@ -86,6 +86,8 @@ class NativeBackend(Backend):
                 f"model d_model {self.model.d_model} != manifest boundary_dim {spec.manifest.boundary_dim}"
             )
         self.sessions: dict[SessionId, int] = {}
+        # the C struct of the sampling parameters last seen: a route's steps repeat theirs every token
+        self._sampling: tuple[SamplingParams, ggswarm_sampling] = (_GREEDY, _struct(_GREEDY))
         # plain-attention architectures run a batch of sessions' steps as one graph (forward_batch)
         self.batches_sessions = self.model.batches_sessions
         cache_type = str(options.get("cache_type") or defaults.CACHE_TYPE)
@@ -240,10 +242,11 @@ class NativeBackend(Backend):
                 raise BackendError(f"{len(token_ids)} token ids for {hidden.shape[0]} hidden rows")
         params = None
         if self.spec.is_last:
-            p = st.sampling or SamplingParams()
-            params = sampling_struct(
-                p.temperature, p.top_k, p.top_p, p.min_p, p.repeat_penalty, p.repeat_last_n, p.seed
-            )
+            p = st.sampling or _GREEDY
+            seen, params = self._sampling
+            if p is not seen and p != seen:
+                params = _struct(p)
+                self._sampling = (p, params)
             history = _penalised(history, p)
         return {
             "sid": native_sid,
@@ -260,11 +263,7 @@ class NativeBackend(Backend):
         self, logits: np.ndarray, sampling: SamplingParams, position: int, history: list[int] | None
     ) -> tuple[int, float]:
         """The library's own sampler (its forward samples with it), not the Python reference."""
-        p = sampling
-        params = sampling_struct(
-            p.temperature, p.top_k, p.top_p, p.min_p, p.repeat_penalty, p.repeat_last_n, p.seed
-        )
-        return native_sample(logits, params, position, _penalised(history, p))
+        return native_sample(logits, _struct(sampling), position, _penalised(history, sampling))
 
     @staticmethod
     def _result(out: dict[str, Any], want_logits: bool) -> ForwardResult:
@@ -326,6 +325,15 @@ class NativeBackend(Backend):
         if getattr(self, "model", None) is not None:
             self.model.close()
         self.sessions.clear()
+
+
+_GREEDY = SamplingParams()
+
+
+def _struct(p: SamplingParams) -> ggswarm_sampling:
+    return sampling_struct(
+        p.temperature, p.top_k, p.top_p, p.min_p, p.repeat_penalty, p.repeat_last_n, p.seed
+    )
 
 
 def _penalised(history: list[int] | None, p: SamplingParams) -> list[int] | None:
