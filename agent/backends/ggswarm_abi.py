@@ -49,8 +49,8 @@ class ggswarm_sampling(ctypes.Structure):  # noqa: N801
 
 # typedef struct ggswarm_batch { ... } ggswarm_batch;
 # Its pointers are declared void *: the caller sets them to addresses (ints) of arrays it keeps alive for
-# the call. A ctypes pointer object stored in a field costs a kept reference with a formatted key per
-# assignment, a decode step's largest Python cost beside the call itself.
+# the call. A ctypes pointer object stored in a field would be kept by the struct under a key ctypes
+# formats with sprintf, on every assignment of every decode step.
 class ggswarm_batch(ctypes.Structure):  # noqa: N801
     _fields_ = [
         ("n_tokens", ctypes.c_int32),
