@@ -262,9 +262,9 @@ ggswarm_status run_group(ggswarm_model * m, const std::vector<int32_t> & idx, co
             ggswarm_sampling greedy = {0.0, 0, 64, 1.0, 0.0, 1.0, 0};
             const ggswarm_sampling & p = b.sampling ? *b.sampling : greedy;
             SampleResult r = sample(last, m->n_vocab, p, (int64_t)b.pos_start + mb.n - 1, b.history,
-                                    b.history ? b.n_history : 0, m->scratch, false);
+                                    b.history ? b.n_history : 0, m->scratch, b.logprob_out != nullptr);
             *b.token_out = r.token;
-            if (b.logprob_out) *b.logprob_out = log_softmax_at(last, m->n_vocab, r.token);
+            if (b.logprob_out) *b.logprob_out = r.logprob;
         }
         if (b.compute_s_out) *b.compute_s_out = secs;
     }

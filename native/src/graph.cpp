@@ -486,9 +486,9 @@ ggswarm_status ggswarm_forward(ggswarm_model * m, int64_t sid, const ggswarm_bat
         ggswarm_sampling greedy = {0.0, 0, 64, 1.0, 0.0, 1.0, 0};
         const ggswarm_sampling & p = b->sampling ? *b->sampling : greedy;
         ggswarm::SampleResult r = ggswarm::sample(last, m->n_vocab, p, (int64_t)b->pos_start + n - 1, b->history,
-                                                  b->history ? b->n_history : 0, m->scratch, false);
+                                                  b->history ? b->n_history : 0, m->scratch, b->logprob_out != nullptr);
         *b->token_out = r.token;
-        if (b->logprob_out) *b->logprob_out = ggswarm::log_softmax_at(last, m->n_vocab, r.token);
+        if (b->logprob_out) *b->logprob_out = r.logprob;
     }
     if (b->compute_s_out) {
         *b->compute_s_out = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

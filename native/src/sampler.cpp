@@ -63,69 +63,36 @@ __attribute__((always_inline)) inline void exp_nonpositive(f8 & x) {
     const f8 y = p * reinterpret_cast<f8>(scale);
     x = x < lo ? f8{} : y;
 }
-}  // namespace
 
-// built for AVX-512, AVX2 and the baseline; the loader picks what the CPU runs (the library's own code
-// is otherwise compiled for the baseline, so the same file serves every x86-64 node)
-#if defined(__x86_64__) && defined(__GNUC__)
-__attribute__((target_clones("avx512f", "avx2", "default")))
-#endif
-int32_t argmax_first(const float * v, int32_t n) {
-    // The scan `if (v[i] > v[best]) best = i` in two passes: the maximum of each block in vector lanes
-    // (a max in any order is the same number), the first block holding the largest, then the first
-    // index in it holding that value: the same index. A NaN never wins, as in the scan, except at
-    // index 0, where the scan keeps it.
-    if (n <= 0 || std::isnan(v[0])) return 0;
-    constexpr int32_t kBlock = 1024;
-    float best_max = -INFINITY;
-    int32_t best_from = 0;
-    for (int32_t from = 0; from < n; from += kBlock) {
-        const int32_t to = std::min(n, from + kBlock);
-        f8 a = f8{} - INFINITY, b = a;  // two chains, so consecutive maxima do not wait on each other
-        int32_t i = from;
-        for (; i + 16 <= to; i += 16) {
-            f8 x, y;
-            load8(x, v + i);
-            load8(y, v + i + 8);
-            a = x > a ? x : a;
-            b = y > b ? y : b;
-        }
-        float m = -INFINITY;
-        for (int32_t j = 0; j < 8; ++j) {
-            m = a[j] > m ? a[j] : m;
-            m = b[j] > m ? b[j] : m;
-        }
-        for (; i < to; ++i) m = v[i] > m ? v[i] : m;
-        if (m > best_max) {
-            best_max = m;
-            best_from = from;
-        }
+// The largest of v[from, to) as `x > m` finds it (a NaN never wins): two chains of vector lanes, so
+// consecutive maxima do not wait on each other; a max in any order is the same number. Inlined into
+// each caller's target_clones build.
+__attribute__((always_inline)) inline float range_max(const float * v, int32_t from, int32_t to) {
+    f8 a = f8{} - INFINITY, b = a;
+    int32_t i = from;
+    for (; i + 16 <= to; i += 16) {
+        f8 x, y;
+        load8(x, v + i);
+        load8(y, v + i + 8);
+        a = x > a ? x : a;
+        b = y > b ? y : b;
     }
-    const int32_t to = std::min(n, best_from + kBlock);
-    for (int32_t i = best_from; i < to; ++i) {
-        if (v[i] == best_max) return i;
+    float m = -INFINITY;
+    for (int32_t j = 0; j < 8; ++j) {
+        m = a[j] > m ? a[j] : m;
+        m = b[j] > m ? b[j] : m;
     }
-    return 0;  // every value -inf or NaN: the scan's answer too
+    for (; i < to; ++i) m = v[i] > m ? v[i] : m;
+    return m;
 }
 
-// x86-64-v3 and v4 bring FMA (a quarter off the exponentials), which the plain "avx2" target lacks
+// log-softmax of v at token, given m, the largest of v. The exponentials of (x - m) are summed in float
+// over blocks of 512 and the blocks in double: within 1e-6 of the double-precision log-softmax.
+// x86-64-v3 and v4 bring FMA (a quarter off the exponentials), which the plain "avx2" target lacks.
 #if defined(__x86_64__) && defined(__GNUC__)
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #endif
-double log_softmax_at(const float * logits, int32_t n, int32_t token) {
-    // The maximum is exact in any order; the exponentials of (x - max) are summed in float over blocks
-    // of 512 and the blocks in double: within 1e-6 of the double-precision log-softmax.
-    const float * v = logits;
-    f8 lanes = f8{} - INFINITY;
-    int32_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        f8 x;
-        load8(x, v + i);
-        lanes = x > lanes ? x : lanes;  // a NaN never wins, as std::max(m, x) in double did not let it
-    }
-    float m = -INFINITY;
-    for (int32_t j = 0; j < 8; ++j) m = lanes[j] > m ? lanes[j] : m;
-    for (; i < n; ++i) m = v[i] > m ? v[i] : m;
+double log_softmax_given_max(const float * v, int32_t n, int32_t token, float m) {
     const f8 mv = f8{} + m;
     constexpr int32_t kBlock = 512;
     double s = 0.0;
@@ -150,6 +117,43 @@ double log_softmax_at(const float * logits, int32_t n, int32_t token) {
         s += static_cast<double>(block);
     }
     return static_cast<double>(v[token]) - static_cast<double>(m) - std::log(s);
+}
+
+}  // namespace
+
+// built for AVX-512, AVX2 and the baseline; the loader picks what the CPU runs (the library's own code
+// is otherwise compiled for the baseline, so the same file serves every x86-64 node)
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
+int32_t argmax_first(const float * v, int32_t n) {
+    // The scan `if (v[i] > v[best]) best = i` in two passes: the maximum of each block (range_max), the
+    // first block holding the largest, then the first index in it holding that value: the same index.
+    // A NaN never wins, as in the scan, except at index 0, where the scan keeps it.
+    if (n <= 0 || std::isnan(v[0])) return 0;
+    constexpr int32_t kBlock = 1024;
+    float best_max = -INFINITY;
+    int32_t best_from = 0;
+    for (int32_t from = 0; from < n; from += kBlock) {
+        const float m = range_max(v, from, std::min(n, from + kBlock));
+        if (m > best_max) {
+            best_max = m;
+            best_from = from;
+        }
+    }
+    const int32_t to = std::min(n, best_from + kBlock);
+    for (int32_t i = best_from; i < to; ++i) {
+        if (v[i] == best_max) return i;
+    }
+    return 0;  // every value -inf or NaN: the scan's answer too
+}
+
+// (its own clones: the maximum's lanes are inlined here)
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
+double log_softmax_at(const float * logits, int32_t n, int32_t token) {
+    return log_softmax_given_max(logits, n, token, range_max(logits, 0, n));
 }
 
 namespace {
@@ -204,7 +208,11 @@ SampleResult sample(const float * raw, int32_t n_vocab, const ggswarm_sampling &
     if (!(p.temperature > 0.0)) {
         const int32_t best = argmax_first(pen, n_vocab);
         out.token = best;
-        out.logprob = want_logprob ? log_softmax_at(raw, n_vocab, best) : 0.0;
+        if (want_logprob) {
+            // unpenalised, the pick holds the maximum already: one pass over the vocabulary, not two
+            out.logprob = pen == raw ? log_softmax_given_max(raw, n_vocab, best, raw[best])
+                                     : log_softmax_at(raw, n_vocab, best);
+        }
         return out;
     }
     // 3. tempered values in double
