@@ -94,11 +94,25 @@ TEMPLATES = [
 
 # --- database: DATABASE_URL (PostgreSQL) or the embedded SQLite file ------------------------------
 DATABASE_URL = envstr("DATABASE_URL")
+# PostgreSQL connections each process keeps in a pool (0: a new connection per request or consumer call).
+# Every agent's heartbeat is a database call every few seconds, and opening a connection for each cost
+# the web process more than the heartbeat's own queries (docs/benchmarks.md). Pooled, not persistent
+# (CONN_MAX_AGE): under ASGI a request's thread does not outlive it, so Django's own persistent
+# connections would be opened per request anyway; health-checked when taken from the pool.
+DB_POOL_MAX = envint("DB_POOL_MAX", 10, minimum=0)
 if DATABASE_URL:
     try:
-        DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=0)}
+        DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=0, conn_health_checks=True)}
     except ValueError as e:
         raise ImproperlyConfigured(f"DATABASE_URL is not a valid database URL: {e}") from None
+    if DB_POOL_MAX and DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
+        # A burst past max_size waits this long for a connection before its request fails.
+        DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
+            "min_size": 1,
+            "max_size": DB_POOL_MAX,
+            "timeout": 20,
+            "max_idle": 300,
+        }
 else:
     DATABASES = {
         "default": {

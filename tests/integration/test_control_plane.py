@@ -87,6 +87,45 @@ async def test_a_playground_chat_matches_the_route_client_on_the_same_hops(
     assert "".join(parts) == texts[0]
 
 
+def test_the_agents_heartbeats_take_pooled_database_connections_instead_of_opening_new_ones(
+    swarm: Swarm,
+) -> None:
+    """A heartbeat is a database call every few seconds per agent; the web process's pool (DB_POOL_MAX)
+    hands it a kept connection, so a fleet's heartbeats open none (PostgreSQL's pg_stat_database counts
+    every connection opened to the swarm's database)."""
+    s = swarm
+    url = s.env["DATABASE_URL"]
+    if not url.startswith("postgres"):
+        pytest.skip("the pool is PostgreSQL's; without DATABASE_URL the control plane runs on SQLite")
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as watch:
+
+        def opened() -> int:
+            row = watch.execute(
+                "SELECT sessions FROM pg_stat_database WHERE datname = current_database()"
+            ).fetchone()
+            assert row is not None
+            return int(row[0])
+
+        def seen() -> dict[str, Any]:
+            return dict(watch.execute("SELECT id, last_seen FROM fleet_node").fetchall())
+
+        before, last = opened(), seen()
+        beats = dict.fromkeys(last, 0)
+        deadline = time.monotonic() + 60
+        while min(beats.values()) < 3:
+            assert time.monotonic() < deadline, f"heartbeats seen per agent: {beats}"
+            for node, at in seen().items():
+                if at != last.get(node):
+                    beats[node], last[node] = beats.get(node, 0) + 1, at
+            time.sleep(0.1)  # the poll's interval, not a guess at readiness
+        # a burst can grow the pool by a connection or two; unpooled, every beat opened one
+        assert opened() - before <= 2, (
+            f"{opened() - before} connections opened for {sum(beats.values())} heartbeats"
+        )
+
+
 async def test_agents_reconnect_after_the_control_plane_restarts_keeping_their_shards(swarm: Swarm) -> None:
     s = swarm
     assert s.web is not None

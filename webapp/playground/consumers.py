@@ -162,16 +162,15 @@ class ChatConsumer(SafeJsonConsumer):
         )
         return session.RouteAnswer(target, self.scope["user"], tok, ids, spec, self, self.live)
 
-    async def _next(self, it: Any) -> Any:
-        """The next piece of the answer; after Stop, the step in flight gets STOP_GRACE_S to end."""
+    async def _next(self, it: Any, stop: asyncio.Future[Any]) -> Any:
+        """The next piece of the answer; after Stop (`stop`, the answer's one waiter on the stop event),
+        the step in flight gets STOP_GRACE_S to end."""
         step = asyncio.ensure_future(anext(it))
-        stop = asyncio.ensure_future(self.stop_event.wait())
         try:
             await asyncio.wait({step, stop}, return_when=asyncio.FIRST_COMPLETED)
             if not step.done():
                 await asyncio.wait({step}, timeout=STOP_GRACE_S)
         finally:
-            stop.cancel()
             if not step.done():  # abandoned after Stop, or this task was cancelled (the socket went)
                 step.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -185,13 +184,14 @@ class ChatConsumer(SafeJsonConsumer):
         last_progress, stopped = 0.0, False
         it = run.pieces()
         self.live_dirty = True
+        stop = asyncio.ensure_future(self.stop_event.wait())  # one waiter for the answer, not one a piece
         try:
             while True:
                 if self.stop_event.is_set():
                     stopped = True
                     break
                 try:
-                    piece = await self._next(it)
+                    piece = await self._next(it, stop)
                 except StopAsyncIteration:
                     break
                 await self.stream.keep()
@@ -206,6 +206,7 @@ class ChatConsumer(SafeJsonConsumer):
                         {**base, "type": "progress", "telemetry": progress, "bars": bars_json(progress)}
                     )
         finally:
+            stop.cancel()
             with contextlib.suppress(Exception):
                 await it.aclose()  # between steps: nothing is in flight, the KV equals the history
         self.live_dirty = False
