@@ -232,6 +232,27 @@ class RouteClient:
         finally:
             await self.transport.release()  # the last of its clients closes a shared transport
 
+    def send_ahead(
+        self, ids: list[int], sampling: SamplingParams, sample_all: bool = False
+    ) -> asyncio.Future[Response]:
+        """Send a decode step before the consumer has the tokens it follows (generate's decode loops):
+        their work overlaps the route's. Until taken (take_ahead) or dropped (drop_ahead), no other
+        frame of the session may go before it: settled() waits for it."""
+        step = self._ahead = asyncio.ensure_future(self.forward(ids, sampling, sample_all=sample_all))
+        return step
+
+    async def take_ahead(self, step: asyncio.Future[Response]) -> Response:
+        """The answer of a step sent ahead."""
+        if self._ahead is step:
+            self._ahead = None
+        return await step
+
+    async def drop_ahead(self, step: asyncio.Future[Response]) -> None:
+        """A step sent ahead of a consumer that stopped: let it finish (settle_ahead)."""
+        if self._ahead is step:
+            self._ahead = None
+        await settle_ahead(step)
+
     async def settled(self) -> None:
         """Let a decode step that generate sent ahead finish when its consumer left without closing the
         generator (an `async for` that broke out): no other frame may reach the hops before it."""
@@ -467,7 +488,7 @@ class RouteClient:
                 self.last_response = resp
                 last = bool(stop_ids and token in stop_ids) or n == max_tokens - 1
                 if not (last or want_logits or len(self.history) + 1 > self.capacity):
-                    ahead = self._ahead = asyncio.ensure_future(self.forward([token], sampling))
+                    ahead = self.send_ahead([token], sampling)
                 yield token, logprob
                 if last:
                     break
@@ -476,14 +497,12 @@ class RouteClient:
                         raise ContextLimitError(f"context limit of {self.capacity} tokens reached")
                     resp = await self.forward([token], sampling, want_logits=want_logits)
                 else:
-                    step, ahead, self._ahead = ahead, None, None
-                    resp = await step
+                    step, ahead = ahead, None
+                    resp = await self.take_ahead(step)
                 token, logprob = self.sampled(resp)
         finally:
             if ahead is not None:
-                if self._ahead is ahead:
-                    self._ahead = None
-                await settle_ahead(ahead)
+                await self.drop_ahead(ahead)
 
     async def _shared_prefix(self, ids: list[int], sampling: SamplingParams, common: int) -> int:
         """Bring every hop to exactly `ids` from their prefix snapshots, or prefill them and ask the

@@ -59,6 +59,7 @@ MEASURE_STEPS = 3  # an answer's first decode steps go plain: they measure its r
 # a draft must promise this much more than a plain step: a verification leaves the native lane and may
 # leave rejected drafts to cut, costs the rate below does not count
 MIN_GAIN = 1.1
+PROBE_EVERY = 8  # plain steps in a row before a one-token probe when drafts have not been paying
 
 
 def draft_length(
@@ -91,6 +92,27 @@ def draft_length(
     return best_k if best >= MIN_GAIN * plain else 0
 
 
+def sized_draft(stats: SpecStats, k_max: int) -> int:
+    """The next step's draft length, at most k_max, from what the answer's steps measured: none for its
+    first MEASURE_STEPS steps (they measure the route), then draft_length's; where that is none but
+    drafts that always stood would pay on this route at all, one draft after PROBE_EVERY plain steps in
+    a row, so the acceptance estimate keeps learning (a probe that stands starts no run of probes).
+
+    Until a verification is measured, its round trip is priced a row's compute above a plain step's: it
+    leaves the native lanes and comes back, which a plain step's round trip does not show (on loopback
+    6-8 ms beyond a plain step's 1.7, rows ~10 ms). Priced as a plain step's, every playground answer on
+    one machine paid a probe costing ~13% of a 48-token answer (docs/benchmarks.md, 2026-12-07)."""
+    if stats.steps + stats.plain_steps < MEASURE_STEPS:
+        return 0
+    rt, row, per, vrt = stats.round_trip_ms, stats.row_ms, stats.draft_ms, stats.verify_round_trip_ms
+    if vrt is None:
+        vrt = rt + row
+    k = draft_length(stats.acceptance_rate(), rt, row, k_max, per, vrt)
+    if k == 0 and stats.plain_run >= PROBE_EVERY and draft_length(1.0, rt, row, k_max, per, vrt):
+        return min(1, k_max)
+    return k
+
+
 def accepted(drafts: list[int], sampled: list[int]) -> int:
     """How many leading drafts equal what the route sampled after each of their predecessors:
     `sampled[i]` is the token sampled at the step's position i (after the step's first token, then
@@ -108,6 +130,7 @@ class SpecStats:
     accepted: int = 0
     rejections: int = 0  # verifications that stopped at a draft that did not stand
     plain_steps: int = 0  # steps with no draft to verify
+    plain_run: int = 0  # plain steps since the last verification
     round_trip_ms: float = 0.0  # a step's wall time less the hops' compute (moving average)
     row_ms: float = 0.0  # the hops' compute per position (moving average)
     draft_ms: float = 0.0  # the drafter's time per drafted token (moving average; 0 for lookups)
@@ -119,6 +142,7 @@ class SpecStats:
 
     def record(self, drafted: int, accepted: int) -> None:
         self.steps += 1
+        self.plain_run = 0
         self.drafted += drafted
         self.accepted += accepted
         self.rejections += accepted < drafted
@@ -133,16 +157,13 @@ class SpecStats:
         if verify or self._after_verify:
             extra = rt if verify else max(rt - self.round_trip_ms, 0.0)
             if verify:
+                if self._after_verify:  # verifications back to back: the one before had no way back
+                    self._verify_priced(self._verify_rt_step)
                 self._verify_rt_step = extra
                 self._after_verify = True
                 self.row_ms = 0.8 * self.row_ms + 0.2 * row if self.row_ms else row
                 return
-            total = self._verify_rt_step + extra  # the verification and the way back after it
-            self.verify_round_trip_ms = (
-                total
-                if self.verify_round_trip_ms is None
-                else (0.7 * self.verify_round_trip_ms + 0.3 * total)
-            )
+            self._verify_priced(self._verify_rt_step + extra)  # the verification and the way back
             self._after_verify = False
             return
         self.timed_steps += 1
@@ -154,6 +175,10 @@ class SpecStats:
         else:
             self.round_trip_ms += (0.2 if rt < self.round_trip_ms else 0.1) * (rt - self.round_trip_ms)
         self.row_ms = 0.8 * self.row_ms + 0.2 * row
+
+    def _verify_priced(self, total: float) -> None:
+        v = self.verify_round_trip_ms
+        self.verify_round_trip_ms = total if v is None else 0.7 * v + 0.3 * total
 
     def drafting(self, tokens: int, ms: float) -> None:
         """What a draft of `tokens` took the drafter to propose. An answer's first draft is not

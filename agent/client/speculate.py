@@ -4,25 +4,25 @@ stand and the rest are cut back. The route is handed in (`SpecRoute`: what the l
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from agent.client.errors import ContextLimitError, RouteError
 from agent.client.link import HopStats
 from agent.client.spec import (
     MAX_DRAFT,
-    MEASURE_STEPS,
     Drafter,
     NgramDrafter,
     SpecStats,
     accepted,
-    draft_length,
+    sized_draft,
 )
 from agent.wire.frames import Kind, Response
 from agent.wire.sampling import SamplingParams
 
-PROBE_EVERY = 8  # plain steps between single-draft probes when drafts have not been paying
 # a route this slow keeps a speculating answer off the lanes: an admission costs about a round trip
 STICKY_ROUND_TRIP_MS = 5.0
 
@@ -49,6 +49,14 @@ class SpecRoute(Protocol):
 
     def cut_back(self, keep: int) -> None: ...
 
+    def send_ahead(
+        self, ids: list[int], sampling: SamplingParams, sample_all: bool = False
+    ) -> asyncio.Future[Response]: ...
+
+    async def take_ahead(self, step: asyncio.Future[Response]) -> Response: ...
+
+    async def drop_ahead(self, step: asyncio.Future[Response]) -> None: ...
+
 
 def offer_drafts(drafter: Drafter | None, context_len: int, resp: Response) -> None:
     """Hand the last hop's MTP drafts (after the token ending a context of `context_len`) to a drafter
@@ -56,6 +64,101 @@ def offer_drafts(drafter: Drafter | None, context_len: int, resp: Response) -> N
     offer = getattr(drafter, "offer", None)
     if offer is not None:
         offer(context_len, resp.drafts())
+
+
+@dataclass
+class _Sent:
+    """A step sent ahead of the consumer: its drafts, where the history stood, when it left, the hops'
+    compute before it and when its answer arrived (not when the loop came back for it)."""
+
+    future: asyncio.Future[Response]
+    drafts: list[int]
+    base: int
+    t0: float
+    c0: float
+    arrived: float = 0.0
+
+    def landed(self, _: asyncio.Future[Response]) -> None:
+        self.arrived = time.perf_counter()
+
+
+def _ends_at(
+    ready: list[tuple[int, float]], produced: int, max_tokens: int, stop_ids: set[int] | None
+) -> int:
+    """The index in `ready` of the answer's last token (a stop token or the max_tokens-th), or -1."""
+    for i, (tok, _) in enumerate(ready):
+        if (stop_ids and tok in stop_ids) or produced + i + 1 >= max_tokens:
+            return i
+    return -1
+
+
+def _send(
+    route: SpecRoute,
+    context: list[int],
+    sampling: SamplingParams,
+    k: int,
+    drafter: Drafter,
+) -> _Sent:
+    """Draft (up to k, sized by the route's measured costs) after `context` and send the step."""
+    stats = route.last_spec
+    if route.spec_adaptive:
+        k = sized_draft(stats, k)
+    t_draft = time.perf_counter()
+    drafts = drafter.propose(context, k)[:k] if k > 0 else []
+    stats.drafting(len(drafts), (time.perf_counter() - t_draft) * 1e3)
+    if drafts:
+        route.off_lanes = route.off_lanes or stats.round_trip_ms >= STICKY_ROUND_TRIP_MS
+    # the hops' own compute, as their timings report it; the rest of a step's wall time is the round
+    # trip (links, relaying, queueing) that a longer draft spreads over more tokens
+    c0, base = sum(h.compute_ms for h in route.hop_stats), len(route.history)
+    sent = _Sent(
+        route.send_ahead([context[-1], *drafts], sampling, sample_all=bool(drafts)),
+        drafts,
+        base,
+        time.perf_counter(),
+        c0,
+    )
+    sent.future.add_done_callback(sent.landed)
+    return sent
+
+
+async def _settle(
+    route: SpecRoute, sent: _Sent, context: list[int], drafter: Drafter
+) -> list[tuple[int, float]]:
+    """The tokens a step decided: its sample, or the drafts that stood and the sample after them (the
+    rest cut back); the step's costs and acceptance go to route.last_spec."""
+    stats = route.last_spec
+    resp = await route.take_ahead(sent.future)
+    wall_ms = ((sent.arrived or time.perf_counter()) - sent.t0) * 1e3
+    compute = sum(h.compute_ms for h in route.hop_stats) - sent.c0
+    drafts = sent.drafts
+    if not drafts:
+        stats.plain_steps += 1
+        stats.plain_run += 1
+        stats.timed(1, wall_ms, compute)
+        ready = [route.sampled(resp)]
+        context.append(ready[0][0])
+        offer_drafts(drafter, len(context), resp)
+        return ready
+    stats.timed(len(drafts) + 1, wall_ms, compute, verify=True)
+    if resp.kind != Kind.TOKENS or resp.n_tokens != len(drafts) + 1:
+        raise RouteError(
+            f"the last hop answered {resp.kind.name} x {resp.n_tokens} to a verification of "
+            f"{len(drafts) + 1} positions",
+            status=502,
+            code="bad_verification",
+            hop=len(route.hops) - 1,
+        )
+    sampled, lps = resp.tokens()
+    m = accepted(drafts, sampled)
+    stats.record(len(drafts), m)
+    context.extend(drafts[:m])
+    keep = sent.base + 1 + m  # the token sent and the drafts that stood
+    if keep < len(route.history):
+        route.cut_back(keep)  # no round trip: each hop goes back when the next frame arrives
+    context.append(sampled[m])
+    offer_drafts(drafter, len(context), resp)
+    return [*zip(drafts[:m], lps[:m], strict=True), (sampled[m], lps[m])]
 
 
 async def speculative_steps(
@@ -69,74 +172,38 @@ async def speculative_steps(
     drafter: Drafter | None,
 ) -> AsyncIterator[tuple[int, float]]:
     """RouteClient.generate's decode loop with drafts, from the prompt's sampled `token` on: yields
-    (token, logprob) as they are decided; `route.last_spec` counts drafts and acceptance."""
+    (token, logprob) as they are decided; `route.last_spec` counts drafts and acceptance.
+
+    As in plain decoding, each step (with its drafts) goes out before the consumer sees the tokens
+    decided before it, so the consumer's work overlaps the route's; a consumer that stops leaves that
+    step to finish (route.drop_ahead), and the hops' KV equals the history afterwards."""
     drafter = drafter or NgramDrafter()
-    stats = route.last_spec
     # a drafter fed by the hops' answers (MtpDrafter) needs every step's answer: none off the lanes
     route.off_lanes = route.off_lanes or getattr(drafter, "needs_python_path", False)
     context = [*route.history, token]  # every token decided so far; the KV holds all but the last
     ready = [(token, logprob)]  # decided, not yet yielded; only the last is not in the KV
     produced = 0
-    while True:
-        for item in ready:
-            route.last_response = None
-            yield item
-            produced += 1
-            if (stop_ids and item[0] in stop_ids) or produced == max_tokens:
+    sent: _Sent | None = None
+    try:
+        while True:
+            end = _ends_at(ready, produced, max_tokens, stop_ids)
+            if end >= 0:
+                ready = ready[: end + 1]
+            elif route.capacity - len(context) >= 0:
+                # drafts past the answer's end or the context's would be computed for nothing
+                room = route.capacity - len(context)
+                k = min(speculate, MAX_DRAFT, room, max_tokens - produced - len(ready) - 1)
+                sent = _send(route, context, sampling, k, drafter)
+            for item in ready:
+                route.last_response = None
+                yield item
+            produced += len(ready)
+            if end >= 0:
                 return
-        token = ready[-1][0]
-        room = route.capacity - len(context)
-        if room < 0:
-            raise ContextLimitError(f"context limit of {route.capacity} tokens reached")
-        # drafts past the answer's end or the context's would be computed for nothing; within
-        # them, as long as this route's costs and the drafts' record say pays (spec.draft_length)
-        k = min(speculate, MAX_DRAFT, room, max_tokens - produced - 1)
-        if route.spec_adaptive:
-            # the first steps go plain: their round trips and compute size the drafts after them
-            first = stats.steps + stats.plain_steps < MEASURE_STEPS
-            rt, row, per = stats.round_trip_ms, stats.row_ms, stats.draft_ms
-            vrt = stats.verify_round_trip_ms
-            cap, k = k, 0 if first else draft_length(stats.acceptance_rate(), rt, row, k, per, vrt)
-            # now and then one draft anyway, so the acceptance estimate keeps learning, where drafts
-            # that always stood would pay on this route at all
-            probe = stats.plain_steps % PROBE_EVERY == PROBE_EVERY - 1
-            if not first and k == 0 and probe and draft_length(1.0, rt, row, cap, per, vrt):
-                k = 1
-        t_draft = time.perf_counter()
-        drafts = drafter.propose(context, k)[:k] if k > 0 else []
-        stats.drafting(len(drafts), (time.perf_counter() - t_draft) * 1e3)
-        # the hops' own compute, as their timings report it; the rest of a step's wall time is
-        # the round trip (links, relaying, queueing) that a longer draft spreads over more tokens
-        c0, t0 = sum(h.compute_ms for h in route.hop_stats), time.perf_counter()
-        if not drafts:
-            stats.plain_steps += 1
-            resp = await route.forward([token], sampling)
-            compute = sum(h.compute_ms for h in route.hop_stats) - c0
-            stats.timed(1, (time.perf_counter() - t0) * 1e3, compute)
-            ready = [route.sampled(resp)]
-            context.append(ready[0][0])
-            offer_drafts(drafter, len(context), resp)
-            continue
-        base = len(route.history)
-        route.off_lanes = route.off_lanes or stats.round_trip_ms >= STICKY_ROUND_TRIP_MS
-        resp = await route.forward([token, *drafts], sampling, sample_all=True)
-        compute = sum(h.compute_ms for h in route.hop_stats) - c0
-        stats.timed(len(drafts) + 1, (time.perf_counter() - t0) * 1e3, compute, verify=True)
-        if resp.kind != Kind.TOKENS or resp.n_tokens != len(drafts) + 1:
-            raise RouteError(
-                f"the last hop answered {resp.kind.name} x {resp.n_tokens} to a verification of "
-                f"{len(drafts) + 1} positions",
-                status=502,
-                code="bad_verification",
-                hop=len(route.hops) - 1,
-            )
-        sampled, lps = resp.tokens()
-        m = accepted(drafts, sampled)
-        stats.record(len(drafts), m)
-        context.extend(drafts[:m])
-        keep = base + 1 + m  # the token sent and the drafts that stood
-        if keep < len(route.history):
-            route.cut_back(keep)  # no round trip: each hop goes back when the next frame arrives
-        ready = [*zip(drafts[:m], lps[:m], strict=True), (sampled[m], lps[m])]
-        context.append(sampled[m])
-        offer_drafts(drafter, len(context), resp)
+            if sent is None:
+                raise ContextLimitError(f"context limit of {route.capacity} tokens reached")
+            step, sent = sent, None
+            ready = await _settle(route, step, context, drafter)
+    finally:
+        if sent is not None:
+            await route.drop_ahead(sent.future)

@@ -9,6 +9,7 @@ import logging
 import os
 from typing import Any
 
+import numpy as np
 import pytest
 
 from agent.client.recovery import minted_hops
@@ -146,3 +147,90 @@ async def test_a_consumer_that_breaks_out_without_closing_holds_the_next_generat
     assert c.events.index("done 4") < c.events.index("send 5")
     assert [e for e in c.events if e.startswith("send")] == ["send 0", "send 3", "send 4", "send 5", "send 6"]
     assert more == [105, 106]
+
+
+# -- speculative decoding (agent/client/speculate.py): the same overlap, drafts and all ------------------
+
+
+class SpecStepClient(StepClient):
+    """StepClient that verifies drafts: position p samples 100 + p whether it runs alone or in a step."""
+
+    def __init__(self, signing_key: Any, delay_s: float = 0.01) -> None:
+        super().__init__(signing_key, delay_s)
+        self.spec_adaptive = False  # `speculate` drafts every step: the test decides, not the costs
+
+    async def forward(
+        self, ids: list[int], sampling: SamplingParams, want_logits: bool = False, sample_all: bool = False
+    ) -> Response:
+        if not sample_all:
+            return await super().forward(ids, sampling, want_logits)
+        pos = len(self.history)
+        self.events.append(f"send {pos}+{len(ids) - 1}")
+        await asyncio.sleep(self.delay_s)
+        self.history.extend(ids)
+        self.events.append(f"done {pos}")
+        n = len(ids)
+        payload = np.arange(100 + pos, 100 + pos + n, dtype="<i4").tobytes() + np.zeros(n, "<f4").tobytes()
+        return Response(step=0, kind=Kind.TOKENS, session_len=len(self.history), n_tokens=n, payload=payload)
+
+
+class Drafts:
+    """Proposes the model's own next tokens (all stand), or `wrong` ones from the second draft on."""
+
+    def __init__(self, wrong: bool = False) -> None:
+        self.wrong = wrong
+
+    def propose(self, context: list[int], k: int) -> list[int]:
+        # the step sends context[-1] at position len(context) - 1, which samples 100 + that position
+        nxt = [100 + len(context) - 1 + i for i in range(k)]
+        return nxt[:1] + [7] * (k - 1) if self.wrong else nxt
+
+
+async def test_a_speculative_step_drafts_and_all_is_on_its_way_while_the_consumer_handles_tokens(
+    signing_key: Any,
+) -> None:
+    c = SpecStepClient(signing_key)
+    got = await _consume(c, 7, speculate=2, drafter=Drafts())
+    assert got == [100, 103, 104, 105, 106, 107, 108]  # plain decoding's tokens
+    # the verification at position 3 left before token 100 was handled, the one at 6 (after 103-105
+    # stood) before 103 was
+    assert c.events.index("send 3+2") < c.events.index("handled 100")
+    assert c.events.index("send 6+2") < c.events.index("handled 103")
+    # the last step drafts only up to max_tokens, and nothing goes after the answer's last token
+    assert [e for e in c.events if e.startswith("send")] == ["send 0", "send 3+2", "send 6+2"]
+
+
+async def test_a_rejected_draft_in_a_step_sent_ahead_leaves_plain_decodings_tokens(signing_key: Any) -> None:
+    c = SpecStepClient(signing_key)
+    got = await _consume(c, 6, speculate=3, drafter=Drafts(wrong=True))
+    assert got == [100, 103, 104, 105, 106, 107]
+    # each verification kept its first draft and the sample after it, the rest cut back; drafts stop
+    # at the answer's end (the last step goes plain)
+    assert [e for e in c.events if e.startswith("send")] == ["send 0", "send 3+3", "send 5+2", "send 7"]
+
+
+async def test_a_consumer_that_stops_with_a_verification_in_flight_lets_it_finish(signing_key: Any) -> None:
+    c = SpecStepClient(signing_key)
+    got = await _consume(c, 20, stop_after=2, speculate=2, drafter=Drafts())
+    assert got == [100, 103]
+    # the step sent ahead (after 103-105 stood) finished before aclose returned, and nothing followed
+    assert c.events[-1] == "done 6"
+    assert [e for e in c.events if e.startswith("send")] == ["send 0", "send 3+2", "send 6+2"]
+    assert c.history == PROMPT + [100, 103, 104, 105, 106, 107]  # what the route holds
+
+
+async def test_a_slow_consumer_does_not_read_as_a_slow_route_when_drafts_are_sized(signing_key: Any) -> None:
+    c = SpecStepClient(signing_key, delay_s=0.01)
+    c.spec_adaptive = True
+    got: list[int] = []
+    gen = c.generate(PROMPT, SamplingParams(), 6, speculate=2, drafter=Drafts())
+    try:
+        async for tok, _ in gen:
+            got.append(tok)
+            await asyncio.sleep(0.15)  # a consumer far slower than the route
+    finally:
+        await gen.aclose()
+        await c.close()
+    assert got == [100, 103, 104, 105, 106, 107]
+    # the round trip is timed to the answer's arrival, not to when the loop came back for it
+    assert 0 < c.last_spec.round_trip_ms < 100, c.last_spec

@@ -5,7 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from agent.client.spec import MAX_DRAFT, NgramDrafter, SpecStats, accepted, draft_length, expected_tokens
+from agent.client.spec import (
+    MAX_DRAFT,
+    PROBE_EVERY,
+    NgramDrafter,
+    SpecStats,
+    accepted,
+    draft_length,
+    expected_tokens,
+    sized_draft,
+)
 from agent.wire.frames import (
     MAX_SAMPLE_ALL_TOKENS,
     FrameError,
@@ -159,3 +168,45 @@ def test_a_verification_that_costs_more_than_a_plain_step_is_priced_as_it_costs(
     assert draft_length(0.95, st.round_trip_ms, st.row_ms, 8, 0.0, st.verify_round_trip_ms) == 0
     # over a slow link the same extra is small against the round trip: drafts still pay
     assert draft_length(0.9, 150.0, 8.0, 8, 0.0, 160.0) >= 5
+
+
+def test_verifications_back_to_back_are_priced_as_they_cost_without_waiting_for_a_plain_step() -> None:
+    # a copied passage drafts at every step: no plain step comes after a verification to close it
+    st = SpecStats()
+    for _ in range(3):
+        st.timed(1, 5.0, 3.0)  # plain steps on the lanes: a 2 ms round trip
+    assert draft_length(0.95, st.round_trip_ms, st.row_ms, 8, 0.0, st.verify_round_trip_ms) >= 1
+    st.timed(3, 17.0, 9.0, verify=True)  # off the lanes, rows one at a time: 8 ms beyond the compute
+    st.timed(3, 17.0, 9.0, verify=True)  # the next one, back to back
+    assert st.verify_round_trip_ms == 8.0
+    assert draft_length(0.95, st.round_trip_ms, st.row_ms, 8, 0.0, st.verify_round_trip_ms) == 0
+
+
+def test_a_probe_that_stands_starts_no_run_of_probes() -> None:
+    st = SpecStats()
+    for _ in range(3):
+        st.timed(1, 12.0, 9.0)  # a 3 ms round trip, 9 ms rows: drafts pay only if they always stand
+    st.record(1, 0)  # an early rejection holds the acceptance estimate down
+    assert draft_length(st.acceptance_rate(), 3.0, 9.0, 8) == 0 < draft_length(1.0, 3.0, 9.0, 8)
+    for _ in range(PROBE_EVERY - 1):
+        st.plain_steps, st.plain_run = st.plain_steps + 1, st.plain_run + 1
+        assert sized_draft(st, 8) == 0
+    st.plain_steps, st.plain_run = st.plain_steps + 1, st.plain_run + 1
+    assert sized_draft(st, 8) == 1  # PROBE_EVERY plain steps in a row: one draft
+    st.record(1, 1)  # it stood
+    assert sized_draft(st, 8) == 0  # the next step goes plain, not another probe
+    assert sized_draft(SpecStats(), 8) == 0  # an answer's first steps measure the route
+
+
+def test_no_probe_on_loopback_before_a_verification_is_measured_but_drafts_over_a_slow_link() -> None:
+    def after_plain_steps(wall_ms: float, compute_ms: float) -> SpecStats:
+        st = SpecStats()
+        for _ in range(PROBE_EVERY + 3):
+            st.timed(1, wall_ms, compute_ms)
+            st.plain_steps, st.plain_run = st.plain_steps + 1, st.plain_run + 1
+        return st
+
+    # loopback: a 1.7 ms round trip, 10 ms rows; a verification priced as a plain step would probe
+    assert draft_length(1.0, 1.7, 10.0, 8) > 0
+    assert sized_draft(after_plain_steps(11.7, 10.0), 8) == 0
+    assert sized_draft(after_plain_steps(160.0, 10.0), 8) >= 1  # 25 ms links: 150 ms round trips
