@@ -198,11 +198,11 @@ if ROUTE_MODE not in defaults.ROUTE_MODES:
 # restores the hops' saved state at that prefix instead of prefilling it (webapp/routing/prefix.py).
 ROUTE_PREFIX_SHARING = envbool("ROUTE_PREFIX_SHARING", True)
 # Speculative decoding (issue 34, docs/speculative.md): at most this many prompt-lookup drafts per step of
-# the route, sized per answer by its measured round trip and acceptance; the tokens are the plain route's
-# either way. Off (0) by default: over links of 25 ms it gave 2.4x on quoting answers, but on one
-# machine's loopback the control plane's answers ran at 0.81x (API) of their speed without it, cause
-# not yet found (docs/benchmarks.md). Set it (8) where hops are far apart.
-ROUTE_SPECULATE = envint("ROUTE_SPECULATE", 0)
+# the route, sized per answer by its measured round trip, verification cost and acceptance; the tokens
+# are the plain route's either way. On by default: over 25 ms links it gave 2.6x on quoting answers, and
+# on one machine's loopback, where the drafts are sized away, answers ran as fast as without it
+# (docs/benchmarks.md, 2026-12-07). 0 turns it off.
+ROUTE_SPECULATE = envint("ROUTE_SPECULATE", 8)
 if not 0 <= ROUTE_SPECULATE <= 15:
     raise ImproperlyConfigured(
         f"ROUTE_SPECULATE={ROUTE_SPECULATE} must be 0..15 (drafts per verification step)"

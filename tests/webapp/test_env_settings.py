@@ -80,7 +80,7 @@ def test_an_unknown_route_mode_stops_the_control_plane_with_its_name() -> None:
     assert "ROUTE_MODE='ring' must be one of star, chain" in r.stderr
 
 
-def test_speculation_is_off_unless_the_operator_sets_a_draft_limit_within_a_verification() -> None:
+def test_speculation_drafts_up_to_8_tokens_unless_the_operator_sets_another_limit_within_a_verification() -> None:
     code = "import django; django.setup(); from django.conf import settings; print(settings.ROUTE_SPECULATE)"
 
     def run(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -90,7 +90,8 @@ def test_speculation_is_off_unless_the_operator_sets_a_draft_limit_within_a_veri
             [sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=120
         )
 
-    assert run({}).stdout.strip() == "0"
-    assert run({"ROUTE_SPECULATE": "8"}).stdout.strip() == "8"
+    assert run({}).stdout.strip() == "8"
+    assert run({"ROUTE_SPECULATE": "0"}).stdout.strip() == "0"  # off
+    assert run({"ROUTE_SPECULATE": "15"}).stdout.strip() == "15"
     bad = run({"ROUTE_SPECULATE": "16"})  # a verification carries at most 15 drafts
     assert bad.returncode != 0 and "ROUTE_SPECULATE=16 must be 0..15" in bad.stderr
