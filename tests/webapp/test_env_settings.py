@@ -80,7 +80,9 @@ def test_an_unknown_route_mode_stops_the_control_plane_with_its_name() -> None:
     assert "ROUTE_MODE='ring' must be one of star, chain" in r.stderr
 
 
-def test_speculation_drafts_up_to_8_tokens_unless_the_operator_sets_another_limit_within_a_verification() -> None:
+def test_speculation_drafts_up_to_8_tokens_unless_the_operator_sets_another_limit_within_a_verification() -> (
+    None
+):
     code = "import django; django.setup(); from django.conf import settings; print(settings.ROUTE_SPECULATE)"
 
     def run(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
