@@ -95,8 +95,8 @@ TEMPLATES = [
 # --- database: DATABASE_URL (PostgreSQL) or the embedded SQLite file ------------------------------
 DATABASE_URL = envstr("DATABASE_URL")
 # PostgreSQL connections each process keeps in a pool (0: a new connection per request or consumer call).
-# Every agent's heartbeat is a database call every few seconds, and opening a connection for each cost
-# the web process more than the heartbeat's own queries (docs/benchmarks.md). Pooled, not persistent
+# Every agent's heartbeat is a database call every few seconds, and opening a connection for each was
+# about half of what a heartbeat cost the web process (py-spy, docs/benchmarks.md). Pooled, not persistent
 # (CONN_MAX_AGE): under ASGI a request's thread does not outlive it, so Django's own persistent
 # connections would be opened per request anyway; health-checked when taken from the pool.
 DB_POOL_MAX = envint("DB_POOL_MAX", 10, minimum=0)

@@ -235,9 +235,8 @@ class RouteClient:
     def send_ahead(
         self, ids: list[int], sampling: SamplingParams, sample_all: bool = False
     ) -> asyncio.Future[Response]:
-        """Send a decode step before the consumer has the tokens it follows (generate's decode loops):
-        their work overlaps the route's. Until taken (take_ahead) or dropped (drop_ahead), no other
-        frame of the session may go before it: settled() waits for it."""
+        """Send a step before the consumer has the tokens it follows, so their work overlaps the
+        route's; until taken or dropped no other frame may go before it (settled() waits for it)."""
         step = self._ahead = asyncio.ensure_future(self.forward(ids, sampling, sample_all=sample_all))
         return step
 

@@ -97,3 +97,25 @@ def test_speculation_drafts_up_to_8_tokens_unless_the_operator_sets_another_limi
     assert run({"ROUTE_SPECULATE": "15"}).stdout.strip() == "15"
     bad = run({"ROUTE_SPECULATE": "16"})  # a verification carries at most 15 drafts
     assert bad.returncode != 0 and "ROUTE_SPECULATE=16 must be 0..15" in bad.stderr
+
+
+def test_a_postgresql_database_gets_a_pool_of_db_pool_max_connections_and_0_turns_it_off() -> None:
+    code = (
+        "import django; django.setup(); from django.conf import settings; "
+        "print(settings.DATABASES['default'].get('OPTIONS', {}).get('pool', {}).get('max_size', 0))"
+    )
+
+    def run(env: dict[str, str]) -> str:
+        full = {k: v for k, v in os.environ.items() if k not in ("DB_POOL_MAX", "DATABASE_URL")}
+        full.update({"DJANGO_SETTINGS_MODULE": "webapp.settings", **env})
+        r = subprocess.run(
+            [sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=120
+        )
+        assert r.returncode == 0, r.stderr
+        return r.stdout.strip()
+
+    pg = {"DATABASE_URL": "postgres://swarm@db.invalid:5432/swarm"}  # parsed, never connected to
+    assert run(pg) == "10"
+    assert run({**pg, "DB_POOL_MAX": "3"}) == "3"
+    assert run({**pg, "DB_POOL_MAX": "0"}) == "0"  # a connection per request or consumer call
+    assert run({}) == "0"  # the embedded SQLite file has no pool
