@@ -256,8 +256,7 @@ class RouteClient:
         """Let a decode step that generate sent ahead finish when its consumer left without closing the
         generator (an `async for` that broke out): no other frame may reach the hops before it."""
         if self._ahead is not None:
-            step, self._ahead = self._ahead, None
-            await settle_ahead(step)
+            await self.drop_ahead(self._ahead)
 
     async def truncate(self, n: int) -> int:
         """Bring every hop back to at most `n` positions; returns the length they all hold now. Hops

@@ -41,10 +41,6 @@ class SpecRoute(Protocol):
     @property
     def hops(self) -> Any: ...  # noqa: ANN401
 
-    async def forward(
-        self, ids: list[int], sampling: SamplingParams, want_logits: bool = False, sample_all: bool = False
-    ) -> Response: ...
-
     def sampled(self, resp: Response) -> tuple[int, float]: ...
 
     def cut_back(self, keep: int) -> None: ...
@@ -187,11 +183,11 @@ async def speculative_steps(
     try:
         while True:
             end = _ends_at(ready, produced, max_tokens, stop_ids)
+            room = route.capacity - len(context)
             if end >= 0:
                 ready = ready[: end + 1]
-            elif route.capacity - len(context) >= 0:
+            elif room >= 0:
                 # drafts past the answer's end or the context's would be computed for nothing
-                room = route.capacity - len(context)
                 k = min(speculate, MAX_DRAFT, room, max_tokens - produced - len(ready) - 1)
                 sent = _send(route, context, sampling, k, drafter)
             for item in ready:
