@@ -5,6 +5,10 @@ from __future__ import annotations
 import os
 import tempfile
 
+# what this file puts in the environment for this process alone (pytest_xdist_setupnodes below)
+_SET_HERE = [
+    k for k in ("DJANGO_SETTINGS_MODULE", "SWARM_DATA_DIR", "CHANNELS_PREFIX") if k not in os.environ
+]
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "webapp.settings")
 os.environ.setdefault("SWARM_DATA_DIR", tempfile.mkdtemp(prefix="swarm-test-"))
 os.environ["CELERY_TASK_ALWAYS_EAGER"] = "1"  # unit tests run tasks inline; integration tests start workers
@@ -18,6 +22,17 @@ from collections.abc import Iterator  # noqa: E402
 from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
+
+
+def pytest_xdist_setupnodes(config: pytest.Config, specs: Any) -> None:
+    """Pointed at tests/webapp, pytest-xdist's controller runs this file before it starts its workers,
+    which inherit its environment: pytest-django would then set Django up in each worker from the
+    controller's settings module before tests/conftest.py gives the worker its own Redis database, and
+    every worker would share the controller's data directory and channel prefix (tracker tests deleted
+    each other's keys). The controller runs no tests: it drops what this file set, so each worker sets
+    its own when it loads this file (`make test` never loads it in the controller)."""
+    for name in _SET_HERE:
+        os.environ.pop(name, None)
 
 
 @pytest.fixture(autouse=True)
