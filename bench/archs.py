@@ -37,6 +37,7 @@ from agent.artifacts.tiny import write_suite_gguf  # noqa: E402
 from agent.backends.base import ShardSpec  # noqa: E402
 from agent.dev.chain import route_forward  # noqa: E402
 from agent.wire.ids import SessionId  # noqa: E402
+from bench._common import cpu_kind  # noqa: E402
 from bench._llamacpp import open_llama  # noqa: E402
 
 TEXT = REPO / "tests" / "data" / "teacher_forcing_en.txt"
@@ -245,7 +246,11 @@ def main() -> None:
     unknown = set(keys) - {r.key for r in ARCHS}
     if unknown:
         ap.error(f"unknown architectures {sorted(unknown)}; known: {[r.key for r in ARCHS]}")
-    result: dict[str, float | int] = {"threads": args.threads, "decode_tokens": args.decode_tokens}
+    result: dict[str, float | int | str] = {
+        "cpu": cpu_kind(),
+        "threads": args.threads,
+        "decode_tokens": args.decode_tokens,
+    }
     with tempfile.TemporaryDirectory() as tmp:
         for row in ARCHS:
             if keys and row.key not in keys:

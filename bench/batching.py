@@ -28,6 +28,7 @@ from agent.artifacts.packaged import packaged_model_path  # noqa: E402
 from agent.backends.base import ForwardResult, ShardSpec, StepInput  # noqa: E402
 from agent.backends.native import NativeBackend  # noqa: E402
 from agent.wire.ids import SessionId  # noqa: E402
+from bench._common import cpu_kind  # noqa: E402
 
 PROMPT_LEN = 32
 
@@ -172,6 +173,7 @@ def main() -> None:
     be.close()
     llama.close()
     res = {
+        "cpu": cpu_kind(),
         "threads": args.threads,
         "llama_flash_attn_type": args.llama_flash,
         "sessions": args.sessions,

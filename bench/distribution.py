@@ -38,6 +38,7 @@ from agent.artifacts.torrent import (  # noqa: E402
     torrent_info,
     verify_tensors,
 )
+from bench._common import cpu_kind  # noqa: E402
 from webapp.devcluster import Origin  # noqa: E402  (the stand-in origin the torrent tests use)
 
 
@@ -266,6 +267,7 @@ def main() -> None:
             f" from origin {agent['from_origin'] / 1e6:6.1f} MB"
         )
     result = {
+        "cpu": cpu_kind(),
         "seconds_torrent": round(torrent["seconds"], 3),
         "seconds_http_only": round(http["seconds"], 3),
         "origin_bytes_torrent": torrent["origin_bytes"],

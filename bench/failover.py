@@ -45,7 +45,7 @@ from agent.procs import Process, stop  # noqa: E402
 from agent.wire.frames import Kind, Op, Request, encode_request  # noqa: E402
 from agent.wire.routetoken import RouteHop, generate_key, mint, public_key_b64  # noqa: E402
 from agent.wire.sampling import SamplingParams  # noqa: E402
-from bench._common import start_serve  # noqa: E402
+from bench._common import cpu_kind, start_serve  # noqa: E402
 
 RANGES = [(0, 10), (10, 20), (20, 30)]
 POLICY = RecoveryPolicy(deadline_floor_s=2.0, give_up_s=120.0)  # main() applies the flags
@@ -309,6 +309,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     logdir = Path(tempfile.mkdtemp(prefix="bench-failover-"))
     fleet = Fleet(model, key, args.threads, logdir)
     out: dict[str, Any] = {
+        "cpu": cpu_kind(),
         "tokens": args.tokens,
         "threads": args.threads,
         "checkpoint_tokens": POLICY.checkpoint_tokens,

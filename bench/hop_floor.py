@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from agent.procs import Process, free_port, spawn, stop, wait_port  # noqa: E402
-from bench._common import serve_forever  # noqa: E402
+from bench._common import cpu_kind, serve_forever  # noqa: E402
 
 RANGES = [(0, 10), (10, 20), (20, 30)]
 REQ = struct.Struct("<IIi")  # session, position, token (hop 0) ; hidden f32 bytes follow for the others
@@ -429,7 +429,12 @@ def main() -> None:
         for procs, _ in routes.values():
             stop(procs)
     same = len({tuple(v) for v in tokens.values()}) == 1
-    out: dict[str, object] = {"tokens": args.tokens, "rounds": args.rounds, "same_tokens": same}
+    out: dict[str, object] = {
+        "cpu": cpu_kind(),
+        "tokens": args.tokens,
+        "rounds": args.rounds,
+        "same_tokens": same,
+    }
     for t in transports:
         out[f"decode_tok_s_{t}"] = round(statistics.median(s[0] for s in samples[t]), 2)
         out[f"per_hop_overhead_ms_{t}"] = round(statistics.median(s[1] for s in samples[t]), 3)

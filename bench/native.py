@@ -30,6 +30,7 @@ from agent.backends.base import ShardSpec  # noqa: E402
 from agent.backends.libggswarm import KERNEL_PAD, KV_PAD, padded_kv  # noqa: E402
 from agent.dev.chain import route_forward  # noqa: E402
 from agent.wire.ids import SessionId  # noqa: E402
+from bench._common import cpu_kind  # noqa: E402
 from bench._llamacpp import open_llama  # noqa: E402
 
 TEXT = REPO / "tests" / "data" / "native_lighthouse.txt"
@@ -188,7 +189,7 @@ def main() -> None:
     prompt = text_ids[:32]
     prefill = long_ids[:512]
     n = args.decode_tokens
-    res: dict[str, float | int | str] = {}
+    res: dict[str, float | int | str] = {"cpu": cpu_kind()}
 
     flash = args.flash_attn == "on"
     ref = LlamaCppRef(model, args.threads, span, flash)

@@ -38,6 +38,7 @@ sys.path.insert(0, str(REPO))
 
 from agent.artifacts import manifest as manifest_mod  # noqa: E402
 from agent.artifacts.realshape import type_summary, write_realshape_gguf  # noqa: E402
+from bench._common import cpu_kind  # noqa: E402
 
 # key prefix -> (architecture, window): middle windows past DeepSeek-V4's hash-routed layers, starting
 # at a GLM-5.2 full-indexer layer, with Q4_K_M's common types (ffn_down_exps Q4_K, not the Q6_K layers)
@@ -49,11 +50,6 @@ ARCHS = {
 CHUNK = 512
 DECODE_STEPS = 5
 CTXS = {"8k": 8192, "32k": 32768, "128k": 131072}
-
-
-def cpu_kind() -> str:
-    flags = Path("/proc/cpuinfo").read_text().split()
-    return "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "other"
 
 
 def _manifest(path: Path) -> Any:

@@ -32,7 +32,7 @@ from agent.procs import stop  # noqa: E402
 from agent.wire.ids import SessionId  # noqa: E402
 from agent.wire.routetoken import RouteHop, generate_key, public_key_b64  # noqa: E402
 from agent.wire.sampling import SamplingParams  # noqa: E402
-from bench._common import start_serve  # noqa: E402
+from bench._common import cpu_kind, start_serve  # noqa: E402
 
 PROMPT_TEXT = "Write a long story about a lighthouse keeper who kept a log of every ship."
 
@@ -98,6 +98,7 @@ def main() -> None:
 
     prompt = ChatTokenizer(path).encode_chat([{"role": "user", "content": PROMPT_TEXT}])
     out: dict[str, float | int | str] = {
+        "cpu": cpu_kind(),
         "model": manifest.name,
         "threads": args.threads,
         "tokens": args.tokens,

@@ -24,6 +24,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from agent.backends.libggswarm import load_library, sampling_struct  # noqa: E402
+from bench._common import cpu_kind  # noqa: E402
 
 VOCABS = {"smollm2": 49152, "qwen": 151936}
 
@@ -47,7 +48,7 @@ def main() -> None:
     greedy = sampling_struct(0.0, 0, 1.0, 0.0, 1.0, 64, 0)
     tok = ctypes.c_int32()
     lp = ctypes.c_double()
-    out: dict[str, float] = {}
+    out: dict[str, float | str] = {"cpu": cpu_kind()}
     for name, n in VOCABS.items():
         x = np.random.default_rng(n).standard_normal(n).astype(np.float32)
         ptr = x.ctypes.data_as(ctypes.POINTER(ctypes.c_float))

@@ -34,6 +34,7 @@ from agent.node.dataplane import DataPlane, start_dataplane  # noqa: E402
 from agent.procs import free_port  # noqa: E402
 from agent.wire.routetoken import generate_key, mint  # noqa: E402
 from agent.wire.sampling import SamplingParams  # noqa: E402
+from bench._common import cpu_kind  # noqa: E402
 
 
 def prompt(i: int, n: int = 32) -> list[int]:
@@ -145,6 +146,7 @@ async def main() -> None:
             await n.stop()
     med = {k: {m: statistics.median(v) for m, v in d.items()} for k, d in res.items()}
     out = {
+        "cpu": cpu_kind(),
         "backend": "native",
         "threads": a.threads,
         "sessions": a.sessions,

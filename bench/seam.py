@@ -42,6 +42,7 @@ from agent.backends.base import Backend, ShardSpec, StepInput  # noqa: E402
 from agent.client.tokenizer import ChatTokenizer  # noqa: E402
 from agent.wire.frames import DEFAULT_HIDDEN_DTYPE, REQ_HEADER  # noqa: E402
 from agent.wire.ids import SessionId  # noqa: E402
+from bench._common import cpu_kind  # noqa: E402
 
 TEXT = REPO / "tests" / "data" / "teacher_forcing_en.txt"
 SPLITS = [(0, 10), (10, 20), (20, 30)]
@@ -231,6 +232,7 @@ def main() -> None:
     dim = manifest.boundary_dim
     refs = {k: run(one, ids, schedule(len(ids), k), None)[0] for k in ("prefill", "decode")}
     out: dict[str, object] = {
+        "cpu": cpu_kind(),
         "backend": args.backend,
         "positions": len(ids),
         "boundary_dim": dim,

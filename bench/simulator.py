@@ -39,7 +39,7 @@ from agent.procs import Process, stop  # noqa: E402
 from agent.wire.ids import SessionId  # noqa: E402
 from agent.wire.routetoken import RouteHop, generate_key, public_key_b64  # noqa: E402
 from agent.wire.sampling import SamplingParams  # noqa: E402
-from bench._common import start_serve  # noqa: E402
+from bench._common import cpu_kind, start_serve  # noqa: E402
 from webapp.fleet.placement import Placement, plan_placement  # noqa: E402
 from webapp.fleet.simulate import (  # noqa: E402
     Calibration,
@@ -170,6 +170,7 @@ async def run(
         [p.layer_end - p.layer_start for p in route.placements], c.hop_compute_ms, c.step_ms, CALIBRATION[1]
     )
     out: dict[str, Any] = {
+        "cpu": cpu_kind(),
         "model": manifest.name,
         "backend": backend,
         "threads": threads,

@@ -52,6 +52,7 @@ from agent.artifacts.manifest import build_manifest  # noqa: E402
 from agent.artifacts.packaged import packaged_model_path  # noqa: E402
 from agent.artifacts.tiny import write_tiny_gguf  # noqa: E402
 from agent.backends.native import CHECKPOINTS_MAX  # noqa: E402
+from bench._common import cpu_kind  # noqa: E402
 
 CTXS = {"8k": 8192, "32k": 32768, "128k": 131072}
 MIB = 1 << 20
@@ -68,11 +69,6 @@ ARCHS = {
 _SIZE_LINE = re.compile(  # "llama_kv_cache: size = ...", not its "CPU KV buffer size = ..." twin
     r"^(?:(?:llama_kv_cache|llama_memory_recurrent):\s+size =|llama_dsv4_comp_state: .*, size =)\s*([0-9.]+) MiB"
 )
-
-
-def cpu_kind() -> str:
-    flags = Path("/proc/cpuinfo").read_text().split()
-    return "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "other"
 
 
 def tree_state() -> str:
