@@ -72,7 +72,7 @@ def _address(a: np.ndarray) -> int:
     writable (0.5 us), else numpy's `.ctypes.data` (1.7-2 us: it builds a helper object each time); a
     tiny window's step passes three arrays, and these lookups were half of filling its batch."""
     try:
-        return ctypes.addressof(ctypes.c_char.from_buffer(a))
+        return ctypes.addressof(ctypes.c_char.from_buffer(a))  # type: ignore[arg-type]  # ndarray exports a buffer; numpy's stubs do not say so
     except (TypeError, ValueError, BufferError):  # read-only (np.frombuffer of bytes), or empty
         return int(a.ctypes.data)
 
