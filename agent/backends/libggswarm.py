@@ -484,6 +484,7 @@ class NativeModel:
     ) -> dict[str, Any]:
         """Fill one ggswarm_batch (not its token/logprob/seconds outputs); arrays it points at go in
         `keep`; returns the step's output dict holding the arrays the library writes."""
+        ids: np.ndarray | None = None
         if token_ids is not None:
             ids = _i32(token_ids)
             keep.append(ids)
@@ -501,8 +502,8 @@ class NativeModel:
             b.hidden_in = _address(h)
             b.hidden_in_count = h.size
             b.hidden_in_type = GGSWARM_TYPE_F16 if h.dtype == np.float16 else GGSWARM_TYPE_F32
-            if token_ids is not None and int(np.asarray(token_ids).size) != n:
-                raise ValueError(f"{np.asarray(token_ids).size} token ids for {n} hidden rows")
+            if ids is not None and ids.size != n:
+                raise ValueError(f"{ids.size} token ids for {n} hidden rows")
         else:
             b.hidden_in = None
             b.hidden_in_count = 0

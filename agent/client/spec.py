@@ -140,7 +140,13 @@ class SpecStats:
     _verify_rt_step: float = 0.0
     _after_verify: bool = False
 
+    def plain(self) -> None:
+        """A step with no draft to verify."""
+        self.plain_steps += 1
+        self.plain_run += 1
+
     def record(self, drafted: int, accepted: int) -> None:
+        """A verification of `drafted` drafts, `accepted` of which stood."""
         self.steps += 1
         self.plain_run = 0
         self.drafted += drafted

@@ -129,8 +129,7 @@ async def _settle(
     compute = sum(h.compute_ms for h in route.hop_stats) - sent.c0
     drafts = sent.drafts
     if not drafts:
-        stats.plain_steps += 1
-        stats.plain_run += 1
+        stats.plain()
         stats.timed(1, wall_ms, compute)
         ready = [route.sampled(resp)]
         context.append(ready[0][0])

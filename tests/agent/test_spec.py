@@ -189,9 +189,9 @@ def test_a_probe_that_stands_starts_no_run_of_probes() -> None:
     st.record(1, 0)  # an early rejection holds the acceptance estimate down
     assert draft_length(st.acceptance_rate(), 3.0, 9.0, 8) == 0 < draft_length(1.0, 3.0, 9.0, 8)
     for _ in range(PROBE_EVERY - 1):
-        st.plain_steps, st.plain_run = st.plain_steps + 1, st.plain_run + 1
+        st.plain()
         assert sized_draft(st, 8) == 0
-    st.plain_steps, st.plain_run = st.plain_steps + 1, st.plain_run + 1
+    st.plain()
     assert sized_draft(st, 8) == 1  # PROBE_EVERY plain steps in a row: one draft
     st.record(1, 1)  # it stood
     assert sized_draft(st, 8) == 0  # the next step goes plain, not another probe
@@ -203,7 +203,7 @@ def test_no_probe_on_loopback_before_a_verification_is_measured_but_drafts_over_
         st = SpecStats()
         for _ in range(PROBE_EVERY + 3):
             st.timed(1, wall_ms, compute_ms)
-            st.plain_steps, st.plain_run = st.plain_steps + 1, st.plain_run + 1
+            st.plain()
         return st
 
     # loopback: a 1.7 ms round trip, 10 ms rows; a verification priced as a plain step would probe
