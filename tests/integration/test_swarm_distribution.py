@@ -32,7 +32,11 @@ THIRDS = [(0, 10), (10, 20), (20, 30)]
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: str) -> Iterator[Swarm]:
-    with control_plane(tmp_path_factory.mktemp("swarm-distribution")) as s:
+    # The tampering test stops an agent and starts it again: on a loaded machine that takes longer than
+    # the default 5 s after which a stopped agent's shards are placed elsewhere (its own then stay
+    # failed, "node lost", and never become ready again). This module tests distribution, not failover.
+    quiet = {"NODE_DEAD_AFTER_S": "300", "NODE_LOST_AFTER_S": "300"}
+    with control_plane(tmp_path_factory.mktemp("swarm-distribution"), **quiet) as s:
         yield s
 
 
