@@ -91,8 +91,8 @@ if [[ "$GGSWARM_GGML" == own ]]; then
     command -v patch >/dev/null || die "patch not found (apt-get install patch)"
     own="$build/own"
     src="$own/ggml-src"
-    # native/patches/*.patch change ggml's sources (the barrier's futex sleep); a changed patch set
-    # re-extracts and rebuilds from clean sources
+    # native/patches/*.patch change ggml-cpu's sources (the barrier's futex sleep, the one-thread kickoff,
+    # the tiled copy of a transposed view); a changed patch set re-extracts and rebuilds from clean sources
     shopt -s nullglob
     patches=("$here"/patches/*.patch)
     shopt -u nullglob

@@ -152,7 +152,7 @@ src="$build/ggml-src"
 shopt -s nullglob
 patches=("$here"/patches/*.patch)
 shopt -u nullglob
-# the patches change ggml-cpu only (the barrier's futex sleep): the CUDA build keeps ggml-cpu as the
+# the patches change ggml-cpu only (barrier, kickoff, transposed copies): the CUDA build keeps ggml-cpu as the
 # scheduler's fallback device and for CPU-only hosts (GGSWARM_DEVICE=CPU), so they apply here as well
 stamp="$(cat /dev/null ${patches[@]+"${patches[@]}"} | sha256sum | cut -d' ' -f1)"
 if [[ ! -f "$src/CMakeLists.txt" || "$(cat "$src/.ggswarm-patches" 2>/dev/null)" != "$stamp" ]]; then
