@@ -15,6 +15,7 @@ the CPU's repacked weights (GGSWARM_REPACK) is rerun with GGSWARM_REPACK=0, and 
 Prints one line per architecture, then one JSON object as the last line. Usage:
 
     nice .venv/bin/python bench/realshape.py [--threads 2] [--fill 8192] [--archs dsv4,glm52,qwen35_397b]
+        [--flash-attn auto|on|off]
 """
 
 from __future__ import annotations
@@ -57,7 +58,9 @@ def _manifest(path: Path) -> Any:
     return manifest_mod.build_manifest(path, hash_tensors=False)
 
 
-def measure(path: Path, start: int, end: int, threads: int, fill: int) -> dict[str, Any]:
+def measure(
+    path: Path, start: int, end: int, threads: int, fill: int, flash_attn: str = "auto"
+) -> dict[str, Any]:
     """In this (fresh) process: open the window, time it, fill a session; the figures as a dict."""
     import psutil
 
@@ -71,6 +74,8 @@ def measure(path: Path, start: int, end: int, threads: int, fill: int) -> dict[s
     t = time.perf_counter()
     model = NativeModel(str(path), start, end, n_threads=threads)
     open_s = time.perf_counter() - t
+    if flash_attn != "auto":  # auto: the node's default (flash off on a CPU, as llama-cpp-python's default)
+        model.set_flash_attention(flash_attn == "on")
     rss_open = proc.memory_info().rss
     n_layers = end - start
     model.set_checkpoints(0, 0)  # the state alone
@@ -132,7 +137,7 @@ def run_child(arch_key: str, path: Path, start: int, end: int, args: Any, repack
     if not repack:
         env["GGSWARM_REPACK"] = "0"
     cmd = [sys.executable, __file__, "--child", str(path), f"{start}:{end}", "--threads", str(args.threads)]
-    cmd += ["--fill", str(args.fill)]
+    cmd += ["--fill", str(args.fill), "--flash-attn", args.flash_attn]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     if r.returncode != 0 or not lines:
@@ -147,15 +152,23 @@ def main() -> int:
     ap.add_argument("--fill", type=int, default=8192, help="positions to fill (a multiple of 512)")
     ap.add_argument("--archs", default=",".join(ARCHS))
     ap.add_argument("--dir", default=None, help="where to write the sparse files (default: a temp dir)")
+    ap.add_argument(
+        "--flash-attn", choices=("auto", "on", "off"), default="auto", help="the window's attention"
+    )
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("window", nargs="?", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         s, e = (int(x) for x in args.window.split(":"))
-        print(json.dumps(measure(Path(args.child), s, e, args.threads, args.fill)))
+        print(json.dumps(measure(Path(args.child), s, e, args.threads, args.fill, args.flash_attn)))
         return 0
     logging.getLogger("gguf").setLevel(logging.WARNING)
-    result: dict[str, Any] = {"cpu": cpu_kind(), "threads": args.threads, "fill": args.fill}
+    result: dict[str, Any] = {
+        "cpu": cpu_kind(),
+        "threads": args.threads,
+        "fill": args.fill,
+        "flash_attn": args.flash_attn,
+    }
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         for key in args.archs.split(","):
             arch, (start, end) = ARCHS[key]
