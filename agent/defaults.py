@@ -52,6 +52,10 @@ HOP_CLIENT_IDLE_S = 3.0
 WEB_PORT = 8000
 # The agent's telemetry period until the control plane's welcome says otherwise.
 HEARTBEAT_INTERVAL_S = 2
+# A control connection the server accepted but never welcomed within this many seconds is closed and made
+# again: the server's side of it is stuck (seen when the web's channel layer restarted during the accept),
+# and heartbeats into it would never be read while the socket itself stays up.
+WELCOME_TIMEOUT_S = 15.0
 # Reconnects back off from 1 s, doubling up to this.
 RECONNECT_MAX_S = 30.0
 # Enrollment request timeout.

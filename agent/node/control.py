@@ -180,7 +180,9 @@ class ControlAgent:
     # the node's swarm certificate: joins SSL torrents (agent/artifacts/swarm_tls.py); None: plain only
     torrent_cert: PeerCertificate | None = None
     fetch_timeout_s: float = defaults.FETCH_TIMEOUT_S
+    welcome_timeout_s: float = defaults.WELCOME_TIMEOUT_S
     connected: asyncio.Event = field(default_factory=asyncio.Event)
+    _welcomed: asyncio.Event = field(default_factory=asyncio.Event)
     _ws: aiohttp.ClientWebSocketResponse | None = None
     _loads: dict[int, asyncio.Task[None]] = field(default_factory=dict)
     _http: aiohttp.ClientSession | None = None
@@ -239,14 +241,23 @@ class ControlAgent:
             ws_url(self.config.server), headers=self._headers, heartbeat=20
         ) as ws:
             self._ws = ws
+            self._welcomed.clear()
             self.connected.set()
             beat = asyncio.create_task(self._heartbeats())
             stopper = asyncio.create_task(stop.wait())
+            welcome_by = time.monotonic() + self.welcome_timeout_s
             try:
                 await self._send(self.hello())
                 while True:
                     recv = asyncio.create_task(ws.receive())
-                    done, _ = await asyncio.wait({recv, stopper}, return_when=asyncio.FIRST_COMPLETED)
+                    wait_s = None if self._welcomed.is_set() else max(0.0, welcome_by - time.monotonic())
+                    done, _ = await asyncio.wait(
+                        {recv, stopper}, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED
+                    )
+                    if not done:  # accepted but never welcomed: nothing we send there is read
+                        recv.cancel()
+                        await ws.close()
+                        raise TimeoutError(f"no welcome within {self.welcome_timeout_s:g} s of connecting")
                     if stopper in done:
                         recv.cancel()
                         await ws.close()
@@ -354,6 +365,7 @@ class ControlAgent:
 
     async def _execute(self, msg: ServerMessage) -> None:
         if isinstance(msg, Welcome):
+            self._welcomed.set()
             if msg.protocol != PROTOCOL_VERSION:
                 log.warning("control plane speaks protocol %d, this agent %d", msg.protocol, PROTOCOL_VERSION)
             self.heartbeat_s = msg.heartbeat_interval_s

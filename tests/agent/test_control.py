@@ -62,6 +62,8 @@ class ControlPlane:
         self.range_requests: list[str] = []
         self.torrent: bytes | None = None
         self.webseed_bytes = 0
+        self.unwelcoming = 0  # connections still to accept and then ignore: no welcome, nothing read
+        self.ignored: list[web.WebSocketResponse] = []
 
     def authorized(self, request: web.Request) -> bool:
         return request.headers.get("Authorization") == f"Node node-1:{SECRET}"
@@ -71,6 +73,12 @@ class ControlPlane:
         await ws.prepare(request)
         if not self.authorized(request) or self.close_code:
             await ws.close(code=self.close_code or 4401)
+            return ws
+        if self.unwelcoming:  # a server side stuck after the accept (the web's channel layer restarting)
+            self.unwelcoming -= 1
+            self.ignored.append(ws)
+            async for _ in ws:
+                pass
             return ws
         self.sockets.append(ws)
         await ws.send_json({"type": "welcome", "node_id": "node-1", "heartbeat_interval_s": 0.2})
@@ -215,6 +223,24 @@ async def test_the_agent_reconnects_and_reports_the_shards_it_kept(
     again = await plane.next("hello")
     assert len(plane.sockets) == 2
     assert again["shards"] == [{"model_sha256": manifest.sha256, "layer_start": 0, "layer_end": 30}]
+    stop.set()
+    await asyncio.wait_for(task, 10)
+
+
+async def test_a_connection_accepted_but_never_welcomed_is_closed_and_made_again(
+    plane: ControlPlane, tmp_path: Path
+) -> None:
+    plane.unwelcoming = 1
+    host, stop = FakeHost(), asyncio.Event()
+    agent = make_agent(plane, host, tmp_path)
+    agent.welcome_timeout_s = 0.5
+    task = asyncio.create_task(agent.run(stop))
+    hello = await plane.next("hello", timeout=15)  # only a welcomed connection's messages are read
+    assert hello["dataplane_url"] == "http://127.0.0.1:7000"
+    assert len(plane.ignored) == 1 and plane.ignored[0].closed, "the agent closed the silent connection"
+    assert len(plane.sockets) == 1
+    await plane.next("heartbeat")
+    assert not task.done()
     stop.set()
     await asyncio.wait_for(task, 10)
 
