@@ -54,8 +54,11 @@ WEB_PORT = 8000
 HEARTBEAT_INTERVAL_S = 2
 # A control connection the server accepted but never welcomed within this many seconds is closed and made
 # again: the server's side of it is stuck (seen when the web's channel layer restarted during the accept),
-# and heartbeats into it would never be read while the socket itself stays up.
-WELCOME_TIMEOUT_S = 15.0
+# and heartbeats into it would never be read while the socket itself stays up. Well under the silence
+# after which the control plane places a node's layers elsewhere (NODE_LOST_AFTER_S, 15 s in the test
+# clusters): at 15 s the node was declared lost just before it reconnected. A welcome takes well under
+# a second normally; a slower one costs a reconnect, not the node.
+WELCOME_TIMEOUT_S = 5.0
 # Reconnects back off from 1 s, doubling up to this.
 RECONNECT_MAX_S = 30.0
 # Enrollment request timeout.
