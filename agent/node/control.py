@@ -182,7 +182,7 @@ class ControlAgent:
     fetch_timeout_s: float = defaults.FETCH_TIMEOUT_S
     welcome_timeout_s: float = defaults.WELCOME_TIMEOUT_S
     connected: asyncio.Event = field(default_factory=asyncio.Event)
-    _welcomed: asyncio.Event = field(default_factory=asyncio.Event)
+    _welcomed: bool = False  # this connection's welcome arrived
     _ws: aiohttp.ClientWebSocketResponse | None = None
     _loads: dict[int, asyncio.Task[None]] = field(default_factory=dict)
     _http: aiohttp.ClientSession | None = None
@@ -241,7 +241,7 @@ class ControlAgent:
             ws_url(self.config.server), headers=self._headers, heartbeat=20
         ) as ws:
             self._ws = ws
-            self._welcomed.clear()
+            self._welcomed = False
             self.connected.set()
             beat = asyncio.create_task(self._heartbeats())
             stopper = asyncio.create_task(stop.wait())
@@ -250,7 +250,7 @@ class ControlAgent:
                 await self._send(self.hello())
                 while True:
                     recv = asyncio.create_task(ws.receive())
-                    wait_s = None if self._welcomed.is_set() else max(0.0, welcome_by - time.monotonic())
+                    wait_s = None if self._welcomed else max(0.0, welcome_by - time.monotonic())
                     done, _ = await asyncio.wait(
                         {recv, stopper}, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED
                     )
@@ -365,7 +365,7 @@ class ControlAgent:
 
     async def _execute(self, msg: ServerMessage) -> None:
         if isinstance(msg, Welcome):
-            self._welcomed.set()
+            self._welcomed = True
             if msg.protocol != PROTOCOL_VERSION:
                 log.warning("control plane speaks protocol %d, this agent %d", msg.protocol, PROTOCOL_VERSION)
             self.heartbeat_s = msg.heartbeat_interval_s
