@@ -241,16 +241,25 @@ class RouteClient:
         return step
 
     async def take_ahead(self, step: asyncio.Future[Response]) -> Response:
-        """The answer of a step sent ahead."""
-        if self._ahead is step:
-            self._ahead = None
-        return await step
+        """The answer of a step sent ahead. A caller cancelled meanwhile leaves the step running, still
+        ahead: the next frame's settled() waits for it, so the history and the hops agree again."""
+        try:
+            return await asyncio.shield(step)
+        finally:
+            self._landed(step)
 
     async def drop_ahead(self, step: asyncio.Future[Response]) -> None:
         """A step sent ahead of a consumer that stopped: let it finish (settle_ahead)."""
-        if self._ahead is step:
+        try:
+            await settle_ahead(step)
+        finally:
+            self._landed(step)
+
+    def _landed(self, step: asyncio.Future[Response]) -> None:
+        # only once it is done: a step forgotten while in flight would extend the history after the
+        # next answer's truncate, one position past what the hops hold
+        if step.done() and self._ahead is step:
             self._ahead = None
-        await settle_ahead(step)
 
     async def settled(self) -> None:
         """Let a decode step that generate sent ahead finish when its consumer left without closing the
@@ -474,8 +483,11 @@ class RouteClient:
             steps = speculative_steps(
                 self, token, logprob, sampling, max_tokens, stop_ids, speculate, drafter
             )
-            async for item in steps:
-                yield item
+            # closed with this generator: left to the garbage collector, its step in flight would
+            # be settled by a task of its own, after the route's next answer had begun
+            async with contextlib.aclosing(steps):
+                async for item in steps:
+                    yield item
             return
         # The next step goes out before the consumer sees this token: its detokenizing, stop strings
         # and socket writes then overlap the route's compute instead of adding to every token's time.

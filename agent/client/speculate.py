@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -165,7 +165,7 @@ async def speculative_steps(
     stop_ids: set[int] | None,
     speculate: int,
     drafter: Drafter | None,
-) -> AsyncIterator[tuple[int, float]]:
+) -> AsyncGenerator[tuple[int, float], None]:
     """RouteClient.generate's decode loop with drafts, from the prompt's sampled `token` on: yields
     (token, logprob) as they are decided; `route.last_spec` counts drafts and acceptance.
 

@@ -234,3 +234,53 @@ async def test_a_slow_consumer_does_not_read_as_a_slow_route_when_drafts_are_siz
     assert got == [100, 103, 104, 105, 106, 107]
     # the round trip is timed to the answer's arrival, not to when the loop came back for it
     assert 0 < c.last_spec.round_trip_ms < 100, c.last_spec
+
+
+async def test_a_speculating_answer_closed_by_its_consumer_settles_its_step_before_aclose_returns(
+    signing_key: Any,
+) -> None:
+    c = SpecStepClient(signing_key)
+    gen = c.generate(PROMPT, SamplingParams(), 20, speculate=2, drafter=Drafts())
+    got: list[int] = []
+    try:
+        async for tok, _ in gen:
+            got.append(tok)
+            if len(got) == 2:
+                break  # a stop string: the API closes the answer here
+        await gen.aclose()
+        # the verification sent ahead (after 103-105 stood) ended inside aclose: left to the garbage
+        # collector's own task, it extended the history after the route's next answer had truncated it
+        assert c.events[-1] == "done 6"
+        assert c.history == PROMPT + [100, 103, 104, 105, 106, 107]
+    finally:
+        await c.close()
+
+
+async def test_a_consumer_cancelled_with_a_step_ahead_holds_the_next_generate_until_the_step_ends(
+    signing_key: Any,
+) -> None:
+    c = StepClient(signing_key, delay_s=0.2)
+
+    async def consume() -> None:
+        async for _ in c.generate(PROMPT, SamplingParams(), 10):
+            c.events.append("handled")
+            await asyncio.sleep(0.1)
+
+    task = asyncio.create_task(consume())
+    try:
+        for _ in range(200):  # until the consumer waits for the step sent ahead with token 100
+            if "send 3" in c.events:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.12)  # the consumer handled token 100 and waits for the step's answer
+        assert c.events[-2:] == ["handled", "send 3"], c.events  # the step is still on its way
+        task.cancel()  # the web client went away
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        more = [t async for t, _ in c.generate(PROMPT + [100, 103, 7], SamplingParams(), 2)]
+    finally:
+        await c.close()
+    # the step's frame had left: it ran to its end, and the next answer began only after it
+    assert c.events.index("done 3") < c.events.index("send 4")
+    assert more == [104, 106]  # its prompt's new tokens went at position 4, right after token 100
+    assert c.history == PROMPT + [100, 103, 7, 104]
