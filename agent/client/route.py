@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import os
 import ssl
 import time
@@ -16,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from agent import defaults
+from agent.client.ahead import StepAhead
 from agent.client.errors import ContextLimitError, RouteError, RouteFailed
 from agent.client.failover import PREFILL_CHUNK, Failover
 from agent.client.lane import LaneRoute, lanes_wanted
@@ -51,8 +51,6 @@ __all__ = [
     "RouteError",
     "RouteFailed",
 ]
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -124,7 +122,7 @@ class RouteClient:
         # every verification takes the session off them and coming back costs an admission round trip
         self.off_lanes = False
         self._sent_sampling: SamplingParams | None = None
-        self._ahead: asyncio.Future[Response] | None = None  # a decode step sent ahead (generate)
+        self.ahead = StepAhead()  # a decode step sent ahead of the consumer (generate)
         # A shared transport (agent/client/transport.py) bundles this session's small steps with other
         # sessions' for the same hop; without one the client has its own connections, nothing to bundle.
         self.transport = transport or HopTransport(
@@ -236,36 +234,20 @@ class RouteClient:
         self, ids: list[int], sampling: SamplingParams, sample_all: bool = False
     ) -> asyncio.Future[Response]:
         """Send a step before the consumer has the tokens it follows, so their work overlaps the
-        route's; until taken or dropped no other frame may go before it (settled() waits for it)."""
-        step = self._ahead = asyncio.ensure_future(self.forward(ids, sampling, sample_all=sample_all))
-        return step
+        route's; until it is done no other frame may go before it (settled() waits for it)."""
+        return self.ahead.send(self.forward(ids, sampling, sample_all=sample_all))
 
     async def take_ahead(self, step: asyncio.Future[Response]) -> Response:
-        """The answer of a step sent ahead. A caller cancelled meanwhile leaves the step running, still
-        ahead: the next frame's settled() waits for it, so the history and the hops agree again."""
-        try:
-            return await asyncio.shield(step)
-        finally:
-            self._landed(step)
+        """The answer of a step sent ahead (agent/client/ahead.py)."""
+        return await self.ahead.take(step)
 
     async def drop_ahead(self, step: asyncio.Future[Response]) -> None:
-        """A step sent ahead of a consumer that stopped: let it finish (settle_ahead)."""
-        try:
-            await settle_ahead(step)
-        finally:
-            self._landed(step)
-
-    def _landed(self, step: asyncio.Future[Response]) -> None:
-        # only once it is done: a step forgotten while in flight would extend the history after the
-        # next answer's truncate, one position past what the hops hold
-        if step.done() and self._ahead is step:
-            self._ahead = None
+        """A step sent ahead of a consumer that stopped: let it finish."""
+        await self.ahead.drop(step)
 
     async def settled(self) -> None:
-        """Let a decode step that generate sent ahead finish when its consumer left without closing the
-        generator (an `async for` that broke out): no other frame may reach the hops before it."""
-        if self._ahead is not None:
-            await self.drop_ahead(self._ahead)
+        """Let a decode step that generate sent ahead finish before any other frame reaches the hops."""
+        await self.ahead.settled()
 
     async def truncate(self, n: int) -> int:
         """Bring every hop back to at most `n` positions; returns the length they all hold now. Hops
@@ -589,28 +571,6 @@ class RouteClient:
                 "recoveries": self.recoveries[n_recoveries:],
             },
         )
-
-
-async def settle_ahead(step: asyncio.Future[Response]) -> None:
-    """A step sent ahead of a consumer that stopped (a stop string, Stop, a closed socket): it is let
-    finish, so the hops' KV and the history agree again (a cut-off step would leave them unsure), and
-    its failure is logged, not raised: every token the consumer took was already delivered."""
-    try:
-        await asyncio.shield(step)
-    except asyncio.CancelledError:
-        task = asyncio.current_task()
-        if task is not None and task.cancelling():
-            # this task is being cancelled: the step still ends on its own; its outcome is collected
-            step.add_done_callback(_collect)
-            raise
-        log.warning("a step sent ahead of a finished answer was cancelled")
-    except Exception as e:  # noqa: BLE001 - see the docstring
-        log.warning("a step sent ahead of a finished answer failed: %s", e)
-
-
-def _collect(step: asyncio.Future[Response]) -> None:
-    if not step.cancelled() and step.exception() is not None:
-        log.warning("a step sent ahead of a finished answer failed: %s", step.exception())
 
 
 def prompt_steps(ids: list[int], first: int) -> list[list[int]]:

@@ -122,7 +122,7 @@ async def test_a_step_failing_ahead_of_a_stopped_consumer_is_logged_not_raised(
 ) -> None:
     c = StepClient(signing_key)
     c.fail_at = 4
-    with caplog.at_level(logging.WARNING, logger="agent.client.route"):
+    with caplog.at_level(logging.WARNING, logger="agent.client.ahead"):
         got = await _consume(c, 10, stop_after=2)
     assert got == [100, 103]  # every token the consumer took arrived
     assert "fail 4" in c.events
