@@ -43,11 +43,19 @@ class StepAhead:
         finally:
             self._landed(step)
 
-    async def settled(self) -> None:
+    async def settled(self, within: float | None = None) -> None:
         """Wait for a step still ahead (its consumer stopped, was cancelled or never closed its
-        generator) before any other frame goes."""
-        if self.step is not None:
-            await self.drop(self.step)
+        generator) before any other frame goes. `within`: a session being closed waits that long, then
+        cancels the step (a hung hop's), as its close frees the KV the step was writing anyway."""
+        step = self.step
+        if step is None:
+            return
+        if within is not None and not step.done():
+            await asyncio.wait({step}, timeout=within)
+            if not step.done():
+                log.warning("a step sent ahead did not end within %.1f s of its session's close", within)
+                step.cancel()
+        await self.drop(step)
 
     def _landed(self, step: asyncio.Future[Response]) -> None:
         if step.done() and self.step is step:

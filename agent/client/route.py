@@ -218,7 +218,7 @@ class RouteClient:
     async def close(self) -> None:
         """Free the session's KV on every hop (and its warm spares), then the HTTP connections."""
         link = self.link
-        await self.settled()
+        await self.ahead.settled(within=self.policy.deadline_floor_s * 2)
         await self.lane.drop()
         try:
             await self.failover.close()

@@ -7,12 +7,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from typing import Any
 
 import numpy as np
 import pytest
 
-from agent.client.recovery import minted_hops
+from agent.client.recovery import RecoveryPolicy, minted_hops
 from agent.client.route import RouteClient, RouteError
 from agent.wire.frames import Kind, Response
 from agent.wire.routetoken import RouteHop
@@ -31,6 +32,7 @@ class StepClient(RouteClient):
         self.delay_s = delay_s
         self.events: list[str] = []
         self.fail_at: int | None = None  # the history length whose step raises
+        self.hang_at: int | None = None  # the history length whose step never answers (a hung hop)
 
     async def truncate(self, n: int) -> int:
         del self.history[n:]
@@ -42,6 +44,11 @@ class StepClient(RouteClient):
         pos = len(self.history)
         self.events.append(f"send {pos}")
         await asyncio.sleep(self.delay_s)
+        if self.hang_at == pos:
+            try:
+                await asyncio.Event().wait()
+            finally:
+                self.events.append(f"cancelled {pos}")
         if self.fail_at == pos:
             self.events.append(f"fail {pos}")
             raise RouteError("the hop went away")
@@ -284,3 +291,30 @@ async def test_a_consumer_cancelled_with_a_step_ahead_holds_the_next_generate_un
     assert c.events.index("done 3") < c.events.index("send 4")
     assert more == [104, 106]  # its prompt's new tokens went at position 4, right after token 100
     assert c.history == PROMPT + [100, 103, 7, 104]
+
+
+async def test_closing_a_route_cancels_a_step_ahead_that_has_not_ended_within_the_grace(
+    signing_key: Any,
+) -> None:
+    c = StepClient(signing_key)
+    c.hang_at = 3  # the step sent ahead with token 100 never answers: a hung hop
+    c.policy = RecoveryPolicy(deadline_floor_s=0.1)
+
+    async def consume() -> None:
+        async for _ in c.generate(PROMPT, SamplingParams(), 10):
+            pass
+
+    task = asyncio.create_task(consume())
+    for _ in range(200):  # until the consumer waits for the hung step
+        if "send 3" in c.events:
+            break
+        await asyncio.sleep(0.01)
+    task.cancel()  # Stop gave up on the step (the playground abandons it and closes the route)
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert "cancelled 3" not in c.events  # the consumer's cancellation left the step running
+    t0 = time.monotonic()
+    await c.close()
+    # the close waited twice the deadline floor for it, then cancelled it: its KV goes with the session
+    assert "cancelled 3" in c.events, (c.events, time.monotonic() - t0)
+    assert 0.15 <= time.monotonic() - t0 < 2.0
