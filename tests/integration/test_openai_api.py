@@ -175,6 +175,40 @@ def test_a_stop_sequence_cuts_the_answer_before_it(swarm: Swarm, api: openai.Ope
         assert got == text[: text.index(stop)]
 
 
+def test_answers_cut_by_stop_strings_back_to_back_keep_the_route_in_step(
+    swarm: Swarm, api: openai.OpenAI
+) -> None:
+    # A stop string closes the answer with a (speculative) step in flight; the next answer on the same
+    # route must wait for it. It once extended the history after the next answer's truncate: the hops
+    # then refused the step after it (409 bad_position), in two of two runs of these rounds.
+    text = (
+        api.chat.completions.create(
+            model=swarm.model["name"], messages=MESSAGES, max_tokens=24, temperature=0
+        )
+        .choices[0]
+        .message.content
+        or ""
+    )
+    words = text.split()
+    assert len(words) >= 5, text
+    for i in range(4):
+        stop = " " + words[2 + i % 3]
+        streamed = i % 2 == 1
+        chunks = api.chat.completions.create(
+            model=swarm.model["name"],
+            messages=MESSAGES,
+            max_tokens=24,
+            temperature=0,
+            stop=[stop],
+            stream=streamed,
+        )
+        if streamed:
+            got = "".join((c.choices[0].delta.content or "") for c in chunks)
+        else:
+            got = chunks.choices[0].message.content or ""
+        assert got == text[: text.index(stop)], (i, stop)
+
+
 def test_the_same_seed_gives_the_same_text_when_sampling(swarm: Swarm, api: openai.OpenAI) -> None:
     def ask(seed: int) -> str:
         r = api.chat.completions.create(
