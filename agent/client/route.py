@@ -7,7 +7,7 @@ import contextlib
 import os
 import ssl
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -418,7 +418,7 @@ class RouteClient:
         drafter: Drafter | None = None,
         prefill_chunk: int = PREFILL_CHUNK,
         between_chunks: Callable[[], Awaitable[None]] | None = None,
-    ) -> AsyncIterator[tuple[int, float]]:
+    ) -> AsyncGenerator[tuple[int, float], None]:
         """Bring the KV to `prompt_ids` (reusing the common prefix), then yield sampled (token, logprob).
 
         With `between_chunks` the prompt goes in steps of `prefill_chunk` positions (twice the one before
@@ -538,15 +538,18 @@ class RouteClient:
         ttft = 0.0
         dec = StreamDecoder(self.tokenizer)
         generated: list[int] = []
-        async for token, _lp in self.generate(prompt, sampling, max_tokens, self.tokenizer.eot_ids):
-            if not generated:
-                ttft = time.perf_counter() - t0
-            generated.append(token)
-            if self.tokenizer.is_end(token):
-                break
-            text = dec.push(token)
-            if text:
-                yield ChatEvent(text=text, token=token)
+        # closed with this generator: a consumer that stops lets the step sent ahead finish at once
+        tokens = self.generate(prompt, sampling, max_tokens, self.tokenizer.eot_ids)
+        async with contextlib.aclosing(tokens):
+            async for token, _lp in tokens:
+                if not generated:
+                    ttft = time.perf_counter() - t0
+                generated.append(token)
+                if self.tokenizer.is_end(token):
+                    break
+                text = dec.push(token)
+                if text:
+                    yield ChatEvent(text=text, token=token)
         tail = dec.flush()
         if tail:
             yield ChatEvent(text=tail)
