@@ -253,7 +253,8 @@ class TorchLlamaBackend(Backend):
                 raise BackendError(
                     f"hidden size mismatch: got {step.hidden.shape}, expected (n, {self.d_model})"
                 )
-            x = torch.from_numpy(np.ascontiguousarray(step.hidden, dtype=np.float32))
+            # a frame's rows are a read-only view of its buffer, which torch must not share: copied
+            x = torch.tensor(step.hidden, dtype=torch.float32)
         n = x.shape[0]
         end = step.pos_start + n
         if end > kv.capacity:
