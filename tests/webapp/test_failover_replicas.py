@@ -5,6 +5,7 @@ offline node whose data plane is gone too is replaced within seconds, not after 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from collections.abc import Iterator
@@ -206,6 +207,42 @@ def test_an_offline_node_whose_data_plane_is_gone_is_replaced_within_seconds(
         .filter(state=ShardAssignment.State.ASSIGNED, layer_start=held.layer_start)
         .exists()
     )
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_sweep_waiting_on_a_health_check_leaves_the_shared_database_thread_to_others(
+    artifact: Any, settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An agent's heartbeat sweeps on the event loop: a dead data plane's health check (up to
+    DATAPLANE_PROBE_TIMEOUT_S) once held the thread every consumer's database calls share, so other
+    agents' welcomes and heartbeats waited behind it."""
+    from channels.db import database_sync_to_async
+
+    from webapp.fleet import probe
+    from webapp.fleet.tasks import sweep_offline_nodes_async
+
+    settings.KV_RESERVE_BYTES = 0
+    a, _b = await database_sync_to_async(_fleet)(artifact, ["a", "b"])
+    await database_sync_to_async(Node.objects.filter(pk=a.pk).update)(
+        state=Node.State.OFFLINE, last_seen=timezone.now() - timedelta(seconds=6)
+    )
+    probing, answer = asyncio.Event(), asyncio.Event()
+
+    async def hung_probe(url: str, node_id: str, timeout_s: float) -> tuple[str, float | None]:
+        probing.set()
+        await answer.wait()  # a data plane that never answers, until the test says so
+        return "no answer", None
+
+    monkeypatch.setattr(probe, "probe_health", hung_probe)
+    sweep = asyncio.ensure_future(sweep_offline_nodes_async())
+    await asyncio.wait_for(probing.wait(), 10)
+    # another consumer's database call while the health check waits
+    assert await asyncio.wait_for(database_sync_to_async(Node.objects.count)(), 2) == 2
+    answer.set()
+    assert await asyncio.wait_for(sweep, 10) == []
+    # the check failed: a's layers went to b within NODE_DEAD_AFTER_S, not after the 30 s grace
+    failed = ShardAssignment.objects.filter(node_id=a.pk, state=ShardAssignment.State.FAILED).exists
+    assert await database_sync_to_async(failed)()
 
 
 @pytest.mark.django_db

@@ -40,7 +40,7 @@ from webapp.fleet.models import Node, ShardAssignment
 from webapp.fleet.probe import check_dataplane
 from webapp.fleet.protocol import reconcile
 from webapp.fleet.signals import node_hello, update_reported
-from webapp.fleet.tasks import assignment_view, sweep_offline_nodes
+from webapp.fleet.tasks import assignment_view, sweep_offline_nodes_async
 
 log = logging.getLogger(__name__)
 _last_sweep = 0.0
@@ -65,14 +65,21 @@ def _hello_sync(
 
 def _heartbeat_sync(node_id: str, t: Telemetry) -> bool:
     """True when the node came back from offline and must resync."""
-    global _last_sweep
     revived = services.apply_heartbeat(node_id, t)
     notify_fleet(node_id)
-    # Any live agent's heartbeat also sweeps for silent ones (beat does too, when it runs).
+    return revived
+
+
+async def _sweep_due() -> None:
+    """Any live agent's heartbeat also sweeps for silent ones, every 2 s at most (beat does too, when
+    it runs); its health checks and task publishes stay off the shared database thread."""
+    global _last_sweep
     if time.monotonic() - _last_sweep >= 2.0:
         _last_sweep = time.monotonic()
-        sweep_offline_nodes()
-    return revived
+        try:
+            await sweep_offline_nodes_async()
+        except Exception:  # noqa: BLE001 - the control plane's own chore, not the heartbeat's failure
+            log.warning("sweeping for silent nodes failed", exc_info=True)
 
 
 def _progress_sync(node_id: str, p: Progress) -> bool:
@@ -173,6 +180,7 @@ class AgentConsumer(SafeJsonConsumer):
         elif isinstance(msg, Heartbeat):
             if await database_sync_to_async(_heartbeat_sync)(self.node_id, msg.telemetry):
                 await self.send_message(Resync())
+            await _sweep_due()
             await self._reprobe()
         elif isinstance(msg, UpdateStatus):
             await database_sync_to_async(_update_status_sync)(self.node_id, msg)
@@ -239,7 +247,7 @@ class FleetConsumer(SafeJsonConsumer):
     async def receive_json(self, content: Any, **kwargs: Any) -> None:
         if not isinstance(content, dict) or content.get("type") != "sweep":
             raise BadMessage('the fleet socket accepts only {"type": "sweep"}')
-        await database_sync_to_async(sweep_offline_nodes)()
+        await sweep_offline_nodes_async()
 
     async def fleet_changed(self, event: dict[str, Any]) -> None:
         if event.get("node_id"):

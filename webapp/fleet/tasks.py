@@ -7,7 +7,9 @@ rollback erased.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -271,17 +273,30 @@ def dataplane_gone(node_id: str, url: str) -> bool:
         return False  # never said where it serves: nothing to check, wait for the grace
     from asgiref.sync import async_to_sync
 
+    return async_to_sync(_dataplane_gone)(node_id, url)
+
+
+async def _dataplane_gone(node_id: str, url: str) -> bool:
     from webapp.fleet.probe import probe_health
 
-    problem, _ = async_to_sync(probe_health)(url, node_id, float(settings.DATAPLANE_PROBE_TIMEOUT_S))
+    problem, _ = await probe_health(url, node_id, float(settings.DATAPLANE_PROBE_TIMEOUT_S))
     return bool(problem)
 
 
-@shared_task
-def sweep_offline_nodes() -> list[str]:
-    """Mark silent nodes offline; replace the shards of offline nodes whose data plane is gone too once
-    they have been silent for settings.NODE_DEAD_AFTER_S (5 s), of the others after NODE_LOST_AFTER_S;
-    silence counted from the latest web start at the earliest (services.silence_start)."""
+@dataclass(frozen=True)
+class SweepPlan:
+    """What a sweep found in the database: the nodes it marked offline, the offline ones lost now, and
+    those lost only if their data plane is gone too (node id, data-plane URL: a health check each)."""
+
+    flipped: list[str]
+    lost: list[str]
+    suspect: list[tuple[str, str]]
+
+
+def plan_sweep() -> SweepPlan:
+    """Mark silent nodes offline; offline nodes with shards are lost once silent for NODE_LOST_AFTER_S,
+    or for NODE_DEAD_AFTER_S (5 s) when their data plane is gone too; silence counted from the latest
+    web start at the earliest (services.silence_start)."""
     flipped = [nid for nid in services.stale_online_nodes() if services.mark_offline_if_stale(nid)]
     for nid in flipped:
         notify_fleet(nid)
@@ -293,10 +308,44 @@ def sweep_offline_nodes() -> list[str]:
         .distinct()
     )
     web_started = services.web_started_at()
+    lost, suspect = [], []
     for nid, last_seen, url in list(offline):
         if last_seen is None:
             continue
         silent_since = services.silence_start(last_seen, web_started)
-        if silent_since < lost_cutoff or (silent_since < dead_cutoff and dataplane_gone(nid, url)):
-            replace_lost_node.delay(nid)
-    return flipped
+        if silent_since < lost_cutoff:
+            lost.append(nid)
+        elif silent_since < dead_cutoff and url:
+            suspect.append((nid, url))
+    return SweepPlan(flipped, lost, suspect)
+
+
+@shared_task
+def sweep_offline_nodes() -> list[str]:
+    """plan_sweep, then replace the lost nodes' shards; returns the nodes marked offline."""
+    plan = plan_sweep()
+    for nid in plan.lost + [nid for nid, url in plan.suspect if dataplane_gone(nid, url)]:
+        replace_lost_node.delay(nid)
+    return plan.flipped
+
+
+async def sweep_offline_nodes_async() -> list[str]:
+    """sweep_offline_nodes from the event loop (an agent's heartbeat, the fleet page). Only the database
+    part runs on the thread that every consumer's database calls share: the health checks (up to
+    DATAPLANE_PROBE_TIMEOUT_S each) run on the loop, and a broker's task publish (which waits while
+    Redis restarts) in a thread of its own, so neither holds up other agents' welcomes and heartbeats."""
+    from asgiref.sync import sync_to_async
+    from channels.db import database_sync_to_async
+
+    plan = await database_sync_to_async(plan_sweep)()
+    gone = await asyncio.gather(*(_dataplane_gone(nid, url) for nid, url in plan.suspect))
+    lost = plan.lost + [nid for (nid, _), g in zip(plan.suspect, gone, strict=True) if g]
+    # an eager task runs inline, database and all: that belongs on the shared thread
+    publish = (
+        database_sync_to_async(replace_lost_node.delay)
+        if settings.CELERY_TASK_ALWAYS_EAGER
+        else sync_to_async(replace_lost_node.delay, thread_sensitive=False)
+    )
+    for nid in lost:
+        await publish(nid)
+    return plan.flipped
