@@ -145,34 +145,40 @@ def test_completions_stream_and_not_agree_and_count_the_prompt_as_the_tokenizer_
     assert streamed == text
 
 
-def test_a_stop_sequence_cuts_the_answer_before_it(swarm: Swarm, api: openai.OpenAI) -> None:
-    full = api.chat.completions.create(
+def greedy_answer(swarm: Swarm, api: openai.OpenAI) -> str:
+    r = api.chat.completions.create(
         model=swarm.model["name"], messages=MESSAGES, max_tokens=24, temperature=0
     )
-    text = full.choices[0].message.content or ""
+    return r.choices[0].message.content or ""
+
+
+def answer_with_stop(swarm: Swarm, api: openai.OpenAI, stop: str, stream: bool) -> str:
+    """The greedy answer with a stop string: streamed (stop as a list), or whole (as a string), which
+    must say it stopped."""
+    if stream:
+        chunks = api.chat.completions.create(
+            model=swarm.model["name"],
+            messages=MESSAGES,
+            max_tokens=24,
+            temperature=0,
+            stop=[stop],
+            stream=True,
+        )
+        return "".join((c.choices[0].delta.content or "") for c in chunks)
+    r = api.chat.completions.create(
+        model=swarm.model["name"], messages=MESSAGES, max_tokens=24, temperature=0, stop=stop
+    )
+    assert r.choices[0].finish_reason == "stop"
+    return r.choices[0].message.content or ""
+
+
+def test_a_stop_sequence_cuts_the_answer_before_it(swarm: Swarm, api: openai.OpenAI) -> None:
+    text = greedy_answer(swarm, api)
     words = text.split()
     assert len(words) >= 3, text
     stop = " " + words[2]
     for stream in (False, True):
-        if stream:
-            got = "".join(
-                (c.choices[0].delta.content or "")
-                for c in api.chat.completions.create(
-                    model=swarm.model["name"],
-                    messages=MESSAGES,
-                    max_tokens=24,
-                    temperature=0,
-                    stop=[stop],
-                    stream=True,
-                )
-            )
-        else:
-            r = api.chat.completions.create(
-                model=swarm.model["name"], messages=MESSAGES, max_tokens=24, temperature=0, stop=stop
-            )
-            got = r.choices[0].message.content or ""
-            assert r.choices[0].finish_reason == "stop"
-        assert got == text[: text.index(stop)]
+        assert answer_with_stop(swarm, api, stop, stream) == text[: text.index(stop)]
 
 
 def test_answers_cut_by_stop_strings_back_to_back_keep_the_route_in_step(
@@ -181,32 +187,12 @@ def test_answers_cut_by_stop_strings_back_to_back_keep_the_route_in_step(
     # A stop string closes the answer with a (speculative) step in flight; the next answer on the same
     # route must wait for it. It once extended the history after the next answer's truncate: the hops
     # then refused the step after it (409 bad_position), in two of two runs of these rounds.
-    text = (
-        api.chat.completions.create(
-            model=swarm.model["name"], messages=MESSAGES, max_tokens=24, temperature=0
-        )
-        .choices[0]
-        .message.content
-        or ""
-    )
+    text = greedy_answer(swarm, api)
     words = text.split()
     assert len(words) >= 5, text
     for i in range(4):
         stop = " " + words[2 + i % 3]
-        streamed = i % 2 == 1
-        chunks = api.chat.completions.create(
-            model=swarm.model["name"],
-            messages=MESSAGES,
-            max_tokens=24,
-            temperature=0,
-            stop=[stop],
-            stream=streamed,
-        )
-        if streamed:
-            got = "".join((c.choices[0].delta.content or "") for c in chunks)
-        else:
-            got = chunks.choices[0].message.content or ""
-        assert got == text[: text.index(stop)], (i, stop)
+        assert answer_with_stop(swarm, api, stop, i % 2 == 1) == text[: text.index(stop)], (i, stop)
 
 
 def test_the_same_seed_gives_the_same_text_when_sampling(swarm: Swarm, api: openai.OpenAI) -> None:
