@@ -33,6 +33,8 @@ class StepClient(RouteClient):
         self.events: list[str] = []
         self.fail_at: int | None = None  # the history length whose step raises
         self.hang_at: int | None = None  # the history length whose step never answers (a hung hop)
+        self.hold_at: int | None = None  # the history length whose step answers once `release` is set
+        self.release = asyncio.Event()
 
     async def truncate(self, n: int) -> int:
         del self.history[n:]
@@ -44,6 +46,8 @@ class StepClient(RouteClient):
         pos = len(self.history)
         self.events.append(f"send {pos}")
         await asyncio.sleep(self.delay_s)
+        if self.hold_at == pos:
+            await self.release.wait()
         if self.hang_at == pos:
             try:
                 await asyncio.Event().wait()
@@ -266,28 +270,28 @@ async def test_a_speculating_answer_closed_by_its_consumer_settles_its_step_befo
 async def test_a_consumer_cancelled_with_a_step_ahead_holds_the_next_generate_until_the_step_ends(
     signing_key: Any,
 ) -> None:
-    c = StepClient(signing_key, delay_s=0.2)
+    c = StepClient(signing_key)
+    c.hold_at, c.release = 3, asyncio.Event()  # the step sent ahead with token 100 waits for the test
 
     async def consume() -> None:
         async for _ in c.generate(PROMPT, SamplingParams(), 10):
-            c.events.append("handled")
-            await asyncio.sleep(0.1)
+            c.events.append("handled")  # at once: the consumer then waits for the step's answer
 
     task = asyncio.create_task(consume())
     try:
-        for _ in range(200):  # until the consumer waits for the step sent ahead with token 100
-            if "send 3" in c.events:
+        for _ in range(500):
+            if "send 3" in c.events and "handled" in c.events:
                 break
             await asyncio.sleep(0.01)
-        await asyncio.sleep(0.12)  # the consumer handled token 100 and waits for the step's answer
-        assert c.events[-2:] == ["handled", "send 3"], c.events  # the step is still on its way
+        await asyncio.sleep(0.05)
         task.cancel()  # the web client went away
         with pytest.raises(asyncio.CancelledError):
             await task
+        c.release.set()  # the step's frame had left: its answer comes
         more = [t async for t, _ in c.generate(PROMPT + [100, 103, 7], SamplingParams(), 2)]
     finally:
         await c.close()
-    # the step's frame had left: it ran to its end, and the next answer began only after it
+    # the cancellation left the step running, and the next answer began only after it ended
     assert c.events.index("done 3") < c.events.index("send 4")
     assert more == [104, 106]  # its prompt's new tokens went at position 4, right after token 100
     assert c.history == PROMPT + [100, 103, 7, 104]
