@@ -237,7 +237,7 @@ async def test_a_sweep_waiting_on_a_health_check_leaves_the_shared_database_thre
     sweep = asyncio.ensure_future(sweep_offline_nodes_async())
     await asyncio.wait_for(probing.wait(), 10)
     # another consumer's database call while the health check waits
-    assert await asyncio.wait_for(database_sync_to_async(Node.objects.count)(), 2) == 2
+    assert await asyncio.wait_for(database_sync_to_async(Node.objects.count)(), 5) == 2
     answer.set()
     assert await asyncio.wait_for(sweep, 10) == []
     # the check failed: a's layers went to b within NODE_DEAD_AFTER_S, not after the 30 s grace
