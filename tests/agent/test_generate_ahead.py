@@ -32,8 +32,8 @@ class StepClient(RouteClient):
         self.delay_s = delay_s
         self.events: list[str] = []
         self.fail_at: int | None = None  # the history length whose step raises
-        self.hang_at: int | None = None  # the history length whose step never answers (a hung hop)
-        self.hold_at: int | None = None  # the history length whose step answers once `release` is set
+        # the history length whose step answers only once `release` is set (never: a hung hop)
+        self.hold_at: int | None = None
         self.release = asyncio.Event()
 
     async def truncate(self, n: int) -> int:
@@ -47,12 +47,11 @@ class StepClient(RouteClient):
         self.events.append(f"send {pos}")
         await asyncio.sleep(self.delay_s)
         if self.hold_at == pos:
-            await self.release.wait()
-        if self.hang_at == pos:
             try:
-                await asyncio.Event().wait()
-            finally:
+                await self.release.wait()
+            except asyncio.CancelledError:
                 self.events.append(f"cancelled {pos}")
+                raise
         if self.fail_at == pos:
             self.events.append(f"fail {pos}")
             raise RouteError("the hop went away")
@@ -271,7 +270,7 @@ async def test_a_consumer_cancelled_with_a_step_ahead_holds_the_next_generate_un
     signing_key: Any,
 ) -> None:
     c = StepClient(signing_key)
-    c.hold_at, c.release = 3, asyncio.Event()  # the step sent ahead with token 100 waits for the test
+    c.hold_at = 3  # the step sent ahead with token 100 waits for the test
 
     async def consume() -> None:
         async for _ in c.generate(PROMPT, SamplingParams(), 10):
@@ -301,7 +300,7 @@ async def test_closing_a_route_cancels_a_step_ahead_that_has_not_ended_within_th
     signing_key: Any,
 ) -> None:
     c = StepClient(signing_key)
-    c.hang_at = 3  # the step sent ahead with token 100 never answers: a hung hop
+    c.hold_at = 3  # the step sent ahead with token 100 never answers: a hung hop
     c.policy = RecoveryPolicy(deadline_floor_s=0.1)
 
     async def consume() -> None:

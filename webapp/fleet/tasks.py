@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from asgiref.sync import async_to_sync, sync_to_async
 from celery import shared_task
+from channels.db import database_sync_to_async
 from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
@@ -271,8 +273,6 @@ def dataplane_gone(node_id: str, url: str) -> bool:
     but whose data plane still answers keeps serving routes, so it gets the grace."""
     if not url:
         return False  # never said where it serves: nothing to check, wait for the grace
-    from asgiref.sync import async_to_sync
-
     return async_to_sync(_dataplane_gone)(node_id, url)
 
 
@@ -334,9 +334,6 @@ async def sweep_offline_nodes_async() -> list[str]:
     part runs on the thread that every consumer's database calls share: the health checks (up to
     DATAPLANE_PROBE_TIMEOUT_S each) run on the loop, and a broker's task publish (which waits while
     Redis restarts) in a thread of its own, so neither holds up other agents' welcomes and heartbeats."""
-    from asgiref.sync import sync_to_async
-    from channels.db import database_sync_to_async
-
     plan = await database_sync_to_async(plan_sweep)()
     gone = await asyncio.gather(*(_dataplane_gone(nid, url) for nid, url in plan.suspect))
     lost = plan.lost + [nid for (nid, _), g in zip(plan.suspect, gone, strict=True) if g]
