@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -293,3 +295,56 @@ async def test_a_progress_report_with_transfer_figures_is_kept_on_the_assignment
     a = await database_sync_to_async(ShardAssignment.objects.get)(pk=a.pk)
     assert a.state == "fetching" and a.transfer == transfer
     await ws.disconnect()
+
+
+@pytest.fixture
+def fleet_pings_never_answered(monkeypatch: pytest.MonkeyPatch) -> Iterator[asyncio.Event]:
+    """The channel layer as a Redis that accepts the dashboards' pings and never answers them (other
+    groups' messages go through); the event is set once a ping waits. NOTIFY_TIMEOUT_S is 1 s."""
+    from channels.layers import get_channel_layer
+
+    from webapp.core import channels as core_channels
+
+    monkeypatch.setattr(core_channels, "NOTIFY_TIMEOUT_S", 1.0)
+    layer = get_channel_layer()
+    real, waiting = layer.group_send, asyncio.Event()
+
+    async def group_send(group: str, message: dict[str, Any]) -> None:
+        if group != core_channels.FLEET_GROUP:
+            return await real(group, message)
+        waiting.set()
+        await asyncio.Event().wait()  # never answered
+
+    monkeypatch.setattr(layer, "group_send", group_send)
+    yield waiting
+
+
+async def test_a_dashboard_ping_the_channel_layer_never_answers_holds_up_neither_the_database_thread_nor_the_agent(
+    node_with_secret: Any, fleet_pings_never_answered: asyncio.Event, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A heartbeat's dashboard ping ran inside its database call, on the thread every consumer's
+    database calls share: a Redis that accepted and never answered held that thread (and every other
+    agent's welcome and heartbeat) for channels-redis' socket timeout, 30 s, at each beat. The ping now
+    goes from the event loop after the database call and gives up after NOTIFY_TIMEOUT_S."""
+    node, secret = node_with_secret
+    ws = await connected(node.id, secret)
+    await ws.send_json_to({"type": "heartbeat", "telemetry": {}})
+    await asyncio.wait_for(fleet_pings_never_answered.wait(), 10)
+    # another consumer's database call while the ping waits
+    assert await asyncio.wait_for(database_sync_to_async(Node.objects.filter(pk=node.id).count)(), 0.5) == 1
+    # the agent's next message is handled once the ping gave up (the error reply says so)
+    await ws.send_to(text_data="{")
+    assert "error" in await ws.receive_json_from(timeout=10)
+    assert "dashboard ping (node" in caplog.text
+
+
+def test_a_dashboard_ping_from_a_task_gives_up_after_its_timeout(
+    fleet_pings_never_answered: asyncio.Event,
+) -> None:
+    """Celery tasks and views ping through the same bound: a hung channel layer costs them 1 s here, not
+    channels-redis' 30 s socket timeout."""
+    from webapp.core.channels import notify_fleet
+
+    t0 = time.monotonic()
+    notify_fleet(kind="placement")
+    assert fleet_pings_never_answered.is_set() and time.monotonic() - t0 < 5

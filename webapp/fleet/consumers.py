@@ -27,12 +27,11 @@ from agent.wire.control import (
     Removed,
     Resync,
     ServerMessage,
-    Telemetry,
     UpdateStatus,
     Welcome,
     parse_agent_message,
 )
-from webapp.core.channels import FLEET_GROUP, node_group, notify_fleet
+from webapp.core.channels import FLEET_GROUP, node_group, notify_fleet_async
 from webapp.core.consumers import BadMessage, SafeJsonConsumer
 from webapp.core.nodeauth import authorization_from_scope_headers, parse_node_authorization
 from webapp.fleet import services
@@ -58,16 +57,8 @@ def _hello_sync(
     ShardAssignment.objects.filter(pk__in=[c.assignment_id for c in commands if isinstance(c, Load)]).update(
         state=ShardAssignment.State.ASSIGNED, progress=0.0
     )
-    notify_fleet(node_id)
     node_hello.send(sender=Node, node_id=node_id, version=hello.version)
     return list(commands)
-
-
-def _heartbeat_sync(node_id: str, t: Telemetry) -> bool:
-    """True when the node came back from offline and must resync."""
-    revived = services.apply_heartbeat(node_id, t)
-    notify_fleet(node_id)
-    return revived
 
 
 async def _sweep_due() -> None:
@@ -83,31 +74,14 @@ async def _sweep_due() -> None:
 
 
 def _progress_sync(node_id: str, p: Progress) -> bool:
-    changed = services.update_progress(
+    return services.update_progress(
         node_id, p.assignment_id, p.state, p.progress, p.error, p.transfer.to_wire() if p.transfer else None
     )
-    if changed:
-        notify_fleet(node_id, kind="placement")
-    return changed
 
 
 def _update_status_sync(node_id: str, status: UpdateStatus) -> None:
     log.info("agent %s update to %s: %s %s", node_id, status.version, status.state, status.error)
     update_reported.send(sender=Node, node_id=node_id, status=status)
-    notify_fleet(node_id)
-
-
-def _disconnect_sync(node_id: str, connected_at: datetime | None) -> None:
-    if services.mark_disconnected(node_id, connected_at):
-        notify_fleet(node_id)
-
-
-def _reprobed_sync(node_id: str, url: str, problem: str, rtt_ms: float | None) -> bool:
-    """Record a re-probe's outcome, only while the node still reports that URL (a newer hello wins)."""
-    changed = services.apply_reprobe(node_id, url, problem, rtt_ms)
-    if changed:
-        notify_fleet(node_id)
-    return changed
 
 
 class AgentConsumer(SafeJsonConsumer):
@@ -145,13 +119,14 @@ class AgentConsumer(SafeJsonConsumer):
                 node_id=node.id, protocol=PROTOCOL_VERSION, heartbeat_interval_s=settings.HEARTBEAT_INTERVAL_S
             )
         )
-        await database_sync_to_async(notify_fleet)(node.id)
+        await notify_fleet_async(node.id)
 
     async def disconnect(self, code: int) -> None:
         if self.node_id is None:
             return
         await self.channel_layer.group_discard(node_group(self.node_id), self.channel_name)
-        await database_sync_to_async(_disconnect_sync)(self.node_id, self.connected_at)
+        if await database_sync_to_async(services.mark_disconnected)(self.node_id, self.connected_at):
+            await notify_fleet_async(self.node_id)
 
     async def receive_json(self, content: Any, **kwargs: Any) -> None:
         if self.node_id is None:
@@ -175,19 +150,25 @@ class AgentConsumer(SafeJsonConsumer):
                 )
             self.unroutable_url = msg.dataplane_url if problem else None
             self.probed_at = time.monotonic()
-            for command in await database_sync_to_async(_hello_sync)(self.node_id, msg, problem, rtt_ms):
+            commands = await database_sync_to_async(_hello_sync)(self.node_id, msg, problem, rtt_ms)
+            await notify_fleet_async(self.node_id)
+            for command in commands:
                 await self.send_message(command)
         elif isinstance(msg, Heartbeat):
-            if await database_sync_to_async(_heartbeat_sync)(self.node_id, msg.telemetry):
+            # True when the node came back from offline and must resync
+            if await database_sync_to_async(services.apply_heartbeat)(self.node_id, msg.telemetry):
                 await self.send_message(Resync())
+            await notify_fleet_async(self.node_id)
             await _sweep_due()
             await self._reprobe()
         elif isinstance(msg, UpdateStatus):
             await database_sync_to_async(_update_status_sync)(self.node_id, msg)
-        elif isinstance(msg, Progress) and not await database_sync_to_async(_progress_sync)(
-            self.node_id, msg
-        ):
-            await self.send_error(f"assignment {msg.assignment_id} is not yours or is draining")
+            await notify_fleet_async(self.node_id)
+        elif isinstance(msg, Progress):
+            if await database_sync_to_async(_progress_sync)(self.node_id, msg):
+                await notify_fleet_async(self.node_id, kind="placement")
+            else:
+                await self.send_error(f"assignment {msg.assignment_id} is not yours or is draining")
 
     async def _check_dataplane(self, node_id: str, url: str) -> tuple[str, float | None]:
         """webapp.fleet.probe's checks of `url` for `node_id` on this socket's peer address."""
@@ -211,7 +192,9 @@ class AgentConsumer(SafeJsonConsumer):
         if not problem:
             self.unroutable_url = None
             log.info("agent %s: data plane %s passed its check again: routable", self.node_id, url)
-        await database_sync_to_async(_reprobed_sync)(self.node_id, url, problem, rtt_ms)
+        # recorded only while the node still reports that URL (a newer hello wins)
+        if await database_sync_to_async(services.apply_reprobe)(self.node_id, url, problem, rtt_ms):
+            await notify_fleet_async(self.node_id)
 
     async def node_command(self, event: dict[str, Any]) -> None:
         """A command from a task (already a wire dict: the channel layer carries plain data)."""

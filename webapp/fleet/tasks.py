@@ -24,7 +24,7 @@ from agent.artifacts.routing import WHOLE_MODEL_BACKEND
 from agent.wire.control import Drain, ServerMessage
 from agent.wire.ids import NodeId
 from webapp.catalog.models import ModelArtifact
-from webapp.core.channels import group_send, node_group, notify_fleet
+from webapp.core.channels import group_send, node_group, notify_fleet, notify_fleet_async
 from webapp.fleet import services
 from webapp.fleet.models import Node, ShardAssignment
 from webapp.fleet.passkeys import rotate_passkey, tracker_paths
@@ -294,12 +294,10 @@ class SweepPlan:
 
 
 def plan_sweep() -> SweepPlan:
-    """Mark silent nodes offline; offline nodes with shards are lost once silent for NODE_LOST_AFTER_S,
+    """Mark silent nodes offline (the caller pings the dashboards about them); offline nodes with shards are lost once silent for NODE_LOST_AFTER_S,
     or for NODE_DEAD_AFTER_S (5 s) when their data plane is gone too; silence counted from the latest
     web start at the earliest (services.silence_start)."""
     flipped = [nid for nid in services.stale_online_nodes() if services.mark_offline_if_stale(nid)]
-    for nid in flipped:
-        notify_fleet(nid)
     lost_cutoff = timezone.now() - timedelta(seconds=settings.NODE_LOST_AFTER_S)
     dead_cutoff = timezone.now() - timedelta(seconds=settings.NODE_DEAD_AFTER_S)
     offline = (
@@ -324,6 +322,8 @@ def plan_sweep() -> SweepPlan:
 def sweep_offline_nodes() -> list[str]:
     """plan_sweep, then replace the lost nodes' shards; returns the nodes marked offline."""
     plan = plan_sweep()
+    for nid in plan.flipped:
+        notify_fleet(nid)
     for nid in plan.lost + [nid for nid, url in plan.suspect if dataplane_gone(nid, url)]:
         replace_lost_node.delay(nid)
     return plan.flipped
@@ -335,6 +335,8 @@ async def sweep_offline_nodes_async() -> list[str]:
     DATAPLANE_PROBE_TIMEOUT_S each) run on the loop, and a broker's task publish (which waits while
     Redis restarts) in a thread of its own, so neither holds up other agents' welcomes and heartbeats."""
     plan = await database_sync_to_async(plan_sweep)()
+    for nid in plan.flipped:  # the dashboards' pings too: from the loop, bounded
+        await notify_fleet_async(nid)
     gone = await asyncio.gather(*(_dataplane_gone(nid, url) for nid, url in plan.suspect))
     lost = plan.lost + [nid for (nid, _), g in zip(plan.suspect, gone, strict=True) if g]
     # an eager task runs inline, database and all: that belongs on the shared thread

@@ -29,6 +29,7 @@ from agent.client.transport import shared_transport
 from agent.wire.frames import CONTEXT_CAP
 from webapp.catalog.models import ModelArtifact
 from webapp.core import dataplane_tls
+from webapp.core.channels import notify_fleet_async
 from webapp.routing import quota, services
 from webapp.routing.answer import Answer, AnswerSpec, LiveRoute, Piece
 from webapp.routing.models import RouteSession
@@ -207,6 +208,7 @@ class RouteAnswer:
                     await database_sync_to_async(record_generation)(
                         live.session_id, live.artifact_id, self.user, self.answer.telemetry(), error=str(e)
                     )
+                    await notify_fleet_async(kind="generations")
                     raise
                 self.reused = False
 
@@ -219,3 +221,5 @@ class RouteAnswer:
         if self.live is not None:
             telemetry = None if stopped else self.telemetry()
             await database_sync_to_async(_record)(self.live, self.user, telemetry)
+            if telemetry is not None:
+                await notify_fleet_async(kind="generations")

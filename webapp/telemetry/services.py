@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
 
-from webapp.core.channels import notify_fleet
 from webapp.telemetry.models import GenerationRecord, NodeTelemetrySample
 
 if TYPE_CHECKING:
@@ -83,6 +82,9 @@ def spec_rate(speculation: Any) -> float:
 def record_generation(
     session_id: Any, artifact_id: int, user: Any, telemetry: dict[str, Any], error: str = ""
 ) -> GenerationRecord:
+    """Store one answer's figures, each bounded to its column's range. The callers ping the dashboards
+    (notify_fleet_async) once back on the event loop, never from the database thread."""
+
     def num(key: str, hi: float = 1e12) -> float:
         """A figure from the telemetry, finite and within the columns' range (never a 500 on insert)."""
         v = telemetry.get(key, 0)
@@ -106,5 +108,4 @@ def record_generation(
         hops=hops if isinstance(hops, list) else [],
         error=error[:2000],
     )
-    notify_fleet(kind="generations")
     return record
