@@ -99,7 +99,7 @@ class LlamaBatch:
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         self.batch = llama_cpp.llama_batch_init(512, 0, n_seq)
 
-    def _decode(self, items: list[tuple[int, int, int, bool]]) -> None:
+    def step(self, items: list[tuple[int, int, int, bool]]) -> None:
         b = self.batch
         for i, (tok, pos, seq, want) in enumerate(items):
             b.token[i] = tok
@@ -115,16 +115,19 @@ class LlamaBatch:
         ptr = self.L.llama_get_logits_ith(self.ctx, i)
         return int(np.argmax(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))))
 
+    def reset(self) -> None:
+        """Every sequence's cache emptied."""
+        self.L.llama_memory_clear(self.L.llama_get_memory(self.ctx), True)
+
     def decode(self, prompts: list[list[int]], steps: int) -> tuple[float, list[list[int]]]:
-        mem = self.L.llama_get_memory(self.ctx)
-        self.L.llama_memory_clear(mem, True)
+        self.reset()
         toks: list[list[int]] = []
         for s, p in enumerate(prompts):  # prefill one sequence per batch (not timed)
-            self._decode([(t, k, s, k == len(p) - 1) for k, t in enumerate(p)])
+            self.step([(t, k, s, k == len(p) - 1) for k, t in enumerate(p)])
             toks.append([self._argmax(len(p) - 1)])
         t0 = time.perf_counter()
         for k in range(steps):
-            self._decode([(t[-1], PROMPT_LEN + k, s, True) for s, t in enumerate(toks)])
+            self.step([(t[-1], PROMPT_LEN + k, s, True) for s, t in enumerate(toks)])
             for s, t in enumerate(toks):
                 t.append(self._argmax(s))
         return time.perf_counter() - t0, toks
