@@ -348,3 +348,49 @@ def test_a_dashboard_ping_from_a_task_gives_up_after_its_timeout(
     t0 = time.monotonic()
     notify_fleet(kind="placement")
     assert fleet_pings_never_answered.is_set() and time.monotonic() - t0 < 5
+
+
+def _hang(monkeypatch: pytest.MonkeyPatch, method: str) -> asyncio.Event:
+    """The channel layer's `method` never answers (a Redis restarting, or accepting and never
+    answering); the event is set once a call waits. GROUP_OP_TIMEOUT_S is 0.5 s."""
+    from channels.layers import get_channel_layer
+
+    from webapp.fleet import consumers
+
+    monkeypatch.setattr(consumers, "GROUP_OP_TIMEOUT_S", 0.5)
+    waiting = asyncio.Event()
+
+    async def never(*args: Any) -> None:
+        waiting.set()
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(get_channel_layer(), method, never)
+    return waiting
+
+
+async def test_a_socket_that_cannot_join_its_command_group_is_closed_for_the_agent_to_connect_again(
+    node_with_secret: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An agent socket accepted while Redis restarted was never welcomed: its join to the node's group
+    never returned, and the agent heartbeated to nobody. Now the join is bounded and a socket that
+    cannot join is closed with 1011 (the agent reconnects with its backoff), the node left as it was."""
+    node, secret = node_with_secret
+    waiting = _hang(monkeypatch, "group_add")
+    ws = agent_socket(node.id, secret)
+    assert (await ws.connect())[0]
+    await asyncio.wait_for(waiting.wait(), 10)
+    assert (await ws.receive_output(timeout=10))["code"] == 1011
+    n = await database_sync_to_async(Node.objects.get)(pk=node.id)
+    assert n.state != Node.State.ONLINE and n.connected_at == node.connected_at
+
+
+async def test_a_closed_socket_whose_group_leave_never_returns_still_marks_the_node_offline(
+    node_with_secret: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    node, secret = node_with_secret
+    ws = await connected(node.id, secret)
+    waiting = _hang(monkeypatch, "group_discard")
+    await ws.disconnect()
+    assert waiting.is_set()
+    n = await database_sync_to_async(Node.objects.get)(pk=node.id)
+    assert n.state == Node.State.OFFLINE

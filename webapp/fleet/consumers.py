@@ -5,6 +5,7 @@ Consumers only authenticate, join groups, relay and call services; decisions liv
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from datetime import datetime
@@ -43,6 +44,12 @@ from webapp.fleet.tasks import assignment_view, sweep_offline_nodes_async
 
 log = logging.getLogger(__name__)
 _last_sweep = 0.0
+# An agent socket's join to (or leave of) its node's command group waits at most this for the channel
+# layer: a Redis that restarts or accepts and never answers once left a socket accepted and never
+# welcomed, the agent heartbeating to nobody. A join that fails closes the socket (1011), and the agent
+# connects again with its backoff; a leave that fails is logged and the node still marked disconnected.
+GROUP_OP_TIMEOUT_S = 3.0
+CLOSE_TRY_AGAIN = 1011
 
 
 def _hello_sync(
@@ -111,8 +118,17 @@ class AgentConsumer(SafeJsonConsumer):
             await self.send_error("invalid or missing node credentials (Authorization: Node <id>:<secret>)")
             await self.close(code=CLOSE_UNAUTHORIZED)
             return
+        try:
+            await asyncio.wait_for(
+                self.channel_layer.group_add(node_group(node.id), self.channel_name), GROUP_OP_TIMEOUT_S
+            )
+        except Exception as e:  # noqa: BLE001 - whatever the layer raised, the agent must connect again
+            log.warning(
+                "agent %s: joining its command group failed (%s): closing", node.id, e.__class__.__name__
+            )
+            await self.close(code=CLOSE_TRY_AGAIN)
+            return
         self.node_id = node.id
-        await self.channel_layer.group_add(node_group(node.id), self.channel_name)
         self.connected_at = await database_sync_to_async(services.mark_connected)(node.id)
         await self.send_message(
             Welcome(
@@ -124,7 +140,13 @@ class AgentConsumer(SafeJsonConsumer):
     async def disconnect(self, code: int) -> None:
         if self.node_id is None:
             return
-        await self.channel_layer.group_discard(node_group(self.node_id), self.channel_name)
+        try:
+            await asyncio.wait_for(
+                self.channel_layer.group_discard(node_group(self.node_id), self.channel_name),
+                GROUP_OP_TIMEOUT_S,
+            )
+        except Exception as e:  # noqa: BLE001 - the group forgets a dead channel by itself (its expiry)
+            log.warning("agent %s: leaving its command group failed (%s)", self.node_id, e.__class__.__name__)
         if await database_sync_to_async(services.mark_disconnected)(self.node_id, self.connected_at):
             await notify_fleet_async(self.node_id)
 
