@@ -39,12 +39,10 @@ import os
 import re
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -55,7 +53,8 @@ sys.path.insert(0, str(REPO))
 
 from agent.dev import hostile as h  # noqa: E402
 from agent.dev.hostile import GIB, MIB, Stalled, address  # noqa: E402
-from agent.procs import free_port  # noqa: E402
+from bench._abuse_common import LoopThread, shell, until  # noqa: E402
+from bench._abuse_tracker import poisoning  # noqa: E402
 from bench._common import cpu_kind  # noqa: E402
 from bench.api import api_stream  # noqa: E402
 
@@ -79,13 +78,6 @@ TARGETS = {
 }
 
 
-def shell(s: Any, code: str) -> Any:
-    """Run Python in the control plane's Django (manage.py shell); the JSON its last line prints."""
-    cmd = [sys.executable, "manage.py", "shell", "-c", code]
-    out = subprocess.run(cmd, cwd=REPO, env=s.env, check=True, capture_output=True)
-    return json.loads(out.stdout.decode().strip().splitlines()[-1])
-
-
 def new_key(c: Any, name: str) -> str | None:
     """A new API key through the keys page, as its user makes one; None when the page refuses."""
     code, html = c.post("/api-keys/new", {"name": name})
@@ -97,38 +89,6 @@ def status_of(reply: bytes) -> int:
     """The status code of a raw HTTP answer (0: none came)."""
     parts = reply.split(b" ", 2)
     return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
-
-
-def until(cond: Callable[[], bool], timeout_s: float) -> bool:
-    end = time.monotonic() + timeout_s
-    while not cond() and time.monotonic() < end:
-        time.sleep(0.05)
-    return cond()
-
-
-class LoopThread(threading.Thread):
-    """An asyncio loop on a thread of its own running `main()` until `stop()` sets `quit`."""
-
-    def __init__(self) -> None:
-        super().__init__(daemon=True)
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.quit: asyncio.Event | None = None
-        self.started = threading.Event()
-
-    def run(self) -> None:
-        async def go() -> None:
-            self.loop, self.quit = asyncio.get_running_loop(), asyncio.Event()
-            await self.main(self.quit)
-
-        asyncio.run(go())
-
-    async def main(self, quit: asyncio.Event) -> None:
-        raise NotImplementedError
-
-    def stop(self, timeout_s: float = 120) -> None:
-        if self.loop is not None and self.quit is not None:
-            self.loop.call_soon_threadsafe(self.quit.set)
-        self.join(timeout=timeout_s)
 
 
 # -- items 1, 2 and 6: the web server -------------------------------------------------------------------
@@ -434,113 +394,6 @@ def many_keys(base: str, keys: list[str], rate_s: float, max_requests: int) -> d
         "rate_answered_per_clock_minute": [sum(int(t // 60) == m for t in ok) for m in minutes],
         "rate_refused_429": sum(code == 429 for _, code in answers),
         "rate_requests_sent": len(answers),
-    }
-
-
-# -- item 4: tracker poisoning ----------------------------------------------------------------------------
-class NoShards:
-    """The stand-ins' shard host: nothing loaded, nothing to load."""
-
-    def load_shard(self, *args: Any, **kwargs: Any) -> None:
-        raise RuntimeError("a tracker stand-in holds no shards")
-
-    def unload_shard(self, model_sha256: str, layer_start: int, layer_end: int) -> bool:
-        return False
-
-    def drain(self) -> None:
-        pass
-
-    def stats(self) -> dict[str, Any]:
-        return {"shards": []}
-
-
-class StandIns(LoopThread):
-    """Enrolled nodes that hold no shards: the real control connection each, and a data plane answering
-    its health check only (the control plane probes it before it lists the node online)."""
-
-    def __init__(self, configs: list[Any], data_dir: Path) -> None:
-        super().__init__()
-        self.configs, self.data_dir = configs, data_dir
-
-    async def main(self, quit: asyncio.Event) -> None:
-        from aiohttp import web
-
-        from agent.node.control import ControlAgent
-
-        def health_app(node_id: str) -> web.Application:
-            async def health(_: web.Request) -> web.Response:
-                return web.json_response({"node_id": node_id})
-
-            app = web.Application()
-            app.router.add_get("/v1/health", health)
-            return app
-
-        runners, agents = [], []
-        for cfg in self.configs:
-            port = free_port()
-            runners.append(web.AppRunner(health_app(cfg.node_id), access_log=None))
-            await runners[-1].setup()
-            await web.TCPSite(runners[-1], "127.0.0.1", port).start()
-            url = f"http://127.0.0.1:{port}"
-            agents.append(
-                ControlAgent(
-                    config=cfg,
-                    host=NoShards(),
-                    dataplane_url=url,
-                    data_dir=self.data_dir,
-                    backends=lambda: ["torch"],
-                    speed=1.0,
-                    torrent_listen=None,
-                )
-            )
-        await asyncio.gather(*(a.run(quit) for a in agents), return_exceptions=True)
-        for r in runners:
-            await r.cleanup()
-
-
-def poisoning(s: Any, honest_nodes: int, claims: int, tmp: Path) -> dict[str, Any]:
-    from agent.node.enroll import enroll
-    from webapp.tracker.logic import bdecode
-
-    names = [f"honest-{i}" for i in range(honest_nodes)] + ["asker", "poisoner"]
-    configs = [enroll(s.base, s.admin.create_enrollment_token(n), n) for n in names]
-    ids = [c.node_id for c in configs]
-    stand_ins = StandIns(configs, tmp)
-    stand_ins.start()
-    try:
-        s.online(ids)
-        got = shell(
-            s,
-            "import json\nfrom webapp.fleet.passkeys import node_passkey\n"
-            "from webapp.catalog.models import ModelArtifact\n"
-            f"a = ModelArtifact.objects.get(sha256={s.model['sha256']!r})\n"
-            f"print(json.dumps({{'infohash': a.infohash, 'passkeys': [node_passkey(n) for n in {ids!r}]}}))",
-        )
-        ih, passkeys = bytes.fromhex(got["infohash"]), got["passkeys"]
-
-        def announce(passkey: str, peer_id: bytes, port: int, numwant: int = 50) -> Any:
-            url = f"{s.base}/tracker/{passkey}/announce?{h.announce_query(ih, peer_id, port, numwant)}"
-            with urllib.request.urlopen(url, timeout=30) as r:
-                return bdecode(r.read())
-
-        for i, pk in enumerate(passkeys[:honest_nodes]):
-            announce(pk, b"-GS0001-" + b"h%011d" % i, 6881 + i)
-        fake_ports = range(40000, 40000 + claims)
-        t = time.perf_counter()
-        accepted = sum(
-            b"failure reason" not in announce(passkeys[-1], b"-FAKE00-" + b"%012d" % p, p) for p in fake_ports
-        )
-        claim_s = time.perf_counter() - t
-        peers = h.compact_peers(announce(passkeys[-2], b"-GS0001-asker0000000", 6999, 200))
-    finally:
-        stand_ins.stop()
-    fake = [p for p in peers if p[1] in fake_ports]
-    return {
-        "honest_peer_share_after_poisoning": round(1 - len(fake) / len(peers), 3) if peers else None,
-        "tracker_peers_returned": len(peers),
-        "tracker_fake_peers_returned": len(fake),
-        "poison_announces_accepted": accepted,
-        "poison_announce_s": round(claim_s, 2),
     }
 
 
