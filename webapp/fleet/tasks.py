@@ -294,9 +294,9 @@ class SweepPlan:
 
 
 def plan_sweep() -> SweepPlan:
-    """Mark silent nodes offline (the caller pings the dashboards about them); offline nodes with shards are lost once silent for NODE_LOST_AFTER_S,
-    or for NODE_DEAD_AFTER_S (5 s) when their data plane is gone too; silence counted from the latest
-    web start at the earliest (services.silence_start)."""
+    """Mark silent nodes offline (the caller pings the dashboards about them); offline nodes with shards
+    are lost once silent for NODE_LOST_AFTER_S, or for NODE_DEAD_AFTER_S (5 s) when their data plane is
+    gone too; silence counted from the latest web start at the earliest (services.silence_start)."""
     flipped = [nid for nid in services.stale_online_nodes() if services.mark_offline_if_stale(nid)]
     lost_cutoff = timezone.now() - timedelta(seconds=settings.NODE_LOST_AFTER_S)
     dead_cutoff = timezone.now() - timedelta(seconds=settings.NODE_DEAD_AFTER_S)
