@@ -331,7 +331,8 @@ async def test_a_dashboard_ping_the_channel_layer_never_answers_holds_up_neither
     await ws.send_json_to({"type": "heartbeat", "telemetry": {}})
     await asyncio.wait_for(fleet_pings_never_answered.wait(), 10)
     # another consumer's database call while the ping waits
-    assert await asyncio.wait_for(database_sync_to_async(Node.objects.filter(pk=node.id).count)(), 0.5) == 1
+    # (finite is enough: with the ping inside the database call it never returns)
+    assert await asyncio.wait_for(database_sync_to_async(Node.objects.filter(pk=node.id).count)(), 5) == 1
     # the agent's next message is handled once the ping gave up (the error reply says so)
     await ws.send_to(text_data="{")
     assert "error" in await ws.receive_json_from(timeout=10)
@@ -390,7 +391,7 @@ async def test_a_closed_socket_whose_group_leave_never_returns_still_marks_the_n
     node, secret = node_with_secret
     ws = await connected(node.id, secret)
     waiting = _hang(monkeypatch, "group_discard")
-    await ws.disconnect()
+    await ws.disconnect(timeout=10)  # its handler waits GROUP_OP_TIMEOUT_S, then the database
     assert waiting.is_set()
     n = await database_sync_to_async(Node.objects.get)(pk=node.id)
     assert n.state == Node.State.OFFLINE
