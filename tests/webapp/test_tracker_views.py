@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import socket
 import struct
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -222,3 +225,66 @@ async def test_under_asgi_the_web_seed_streams_without_buffering_the_range(
     from django.db import connections
 
     await database_sync_to_async(connections.close_all)()  # the view's thread connection
+
+
+@pytest.fixture
+def hung_redis_url() -> Iterator[str]:
+    """A "Redis" on 127.0.0.1 that accepts connections and never answers (hung, or hostile)."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                held.append(srv.accept()[0])
+            except OSError:  # closed at teardown
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    yield f"redis://127.0.0.1:{srv.getsockname()[1]}/0"
+    srv.close()
+    for c in held:
+        c.close()
+
+
+class _AllowAll:
+    """An announce-rate limiter that admits everything (so the peer store meets the hung Redis)."""
+
+    per_min = 60
+
+    def allow(self, node: str, now: float) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("first", ["peer store", "rate counter"])
+def test_a_redis_that_never_answers_gets_the_node_a_failure_reason_in_seconds(
+    client: Any,
+    swarm_artifact: Any,
+    settings: Any,
+    hung_redis_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    first: str,
+) -> None:
+    """An announce against a Redis that accepted and never answered was a 500 once a client's read
+    timed out (redis-py's default 5 s for the peer store, 2 s for the rate counter), which the node's
+    torrent client cannot read. It is now a bencoded failure reason, which it reads and retries after."""
+    from webapp.core.throttle import WindowCounter
+    from webapp.tracker import services
+
+    a = enroll("a")
+    before = settings.REDIS_URL
+    settings.REDIS_URL = hung_redis_url
+    limiter = _AllowAll() if first == "peer store" else services.AnnounceRate()
+    if isinstance(limiter, services.AnnounceRate):
+        limiter.counter = WindowCounter("tracker-rate")  # a client of its own, to the hung Redis
+    monkeypatch.setattr(services, "announce_rate", limiter)
+    peer_store.cache_clear()
+    try:
+        t0 = time.monotonic()
+        q = announce_query(bytes.fromhex(swarm_artifact.infohash), b"-GS0001-" + b"a" * 12, 6881)
+        body = get(client, f"/tracker/{node_passkey(a)}/announce", q)
+        assert b"unavailable" in body[b"failure reason"]
+        assert time.monotonic() - t0 < 15  # a 2 s timeout, on a loaded machine
+    finally:
+        settings.REDIS_URL = before
+        peer_store.cache_clear()

@@ -116,6 +116,9 @@ def torrent_known(info_hash: bytes) -> bool:
     return ModelArtifact.objects.filter(infohash=info_hash.hex(), state=ModelArtifact.State.READY).exists()
 
 
+REDIS_TIMEOUT_S = 2.0  # the peer store's reads and connects
+
+
 @cache
 def peer_store() -> PeerStore:
     """Redis when REDIS_URL is set (shared by every web process), else this process's memory."""
@@ -124,5 +127,10 @@ def peer_store() -> PeerStore:
 
         from webapp.tracker.store import RedisPeerStore
 
-        return RedisPeerStore(redis.Redis.from_url(settings.REDIS_URL), settings.TRACKER_REDIS_PREFIX)
+        # bounded like the web's other Redis clients (redis-py's own default is 5 s): a Redis that hangs
+        # fails an announce within this, and views.py answers it with a failure reason
+        client = redis.Redis.from_url(
+            settings.REDIS_URL, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S
+        )
+        return RedisPeerStore(client, settings.TRACKER_REDIS_PREFIX)
     return MemoryPeerStore()

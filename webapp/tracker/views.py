@@ -3,9 +3,13 @@ endpoints nodes fetch from with their credentials (manifest, .torrent, the HTTP 
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
 from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
 from django.shortcuts import get_object_or_404
 from django.views.decorators.http import require_GET
+from redis.exceptions import RedisError
 
 from webapp.catalog.models import ModelArtifact
 from webapp.core.nodeauth import parse_node_authorization
@@ -13,16 +17,26 @@ from webapp.fleet.services import authenticate_node
 from webapp.tracker import logic, services
 from webapp.tracker.http import file_range_response
 
+log = logging.getLogger(__name__)
 
-def _bencoded(body: bytes) -> HttpResponse:
-    return HttpResponse(body, content_type="text/plain")  # trackers answer 200; refusals are in the body
+
+def _bencoded(answer: Callable[[], bytes]) -> HttpResponse:
+    """The tracker's answer (trackers answer 200; refusals are in the body). A Redis that fails or
+    does not answer in time (the peer store's and the rate counter's timeouts) is a failure reason the
+    node's torrent client understands and retries after, not a 500 it cannot read."""
+    try:
+        body = answer()
+    except RedisError as e:
+        log.warning("tracker answered unavailable: Redis %s", e.__class__.__name__)
+        body = logic.failure("tracker unavailable, announce again later")
+    return HttpResponse(body, content_type="text/plain")
 
 
 @require_GET
 def announce(request: HttpRequest, passkey: str) -> HttpResponse:
     """BEP 3 announce; the raw QUERY_STRING is parsed because request.GET corrupts the binary info_hash."""
     return _bencoded(
-        logic.announce(
+        lambda: logic.announce(
             request.META.get("QUERY_STRING", ""),
             request.META.get("REMOTE_ADDR", ""),
             passkey,
@@ -38,7 +52,7 @@ def announce(request: HttpRequest, passkey: str) -> HttpResponse:
 def scrape(request: HttpRequest, passkey: str) -> HttpResponse:
     """BEP 48 scrape of the info_hashes asked for."""
     return _bencoded(
-        logic.scrape(
+        lambda: logic.scrape(
             request.META.get("QUERY_STRING", ""),
             passkey,
             identify=services.identify,
