@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
+import threading
 
 # what this file puts in the environment for this process alone (pytest_xdist_setupnodes below)
 _SET_HERE = [
@@ -173,3 +175,23 @@ def swarm_artifact(artifact: Any, smollm2_torrent: tuple[bytes, str]) -> Any:
     artifact.torrent, artifact.infohash = smollm2_torrent
     artifact.save(update_fields=["torrent", "infohash"])
     return artifact
+
+
+@pytest.fixture
+def hung_redis_url() -> Iterator[str]:
+    """A "Redis" on 127.0.0.1 that accepts connections and never answers (hung, or hostile)."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                held.append(srv.accept()[0])
+            except OSError:  # closed at teardown
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    yield f"redis://127.0.0.1:{srv.getsockname()[1]}/0"
+    srv.close()
+    for c in held:
+        c.close()

@@ -230,6 +230,17 @@ async def test_a_key_over_its_rate_limit_gets_429_with_retry_after(
     assert err["type"] == "requests" and 1 <= int(r["Retry-After"]) <= 60
 
 
+async def test_a_redis_that_never_answers_refuses_api_requests_with_503_and_retry_after(
+    async_client: Any, api_key: tuple[str, Any], placed: Any, settings: Any, hung_redis_url: str
+) -> None:
+    """Rate limits live in Redis: when it fails or hangs, a request is refused the way OpenAI's clients
+    retry (503, Retry-After) instead of a 500, and never served unmetered."""
+    settings.REDIS_URL = hung_redis_url  # this test's rate limiter (the `fresh` fixture's) meets it
+    r = await async_client.get("/v1/models", headers=auth(api_key[0]))
+    assert_error(r, 503, "rate_limits_unavailable")
+    assert int(r["Retry-After"]) >= 1
+
+
 async def test_a_chat_completion_answers_with_usage_equal_to_the_tokenizers_and_per_hop_telemetry(
     async_client: Any, api_key: tuple[str, Any], placed: Any
 ) -> None:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import socket
 import struct
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -225,26 +223,6 @@ async def test_under_asgi_the_web_seed_streams_without_buffering_the_range(
     from django.db import connections
 
     await database_sync_to_async(connections.close_all)()  # the view's thread connection
-
-
-@pytest.fixture
-def hung_redis_url() -> Iterator[str]:
-    """A "Redis" on 127.0.0.1 that accepts connections and never answers (hung, or hostile)."""
-    srv = socket.create_server(("127.0.0.1", 0))
-    held: list[socket.socket] = []
-
-    def accept() -> None:
-        while True:
-            try:
-                held.append(srv.accept()[0])
-            except OSError:  # closed at teardown
-                return
-
-    threading.Thread(target=accept, daemon=True).start()
-    yield f"redis://127.0.0.1:{srv.getsockname()[1]}/0"
-    srv.close()
-    for c in held:
-        c.close()
 
 
 class _AllowAll:

@@ -16,6 +16,7 @@ from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonRespons
 from django.shortcuts import redirect, render
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
+from redis.exceptions import RedisError
 
 from webapp.api import engine, keys
 from webapp.api.engine import Generation, Piece
@@ -83,6 +84,17 @@ def api_view(
                 return await view(request, key, **kwargs)
             except ApiError as e:
                 return error_response(e)
+            except RedisError as e:  # the rate limits' store: refuse, never serve unmetered
+                log.warning("API request refused: Redis %s", e.__class__.__name__)
+                return error_response(
+                    ApiError(
+                        503,
+                        "the service cannot check rate limits right now; retry shortly",
+                        "server_error",
+                        code="rate_limits_unavailable",
+                        headers={"Retry-After": "2"},
+                    )
+                )
             except RequestDataTooBig:
                 return error_response(
                     ApiError(413, "the request body is too large", code="request_too_large")
