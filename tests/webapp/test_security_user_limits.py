@@ -167,6 +167,33 @@ async def test_a_users_answers_past_the_cap_are_refused_api_and_playground_toget
         await w.disconnect()
 
 
+async def test_when_the_store_of_running_answers_never_answers_no_answer_starts_and_the_user_is_told(
+    async_client: Any,
+    member: Any,
+    placed: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    settings: Any,
+    hung_redis_url: str,
+) -> None:
+    """The leases of running answers live in Redis: when it fails or hangs, an answer nobody counted is
+    not started. The playground's turn ends with a message (the page gives the text back) instead of an
+    exception that closed the socket, and the API answers 503 with Retry-After instead of a 500."""
+    plain, _ = await database_sync_to_async(keys.create_key)(member, "k")
+    settings.REDIS_URL = hung_redis_url  # the streams' store (conftest: fresh per test) meets it
+    monkeypatch.setattr(keys.rate_limiter, "hit", lambda *a, **k: 0.0)  # the API's limits pass
+    monkeypatch.setattr(keys, "hit_user", lambda *a, **k: 0.0)
+    ws = chat_socket(member)
+    assert (await ws.connect())[0]
+    await ws.send_json_to({"model": str(placed.pk), "message": "hello", "max_tokens": "4"})
+    _, ev = await answer(ws)
+    assert ev["type"] == "error" and "try again shortly" in ev["error"]
+    refused = await chat(async_client, plain, placed.name)
+    assert refused.status_code == 503 and int(refused["Retry-After"]) >= 1
+    assert json.loads(refused.content)["error"]["code"] == "streams_unavailable"
+    assert not FakeRouteClient.instances, "no route was opened for an uncounted answer"
+    await ws.disconnect()
+
+
 # -- route sessions (KV on the hops) per user -----------------------------------------------------------
 async def test_closed_tabs_past_the_users_route_cap_close_their_oldest_routes_on_the_hops(
     member: Any, staff: Any, placed: Any, monkeypatch: pytest.MonkeyPatch, settings: Any

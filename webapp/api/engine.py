@@ -174,6 +174,10 @@ class Generation:
             self.stream = await quota.hold_stream(self.key.user)
         except quota.TooManyStreams as e:
             raise ApiError(429, str(e), "requests", code="too_many_streams", headers=_retry()) from None
+        except quota.StreamsUnavailable as e:
+            raise ApiError(
+                503, str(e), "server_error", code="streams_unavailable", headers=_retry()
+            ) from None
         try:
             await self._prepare()
         except BaseException:

@@ -226,7 +226,7 @@ class ChatConsumer(SafeJsonConsumer):
         base: dict[str, Any] = {"turn": turn_no}
         try:
             self.stream = await quota.hold_stream(self.scope["user"])
-        except quota.TooManyStreams as e:
+        except (quota.TooManyStreams, quota.StreamsUnavailable) as e:
             await self._turn_error(base, str(e))
             return
         try:

@@ -18,6 +18,7 @@ Users are keyed by their primary key; anonymous callers are not counted.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 import uuid
@@ -29,11 +30,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from django.conf import settings
+from redis.exceptions import RedisError
 
 from agent.client.failover import PREFILL_CHUNK
 from webapp.routing.answer import LiveRoute
 
 STREAM_LEASE_S = 120.0  # renewed every quarter of it while an answer streams
+log = logging.getLogger(__name__)
 # A user running other answers prefills in steps of this many positions (eight of them, then each
 # twice the one before: a long prompt pays a few round trips more), giving way between two to a
 # lighter user's prefill (Turn.prefill_steps): a prompt already on the hops when the lighter one
@@ -50,6 +53,16 @@ def user_key(user: Any) -> int | None:
 
 
 # ---------------------------------------------------------------------------------------------- streams
+class StreamsUnavailable(Exception):
+    """The store of running answers (Redis) failed or did not answer; str(e) says so (the API answers
+    503 with Retry-After)."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "answers cannot start right now (the service's store is unavailable); try again shortly"
+        )
+
+
 class TooManyStreams(Exception):
     """The user has `limit` answers running already; str(e) says so (the API answers 429)."""
 
@@ -145,23 +158,34 @@ class StreamLease:
         now = time.monotonic()
         if self.user is not None and self.lease is not None and now - self.renewed > STREAM_LEASE_S / 4:
             self.renewed = now
-            await asyncio.to_thread(streams.renew, self.user, self.lease, STREAM_LEASE_S)
+            try:
+                await asyncio.to_thread(streams.renew, self.user, self.lease, STREAM_LEASE_S)
+            except RedisError as e:  # the answer goes on; at worst its place lapses early
+                log.warning("stream lease not renewed: Redis %s", e.__class__.__name__)
 
     def release(self) -> None:
         """Synchronous (one Redis round trip at most) so that an answer is over for its user at the
         moment its task ends: the next turn may start right after the last message."""
         user, lease, self.lease = self.user, self.lease, None
         if user is not None and lease is not None:
-            streams.give_back(user, lease)
+            try:
+                streams.give_back(user, lease)
+            except RedisError as e:  # the lease lapses by itself, STREAM_LEASE_S after its last renewal
+                log.warning("stream lease not given back: Redis %s", e.__class__.__name__)
 
 
 async def hold_stream(user: Any) -> StreamLease:
-    """A lease on one of the user's answers at once; raises TooManyStreams when they are all taken."""
+    """A lease on one of the user's answers at once; raises TooManyStreams when they are all taken, and
+    StreamsUnavailable when the leases' store (Redis) fails: an answer nobody counted is not started."""
     key = user_key(user)
     if key is None:
         return StreamLease(None, None)
     limit = int(settings.USER_MAX_STREAMS)
-    lease = await asyncio.to_thread(streams.take, key, limit, STREAM_LEASE_S)
+    try:
+        lease = await asyncio.to_thread(streams.take, key, limit, STREAM_LEASE_S)
+    except RedisError as e:
+        log.warning("stream lease refused: Redis %s", e.__class__.__name__)
+        raise StreamsUnavailable() from None
     if lease is None:
         raise TooManyStreams(limit)
     return StreamLease(key, lease)
