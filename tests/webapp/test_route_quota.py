@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from typing import Any
 
 import pytest
 
-from webapp.routing.quota import FairGate, StreamSlots
+from webapp.routing.quota import FairGate, StreamLease, StreamSlots
 
 
 async def _admission_order(gate: FairGate, queued: list[str]) -> list[str]:
@@ -121,6 +122,49 @@ def test_stream_leases_are_shared_by_processes_in_redis_and_lapse_unless_renewed
     web1.renew(user, renewed, 60)
     time.sleep(0.3)
     assert web1.held(user) == 3
+
+
+def _redis_url() -> str:
+    import redis
+
+    url = os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379/0"
+    try:
+        redis.Redis.from_url(url, socket_timeout=2).ping()
+    except redis.RedisError:
+        pytest.skip(f"no Redis at {url}")
+    return url
+
+
+async def test_an_answer_gives_its_place_back_without_waiting_on_redis_from_the_event_loop(
+    settings: Any, hung_redis_url: str
+) -> None:
+    """release() ran its Redis call on the event loop: a Redis that hangs stalled the whole web process
+    for the client's 2 s timeout at the end of every answer."""
+    settings.REDIS_URL = hung_redis_url
+    lease = StreamLease(7, "lease-of-an-answer-that-ended")
+    t0 = time.monotonic()
+    lease.release()
+    assert time.monotonic() - t0 < 0.5 and lease.lease is None
+
+
+async def test_a_place_given_back_is_free_for_the_users_next_answer_before_redis_hears_of_it(
+    settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The next turn may start right after an answer's last message: this process's next take removes
+    the returned lease itself, while the worker thread's removal is still on its way."""
+    settings.REDIS_URL = _redis_url()
+    slots, user, let_go = StreamSlots(), int.from_bytes(os.urandom(4), "big"), threading.Event()
+    real = slots.give_back
+    monkeypatch.setattr(slots, "give_back", lambda u, lease: (let_go.wait(10), real(u, lease)))
+    first = slots.take(user, 1, 60)
+    assert first is not None and slots.take(user, 1, 60) is None
+    slots.give_back_soon(user, first)  # its removal from Redis waits in a worker thread
+    second = slots.take(user, 1, 60)
+    let_go.set()
+    assert second is not None and slots.take(user, 1, 60) is None, "one place, held by the next answer"
+    await asyncio.sleep(0.2)
+    slots.give_back(user, second)
+    assert slots.held(user) == 0
 
 
 async def test_a_heavier_users_new_prompt_waits_for_a_lighter_users_prefill_holding_no_place(

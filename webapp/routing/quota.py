@@ -81,6 +81,9 @@ class StreamSlots:
         self._lock = threading.Lock()
         self._leases: dict[int, dict[str, float]] = {}
         self._redis: Any = None
+        # leases given back whose removal from Redis is still on its way (give_back_soon): this
+        # process's next take for their user removes them itself, so its count never includes them
+        self._returning: dict[int, set[str]] = {}
 
     def _client(self) -> Any:
         if self._redis is None:
@@ -97,12 +100,16 @@ class StreamSlots:
         lease, now = uuid.uuid4().hex, time.time()
         if settings.REDIS_URL:
             name = self._name(user)
+            with self._lock:
+                returning = list(self._returning.get(user, ()))
             pipe = self._client().pipeline()
             pipe.zremrangebyscore(name, "-inf", now)
+            if returning:
+                pipe.zrem(name, *returning)
             pipe.zadd(name, {lease: now + lease_s})
             pipe.zcard(name)
             pipe.expire(name, int(lease_s) + 1)
-            held = int(pipe.execute()[2])
+            held = int(pipe.execute()[-2])
             if held > limit:  # two processes racing may both give theirs back: never both kept
                 self._client().zrem(name, lease)
                 return None
@@ -132,6 +139,34 @@ class StreamSlots:
             return
         with self._lock:
             self._leases.get(user, {}).pop(lease, None)
+
+    def give_back_soon(self, user: int, lease: str) -> None:
+        """give_back without waiting for Redis on an event loop: the lease counts as returned in this
+        process at once (see `take`) and leaves Redis from a worker thread. A Redis that hangs once held
+        the web's loop for the client's timeout at the end of every answer."""
+        if not settings.REDIS_URL:
+            self.give_back(user, lease)
+            return
+        with self._lock:
+            self._returning.setdefault(user, set()).add(lease)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # synchronous code: nothing to hold up but its own thread
+            self._give_back_returning(user, lease)
+            return
+        loop.run_in_executor(None, self._give_back_returning, user, lease)
+
+    def _give_back_returning(self, user: int, lease: str) -> None:
+        try:
+            self.give_back(user, lease)
+        except RedisError as e:  # the lease lapses by itself, STREAM_LEASE_S after its last renewal
+            log.warning("stream lease not given back: Redis %s", e.__class__.__name__)
+        finally:
+            with self._lock:
+                left = self._returning.get(user, set())
+                left.discard(lease)
+                if not left:
+                    self._returning.pop(user, None)
 
     def held(self, user: int) -> int:
         now = time.time()
@@ -164,14 +199,11 @@ class StreamLease:
                 log.warning("stream lease not renewed: Redis %s", e.__class__.__name__)
 
     def release(self) -> None:
-        """Synchronous (one Redis round trip at most) so that an answer is over for its user at the
-        moment its task ends: the next turn may start right after the last message."""
+        """The answer is over for its user at the moment its task ends: the next turn may start right
+        after the last message (StreamSlots.give_back_soon: no wait for Redis on the event loop)."""
         user, lease, self.lease = self.user, self.lease, None
         if user is not None and lease is not None:
-            try:
-                streams.give_back(user, lease)
-            except RedisError as e:  # the lease lapses by itself, STREAM_LEASE_S after its last renewal
-                log.warning("stream lease not given back: Redis %s", e.__class__.__name__)
+            streams.give_back_soon(user, lease)
 
 
 async def hold_stream(user: Any) -> StreamLease:
