@@ -154,7 +154,10 @@ class StreamSlots:
         except RuntimeError:  # synchronous code: nothing to hold up but its own thread
             self._give_back_returning(user, lease)
             return
-        loop.run_in_executor(None, self._give_back_returning, user, lease)
+        try:
+            loop.run_in_executor(None, self._give_back_returning, user, lease)
+        except RuntimeError:  # the loop's executor is shutting down (the process is stopping)
+            self._give_back_returning(user, lease)
 
     def _give_back_returning(self, user: int, lease: str) -> None:
         try:
