@@ -45,7 +45,18 @@ def _auth(header: str) -> ApiKey:
     key = keys.authenticate(header)
     if key is None:
         raise ApiError(401, "Incorrect or revoked API key", code="invalid_api_key")
-    wait = keys.rate_limiter.hit(key.pk, key.rate_limit_per_min)
+    try:
+        wait = keys.rate_limiter.hit(key.pk, key.rate_limit_per_min)
+        user_wait = 0.0 if wait else keys.hit_user(key.user_id)
+    except RedisError as e:  # the rate windows' store: refuse, never serve unmetered
+        log.warning("API request refused: Redis %s", e.__class__.__name__)
+        raise ApiError(
+            503,
+            "the service cannot check rate limits right now; retry shortly",
+            "server_error",
+            code="rate_limits_unavailable",
+            headers={"Retry-After": "2"},
+        ) from None
     if wait:
         raise ApiError(
             429,
@@ -55,15 +66,14 @@ def _auth(header: str) -> ApiKey:
             headers={"Retry-After": str(int(wait + 0.999))},
         )
     # Every key of a user shares the owner's budget too: more keys do not buy more requests (issue 33).
-    wait = keys.hit_user(key.user_id)
-    if wait:
+    if user_wait:
         raise ApiError(
             429,
             f"Rate limit of {keys.user_limit_per_min()} requests per minute reached for your account "
             "(all your API keys share it)",
             "requests",
             code="rate_limit_exceeded",
-            headers={"Retry-After": str(int(wait + 0.999))},
+            headers={"Retry-After": str(int(user_wait + 0.999))},
         )
     return key
 
@@ -84,17 +94,6 @@ def api_view(
                 return await view(request, key, **kwargs)
             except ApiError as e:
                 return error_response(e)
-            except RedisError as e:  # the rate limits' store: refuse, never serve unmetered
-                log.warning("API request refused: Redis %s", e.__class__.__name__)
-                return error_response(
-                    ApiError(
-                        503,
-                        "the service cannot check rate limits right now; retry shortly",
-                        "server_error",
-                        code="rate_limits_unavailable",
-                        headers={"Retry-After": "2"},
-                    )
-                )
             except RequestDataTooBig:
                 return error_response(
                     ApiError(413, "the request body is too large", code="request_too_large")
