@@ -157,6 +157,10 @@ CELERY_TASK_ALWAYS_EAGER = envbool("CELERY_TASK_ALWAYS_EAGER", not REDIS_URL)
 CELERY_TASK_EAGER_PROPAGATES = True
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# A publish waits at most this for Redis per try (kombu's default is no timeout: a Redis that accepts and
+# never answers held the publisher forever, an agent consumer's rollout step on the web's shared
+# database thread among them); above the workers' 1 s blocking pop. Ignored by memory://.
+CELERY_BROKER_TRANSPORT_OPTIONS = {"socket_timeout": 5, "socket_connect_timeout": 5}
 CELERY_TASK_DEFAULT_QUEUE = envstr("CELERY_QUEUE", "swarm")
 CELERY_BEAT_SCHEDULE = {
     "sweep-offline-nodes": {

@@ -265,3 +265,46 @@ def test_the_fleet_page_shows_the_rollout_panel_with_each_node_s_step(
     assert "gpu-1" in panel and "sent</span> installing" in panel and "1.0.0 → 2.0.0" in panel
     assert staff_client.post(f"/rollouts/{ro.pk}/pause").status_code == 200
     assert staff_client.post(f"/rollouts/{ro.pk}/pause").status_code == 409
+
+
+def test_a_task_publish_to_a_redis_that_never_answers_gives_up_within_the_transports_timeouts(
+    hung_redis_url: str,
+) -> None:
+    """kombu waits for Redis without a timeout by default: one `.delay()` against a Redis that accepted
+    and never answered blocked its caller for good (over 120 s, measured), e.g. a rollout step enqueued
+    from an agent's hello on the web's shared database thread. The control plane's Celery settings bound
+    each try (CELERY_BROKER_TRANSPORT_OPTIONS)."""
+    import time
+
+    from celery import Celery
+    from kombu.exceptions import OperationalError
+
+    app = Celery("publish-bound")
+    app.config_from_object("django.conf:settings", namespace="CELERY")
+    app.conf.broker_url, app.conf.task_always_eager = hung_redis_url, False
+
+    @app.task
+    def noop() -> None:
+        pass
+
+    t0 = time.monotonic()
+    with pytest.raises(OperationalError):
+        noop.delay()
+    assert time.monotonic() - t0 < 30
+
+
+@pytest.mark.django_db
+def test_a_rollout_step_the_broker_cannot_take_is_logged_not_raised_into_the_agents_hello(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, django_capture_on_commit_callbacks: Any
+) -> None:
+    from kombu.exceptions import OperationalError
+
+    from webapp.releases import tasks
+
+    def refused(*args: Any) -> None:
+        raise OperationalError("Timeout reading from socket")
+
+    monkeypatch.setattr(tasks.advance_rollout, "delay", refused)
+    with django_capture_on_commit_callbacks(execute=True):
+        tasks.enqueue_advance(1)  # published at commit, as from a consumer's database call
+    assert "rollout 1 not advanced now" in caplog.text

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import logging
+
 from celery import shared_task
 from django.db import transaction
+from kombu.exceptions import OperationalError
 
 from webapp.core.channels import notify_fleet
 from webapp.fleet.tasks import send_command
 from webapp.releases import services
 from webapp.releases.models import RolloutNode
+
+log = logging.getLogger(__name__)
 
 
 @shared_task
@@ -33,5 +38,14 @@ def advance_rollouts() -> int:
 
 
 def enqueue_advance(rollout_id: int) -> None:
-    """Advance a rollout once the caller's transaction (if any) has committed."""
-    transaction.on_commit(lambda: advance_rollout.delay(rollout_id))
+    """Advance a rollout once the caller's transaction (if any) has committed. Called from agents'
+    hellos and reports: a broker that cannot take the task (bounded by the transport's timeouts) is
+    logged, not the agent's failure; beat's advance_rollouts advances every active rollout anyway."""
+
+    def publish() -> None:
+        try:
+            advance_rollout.delay(rollout_id)
+        except OperationalError as e:
+            log.warning("rollout %s not advanced now: the broker did not take the task (%s)", rollout_id, e)
+
+    transaction.on_commit(publish)
