@@ -276,10 +276,8 @@ def test_a_task_publish_to_a_redis_that_never_answers_gives_up_within_the_transp
     each try (CELERY_BROKER_TRANSPORT_OPTIONS)."""
     import time
 
-    from celery import Celery
+    from celery import Celery, current_app
     from kombu.exceptions import OperationalError
-
-    from celery import current_app
 
     # not the current app: the control plane's shared tasks must keep theirs (eager in these tests; as
     # the current app, this one sent the next tests' tasks to its closed broker)
