@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from datetime import timedelta
 from typing import Any
 
@@ -297,45 +297,58 @@ async def test_a_progress_report_with_transfer_figures_is_kept_on_the_assignment
     await ws.disconnect()
 
 
-@pytest.fixture
-def fleet_pings_never_answered(monkeypatch: pytest.MonkeyPatch) -> Iterator[asyncio.Event]:
-    """The channel layer as a Redis that accepts the dashboards' pings and never answers them (other
-    groups' messages go through); the event is set once a ping waits. NOTIFY_TIMEOUT_S is 1 s."""
+def _hang(monkeypatch: pytest.MonkeyPatch, method: str, group: str | None = None) -> asyncio.Event:
+    """The channel layer's `method` never answers (a Redis restarting, or accepting and never
+    answering), for `group` only when given (other groups' calls go through); the event is set once a
+    call waits."""
     from channels.layers import get_channel_layer
 
+    layer = get_channel_layer()
+    real, waiting = getattr(layer, method), asyncio.Event()
+
+    async def never(*args: Any) -> Any:
+        if group is not None and args[0] != group:
+            return await real(*args)
+        waiting.set()
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(layer, method, never)
+    return waiting
+
+
+@pytest.fixture
+def fleet_pings_never_answered(monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
+    """The dashboards' pings are never answered; NOTIFY_TIMEOUT_S is 1 s."""
     from webapp.core import channels as core_channels
 
     monkeypatch.setattr(core_channels, "NOTIFY_TIMEOUT_S", 1.0)
-    layer = get_channel_layer()
-    real, waiting = layer.group_send, asyncio.Event()
-
-    async def group_send(group: str, message: dict[str, Any]) -> None:
-        if group != core_channels.FLEET_GROUP:
-            return await real(group, message)
-        waiting.set()
-        await asyncio.Event().wait()  # never answered
-
-    monkeypatch.setattr(layer, "group_send", group_send)
-    yield waiting
+    return _hang(monkeypatch, "group_send", core_channels.FLEET_GROUP)
 
 
 async def test_a_dashboard_ping_the_channel_layer_never_answers_holds_up_neither_the_database_thread_nor_the_agent(
-    node_with_secret: Any, fleet_pings_never_answered: asyncio.Event, caplog: pytest.LogCaptureFixture
+    node_with_secret: Any,
+    fleet_pings_never_answered: asyncio.Event,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A heartbeat's dashboard ping ran inside its database call, on the thread every consumer's
     database calls share: a Redis that accepted and never answered held that thread (and every other
     agent's welcome and heartbeat) for channels-redis' socket timeout, 30 s, at each beat. The ping now
     goes from the event loop after the database call and gives up after NOTIFY_TIMEOUT_S."""
+    from webapp.core import channels as core_channels
+
     node, secret = node_with_secret
     ws = await connected(node.id, secret)
+    # longer than the database call's bound below, so a ping inside that call fails the test
+    monkeypatch.setattr(core_channels, "NOTIFY_TIMEOUT_S", 8.0)
     await ws.send_json_to({"type": "heartbeat", "telemetry": {}})
     await asyncio.wait_for(fleet_pings_never_answered.wait(), 10)
     # another consumer's database call while the ping waits
-    # (finite is enough: with the ping inside the database call it never returns)
+    # (with the ping inside the database call it returns only when the ping gives up, after 8 s)
     assert await asyncio.wait_for(database_sync_to_async(Node.objects.filter(pk=node.id).count)(), 5) == 1
     # the agent's next message is handled once the ping gave up (the error reply says so)
     await ws.send_to(text_data="{")
-    assert "error" in await ws.receive_json_from(timeout=10)
+    assert "error" in await ws.receive_json_from(timeout=30)
     assert "dashboard ping (node" in caplog.text
 
 
@@ -351,24 +364,15 @@ def test_a_dashboard_ping_from_a_task_gives_up_after_its_timeout(
     assert fleet_pings_never_answered.is_set() and time.monotonic() - t0 < 5
 
 
-def _hang(monkeypatch: pytest.MonkeyPatch, method: str) -> asyncio.Event:
-    """The channel layer's `method` never answers (a Redis restarting, or accepting and never
-    answering); the event is set once a call waits. GROUP_OP_TIMEOUT_S is 0.5 s."""
-    from channels.layers import get_channel_layer
-
+@pytest.fixture
+def group_ops_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GROUP_OP_TIMEOUT_S is 0.5 s."""
     from webapp.fleet import consumers
 
     monkeypatch.setattr(consumers, "GROUP_OP_TIMEOUT_S", 0.5)
-    waiting = asyncio.Event()
-
-    async def never(*args: Any) -> None:
-        waiting.set()
-        await asyncio.Event().wait()
-
-    monkeypatch.setattr(get_channel_layer(), method, never)
-    return waiting
 
 
+@pytest.mark.usefixtures("group_ops_bounded")
 async def test_a_socket_that_cannot_join_its_command_group_is_closed_for_the_agent_to_connect_again(
     node_with_secret: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -385,6 +389,7 @@ async def test_a_socket_that_cannot_join_its_command_group_is_closed_for_the_age
     assert n.state != Node.State.ONLINE and n.connected_at == node.connected_at
 
 
+@pytest.mark.usefixtures("group_ops_bounded")
 async def test_a_closed_socket_whose_group_leave_never_returns_still_marks_the_node_offline(
     node_with_secret: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
