@@ -170,6 +170,10 @@ CELERY_BEAT_SCHEDULE = {
     "prune-telemetry": {"task": "webapp.telemetry.tasks.prune_samples", "schedule": timedelta(minutes=10)},
     "gc-route-sessions": {"task": "webapp.routing.tasks.gc_sessions", "schedule": timedelta(minutes=1)},
     "advance-rollouts": {"task": "webapp.releases.tasks.advance_rollouts", "schedule": timedelta(seconds=5)},
+    "requeue-unqueued-builds": {
+        "task": "webapp.catalog.tasks.requeue_unqueued_builds",
+        "schedule": timedelta(seconds=30),
+    },
 }
 
 # --- swarm behaviour ------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """The README's `up` command as a new user meets it, in Chromium: the printed URL loads, a chat streams with
 live per-hop bars, a fenced code block renders as code, Stop halts generation on every hop and its KV returns
 to baseline, and a conversation survives a page reload and continues with the hops' KV (reuse, not
-re-prefill); an API key made in the web UI works from the official `openai` client (last: it leaves the
-playground page). One stack for the module (the API-key test had a module and an `up` stack of its own).
+re-prefill); an API key made in the web UI works from the official `openai` client; a refused model
+registration shows its reason on the models page (last: it leaves the playground page). One stack for the
+module (the API-key test had a module and an `up` stack of its own).
 """
 
 from __future__ import annotations
@@ -261,3 +262,15 @@ def test_a_key_created_in_the_ui_answers_through_the_openai_client_and_stops_whe
             client.models.list()
     finally:
         context.close()
+
+
+def test_a_refused_model_registration_shows_its_reason_on_the_models_page(page: Any, swarm_up: str) -> None:
+    """The view answers 400 with the models table and the reason; htmx 2 swaps no 4xx by default, so until
+    base.html's htmx-config the page showed nothing at all."""
+    page.goto(swarm_up + "/models/")
+    form = page.locator("form:has(input[name=kind][value=path])")
+    form.locator("input[name=path]").fill("no-such-model.gguf")
+    form.locator("button[type=submit]").click()
+    error = page.wait_for_selector("#models p.error", timeout=30_000)
+    assert error.inner_text().strip() == "no-such-model.gguf: no such file"
+    assert page.locator("#models table.models").count() == 1  # the table is still there beside it

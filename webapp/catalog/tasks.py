@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import logging
 
 from celery import shared_task
 from django.db import transaction
+from kombu.exceptions import OperationalError
 
 from agent.artifacts.manifest import ManifestError, build_manifest
 from agent.backends.check import with_executor_check
@@ -13,10 +15,51 @@ from webapp.catalog.models import ModelArtifact
 from webapp.catalog.services import build_torrent
 from webapp.core.channels import notify_fleet
 
+log = logging.getLogger(__name__)
+
+# Shown under a pending model's badge while the broker has not taken its build (beat publishes it again).
+BUILD_NOT_QUEUED = "waiting for the task queue (Redis), which did not take its build; it is sent again"
+
 
 def enqueue_build(artifact_id: int) -> None:
-    """Build the manifest once the registering transaction commits (a worker must see the row)."""
-    transaction.on_commit(lambda: build_artifact_manifest.delay(artifact_id))
+    """Build the manifest once the registering transaction commits (a worker must see the row). A broker
+    that cannot take the task leaves the model pending and marked, not lost with a 500 to the registering
+    user: beat's requeue_unqueued_builds sends it again."""
+
+    def publish() -> None:
+        if not _publish_build(artifact_id):
+            ModelArtifact.objects.filter(pk=artifact_id, state=ModelArtifact.State.PENDING).update(
+                error=BUILD_NOT_QUEUED
+            )
+
+    transaction.on_commit(publish)
+
+
+def _publish_build(artifact_id: int) -> bool:
+    try:
+        build_artifact_manifest.delay(artifact_id)
+    except OperationalError as e:
+        log.warning(
+            "model %s: its manifest build was not queued: the broker did not take it (%s)", artifact_id, e
+        )
+        return False
+    return True
+
+
+@shared_task
+def requeue_unqueued_builds() -> int:
+    """Beat: send again the builds the broker did not take (marked by enqueue_build); returns how many
+    went. The build's claim (pending -> building) makes a second delivery a no-op."""
+    marked = ModelArtifact.objects.filter(state=ModelArtifact.State.PENDING, error=BUILD_NOT_QUEUED)
+    sent = 0
+    for pk in list(marked.values_list("pk", flat=True)[:100]):
+        if not _publish_build(pk):
+            break  # the broker is still away; the next beat tries again
+        ModelArtifact.objects.filter(pk=pk, state=ModelArtifact.State.PENDING, error=BUILD_NOT_QUEUED).update(
+            error=""
+        )
+        sent += 1
+    return sent
 
 
 @shared_task
@@ -26,7 +69,7 @@ def build_artifact_manifest(artifact_id: int) -> str:
     whose architecture has no layer windows but that llama.cpp runs is ready as whole-model-only: its
     manifest keeps the facts `ModelArtifact.routing` derives that mode and its reason from."""
     claimed = ModelArtifact.objects.filter(pk=artifact_id, state=ModelArtifact.State.PENDING).update(
-        state=ModelArtifact.State.BUILDING
+        state=ModelArtifact.State.BUILDING, error=""
     )
     if not claimed:
         return "another worker got there first"

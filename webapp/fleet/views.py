@@ -19,6 +19,7 @@ from agent.wire.jsonlimits import loads_bounded
 from webapp.catalog.models import ModelArtifact
 from webapp.core import dataplane_tls
 from webapp.core.auth import HtmxHttpRequest, staff_required
+from webapp.core.broker import BrokerUnavailable, publish
 from webapp.core.nodeauth import parse_node_authorization
 from webapp.fleet import probe, services
 from webapp.fleet.models import Node, ShardAssignment
@@ -69,7 +70,10 @@ def create_token(request: HtmxHttpRequest) -> HttpResponse:
 @staff_required
 def drain(request: HtmxHttpRequest, node_id: str) -> HttpResponse:
     node = get_object_or_404(Node, pk=node_id)
-    drain_node.delay(node.pk)
+    try:
+        publish(drain_node, node.pk)
+    except BrokerUnavailable as e:
+        return _row_with_error(request, node, str(e))
     node.refresh_from_db()
     return render(request, "fleet/htmx/node_row.html", {"node": node})
 
@@ -78,8 +82,16 @@ def drain(request: HtmxHttpRequest, node_id: str) -> HttpResponse:
 @staff_required
 def remove(request: HtmxHttpRequest, node_id: str) -> HttpResponse:
     node = get_object_or_404(Node, pk=node_id)
-    remove_node.delay(node.pk)
+    try:
+        publish(remove_node, node.pk)
+    except BrokerUnavailable as e:
+        return _row_with_error(request, node, str(e))
     return HttpResponse("")
+
+
+def _row_with_error(request: HtmxHttpRequest, node: Node, error: str) -> HttpResponse:
+    """The node's row as it stands, the error beside its buttons (htmx swaps 503s in: base.html)."""
+    return render(request, "fleet/htmx/node_row.html", {"node": node, "error": error}, status=503)
 
 
 MAX_REPLICAS = 64
@@ -94,12 +106,20 @@ def place(request: HtmxHttpRequest, artifact_id: int) -> HttpResponse:
     replicas = int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 3 else None
     if (raw and replicas is None) or (replicas is not None and not 1 <= replicas <= MAX_REPLICAS):
         return HttpResponse(f"replicas must be a whole number from 1 to {MAX_REPLICAS}", status=400)
-    result = place_model.delay(artifact.pk, replicas)
+    try:
+        result = publish(place_model, artifact.pk, replicas)
+    except BrokerUnavailable as e:
+        return _place_result(request, artifact, {"ok": False, "error": str(e)}, status=503)
     # Eager mode answers at once; with a worker there is no result backend, so report it queued.
     outcome: dict[str, Any] = {"ok": True, "queued": True}
     if isinstance(result, EagerResult) and isinstance(result.result, dict):
         outcome = result.result
-    status = 200 if outcome.get("ok") else 409
+    return _place_result(request, artifact, outcome, status=200 if outcome.get("ok") else 409)
+
+
+def _place_result(
+    request: HtmxHttpRequest, artifact: ModelArtifact, outcome: dict[str, Any], status: int
+) -> HttpResponse:
     return render(
         request, "catalog/htmx/place_result.html", {"artifact": artifact, "outcome": outcome}, status=status
     )
@@ -109,12 +129,11 @@ def place(request: HtmxHttpRequest, artifact_id: int) -> HttpResponse:
 @staff_required
 def unplace(request: HtmxHttpRequest, artifact_id: int) -> HttpResponse:
     artifact = get_object_or_404(ModelArtifact, pk=artifact_id)
-    unplace_model.delay(artifact.pk)
-    return render(
-        request,
-        "catalog/htmx/place_result.html",
-        {"artifact": artifact, "outcome": {"ok": True, "unplaced": True}},
-    )
+    try:
+        publish(unplace_model, artifact.pk)
+    except BrokerUnavailable as e:
+        return _place_result(request, artifact, {"ok": False, "error": str(e)}, status=503)
+    return _place_result(request, artifact, {"ok": True, "unplaced": True}, status=200)
 
 
 @require_GET
