@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import json
-import logging
 
 from celery import shared_task
 from django.db import transaction
-from kombu.exceptions import OperationalError
 
 from agent.artifacts.manifest import ManifestError, build_manifest
 from agent.backends.check import with_executor_check
 from webapp.catalog.models import ModelArtifact
 from webapp.catalog.services import build_torrent
+from webapp.core.broker import BrokerUnavailable, publish
 from webapp.core.channels import notify_fleet
-
-log = logging.getLogger(__name__)
 
 # Shown under a pending model's badge while the broker has not taken its build (beat publishes it again).
 BUILD_NOT_QUEUED = "waiting for the task queue (Redis), which did not take its build; it is sent again"
@@ -26,22 +23,19 @@ def enqueue_build(artifact_id: int) -> None:
     that cannot take the task leaves the model pending and marked, not lost with a 500 to the registering
     user: beat's requeue_unqueued_builds sends it again."""
 
-    def publish() -> None:
+    def send() -> None:
         if not _publish_build(artifact_id):
             ModelArtifact.objects.filter(pk=artifact_id, state=ModelArtifact.State.PENDING).update(
                 error=BUILD_NOT_QUEUED
             )
 
-    transaction.on_commit(publish)
+    transaction.on_commit(send)
 
 
 def _publish_build(artifact_id: int) -> bool:
     try:
-        build_artifact_manifest.delay(artifact_id)
-    except OperationalError as e:
-        log.warning(
-            "model %s: its manifest build was not queued: the broker did not take it (%s)", artifact_id, e
-        )
+        publish(build_artifact_manifest, artifact_id)
+    except BrokerUnavailable:  # logged by publish
         return False
     return True
 

@@ -6,8 +6,8 @@ import logging
 
 from celery import shared_task
 from django.db import transaction
-from kombu.exceptions import OperationalError
 
+from webapp.core.broker import BrokerUnavailable, publish
 from webapp.core.channels import notify_fleet
 from webapp.fleet.tasks import send_command
 from webapp.releases import services
@@ -42,10 +42,10 @@ def enqueue_advance(rollout_id: int) -> None:
     hellos and reports: a broker that cannot take the task (bounded by the transport's timeouts) is
     logged, not the agent's failure; beat's advance_rollouts advances every active rollout anyway."""
 
-    def publish() -> None:
+    def send() -> None:
         try:
-            advance_rollout.delay(rollout_id)
-        except OperationalError as e:
-            log.warning("rollout %s not advanced now: the broker did not take the task (%s)", rollout_id, e)
+            publish(advance_rollout, rollout_id)
+        except BrokerUnavailable:
+            log.warning("rollout %s not advanced now: the broker did not take the task", rollout_id)
 
-    transaction.on_commit(publish)
+    transaction.on_commit(send)
