@@ -20,7 +20,8 @@ import django  # noqa: E402
 
 django.setup()  # test modules import models at collection time
 
-from collections.abc import Iterator  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
@@ -86,6 +87,21 @@ def staff_client(client: Any, staff: Any) -> Any:
 def member_client(client: Any, member: Any) -> Any:
     client.force_login(member)
     return client
+
+
+@pytest.fixture
+def tiny_in_models_dir(tmp_path: Path, settings: Any) -> Callable[[str], Path]:
+    """Writes a tiny GGUF of an architecture into the models directory (path registrations name only
+    files there); skips where SmolLM2, whose tokenizer the tiny files carry, is not installed."""
+    from agent.artifacts.packaged import ModelNotFound, packaged_model_path
+    from agent.artifacts.tiny import write_tiny_gguf
+
+    try:
+        packaged_model_path("smollm2")
+    except ModelNotFound as e:
+        pytest.skip(f"the tiny models carry SmolLM2's tokenizer: {e}")
+    settings.MODELS_DIR = tmp_path
+    return lambda arch: write_tiny_gguf(arch, tmp_path / f"{arch}.gguf")
 
 
 @pytest.fixture

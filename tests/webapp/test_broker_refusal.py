@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -90,26 +91,14 @@ def test_place_and_unplace_answer_503_with_the_error_for_the_models_row(
     assert not a.shards.exists()
 
 
-@pytest.fixture
-def tiny_model(tmp_path: Path, settings: Any) -> Path:
-    from agent.artifacts.packaged import ModelNotFound, packaged_model_path
-    from agent.artifacts.tiny import write_tiny_gguf
-
-    try:
-        packaged_model_path("smollm2")
-    except ModelNotFound as e:
-        pytest.skip(f"the tiny models carry SmolLM2's tokenizer: {e}")
-    settings.MODELS_DIR = tmp_path
-    return write_tiny_gguf("llama", tmp_path / "tiny.gguf")
-
-
 @pytest.mark.django_db
 def test_a_model_registered_while_the_broker_refuses_stays_pending_marked_and_is_built_when_beat_sends_it(
     staff_client: Any,
-    tiny_model: Path,
+    tiny_in_models_dir: Callable[[str], Path],
     monkeypatch: pytest.MonkeyPatch,
     django_capture_on_commit_callbacks: Any,
 ) -> None:
+    tiny_model = tiny_in_models_dir("llama")
     with monkeypatch.context() as m:
         refused = _refuse(m, catalog_tasks.build_artifact_manifest)
         with django_capture_on_commit_callbacks(execute=True):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -159,16 +160,8 @@ def _register(staff_client: Any, path: Path, capture: Any) -> Any:
 
 
 @pytest.fixture
-def tiny_qwen3(tmp_path: Path, settings: Any) -> Path:
-    from agent.artifacts.packaged import ModelNotFound, packaged_model_path
-    from agent.artifacts.tiny import write_tiny_gguf
-
-    try:
-        packaged_model_path("smollm2")
-    except ModelNotFound as e:
-        pytest.skip(f"the tiny models carry SmolLM2's tokenizer: {e}")
-    settings.MODELS_DIR = tmp_path  # path registrations only name files in the models directory
-    return write_tiny_gguf("qwen3", tmp_path / "qwen3.gguf")
+def tiny_qwen3(tiny_in_models_dir: Callable[[str], Path]) -> Path:
+    return tiny_in_models_dir("qwen3")
 
 
 @pytest.mark.django_db
