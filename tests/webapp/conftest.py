@@ -194,6 +194,27 @@ def swarm_artifact(artifact: Any, smollm2_torrent: tuple[bytes, str]) -> Any:
 
 
 @pytest.fixture
+def own_celery_app() -> Iterator[Callable[[str], Any]]:
+    """Makes Celery apps with the control plane's settings on a given broker, not eager, closed after.
+    Never the current app: the shared tasks keep the eager test app (a new current app sent the next
+    tests' tasks to its broker, a closed socket)."""
+    from celery import Celery
+
+    apps: list[Any] = []
+
+    def make(broker_url: str) -> Any:
+        app = Celery(f"own-{len(apps)}", set_as_current=False)
+        app.config_from_object("django.conf:settings", namespace="CELERY")
+        app.conf.broker_url, app.conf.task_always_eager = broker_url, False
+        apps.append(app)
+        return app
+
+    yield make
+    for app in apps:
+        app.close()
+
+
+@pytest.fixture
 def hung_redis_url() -> Iterator[str]:
     """A "Redis" on 127.0.0.1 that accepts connections and never answers (hung, or hostile)."""
     srv = socket.create_server(("127.0.0.1", 0))

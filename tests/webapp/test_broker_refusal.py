@@ -37,25 +37,20 @@ def _refuse(monkeypatch: pytest.MonkeyPatch, *tasks: Any) -> list[tuple[Any, ...
     return refused
 
 
-def test_a_publish_to_a_broker_that_refuses_raises_broker_unavailable_in_plain_words() -> None:
+def test_a_publish_to_a_broker_that_refuses_raises_broker_unavailable_in_plain_words(
+    own_celery_app: Callable[[str], Any],
+) -> None:
     """The real kombu against a closed port: what `publish` catches is what a refusing Redis raises."""
-    from celery import Celery
-
-    app = Celery("refused-broker", set_as_current=False)  # the shared tasks keep the eager test app
-    app.config_from_object("django.conf:settings", namespace="CELERY")
-    app.conf.broker_url, app.conf.task_always_eager = f"redis://127.0.0.1:{free_port()}/0", False
+    app = own_celery_app(f"redis://127.0.0.1:{free_port()}/0")
 
     @app.task(name="refused-broker.noop")
     def noop() -> None: ...
 
     t0 = time.monotonic()
-    try:
-        with pytest.raises(BrokerUnavailable) as e:
-            publish(noop)
-        assert time.monotonic() - t0 < 60 and str(e.value) == BROKER_REFUSED
-        assert isinstance(e.value.__cause__, OperationalError)
-    finally:
-        app.close()
+    with pytest.raises(BrokerUnavailable) as e:
+        publish(noop)
+    assert time.monotonic() - t0 < 60 and str(e.value) == BROKER_REFUSED
+    assert isinstance(e.value.__cause__, OperationalError)
 
 
 @pytest.mark.django_db

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -268,7 +269,7 @@ def test_the_fleet_page_shows_the_rollout_panel_with_each_node_s_step(
 
 
 def test_a_task_publish_to_a_redis_that_never_answers_gives_up_within_the_transports_timeouts(
-    hung_redis_url: str,
+    hung_redis_url: str, own_celery_app: Callable[[str], Any]
 ) -> None:
     """kombu waits for Redis without a timeout by default: one `.delay()` against a Redis that accepted
     and never answered blocked its caller for good (over 120 s, measured), e.g. a rollout step enqueued
@@ -276,22 +277,15 @@ def test_a_task_publish_to_a_redis_that_never_answers_gives_up_within_the_transp
     each try (CELERY_BROKER_TRANSPORT_OPTIONS)."""
     import time
 
-    from celery import Celery, current_app
+    from celery import current_app
     from kombu.exceptions import OperationalError
 
-    # not the current app: the control plane's shared tasks must keep theirs (eager in these tests; as
-    # the current app, this one sent the next tests' tasks to its closed broker)
     before = current_app._get_current_object()
-    app = Celery("publish-bound", set_as_current=False)
-    app.config_from_object("django.conf:settings", namespace="CELERY")
-    app.conf.broker_url, app.conf.task_always_eager = hung_redis_url, False
+    app = own_celery_app(hung_redis_url)
     t0 = time.monotonic()
-    try:
-        with pytest.raises(OperationalError):
-            app.send_task("publish-bound.noop")
-        assert time.monotonic() - t0 < 30
-    finally:
-        app.close()
+    with pytest.raises(OperationalError):
+        app.send_task("publish-bound.noop")
+    assert time.monotonic() - t0 < 30
     assert current_app._get_current_object() is before
 
 

@@ -29,6 +29,8 @@ from django.core.exceptions import PermissionDenied
 from django.dispatch import receiver
 from django.http import HttpRequest
 
+from webapp.core.redisconn import bounded_redis
+
 
 class LockedOut(PermissionDenied):
     """Too many failed logins for this username (from this address); says for how long."""
@@ -123,9 +125,7 @@ class WindowCounter:
 
     def _run_script(self, key: str, now: float, window_s: int, limit: int) -> float:
         if self._script is None:
-            import redis
-
-            self._redis = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=2)
+            self._redis = bounded_redis()
             self._script = self._redis.register_script(_SLIDING)
         member = f"{now!r}:{uuid.uuid4().hex}"
         return float(self._script(keys=[key], args=[repr(now), window_s, limit, member]))

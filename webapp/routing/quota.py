@@ -33,6 +33,7 @@ from django.conf import settings
 from redis.exceptions import RedisError
 
 from agent.client.failover import PREFILL_CHUNK
+from webapp.core.redisconn import bounded_redis
 from webapp.routing.answer import LiveRoute
 
 STREAM_LEASE_S = 120.0  # renewed every quarter of it while an answer streams
@@ -87,9 +88,7 @@ class StreamSlots:
 
     def _client(self) -> Any:
         if self._redis is None:
-            import redis
-
-            self._redis = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=2)
+            self._redis = bounded_redis()
         return self._redis
 
     def _name(self, user: int) -> str:

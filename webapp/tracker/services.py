@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 from django.conf import settings
 
 from webapp.catalog.models import ModelArtifact
+from webapp.core.redisconn import bounded_redis
 from webapp.core.throttle import WindowCounter
 from webapp.fleet.models import Node, NodeCredential
 from webapp.fleet.passkeys import passkey_claims
@@ -116,21 +117,12 @@ def torrent_known(info_hash: bytes) -> bool:
     return ModelArtifact.objects.filter(infohash=info_hash.hex(), state=ModelArtifact.State.READY).exists()
 
 
-REDIS_TIMEOUT_S = 2.0  # the peer store's reads and connects
-
-
 @cache
 def peer_store() -> PeerStore:
     """Redis when REDIS_URL is set (shared by every web process), else this process's memory."""
     if settings.REDIS_URL:
-        import redis
-
         from webapp.tracker.store import RedisPeerStore
 
-        # bounded like the web's other Redis clients (redis-py's own default is 5 s): a Redis that hangs
-        # fails an announce within this, and views.py answers it with a failure reason
-        client = redis.Redis.from_url(
-            settings.REDIS_URL, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S
-        )
-        return RedisPeerStore(client, settings.TRACKER_REDIS_PREFIX)
+        # a Redis that hangs fails an announce within REDIS_TIMEOUT_S; views.py answers a failure reason
+        return RedisPeerStore(bounded_redis(), settings.TRACKER_REDIS_PREFIX)
     return MemoryPeerStore()
