@@ -199,11 +199,8 @@ class SessionTable:
     ) -> int:
         """Close the idle sessions unused for longer than the TTL (and not vetoed by `evictable`)."""
         now = time.monotonic() if now is None else now
-        for s in self._sessions.values():
-            # its steps on the lane count as use (the lane's clock is the real one); asked only of a
-            # session that would expire otherwise, as the lane answers after a step in flight
-            if s.lane is not None and now - s.last_used > self.ttl_s:
-                s.last_used = max(s.last_used, time.monotonic() - s.lane.idle_s())
+        for s, seat in self.lane_stale(now):
+            self.lane_used(s, seat, seat.idle_s())
         dead = [
             key
             for key, s in self._sessions.items()
@@ -213,6 +210,22 @@ class SessionTable:
             self.close(key)
         self.expirations += len(dead)
         return len(dead)
+
+    def lane_stale(self, now: float) -> list[tuple[SessionState, LaneSeat]]:
+        """The sessions on the lane that would expire by their use here, with their seats: their steps on
+        the lane count as use too (the lane's clock is the real one). Asked only of these, as the lane
+        answers after a step in flight: DataPlane.sweep asks in a worker thread."""
+        return [
+            (s, s.lane)
+            for s in self._sessions.values()
+            if s.lane is not None and now - s.last_used > self.ttl_s
+        ]
+
+    @staticmethod
+    def lane_used(s: SessionState, seat: LaneSeat, idle_s: float) -> None:
+        """Session `s` last stepped on the lane `idle_s` ago (if it is still on that seat)."""
+        if s.lane is seat:
+            s.last_used = max(s.last_used, time.monotonic() - idle_s)
 
     def for_shard(self, shard_key: ShardKey) -> list[SessionKey]:
         return [key for key, s in self._sessions.items() if s.shard_key == shard_key]

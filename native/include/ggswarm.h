@@ -487,8 +487,10 @@ GGSWARM_API int32_t ggswarm_lane_wait_step(ggswarm_lane * lane, int32_t timeout_
  * compute until ggswarm_lane_gate_release (or GGSWARM_LANE_GATE_MAX_MS, whichever comes first).
  * Returns 1 when a step is held: the owner runs its own work on the window now (a prompt's chunk) and
  * then releases it, so the two compute one after the other while the route's other hops wait, never
- * beside each other on shared cores. Returns 0 on timeout, or at once when no step finished within the
- * last timeout_ms (a quiet lane); then nothing is held and no release is due. */
+ * beside each other on shared cores. Returns 0 on timeout, or at once when no step finished, and none
+ * was released by ggswarm_lane_gate_release, within the last timeout_ms (a quiet lane: an owner asking
+ * right after its chunk must wait for the step it let go to come round, though that chunk held it for
+ * longer than timeout_ms); then nothing is held and no release is due. */
 #define GGSWARM_LANE_GATE_MAX_MS 1000
 GGSWARM_API int32_t ggswarm_lane_gate(ggswarm_lane * lane, int32_t timeout_ms);
 GGSWARM_API void ggswarm_lane_gate_release(ggswarm_lane * lane);

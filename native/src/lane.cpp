@@ -398,6 +398,10 @@ void ggswarm_lane_gate_release(ggswarm_lane * lane) {
     {
         std::lock_guard<std::mutex> lk(lane->pass_mu);
         lane->gate_held = false;
+        // the released step is the lane's latest sign of life: an owner asking the gate right after
+        // a chunk must wait for the next step, not find the lane quiet because the step it held
+        // arrived (and passed) longer ago than its timeout while the chunk computed
+        lane->last_pass = Clock::now();
     }
     lane->pass_cv.notify_all();
 }

@@ -284,6 +284,39 @@ def test_an_owner_holds_the_lanes_next_step_for_its_own_work_and_releases_it(rou
     assert max(b.wait_s for b in lane0.take_batches()[0]) >= 0.25
 
 
+def test_an_owner_that_asks_again_right_after_a_release_waits_for_the_next_step(route: Route) -> None:
+    """A prompt's chunk holds the lane's step for longer than its next wait's timeout; asked at once
+    after the release, the gate must wait for the next step, not answer "quiet" because the last step
+    that finished did so before the hold (then every later chunk ran unpaced, sized for a quiet lane)."""
+    lane0 = route.lanes[0]
+    stop = threading.Event()
+    held: list[bool] = []
+
+    def stepping() -> None:
+        for _ in range(40):  # bounded: the owner needs two arrivals
+            if stop.is_set():
+                return
+            _step(route, conn, [1])
+
+    with route.connect() as conn:
+        _step(route, conn, [1])  # the lane is active now
+        owner = threading.Thread(target=lambda: held.append(lane0.gate(5.0)))
+        owner.start()
+        stepper = threading.Thread(target=stepping)
+        stepper.start()
+        owner.join(10)
+        assert held == [True]
+        time.sleep(0.3)  # the owner's own work (a chunk) while it holds the step: longer than 0.2 s
+        lane0.gate_release()
+        again = lane0.gate(0.2)
+        if again:
+            lane0.gate_release()
+        stop.set()
+        stepper.join(30)
+        assert not stepper.is_alive()
+    assert again, "asked right after its release, the gate found the lane quiet"
+
+
 def test_an_owner_that_never_releases_holds_the_lanes_step_for_a_bounded_time(route: Route) -> None:
     lane0 = route.lanes[0]
     held: list[bool] = []
