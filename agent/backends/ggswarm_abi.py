@@ -341,6 +341,16 @@ def bind(lib: ctypes.CDLL) -> None:
     ]
     lib.ggswarm_lane_stats_get.restype = c_status
 
+    # ggswarm_status ggswarm_lane_activity(ggswarm_lane * lane, uint64_t lane_id, double * idle_s,
+    #     int32_t * busy);  (v18)
+    lib.ggswarm_lane_activity.argtypes = [
+        ggswarm_lane_p,
+        ctypes.c_uint64,
+        ctypes.POINTER(ctypes.c_double),
+        ctypes.POINTER(ctypes.c_int32),
+    ]
+    lib.ggswarm_lane_activity.restype = c_status
+
     # int32_t ggswarm_lane_drop_model(ggswarm_lane * lane, const ggswarm_model * model);
     lib.ggswarm_lane_drop_model.argtypes = [ggswarm_lane_p, ggswarm_model_p]
     lib.ggswarm_lane_drop_model.restype = ctypes.c_int32

@@ -10,7 +10,7 @@ from pathlib import Path
 from agent.backends.ggswarm_abi import bind
 from agent.defaults import env_int
 
-GGSWARM_API_VERSION = 17
+GGSWARM_API_VERSION = 18
 
 GGSWARM_OK = 0
 GGSWARM_E_INVALID_ARG = -1

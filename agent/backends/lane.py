@@ -129,6 +129,16 @@ class NativeLane:
         )
         return LaneStats(out.steps, out.next_step, out.idle_s, bool(out.busy))
 
+    def activity(self, lane_id: int) -> tuple[float, bool]:
+        """(seconds since the session's last step, whether one runs now), at once: `stats` waits for
+        the session's step in flight, which in relay mode waits for the later hops."""
+        idle, busy = ctypes.c_double(0.0), ctypes.c_int32(0)
+        check_status(
+            self._lib.ggswarm_lane_activity(self._handle(), lane_id, ctypes.byref(idle), ctypes.byref(busy)),
+            self._lib.ggswarm_last_error(),
+        )
+        return idle.value, bool(busy.value)
+
     def remove(self, lane_id: int) -> LaneStats:
         """Take the session off the lane (after its step in flight) with the ids its steps appended."""
         cap = MAX_CONTEXT  # no session appends more ids than it has positions

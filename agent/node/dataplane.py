@@ -515,22 +515,10 @@ class DataPlane:
     async def _sweeper(self, app: web.Application) -> None:  # noqa: ARG002
         while True:
             await asyncio.sleep(5.0)
-            await self.sweep()
-
-    async def sweep(self) -> int:
-        """Close the sessions idle past the TTL; count the lane's batches in. A lane session's idle time
-        waits for its step in flight (relay mode: for the later hops, up to the lane's downstream
-        timeout when one hangs), so it is read in a worker thread, not on the loop."""
-        stale = self.sessions.lane_stale(time.monotonic())
-        if stale:
-            idle = await asyncio.to_thread(lambda: [seat.idle_s() for _, seat in stale])
-            for (s, seat), i in zip(stale, idle, strict=True):
-                self.sessions.lane_used(s, seat, i)
-        n = self.sessions.expire(evictable=lambda v: evictable(self.shards, v))
-        if n:
-            log.info("expired %d idle sessions", n)
-        self.lane.take_batches()
-        return n
+            n = self.sessions.expire(evictable=lambda v: evictable(self.shards, v))
+            if n:
+                log.info("expired %d idle sessions", n)
+            self.lane.take_batches()
 
     async def _on_startup(self, app: web.Application) -> None:
         app[_SWEEPER] = asyncio.create_task(self._sweeper(app))

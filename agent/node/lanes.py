@@ -101,13 +101,13 @@ class LaneSlot:
             s.history.extend(st.appended)
             s.last_used = max(s.last_used, time.monotonic() - st.idle_s)
 
-    def idle_s(self) -> float:
-        """Seconds since the session's last lane step (blocks while one is in flight: the session
-        table asks only for sessions that would otherwise expire)."""
+    def activity(self) -> tuple[float, bool]:
+        """(seconds since the session's last lane step, whether one runs now), without waiting for a
+        step in flight; a session the lane no longer knows is idle for ever."""
         try:
-            return self.lane.stats(self.lane_id).idle_s
+            return self.lane.activity(self.lane_id)
         except (NativeError, ValueError):
-            return float("inf")
+            return float("inf"), False
 
 
 class NodeLane:
@@ -123,7 +123,6 @@ class NodeLane:
         # sizes and times the chunks of prompts beside the lane's decoders (the shards' schedulers ask)
         self.pacer = LanePacer(self._wait_turn, self._release)
         self._laned: dict[SessionKey, SessionState] = {}
-        self._last_batch_at: float | None = None  # when the latest batch taken in finished (monotonic)
         # lane_steps: decode steps this node ran on its lane (they bypass the Python path's counters),
         # counted from its batches by take_batches
         self.counters = {
@@ -167,25 +166,16 @@ class NodeLane:
         conversation between turns or a closed tab's route until it expires, do not count: counted,
         they made every prompt on the node prefill in paced chunks for as long as they
         stayed (bench/served.py: 2,000 tokens in 22 s instead of 16)."""
-        lane = self._lane
-        if lane is None or not self._laned:
+        if self._lane is None:
             return False
-        # the lane's batch log first: reading it never waits, while a session's stats wait for its
-        # step in flight (relay mode: until the later hops answered), which held the hop's event loop
-        # 14-29 ms before every chunk of a prompt paced beside the decoders (docs/benchmarks.md)
-        self.take_batches()
-        if self._last_batch_at is not None and time.monotonic() - self._last_batch_at < LANE_ACTIVE_S:
-            return True
-        # nothing computed here lately: a step may still be in flight for longer (a slow next hop)
         for s in list(self._laned.values()):
-            slot = s.lane
-            if not isinstance(slot, LaneSlot):
+            seat = s.lane
+            if not isinstance(seat, LaneSlot):
                 return True  # not one of ours to ask: assume it decodes
-            try:
-                st = lane.stats(slot.lane_id)
-            except NativeError:
-                continue  # it left the lane meanwhile
-            if st.busy or st.idle_s < LANE_ACTIVE_S:
+            # at once (not the session's stats, which wait for its step in flight: in relay mode for
+            # the later hops, which held this loop 14-29 ms before every chunk of a paced prompt)
+            idle_s, busy = seat.activity()
+            if busy or idle_s < LANE_ACTIVE_S:
                 return True
         return False
 
@@ -197,9 +187,6 @@ class NodeLane:
             return
         batches, dropped = self._lane.take_batches()
         for b in batches:
-            self._last_batch_at = (
-                b.t_done if self._last_batch_at is None else max(self._last_batch_at, b.t_done)
-            )
             self.metrics.batch(b.steps, b.positions, b.compute_s, at=b.t_done)
             self.metrics.queue_wait(b.wait_s, at=b.t_done)
             self.node_counters["tokens_in"] += b.positions

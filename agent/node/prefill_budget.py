@@ -38,8 +38,11 @@ PREFILL_BUDGET = 1.0  # a chunk may cost this share of the decoders' period betw
 PREFILL_BUDGET_ENV = "GGSWARM_PREFILL_BUDGET"  # an operator's override, 0.05..8
 MIN_TOKENS = 8  # the first chunk, and the smallest (a smaller one costs more per position than it saves)
 MAX_TOKENS = 512  # = native kUBatch
-# A chunk waits at most this long for the lane's next step (or, if longer, twice the decoders' period):
-# a lane with no step for that long is quiet and the chunk goes at once
+# A chunk waits for the lane's next step twice the decoders' period, within these bounds, and
+# PACE_MAX_S while that period is not measured yet: a lane with no step for that long is quiet and the
+# chunk goes at once. (A first wait of PACE_MIN_S found decoders slower than that a pass, a loaded hop
+# or a big model's window, "quiet" at every chunk: never held, the period never measured, the prompt
+# run unpaced beside them.)
 PACE_MIN_S = 0.06
 PACE_MAX_S = 0.5
 SMOOTH = 0.3  # weight of the newest measurement in the running estimates
@@ -112,7 +115,7 @@ class LanePacer:
         wait times out (False)."""
         with self._mu:
             period = self.period_s
-        timeout = min(PACE_MAX_S, max(PACE_MIN_S, 2 * period)) if period else PACE_MIN_S
+        timeout = min(PACE_MAX_S, max(PACE_MIN_S, 2 * period)) if period else PACE_MAX_S
         asked = self._clock()
         held = self._wait_turn(timeout)
         with self._mu:

@@ -20,11 +20,12 @@ if TYPE_CHECKING:
 
 class LaneSeat(Protocol):
     """A session's place on the node's decode lane, as the table uses it (lanes.py's LaneSlot): the
-    table closes and expires sessions, so it must take them off and read their idle time."""
+    table closes, evicts and expires sessions, so it must take them off and know how recently they
+    stepped there (`activity`: idle seconds and whether a step runs now, answered without waiting)."""
 
     def take_off(self, s: SessionState) -> None: ...
 
-    def idle_s(self) -> float: ...
+    def activity(self) -> tuple[float, bool]: ...
 
 
 @dataclass
@@ -157,8 +158,13 @@ class SessionTable:
         # edit, never an answer): those of shards that are idle now, one backend per shard
         caches = {id(v.backend): v.backend for v in self._sessions.values() if evictable(v)}
         # never the session's own other shards: evicting half of a route to admit its other half
-        # would only break the route
-        victims = [k for k, v in self._sessions.items() if v.sid != state.sid and not v.busy and evictable(v)]
+        # would only break the route; least recently used first, lane steps counted as use
+        on_lane = self._lane_use()
+        victims = [
+            k
+            for k, v in sorted(self._sessions.items(), key=lambda kv: kv[1].last_used)
+            if v.sid != state.sid and not v.busy and k not in on_lane and evictable(v)
+        ]
         if (
             self.free_bytes() + sum(b.reclaimable_bytes() for b in caches.values()) + self._freeable(victims)
             < extra_bytes
@@ -199,33 +205,29 @@ class SessionTable:
     ) -> int:
         """Close the idle sessions unused for longer than the TTL (and not vetoed by `evictable`)."""
         now = time.monotonic() if now is None else now
-        for s, seat in self.lane_stale(now):
-            self.lane_used(s, seat, seat.idle_s())
+        on_lane = self._lane_use()
         dead = [
             key
             for key, s in self._sessions.items()
-            if not s.busy and now - s.last_used > self.ttl_s and evictable(s)
+            if not s.busy and key not in on_lane and now - s.last_used > self.ttl_s and evictable(s)
         ]
         for key in dead:
             self.close(key)
         self.expirations += len(dead)
         return len(dead)
 
-    def lane_stale(self, now: float) -> list[tuple[SessionState, LaneSeat]]:
-        """The sessions on the lane that would expire by their use here, with their seats: their steps on
-        the lane count as use too (the lane's clock is the real one). Asked only of these, as the lane
-        answers after a step in flight: DataPlane.sweep asks in a worker thread."""
-        return [
-            (s, s.lane)
-            for s in self._sessions.values()
-            if s.lane is not None and now - s.last_used > self.ttl_s
-        ]
-
-    @staticmethod
-    def lane_used(s: SessionState, seat: LaneSeat, idle_s: float) -> None:
-        """Session `s` last stepped on the lane `idle_s` ago (if it is still on that seat)."""
-        if s.lane is seat:
-            s.last_used = max(s.last_used, time.monotonic() - idle_s)
+    def _lane_use(self) -> set[SessionKey]:
+        """Bring the last use of the sessions on the lane up to their lane steps, which bypass this
+        table (a session decoding there looked idle since it joined: admission evicted it first, cutting
+        a running answer); returns those with a step running now, which nothing may close."""
+        now, running = time.monotonic(), set()
+        for key, s in self._sessions.items():
+            if s.lane is not None:
+                idle_s, busy = s.lane.activity()
+                if busy:
+                    running.add(key)
+                s.last_used = max(s.last_used, now if busy else now - idle_s)
+        return running
 
     def for_shard(self, shard_key: ShardKey) -> list[SessionKey]:
         return [key for key, s in self._sessions.items() if s.shard_key == shard_key]

@@ -80,6 +80,9 @@
  *       where the budget is short takes back the handle's automatic checkpoints, least recently taken
  *       first, before it fails; ggswarm_checkpoints_reclaimable, ggswarm_reclaim_checkpoints (for an
  *       owner that admits work on several handles sharing one budget).
+ *  18 - ggswarm_lane_activity: a lane session's busy flag and idle time without waiting for its step in
+ *       flight (ggswarm_lane_stats_get waits: in relay mode until the later hops answered), for an
+ *       owner's event loop and its KV admission; ggswarm_lane_gate's quiet check counts a release.
  */
 #ifndef GGSWARM_H
 #define GGSWARM_H
@@ -91,7 +94,7 @@
 extern "C" {
 #endif
 
-#define GGSWARM_API_VERSION 17
+#define GGSWARM_API_VERSION 18
 
 #if defined(_WIN32)
 #define GGSWARM_API __declspec(dllexport)
@@ -473,6 +476,10 @@ GGSWARM_API ggswarm_status ggswarm_lane_remove(ggswarm_lane * lane, uint64_t lan
                                                int32_t * appended, int32_t capacity);
 
 GGSWARM_API ggswarm_status ggswarm_lane_stats_get(ggswarm_lane * lane, uint64_t lane_id, ggswarm_lane_stats * out);
+
+/* v18: whether a step of the session runs now (busy 1) and seconds since it was added or last ran one,
+ * read at once: unlike ggswarm_lane_stats_get, it does not wait for the session's step in flight. */
+GGSWARM_API ggswarm_status ggswarm_lane_activity(ggswarm_lane * lane, uint64_t lane_id, double * idle_s, int32_t * busy);
 
 /* Take every session of a model off the lane (call before ggswarm_model_free); returns how many. */
 GGSWARM_API int32_t ggswarm_lane_drop_model(ggswarm_lane * lane, const ggswarm_model * model);

@@ -122,8 +122,8 @@ void serve_conn(ggswarm_lane * lane, Conn * c) {
         }
         s.busy = true;
         run_step(lane, w, fd, s, in, sp);
+        s.last_used = Clock::now();  // before busy goes: ggswarm_lane_activity reads busy, then this
         s.busy = false;
-        s.last_used = Clock::now();
     }
     if (subscribed) {
         std::lock_guard<std::mutex> lk(subscribed->mu);
@@ -165,7 +165,7 @@ void accept_loop(ggswarm_lane * lane) {
 void fill_stats(LaneSession & s, ggswarm_lane_stats * out) {
     out->steps = s.steps;
     out->next_step = s.next_step;
-    out->idle_s = std::chrono::duration<double>(Clock::now() - s.last_used).count();
+    out->idle_s = std::chrono::duration<double>(Clock::now() - s.last_used.load()).count();
     out->busy = s.busy ? 1 : 0;
     out->n_appended = (int32_t)(s.history.size() - s.n_initial);
 }
@@ -314,6 +314,22 @@ ggswarm_status ggswarm_lane_stats_get(ggswarm_lane * lane, uint64_t lane_id, ggs
     }
     std::lock_guard<std::mutex> lk(sp->mu);
     fill_stats(*sp, out);
+    return GGSWARM_OK;
+}
+
+ggswarm_status ggswarm_lane_activity(ggswarm_lane * lane, uint64_t lane_id, double * idle_s, int32_t * busy) {
+    if (!lane || !idle_s || !busy) return fail(nullptr, GGSWARM_E_INVALID_ARG, "lane or an out pointer is NULL");
+    std::shared_ptr<LaneSession> sp;
+    {
+        std::lock_guard<std::mutex> lk(lane->mu);
+        auto it = lane->sessions.find(lane_id);
+        if (it == lane->sessions.end()) return fail(nullptr, GGSWARM_E_NO_SESSION, "no lane session %llu", (unsigned long long)lane_id);
+        sp = it->second;
+    }
+    // without the session's lock, which a step in flight holds: busy first (a step's end writes
+    // last_used, then busy), so a step ending between the two reads is seen as busy or just used
+    *busy = sp->busy.load() ? 1 : 0;
+    *idle_s = std::chrono::duration<double>(Clock::now() - sp->last_used.load()).count();
     return GGSWARM_OK;
 }
 

@@ -98,8 +98,10 @@ struct LaneSession {
     size_t n_initial = 0;
     std::mutex mu;                 // one step at a time; the fields below under it
     uint64_t next_step = 0, steps = 0;
-    Clock::time_point last_used = Clock::now();
-    bool busy = false;
+    // written under mu, also read without it (ggswarm_lane_activity: the owner's event loop asks
+    // while a step holds mu, which in relay mode waits for the later hops)
+    std::atomic<Clock::time_point> last_used{Clock::now()};
+    std::atomic<bool> busy{false};
     bool removed = false;
     int sub_fd = -1;  // direct mode: the connection the route's answers and errors go to
 };

@@ -309,8 +309,8 @@ bool serve_bundle(ggswarm_lane * lane, Worker & w, int fd, const Header & outer)
     }
     const auto now = Clock::now();
     for (Member & mb : ms) {
+        mb.sp->last_used = now;  // before busy goes (ggswarm_lane_activity reads busy, then this)
         mb.sp->busy = false;
-        mb.sp->last_used = now;
     }
     if (!sealed) return false;
     Header h{kBundleAnswer, 0, 0, 0, (int32_t)k, (uint32_t)(w.out.size() - kFrameHead)};

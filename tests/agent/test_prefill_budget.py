@@ -9,6 +9,7 @@ import pytest
 from agent.node.prefill_budget import (
     MAX_TOKENS,
     MIN_TOKENS,
+    PACE_MAX_S,
     PACE_MIN_S,
     PREFILL_BUDGET,
     QUIET_CHUNK_S,
@@ -38,6 +39,28 @@ def _settle(p: LanePacer, period: float, per_token: float, rounds: int = 40) -> 
 
 def test_before_any_measurement_a_chunk_is_the_smallest() -> None:
     assert _pacer().chunk_tokens() == MIN_TOKENS
+
+
+def test_until_the_period_is_measured_a_chunk_waits_long_for_slow_decoders_and_then_twice_their_period() -> (
+    None
+):
+    """A first wait of PACE_MIN_S found decoders slower than that (a loaded hop, a big model's window)
+    "quiet" at every chunk: nothing held, no period measured, the prompt unpaced beside them."""
+    asked: list[float] = []
+    now = [0.0]
+
+    def wait_turn(timeout_s: float) -> bool:
+        asked.append(timeout_s)
+        now[0] += 0.15  # the decoders' next step comes 150 ms on
+        return True
+
+    p = LanePacer(wait_turn, share=1.0, clock=lambda: now[0])
+    for _ in range(3):
+        assert p.before_chunk()
+        p.after_chunk(MIN_TOKENS, 0.01, held=True)
+        now[0] += 0.01
+    assert asked[:2] == [PACE_MAX_S, PACE_MAX_S] and asked[2] == pytest.approx(0.3)
+    assert p.period_s == pytest.approx(0.15)
 
 
 def test_a_chunk_settles_at_the_share_of_the_decoders_own_period() -> None:

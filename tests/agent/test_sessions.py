@@ -148,3 +148,49 @@ def test_checkpoints_of_a_computing_shard_are_left_alone() -> None:
     with pytest.raises(AdmissionError, match="budget"):
         table.admit(st, 40, evictable=lambda s: False)  # every shard busy: no checkpoint, no session
     assert be.reclaimable_bytes() == 30
+
+
+class Seat:
+    """A session's seat on the node's lane, where its decode steps bypass the table: how long ago it
+    last stepped there and whether a step runs now, as the lane answers (without waiting)."""
+
+    def __init__(self, idle_s: float, busy: bool = False) -> None:
+        self.idle_s, self.busy = idle_s, busy
+
+    def activity(self) -> tuple[float, bool]:
+        return self.idle_s, self.busy
+
+    def take_off(self, s: SessionState) -> None:
+        s.lane = None
+
+
+def test_admission_evicts_an_idle_session_before_one_that_decodes_on_the_lane() -> None:
+    be, table = FakeBackend(), SessionTable(budget_bytes=100)
+    laned = add(table, be, b"a", 40)  # joined the lane first, untouched by the table since
+    laned.last_used -= 100
+    laned.lane = Seat(idle_s=0.01)  # but it stepped there 10 ms ago: between two steps of an answer
+    idle = add(table, be, b"b", 40)
+    idle.last_used -= 50
+    add(table, be, b"c", 40)
+    assert key(b"a") in table and key(b"b") not in table and table.evictions == 1
+
+
+def test_a_session_whose_lane_step_runs_is_never_evicted_or_expired() -> None:
+    be, table = FakeBackend(), SessionTable(budget_bytes=100, ttl_s=10)
+    running = add(table, be, b"a", 60)
+    running.last_used -= 1000
+    running.lane = Seat(idle_s=1000.0, busy=True)
+    with pytest.raises(AdmissionError, match="budget"):
+        add(table, be, b"b", 60)
+    assert table.expire(now=running.last_used + 2000) == 0
+    assert key(b"a") in table and table.evictions == 0
+
+
+def test_a_lane_session_idle_there_too_expires_and_leaves_the_lane() -> None:
+    be, table = FakeBackend(), SessionTable(budget_bytes=100, ttl_s=10)
+    stepping, sitting = add(table, be, b"a", 10), add(table, be, b"b", 10)
+    for s, idle_s in ((stepping, 5.0), (sitting, 60.0)):
+        s.last_used -= 100  # the table's own use: long ago
+        s.lane = Seat(idle_s)
+    assert table.expire() == 1  # lane steps count as use: 5 s ago is within the TTL, 60 s is not
+    assert key(b"a") in table and key(b"b") not in table and sitting.lane is None
