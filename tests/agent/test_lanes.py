@@ -366,3 +366,42 @@ async def test_a_session_that_only_sits_on_the_lane_stops_counting_as_decoding(
         assert dp.lane.decoding()
     finally:
         await c.close()
+
+
+async def test_a_new_session_on_a_full_node_evicts_an_idle_one_not_an_answer_decoding_on_the_lane(
+    model_path: str, manifest: Any, signing_key: Any
+) -> None:
+    """The table saw a lane session as idle since it joined the lane (its steps bypass it), so on a full
+    KV budget a new session's admission evicted the running answer before a session idle for longer."""
+    import asyncio
+
+    from agent.backends import libggswarm
+
+    if not libggswarm.is_available():
+        pytest.skip("native library not built (bash native/build.sh)")
+    block = 256 * 30 * 2 * 3 * 64 * 2  # SmolLM2's KV block: 256 positions, 30 layers, K and V, f16
+    dp = DataPlane("node-a", signing_key.public_key(), kv_budget_bytes=2 * block + block // 2)
+    dp.load_shard(model_path, manifest, 0, 30, backend="native", n_threads=1)
+    port = free_port()
+    runner = await start_dataplane(dp, "127.0.0.1", port)
+    url = f"http://127.0.0.1:{port}"
+    want = await _alone(url, manifest, signing_key, [(PROMPT, 200)])
+    idle, newcomer = (_client(url, manifest, signing_key, lane=False) for _ in range(2))
+    a = _client(url, manifest, signing_key)
+    try:
+        first = await _tokens(idle, 2)
+        answer = asyncio.ensure_future(_tokens(a, 200))  # 213 positions: one KV block
+        await _on_the_lane(a)
+        await _tokens(idle, 2, PROMPT + first)  # its last turn comes after the answer joined the lane
+        assert not answer.done(), "the answer ended before the newcomer came: nothing was tested"
+        await _tokens(newcomer, 2)  # a third block: one session must go
+        assert dp.sessions.evictions == 1
+        assert dp.stats()["lane_sessions"] == 1 and dp.lane.counters["lane_take_offs"] == 0
+        assert await answer == want[0]
+        (shard,) = dp.shards.values()
+        kept = {bytes(sid) for sid, _ in dp.sessions.for_shard(shard.key)}
+        assert kept == {bytes(a.link.session), bytes(newcomer.link.session)}  # the idle one went
+    finally:
+        for c in (idle, newcomer, a):
+            await c.close()
+        await runner.cleanup()
