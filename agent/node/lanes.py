@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from agent.backends.libggswarm import NativeError
 from agent.node.errors import DataPlaneError
-from agent.node.prefill_budget import LanePacer
+from agent.node.prefill_budget import PACE_MAX_S, SMOOTH, LanePacer
 from agent.node.sessions import SessionKey, SessionState
 from agent.wire.frames import (
     LANE_INFO,
@@ -121,7 +121,11 @@ class NodeLane:
         self.enabled = os.environ.get(LANE_ENV, "1") != "0"
         self._lane: NativeLane | None = None
         # sizes and times the chunks of prompts beside the lane's decoders (the shards' schedulers ask)
-        self.pacer = LanePacer(self._wait_turn, self._release)
+        self.pacer = LanePacer(self._wait_turn, self._release, lane_gap=lambda: self.pass_gap_s)
+        # the lane's gap between two passes on this hop while it decodes (a running mean over its
+        # batch log; a gap longer than PACE_MAX_S is a pause, not a pass rate): the pacer's first wait
+        self.pass_gap_s: float | None = None
+        self._last_done: float | None = None
         self._laned: dict[SessionKey, SessionState] = {}
         # lane_steps: decode steps this node ran on its lane (they bypass the Python path's counters),
         # counted from its batches by take_batches
@@ -168,6 +172,7 @@ class NodeLane:
         stayed (bench/served.py: 2,000 tokens in 22 s instead of 16)."""
         if self._lane is None:
             return False
+        self.take_batches()  # the pacer's first wait reads the lane's gap between passes from them
         for s in list(self._laned.values()):
             seat = s.lane
             if not isinstance(seat, LaneSlot):
@@ -187,6 +192,12 @@ class NodeLane:
             return
         batches, dropped = self._lane.take_batches()
         for b in batches:
+            if self._last_done is not None and 0 < b.t_done - self._last_done <= PACE_MAX_S:
+                gap = b.t_done - self._last_done
+                self.pass_gap_s = (
+                    gap if self.pass_gap_s is None else (1 - SMOOTH) * self.pass_gap_s + SMOOTH * gap
+                )
+            self._last_done = b.t_done
             self.metrics.batch(b.steps, b.positions, b.compute_s, at=b.t_done)
             self.metrics.queue_wait(b.wait_s, at=b.t_done)
             self.node_counters["tokens_in"] += b.positions

@@ -38,11 +38,14 @@ PREFILL_BUDGET = 1.0  # a chunk may cost this share of the decoders' period betw
 PREFILL_BUDGET_ENV = "GGSWARM_PREFILL_BUDGET"  # an operator's override, 0.05..8
 MIN_TOKENS = 8  # the first chunk, and the smallest (a smaller one costs more per position than it saves)
 MAX_TOKENS = 512  # = native kUBatch
-# A chunk waits for the lane's next step twice the decoders' period, within these bounds, and
-# PACE_MAX_S while that period is not measured yet: a lane with no step for that long is quiet and the
-# chunk goes at once. (A first wait of PACE_MIN_S found decoders slower than that a pass, a loaded hop
-# or a big model's window, "quiet" at every chunk: never held, the period never measured, the prompt
-# run unpaced beside them.)
+# A chunk waits for the lane's next step twice the decoders' period, within these bounds; until that
+# period is measured, GAP_WAITS x the lane's own gap between passes (PACE_MAX_S when none was seen): a
+# lane with no step for that long is quiet and the chunk goes at once. (A first wait of PACE_MIN_S found
+# decoders slower than that a pass, a loaded hop or a big model's window, "quiet" at every chunk: never
+# held, the period never measured, the prompt run unpaced beside them; a first wait of PACE_MAX_S held
+# a prompt beside decoders that had just stopped for it: a new user's time to first token went from
+# ~200 to ~760 ms on three hops, bench/served.py.)
+GAP_WAITS = 3
 PACE_MIN_S = 0.06
 PACE_MAX_S = 0.5
 SMOOTH = 0.3  # weight of the newest measurement in the running estimates
@@ -62,7 +65,7 @@ class LanePacer:
 
     `wait_turn(timeout_s)` blocks until the lane's next step arrives on this hop and is held for us
     (True; `release()` lets it go) or the timeout (False; at once when the lane is quiet, nothing
-    held). Called from the shard schedulers' worker threads: a lock keeps the estimates whole when two
+    held); `lane_gap()` is the lane's recent gap between passes here, or None. Called from the shard schedulers' worker threads: a lock keeps the estimates whole when two
     shards of the node prefill at once."""
 
     def __init__(
@@ -70,11 +73,13 @@ class LanePacer:
         wait_turn: Callable[[float], bool],
         release: Callable[[], None] = lambda: None,
         share: float | None = None,
+        lane_gap: Callable[[], float | None] = lambda: None,
         clock: Callable[[], float] = time.monotonic,
         min_tokens: int = MIN_TOKENS,
         max_tokens: int = MAX_TOKENS,
     ) -> None:
         self._wait_turn, self._release = wait_turn, release
+        self._lane_gap = lane_gap  # the lane's recent gap between passes on this hop (its batch log)
         self.share = budget_from_env() if share is None else share
         self._clock = clock
         self.min_tokens, self.max_tokens = max(1, min_tokens), max(min_tokens, max_tokens)
@@ -115,7 +120,11 @@ class LanePacer:
         wait times out (False)."""
         with self._mu:
             period = self.period_s
-        timeout = min(PACE_MAX_S, max(PACE_MIN_S, 2 * period)) if period else PACE_MAX_S
+        if period:
+            timeout = min(PACE_MAX_S, max(PACE_MIN_S, 2 * period))
+        else:
+            gap = self._lane_gap()
+            timeout = min(PACE_MAX_S, max(PACE_MIN_S, GAP_WAITS * gap)) if gap else PACE_MAX_S
         asked = self._clock()
         held = self._wait_turn(timeout)
         with self._mu:

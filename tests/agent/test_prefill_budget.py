@@ -41,11 +41,16 @@ def test_before_any_measurement_a_chunk_is_the_smallest() -> None:
     assert _pacer().chunk_tokens() == MIN_TOKENS
 
 
-def test_until_the_period_is_measured_a_chunk_waits_long_for_slow_decoders_and_then_twice_their_period() -> (
-    None
-):
+@pytest.mark.parametrize(
+    ("lane_gap", "first_wait"),
+    [(None, PACE_MAX_S), (0.15, 3 * 0.15), (0.01, PACE_MIN_S), (1.0, PACE_MAX_S)],
+)
+def test_until_the_period_is_measured_a_chunk_waits_a_few_of_the_lanes_gaps_then_twice_the_period(
+    lane_gap: float | None, first_wait: float
+) -> None:
     """A first wait of PACE_MIN_S found decoders slower than that (a loaded hop, a big model's window)
-    "quiet" at every chunk: nothing held, no period measured, the prompt unpaced beside them."""
+    "quiet" at every chunk: nothing held, no period measured, the prompt unpaced beside them. A first wait
+    of PACE_MAX_S held a prompt beside decoders that had just stopped for half a second at every hop."""
     asked: list[float] = []
     now = [0.0]
 
@@ -54,12 +59,12 @@ def test_until_the_period_is_measured_a_chunk_waits_long_for_slow_decoders_and_t
         now[0] += 0.15  # the decoders' next step comes 150 ms on
         return True
 
-    p = LanePacer(wait_turn, share=1.0, clock=lambda: now[0])
+    p = LanePacer(wait_turn, share=1.0, clock=lambda: now[0], lane_gap=lambda: lane_gap)
     for _ in range(3):
         assert p.before_chunk()
         p.after_chunk(MIN_TOKENS, 0.01, held=True)
         now[0] += 0.01
-    assert asked[:2] == [PACE_MAX_S, PACE_MAX_S] and asked[2] == pytest.approx(0.3)
+    assert asked[:2] == pytest.approx([first_wait, first_wait]) and asked[2] == pytest.approx(0.3)
     assert p.period_s == pytest.approx(0.15)
 
 
