@@ -45,7 +45,8 @@ MAX_TOKENS = 512  # = native kUBatch
 # held, the period never measured, the prompt run unpaced beside them; a first wait of PACE_MAX_S held
 # a prompt beside decoders that had just stopped for it: a new user's time to first token went from
 # ~200 to ~760 ms on three hops, bench/served.py.)
-GAP_WAITS = 3
+GAP_WAITS = 2  # as for the period: 3 held a lighter user's prompt beside paused decoders 90 ms a hop
+# where 60 ms had done (bench/abuse.py's streams part: TTFT ratio 1.45-1.60 against 1.42-1.53)
 PACE_MIN_S = 0.06
 PACE_MAX_S = 0.5
 SMOOTH = 0.3  # weight of the newest measurement in the running estimates

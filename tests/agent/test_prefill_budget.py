@@ -43,7 +43,7 @@ def test_before_any_measurement_a_chunk_is_the_smallest() -> None:
 
 @pytest.mark.parametrize(
     ("lane_gap", "first_wait"),
-    [(None, PACE_MAX_S), (0.15, 3 * 0.15), (0.01, PACE_MIN_S), (1.0, PACE_MAX_S)],
+    [(None, PACE_MAX_S), (0.15, 2 * 0.15), (0.01, PACE_MIN_S), (1.0, PACE_MAX_S)],
 )
 def test_until_the_period_is_measured_a_chunk_waits_a_few_of_the_lanes_gaps_then_twice_the_period(
     lane_gap: float | None, first_wait: float
