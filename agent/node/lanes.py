@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from agent.backends.libggswarm import NativeError
 from agent.node.errors import DataPlaneError
-from agent.node.prefill_budget import PACE_MAX_S, SMOOTH, LanePacer
+from agent.node.prefill_budget import PACE_MAX_S, LanePacer, running_mean
 from agent.node.sessions import SessionKey, SessionState
 from agent.wire.frames import (
     LANE_INFO,
@@ -193,10 +193,7 @@ class NodeLane:
         batches, dropped = self._lane.take_batches()
         for b in batches:
             if self._last_done is not None and 0 < b.t_done - self._last_done <= PACE_MAX_S:
-                gap = b.t_done - self._last_done
-                self.pass_gap_s = (
-                    gap if self.pass_gap_s is None else (1 - SMOOTH) * self.pass_gap_s + SMOOTH * gap
-                )
+                self.pass_gap_s = running_mean(self.pass_gap_s, b.t_done - self._last_done)
             self._last_done = b.t_done
             self.metrics.batch(b.steps, b.positions, b.compute_s, at=b.t_done)
             self.metrics.queue_wait(b.wait_s, at=b.t_done)

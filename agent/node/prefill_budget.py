@@ -142,7 +142,7 @@ class LanePacer:
         with self._mu:
             if self._last_pass is not None:
                 own = max(0.0, now - self._last_pass - self._chunks_s)
-                self.period_s = own if self.period_s is None else _mix(self.period_s, own)
+                self.period_s = running_mean(self.period_s, own)
             self._last_pass, self._chunks_s = now, 0.0
 
     def after_chunk(self, tokens: int, seconds: float, held: bool) -> None:
@@ -164,7 +164,7 @@ class LanePacer:
             # a prompt's last, short chunk must not send the next prompt back to the smallest chunks
             self._last_tokens = max(tokens, self._last_tokens // 2)
             per = seconds / tokens
-            self.per_token_s = per if self.per_token_s is None else _mix(self.per_token_s, per)
+            self.per_token_s = running_mean(self.per_token_s, per)
 
     def figures(self) -> dict[str, float | int | None]:
         """The estimates, for the node's stats."""
@@ -181,5 +181,6 @@ class LanePacer:
             }
 
 
-def _mix(old: float, new: float) -> float:
-    return (1 - SMOOTH) * old + SMOOTH * new
+def running_mean(old: float | None, new: float) -> float:
+    """The running estimate after measurement `new` (the first measurement stands alone)."""
+    return new if old is None else (1 - SMOOTH) * old + SMOOTH * new

@@ -162,6 +162,14 @@ void accept_loop(ggswarm_lane * lane) {
     }
 }
 
+// The session `lane_id` names (nullptr when the lane has none), kept alive by the pointer after the
+// table's lock is let go.
+std::shared_ptr<LaneSession> find_session(ggswarm_lane * lane, uint64_t lane_id) {
+    std::lock_guard<std::mutex> lk(lane->mu);
+    auto it = lane->sessions.find(lane_id);
+    return it == lane->sessions.end() ? nullptr : it->second;
+}
+
 void fill_stats(LaneSession & s, ggswarm_lane_stats * out) {
     out->steps = s.steps;
     out->next_step = s.next_step;
@@ -305,13 +313,8 @@ ggswarm_status ggswarm_lane_add(ggswarm_lane * lane, const ggswarm_lane_session 
 
 ggswarm_status ggswarm_lane_stats_get(ggswarm_lane * lane, uint64_t lane_id, ggswarm_lane_stats * out) {
     if (!lane || !out) return fail(nullptr, GGSWARM_E_INVALID_ARG, "lane or out is NULL");
-    std::shared_ptr<LaneSession> sp;
-    {
-        std::lock_guard<std::mutex> lk(lane->mu);
-        auto it = lane->sessions.find(lane_id);
-        if (it == lane->sessions.end()) return fail(nullptr, GGSWARM_E_NO_SESSION, "no lane session %llu", (unsigned long long)lane_id);
-        sp = it->second;
-    }
+    std::shared_ptr<LaneSession> sp = find_session(lane, lane_id);
+    if (!sp) return fail(nullptr, GGSWARM_E_NO_SESSION, "no lane session %llu", (unsigned long long)lane_id);
     std::lock_guard<std::mutex> lk(sp->mu);
     fill_stats(*sp, out);
     return GGSWARM_OK;
@@ -319,13 +322,8 @@ ggswarm_status ggswarm_lane_stats_get(ggswarm_lane * lane, uint64_t lane_id, ggs
 
 ggswarm_status ggswarm_lane_activity(ggswarm_lane * lane, uint64_t lane_id, double * idle_s, int32_t * busy) {
     if (!lane || !idle_s || !busy) return fail(nullptr, GGSWARM_E_INVALID_ARG, "lane or an out pointer is NULL");
-    std::shared_ptr<LaneSession> sp;
-    {
-        std::lock_guard<std::mutex> lk(lane->mu);
-        auto it = lane->sessions.find(lane_id);
-        if (it == lane->sessions.end()) return fail(nullptr, GGSWARM_E_NO_SESSION, "no lane session %llu", (unsigned long long)lane_id);
-        sp = it->second;
-    }
+    std::shared_ptr<LaneSession> sp = find_session(lane, lane_id);
+    if (!sp) return fail(nullptr, GGSWARM_E_NO_SESSION, "no lane session %llu", (unsigned long long)lane_id);
     // without the session's lock, which a step in flight holds: busy first (a step's end writes
     // last_used, then busy), so a step ending between the two reads is seen as busy or just used
     *busy = sp->busy.load() ? 1 : 0;
