@@ -75,6 +75,48 @@ def api_stream(client: Any, model: str, messages: list[dict[str, str]], n: int) 
     return first - t0, (usage - 1) / (last - first) if last > first else 0.0, usage
 
 
+def api_stream_raw(
+    base: str, key: str, model: str, messages: list[dict[str, str]], n: int
+) -> tuple[float, int]:
+    """(decode tok/s, completion tokens) of the same streamed chat completion read with the standard
+    library's HTTP client, timed as api_stream times it: the server's side without the SDK's per-chunk
+    parsing, which shares the machine's cores with the route in these benches."""
+    import http.client
+    import urllib.parse
+
+    u = urllib.parse.urlsplit(base)
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": n,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port, timeout=300)
+    first = last = 0.0
+    usage = 0
+    try:
+        headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+        conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers=headers)
+        r = conn.getresponse()
+        if r.status != 200:
+            raise RuntimeError(f"streamed completion failed (HTTP {r.status}): {r.read(500)!r}")
+        for raw in r:
+            line = raw.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            if ev.get("choices") and ev["choices"][0]["delta"].get("content"):
+                last = time.perf_counter()
+                first = first or last
+            if ev.get("usage"):
+                usage = int(ev["usage"]["completion_tokens"])
+    finally:
+        conn.close()
+    return (usage - 1) / (last - first) if last > first else 0.0, usage
+
+
 async def route_stream(
     route: list[dict[str, Any]], sha256: str, key_path: Path, tok: ChatTokenizer, n: int
 ) -> tuple[float, int]:

@@ -24,7 +24,10 @@ control_plane_tok_s (the playground's answer) and api_tok_s_control_plane (a str
 serve route timed in the same rounds (bench_route_tok_s_same_rounds; ratio_control_plane_vs_bench_route,
 ratio_api_vs_bench_route), since rounds minutes apart on these shared cores differ by up to 2x;
 aggregate_tok_s_8_sessions_control_plane (8 route-client sessions at once on those agents' hops) and
-ratio_served8_vs_llamacpp8_control_plane (against llama.cpp's 8 sequences).
+ratio_served8_vs_llamacpp8_control_plane (against llama.cpp's 8 sequences). The control plane's own
+cost: web_cpu_ms_per_token_playground / web_cpu_ms_per_token_api (the web process's CPU, all threads,
+per token of an answer) and api_tok_s_control_plane_plain_http (the API's answer read with http.client
+instead of the openai SDK, whose parsing shares the hops' cores in this bench).
 Prefix snapshots (issue 32), on the same control plane's agents, each round with a new ~1,500-token
 system prompt (shared_prefix_tokens: the tokens the control plane counts as shareable):
 ttft_ms_no_prefix_reuse (user A's streamed /v1/chat/completions, the system prompt seen for the first
@@ -90,10 +93,11 @@ def playground(args: argparse.Namespace, tok: ChatTokenizer) -> dict[str, Any]:
     """tok/s of an answer over the playground websocket of a live control plane (3 agents), vs the route
     client's own tok/s on the same hops, interleaved, greedy, same messages."""
     import openai
+    import psutil
     from aiohttp import ClientSession
 
     from agent.wire.routetoken import load_private_key
-    from bench.api import api_stream, create_key
+    from bench.api import api_stream, api_stream_raw, create_key
     from webapp.devcluster import control_plane
 
     async def ws_answer(s: Any, n: int) -> tuple[float, int, list[dict[str, Any]]]:
@@ -160,11 +164,22 @@ def playground(args: argparse.Namespace, tok: ChatTokenizer) -> dict[str, Any]:
         _, _, route = asyncio.run(ws_answer(s, 4))  # warm-up, and the route the playground uses
         if any("node" not in h for h in route):
             raise RuntimeError(f"the playground's start event names no node per hop: {route}")
-        api = openai.OpenAI(
-            base_url=s.base + "/v1", api_key=create_key(s, "bench"), max_retries=0, timeout=300
-        )
+        api_key = create_key(s, "bench")
+        api = openai.OpenAI(base_url=s.base + "/v1", api_key=api_key, max_retries=0, timeout=300)
         api_stream(api, s.model["name"], STORY, 4)  # warm-up
+        api_stream_raw(s.base, api_key, s.model["name"], STORY, 4)
+        web = psutil.Process(s.web.pid)
+
+        def web_cpu_s() -> float:
+            t = web.cpu_times()
+            return float(t.user + t.system)
+
         pg, rc, ap, br, n_pg = [], [], [], [], 0
+        raw: list[float] = []
+        # the web process's CPU per token of each answer (all its threads; issue 32: its per-token work
+        # shares the hops' cores here, and it is the same for the playground and the API)
+        web_pg: list[float] = []
+        web_api: list[float] = []
         agg8: list[float] = []  # 8 sessions at once on the control plane's agents (issue 32)
         cp_key = load_private_key(s.data_dir / "route_key.pem")
         ids = tok.encode_chat(STORY)
@@ -189,10 +204,16 @@ def playground(args: argparse.Namespace, tok: ChatTokenizer) -> dict[str, Any]:
         try:
             asyncio.run(route_answer(s, bare, 4, bare_key))  # warm-up
             for _ in range(args.rounds):
+                c0 = web_cpu_s()
                 rate, n_pg, route = asyncio.run(ws_answer(s, args.tokens))
+                web_pg.append((web_cpu_s() - c0) * 1e3 / max(1, n_pg))
                 pg.append(rate)
                 rc.append(asyncio.run(route_answer(s, route, args.tokens)))
-                ap.append(api_stream(api, s.model["name"], STORY, args.tokens)[1])
+                c0 = web_cpu_s()
+                _, api_rate, n_api = api_stream(api, s.model["name"], STORY, args.tokens)
+                web_api.append((web_cpu_s() - c0) * 1e3 / max(1, n_api))
+                ap.append(api_rate)
+                raw.append(api_stream_raw(s.base, api_key, s.model["name"], STORY, args.tokens)[0])
                 br.append(asyncio.run(route_answer(s, bare, args.tokens, bare_key)))
                 prefix_rounds.append(shared_prefix_ttft(prefix_users, s.model["name"], tok))
                 agg8.append(asyncio.run(eight_sessions(route, args.tokens // 2)))
@@ -225,6 +246,11 @@ def playground(args: argparse.Namespace, tok: ChatTokenizer) -> dict[str, Any]:
         "playground_tok_s": round(p, 2),
         "control_plane_tok_s": round(p, 2),
         "api_tok_s_control_plane": round(a, 2),
+        # the same answers read without the openai SDK (its per-chunk parsing runs on these cores too)
+        "api_tok_s_control_plane_plain_http": round(statistics.median(raw), 2),
+        "api_tok_s_control_plane_plain_http_rounds": [round(x, 2) for x in raw],
+        "web_cpu_ms_per_token_playground": round(statistics.median(web_pg), 3),
+        "web_cpu_ms_per_token_api": round(statistics.median(web_api), 3),
         "route_client_tok_s_playground_route": round(r, 2),
         "ratio_playground_vs_route_client": round(p / r, 3) if r else None,
         "playground_tok_s_rounds": [round(x, 2) for x in pg],
