@@ -8,7 +8,8 @@ DATABASE_URL / REDIS_URL are set) and two agents serving SmolLM2 in two hops. Th
 own (agent/dev/hostile.py; docs/security.md, the sections of issue 33), each bounded in count and time;
 nothing here asserts a target.
 
-* web_stall_ms_p99_during_abuse: /healthz timed back to back while one key sends a 9.9 MB prompt, 8,000
+* web_stall_ms_p99_during_abuse: /healthz (answered on the web's event loop, an async view since 2026-12-07;
+  a sync one before, through the thread pool) timed back to back while one key sends a 9.9 MB prompt, 8,000
   and 250,000 messages, three 7,500-special-token chats and 100k-deep JSON (chat, anonymous enrollment, the
   playground socket), and anonymous bodies: 1 GiB to /healthz, an endless chunked one, 64 GiB declared to
   /models/register. web_rss_growth_mb_1gib_upload: the web's peak RSS while the 1 GiB is pushed, minus before.

@@ -6,11 +6,13 @@ eager mode. Every wait polls a readiness condition; nothing sleeps a guessed tim
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -163,6 +165,13 @@ def test_a_hung_agent_that_stops_heartbeating_shows_offline_within_ten_seconds(s
         lambda st: any(n["id"] == victim and n["state"] == "online" for n in st["nodes"]),
         30,
     )
+
+
+def test_the_web_server_answers_on_uvloop_as_the_agents_do(swarm: Swarm) -> None:
+    # webapp.serve puts daphne's reactor on uvloop before daphne creates its loop: the web's per-token
+    # work is mostly loop turns (docs/benchmarks.md, "where the API's gap to the playground is")
+    with urllib.request.urlopen(swarm.base + "/healthz", timeout=10) as r:
+        assert json.load(r) == {"ok": True, "loop": "uvloop"}
 
 
 def test_a_killed_agent_shows_offline_within_ten_seconds(swarm: Swarm) -> None:

@@ -6,6 +6,8 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import redirect
 from django.views.decorators.http import require_GET
 
+from agent.eventloop import running_loop_name
+
 
 @require_GET
 def home(request: HttpRequest) -> HttpResponse:
@@ -15,6 +17,7 @@ def home(request: HttpRequest) -> HttpResponse:
 
 
 @require_GET
-def healthz(request: HttpRequest) -> JsonResponse:
-    """Readiness probe for scripts and tests."""
-    return JsonResponse({"ok": True})
+async def healthz(request: HttpRequest) -> JsonResponse:
+    """Readiness probe for scripts and tests; names the event loop the server answers on (uvloop where
+    installed, as the agents': webapp.serve)."""
+    return JsonResponse({"ok": True, "loop": running_loop_name()})
