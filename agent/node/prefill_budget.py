@@ -18,7 +18,8 @@ pessimistic), never exceeds the executor's micro-batch, and never falls below MI
 A lane whose sessions are still counted as decoding (a step within the node's LANE_ACTIVE_S) may have
 no step to hold: its decoders paused (a control plane has a heavier user's answers give way to a
 lighter user's prompt, webapp/routing/quota.py) or stopped. The gate then says at once that no step
-came within its timeout, and the next chunks are sized to cost at most QUIET_CHUNK_S instead of the
+came within its timeout, and the next chunks are sized to cost at most QUIET_CHUNK_S (QUIET_PERIODS of
+the decoders' period once measured: a verdict that was wrong holds them that long) instead of the
 share of a period nobody is using (a wait that runs out is not taken for quiet: decoders may only be
 slow): measured (bench/abuse.py, 3 decoders given way), a 132-token prompt on such a hop ran in
 8-position chunks for 2.4 s where it took 0.94 s whole. A quiet verdict lasts PACE_MIN_S after the
@@ -51,8 +52,13 @@ PACE_MIN_S = 0.06
 PACE_MAX_S = 0.5
 SMOOTH = 0.3  # weight of the newest measurement in the running estimates
 # A chunk on a quiet lane (the latest wait held no step: the decoders paused or stopped) may cost this
-# long, by the measured cost per position: about the longest a chunk waits for the lane's step anyway
+# long, by the measured cost per position: about the longest a chunk waits for the lane's step anyway;
+# once the decoders' period is measured, at most QUIET_PERIODS of it. The verdict can be wrong: decoders
+# whose round trip outran the gate's timeout (twice their mean period; a stalled client, the other hops'
+# chunks) look paused, and a 0.5 s chunk then held them 0.4-0.5 s (bench/served.py on AVX2: p95 gaps of
+# 374-450 ms, 8-15x idle, in 3 runs of 7; the middle hop found 7-12 of its ~40 chunks "quiet")
 QUIET_CHUNK_S = PACE_MAX_S
+QUIET_PERIODS = 4
 
 
 def budget_from_env(env: Mapping[str, str] | None = None) -> float:
@@ -107,7 +113,8 @@ class LanePacer:
     def _quiet_tokens(self) -> int:
         if self.per_token_s is None or self.per_token_s <= 0:
             return self.min_tokens
-        return max(self.min_tokens, min(int(QUIET_CHUNK_S / self.per_token_s), self.max_tokens))
+        cost = QUIET_CHUNK_S if self.period_s is None else min(QUIET_CHUNK_S, QUIET_PERIODS * self.period_s)
+        return max(self.min_tokens, min(int(cost / self.per_token_s), self.max_tokens))
 
     def _budget_tokens(self) -> int:
         if self.period_s is None or self.per_token_s is None or self.per_token_s <= 0:

@@ -13,6 +13,7 @@ from agent.node.prefill_budget import (
     PACE_MIN_S,
     PREFILL_BUDGET,
     QUIET_CHUNK_S,
+    QUIET_PERIODS,
     LanePacer,
     budget_from_env,
 )
@@ -144,6 +145,22 @@ def test_a_lane_with_no_step_to_hold_gets_chunks_of_the_quiet_cost_not_the_small
     # a later prompt, past the verdict's life, starts from the budget again
     now[0] += PACE_MIN_S + 0.01
     assert p.chunk_tokens() == MIN_TOKENS
+
+
+def test_once_the_decoders_period_is_measured_a_quiet_chunk_costs_a_few_periods_not_half_a_second() -> None:
+    # a quiet verdict can be wrong: decoders whose round trip outran the gate's timeout look paused, and
+    # the chunk it sizes holds them for its whole cost (bench/served.py on AVX2: p95 gaps of 374-450 ms)
+    turns = [True]
+    p = LanePacer(lambda _t: turns[0], share=1.0, clock=lambda: 0.0)
+    _settle(p, 0.05, 0.001)
+    assert p.period_s is not None and p.per_token_s is not None
+    turns[0] = False  # the next wait finds no step and says so at once
+    n = p.chunk_tokens()
+    p.after_chunk(n, n * 0.001, p.before_chunk())
+    assert p.quiet_chunks == 1
+    quiet = p.chunk_tokens()
+    assert quiet == int(QUIET_PERIODS * p.period_s / p.per_token_s)
+    assert quiet < int(QUIET_CHUNK_S / 0.001)  # 200 positions, not 500
 
 
 def test_a_quiet_chunk_never_exceeds_the_micro_batch_and_a_held_step_ends_the_quiet() -> None:
