@@ -55,8 +55,8 @@ SMOOTH = 0.3  # weight of the newest measurement in the running estimates
 # long, by the measured cost per position: about the longest a chunk waits for the lane's step anyway;
 # once the decoders' period is measured, at most QUIET_PERIODS of it. The verdict can be wrong: decoders
 # whose round trip outran the gate's timeout (twice their mean period; a stalled client, the other hops'
-# chunks) look paused, and a 0.5 s chunk then held them 0.4-0.5 s (bench/served.py on AVX2: p95 gaps of
-# 374-450 ms, 8-15x idle, in 3 runs of 7; the middle hop found 7-12 of its ~40 chunks "quiet")
+# chunks) look paused, and a 0.5 s chunk then held them 0.4-0.5 s (on AVX2: p95 gaps of 374-450 ms, 8-15x
+# idle, in 2 of 6 bench/served.py runs and 1 of 3 probes; the middle hop took 7-12 of its ~40 chunks for quiet)
 QUIET_CHUNK_S = PACE_MAX_S
 QUIET_PERIODS = 4
 
