@@ -29,6 +29,15 @@ def run_loop(main: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(main)
 
 
+def use_loop_policy() -> None:
+    """New loops are uvloop's where it is installed: for a server that creates its own loop (daphne's
+    reactor, webapp/serve.py), called before it does."""
+    if loop_name() == "uvloop":
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
 def running_loop_name() -> str:
     """Which loop this coroutine runs on ("uvloop" or "asyncio"), as /v1/health reports it."""
     module = type(asyncio.get_running_loop()).__module__

@@ -11,25 +11,16 @@ from __future__ import annotations
 
 import sys
 
-from agent.eventloop import loop_name
+from agent.eventloop import use_loop_policy
 from agent.logsafe import RedactingStream
-
-
-def use_uvloop() -> None:
-    """Daphne's Twisted reactor on uvloop where installed (it creates its loop when daphne.server is
-    first imported, so this runs before that): the web's per-token work is mostly loop turns."""
-    if loop_name() == "uvloop":
-        import asyncio
-
-        import uvloop
-
-        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
 def main() -> None:
     sys.stdout = RedactingStream(sys.stdout)
     sys.stderr = RedactingStream(sys.stderr)
-    use_uvloop()
+    # daphne's Twisted reactor on uvloop where installed, as the agents' loops: it creates its loop when
+    # daphne.server is first imported, so before that. The web's per-token work is mostly loop turns.
+    use_loop_policy()
     from daphne.cli import CommandLineInterface  # type: ignore[import-untyped]  # daphne ships no types
 
     from webapp.core import serverlimit

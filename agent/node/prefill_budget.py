@@ -72,8 +72,9 @@ class LanePacer:
 
     `wait_turn(timeout_s)` blocks until the lane's next step arrives on this hop and is held for us
     (True; `release()` lets it go) or the timeout (False; at once when the lane is quiet, nothing
-    held); `lane_gap()` is the lane's recent gap between passes here, or None. Called from the shard schedulers' worker threads: a lock keeps the estimates whole when two
-    shards of the node prefill at once."""
+    held); `lane_gap()` is the lane's recent gap between passes here, or None. Called from the shard
+    schedulers' worker threads: a lock keeps the estimates whole when two shards of the node prefill at
+    once."""
 
     def __init__(
         self,
@@ -128,11 +129,10 @@ class LanePacer:
         wait times out (False)."""
         with self._mu:
             period = self.period_s
-        if period:
-            timeout = min(PACE_MAX_S, max(PACE_MIN_S, 2 * period))
-        else:
-            gap = self._lane_gap()
-            timeout = min(PACE_MAX_S, max(PACE_MIN_S, GAP_WAITS * gap)) if gap else PACE_MAX_S
+        # twice the decoders' period; before it is measured, a few of the lane's own gaps between passes
+        gap = None if period else self._lane_gap()
+        wait = 2 * period if period else (GAP_WAITS * gap if gap else PACE_MAX_S)
+        timeout = min(PACE_MAX_S, max(PACE_MIN_S, wait))
         asked = self._clock()
         held = self._wait_turn(timeout)
         with self._mu:
