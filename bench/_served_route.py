@@ -188,7 +188,9 @@ async def itl_under_prefill(route: Route, prompt: list[int], n: int) -> dict[str
             return gaps, (t0, t1)
 
         idle, _ = await window(False)
+        before = await pacer_figures(route)
         busy, (t0, t1) = await window(True)
+        paced = pacer_chunks(before, await pacer_figures(route))
     finally:
         for c in [*clients, big]:
             await c.close()
@@ -214,4 +216,35 @@ async def itl_under_prefill(route: Route, prompt: list[int], n: int) -> dict[str
         "prefill_ms_2000_alone": round(alone_ms, 1),
         "prefill_ratio_while_decoding": round((t1 - t0) * 1e3 / alone_ms, 2),
         "itl_gaps_during_prefill": len(during),
+        **paced,
     }
+
+
+PACER_COUNTS = ("prefill_mixed_chunks", "prefill_quiet_chunks", "prefill_unheld_chunks")
+
+
+async def pacer_figures(route: Route) -> list[dict[str, Any]]:
+    """Each hop's /v1/health (its pacer's counts among them); {} for a hop that did not answer."""
+    import aiohttp
+
+    out: list[dict[str, Any]] = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
+        for url, _a, _b, _node in route.hops:
+            try:
+                async with http.get(f"{url}/v1/health", ssl=False) as r:
+                    out.append(await r.json())
+            except (aiohttp.ClientError, TimeoutError, ValueError):
+                out.append({})
+    return out
+
+
+def pacer_chunks(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> dict[str, list[int | None]]:
+    """How each hop's chunks of the long prompt ran (held a step, found the lane quiet, ran beside
+    the decoders after a wait ran out): the counts' growth between the two reads, per hop."""
+    out: dict[str, list[int | None]] = {}
+    for key in PACER_COUNTS:
+        short = key.removeprefix("prefill_")
+        out[f"{short}_by_hop"] = [
+            a[key] - b[key] if key in a and key in b else None for b, a in zip(before, after, strict=True)
+        ]
+    return out

@@ -21,7 +21,8 @@ lighter user's prompt, webapp/routing/quota.py) or stopped. The gate then says a
 came within its timeout, and the next chunks are sized to cost at most QUIET_CHUNK_S (QUIET_PERIODS of
 the decoders' period once measured: a verdict that was wrong holds them that long) instead of the
 share of a period nobody is using (a wait that runs out is not taken for quiet: decoders may only be
-slow): measured (bench/abuse.py, 3 decoders given way), a 132-token prompt on such a hop ran in
+slow, nor is the at-once verdict right after such a wait, whose silence is the wait's own): measured
+(bench/abuse.py, 3 decoders given way), a 132-token prompt on such a hop ran in
 8-position chunks for 2.4 s where it took 0.94 s whole. A quiet verdict lasts PACE_MIN_S after the
 chunk that found it ends, so a later prompt starts from the budget again, and a step that arrives
 meanwhile waits for one such chunk at most.
@@ -98,9 +99,12 @@ class LanePacer:
         self._chunks_s = 0.0  # chunk compute since the latest pass seen
         self._last_tokens = 0  # about the latest full chunk's positions (growth is bounded by it)
         self._quiet = False  # the latest wait held no step: the lane's decoders paused or stopped
+        self._ran_out = False  # the latest wait ran its whole timeout without a step: decoders slow
+        self._unheld = False  # the next chunk runs beside the decoders' step, should it come
         self._quiet_at: float | None = None  # when the latest chunk run on a quiet lane ended
         self.mixed_chunks = 0  # chunks that ran while the lane held its step (telemetry, tests)
         self.quiet_chunks = 0  # chunks that found no step to hold (telemetry, tests)
+        self.unheld_chunks = 0  # chunks after a wait that ran out: beside the decoders' step (telemetry)
 
     def chunk_tokens(self, prompts: int = 1) -> int:
         """Positions each of `prompts` prompts runs in the next chunk."""
@@ -138,7 +142,13 @@ class LanePacer:
         with self._mu:
             # quiet: the gate found no step within its timeout and said so at once; a wait that ran
             # out (decoders slower than their period, a busy box) is not, so their steps keep the budget
-            self._quiet = not held and self._clock() - asked < timeout / 2
+            at_once = not held and self._clock() - asked < timeout / 2
+            late = not held and not at_once
+            # right after a wait that ran out, the lane's silence is that wait's and its chunk's own:
+            # a step merely late looks paused, so "quiet" is trusted only from the next wait on
+            doubt = at_once and self._ran_out
+            self._quiet = at_once and not doubt
+            self._unheld, self._ran_out = late or doubt, late
         if held:
             self.passed(self._clock())
         return held
@@ -164,6 +174,7 @@ class LanePacer:
             quiet = self._quiet and not held
             self._quiet_at = self._clock() if quiet else None
             self.quiet_chunks += quiet
+            self.unheld_chunks += self._unheld and not held
         if tokens <= 0 or seconds < 0:
             return
         with self._mu:
@@ -185,6 +196,7 @@ class LanePacer:
                 "prefill_chunk_tokens": self._budget_tokens(),
                 "prefill_mixed_chunks": self.mixed_chunks,
                 "prefill_quiet_chunks": self.quiet_chunks,
+                "prefill_unheld_chunks": self.unheld_chunks,
             }
 
 

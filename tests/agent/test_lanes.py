@@ -243,8 +243,11 @@ async def test_a_prompt_beside_lane_sessions_that_paused_is_not_cut_into_the_sma
         assert await _tokens(other, 2, long_prompt) == want[0]
         assert chunks, "the prompt was not paced: the lane's sessions no longer counted as decoding"
         assert not any(held for _, held in chunks)  # nothing to hold: the decoders had paused
-        # the last chunk is the prompt's remainder, whatever its size (a loaded run gave 8, 8, 64, 72, 8)
-        assert sum(n == MIN_TOKENS for n, _ in chunks[:-1]) <= 2, chunks
+        # the last chunk is the prompt's remainder, whatever its size (a loaded run gave 8, 8, 64, 72, 8).
+        # At most three of the smallest: the first (nothing measured), and when the first wait ran out
+        # (the decoders had just stepped), the chunk after it and the one after the verdict doubted
+        # right after such a wait (docs/lane.md); then quiet-sized chunks. Cut up, it was 17 of 8.
+        assert sum(n == MIN_TOKENS for n, _ in chunks[:-1]) <= 3, chunks
     finally:
         for c in (a, b, other):
             await c.close()

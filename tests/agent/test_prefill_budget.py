@@ -186,3 +186,42 @@ def test_a_wait_that_runs_out_is_not_taken_for_a_quiet_lane() -> None:
     p = LanePacer(times_out, share=1.0, clock=lambda: now[0])
     p.after_chunk(MIN_TOKENS, MIN_TOKENS * 0.004, p.before_chunk())
     assert p.chunk_tokens() == MIN_TOKENS and p.quiet_chunks == 0
+
+
+def test_a_lane_found_quiet_right_after_a_wait_ran_out_gets_a_budget_chunk_before_a_quiet_one() -> None:
+    # after a wait that ran out (decoders slower than twice their period) and the chunk run then, the
+    # lane's silence is that wait's and chunk's own: the gate says "quiet" at once whether the decoders
+    # paused or their step is merely late, and a late step found a quiet-sized chunk (four periods)
+    # computing beside it (bench/served.py --itl-only, AVX-512: the middle hop's quiet chunks followed
+    # its waits that ran out). The verdict is trusted at the next wait that still finds no step.
+    now = [0.0]
+    answers: list[str] = []
+
+    def wait_turn(timeout_s: float) -> bool:
+        a = answers.pop(0)
+        if a == "held":
+            now[0] += 0.01
+            return True
+        if a == "ran_out":
+            now[0] += timeout_s
+        return False  # "quiet": at once
+
+    p = LanePacer(wait_turn, share=1.0, clock=lambda: now[0])
+    _settle(p, 0.05, 0.001)  # period 50 ms, 1 ms a position: a budget chunk is 50 positions
+    budget = p.chunk_tokens()
+    assert budget == pytest.approx(50, abs=1)
+
+    def chunk() -> int:
+        n = p.chunk_tokens()
+        held = p.before_chunk()
+        p.after_chunk(n, n * 0.001, held)
+        return p.chunk_tokens()
+
+    answers += ["ran_out", "quiet", "quiet"]
+    assert chunk() == budget and p.unheld_chunks == 1  # slow decoders: the budget, beside their step
+    assert chunk() == budget and p.quiet_chunks == 0  # no step yet: its wait's own silence, not quiet
+    assert chunk() == int(QUIET_PERIODS * p.period_s / p.per_token_s) and p.quiet_chunks == 1
+    # a lane found quiet without a wait running out before is quiet at once, as before
+    answers += ["held", "quiet"]
+    chunk()
+    assert chunk() > budget and p.quiet_chunks == 2
