@@ -117,6 +117,37 @@ def api_stream_raw(
     return (usage - 1) / (last - first) if last > first else 0.0, usage
 
 
+async def playground_stream(
+    base: str, sessionid: str, model_id: int, message: str, n: int
+) -> tuple[float, int, list[dict[str, Any]]]:
+    """(decode tok/s, tokens, the route's hops) of one greedy answer over the playground's websocket as
+    the browser gets it (a new conversation), timed from the first to the last delta."""
+    from aiohttp import ClientSession
+
+    headers = {"Origin": base, "Cookie": f"sessionid={sessionid}"}
+    first = last = 0.0
+    route: list[dict[str, Any]] = []
+    async with (
+        ClientSession() as http,
+        http.ws_connect(base + "/ws/chat/?format=json", headers=headers) as ws,
+    ):
+        await ws.send_json(
+            {"type": "chat", "model": model_id, "message": message, "max_tokens": n, "temperature": 0}
+        )
+        while True:
+            ev = await ws.receive_json(timeout=300)
+            if ev["type"] == "start":
+                route = ev["route"]
+            elif ev["type"] == "delta":
+                last = time.perf_counter()
+                first = first or last
+            elif ev["type"] == "error":
+                raise RuntimeError(ev["error"])
+            elif ev["type"] == "done":
+                count = int(ev["telemetry"]["n_generated"])
+                return ((count - 1) / (last - first) if last > first else 0.0), count, route
+
+
 async def route_stream(
     route: list[dict[str, Any]], sha256: str, key_path: Path, tok: ChatTokenizer, n: int
 ) -> tuple[float, int]:

@@ -94,36 +94,15 @@ def playground(args: argparse.Namespace, tok: ChatTokenizer) -> dict[str, Any]:
     client's own tok/s on the same hops, interleaved, greedy, same messages."""
     import openai
     import psutil
-    from aiohttp import ClientSession
 
     from agent.wire.routetoken import load_private_key
-    from bench.api import api_stream, api_stream_raw, create_key
+    from bench.api import api_stream, api_stream_raw, create_key, playground_stream
     from webapp.devcluster import control_plane
 
     async def ws_answer(s: Any, n: int) -> tuple[float, int, list[dict[str, Any]]]:
-        headers = {"Origin": s.base, "Cookie": f"sessionid={s.admin.cookie('sessionid')}"}
-        first = last = 0.0
-        route: list[dict[str, Any]] = []
-        count = 0
-        async with (
-            ClientSession() as http,
-            http.ws_connect(s.base + "/ws/chat/?format=json", headers=headers) as ws,
-        ):
-            msg = {"type": "chat", "model": s.model["id"], "message": STORY[0]["content"], "max_tokens": n}
-            await ws.send_json({**msg, "temperature": 0})
-            while True:
-                ev = await ws.receive_json(timeout=300)
-                if ev["type"] == "start":
-                    route = ev["route"]
-                elif ev["type"] == "delta":
-                    last = time.perf_counter()
-                    first = first or last
-                elif ev["type"] == "error":
-                    raise RuntimeError(ev["error"])
-                elif ev["type"] == "done":
-                    count = int(ev["telemetry"]["n_generated"])
-                    break
-        return ((count - 1) / (last - first) if last > first else 0.0), count, route
+        return await playground_stream(
+            s.base, s.admin.cookie("sessionid"), s.model["id"], STORY[0]["content"], n
+        )
 
     async def route_answer(s: Any, route: list[dict[str, Any]], n: int, key: Any = None) -> float:
         key = key or load_private_key(s.data_dir / "route_key.pem")
