@@ -175,7 +175,9 @@ class Failover:
         if self.replacements is None and deadline < self.link.timeout_s:
             return await self.watch(0, step, deadline, "a lane step")
         try:
-            return await asyncio.wait_for(step, deadline)
+            # in this task, not one wait_for would start for it: a task a decode step costs the web's loop
+            async with asyncio.timeout(deadline):
+                return await step
         except TimeoutError:
             url = self.link.hops[0].url
             raise RouteError(
