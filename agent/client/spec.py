@@ -76,19 +76,19 @@ def draft_length(
     round trip (`verify_round_trip_ms`, once measured) can exceed a plain step's: it leaves the native
     lanes, and the step after it comes back to them. Long drafts pay where round trips dominate and
     drafts stand; on a fast link they only add compute (0: go plain)."""
-    verify_rt = round_trip_ms if verify_round_trip_ms is None else verify_round_trip_ms
-
-    def rate(k: int) -> float:
-        rt = round_trip_ms if k == 0 else verify_rt
-        cost = max(rt, 0.0) + (k + 1) * max(row_ms, 1e-3) + k * max(draft_ms, 0.0)
-        return expected_tokens(a, k) / cost
-
-    plain = rate(0)
-    best_k, best = 0, plain
+    verify_rt = max(round_trip_ms if verify_round_trip_ms is None else verify_round_trip_ms, 0.0)
+    row, per = max(row_ms, 1e-3), max(draft_ms, 0.0)
+    plain = 1.0 / (max(round_trip_ms, 0.0) + row)
+    best_k, best, prev = 0, plain, 0.0
+    # From one draft on, tokens a step yields are concave in k and its cost is affine, so the rate rises
+    # to one peak and then only falls: the search stops at the first fall (it runs every decode step).
     for k in range(1, max(0, k_max) + 1):
-        r = rate(k)
+        r = expected_tokens(a, k) / (verify_rt + (k + 1) * row + k * per)
         if r > best:
             best_k, best = k, r
+        if r < prev:
+            break
+        prev = r
     return best_k if best >= MIN_GAIN * plain else 0
 
 

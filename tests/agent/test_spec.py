@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
 from agent.client.spec import (
     MAX_DRAFT,
+    MIN_GAIN,
     PROBE_EVERY,
     NgramDrafter,
     SpecStats,
@@ -210,3 +213,31 @@ def test_no_probe_on_loopback_before_a_verification_is_measured_but_drafts_over_
     assert draft_length(1.0, 1.7, 10.0, 8) > 0
     assert sized_draft(after_plain_steps(11.7, 10.0), 8) == 0
     assert sized_draft(after_plain_steps(160.0, 10.0), 8) >= 1  # 25 ms links: 150 ms round trips
+
+
+def _draft_length_by_every_k(
+    a: float, rt: float, row: float, k_max: int, per: float, vrt: float | None
+) -> int:
+    """draft_length's answer by computing every k's rate (its search stops at the rate's first fall)."""
+    vrt = rt if vrt is None else vrt
+    rates = [expected_tokens(a, 0) / (max(rt, 0.0) + max(row, 1e-3))]
+    rates += [
+        expected_tokens(a, k) / (max(vrt, 0.0) + (k + 1) * max(row, 1e-3) + k * max(per, 0.0))
+        for k in range(1, k_max + 1)
+    ]
+    best = max(range(len(rates)), key=lambda k: (rates[k], -k))  # the first k of the highest rate
+    return best if rates[best] >= MIN_GAIN * rates[0] else 0
+
+
+def test_the_draft_length_search_that_stops_at_the_rates_first_fall_finds_the_best_length() -> None:
+    grid = itertools.product(
+        (0.0, 0.05, 0.3, 0.6, 0.9, 0.99, 1.0),  # acceptance
+        (0.5, 2.0, 25.0, 150.0),  # plain round trip, ms
+        (0.001, 1.0, 8.0, 14.0),  # one row's compute, ms
+        (0, 1, 3, 8, 15),  # most drafts
+        (0.0, 2.0, 30.0),  # drafting, ms a token
+        (None, 0.5, 40.0, 300.0),  # a verification's round trip, ms
+    )
+    for a, rt, row, k_max, per, vrt in grid:
+        want = _draft_length_by_every_k(a, rt, row, k_max, per, vrt)
+        assert draft_length(a, rt, row, k_max, per, vrt) == want, (a, rt, row, k_max, per, vrt)
