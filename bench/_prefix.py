@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import time
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -51,7 +50,7 @@ def api_user(s: Any, name: str) -> Any:
     web = AdminClient(s.base)
     web.login(name, PREFIX_PASSWORD)
     # create_key posts the keys page with `.admin`'s session: here the new user's
-    key = create_key(SimpleNamespace(admin=web), name)
+    key = create_key(web, name)
     return openai.OpenAI(base_url=s.base + "/v1", api_key=key, max_retries=0, timeout=300)
 
 

@@ -46,8 +46,9 @@ QUESTIONS = [
 ]
 
 
-def create_key(s: Any, name: str) -> str:
-    code, html = s.admin.post("/api-keys/new", {"name": name})
+def create_key(admin: Any, name: str) -> str:
+    """A new API key of the logged-in `admin` client's user (the page shows its secret once)."""
+    code, html = admin.post("/api-keys/new", {"name": name})
     m = re.search(r'id="new-key-secret">(sk-swarm-[^<]+)<', html)
     if code != 200 or not m:
         raise RuntimeError(f"creating an API key failed (HTTP {code})")
@@ -193,7 +194,7 @@ def main() -> None:
         def client(key: str) -> Any:
             return openai.OpenAI(base_url=s.base + "/v1", api_key=key, max_retries=0, timeout=300)
 
-        main_client = client(create_key(s, "bench"))
+        main_client = client(create_key(s.admin, "bench"))
         warm = main_client.chat.completions.create(model=name, messages=STORY, max_tokens=4, temperature=0)
         route = (warm.model_extra or {})["x_swarm"]["route"]
         asyncio.run(route_stream(route, s.model["sha256"], s.data_dir / "route_key.pem", tok, 4))
@@ -209,7 +210,7 @@ def main() -> None:
 
         reuse_ms, no_reuse_ms = [], []
         for q in QUESTIONS[: max(args.rounds, 1)]:
-            conv = client(create_key(s, "conversation"))
+            conv = client(create_key(s.admin, "conversation"))
             turn1 = [{"role": "user", "content": q}]
             one = conv.chat.completions.create(model=name, messages=turn1, max_tokens=32, temperature=0)
             turn2 = [
@@ -219,7 +220,7 @@ def main() -> None:
             ]
             ttft, _, _ = api_stream(conv, name, turn2, 4)
             reuse_ms.append(ttft * 1e3)
-            ttft, _, _ = api_stream(client(create_key(s, "fresh")), name, turn2, 4)
+            ttft, _, _ = api_stream(client(create_key(s.admin, "fresh")), name, turn2, 4)
             no_reuse_ms.append(ttft * 1e3)
 
     api = statistics.median(api_tok_s)

@@ -143,7 +143,7 @@ def playground(args: argparse.Namespace, tok: ChatTokenizer) -> dict[str, Any]:
         _, _, route = asyncio.run(ws_answer(s, 4))  # warm-up, and the route the playground uses
         if any("node" not in h for h in route):
             raise RuntimeError(f"the playground's start event names no node per hop: {route}")
-        api_key = create_key(s, "bench")
+        api_key = create_key(s.admin, "bench")
         api = openai.OpenAI(base_url=s.base + "/v1", api_key=api_key, max_retries=0, timeout=300)
         api_stream(api, s.model["name"], STORY, 4)  # warm-up
         api_stream_raw(s.base, api_key, s.model["name"], STORY, 4)

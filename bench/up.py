@@ -36,7 +36,7 @@ from agent.client.tokenizer import ChatTokenizer  # noqa: E402
 from agent.procs import free_port  # noqa: E402
 from bench._common import REPO, cpu_kind  # noqa: E402
 from bench._llamacpp import LlamaCpp  # noqa: E402
-from bench.api import STORY, api_stream, api_stream_raw, playground_stream  # noqa: E402
+from bench.api import STORY, api_stream, api_stream_raw, create_key, playground_stream  # noqa: E402
 
 UP_S = 600.0  # setup is done (make up's first step); migrating, enrolling and placing on 2 cores
 READY_LINE = "GGUF Swarm is up"
@@ -72,14 +72,6 @@ def stop_up(proc: subprocess.Popen[bytes]) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
-
-
-def create_key(admin: Any, name: str) -> str:
-    from types import SimpleNamespace
-
-    from bench.api import create_key as create
-
-    return create(SimpleNamespace(admin=admin), name)
 
 
 def main() -> None:

@@ -175,7 +175,8 @@ class Failover:
         if self.replacements is None and deadline < self.link.timeout_s:
             return await self.watch(0, step, deadline, "a lane step")
         try:
-            # in this task, not one wait_for would start for it: a task a decode step costs the web's loop
+            # awaited in this task: wait_for would start a task of its own for every decode step (the
+            # web's event loop runs one a token for every answer it streams)
             async with asyncio.timeout(deadline):
                 return await step
         except TimeoutError:

@@ -104,7 +104,7 @@ class LanePacer:
         self._quiet_at: float | None = None  # when the latest chunk run on a quiet lane ended
         self.mixed_chunks = 0  # chunks that ran while the lane held its step (telemetry, tests)
         self.quiet_chunks = 0  # chunks that found no step to hold (telemetry, tests)
-        self.unheld_chunks = 0  # chunks after a wait that ran out: beside the decoders' step (telemetry)
+        self.unheld_chunks = 0  # chunks after a wait that ran out or a doubted quiet (telemetry)
 
     def chunk_tokens(self, prompts: int = 1) -> int:
         """Positions each of `prompts` prompts runs in the next chunk."""
