@@ -404,7 +404,23 @@ class RouteClient:
                 code="no_token",
                 hop=len(self.hops) - 1,
             )
+        self.check_sampled([resp.token])
         return resp.token, resp.logprob
+
+    def check_sampled(self, ids: list[int]) -> None:
+        """The last hop's sampled ids are the model's tokens: one outside the vocabulary (a lying or broken
+        node) is refused here, before a detokenizer meets it (llama.cpp's aborts the whole process)."""
+        n_vocab = self.tokenizer.n_vocab if self.tokenizer is not None else None
+        bad = [t for t in ids if t < 0 or (n_vocab is not None and t >= n_vocab)]
+        if bad:
+            last = self.hops[-1]
+            raise RouteError(
+                f"the last hop ({last.url}) answered token {bad[0]}, outside the model's vocabulary "
+                f"of {n_vocab} tokens",
+                status=502,
+                code="bad_token",
+                hop=len(self.hops) - 1,
+            )
 
     async def generate(
         self,

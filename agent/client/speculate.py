@@ -43,6 +43,8 @@ class SpecRoute(Protocol):
 
     def sampled(self, resp: Response) -> tuple[int, float]: ...
 
+    def check_sampled(self, ids: list[int]) -> None: ...
+
     def cut_back(self, keep: int) -> None: ...
 
     def send_ahead(
@@ -145,6 +147,7 @@ async def _settle(
             hop=len(route.hops) - 1,
         )
     sampled, lps = resp.tokens()
+    route.check_sampled(sampled)
     m = accepted(drafts, sampled)
     stats.record(len(drafts), m)
     context.extend(drafts[:m])

@@ -132,6 +132,7 @@ class ChatTokenizer:
             self._formatter = Jinja2ChatFormatter(template=template, eos_token=eos, bos_token=bos)
         self.n_vocab = int(self._llm.n_vocab())
         self._splitter = self._make_splitter()
+        self._pieces: dict[int, bytes] = {}  # token_bytes's, only ever of ids within the vocabulary
 
     def _make_splitter(self) -> SpecialSplitter | None:
         """Where long texts may be cut between tokenizer calls; None when this vocabulary cannot be."""
@@ -185,7 +186,20 @@ class ChatTokenizer:
         return ids
 
     def decode_bytes(self, ids: list[int]) -> bytes:
+        """The ids' text as bytes; TokenizerError for an id outside the vocabulary (llama.cpp's
+        detokenizer would abort the process on it)."""
+        for t in ids:
+            if not 0 <= t < self.n_vocab:
+                raise TokenizerError(f"token {t} is outside the vocabulary of {self.n_vocab} tokens")
         return self._llm.detokenize(ids)
+
+    def token_bytes(self, token: int) -> bytes:
+        """One token's bytes: detokenized alone they never change, so each is kept after its first
+        use (at most the vocabulary's size; the answer's loop asks once a token)."""
+        b = self._pieces.get(token)
+        if b is None:
+            b = self._pieces[token] = self.decode_bytes([token])
+        return b
 
     def is_end(self, token: int) -> bool:
         return token in self.eot_ids
@@ -199,7 +213,7 @@ class StreamDecoder:
         self._pending = b""
 
     def push(self, token: int) -> str:
-        self._pending += self._tok.decode_bytes([token])
+        self._pending += self._tok.token_bytes(token)
         try:
             text, self._pending = self._pending.decode("utf-8"), b""
         except UnicodeDecodeError as e:

@@ -53,6 +53,9 @@ class FakeTokenizer:
     def decode_bytes(self, ids: list[int]) -> bytes:
         return "".join(self.texts[i] for i in ids).encode()
 
+    def token_bytes(self, token: int) -> bytes:
+        return self.decode_bytes([token])
+
     def is_end(self, token: int) -> bool:
         return token in self.eot_ids
 

@@ -132,6 +132,9 @@ class Tok:
     def decode_bytes(self, ids: list[int]) -> bytes:
         return b" x" * len(ids)
 
+    def token_bytes(self, token: int) -> bytes:
+        return self.decode_bytes([token])
+
     def is_end(self, token: int) -> bool:
         return token == 0
 

@@ -68,6 +68,9 @@ class Piece:
 def top_logprobs(logits: np.ndarray, k: int) -> tuple[tuple[int, float], ...]:
     """The k most likely tokens of a logits row and their log-softmax, most likely first."""
     row = logits.astype(np.float64)
+    k = min(k, row.size)  # a row shorter than k (a broken hop's) has only that many
+    if k <= 0:
+        return ()
     m = float(row.max())
     lse = m + math.log(float(np.exp(row - m).sum()))
     idx = np.argpartition(-row, k - 1)[:k]
@@ -137,6 +140,8 @@ class Answer:
                 if spec.logprobs:
                     resp = client.last_response
                     logits = resp.logits()[-1] if want_top and resp is not None and resp.n_tokens else None
+                    if logits is not None:  # a row longer than the vocabulary has no tokens past it
+                        logits = logits[: tok.n_vocab]
                     top = top_logprobs(logits, spec.top_logprobs) if logits is not None else ()
                     pending.append(TokenLogprob(token, float(logprob), top))
                 text += dec.push(token)
