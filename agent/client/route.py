@@ -407,10 +407,15 @@ class RouteClient:
         self.check_sampled([resp.token])
         return resp.token, resp.logprob
 
+    @property
+    def n_vocab(self) -> int | None:
+        """The model's vocabulary size, from its tokenizer (None without one)."""
+        return self.tokenizer.n_vocab if self.tokenizer is not None else None
+
     def check_sampled(self, ids: list[int]) -> None:
         """The last hop's sampled ids are the model's tokens: one outside the vocabulary (a lying or broken
         node) is refused here, before a detokenizer meets it (llama.cpp's aborts the whole process)."""
-        n_vocab = self.tokenizer.n_vocab if self.tokenizer is not None else None
+        n_vocab = self.n_vocab
         bad = [t for t in ids if t < 0 or (n_vocab is not None and t >= n_vocab)]
         if bad:
             last = self.hops[-1]

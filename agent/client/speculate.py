@@ -41,6 +41,9 @@ class SpecRoute(Protocol):
     @property
     def hops(self) -> Any: ...  # noqa: ANN401
 
+    @property
+    def n_vocab(self) -> int | None: ...
+
     def sampled(self, resp: Response) -> tuple[int, float]: ...
 
     def check_sampled(self, ids: list[int]) -> None: ...
@@ -90,6 +93,16 @@ def _ends_at(
     return -1
 
 
+def in_vocabulary(ids: list[int], n_vocab: int | None) -> list[int]:
+    """The leading drafts that are tokens of the model: drafts are hints (a last hop's MTP head, a draft
+    model), and one past the vocabulary's end (a lying hop's) ends the draft there, so that hop 0,
+    which refuses such an id, is never blamed for another hop's lie."""
+    for i, t in enumerate(ids):
+        if t < 0 or (n_vocab is not None and t >= n_vocab):
+            return ids[:i]
+    return ids
+
+
 def _send(
     route: SpecRoute,
     context: list[int],
@@ -102,7 +115,7 @@ def _send(
     if route.spec_adaptive:
         k = sized_draft(stats, k)
     t_draft = time.perf_counter()
-    drafts = drafter.propose(context, k)[:k] if k > 0 else []
+    drafts = in_vocabulary(drafter.propose(context, k)[:k], route.n_vocab) if k > 0 else []
     stats.drafting(len(drafts), (time.perf_counter() - t_draft) * 1e3)
     if drafts:
         route.off_lanes = route.off_lanes or stats.round_trip_ms >= STICKY_ROUND_TRIP_MS

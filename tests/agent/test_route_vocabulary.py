@@ -5,6 +5,7 @@ detokenizer aborted the whole process (the web's, with every user's answer in it
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -15,6 +16,8 @@ from aiohttp import web
 
 from agent.client.recovery import Hop
 from agent.client.route import RouteClient, RouteError
+from agent.client.spec import SpecStats
+from agent.client.speculate import _send, in_vocabulary
 from agent.client.tokenizer import ChatTokenizer, StreamDecoder, TokenizerError
 from agent.wire.frames import Kind, Op, Response, decode_request, encode_response
 from agent.wire.sampling import SamplingParams
@@ -107,3 +110,35 @@ def test_a_stream_decoder_gives_the_texts_bytes_and_detokenizes_each_token_once(
     assert sorted(c[0] for c in calls) == sorted(set(ids))  # each distinct token once
     with pytest.raises(TokenizerError):
         tok.token_bytes(tok.n_vocab)
+
+
+def test_drafts_end_at_the_first_id_outside_the_vocabulary() -> None:
+    assert in_vocabulary([5, 7, 9], VOCAB) == [5, 7, 9]
+    assert in_vocabulary([5, VOCAB, 7], VOCAB) == [5]
+    assert in_vocabulary([-1, 5], VOCAB) == []
+    assert in_vocabulary([5, 10**6], None) == [5, 10**6]  # no tokenizer: only negative ids are known bad
+
+
+async def test_a_lying_heads_drafts_past_the_vocabulary_never_reach_hop_0() -> None:
+    # a last hop's MTP head (MtpDrafter) or any drafter proposing an id past the vocabulary: hop 0 would
+    # refuse the step and be blamed for it; the step goes with the drafts before that id only
+    sent: list[list[int]] = []
+
+    def send_ahead(
+        ids: list[int], _sampling: SamplingParams, sample_all: bool = False
+    ) -> asyncio.Future[Response]:
+        sent.append(list(ids))
+        return asyncio.get_running_loop().create_future()
+
+    route = SimpleNamespace(
+        last_spec=SpecStats(),
+        spec_adaptive=False,
+        off_lanes=False,
+        hop_stats=[],
+        history=[1, 2, 3],
+        n_vocab=VOCAB,
+        send_ahead=send_ahead,
+    )
+    drafter = SimpleNamespace(propose=lambda _context, _k: [5, 6, 10**6, 8])
+    step = _send(route, [1, 2, 3, 4], SamplingParams(), 4, drafter)  # type: ignore[arg-type]
+    assert sent == [[4, 5, 6]] and step.drafts == [5, 6]
