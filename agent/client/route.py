@@ -396,13 +396,11 @@ class RouteClient:
         hidden states instead, and feeding those on as a token would only fail later, less clearly."""
         if resp.kind not in (Kind.TOKEN, Kind.LOGITS) or resp.token < 0:
             last = self.hops[-1]
-            raise RouteError(
+            raise self.last_hop_error(
                 f"the last hop ({last.url}, layers {last.layer_start}:{last.layer_end}) answered "
                 f"{resp.kind.name} rather than a sampled token: the route does not end at the model's "
                 "last layer",
-                status=502,
-                code="no_token",
-                hop=len(self.hops) - 1,
+                "no_token",
             )
         self.check_sampled([resp.token])
         return resp.token, resp.logprob
@@ -416,16 +414,17 @@ class RouteClient:
         """The last hop's sampled ids are the model's tokens: one outside the vocabulary (a lying or broken
         node) is refused here, before a detokenizer meets it (llama.cpp's aborts the whole process)."""
         n_vocab = self.n_vocab
-        bad = [t for t in ids if t < 0 or (n_vocab is not None and t >= n_vocab)]
-        if bad:
-            last = self.hops[-1]
-            raise RouteError(
-                f"the last hop ({last.url}) answered token {bad[0]}, outside the model's vocabulary "
-                f"of {n_vocab} tokens",
-                status=502,
-                code="bad_token",
-                hop=len(self.hops) - 1,
-            )
+        for t in ids:  # every decode step: no list built
+            if t < 0 or (n_vocab is not None and t >= n_vocab):
+                raise self.last_hop_error(
+                    f"the last hop ({self.hops[-1].url}) answered token {t}, outside the model's "
+                    f"vocabulary of {n_vocab} tokens",
+                    "bad_token",
+                )
+
+    def last_hop_error(self, message: str, code: str) -> RouteError:
+        """A malformed answer of the route's last hop (502, naming it)."""
+        return RouteError(message, status=502, code=code, hop=len(self.hops) - 1)
 
     async def generate(
         self,

@@ -48,6 +48,8 @@ class SpecRoute(Protocol):
 
     def check_sampled(self, ids: list[int]) -> None: ...
 
+    def last_hop_error(self, message: str, code: str) -> RouteError: ...
+
     def cut_back(self, keep: int) -> None: ...
 
     def send_ahead(
@@ -152,12 +154,10 @@ async def _settle(
         return ready
     stats.timed(len(drafts) + 1, wall_ms, compute, verify=True)
     if resp.kind != Kind.TOKENS or resp.n_tokens != len(drafts) + 1:
-        raise RouteError(
+        raise route.last_hop_error(
             f"the last hop answered {resp.kind.name} x {resp.n_tokens} to a verification of "
             f"{len(drafts) + 1} positions",
-            status=502,
-            code="bad_verification",
-            hop=len(route.hops) - 1,
+            "bad_verification",
         )
     sampled, lps = resp.tokens()
     route.check_sampled(sampled)

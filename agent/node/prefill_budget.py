@@ -100,7 +100,6 @@ class LanePacer:
         self._last_tokens = 0  # about the latest full chunk's positions (growth is bounded by it)
         self._quiet = False  # the latest wait held no step: the lane's decoders paused or stopped
         self._ran_out = False  # the latest wait ran its whole timeout without a step: decoders slow
-        self._unheld = False  # the next chunk runs beside the decoders' step, should it come
         self._quiet_at: float | None = None  # when the latest chunk run on a quiet lane ended
         self.mixed_chunks = 0  # chunks that ran while the lane held its step (telemetry, tests)
         self.quiet_chunks = 0  # chunks that found no step to hold (telemetry, tests)
@@ -143,12 +142,9 @@ class LanePacer:
             # quiet: the gate found no step within its timeout and said so at once; a wait that ran
             # out (decoders slower than their period, a busy box) is not, so their steps keep the budget
             at_once = not held and self._clock() - asked < timeout / 2
-            late = not held and not at_once
             # right after a wait that ran out, the lane's silence is that wait's and its chunk's own:
             # a step merely late looks paused, so "quiet" is trusted only from the next wait on
-            doubt = at_once and self._ran_out
-            self._quiet = at_once and not doubt
-            self._unheld, self._ran_out = late or doubt, late
+            self._quiet, self._ran_out = at_once and not self._ran_out, not held and not at_once
         if held:
             self.passed(self._clock())
         return held
@@ -174,7 +170,7 @@ class LanePacer:
             quiet = self._quiet and not held
             self._quiet_at = self._clock() if quiet else None
             self.quiet_chunks += quiet
-            self.unheld_chunks += self._unheld and not held
+            self.unheld_chunks += not held and not self._quiet  # beside the decoders' step, should it come
         if tokens <= 0 or seconds < 0:
             return
         with self._mu:
